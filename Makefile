@@ -1,0 +1,34 @@
+# A fresh clone sets itself up: `make test` and `make audit` create .venv on first use.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+TORCH_VERSION := 2.13.0
+MEGATRON_VERSION := 0.16.1
+
+.PHONY: test lint bench audit clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+# torch first, pinned, so pip takes the local CPU wheel and never resolves a CUDA build.
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q torch==$(TORCH_VERSION)
+	$(BIN)/pip install -q -e '.[dev,megatron]' megatron-core==$(MEGATRON_VERSION) torch==$(TORCH_VERSION)
+	touch $(STAMP)
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+test: $(STAMP) lint
+	$(BIN)/python -m pytest
+
+bench: $(STAMP)
+	$(BIN)/python bench/run_all.py
+
+audit: $(STAMP)
+	$(BIN)/shardcheck audit --out audit-out
+
+clean:
+	rm -rf $(VENV) .shardcheck audit-out

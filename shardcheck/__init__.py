@@ -1,0 +1,7 @@
+"""shardcheck: find silent numerical-correctness bugs in distributed PyTorch training."""
+
+from shardcheck.types import Axis, I, Mesh, P, Placement, R, S, Shard, V
+
+__version__ = "0.1.0"
+
+__all__ = ["I", "P", "R", "S", "V", "Axis", "Mesh", "Placement", "Shard", "__version__"]

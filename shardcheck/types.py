@@ -1,0 +1,179 @@
+"""SPMD placement types and the mesh of named process-group axes they refer to."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from functools import cache
+
+import torch.distributed as dist
+
+
+class Placement:
+    """How one tensor is laid out across the ranks of one axis."""
+
+    __slots__ = ()
+    symbol = "?"
+
+    def __repr__(self) -> str:
+        return self.symbol
+
+
+class _Replicate(Placement):
+    """R: every rank holds the same full value."""
+
+    __slots__ = ()
+    symbol = "R"
+
+
+class _Partial(Placement):
+    """P: the true value is the sum over the axis of the ranks' values."""
+
+    __slots__ = ()
+    symbol = "P"
+
+
+class _Varying(Placement):
+    """V: ranks hold different values with no sum or concatenation meaning."""
+
+    __slots__ = ()
+    symbol = "V"
+
+
+class _Invariant(Placement):
+    """I: the same value on every rank, used identically."""
+
+    __slots__ = ()
+    symbol = "I"
+
+
+R: Placement = _Replicate()
+P: Placement = _Partial()
+V: Placement = _Varying()
+I: Placement = _Invariant()  # noqa: E741
+
+
+class Shard(Placement):
+    """S(d): the global value is the concatenation of the ranks' values along dim d."""
+
+    __slots__ = ("dim",)
+
+    def __init__(self, dim: int) -> None:
+        self.dim = dim
+
+    def __repr__(self) -> str:
+        return f"S({self.dim})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Shard) and other.dim == self.dim
+
+    def __hash__(self) -> int:
+        return hash(("S", self.dim))
+
+
+@cache
+def S(dim: int) -> Shard:  # noqa: N802 - the type's own name
+    """The interned S(dim) placement."""
+    return Shard(dim)
+
+
+def parse_placement(text: str) -> Placement:
+    """Parse 'R', 'P', 'V', 'I' or 'S(d)'."""
+    text = text.strip()
+    simple = {"R": R, "P": P, "V": V, "I": I}
+    if text in simple:
+        return simple[text]
+    if text.startswith("S(") and text.endswith(")"):
+        return S(int(text[2:-1]))
+    raise ValueError(f"unknown placement {text!r}: expected R, P, V, I or S(d)")
+
+
+@dataclass(frozen=True)
+class Axis:
+    """One mesh axis: a name and the ordered global ranks of this rank's group on it."""
+
+    name: str
+    ranks: tuple[int, ...]
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+
+class Mesh:
+    """Named process groups ('tp', 'dp', ...) seen from this rank.
+
+    An axis is identified by its ordered tuple of global ranks, so two groups over the same
+    ranks are the same axis. A group may span several axes at once (Megatron's dp x cp);
+    :meth:`axes_of` matches it to those axes by rank sets.
+    """
+
+    def __init__(self, **groups: dist.ProcessGroup | Iterable[int]) -> None:
+        self.axes: dict[str, Axis] = {}
+        self.groups: dict[str, dist.ProcessGroup | None] = {}
+        for name, group in groups.items():
+            if isinstance(group, dist.ProcessGroup):
+                ranks = tuple(dist.get_process_group_ranks(group))
+            else:
+                ranks, group = tuple(group), None
+            self.axes[name] = Axis(name, ranks)
+            self.groups[name] = group
+        self._by_ranks: dict[tuple[int, ...], tuple[str, ...] | None] = {}
+
+    @classmethod
+    def from_device_mesh(cls, device_mesh) -> Mesh:
+        """Build a mesh from a ``torch.distributed.device_mesh.DeviceMesh`` with named dims."""
+        names = device_mesh.mesh_dim_names
+        if not names:
+            raise ValueError("the DeviceMesh needs mesh_dim_names to name its axes")
+        return cls(**{name: device_mesh.get_group(name) for name in names})
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self.axes)
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{a.name}={list(a.ranks)}" for a in self.axes.values())
+        return f"Mesh({inner})"
+
+    def axes_of(self, ranks: Iterable[int]) -> tuple[str, ...] | None:
+        """The axes a group over ``ranks`` acts on, or None when it matches no axis combination.
+
+        A single-rank group acts on no axis and returns ``()``.
+        """
+        key = tuple(ranks)
+        if key not in self._by_ranks:
+            self._by_ranks[key] = self._match(frozenset(key))
+        return self._by_ranks[key]
+
+    def _match(self, ranks: frozenset[int]) -> tuple[str, ...] | None:
+        if len(ranks) == 1:
+            return ()
+        candidates = [a for a in self.axes.values() if a.size > 1 and set(a.ranks) <= ranks]
+        for count in range(1, len(candidates) + 1):
+            for combo in itertools.combinations(candidates, count):
+                if _span(combo) == ranks:
+                    return tuple(a.name for a in combo)
+        return None
+
+    def placements(self, spec: Mapping[str, Placement]) -> dict[str, Placement]:
+        """Validate a {axis name: placement} mapping against this mesh."""
+        unknown = set(spec) - set(self.axes)
+        if unknown:
+            raise ValueError(f"unknown axes {sorted(unknown)}; the mesh has {list(self.axes)}")
+        return dict(spec)
+
+
+def _span(axes: tuple[Axis, ...]) -> frozenset[int]:
+    """Ranks reachable from this rank along the given axes, assuming a translation-invariant grid."""
+    me = set(axes[0].ranks)
+    for axis in axes[1:]:
+        me &= set(axis.ranks)
+    if len(me) != 1:
+        return frozenset()
+    (origin,) = me
+    reach = {origin}
+    for axis in axes:
+        reach = {r + (a - origin) for r in reach for a in axis.ranks}
+    return frozenset(reach)
