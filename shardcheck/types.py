@@ -109,7 +109,7 @@ class Mesh:
     :meth:`axes_of` matches it to those axes by rank sets.
     """
 
-    def __init__(self, **groups: dist.ProcessGroup | Iterable[int]) -> None:
+    def __init__(self, rank: int | None = None, **groups: dist.ProcessGroup | Iterable[int]) -> None:
         self.axes: dict[str, Axis] = {}
         self.groups: dict[str, dist.ProcessGroup | None] = {}
         for name, group in groups.items():
@@ -119,7 +119,16 @@ class Mesh:
                 ranks, group = tuple(group), None
             self.axes[name] = Axis(name, ranks)
             self.groups[name] = group
+        self.rank = self._own_rank() if rank is None else rank
         self._by_ranks: dict[tuple[int, ...], tuple[str, ...] | None] = {}
+
+    def _own_rank(self) -> int:
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank()
+        common = set.intersection(*(set(a.ranks) for a in self.axes.values())) if self.axes else set()
+        if len(common) != 1:
+            raise ValueError("pass rank=: it cannot be derived from the axes")
+        return common.pop()
 
     @classmethod
     def from_device_mesh(cls, device_mesh) -> Mesh:
@@ -153,7 +162,7 @@ class Mesh:
         candidates = [a for a in self.axes.values() if a.size > 1 and set(a.ranks) <= ranks]
         for count in range(1, len(candidates) + 1):
             for combo in itertools.combinations(candidates, count):
-                if _span(combo) == ranks:
+                if _span(self.rank, combo) == ranks:
                     return tuple(a.name for a in combo)
         return None
 
@@ -165,14 +174,8 @@ class Mesh:
         return dict(spec)
 
 
-def _span(axes: tuple[Axis, ...]) -> frozenset[int]:
-    """Ranks reachable from this rank along the given axes, assuming a translation-invariant grid."""
-    me = set(axes[0].ranks)
-    for axis in axes[1:]:
-        me &= set(axis.ranks)
-    if len(me) != 1:
-        return frozenset()
-    (origin,) = me
+def _span(origin: int, axes: tuple[Axis, ...]) -> frozenset[int]:
+    """Ranks reachable from ``origin`` along the given axes, assuming a translation-invariant grid."""
     reach = {origin}
     for axis in axes:
         reach = {r + (a - origin) for r in reach for a in axis.ranks}

@@ -30,4 +30,4 @@ def test_mesh_matches_single_and_combined_axes_by_rank_sets():
 
 def test_mesh_rejects_unknown_axis_names():
     with pytest.raises(ValueError, match="unknown axes"):
-        Mesh(tp=[0, 1]).placements({"ep": R})
+        Mesh(rank=0, tp=[0, 1]).placements({"ep": R})
