@@ -1,0 +1,28 @@
+import pytest
+import torch
+import torch.distributed as dist
+
+from shardcheck.launch import RankFailure, spawn_ranks
+
+
+def _sum_of_ranks():
+    t = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(t)
+    return t.item()
+
+
+def _rank_one_raises():
+    if dist.get_rank() == 1:
+        raise ValueError("boom on one")
+    return 0
+
+
+def test_spawn_ranks_runs_real_gloo_collectives():
+    assert spawn_ranks(_sum_of_ranks, 4) == [6.0] * 4
+
+
+def test_spawn_ranks_reports_the_failing_rank():
+    with pytest.raises(RankFailure) as info:
+        spawn_ranks(_rank_one_raises, 2)
+    assert info.value.rank == 1 and isinstance(info.value.error, ValueError)
+    assert "boom on one" in info.value.traceback
