@@ -198,6 +198,18 @@ def _broadcast(ctx, args, kwargs, out):
     return NO_TENSOR
 
 
+def _point_to_point_receive(ctx, args, kwargs, out):
+    """recv: the buffer now holds another rank's value."""
+    for t in args[0]:
+        ctx.update_inplace(t, (V,) * ctx.n)
+    return NO_TENSOR
+
+
+def _no_data_change(ctx, args, kwargs, out):
+    """send, barrier: nothing this rank holds changes."""
+    return NO_TENSOR
+
+
 # --- functional collectives (out of place, group by name) -----------------------------------
 
 def _functional(step_of: Callable[[tuple, dict], Callable], group_pos: int) -> Callable:
@@ -229,6 +241,11 @@ C10D_RULES: dict[str, Callable] = {
     "alltoall_base_": _alltoall_base,
     "alltoall_": _alltoall,
     "broadcast_": _broadcast,
+    "send": _no_data_change,
+    "barrier": _no_data_change,
+    "monitored_barrier_": _no_data_change,
+    "recv_": _point_to_point_receive,
+    "recv_any_source_": _point_to_point_receive,
 }
 
 FUNCTIONAL_RULES: dict[str, Callable] = {
