@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardcheck.rules import NO_TENSOR, PAVG, Gathered, Pl, Violation, as_pieces
+from shardcheck.rules import NO_TENSOR, PAVG, BlockShard, Gathered, Pl, Violation, as_pieces
 from shardcheck.types import I, P, Placement, R, S, Shard, V
 
 SUM, AVG, PRODUCT, MIN, MAX = "sum", "avg", "product", "min", "max"
@@ -84,6 +84,8 @@ def _gather_step(into_tensor: bool) -> Callable[[Placement, int], Placement | No
     def step(p: Placement, a: int) -> Placement | None:
         if p is R or p is I:
             raise Violation("gather of replicated", a)
+        if isinstance(p, BlockShard):
+            return None
         if isinstance(p, Shard) and p.dim != 0 and into_tensor:
             return Gathered(p.dim)
         return R if isinstance(p, Shard) or p is V else None
