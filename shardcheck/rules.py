@@ -525,18 +525,24 @@ def einsum_rule(ctx, specs: list[tuple[Any, str]], out_spec: str) -> Pl | None:
             pls.append((pl, letters))
     if not pls:
         return ctx.types(specs[0][0])
+    first = pls[0][0]
+    if all(pl == first for pl, _ in pls) and all(p is R or p is V or p is I for p in first):
+        return first  # R@R, V@V: the common case, fast
     return tuple(_axis_contract(pls, a, out_spec) for a in range(ctx.n))
 
 
 def _axis_contract(pls, a: int, out_spec: str) -> Placement | None:
     ps = [pl[a] for pl, _ in pls]
-    if any(p is None or isinstance(p, Gathered) for p in ps):
-        return None
-    partial = [p for p in ps if _is_partial(p)]
+    partial = False
+    for p in ps:
+        if p is None or type(p) is Gathered:
+            return None
+        if p is P or p is PAVG:
+            partial = True
     if partial:
-        if PAVG in partial:
+        if PAVG in ps:
             raise Violation("mean over shard", a)
-        if len(partial) > 1 or any(isinstance(p, Shard) for p in ps):
+        if sum(1 for p in ps if p is P) > 1 or any(isinstance(p, Shard) for p in ps):
             raise Violation("partial product", a)
         return V if V in ps else P
     letters, shard = set(), None
@@ -685,18 +691,21 @@ def view_shard(in_shape, out_shape, p: Shard) -> Shard | None:
     """
     d, outer = _norm(p.dim, len(in_shape)), _outer(p)
     pre = _prod(in_shape[:d]) * outer
-    piece = in_shape[d] // outer * _prod(in_shape[d + 1:])
-    starts = [_prod(out_shape[:j]) for j in range(len(out_shape))]
-    candidates = [j for j, start in enumerate(starts) if start == pre]
-    if candidates:
-        inner = in_shape[d] // outer
-        return S(next((j for j in candidates if out_shape[j] == inner),
-                      next((j for j in candidates if out_shape[j] > 1), candidates[0])))
-    for j, start in enumerate(starts):
-        if start < pre < start * out_shape[j] and pre % start == 0 \
-                and piece % _prod(out_shape[j + 1:]) == 0:
+    inner = in_shape[d] // outer
+    piece = inner * _prod(in_shape[d + 1:])
+    start, candidates = 1, []
+    for j, size in enumerate(out_shape):
+        if start == pre:
+            candidates.append(j)
+        elif start < pre < start * size:
+            if candidates or pre % start or piece % _prod(out_shape[j + 1:]):
+                break
             return BlockShard(j, pre // start)
-    return None
+        start *= size
+    if not candidates:
+        return None
+    return S(next((j for j in candidates if out_shape[j] == inner),
+                  next((j for j in candidates if out_shape[j] > 1), candidates[0])))
 
 
 def _view_rule(ctx, args, kwargs, out):
@@ -704,7 +713,9 @@ def _view_rule(ctx, args, kwargs, out):
     pl = ctx.types(x)
     if pl is None:
         return None
-    in_shape, out_shape = tuple(x.shape), tuple(out.shape)
+    in_shape, out_shape = x.shape, out.shape
+    if in_shape == out_shape:
+        return pl
     return tuple(view_shard(in_shape, out_shape, p) if isinstance(p, Shard)
                  else (None if isinstance(p, Gathered) else p) for p in pl)
 
