@@ -364,18 +364,6 @@ def _unary_linear(ctx, args, kwargs, out):
     return tuple(None if isinstance(p, Gathered) else p for p in pl)
 
 
-def _unary_nonlinear(ctx, args, kwargs, out):
-    pl = ctx.types(args[0])
-    if pl is None:
-        return None
-    for a, p in enumerate(pl):
-        if p is P:
-            raise Violation("non-linear on partial", a)
-        if p is PAVG:
-            raise Violation("mean over shard", a)
-    return pl
-
-
 def without_partial(pl: Pl | None) -> Pl | None:
     return None if pl is None else tuple(R if is_partial(p) else p for p in pl)
 
