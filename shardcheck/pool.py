@@ -59,8 +59,14 @@ class PoolFailure(RuntimeError):
 
 
 def run_on_rank(fn: Job, layout: Layout, rank: int, device: torch.device | str, args: tuple) -> Any:
-    """Build this rank's groups and context for ``layout`` and run ``fn(ctx, *args)``."""
-    ctx = ScenarioContext(layout, rank, build_groups(layout, rank), device)
+    """Build the groups of ``layout`` and run ``fn(ctx, *args)`` if this rank is in it (else None).
+
+    Every rank of the world calls this, so that all of them create the groups in the same order.
+    """
+    groups = build_groups(layout, rank)
+    if rank >= layout.world_size:
+        return None
+    ctx = ScenarioContext(layout, rank, groups, device)
     with active(ctx):
         return fn(ctx, *args)
 
@@ -82,7 +88,7 @@ def run_in_place(layout: Layout | str, fn: Job, *args: Any) -> list[Any] | None:
         raise ValueError(f"layout {layout} needs {layout.world_size} ranks; torchrun started {dist.get_world_size()}")
     rank = dist.get_rank()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    result = run_on_rank(fn, layout, rank, device, args) if rank < layout.world_size else None
+    result = run_on_rank(fn, layout, rank, device, args)
     gathered = [None] * dist.get_world_size() if rank == 0 else None
     dist.gather_object(_to_cpu(result), gathered, dst=0)
     return gathered[:layout.world_size] if rank == 0 else None
@@ -200,7 +206,7 @@ class RankPool:
             raise ValueError(f"layout {layout} needs {layout.world_size} ranks; the pool has {self.world_size}")
         if not self._procs:
             self.start()
-        ranks = list(range(layout.world_size))
+        ranks = list(range(self.world_size))  # all of them create the layout's groups
         for rank in ranks:
             self._conns[rank].send((fn, layout, args))
         results, errors, pending = self._collect(ranks, self.timeout if timeout is None else timeout)
@@ -209,8 +215,9 @@ class RankPool:
             self.restart()
         desync = collective_log.find_desync(logs)
         if desync or pending or errors:
-            raise _failure(desync, errors, pending, collective_log.last_entered(logs, ranks), timeout or self.timeout)
-        return [results[r] for r in ranks]
+            users = range(layout.world_size)
+            raise _failure(desync, errors, pending, collective_log.last_entered(logs, users), timeout or self.timeout)
+        return [results[r] for r in range(layout.world_size)]
 
     def _collect(self, ranks: list[int], timeout: float) -> tuple[dict[int, Any], dict[int, str], list[int]]:
         """Wait for replies; after the first error, wait only ``grace`` seconds more."""
