@@ -23,7 +23,6 @@ process group instead, NCCL and ``cuda`` when available, through the same :func:
 from __future__ import annotations
 
 import atexit
-import ctypes
 import importlib
 import multiprocessing as mp
 import os
@@ -40,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from shardcheck import collective_log
-from shardcheck.launch import free_port
+from shardcheck.launch import die_with_parent, free_port
 from shardcheck.layout import Layout
 from shardcheck.scenario import ScenarioContext, active, build_groups
 
@@ -107,17 +106,10 @@ def _to_cpu(value: Any) -> Any:
 _IN_WORKER = False
 
 
-def _die_with_parent() -> None:
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
 def _worker_main(rank: int, world_size: int, port: int, conn: Connection, log_dir: str) -> None:
     global _IN_WORKER
     _IN_WORKER = True
-    _die_with_parent()
+    die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
