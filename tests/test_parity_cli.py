@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 from click.testing import CliRunner
 
@@ -29,3 +31,23 @@ def test_parity_command_exits_0_when_every_layout_matches():
 def test_bad_input_is_one_line_and_exit_2(args, message):
     result = CliRunner().invoke(main, ["parity", *args])
     assert result.exit_code == 2 and result.stderr.strip() == message
+
+
+IN_PLACE = """
+import sys
+sys.path.insert(0, {tests!r})
+import parity_scenarios
+import shardcheck as sc
+result = sc.parity(parity_scenarios.tiny_bug, ["tp2", "dp2"])
+print("rank 0:" if result else "other rank:", result and [r.first_divergence for r in result.reports])
+"""
+
+
+@pytest.mark.slow
+def test_under_torchrun_parity_runs_in_place_on_the_existing_ranks(tmp_path, capfd):
+    script = tmp_path / "in_place.py"
+    script.write_text(IN_PLACE.format(tests=str(Path(__file__).parent)))
+    result = CliRunner().invoke(main, ["run", "-n", "2", str(script)])
+    assert result.exit_code == 0, result.output
+    lines = sorted(capfd.readouterr().out.splitlines())
+    assert lines == ["other rank: None", "rank 0: ['block.fc2', 'block.fc2']"]
