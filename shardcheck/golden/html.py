@@ -41,10 +41,11 @@ def metric_figure_png(fc: FileComparison, m: MetricComparison, noise: NoiseVerdi
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 5.5), sharex=True)
     _values_panel(top, fc, m.metric, noise)
     _ratio_panel(bottom, pair.steps, pair.new / pair.old)
-    spikes = [c.step for c in m.largest[:5]]
     for axis in (top, bottom):
-        for step in spikes:
-            axis.axvline(step, color="tab:red", alpha=0.25, linewidth=3)
+        for i, change in enumerate(m.largest[:5]):
+            label = "largest changes" if i == 0 and axis is top else None
+            axis.axvline(change.step, color="tab:red", alpha=0.25, linewidth=3, label=label)
+    top.legend(loc="best", fontsize=8)
     top.set_title(f"{fc.label}: {m.metric} ({m.pattern})", fontsize=10)
     fig.tight_layout()
     buffer = io.BytesIO()
@@ -65,7 +66,6 @@ def _values_panel(axis, fc: FileComparison, metric: str, noise: NoiseVerdict | N
     if len(positive) and positive.max() / positive.min() > 100:
         axis.set_yscale("log")
     axis.set_ylabel(metric)
-    axis.legend(loc="best", fontsize=8)
 
 
 def _ratio_panel(axis, steps: np.ndarray, ratio: np.ndarray) -> None:
