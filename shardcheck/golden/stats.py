@@ -76,6 +76,11 @@ class PairedSteps:
 
 def paired_steps(old: MetricSeries, new: MetricSeries) -> PairedSteps:
     """Align two series on their shared finite steps, dropping steps where old is ~0."""
+    if np.array_equal(old.steps, new.steps):
+        usable = np.isfinite(old.values) & np.isfinite(new.values)
+        keep = usable & (np.abs(old.values) >= ZERO_EPS)
+        skipped = int(np.count_nonzero(usable & ~keep))
+        return PairedSteps(old.steps[keep], old.values[keep], new.values[keep], skipped)
     old_steps, old_values = old.finite()
     new_steps, new_values = new.finite()
     shared, old_at, new_at = np.intersect1d(old_steps, new_steps, return_indices=True)
@@ -92,14 +97,16 @@ def compare_metric(old: MetricSeries, new: MetricSeries, top: int = 5) -> Metric
         return MetricComparison(
             old.name, 0, pair.skipped_zero_old, nan, nan, nan, nan, nan, nan, {}, (), NO_DATA, ""
         )
+    n = len(pair.steps)
     ratio = pair.new / pair.old
-    signed = float(np.mean((pair.old - pair.new) / pair.old))
-    old_mean, new_mean = float(np.mean(pair.old)), float(np.mean(pair.new))
+    deviation = np.abs(ratio - 1)
+    signed = float(((pair.old - pair.new) / pair.old).sum()) / n
+    old_mean, new_mean = float(pair.old.sum()) / n, float(pair.new.sum()) / n
     ratio_of_means = new_mean / old_mean if old_mean else math.nan
     median_ratio = float(np.median(ratio))
     return MetricComparison(
         metric=old.name,
-        steps=len(pair.steps),
+        steps=n,
         skipped_zero_old=pair.skipped_zero_old,
         megatron_signed_mean=signed,
         old_mean=old_mean,
@@ -107,7 +114,7 @@ def compare_metric(old: MetricSeries, new: MetricSeries, top: int = 5) -> Metric
         ratio_of_means=ratio_of_means,
         median_ratio=median_ratio,
         geomean_ratio=geometric_mean_ratio(ratio),
-        share_changed={level: float(np.mean(np.abs(ratio - 1) > level)) for level in CHANGE_LEVELS},
+        share_changed={level: np.count_nonzero(deviation > level) / n for level in CHANGE_LEVELS},
         largest=largest_changes(pair, top),
         pattern=classify(pair),
         disagreement=explain_disagreement(pair, signed, ratio_of_means, median_ratio),
