@@ -23,6 +23,7 @@ from shardcheck.golden.report import (  # noqa: E402
     metric_notes,
     metric_row,
     noise_row,
+    summary_counts,
 )
 from shardcheck.golden.stats import UNCHANGED, MetricComparison, paired_steps  # noqa: E402
 
@@ -85,6 +86,10 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return f"<table><tr>{head}</tr>{body}</table>"
 
 
+def _changed(fc: FileComparison) -> bool:
+    return any(m.pattern != UNCHANGED for m in fc.metrics)
+
+
 def _file_section(fc: FileComparison, noise: dict[str, NoiseVerdict], plot: bool) -> str:
     title = f"<h2>{html.escape(fc.label)}</h2>"
     if fc.skipped:
@@ -105,10 +110,12 @@ def _file_section(fc: FileComparison, noise: dict[str, NoiseVerdict], plot: bool
 def write_html(
     path: Path, comparisons: Sequence[FileComparison], noise: Sequence[NoiseVerdict] = ()
 ) -> None:
-    """Write the report; plots for changed metrics of the first MAX_PLOTTED_FILES pairs."""
+    """Write the report: changed (or skipped) pairs, with plots for the first MAX_PLOTTED_FILES."""
     by_metric = {v.metric: v for v in noise}
-    plotted = {id(fc) for fc in [fc for fc in comparisons if not fc.skipped][:MAX_PLOTTED_FILES]}
-    sections = [_file_section(fc, by_metric, id(fc) in plotted) for fc in comparisons]
+    shown = [fc for fc in comparisons if len(comparisons) == 1 or fc.skipped or _changed(fc)]
+    plotted = {id(fc) for fc in [fc for fc in shown if not fc.skipped][:MAX_PLOTTED_FILES]}
+    sections = [f"<p>{html.escape(summary_counts(comparisons))}</p>"]
+    sections += [_file_section(fc, by_metric, id(fc) in plotted) for fc in shown]
     if noise:
         sections.append(
             "<h2>run-to-run noise</h2>" + _table(NOISE_COLUMNS, [noise_row(v) for v in noise])

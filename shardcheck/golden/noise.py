@@ -32,6 +32,12 @@ class Band:
     low: np.ndarray
     high: np.ndarray
 
+    def median_relative_width(self) -> float:
+        """Median over steps of (max - min) / mean: the typical run-to-run spread."""
+        return (
+            float(np.median((self.high - self.low) / np.abs(self.mean))) if len(self.steps) else 0.0
+        )
+
 
 @dataclass(frozen=True)
 class NoiseVerdict:

@@ -11,7 +11,7 @@ from rich.table import Table
 
 from shardcheck.golden.compare import FileComparison
 from shardcheck.golden.explain import Explanation
-from shardcheck.golden.noise import NoiseVerdict
+from shardcheck.golden.noise import Band, NoiseVerdict
 from shardcheck.golden.stats import UNCHANGED, MetricComparison, format_value
 from shardcheck.golden.verdict import CheckResult, Verdict
 
@@ -198,6 +198,7 @@ NOISE_COLUMNS = (
     "steps",
     "median shift",
     "permutation p",
+    "old band width",
     "new mean outside old band",
     "verdict",
     "Megatron rtol old/new",
@@ -217,6 +218,7 @@ def noise_row(v: NoiseVerdict) -> list[str]:
         str(v.steps),
         f"{math.expm1(v.median_log_ratio):+.2%}",
         f"{v.p_value:.3f}",
+        f"{v.old_band.median_relative_width():.2%}",
         f"{v.outside_old_band:.0%}",
         verdict,
         f"{v.tolerance_old:.4f} / {v.tolerance_new:.4f}",
@@ -247,6 +249,16 @@ def noise_json(v: NoiseVerdict) -> dict:
         "outside_old_band": v.outside_old_band,
         "recommended_rtol_old": v.tolerance_old,
         "recommended_rtol_new": v.tolerance_new,
+        "bands": {side: _band_json(b) for side, b in (("old", v.old_band), ("new", v.new_band))},
+    }
+
+
+def _band_json(band: Band) -> dict:
+    return {
+        "steps": band.steps.tolist(),
+        "mean": band.mean.tolist(),
+        "low": band.low.tolist(),
+        "high": band.high.tolist(),
     }
 
 
