@@ -29,3 +29,7 @@ __all__ += [
     "Coverage", "SpmdTypeError", "annotate", "assert_type", "contract", "coverage",
     "rank_slice", "register_rule", "typecheck", "typeof", "violations",
 ]
+from shardcheck.parity import ParityResult, parity  # noqa: E402
+from shardcheck.pool import PoolFailure, RankPool  # noqa: E402
+
+__all__ += ["ParityResult", "PoolFailure", "RankPool", "parity"]

@@ -6,6 +6,8 @@ import click
 
 from shardcheck import __version__
 from shardcheck.golden.cli import golden
+from shardcheck.cli_parity import parity_command
+from shardcheck.cli_run import run
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -15,3 +17,5 @@ def main() -> None:
 
 
 main.add_command(golden)
+main.add_command(run)
+main.add_command(parity_command)
