@@ -5,9 +5,9 @@ from __future__ import annotations
 import click
 
 from shardcheck import __version__
-from shardcheck.golden.cli import golden
 from shardcheck.cli_parity import parity_command
 from shardcheck.cli_run import run
+from shardcheck.golden.cli import golden
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
