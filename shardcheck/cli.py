@@ -7,6 +7,7 @@ import click
 from shardcheck import __version__
 from shardcheck.cli_parity import parity_command
 from shardcheck.cli_run import run
+from shardcheck.golden.cli import golden
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -15,5 +16,6 @@ def main() -> None:
     """Find silent numerical-correctness bugs in distributed PyTorch training."""
 
 
+main.add_command(golden)
 main.add_command(run)
 main.add_command(parity_command)
