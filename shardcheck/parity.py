@@ -9,8 +9,10 @@ estimate how much rounding alone moves each value; tolerances follow from that.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import io
+import sys
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import nullcontext
@@ -25,7 +27,7 @@ from shardcheck.assemble import NotComparable, compare
 from shardcheck.layout import BASE_DIMS, Layout
 from shardcheck.pool import PoolFailure, RankPool, in_torchrun, run_in_place
 from shardcheck.scenario import Scenario, ScenarioContext
-from shardcheck.types import Placement, parse_placement
+from shardcheck.types import Placement, V, parse_placement
 
 PERTURBATION_EPS = 4.0  # noise runs perturb every sharded global tensor by this many epsilons
 KINDS = ("output", "module", "grad")
@@ -34,19 +36,14 @@ Entry = tuple[str, str, torch.Tensor, dict[str, str]]  # kind, name, value, {axi
 
 
 def _checker():
-    """The type checker's API when it is available (``sc.typecheck``/``typeof``/``violations``)."""
-    needed = ("typecheck", "typeof", "violations")
-    return shardcheck if all(hasattr(shardcheck, n) for n in needed) else None
-
+    """The type checker's API (``sc.typecheck``/``typeof``/``violations``)."""
+    return shardcheck
 
 def _types(declared: Mapping[str, Placement] | None, tensor: torch.Tensor, checker) -> dict[str, str]:
     """Declared placements, completed by the checker's where it knows them, as strings."""
     found: dict[str, Placement] = {}
-    if checker is not None:
-        try:
-            found = {k: v for k, v in checker.typeof(tensor).items() if v is not None}
-        except Exception:  # noqa: BLE001 - an untracked tensor simply has no checker types
-            found = {}
+    if checker is not None:  # V from the checker off dp often means "not annotated": infer instead
+        found = {k: v for k, v in checker.typeof(tensor).items() if v is not V or k == "dp"}
     found.update(declared or {})
     return {axis: repr(p) for axis, p in found.items() if axis in BASE_DIMS}
 
@@ -74,10 +71,17 @@ def capture(ctx: ScenarioContext, scenario: Scenario, perturbation: float, seed:
     ctx.perturb_inputs(perturbation, seed)
     ctx.module_outputs = []
     torch.manual_seed(0)
-    checker = _checker() if typecheck else None
-    with checker.typecheck(ctx.mesh, mode="collect") if checker else nullcontext():
+    checker = shardcheck if typecheck else None  # the checker's API: typecheck, typeof, violations
+    region = checker.typecheck(ctx.mesh, mode="collect") if checker else nullcontext()
+    region.__enter__()
+    try:
         entries = _entries(ctx, dict(scenario(ctx)), checker)
-        violations = [str(v).splitlines()[0] for v in checker.violations()] if checker else []
+        violations = [v.first_line for v in checker.violations()] if checker else []
+    except BaseException:
+        region.__exit__(*sys.exc_info())
+        raise
+    with contextlib.redirect_stderr(io.StringIO()):  # the table lists violations; drop the summary
+        region.__exit__(None, None, None)
     return {"entries": entries, "violations": violations}
 
 

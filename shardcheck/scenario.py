@@ -16,6 +16,7 @@ from functools import cached_property
 import torch
 import torch.distributed as dist
 
+from shardcheck import checker
 from shardcheck.layout import BASE_DIMS, GROUP_NAMES, Layout
 from shardcheck.types import Mesh, Placement, R, Shard, V
 from shardcheck.types import P as PARTIAL
@@ -129,6 +130,8 @@ class ScenarioContext:
             local = value
         local = local.contiguous().clone().to(self.device)
         local.requires_grad_(global_tensor.requires_grad)
+        _annotate(local, {**(self.declared_types(global_tensor) or dict.fromkeys(BASE_DIMS, R)),
+                          axis: placement})
         return self.declare(local, **{axis: placement})
 
     def perturb_inputs(self, epsilons: float, seed: int) -> None:
@@ -143,6 +146,13 @@ class ScenarioContext:
         relative = self.perturbation * torch.finfo(value.dtype).eps
         noise = torch.rand(value.shape, generator=self._noise, dtype=torch.float64) * 2 - 1
         return (value.double() * (1 + relative * noise)).to(value.dtype)
+
+
+def _annotate(tensor: torch.Tensor, placements: Mapping[str, Placement]) -> None:
+    """Tell an active type checker the placements of a tensor the scenario just sharded."""
+    active_checker = checker.current()
+    if active_checker is not None:
+        checker.annotate(tensor, **{a: p for a, p in placements.items() if a in active_checker.names})
 
 
 def _storage_key(tensor: torch.Tensor) -> tuple[int, tuple[int, ...]]:
@@ -178,5 +188,4 @@ def shard(global_tensor: torch.Tensor, placement: Placement, axis: str) -> torch
 def replicate(global_tensor: torch.Tensor) -> torch.Tensor:
     """A copy of a global tensor used whole by every rank (declared R on every axis)."""
     ctx = current_context()
-    local = ctx.shard(global_tensor, R, "tp")
-    return ctx.declare(local, **dict.fromkeys(BASE_DIMS, R))
+    return ctx.declare(ctx.shard(global_tensor, R, "tp"), **dict.fromkeys(BASE_DIMS, R))
