@@ -32,20 +32,19 @@ from shardcheck.types import Placement, V, parse_placement
 PERTURBATION_EPS = 4.0  # noise runs perturb every sharded global tensor by this many epsilons
 KINDS = ("output", "module", "grad")
 
-Entry = tuple[str, str, torch.Tensor, dict[str, str]]  # kind, name, value, {axis: placement}
+Types = tuple[dict[str, str], dict[str, str]]  # declared by the scenario, found by the checker
+Entry = tuple[str, str, torch.Tensor, Types]  # kind, name, value, types
 
 
-def _checker():
-    """The type checker's API (``sc.typecheck``/``typeof``/``violations``)."""
-    return shardcheck
-
-def _types(declared: Mapping[str, Placement] | None, tensor: torch.Tensor, checker) -> dict[str, str]:
-    """Declared placements, completed by the checker's where it knows them, as strings."""
-    found: dict[str, Placement] = {}
-    if checker is not None:  # V from the checker off dp often means "not annotated": infer instead
-        found = {k: v for k, v in checker.typeof(tensor).items() if v is not V or k == "dp"}
-    found.update(declared or {})
-    return {axis: repr(p) for axis, p in found.items() if axis in BASE_DIMS}
+def _types(declared: Mapping[str, Placement] | None, tensor: torch.Tensor, checker) -> Types:
+    """Declared placements, and the checker's on the other axes, as strings."""
+    declared = {axis: repr(p) for axis, p in (declared or {}).items() if axis in BASE_DIMS}
+    if checker is None:
+        return declared, {}
+    # V from the checker off dp mostly means "never annotated": leave those axes to inference
+    found = {a: repr(p) for a, p in checker.typeof(tensor).items()
+             if a in BASE_DIMS and a not in declared and (p is not V or a == "dp")}
+    return declared, found
 
 
 def _entries(ctx: ScenarioContext, outputs: Mapping[str, object], checker) -> list[Entry]:
@@ -173,11 +172,18 @@ class ParityResult:
 Runner = Callable[..., list | None]
 
 
-def _merge_types(per_rank: Sequence[dict[str, str]]) -> dict[str, Placement]:
-    merged: dict[str, str] = {}
-    for types in reversed(per_rank):
-        merged.update(types)
-    return {axis: parse_placement(text) for axis, text in merged.items()}
+def _merge_types(per_rank: Sequence[Types]) -> tuple[dict[str, Placement], dict[str, Placement]]:
+    """One rank's declared and checker placements (the lowest rank wins where ranks differ)."""
+    declared: dict[str, str] = {}
+    checked: dict[str, str] = {}
+    for rank_declared, rank_checked in reversed(per_rank):
+        declared.update(rank_declared)
+        checked.update(rank_checked)
+    return _parsed(declared), _parsed(checked)
+
+
+def _parsed(types: Mapping[str, str]) -> dict[str, Placement]:
+    return {axis: parse_placement(text) for axis, text in types.items()}
 
 
 def _noise(reference: torch.Tensor, noisy: Iterable[torch.Tensor | None]) -> float:
@@ -186,12 +192,18 @@ def _noise(reference: torch.Tensor, noisy: Iterable[torch.Tensor | None]) -> flo
     return max(changes, default=0.0)
 
 
-def _row(kind: str, name: str, values: list[torch.Tensor], types: list[dict[str, str]],
+def _row(kind: str, name: str, values: list[torch.Tensor], types: list[Types],
          reference: torch.Tensor, noise: float, layout: Layout) -> Row:
+    declared, checked = _merge_types(types)
     try:
-        found = compare(values, reference, noise, layout, _merge_types(types))
+        found = compare(values, reference, noise, layout, {**checked, **declared})
     except NotComparable as why:
-        return Row(kind, name, verdict=f"skipped: {why}")
+        if not checked:
+            return Row(kind, name, verdict=f"skipped: {why}")
+        try:  # the checker's types give no global value of this shape: infer them instead
+            found = compare(values, reference, noise, layout, declared)
+        except NotComparable:
+            return Row(kind, name, verdict=f"skipped: {why}")
     shown = " ".join(f"{a}={p}{'*' if a in found.inferred else ''}" for a, p in found.placements.items())
     verdict = ("REPLICA MISMATCH on " + ",".join(found.replica_mismatch) if found.replica_mismatch
                else "ok" if found.ok else "MISMATCH")

@@ -1,7 +1,7 @@
 """A warm pool of forked Gloo ranks that runs many scenarios and layouts without restarting.
 
-The parent imports torch (and any ``preload`` modules) once, then forks ``world_size`` workers
-that join one Gloo world and wait for jobs. A job runs ``fn(ctx, *args)`` on the first
+The parent imports torch (and any ``preload`` modules) and builds the type checker's tables
+once, then forks ``world_size`` workers that join one Gloo world and wait for jobs. A job runs ``fn(ctx, *args)`` on the first
 ``layout.world_size`` workers, with ``ctx`` a :class:`~shardcheck.scenario.ScenarioContext`
 whose groups are sub-groups of that world (created once, cached by ranks).
 
@@ -23,7 +23,9 @@ process group instead, NCCL and ``cuda`` when available, through the same :func:
 from __future__ import annotations
 
 import atexit
+import contextlib
 import importlib
+import io
 import multiprocessing as mp
 import os
 import signal
@@ -40,10 +42,12 @@ import torch
 import torch.distributed as dist
 
 from shardcheck import collective_log
+from shardcheck.checker import typecheck
 from shardcheck.gloo_avg import avg_problems
 from shardcheck.launch import die_with_parent, free_port
 from shardcheck.layout import Layout
 from shardcheck.scenario import ScenarioContext, active, build_groups
+from shardcheck.types import Mesh
 
 Job = Callable[..., Any]
 
@@ -133,13 +137,21 @@ def _worker_main(rank: int, world_size: int, port: int, conn: Connection, log_di
             conn.send((False, traceback.format_exc()))
 
 
+def warm_checker() -> None:
+    """Build the type checker's op tables (seconds, once per process) so forked workers inherit them."""
+    with contextlib.redirect_stderr(io.StringIO()), typecheck(Mesh(rank=0, tp=[0]), mode="collect"):
+        torch.ones(2).add(1)
+
+
 class RankPool:
     """``world_size`` warm Gloo ranks; :meth:`run` runs a job on a layout's first ranks."""
 
     def __init__(self, world_size: int, timeout: float = 60.0, grace: float = 1.0,
-                 preload: Iterable[str] = ()) -> None:
+                 preload: Iterable[str] = (), checker: bool = True) -> None:
         for module in preload:
             importlib.import_module(module)
+        if checker:
+            warm_checker()
         self.world_size = world_size
         self.timeout = timeout
         self.grace = grace

@@ -87,6 +87,8 @@ class ScenarioContext:
             self.module_types[_join(prefix, name)] = dict(placements)
         for name, module in model.named_modules():
             module.register_forward_hook(self._recorder(_join(prefix, name) or type(model).__name__))
+        for param in model.parameters():  # nn.Parameter(ctx.shard(...)) is a new tensor to the checker
+            _annotate(param, self.declared_types(param) or {})
         return model
 
     def _recorder(self, name: str):
@@ -113,7 +115,9 @@ class ScenarioContext:
         """This rank's local piece of ``global_tensor`` laid out as ``placement`` on ``axis``.
 
         S(d): the rank's chunk along d; R or I: a copy; P: the value on the axis' first rank and
-        zeros elsewhere. The piece is declared with that placement and moved to ``ctx.device``.
+        zeros elsewhere. The piece is moved to ``ctx.device`` and declared (and annotated for an
+        active type checker) with that placement on ``axis`` and R, or the placements declared
+        for ``global_tensor``, on the other axes.
         """
         value = self._perturbed(global_tensor.detach())
         size, index = len(self.layout.group_ranks(axis, self.rank)), self.index(axis)
@@ -130,9 +134,9 @@ class ScenarioContext:
             local = value
         local = local.contiguous().clone().to(self.device)
         local.requires_grad_(global_tensor.requires_grad)
-        _annotate(local, {**(self.declared_types(global_tensor) or dict.fromkeys(BASE_DIMS, R)),
-                          axis: placement})
-        return self.declare(local, **{axis: placement})
+        placements = {**(self.declared_types(global_tensor) or dict.fromkeys(BASE_DIMS, R)), axis: placement}
+        _annotate(local, placements)
+        return self.declare(local, **placements)
 
     def perturb_inputs(self, epsilons: float, seed: int) -> None:
         """Make :meth:`shard` perturb each global tensor by up to ``epsilons`` machine epsilons
@@ -187,5 +191,4 @@ def shard(global_tensor: torch.Tensor, placement: Placement, axis: str) -> torch
 
 def replicate(global_tensor: torch.Tensor) -> torch.Tensor:
     """A copy of a global tensor used whole by every rank (declared R on every axis)."""
-    ctx = current_context()
-    return ctx.declare(ctx.shard(global_tensor, R, "tp"), **dict.fromkeys(BASE_DIMS, R))
+    return current_context().shard(global_tensor, R, "tp")
