@@ -259,6 +259,6 @@ def _failure(desync: str | None, errors: dict[int, str], pending: list[int],
     lines += [f"rank {rank} raised:\n{tb.rstrip()}" for rank, tb in sorted(errors.items())]
     if pending:
         lines.append(f"hang: ranks {pending} did not finish within {timeout:g} s; the pool was restarted")
-    lines.append("last collective entered: " + "; ".join(
-        f"rank {r}: {what}{'' if r in pending else ' (returned)'}" for r, what in last.items()))
+    state = {r: "" if r in pending else " (raised)" if r in errors else " (finished)" for r in last}
+    lines.append("last collective entered: " + "; ".join(f"rank {r}: {what}{state[r]}" for r, what in last.items()))
     return PoolFailure(kind, "\n".join(lines), errors, last)
