@@ -129,8 +129,8 @@ def _worker_main(rank: int, world_size: int, port: int, conn: Connection, log_di
         collective_log.LOG.restart(Path(log_dir) / f"rank{rank}.log")
         try:
             reply = (True, run_on_rank(fn, layout, rank, "cpu", args))
-        except BaseException:  # noqa: BLE001 - every failure goes back to the parent
-            reply = (False, traceback.format_exc())
+        except BaseException as exc:  # noqa: BLE001 - every failure goes back to the parent
+            reply = (False, _user_traceback(exc))
         try:
             conn.send(reply)
         except Exception:  # the result does not pickle
@@ -141,6 +141,13 @@ def warm_checker() -> None:
     """Build the type checker's op tables (seconds, once per process) so forked workers inherit them."""
     with contextlib.redirect_stderr(io.StringIO()), typecheck(Mesh(rank=0, tp=[0]), mode="collect"):
         torch.ones(2).add(1)
+
+
+def _user_traceback(exc: BaseException) -> str:
+    """The formatted traceback without the pool's own frames."""
+    report = traceback.TracebackException.from_exception(exc)
+    report.stack = traceback.StackSummary.from_list([f for f in report.stack if f.filename != __file__])
+    return "".join(report.format())
 
 
 class RankPool:
@@ -218,9 +225,13 @@ class RankPool:
         if not self._procs:
             self.start()
         ranks = list(range(self.world_size))  # all of them create the layout's groups
-        for rank in ranks:
-            self._conns[rank].send((fn, layout, args))
-        results, errors, pending = self._collect(ranks, self.timeout if timeout is None else timeout)
+        try:
+            for rank in ranks:
+                self._conns[rank].send((fn, layout, args))
+            results, errors, pending = self._collect(ranks, self.timeout if timeout is None else timeout)
+        except BaseException:  # e.g. Ctrl-C: the workers are mid-job, so stop them
+            self.close()
+            raise
         logs = {r: collective_log.read(Path(self._log_dir.name) / f"rank{r}.log") for r in ranks}
         if pending or not all(p.is_alive() for p in self._procs):
             self.restart()
