@@ -20,7 +20,8 @@ def test_correct_tp_sp_cp_dp_block_matches_at_tight_tolerances(pool):
         assert [r.kind for r in report.rows].count("module") == 7
         assert {r.name for r in report.rows if r.kind == "grad"} == {
             "block.gamma", "block.fc1.weight", "block.fc2.weight"}
-        assert all(r.tol < 2e-5 * 10 and r.max_rel < 1e-5 for r in report.rows), str(report.table())
+        # every value compared (none skipped), rounding-level errors, tolerances far below 1e-3
+        assert all(r.verdict == "ok" and r.max_rel < 1e-5 and r.tol < 2e-4 for r in report.rows), str(result)
 
 
 def test_types_come_from_the_checker_declarations_or_inference(pool):
