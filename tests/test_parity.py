@@ -32,9 +32,12 @@ def test_types_come_from_the_checker_declarations_or_inference(pool):
     assert report.row("output", "loss").types == "tp=R cp=R"
 
 
-def test_explicit_tensor_parallel_groups_match_too(pool):
-    layout = sc.Layout(tp=2, dp=2, explicit_groups={"tp": [[0, 2], [1, 3]], "dp": [[0, 1], [2, 3]]})
-    assert sc.parity(scenarios.explicit_tp_groups, [layout], pool=pool).ok
+def test_explicit_groups_expose_code_that_reads_a_default_order_group(pool):
+    explicit = sc.Layout(tp=2, dp=2, explicit_groups={"tp": [[0, 2], [1, 3]], "dp": [[0, 1], [2, 3]]})
+    assert sc.parity(scenarios.correct, [explicit], pool=pool).ok
+    result = sc.parity(scenarios.global_group_bug, ["tp2-dp2", explicit], pool=pool)
+    assert result["tp2-dp2"].ok, "with the default order the two groups coincide"
+    assert result[explicit].first_divergence == "block.fc2"
 
 
 @pytest.mark.parametrize(("scenario", "layout", "module"), [
