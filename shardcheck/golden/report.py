@@ -152,7 +152,8 @@ def comparisons_markdown(comparisons: Sequence[FileComparison], summary: bool) -
             f"### {fc.label}\n\n"
             + markdown_table(COMPARE_COLUMNS, [metric_row(m) for m in fc.metrics])
         )
-        parts += [f"- {n}" for n in notes]
+        if notes:
+            parts.append("\n".join(f"- {n}" for n in notes))
     return "\n\n".join(parts) + "\n"
 
 
@@ -335,6 +336,13 @@ def explanation_lines(e: Explanation) -> list[str]:
         )
     gained = [f"{s.step} ({s.new_blocks - s.old_blocks:+d})" for s in e.changed()]
     lines.append(f"steps that gained or lost whole blocks: {', '.join(gained) or 'none'}")
+    if gained:
+        deltas = [s.new_blocks - s.old_blocks for s in e.changed()]
+        up, down = [d for d in deltas if d > 0], [d for d in deltas if d < 0]
+        lines.append(
+            f"  in total: gained {sum(up)} block(s) at {len(up)} step(s), lost {-sum(down)} at "
+            f"{len(down)} step(s), net {sum(deltas):+d} = {sum(deltas) * size:+,} values"
+        )
     if e.poor_fit:
         lines.append(
             f"steps whose residual exceeds 10% of a block: {', '.join(map(str, e.poor_fit))}"
