@@ -71,13 +71,16 @@ class GoldenFile:
 
 def load_golden(path: str | Path) -> GoldenFile:
     """Read and validate one golden-values file; raise GoldenInputError with a one-line reason."""
-    path = Path(path)
+    return parse_golden(read_text(path), str(path))
+
+
+def read_text(path: str | Path) -> str:
+    """A text file's contents; GoldenInputError with the reason if it can't be read."""
     try:
-        text = path.read_text()
+        return Path(path).read_text()
     except (OSError, UnicodeDecodeError) as err:
         reason = getattr(err, "strerror", None) or str(err)
         raise GoldenInputError(f"{path}: cannot read ({reason})") from None
-    return parse_golden(text, str(path))
 
 
 def parse_golden(text: str, source: str) -> GoldenFile:

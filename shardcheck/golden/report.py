@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 
 from rich.console import Console
@@ -116,15 +117,27 @@ def summary_counts(comparisons: Sequence[FileComparison]) -> str:
 def print_summary(console: Console, comparisons: Sequence[FileComparison]) -> None:
     """The summary table for many file pairs: changed metrics only, then the skipped files."""
     table = Table(title="changed metrics", title_justify="left")
-    for column in ("file", *COMPARE_COLUMNS):
+    table.add_column("file", overflow="fold")
+    for column in COMPARE_COLUMNS:
         table.add_column(column)
     for row in summary_rows(comparisons):
         table.add_row(*map(escape, row))
     console.print(table)
+    for reason, labels in skip_reasons(comparisons).items():
+        shown = ", ".join(labels[:3]) + (
+            f", ... ({len(labels) - 3} more)" if len(labels) > 3 else ""
+        )
+        console.print(f"  skipped {len(labels)}: {escape(reason)}: {escape(shown)}", soft_wrap=True)
+    console.print(summary_counts(comparisons))
+
+
+def skip_reasons(comparisons: Sequence[FileComparison]) -> dict[str, list[str]]:
+    """Skipped file pairs grouped by reason (the reason without its leading file name)."""
+    groups: dict[str, list[str]] = {}
     for fc in comparisons:
         if fc.skipped:
-            console.print(f"  skipped {escape(fc.label)}: {escape(fc.skipped)}", soft_wrap=True)
-    console.print(summary_counts(comparisons))
+            groups.setdefault(re.sub(r"^\S+\.json: ", "", fc.skipped), []).append(fc.label)
+    return groups
 
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
