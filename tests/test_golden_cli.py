@@ -95,6 +95,8 @@ def test_compare_directories_matches_by_relative_path(tmp_path):
     ]
     table = invoke("compare", old, new).output
     assert "changed metrics" in table and "1 of" in table
+    markdown = invoke("compare", old, new, "--markdown").output
+    assert "- skipped 1: only in old" in markdown and "- skipped 1: empty file" in markdown
 
 
 @pytest.fixture

@@ -154,6 +154,9 @@ def comparisons_markdown(comparisons: Sequence[FileComparison], summary: bool) -
             summary_counts(comparisons),
             markdown_table(("file", *COMPARE_COLUMNS), summary_rows(comparisons)),
         ]
+        groups = skip_reasons(comparisons)
+        if groups:
+            parts.append("\n".join(f"- skipped {len(v)}: {reason}" for reason, v in groups.items()))
         return "\n\n".join(parts) + "\n"
     parts = []
     for fc in comparisons:
