@@ -53,13 +53,6 @@ class MetricSeries:
         """The steps where ``mask`` is true."""
         return MetricSeries(self.name, self.steps[mask], self.values[mask], self.text[mask])
 
-    def lookup(self) -> dict[int, float | str]:
-        """Step -> value as the file had it: a float, or the string for string values."""
-        return {
-            int(s): ("nan" if t else float(v))
-            for s, v, t in zip(self.steps, self.values, self.text, strict=True)
-        }
-
 
 @dataclass(frozen=True)
 class GoldenFile:
