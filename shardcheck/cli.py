@@ -5,6 +5,8 @@ from __future__ import annotations
 import click
 
 from shardcheck import __version__
+from shardcheck.cli_parity import parity_command
+from shardcheck.cli_run import run
 from shardcheck.golden.cli import golden
 
 
@@ -15,3 +17,5 @@ def main() -> None:
 
 
 main.add_command(golden)
+main.add_command(run)
+main.add_command(parity_command)
