@@ -31,6 +31,7 @@ def classify(path):
     return "training"
 
 
+@pytest.mark.slow
 def test_every_head_file_loads_or_is_rejected_in_one_line():
     runner = CliRunner()
     kinds = {}

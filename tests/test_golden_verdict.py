@@ -116,6 +116,7 @@ def test_missing_actual_step_fails_against_a_finite_golden():
         ("lm loss", "approximate", True),
     ]
     assert verdict.results[0].failing_steps == (50,)
+    assert verdict.results[0].unlogged_failures == 1
 
 
 def test_blind_spot_golden_nan_against_missing_actual_passes_and_is_warned():

@@ -290,6 +290,8 @@ def check_line(r: CheckResult) -> str:
     text += f"{len(r.failing_steps)} of {r.steps_evaluated} step(s) off"
     if r.kind == "approximate" and r.steps_evaluated > 1:
         text += f", {r.allowed_failures} allowed"
+    if r.unlogged_failures:
+        text += f" ({r.unlogged_failures} not logged by the run)"
     if r.failing_steps:
         shown = ", ".join(str(s) for s in r.failing_steps[:12])
         more = f", ... ({len(r.failing_steps) - 12} more)" if len(r.failing_steps) > 12 else ""
@@ -321,6 +323,7 @@ def verdict_json(verdict: Verdict) -> dict:
                 "steps_evaluated": r.steps_evaluated,
                 "failing_steps": list(r.failing_steps),
                 "allowed_failures": r.allowed_failures,
+                "unlogged_failures": r.unlogged_failures,
                 "detail": r.detail or None,
             }
             for r in verdict.results
