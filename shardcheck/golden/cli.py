@@ -101,16 +101,20 @@ def check(
     if as_json:
         click.echo(json.dumps({k: report.verdict_json(v) for k, v in verdicts.items()}, indent=2))
     else:
-        console = _console()
         mode = "exact and approximate checks"
         if lenient:
             source = "the config's ENV_VARS" if from_config else "--allow-nondeterministic"
             mode = f"approximate checks only (nondeterminism allowed by {source})"
-        console.print(f"metrics: {', '.join(chosen)}; {mode}")
-        for title, verdict in verdicts.items():
-            report.print_verdict(console, verdict, title)
+        _print_verdicts(verdicts, f"metrics: {', '.join(chosen)}; {mode}")
     if not all(v.passed for v in verdicts.values()):
         sys.exit(EXIT_FAIL)
+
+
+def _print_verdicts(verdicts: dict, heading: str) -> None:
+    console = _console()
+    console.print(heading)
+    for title, verdict in verdicts.items():
+        report.print_verdict(console, verdict, title)
 
 
 @golden.command()
