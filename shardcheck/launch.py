@@ -7,6 +7,7 @@ import contextlib
 import ctypes
 import multiprocessing as mp
 import os
+import pickle
 import re
 import signal
 import socket
@@ -49,22 +50,28 @@ def _rank_main(fn, rank, world_size, port, args, queue) -> None:
     )
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
-        queue.put((rank, True, fn(*args)))
+        queue.put(_by_value((rank, True, fn(*args))))
     except BaseException as exc:  # noqa: BLE001 - everything is reported to the parent
         try:
-            queue.put((rank, False, (exc, traceback.format_exc())))
+            queue.put(_by_value((rank, False, (exc, traceback.format_exc()))))
         except Exception:  # the exception itself does not pickle
-            queue.put((rank, False, (None, traceback.format_exc())))
+            queue.put(_by_value((rank, False, (None, traceback.format_exc()))))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _by_value(payload: Any) -> bytes:
+    """Pickle tensors by value: torch's queue reducers would pass shared memory that dies with the rank."""
+    return pickle.dumps(payload)
 
 
 def spawn_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0) -> list[Any]:
     """Run ``fn(*args)`` on ``world_size`` forked Gloo ranks; return the per-rank results.
 
     The first failing rank is raised as :class:`RankFailure`. Ranks still running after
-    ``timeout`` seconds (a hang) are killed and ``TimeoutError`` is raised.
+    ``timeout`` seconds (a hang) are killed and ``TimeoutError`` is raised. Ranks are forked:
+    call it before the parent runs an OpenMP-parallel kernel, or with one intra-op thread.
     """
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
@@ -78,7 +85,7 @@ def spawn_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: fl
     try:
         for _ in range(world_size):
             try:
-                rank, ok, payload = queue.get(timeout=timeout)
+                rank, ok, payload = pickle.loads(queue.get(timeout=timeout))
             except Exception as exc:
                 missing = sorted(set(range(world_size)) - set(results) - {f.rank for f in failures})
                 raise TimeoutError(f"ranks {missing} did not finish within {timeout:.0f} s") from exc

@@ -24,7 +24,9 @@ SCRIPTS = {
 t = torch.tensor([float(rank)])
 dist.all_reduce(t)
 keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-print(rank, t.item(), sys.argv[1:], *(os.environ[k] for k in keys), flush=True)
+line = " ".join(map(str, (rank, t.item(), sys.argv[1:], *(os.environ[k] for k in keys))))
+os.write(1, (line + "\\n").encode())  # one write: the two ranks share stdout
+dist.destroy_process_group()
 """,
     "checker": """
 class SpmdTypeError(RuntimeError):
