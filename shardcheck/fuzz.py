@@ -117,7 +117,11 @@ def _import_scenario(spec: str) -> Callable[..., Any]:
 # -- search spaces ---------------------------------------------------------------------------
 
 def option(default: Any, *alternatives: Any) -> st.SearchStrategy:
-    """A configuration field that shrinks to ``default``."""
+    """A configuration field that shrinks to ``default``, then to the alternatives in order.
+
+    It is one choice for hypothesis, so a non-default option never makes an example look
+    simpler than one with fewer ranks.
+    """
     return st.sampled_from([default, *[a for a in alternatives if a != default]])
 
 
@@ -168,7 +172,7 @@ def signature_space(scenario: Callable[..., Any],
         if isinstance(default, bool):
             fields[name] = option(default, not default)
         elif isinstance(default, int):
-            fields[name] = st.one_of(st.just(default), st.integers(1, max(2 * default, 4)))
+            fields[name] = option(default, *range(1, max(2 * default, 4) + 1))
         elif isinstance(default, float):
             fields[name] = option(default, 0.0, 0.1, 0.5)
     return space(layout_names, **fields)
@@ -197,21 +201,26 @@ class _ExampleFailed(Exception):
 
 
 def fuzz(spec: str | FuzzTarget, *, budget: int = 50, seed: int | None = None,
-         root: Path | str | None = DEFAULT_ROOT, write_repros: bool = True) -> Campaign:
+         root: Path | str | None = DEFAULT_ROOT, write_repros: bool = True,
+         progress: Callable[[int, int], None] | None = None) -> Campaign:
     """Fuzz a target with ``budget`` examples; shrink, store and return each distinct failure.
 
     ``seed`` makes the search reproducible. With a ``root``, hypothesis keeps its example database
     in ``root/hypothesis/<target>`` (replayed first on the next run) and findings are saved in
     ``root/findings``, with a repro script in ``root/repro`` when the target can write one.
+    ``progress(examples_run, failing_examples)`` is called after every example.
     """
     target = resolve_target(spec)
     failure_types: dict[tuple[str, str], type[_ExampleFailed]] = {}
-    examples, first_failure_at = 0, None
+    examples, failing, first_failure_at = 0, 0, None
 
     def run_example(example: dict[str, Any]) -> None:
-        nonlocal examples, first_failure_at
+        nonlocal examples, failing, first_failure_at
         examples += 1
         verdict = target.check(example)
+        failing += verdict.failure is not None
+        if progress is not None:
+            progress(examples, failing)
         if verdict.failure is not None:
             first_failure_at = first_failure_at or examples
             raise _failure_type(failure_types, verdict.failure.key)(example, verdict)

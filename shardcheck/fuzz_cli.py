@@ -57,8 +57,12 @@ def fuzz_command(target: str, budget: int, seed: int | None, root: str) -> None:
     failure is found.
     """
     resolved = _target(target)
+    console = Console(stderr=True)
     try:
-        campaign = fuzz(resolved, budget=budget, seed=seed, root=root)
+        with console.status(f"fuzzing {resolved.name}") as status:
+            def show(examples: int, failing: int) -> None:
+                status.update(f"fuzzing {resolved.name}: {examples} examples run, {failing} failing")
+            campaign = fuzz(resolved, budget=budget, seed=seed, root=root, progress=show)
     except (FuzzError, LayoutError, ReproError) as exc:
         raise click.ClickException(str(exc)) from None
     click.echo(f"{campaign.target}: {campaign.examples} examples in {campaign.seconds:.1f} s, "

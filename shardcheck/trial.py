@@ -92,12 +92,14 @@ def _run_on_rank(scenario, layout_text: str, config: dict[str, Any]):
     """This rank's outputs under the layout, and on rank 0 the one-rank reference too."""
     rank = dist.get_rank()
     outputs = _run_scenario(scenario, Layout.parse(layout_text), rank, config)
-    reference = _run_scenario(scenario, Layout(), 0, config) if rank == 0 else None
+    alone = build_groups(Layout(), rank)  # every rank takes part in creating the groups
+    reference = _run_scenario(scenario, Layout(), 0, config, alone) if rank == 0 else None
     return outputs, reference
 
 
-def _run_scenario(scenario, layout: Layout, rank: int, config: dict[str, Any]) -> dict[str, list | float]:
-    ctx = ScenarioContext(layout, rank, build_groups(layout, rank))
+def _run_scenario(scenario, layout: Layout, rank: int, config: dict[str, Any],
+                  groups: dict | None = None) -> dict[str, list | float]:
+    ctx = ScenarioContext(layout, rank, groups or build_groups(layout, rank))
     with active(ctx):
         outputs = scenario(ctx, **config)
     return {name: _numbers(value) for name, value in outputs.items()}

@@ -122,3 +122,14 @@ def test_cli_bad_target_is_one_line_without_traceback():
     assert result.exit_code == 1
     assert result.output.strip() == ("Error: cannot import 'nowhere' for scenario 'nowhere:nothing': "
                                      "No module named 'nowhere'")
+
+
+def unregistered_sum(ctx, seq_len=2, hidden=1):
+    """A user's scenario that registers nothing: its keyword defaults give the search space."""
+    return {"sum": targets.sequence_sum_run(ctx.groups["world"], seq_len, hidden)}
+
+
+def test_unregistered_user_scenario_is_fuzzed_from_its_signature():
+    [finding] = fuzz("test_fuzz:unregistered_sum", budget=20, seed=0, root=None).findings
+    assert (finding.layout, finding.config) == ("tp2", {"seq_len": 1, "hidden": 1})
+    assert finding.target == "test_fuzz:unregistered_sum"
