@@ -10,3 +10,8 @@ from shardcheck.layout import Layout, LayoutError  # noqa: E402
 from shardcheck.scenario import ScenarioContext, current_context, replicate, shard  # noqa: E402
 
 __all__ += ["Layout", "LayoutError", "ScenarioContext", "current_context", "replicate", "shard"]
+
+from shardcheck.parity import ParityResult, parity  # noqa: E402
+from shardcheck.pool import PoolFailure, RankPool  # noqa: E402
+
+__all__ += ["ParityResult", "PoolFailure", "RankPool", "parity"]

@@ -30,15 +30,16 @@ _current: list[ScenarioContext] = []
 def build_groups(layout: Layout, rank: int) -> dict[str, dist.ProcessGroup]:
     """This rank's process group for every group name of ``layout`` (cached by ranks).
 
-    Only a group's members create it (``use_local_synchronization``), so a layout may use the
-    first ranks of a larger world, as the warm pool does.
+    Every rank of the default world must call this with the same layout, members or not:
+    groups are created in the same order everywhere, as torch.distributed requires. So a
+    layout may use the first ranks of a larger world, as the warm pool does.
     """
     mine: dict[str, dist.ProcessGroup] = {}
     for name in GROUP_NAMES:
         for ranks in layout.partition(name):
+            if ranks not in _GROUPS:
+                _GROUPS[ranks] = dist.new_group(list(ranks))
             if rank in ranks:
-                if ranks not in _GROUPS:
-                    _GROUPS[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
                 mine[name] = _GROUPS[ranks]
     return mine
 
@@ -47,16 +48,18 @@ class ScenarioContext:
     """One rank's view of a scenario run under a layout."""
 
     def __init__(self, layout: Layout, rank: int, groups: Mapping[str, dist.ProcessGroup],
-                 device: torch.device | str = "cpu", perturbation: float = 0.0, seed: int = 0) -> None:
+                 device: torch.device | str = "cpu") -> None:
         self.layout = layout
         self.rank = rank
         self.groups = dict(groups)
         self.device = torch.device(device)
         self.models: list[tuple[str, torch.nn.Module]] = []
         self.module_types: dict[str, Types] = {}
+        self.module_outputs: list[tuple[str, torch.Tensor]] | None = None  # recorded when a list
         self._declared: dict[int, tuple[torch.Tensor, Types]] = {}
-        self._perturbation = perturbation
-        self._noise = torch.Generator().manual_seed(seed + 1)
+        self._by_storage: dict[tuple[int, tuple[int, ...]], Types] = {}
+        self.perturbation = 0.0
+        self._noise = torch.Generator()
 
     @property
     def world_size(self) -> int:
@@ -81,17 +84,29 @@ class ScenarioContext:
         self.models.append((prefix, model))
         for name, placements in (types or {}).items():
             self.module_types[_join(prefix, name)] = dict(placements)
+        for name, module in model.named_modules():
+            module.register_forward_hook(self._recorder(_join(prefix, name) or type(model).__name__))
         return model
+
+    def _recorder(self, name: str):
+        def record(module, inputs, output):
+            if self.module_outputs is not None and isinstance(output, torch.Tensor):
+                self.module_outputs.append((name, output.detach().clone()))
+        return record
 
     def declare(self, tensor: torch.Tensor, **types: Placement) -> torch.Tensor:
         """State ``tensor``'s placement per axis (e.g. ``tp=sc.S(-1), dp=sc.V``); returns it."""
         self._declared[id(tensor)] = (tensor, dict(types))
+        self._by_storage[_storage_key(tensor)] = dict(types)
         return tensor
 
     def declared_types(self, tensor: torch.Tensor) -> Types | None:
-        """The placements declared for this very tensor object, if any."""
+        """The placements declared for this tensor, or for one with its storage and shape
+        (so ``nn.Parameter(ctx.shard(...))`` keeps the shard's placement)."""
         entry = self._declared.get(id(tensor))
-        return entry[1] if entry is not None and entry[0] is tensor else None
+        if entry is not None and entry[0] is tensor:
+            return entry[1]
+        return self._by_storage.get(_storage_key(tensor))
 
     def shard(self, global_tensor: torch.Tensor, placement: Placement, axis: str) -> torch.Tensor:
         """This rank's local piece of ``global_tensor`` laid out as ``placement`` on ``axis``.
@@ -116,12 +131,22 @@ class ScenarioContext:
         local.requires_grad_(global_tensor.requires_grad)
         return self.declare(local, **{axis: placement})
 
+    def perturb_inputs(self, epsilons: float, seed: int) -> None:
+        """Make :meth:`shard` perturb each global tensor by up to ``epsilons`` machine epsilons
+        (relative, uniform random from ``seed``); 0 turns it off. Parity's noise runs use it."""
+        self.perturbation = epsilons
+        self._noise.manual_seed(seed)
+
     def _perturbed(self, value: torch.Tensor) -> torch.Tensor:
-        """The value with a tiny relative random perturbation in noise-estimation runs."""
-        if not self._perturbation or not value.is_floating_point():
+        if not self.perturbation or not value.is_floating_point():
             return value
+        relative = self.perturbation * torch.finfo(value.dtype).eps
         noise = torch.rand(value.shape, generator=self._noise, dtype=torch.float64) * 2 - 1
-        return (value.double() * (1 + self._perturbation * noise)).to(value.dtype)
+        return (value.double() * (1 + relative * noise)).to(value.dtype)
+
+
+def _storage_key(tensor: torch.Tensor) -> tuple[int, tuple[int, ...]]:
+    return tensor.data_ptr(), tuple(tensor.shape)
 
 
 def _join(prefix: str, name: str) -> str:
