@@ -36,6 +36,7 @@ class Finding:
     corrected: Any = None
     max_error: float | None = None
     checker: str | None = None
+    kind: str = "numeric-only"
     repro: str | None = None
     id: str = field(default="")
 

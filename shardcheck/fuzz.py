@@ -19,6 +19,7 @@ import re
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,16 @@ from hypothesis.database import DirectoryBasedExampleDatabase
 from shardcheck.findings import DEFAULT_ROOT, Finding, FindingStore
 from shardcheck.layout import Layout
 from shardcheck.repro import write_repro
-from shardcheck.trial import Check, Failure, Verdict, scenario_check, split_example
+from shardcheck.trial import (
+    Check,
+    Failure,
+    MakeScenario,
+    Measure,
+    Verdict,
+    scenario_check,
+    scenario_measure,
+    split_example,
+)
 
 DEFAULT_LAYOUTS = ("tp2", "dp2", "cp2", "tp2-sp", "tp2-dp2", "tp2-cp2")
 
@@ -43,11 +53,12 @@ class FuzzError(ValueError):
 
 @dataclass
 class FuzzTarget:
-    """What to fuzz: a search space, how to judge an example, and optionally a fix and a repro."""
+    """What to fuzz: a search space, how to judge and measure an example, a fix and a repro."""
 
     name: str
     strategy: st.SearchStrategy[dict[str, Any]]
     check: Check
+    measure: Measure | None = None
     fix: Mapping[str, Any] | None = None
     repro: Callable[[Finding], Any] | None = None
     scenario: Callable[..., Any] | None = field(default=None, repr=False)
@@ -58,25 +69,31 @@ _TARGETS: dict[str, FuzzTarget] = {}
 
 def register_fuzz_target(name: str, scenario: Callable[..., Any] | None = None,
                          strategy: st.SearchStrategy[dict[str, Any]] | None = None, *,
-                         check: Check | None = None, fix: Mapping[str, Any] | None = None,
+                         make_scenario: MakeScenario | None = None, check: Check | None = None,
+                         fix: Mapping[str, Any] | None = None,
                          repro: Callable[[Finding], Any] | None = None) -> FuzzTarget:
-    """Make ``name`` fuzzable.
+    """Make ``name`` fuzzable, with its own search space.
 
-    ``scenario(ctx, **config)`` is run by the default check (layout vs. one-rank reference);
-    a custom ``check(example) -> Verdict`` replaces it. ``strategy`` draws the examples (see
-    :func:`space`). ``fix`` is the config that switches the bug's fix on, for a corrected
-    control. ``repro(finding)`` returns the :class:`~shardcheck.repro.ScriptBody` of a
-    self-contained reproduction script.
+    The scenario of an example ``{"layout": ..., **config}`` is ``scenario(ctx, **config)``, or
+    ``make_scenario(**config)`` (a picklable ``ctx -> outputs``, e.g. a Megatron component with
+    options). It runs through parity and the type checker on the warm rank pool; a custom
+    ``check(example) -> Verdict`` replaces that. ``strategy`` draws the examples (see
+    :func:`space`; by default from ``scenario``'s keyword defaults). ``fix`` is the config that
+    switches the bug's fix on, for a corrected control. ``repro(finding)`` returns the
+    :class:`~shardcheck.repro.ScriptBody` of a self-contained reproduction script.
     """
+    if make_scenario is None and scenario is not None:
+        make_scenario = partial(partial, scenario)
     if strategy is None:
         if scenario is None:
             raise FuzzError(f"fuzz target {name!r} needs a strategy or a scenario to derive one from")
         strategy = signature_space(scenario)
+    measure = None
     if check is None:
-        if scenario is None:
-            raise FuzzError(f"fuzz target {name!r} needs a scenario or a check")
-        check = scenario_check(scenario)
-    target = FuzzTarget(name, strategy, check, fix, repro, scenario)
+        if make_scenario is None:
+            raise FuzzError(f"fuzz target {name!r} needs a scenario, make_scenario or a check")
+        check, measure = scenario_check(make_scenario, name), scenario_measure(make_scenario)
+    target = FuzzTarget(name, strategy, check, measure, fix, repro, scenario)
     _TARGETS[name] = target
     return target
 
@@ -270,13 +287,22 @@ def _collect_failures(test: Callable[[], None]) -> list[_ExampleFailed]:
 def _finding(target: FuzzTarget, failed: _ExampleFailed) -> Finding:
     failure: Failure = failed.verdict.failure
     layout, config = split_example(failed.example)
+    observed, reference = _numbers(target, failed.example, failed.verdict)
     corrected = None
     if target.fix is not None:
-        corrected = target.check({**failed.example, **target.fix}).observed
+        corrected = _numbers(target, {**failed.example, **target.fix}, None)[0]
     return Finding(title=failure.title, target=target.name, location=failure.location,
-                   contract=failure.contract, layout=layout, config=config,
-                   observed=failed.verdict.observed, reference=failed.verdict.reference,
-                   corrected=corrected, max_error=failure.max_error, checker=failure.checker)
+                   contract=failure.contract, layout=layout, config=config, observed=observed,
+                   reference=reference, corrected=corrected, max_error=failure.max_error,
+                   checker=failure.checker, kind=failure.kind)
+
+
+def _numbers(target: FuzzTarget, example: Mapping[str, Any], verdict: Verdict | None) -> tuple[Any, Any]:
+    """Observed and reference numbers: measured, or from the check's verdict."""
+    if target.measure is not None:
+        return target.measure(example)
+    verdict = verdict or target.check(example)
+    return verdict.observed, verdict.reference
 
 
 def _store(findings: list[Finding], root: Path | str, target: FuzzTarget, write_repros: bool) -> list[str]:

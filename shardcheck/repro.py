@@ -15,12 +15,14 @@ import pprint
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from string import Template
 from typing import TYPE_CHECKING
 
 from shardcheck.findings import Finding
+from shardcheck.launch import free_port
 
 if TYPE_CHECKING:
     from shardcheck.fuzz import FuzzTarget
@@ -140,23 +142,42 @@ class ReproRun:
 
 
 def run_repro(path: Path | str, nproc: int, env: dict[str, str] | None = None,
-              timeout: float = 120.0) -> ReproRun:
-    """Run a repro script under ``torch.distributed.run --standalone`` with ``nproc`` ranks."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={nproc}", str(path)]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env=full_env, start_new_session=True)
+              timeout: float = 120.0, launcher: str = "torchrun") -> ReproRun:
+    """Run a repro script on ``nproc`` ranks and tell whether it reproduces.
+
+    ``launcher="torchrun"`` runs ``python -m torch.distributed.run --standalone``, as a user
+    would; ``"direct"`` starts the ranks itself with the same environment variables, which skips
+    torchrun's agent and is about twice as fast.
+    """
+    base = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    if launcher == "torchrun":
+        ranks = [([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   f"--nproc-per-node={nproc}", str(path)], base)]
+    else:
+        port = str(free_port())
+        ranks = [([sys.executable, str(path)],
+                  {**base, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(nproc),
+                   "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
+                 for r in range(nproc)]
+    processes = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                  env=rank_env, start_new_session=True) for command, rank_env in ranks]
+    deadline = time.monotonic() + timeout
+    outputs: list[tuple[str, str]] = []
     try:
-        stdout, stderr = process.communicate(timeout=timeout)
+        for process in processes:
+            outputs.append(process.communicate(timeout=max(deadline - time.monotonic(), 0.1)))
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)  # torchrun and its ranks share the new session
-        process.communicate()
+        for process in processes:  # each rank (or torchrun and its ranks) has its own session
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
         return ReproRun(BROKEN, -1, f"timed out after {timeout:.0f} s")
-    if process.returncode == 0 and "REPRODUCED " in stdout:
+    returncode = next((p.returncode for p in processes if p.returncode), 0)
+    stdout = "".join(out for out, _ in outputs)
+    output = stdout + "".join(err for _, err in outputs)
+    if returncode == 0 and "REPRODUCED " in stdout:
         status = REPRODUCES
-    elif process.returncode != 0 and "FIXED " in stdout:
+    elif returncode != 0 and "FIXED " in stdout:
         status = FIXED
     else:
         status = BROKEN
-    return ReproRun(status, process.returncode, stdout + stderr)
+    return ReproRun(status, returncode, output)

@@ -1,13 +1,15 @@
-"""Run one fuzz example of a scenario and judge it: the only glue between the fuzzer and the runners.
+"""Run one fuzz example of a scenario and judge it: the only glue between the fuzzer and parity.
 
-A scenario (``scenario(ctx, **config) -> dict[str, Tensor]``, see :mod:`shardcheck.scenario`)
-runs on real Gloo ranks under the example's layout and, once more, under the one-rank layout
-as the reference. Every output is compared with the reference; the first that differs, or a
-rank that raises or hangs, makes the example fail.
+An example ``{"layout": "tp2", **config}`` becomes a scenario ``make_scenario(**config)`` (see
+:mod:`shardcheck.scenario`), run by :func:`shardcheck.parity.parity` through a warm
+:class:`~shardcheck.pool.RankPool` under the layout and compared with its one-rank reference;
+the type checker runs too when it is installed. The example fails when a value mismatches, a
+replica disagrees, the checker reports a violation, or a rank raises, hangs or desyncs.
 """
 
 from __future__ import annotations
 
+import atexit
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -15,14 +17,15 @@ from functools import partial
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from shardcheck.launch import RankFailure, spawn_ranks
+from shardcheck.assemble import NotComparable, assemble, compare
 from shardcheck.layout import Layout
-from shardcheck.scenario import ScenarioContext, active, build_groups
+from shardcheck.parity import LayoutReport, Row, capture, parity
+from shardcheck.pool import RankPool
+from shardcheck.types import parse_placement
 
-RTOL, ATOL = 1e-4, 1e-6
 TRIAL_TIMEOUT_S = 60.0
+NUMERIC, TYPE, BOTH, RUN = "numeric-only", "type-only", "numeric+type", "run"
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,7 @@ class Failure:
     contract: str
     max_error: float | None = None
     checker: str | None = None
+    kind: str = NUMERIC
 
     @property
     def key(self) -> tuple[str, str]:
@@ -43,19 +47,16 @@ class Failure:
 
 @dataclass(frozen=True)
 class Verdict:
-    """The numbers one example produced, its reference, and its failure (None when right)."""
+    """An example's failure (None when right), and the numbers when the check has them."""
 
-    observed: dict[str, Any]
-    reference: dict[str, Any]
     failure: Failure | None = None
+    observed: dict[str, Any] | None = None
+    reference: dict[str, Any] | None = None
 
 
 Check = Callable[[Mapping[str, Any]], Verdict]
-
-
-def scenario_check(scenario: Callable[..., Mapping[str, torch.Tensor]]) -> Check:
-    """A check that runs ``scenario`` with the example's layout and config against the reference."""
-    return partial(run_trial, scenario)
+Measure = Callable[[Mapping[str, Any]], tuple[dict[str, Any], dict[str, Any]]]
+MakeScenario = Callable[..., Callable[[Any], Mapping[str, torch.Tensor]]]
 
 
 def split_example(example: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
@@ -64,68 +65,123 @@ def split_example(example: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
     return str(config.pop("layout")), config
 
 
-def run_trial(scenario: Callable[..., Mapping[str, torch.Tensor]], example: Mapping[str, Any]) -> Verdict:
-    """Run one example of ``scenario`` and compare every output with the one-rank reference."""
-    layout, config = split_example(example)
-    where = f"{scenario.__module__}:{scenario.__qualname__}"
+_POOL: list[RankPool] = []
+
+
+def shared_pool(world_size: int) -> RankPool:
+    """The warm pool kept for all trials, restarted larger when a layout needs more ranks."""
+    if _POOL and _POOL[0].world_size >= world_size:
+        return _POOL[0]
+    close_pool()
+    _POOL.append(RankPool(world_size, timeout=TRIAL_TIMEOUT_S))
+    return _POOL[0]
+
+
+@atexit.register
+def close_pool() -> None:
+    """Stop the shared pool's ranks."""
+    while _POOL:
+        _POOL.pop().close()
+
+
+def scenario_check(make_scenario: MakeScenario, where: str) -> Check:
+    """A check running ``make_scenario(**config)`` through parity; ``where`` names it in findings."""
+    return partial(_check, make_scenario, where)
+
+
+def scenario_measure(make_scenario: MakeScenario) -> Measure:
+    """The named outputs' global values under the example's layout, and the reference values."""
+    return partial(_measure, make_scenario)
+
+
+def _check(make_scenario: MakeScenario, where: str, example: Mapping[str, Any]) -> Verdict:
+    layout_text, config = split_example(example)
+    layout = Layout.parse(layout_text)
+    result = parity(make_scenario(**config), [layout], pool=shared_pool(layout.world_size),
+                    timeout=TRIAL_TIMEOUT_S)
+    return Verdict(judge(result.reports[0], where))
+
+
+def judge(report: LayoutReport, where: str) -> Failure | None:
+    """The failure a parity report shows, located by the checker when it explains it."""
+    if report.failure:
+        return _run_failure(report.failure, where)
+    bad = [row for row in report.rows if not row.ok]
+    first = next((row for row in bad if row.name == report.first_divergence), bad[0]) if bad else None
+    violation = _parse_violation(report.violations[0]) if report.violations else None
+    if violation is not None:
+        rule, location = violation
+        return Failure(_title(first, report.layout, report.violations[0]), location, f"checker rule {rule}",
+                       first.max_abs if first else None, report.violations[0], BOTH if first else TYPE)
+    if first is None:
+        return None
+    return Failure(_title(first, report.layout), f"{where}, {first.kind} {first.name}",
+                   _contract(first), first.max_abs, None, NUMERIC)
+
+
+def _contract(row: Row) -> str:
+    if row.verdict.startswith("REPLICA"):
+        return f"{row.kind} {row.name}: replicas agree"
+    return f"{row.kind} {row.name} matches the one-rank reference"
+
+
+def _title(row: Row | None, layout: Layout, violation: str | None = None) -> str:
+    if row is None:
+        return f"type violation under {layout}: {violation}"
+    return (f"{row.kind} {row.name} [{row.types}] {row.verdict.lower()} under {layout}: "
+            f"max abs err {row.max_abs:.3g} > tol {row.tol:.3g}")
+
+
+_VIOLATION = re.compile(r"^(?:checker: )?(\S+) at (\S+:\d+)")
+_FRAME = re.compile(r'File "([^"]+)", line (\d+)')
+
+
+def _parse_violation(line: str) -> tuple[str, str] | None:
+    """The rule and file:line of a ``checker: <rule> at <file>:<line> in <op>: ...`` line."""
+    match = _VIOLATION.match(line.strip())
+    return (match.group(1), match.group(2)) if match else None
+
+
+def _run_failure(text: str, where: str) -> Failure:
+    """A rank that raised (located at its innermost frame outside torch), hung or desynced."""
+    first_line = text.strip().splitlines()[0]
+    if "desync" in first_line.lower():
+        return Failure(first_line, where, "ranks enter the same collectives", kind=RUN)
+    if "raised" not in first_line:
+        return Failure(f"hang: {first_line}", where, "every rank finishes", kind=RUN)
+    frames = [f"{file}:{line}" for file, line in _FRAME.findall(text) if "/torch/" not in file]
+    error = next((line for line in reversed(text.splitlines()) if line and not line[0].isspace()
+                  and not line.startswith("last collective")), first_line)
+    return Failure(f"{first_line} {error}", frames[-1] if frames else where, "runs without raising", kind=RUN)
+
+
+def _measure(make_scenario: MakeScenario, example: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    layout_text, config = split_example(example)
+    layout, scenario = Layout.parse(layout_text), make_scenario(**config)
+    pool = shared_pool(layout.world_size)
+    reference = _outputs(pool.run(Layout(), capture, scenario, 0.0, 0, False)[0])
+    per_rank = [_outputs(rank) for rank in pool.run(layout, capture, scenario, 0.0, 0, False)]
+    observed = {name: _global_value([rank[name] for rank in per_rank], value[0], layout)
+                for name, value in reference.items()}
+    return observed, {name: _numbers(value) for name, (value, _) in reference.items()}
+
+
+def _outputs(captured: dict) -> dict[str, tuple[torch.Tensor, dict[str, str]]]:
+    return {name: (value, types) for kind, name, value, types in captured["entries"] if kind == "output"}
+
+
+def _global_value(values: list[tuple[torch.Tensor, dict[str, str]]], reference: torch.Tensor,
+                  layout: Layout) -> Any:
+    """Rank values assembled by their (declared or inferred) placements; rank 0's if impossible."""
+    known = {axis: parse_placement(text) for _, types in values for axis, text in types.items()}
+    tensors = [value for value, _ in values]
     try:
-        per_rank = spawn_ranks(_run_on_rank, Layout.parse(layout).world_size, scenario, layout, config,
-                               timeout=TRIAL_TIMEOUT_S)
-    except RankFailure as failure:
-        return Verdict({}, {}, _raised(failure, where))
-    except TimeoutError as hang:
-        return Verdict({}, {}, Failure(f"{where} hangs under {layout}: {hang}", where, "finishes"))
-    reference = per_rank[0][1]
-    observed = {name: value for name, value in per_rank[0][0].items()}
-    for name in reference:
-        for rank, (outputs, _) in enumerate(per_rank):
-            error = _max_error(outputs[name], reference[name])
-            if error is not None:
-                observed[name] = outputs[name]
-                return Verdict(observed, reference, Failure(
-                    f"{name} differs from the one-rank reference under {layout} (rank {rank})",
-                    where, f"output {name!r} equals the one-rank reference", error))
-    return Verdict(observed, reference)
-
-
-def _run_on_rank(scenario, layout_text: str, config: dict[str, Any]):
-    """This rank's outputs under the layout, and on rank 0 the one-rank reference too."""
-    rank = dist.get_rank()
-    outputs = _run_scenario(scenario, Layout.parse(layout_text), rank, config)
-    alone = build_groups(Layout(), rank)  # every rank takes part in creating the groups
-    reference = _run_scenario(scenario, Layout(), 0, config, alone) if rank == 0 else None
-    return outputs, reference
-
-
-def _run_scenario(scenario, layout: Layout, rank: int, config: dict[str, Any],
-                  groups: dict | None = None) -> dict[str, list | float]:
-    ctx = ScenarioContext(layout, rank, groups or build_groups(layout, rank))
-    with active(ctx):
-        outputs = scenario(ctx, **config)
-    return {name: _numbers(value) for name, value in outputs.items()}
+        placements = compare(tensors, reference, 0.0, layout, known).placements
+        return _numbers(assemble(tensors, layout, placements)[0])
+    except NotComparable:
+        return _numbers(tensors[0])
 
 
 def _numbers(value: torch.Tensor) -> list | float:
     value = value.detach().double()
     return value.item() if value.numel() == 1 else value.tolist()
-
-
-def _max_error(got: list | float, want: list | float) -> float | None:
-    """The largest absolute difference when it is beyond tolerance, else None."""
-    got_t, want_t = torch.tensor(got, dtype=torch.float64), torch.tensor(want, dtype=torch.float64)
-    if got_t.shape != want_t.shape:
-        return float("inf")
-    if torch.allclose(got_t, want_t, rtol=RTOL, atol=ATOL, equal_nan=True):
-        return None
-    return (got_t - want_t).abs().max().item()
-
-
-_FRAME = re.compile(r'File "([^"]+)", line (\d+)')
-
-
-def _raised(failure: RankFailure, where: str) -> Failure:
-    """A rank's exception as a failure located at the innermost frame outside torch."""
-    frames = [(f, line) for f, line in _FRAME.findall(failure.traceback) if "/torch/" not in f]
-    location = f"{frames[-1][0]}:{frames[-1][1]}" if frames else where
-    last_line = failure.traceback.strip().splitlines()[-1]
-    return Failure(f"rank {failure.rank} raised {last_line}", location, "runs without raising")
