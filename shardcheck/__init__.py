@@ -11,6 +11,24 @@ from shardcheck.scenario import ScenarioContext, current_context, replicate, sha
 
 __all__ += ["Layout", "LayoutError", "ScenarioContext", "current_context", "replicate", "shard"]
 
+from shardcheck.checker import (  # noqa: E402
+    Coverage,
+    SpmdTypeError,
+    annotate,
+    assert_type,
+    contract,
+    coverage,
+    rank_slice,
+    register_rule,
+    typecheck,
+    typeof,
+    violations,
+)
+
+__all__ += [
+    "Coverage", "SpmdTypeError", "annotate", "assert_type", "contract", "coverage",
+    "rank_slice", "register_rule", "typecheck", "typeof", "violations",
+]
 from shardcheck.parity import ParityResult, parity  # noqa: E402
 from shardcheck.pool import PoolFailure, RankPool  # noqa: E402
 
