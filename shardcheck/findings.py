@@ -51,7 +51,7 @@ class Finding:
         return Layout.parse(self.layout).world_size
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2, sort_keys=True, default=str)
+        return json.dumps(asdict(self), indent=2, default=str)
 
     @classmethod
     def from_json(cls, text: str) -> Finding:

@@ -71,7 +71,8 @@ def register_fuzz_target(name: str, scenario: Callable[..., Any] | None = None,
                          strategy: st.SearchStrategy[dict[str, Any]] | None = None, *,
                          make_scenario: MakeScenario | None = None, check: Check | None = None,
                          fix: Mapping[str, Any] | None = None,
-                         repro: Callable[[Finding], Any] | None = None) -> FuzzTarget:
+                         repro: Callable[[Finding], Any] | None = None,
+                         typecheck: bool = True) -> FuzzTarget:
     """Make ``name`` fuzzable, with its own search space.
 
     The scenario of an example ``{"layout": ..., **config}`` is ``scenario(ctx, **config)``, or
@@ -81,6 +82,7 @@ def register_fuzz_target(name: str, scenario: Callable[..., Any] | None = None,
     :func:`space`; by default from ``scenario``'s keyword defaults). ``fix`` is the config that
     switches the bug's fix on, for a corrected control. ``repro(finding)`` returns the
     :class:`~shardcheck.repro.ScriptBody` of a self-contained reproduction script.
+    ``typecheck=False`` runs parity alone, for code whose inputs carry no declared types.
     """
     if make_scenario is None and scenario is not None:
         make_scenario = partial(partial, scenario)
@@ -92,7 +94,7 @@ def register_fuzz_target(name: str, scenario: Callable[..., Any] | None = None,
     if check is None:
         if make_scenario is None:
             raise FuzzError(f"fuzz target {name!r} needs a scenario, make_scenario or a check")
-        check, measure = scenario_check(make_scenario, name), scenario_measure(make_scenario)
+        check, measure = scenario_check(make_scenario, name, typecheck), scenario_measure(make_scenario)
     target = FuzzTarget(name, strategy, check, measure, fix, repro, scenario)
     _TARGETS[name] = target
     return target
@@ -103,8 +105,11 @@ def registered_targets() -> dict[str, FuzzTarget]:
     return dict(_TARGETS)
 
 
-def resolve_target(spec: str | FuzzTarget) -> FuzzTarget:
-    """A registered target by name, or the target of a ``module:function`` scenario."""
+def resolve_target(spec: str | FuzzTarget, typecheck: bool = True) -> FuzzTarget:
+    """A registered target by name, or the target of a ``module:function`` scenario.
+
+    ``typecheck`` applies to a scenario that its module did not register itself.
+    """
     if isinstance(spec, FuzzTarget):
         return spec
     if spec in _TARGETS:
@@ -116,7 +121,7 @@ def resolve_target(spec: str | FuzzTarget) -> FuzzTarget:
     for target in _TARGETS.values():
         if target.scenario is scenario:
             return target
-    return register_fuzz_target(spec, scenario)
+    return register_fuzz_target(spec, scenario, typecheck=typecheck)
 
 
 def _import_scenario(spec: str) -> Callable[..., Any]:
@@ -228,7 +233,7 @@ def fuzz(spec: str | FuzzTarget, *, budget: int = 50, seed: int | None = None,
     ``progress(examples_run, failing_examples)`` is called after every example.
     """
     target = resolve_target(spec)
-    failure_types: dict[tuple[str, str], type[_ExampleFailed]] = {}
+    failure_types: dict[tuple, type[_ExampleFailed]] = {}
     examples, failing, first_failure_at = 0, 0, None
 
     def run_example(example: dict[str, Any]) -> None:
@@ -240,7 +245,7 @@ def fuzz(spec: str | FuzzTarget, *, budget: int = 50, seed: int | None = None,
             progress(examples, failing)
         if verdict.failure is not None:
             first_failure_at = first_failure_at or examples
-            raise _failure_type(failure_types, verdict.failure.key)(example, verdict)
+            raise _failure_type(failure_types, verdict.failure.search_key)(example, verdict)
 
     test = given(target.strategy)(run_example)
     test = settings(**_settings(target, budget, seed, root))(test)
@@ -248,7 +253,7 @@ def fuzz(spec: str | FuzzTarget, *, budget: int = 50, seed: int | None = None,
         test = hypothesis_seed(seed)(test)
     started = time.monotonic()
     failures = _collect_failures(test)
-    findings = [_finding(target, failure) for failure in failures]
+    findings = [_finding(target, failure) for failure in _one_per_key(failures)]
     new = _store(findings, root, target, write_repros) if root is not None else []
     return Campaign(target.name, findings, new, examples, time.monotonic() - started, first_failure_at)
 
@@ -262,8 +267,7 @@ def _settings(target: FuzzTarget, budget: int, seed: int | None, root: Path | st
                 verbosity=Verbosity.quiet, suppress_health_check=list(HealthCheck))
 
 
-def _failure_type(types: dict[tuple[str, str], type[_ExampleFailed]],
-                  key: tuple[str, str]) -> type[_ExampleFailed]:
+def _failure_type(types: dict[tuple, type[_ExampleFailed]], key: tuple) -> type[_ExampleFailed]:
     """One exception class per failure key, so hypothesis shrinks each distinct bug separately."""
     if key not in types:
         types[key] = type(f"ExampleFailed{len(types)}", (_ExampleFailed,), {})
@@ -279,9 +283,19 @@ def _collect_failures(test: Callable[[], None]) -> list[_ExampleFailed]:
     except Exception as group:
         inner = getattr(group, "exceptions", None)
         if inner and all(isinstance(e, _ExampleFailed) for e in inner):
-            return sorted(inner, key=lambda e: e.verdict.failure.key)
+            return sorted(inner, key=lambda e: e.verdict.failure.search_key)
         raise
     return []
+
+
+def _one_per_key(failures: list[_ExampleFailed]) -> list[_ExampleFailed]:
+    """One failure per location and contract, preferring one whose numbers show the bug."""
+    best: dict[tuple[str, str], _ExampleFailed] = {}
+    for failed in failures:
+        failure = failed.verdict.failure
+        if failure.key not in best or failure.search_key[2]:
+            best[failure.key] = failed
+    return list(best.values())
 
 
 def _finding(target: FuzzTarget, failed: _ExampleFailed) -> Finding:

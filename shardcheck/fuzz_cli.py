@@ -10,6 +10,7 @@ from pathlib import Path
 
 import click
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from shardcheck.findings import DEFAULT_ROOT, Finding, FindingStore
@@ -22,26 +23,39 @@ _root_option = click.option("--root", default=str(DEFAULT_ROOT), show_default=Tr
                             type=click.Path(file_okay=False), help="Where findings and the example database live.")
 
 
-def _target(spec: str) -> FuzzTarget:
+def _target(spec: str, typecheck: bool = True) -> FuzzTarget:
     """Resolve a target; component names may need the Megatron catalogue imported first."""
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # module:function scenarios next to the user
     if ":" not in spec and spec not in registered_targets() and importlib.util.find_spec(CATALOGUE_PACKAGE):
         importlib.import_module(CATALOGUE_PACKAGE)
     try:
-        return resolve_target(spec)
+        return resolve_target(spec, typecheck)
     except (FuzzError, LayoutError) as exc:
         raise click.ClickException(str(exc)) from None
 
 
 def _show_findings(findings: list[Finding], statuses: dict[str, str] | None = None) -> None:
-    table = Table("id", *(["status"] if statuses is not None else []), "layout", "config",
-                  "observed", "reference", "title", "repro")
+    table = Table("id", *(["status"] if statuses is not None else []), "kind", "trigger",
+                  "observed", "reference", "location")
     for f in findings:
         status = [statuses[f.id]] if statuses is not None else []
-        table.add_row(f.id, *status, f.layout, str(f.config), str(f.observed), str(f.reference),
-                      f.title, f.repro or "-")
-    Console(width=200).print(table)
+        table.add_row(f.id, *status, f.kind, escape(f"{f.layout} {f.config}"), escape(str(f.observed)),
+                      escape(str(f.reference)), escape(_short(f.location)))
+    console = Console(width=160)
+    console.print(table)
+    for f in findings:
+        console.print(f"{f.id}: {escape(f.title)}" + (f"\n  repro: {f.repro}" if f.repro else ""),
+                      highlight=False)
+
+
+def _short(location: str) -> str:
+    """A location with its file shown relative to here when it is below here."""
+    path, sep, rest = location.partition(":")
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd())) + sep + rest
+    except ValueError:
+        return location
 
 
 @click.command("fuzz")
@@ -49,14 +63,16 @@ def _show_findings(findings: list[Finding], statuses: dict[str, str] | None = No
 @click.option("--budget", default=50, show_default=True, type=click.IntRange(1),
               help="How many examples hypothesis may try (shrinking comes on top).")
 @click.option("--seed", type=int, default=None, help="Make the search reproducible.")
+@click.option("--no-typecheck", is_flag=True,
+              help="Parity only: for a scenario whose inputs carry no declared types.")
 @_root_option
-def fuzz_command(target: str, budget: int, seed: int | None, root: str) -> None:
+def fuzz_command(target: str, budget: int, seed: int | None, no_typecheck: bool, root: str) -> None:
     """Search TARGET's layouts, configurations and inputs for failures; shrink and store them.
 
     TARGET is a scenario as module:function, or a registered component name. Exits 1 when a
     failure is found.
     """
-    resolved = _target(target)
+    resolved = _target(target, not no_typecheck)
     console = Console(stderr=True)
     try:
         with console.status(f"fuzzing {resolved.name}") as status:
@@ -93,18 +109,20 @@ def repro_command(finding_id: str, output: str | None, root: str) -> None:
 
 @click.command("findings")
 @click.option("--no-run", is_flag=True, help="List without rerunning the repro scripts.")
+@click.option("--launcher", type=click.Choice(["direct", "torchrun"]), default="direct", show_default=True,
+              help="How to start the scripts' ranks: directly (faster), or under torchrun.")
 @_root_option
-def findings_command(no_run: bool, root: str) -> None:
+def findings_command(no_run: bool, launcher: str, root: str) -> None:
     """List the stored findings with their status, by rerunning their repro scripts."""
     findings = FindingStore(root).all()
     if not findings:
         click.echo(f"no findings in {Path(root) / 'findings'}")
         return
-    statuses = None if no_run else {f.id: _status(f) for f in findings}
+    statuses = None if no_run else {f.id: _status(f, launcher) for f in findings}
     _show_findings(findings, statuses)
 
 
-def _status(finding: Finding) -> str:
+def _status(finding: Finding, launcher: str) -> str:
     if not finding.repro or not Path(finding.repro).exists():
         return "no script"
-    return run_repro(finding.repro, finding.world_size).status
+    return run_repro(finding.repro, finding.world_size, launcher=launcher).status

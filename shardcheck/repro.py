@@ -142,7 +142,7 @@ class ReproRun:
 
 
 def run_repro(path: Path | str, nproc: int, env: dict[str, str] | None = None,
-              timeout: float = 120.0, launcher: str = "torchrun") -> ReproRun:
+              timeout: float = 300.0, launcher: str = "torchrun") -> ReproRun:
     """Run a repro script on ``nproc`` ranks and tell whether it reproduces.
 
     ``launcher="torchrun"`` runs ``python -m torch.distributed.run --standalone``, as a user

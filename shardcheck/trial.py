@@ -44,6 +44,15 @@ class Failure:
         """What deduplicates findings: the code location and the contract."""
         return self.location, self.contract
 
+    @property
+    def search_key(self) -> tuple[str, str, bool]:
+        """What the search shrinks separately: the key, and whether the numbers show the bug.
+
+        A type violation shrinks to examples whose numbers may happen to agree; its smallest
+        example with wrong numbers is kept too, as the trigger a repro script can show.
+        """
+        return self.location, self.contract, self.kind != TYPE
+
 
 @dataclass(frozen=True)
 class Verdict:
@@ -84,9 +93,12 @@ def close_pool() -> None:
         _POOL.pop().close()
 
 
-def scenario_check(make_scenario: MakeScenario, where: str) -> Check:
-    """A check running ``make_scenario(**config)`` through parity; ``where`` names it in findings."""
-    return partial(_check, make_scenario, where)
+def scenario_check(make_scenario: MakeScenario, where: str, typecheck: bool = True) -> Check:
+    """A check running ``make_scenario(**config)`` through parity; ``where`` names it in findings.
+
+    ``typecheck=False`` skips the type checker, for code whose inputs carry no declared types.
+    """
+    return partial(_check, make_scenario, where, typecheck)
 
 
 def scenario_measure(make_scenario: MakeScenario) -> Measure:
@@ -94,11 +106,11 @@ def scenario_measure(make_scenario: MakeScenario) -> Measure:
     return partial(_measure, make_scenario)
 
 
-def _check(make_scenario: MakeScenario, where: str, example: Mapping[str, Any]) -> Verdict:
+def _check(make_scenario: MakeScenario, where: str, typecheck: bool, example: Mapping[str, Any]) -> Verdict:
     layout_text, config = split_example(example)
     layout = Layout.parse(layout_text)
     result = parity(make_scenario(**config), [layout], pool=shared_pool(layout.world_size),
-                    timeout=TRIAL_TIMEOUT_S)
+                    timeout=TRIAL_TIMEOUT_S, typecheck=typecheck)
     return Verdict(judge(result.reports[0], where))
 
 
@@ -108,11 +120,11 @@ def judge(report: LayoutReport, where: str) -> Failure | None:
         return _run_failure(report.failure, where)
     bad = [row for row in report.rows if not row.ok]
     first = next((row for row in bad if row.name == report.first_divergence), bad[0]) if bad else None
-    violation = _parse_violation(report.violations[0]) if report.violations else None
+    violation = next(filter(None, map(_parse_violation, report.violations)), None)
     if violation is not None:
-        rule, location = violation
-        return Failure(_title(first, report.layout, report.violations[0]), location, f"checker rule {rule}",
-                       first.max_abs if first else None, report.violations[0], BOTH if first else TYPE)
+        rule, location, line = violation
+        return Failure(_title(first, report.layout, line), location, f"checker rule {rule!r}",
+                       first.max_abs if first else None, line, BOTH if first else TYPE)
     if first is None:
         return None
     return Failure(_title(first, report.layout), f"{where}, {first.kind} {first.name}",
@@ -132,14 +144,14 @@ def _title(row: Row | None, layout: Layout, violation: str | None = None) -> str
             f"max abs err {row.max_abs:.3g} > tol {row.tol:.3g}")
 
 
-_VIOLATION = re.compile(r"^(?:checker: )?(\S+) at (\S+:\d+)")
+_VIOLATION = re.compile(r"checker: (?P<rule>.+?) at (?P<location>\S+:\d+) in (?P<op>[^\s:]+):(?P<rest>[^\n\\']*)")
 _FRAME = re.compile(r'File "([^"]+)", line (\d+)')
 
 
-def _parse_violation(line: str) -> tuple[str, str] | None:
-    """The rule and file:line of a ``checker: <rule> at <file>:<line> in <op>: ...`` line."""
-    match = _VIOLATION.match(line.strip())
-    return (match.group(1), match.group(2)) if match else None
+def _parse_violation(text: str) -> tuple[str, str, str] | None:
+    """The rule, the file:line and the ``checker: ...`` line in a reported violation."""
+    match = _VIOLATION.search(text)
+    return (match["rule"], match["location"], match[0].rstrip()) if match else None
 
 
 def _run_failure(text: str, where: str) -> Failure:

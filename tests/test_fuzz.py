@@ -1,10 +1,12 @@
 """The fuzzer finds and shrinks each planted bug, deterministically under a fixed seed."""
 
+from pathlib import Path
+
 import pytest
 from click.testing import CliRunner
 from hypothesis import find
 from hypothesis import strategies as st
-from planted import targets
+from planted import bugs, targets
 
 from shardcheck.cli import main
 from shardcheck.findings import FindingStore
@@ -29,6 +31,7 @@ SHRUNK = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(SHRUNK))
 def test_planted_bug_is_found_and_shrunk_exactly(name):
     campaign = fuzz(name, budget=30, seed=0, root=None)
@@ -37,6 +40,15 @@ def test_planted_bug_is_found_and_shrunk_exactly(name):
     assert finding.observed != finding.reference
     assert finding.corrected == finding.reference  # the fix control agrees with the reference
     assert finding.max_error > 1e-3
+
+
+def test_checker_locates_the_planted_bug_it_can_type():
+    [finding] = fuzz("planted-masked-mean", budget=30, seed=0, root=None).findings
+    source = Path(bugs.__file__).read_text().splitlines()
+    line = next(i for i, text in enumerate(source, 1) if "BUG: each rank's own token count" in text)
+    assert finding.location == f"{bugs.__file__}:{line}" and finding.kind == "numeric+type"
+    assert finding.checker.startswith(f"checker: division by partial at {bugs.__file__}:{line} in ")
+    assert finding.contract == "checker rule 'division by partial'"
 
 
 def masked_mean_fixed(ctx, seq_len=1, padding=(0,)):
@@ -61,7 +73,7 @@ TWO_BUGS_SPACE = space(["dp2", "dp3"], seq_len=st.integers(1, 4),
 
 
 def test_distinct_failures_are_each_shrunk_and_deduplicated(tmp_path):
-    target = register_fuzz_target("test-two-bugs", two_bugs, TWO_BUGS_SPACE)
+    target = register_fuzz_target("test-two-bugs", two_bugs, TWO_BUGS_SPACE, typecheck=False)
     first = fuzz(target, budget=40, seed=1, root=tmp_path)
     triggers = sorted((f.contract, f.layout, f.config) for f in first.findings)
     assert triggers == [
@@ -128,6 +140,7 @@ def unregistered_sum(ctx, seq_len=2, hidden=1):
 
 
 def test_unregistered_user_scenario_is_fuzzed_from_its_signature():
-    [finding] = fuzz("test_fuzz:unregistered_sum", budget=20, seed=0, root=None).findings
+    target = resolve_target("test_fuzz:unregistered_sum", typecheck=False)
+    [finding] = fuzz(target, budget=20, seed=0, root=None).findings
     assert (finding.layout, finding.config) == ("tp2", {"seq_len": 1, "hidden": 1})
     assert finding.target == "test_fuzz:unregistered_sum"

@@ -4,6 +4,9 @@ Each ``*_run(group, **config, fixed=None)`` takes this rank's piece of a global 
 same way on every rank) and calls the planted function on ``group``. On a one-rank group it
 sees the whole batch, which is the reference. The scenarios wrap the runs for the fuzzer, and
 the repro scripts include the batch builders and runs verbatim, so both execute the same code.
+``masked_mean`` instead shards its inputs with ``ctx.shard``, declaring their types, so that
+the type checker runs on it too; plain code that slices by rank internally has no declared
+types, and its targets run parity alone.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from planted.bugs import (
     vocab_parallel_cross_entropy,
     weighted_token_mean,
 )
-from shardcheck import R
+from shardcheck import R, S
 from shardcheck.fuzz import option, per_rank, register_fuzz_target, space
 from shardcheck.repro import ScriptBody
 
@@ -73,7 +76,10 @@ def _outputs(ctx, axis: str, value: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 def masked_mean(ctx, seq_len=1, padding=(0,), fixed=None):
-    return _outputs(ctx, "dp", masked_mean_run(ctx.groups["dp"], seq_len, list(padding), fixed))
+    """Declares its inputs' types (S(0) over dp), so the type checker runs on it too."""
+    losses, mask = masked_batch(seq_len, list(padding))
+    local_losses, local_mask = ctx.shard(losses, S(0), "dp"), ctx.shard(mask, S(0), "dp")
+    return _outputs(ctx, "dp", masked_mean_loss(local_losses, local_mask, ctx.groups["dp"], fixed))
 
 
 def smoothed_ce(ctx, tokens=1, vocab=2, label_smoothing=0.0, fixed=None):
@@ -115,14 +121,16 @@ def planted_body(run: Callable, planted: Callable, *helpers: Callable) -> Callab
 
 
 def _register(name: str, scenario: Callable, strategy: st.SearchStrategy, run: Callable,
-              planted: Callable, *helpers: Callable) -> None:
-    register_fuzz_target(name, scenario, strategy, fix=FIX, repro=planted_body(run, planted, *helpers))
+              planted: Callable, *helpers: Callable, typecheck: bool = False) -> None:
+    """Register a planted target; the type checker only runs where inputs have declared types."""
+    register_fuzz_target(name, scenario, strategy, fix=FIX, repro=planted_body(run, planted, *helpers),
+                         typecheck=typecheck)
 
 
 _register("planted-masked-mean", masked_mean,
           space(["dp2", "dp3", "dp4"], seq_len=st.integers(1, 6),
                 padding=per_rank("dp", lambda layout, drawn: st.integers(0, drawn["seq_len"] - 1))),
-          masked_mean_run, masked_mean_loss, masked_batch)
+          masked_mean_run, masked_mean_loss, masked_batch, typecheck=True)
 _register("planted-smoothed-ce", smoothed_ce,
           space(["tp2", "tp3", "tp4"], tokens=st.integers(1, 4),
                 vocab=lambda layout, drawn: st.integers(1, 4).map(lambda v: v * layout.tp),
