@@ -215,7 +215,7 @@ class Campaign:
 
 
 class _ExampleFailed(Exception):
-    """Raised inside the hypothesis test; one subclass per (location, contract)."""
+    """Raised inside the hypothesis test; one subclass per search key (see Failure.search_key)."""
 
     def __init__(self, example: dict[str, Any], verdict: Verdict) -> None:
         super().__init__(verdict.failure.title if verdict.failure else "failed")
@@ -248,9 +248,9 @@ def fuzz(spec: str | FuzzTarget, *, budget: int = 50, seed: int | None = None,
             raise _failure_type(failure_types, verdict.failure.search_key)(example, verdict)
 
     test = given(target.strategy)(run_example)
-    test = settings(**_settings(target, budget, seed, root))(test)
-    if seed is not None:
+    if seed is not None:  # before the settings: hypothesis_seed alone would drop the database
         test = hypothesis_seed(seed)(test)
+    test = settings(**_settings(target, budget, root))(test)
     started = time.monotonic()
     failures = _collect_failures(test)
     findings = [_finding(target, failure) for failure in _one_per_key(failures)]
@@ -258,7 +258,7 @@ def fuzz(spec: str | FuzzTarget, *, budget: int = 50, seed: int | None = None,
     return Campaign(target.name, findings, new, examples, time.monotonic() - started, first_failure_at)
 
 
-def _settings(target: FuzzTarget, budget: int, seed: int | None, root: Path | str | None) -> dict[str, Any]:
+def _settings(target: FuzzTarget, budget: int, root: Path | str | None) -> dict[str, Any]:
     database = (DirectoryBasedExampleDatabase(str(Path(root) / "hypothesis" / _slug(target.name)))
                 if root is not None else None)
     phases = [Phase.generate, Phase.shrink] + ([Phase.reuse] if database is not None else [])

@@ -18,7 +18,7 @@ from shardcheck.fuzz import FuzzError, FuzzTarget, fuzz, registered_targets, res
 from shardcheck.layout import LayoutError
 from shardcheck.repro import ReproError, run_repro, write_repro
 
-CATALOGUE_PACKAGE = "shardcheck.megatron"
+CATALOGUE_MODULE = "shardcheck.megatron.fuzz_targets"  # registers the Megatron components
 _root_option = click.option("--root", default=str(DEFAULT_ROOT), show_default=True,
                             type=click.Path(file_okay=False), help="Where findings and the example database live.")
 
@@ -27,12 +27,19 @@ def _target(spec: str, typecheck: bool = True) -> FuzzTarget:
     """Resolve a target; component names may need the Megatron catalogue imported first."""
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # module:function scenarios next to the user
-    if ":" not in spec and spec not in registered_targets() and importlib.util.find_spec(CATALOGUE_PACKAGE):
-        importlib.import_module(CATALOGUE_PACKAGE)
+    if ":" not in spec and spec not in registered_targets() and _exists(CATALOGUE_MODULE):
+        importlib.import_module(CATALOGUE_MODULE)
     try:
         return resolve_target(spec, typecheck)
     except (FuzzError, LayoutError) as exc:
         raise click.ClickException(str(exc)) from None
+
+
+def _exists(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # its parent package is missing
+        return False
 
 
 def _show_findings(findings: list[Finding], statuses: dict[str, str] | None = None) -> None:

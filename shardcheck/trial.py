@@ -86,6 +86,12 @@ def shared_pool(world_size: int) -> RankPool:
     return _POOL[0]
 
 
+def use_pool(pool: RankPool) -> None:
+    """Run the trials on ``pool`` (e.g. one whose ranks preloaded Megatron) instead of our own."""
+    close_pool()
+    _POOL.append(pool)
+
+
 @atexit.register
 def close_pool() -> None:
     """Stop the shared pool's ranks."""

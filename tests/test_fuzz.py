@@ -83,7 +83,14 @@ def test_distinct_failures_are_each_shrunk_and_deduplicated(tmp_path):
     assert sorted(first.new) == sorted(f.id for f in first.findings)
     again = fuzz(target, budget=40, seed=1, root=tmp_path)
     assert again.new == [] and len(FindingStore(tmp_path).all()) == 2
-    assert again.first_failure_at == 1  # the example database replays a known failure first
+
+
+def test_rerun_replays_the_known_failure_first(tmp_path):
+    first = fuzz("planted-smoothed-ce", budget=30, seed=0, root=tmp_path)
+    again = fuzz("planted-smoothed-ce", budget=30, seed=0, root=tmp_path)
+    assert first.first_failure_at > 1 and again.first_failure_at == 1
+    assert [f.config for f in again.findings] == [f.config for f in first.findings]
+    assert (tmp_path / "hypothesis" / "planted-smoothed-ce").is_dir()
 
 
 def test_layouts_shrink_to_fewest_ranks_and_options_to_default():
