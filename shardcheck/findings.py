@@ -38,6 +38,7 @@ class Finding:
     checker: str | None = None
     kind: str = "numeric-only"
     repro: str | None = None
+    module: str | None = None  # importing it registers the target again, e.g. for `shardcheck repro`
     id: str = field(default="")
 
     def __post_init__(self) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import re
+import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -62,6 +63,7 @@ class FuzzTarget:
     fix: Mapping[str, Any] | None = None
     repro: Callable[[Finding], Any] | None = None
     scenario: Callable[..., Any] | None = field(default=None, repr=False)
+    module: str | None = None  # importing it registers this target again (in a new process)
 
 
 _TARGETS: dict[str, FuzzTarget] = {}
@@ -95,7 +97,8 @@ def register_fuzz_target(name: str, scenario: Callable[..., Any] | None = None,
         if make_scenario is None:
             raise FuzzError(f"fuzz target {name!r} needs a scenario, make_scenario or a check")
         check, measure = scenario_check(make_scenario, name, typecheck), scenario_measure(make_scenario)
-    target = FuzzTarget(name, strategy, check, measure, fix, repro, scenario)
+    module = sys._getframe(1).f_globals.get("__name__")
+    target = FuzzTarget(name, strategy, check, measure, fix, repro, scenario, module)
     _TARGETS[name] = target
     return target
 
@@ -105,13 +108,16 @@ def registered_targets() -> dict[str, FuzzTarget]:
     return dict(_TARGETS)
 
 
-def resolve_target(spec: str | FuzzTarget, typecheck: bool = True) -> FuzzTarget:
+def resolve_target(spec: str | FuzzTarget, typecheck: bool = True, module: str | None = None) -> FuzzTarget:
     """A registered target by name, or the target of a ``module:function`` scenario.
 
-    ``typecheck`` applies to a scenario that its module did not register itself.
+    ``module`` is imported first when the name is not registered yet (see
+    :attr:`Finding.module`). ``typecheck`` applies to a scenario its module did not register.
     """
     if isinstance(spec, FuzzTarget):
         return spec
+    if spec not in _TARGETS and module:
+        _import(module, spec)
     if spec in _TARGETS:
         return _TARGETS[spec]
     if ":" not in spec:
@@ -124,12 +130,16 @@ def resolve_target(spec: str | FuzzTarget, typecheck: bool = True) -> FuzzTarget
     return register_fuzz_target(spec, scenario, typecheck=typecheck)
 
 
-def _import_scenario(spec: str) -> Callable[..., Any]:
-    module_name, _, function_name = spec.partition(":")
+def _import(module_name: str, spec: str) -> Any:
     try:
-        module = importlib.import_module(module_name)
+        return importlib.import_module(module_name)
     except ImportError as exc:
         raise FuzzError(f"cannot import {module_name!r} for scenario {spec!r}: {exc}") from exc
+
+
+def _import_scenario(spec: str) -> Callable[..., Any]:
+    module_name, _, function_name = spec.partition(":")
+    module = _import(module_name, spec)
     scenario = getattr(module, function_name, None)
     if not callable(scenario):
         raise FuzzError(f"module {module_name!r} has no function {function_name!r}")
@@ -305,7 +315,7 @@ def _finding(target: FuzzTarget, failed: _ExampleFailed) -> Finding:
     corrected = None
     if target.fix is not None:
         corrected = _numbers(target, {**failed.example, **target.fix}, None)[0]
-    return Finding(title=failure.title, target=target.name, location=failure.location,
+    return Finding(title=failure.title, target=target.name, module=target.module, location=failure.location,
                    contract=failure.contract, layout=layout, config=config, observed=observed,
                    reference=reference, corrected=corrected, max_error=failure.max_error,
                    checker=failure.checker, kind=failure.kind)

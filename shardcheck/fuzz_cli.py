@@ -23,14 +23,14 @@ _root_option = click.option("--root", default=str(DEFAULT_ROOT), show_default=Tr
                             type=click.Path(file_okay=False), help="Where findings and the example database live.")
 
 
-def _target(spec: str, typecheck: bool = True) -> FuzzTarget:
+def _target(spec: str, typecheck: bool = True, module: str | None = None) -> FuzzTarget:
     """Resolve a target; component names may need the Megatron catalogue imported first."""
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # module:function scenarios next to the user
-    if ":" not in spec and spec not in registered_targets() and _exists(CATALOGUE_MODULE):
+    if ":" not in spec and spec not in registered_targets() and not module and _exists(CATALOGUE_MODULE):
         importlib.import_module(CATALOGUE_MODULE)
     try:
-        return resolve_target(spec, typecheck)
+        return resolve_target(spec, typecheck, module)
     except (FuzzError, LayoutError) as exc:
         raise click.ClickException(str(exc)) from None
 
@@ -105,7 +105,7 @@ def repro_command(finding_id: str, output: str | None, root: str) -> None:
     store = FindingStore(root)
     try:
         finding = store.load(finding_id)
-        path = write_repro(finding, _target(finding.target), output or Path(root) / "repro" / f"{finding.id}.py")
+        path = write_repro(finding, _target(finding.target, module=finding.module), output or Path(root) / "repro" / f"{finding.id}.py")
     except (KeyError, ReproError) as exc:
         raise click.ClickException(exc.args[0]) from None
     if output is None:

@@ -92,7 +92,7 @@ $corrected_call
         print(f"reference: {show(want)}")
 $corrected_print
         if reproduces and CHECKER:
-            print(f"checker: {CHECKER}")
+            print(CHECKER)
         print(f"REPRODUCED {NAME}" if reproduces else f"FIXED {NAME}: observed matches reference")
     dist.destroy_process_group()
     return 0 if reproduces else 1
@@ -111,10 +111,17 @@ def render_script(finding: Finding, body: ScriptBody, filename: str = "repro.py"
         layout=finding.layout, config_inline=finding.config, world=finding.world_size,
         filename=filename, sys_path=sys_path.rstrip("\n"), imports=body.imports.strip(),
         name=finding.id, config=pprint.pformat(finding.config, width=90, sort_dicts=False),
-        checker=repr(finding.checker), code=body.code.strip() + "\n",
+        checker=repr(_checker_line(finding.checker)), code=body.code.strip() + "\n",
         corrected_call="    fixed = corrected()" if body.has_corrected else "",
         corrected_print='        print(f"corrected: {show(fixed)}")' if body.has_corrected else "",
     ).replace("\n\n\n\n", "\n\n\n")
+
+
+def _checker_line(line: str | None) -> str | None:
+    """The checker's line as the script prints it, recorded when the fuzzer found the bug."""
+    if not line:
+        return None
+    return line if line.startswith("checker:") else f"checker: {line}"
 
 
 class ReproError(ValueError):

@@ -1,5 +1,10 @@
 """Emitted repro scripts run under torchrun: REPRODUCED and exit 0, then exit 1 once fixed."""
 
+import os
+import re
+import subprocess
+import sys
+
 import pytest
 from click.testing import CliRunner
 from planted import bugs, targets  # noqa: F401 - registers the planted targets
@@ -27,7 +32,8 @@ def _printed(output: str, label: str) -> float:
 def test_emitted_script_reproduces_then_passes_once_fixed(name, tmp_path):
     [finding] = fuzz(name, budget=30, seed=0, root=tmp_path).findings
     script = open(finding.repro).read()
-    assert "shardcheck" not in script and len(script.splitlines()) <= 150
+    assert not re.search(r"^\s*(import|from)\s+shardcheck", script, re.M)
+    assert len(script.splitlines()) <= 150
 
     # torchrun for one planted bug; the same scripts under the direct launcher (same
     # environment, no torchrun agent: about twice as fast) for the others
@@ -38,6 +44,8 @@ def test_emitted_script_reproduces_then_passes_once_fixed(name, tmp_path):
     assert _printed(buggy.output, "observed") == pytest.approx(finding.observed["value"], rel=1e-6)
     assert _printed(buggy.output, "reference") == pytest.approx(finding.reference["value"], rel=1e-6)
     assert _printed(buggy.output, "corrected") == pytest.approx(finding.reference["value"], rel=1e-6)
+    checker_lines = [line for line in buggy.output.splitlines() if line.startswith("checker:")]
+    assert checker_lines == ([finding.checker] if finding.checker else [])
 
     fixed = run_repro(finding.repro, finding.world_size, env={"PLANTED_FIXES": PLANTED[name].__name__},
                       launcher=launcher, timeout=600)
@@ -69,9 +77,12 @@ def test_cli_repro_writes_the_script_and_findings_reports_its_status(tmp_path):
     [finding] = fuzz("planted-token-mean", budget=30, seed=0, root=tmp_path, write_repros=False).findings
     assert FindingStore(tmp_path).load(finding.id).repro is None
     out = tmp_path / "mine.py"
-    written = CliRunner().invoke(main, ["repro", finding.id[:6], "-o", str(out), "--root", str(tmp_path)])
-    assert written.exit_code == 0, written.output
-    assert f"torchrun --standalone --nproc-per-node=2 {out}" in written.output and out.exists()
+    # a fresh process: the finding itself says which module registers its target
+    written = subprocess.run([sys.executable, "-m", "shardcheck", "repro", finding.id[:6], "-o", str(out),
+                              "--root", str(tmp_path)], capture_output=True, text=True,
+                             env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert written.returncode == 0, written.stderr
+    assert f"torchrun --standalone --nproc-per-node=2 {out}" in written.stdout and out.exists()
 
     CliRunner().invoke(main, ["repro", finding.id, "--root", str(tmp_path)])
     listed = CliRunner().invoke(main, ["findings", "--root", str(tmp_path)])
