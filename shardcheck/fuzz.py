@@ -31,7 +31,7 @@ from hypothesis.database import DirectoryBasedExampleDatabase
 
 from shardcheck.findings import DEFAULT_ROOT, Finding, FindingStore
 from shardcheck.layout import Layout
-from shardcheck.repro import write_repro
+from shardcheck.repro import TYPE_ONLY, write_repro
 from shardcheck.trial import (
     Check,
     Failure,
@@ -333,7 +333,7 @@ def _store(findings: list[Finding], root: Path | str, target: FuzzTarget, write_
     """Save the findings (and their repro scripts); the ids of those not seen before."""
     store, new = FindingStore(root), []
     for finding in findings:
-        if write_repros and target.repro is not None:
+        if write_repros and target.repro is not None and finding.kind != TYPE_ONLY:
             finding.repro = str(write_repro(finding, target, Path(root) / "repro" / f"{finding.id}.py"))
         if store.save(finding):
             new.append(finding.id)

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from shardcheck.fuzz import FuzzTarget
 
 REPRODUCES, FIXED, BROKEN = "reproduces", "fixed", "error"
+TYPE_ONLY = "type-only"
 
 
 @dataclass(frozen=True)
@@ -133,6 +134,9 @@ def write_repro(finding: Finding, target: FuzzTarget, path: Path | str) -> Path:
     if target.repro is None:
         raise ReproError(f"fuzz target {target.name!r} provides no repro script body "
                          "(register it with repro=...)")
+    if finding.kind == TYPE_ONLY:
+        raise ReproError(f"finding {finding.id} is type-only: its numbers agree, so a script has "
+                         "nothing to show; see its checker line")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(render_script(finding, target.repro(finding), filename=path.name))

@@ -22,10 +22,11 @@ from shardcheck.assemble import NotComparable, assemble, compare
 from shardcheck.layout import Layout
 from shardcheck.parity import LayoutReport, Row, capture, parity
 from shardcheck.pool import RankPool
+from shardcheck.repro import TYPE_ONLY
 from shardcheck.types import parse_placement
 
 TRIAL_TIMEOUT_S = 60.0
-NUMERIC, TYPE, BOTH, RUN = "numeric-only", "type-only", "numeric+type", "run"
+NUMERIC, TYPE, BOTH, RUN = "numeric-only", TYPE_ONLY, "numeric+type", "run"
 
 
 @dataclass(frozen=True)

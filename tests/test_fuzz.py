@@ -34,8 +34,7 @@ SHRUNK = {
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(SHRUNK))
 def test_planted_bug_is_found_and_shrunk_exactly(name):
-    campaign = fuzz(name, budget=30, seed=0, root=None)
-    [finding] = campaign.findings
+    [finding] = targets.campaign(name).findings
     assert (finding.layout, finding.config) == SHRUNK[name]
     assert finding.observed != finding.reference
     assert finding.corrected == finding.reference  # the fix control agrees with the reference
@@ -43,7 +42,7 @@ def test_planted_bug_is_found_and_shrunk_exactly(name):
 
 
 def test_checker_locates_the_planted_bug_it_can_type():
-    [finding] = fuzz("planted-masked-mean", budget=30, seed=0, root=None).findings
+    [finding] = targets.campaign("planted-masked-mean").findings
     source = Path(bugs.__file__).read_text().splitlines()
     line = next(i for i, text in enumerate(source, 1) if "BUG: each rank's own token count" in text)
     assert finding.location == f"{bugs.__file__}:{line}" and finding.kind == "numeric+type"

@@ -7,12 +7,21 @@ import sys
 
 import pytest
 from click.testing import CliRunner
-from planted import bugs, targets  # noqa: F401 - registers the planted targets
+from planted import bugs, targets
 
 from shardcheck.cli import main
 from shardcheck.findings import Finding, FindingStore
-from shardcheck.fuzz import fuzz
-from shardcheck.repro import BROKEN, FIXED, REPRODUCES, ScriptBody, render_script, run_repro
+from shardcheck.fuzz import fuzz, resolve_target
+from shardcheck.repro import (
+    BROKEN,
+    FIXED,
+    REPRODUCES,
+    ReproError,
+    ScriptBody,
+    render_script,
+    run_repro,
+    write_repro,
+)
 
 PLANTED = {
     "planted-masked-mean": bugs.masked_mean_loss,
@@ -29,8 +38,8 @@ def _printed(output: str, label: str) -> float:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(PLANTED))
-def test_emitted_script_reproduces_then_passes_once_fixed(name, tmp_path):
-    [finding] = fuzz(name, budget=30, seed=0, root=tmp_path).findings
+def test_emitted_script_reproduces_then_passes_once_fixed(name):
+    [finding] = targets.campaign(name).findings
     script = open(finding.repro).read()
     assert not re.search(r"^\s*(import|from)\s+shardcheck", script, re.M)
     assert len(script.splitlines()) <= 150
@@ -93,3 +102,10 @@ def test_cli_repro_of_unknown_finding_is_one_line(tmp_path):
     result = CliRunner().invoke(main, ["repro", "feedbeef", "--root", str(tmp_path)])
     assert result.exit_code == 1
     assert result.output.strip().startswith("Error: no finding with id 'feedbeef'")
+
+
+def test_type_only_finding_gets_no_script(tmp_path):
+    target = resolve_target("planted-masked-mean")
+    with pytest.raises(ReproError, match="type-only"):
+        write_repro(_finding(kind="type-only"), target, tmp_path / "x.py")
+    assert not (tmp_path / "x.py").exists()

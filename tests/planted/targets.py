@@ -11,7 +11,11 @@ types, and its targets run parity alone.
 
 from __future__ import annotations
 
+import atexit
+import functools
 import inspect
+import shutil
+import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -26,7 +30,7 @@ from planted.bugs import (
     weighted_token_mean,
 )
 from shardcheck import R, S
-from shardcheck.fuzz import option, per_rank, register_fuzz_target, space
+from shardcheck.fuzz import Campaign, fuzz, option, per_rank, register_fuzz_target, space
 from shardcheck.repro import ScriptBody
 
 FIX = {"fixed": True}
@@ -143,3 +147,11 @@ _register("planted-token-mean", token_mean,
 _register("planted-sequence-sum", sequence_sum,
           space(["cp2", "cp3", "cp4"], seq_len=st.integers(1, 12), hidden=st.integers(1, 3)),
           sequence_sum_run, split_sequence_sum)
+
+
+@functools.cache
+def campaign(name: str) -> Campaign:
+    """One fuzz campaign per planted target (budget 30, seed 0), shared by the tests."""
+    root = tempfile.mkdtemp(prefix=f"shardcheck-{name}-")
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    return fuzz(name, budget=30, seed=0, root=root)
