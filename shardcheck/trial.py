@@ -21,7 +21,7 @@ import torch
 from shardcheck.assemble import NotComparable, assemble, compare
 from shardcheck.layout import Layout
 from shardcheck.parity import LayoutReport, Row, capture, parity
-from shardcheck.pool import RankPool
+from shardcheck.pool import PoolFailure, RankPool
 from shardcheck.repro import TYPE_ONLY
 from shardcheck.types import parse_placement
 
@@ -178,10 +178,17 @@ def _measure(make_scenario: MakeScenario, example: Mapping[str, Any]) -> tuple[d
     layout_text, config = split_example(example)
     layout, scenario = Layout.parse(layout_text), make_scenario(**config)
     pool = shared_pool(layout.world_size)
-    reference = _outputs(pool.run(Layout(), capture, scenario, 0.0, 0, False)[0])
-    per_rank = [_outputs(rank) for rank in pool.run(layout, capture, scenario, 0.0, 0, False)]
-    observed = {name: _global_value([rank[name] for rank in per_rank], value[0], layout)
-                for name, value in reference.items()}
+    try:
+        reference = _outputs(pool.run(Layout(), capture, scenario, 0.0, 0, False)[0])
+    except PoolFailure as failure:
+        return {}, {"error": _run_failure(str(failure), "").title}
+    try:
+        per_rank = [_outputs(rank) for rank in pool.run(layout, capture, scenario, 0.0, 0, False)]
+    except PoolFailure as failure:
+        observed: dict[str, Any] = {"error": _run_failure(str(failure), "").title}
+    else:
+        observed = {name: _global_value([rank[name] for rank in per_rank], value[0], layout)
+                    for name, value in reference.items()}
     return observed, {name: _numbers(value) for name, (value, _) in reference.items()}
 
 

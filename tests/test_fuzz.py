@@ -3,11 +3,13 @@
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 from hypothesis import find
 from hypothesis import strategies as st
 from planted import bugs, targets
 
+from shardcheck import R
 from shardcheck.cli import main
 from shardcheck.findings import FindingStore
 from shardcheck.fuzz import (
@@ -150,3 +152,19 @@ def test_unregistered_user_scenario_is_fuzzed_from_its_signature():
     [finding] = fuzz(target, budget=20, seed=0, root=None).findings
     assert (finding.layout, finding.config) == ("tp2", {"seq_len": 1, "hidden": 1})
     assert finding.target == "test_fuzz:unregistered_sum"
+
+
+def crashes_on_big_inputs(ctx, size=1):
+    if size > 2 and ctx.layout.world_size > 1:
+        raise ValueError(f"size {size} is too big")
+    return {"value": ctx.declare(torch.ones(1) * size, **{"tp": R})}
+
+
+def test_a_raising_rank_is_a_run_finding_at_the_raise():
+    target = register_fuzz_target("test-crash", crashes_on_big_inputs,
+                                  space(["tp2"], size=st.integers(1, 5)), typecheck=False)
+    [finding] = fuzz(target, budget=20, seed=0, root=None).findings
+    line = crashes_on_big_inputs.__code__.co_firstlineno + 2
+    assert (finding.kind, finding.config, finding.contract) == ("run", {"size": 3}, "runs without raising")
+    assert finding.location == f"{__file__}:{line}"
+    assert "ValueError: size 3 is too big" in finding.title
