@@ -13,11 +13,14 @@ Failures are told apart by code location and contract: each distinct one is shru
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import importlib
 import inspect
 import re
 import sys
 import time
+import typing
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -197,17 +200,60 @@ def _field(spec: FieldSpace, layout: Layout, drawn: dict[str, Any]) -> st.Search
 
 def signature_space(scenario: Callable[..., Any],
                     layout_names: Sequence[str] = DEFAULT_LAYOUTS) -> st.SearchStrategy[dict[str, Any]]:
-    """A search space from a scenario's keyword defaults: bools flip, ints and floats vary."""
-    fields: dict[str, FieldSpace] = {}
-    for name, param in inspect.signature(scenario).parameters.items():
-        default = param.default
-        if isinstance(default, bool):
-            fields[name] = option(default, not default)
-        elif isinstance(default, int):
-            fields[name] = option(default, *range(1, max(2 * default, 4) + 1))
-        elif isinstance(default, float):
-            fields[name] = option(default, 0.0, 0.1, 0.5)
-    return space(layout_names, **fields)
+    """A search space from a scenario's keyword defaults (see :func:`default_fields`)."""
+    return space(layout_names, **default_fields(scenario))
+
+
+def default_fields(source: Callable[..., Any] | type, only: Iterable[str] | None = None) -> dict[str, st.SearchStrategy]:
+    """One field per default of a function's keywords or a dataclass's fields, shrinking to it.
+
+    Bools flip; enums and ``Literal[...]`` fields take their other values; ints take 1..2x
+    (at least 1..4); floats take 0.0, 0.1 and 0.5. Other defaults are left alone. ``only``
+    keeps just the named fields (e.g. the CPU-compatible ones of a large config class).
+    """
+    wanted = set(only) if only is not None else None
+    fields: dict[str, st.SearchStrategy] = {}
+    for name, default, hint in _defaults(source):
+        if wanted is not None and name not in wanted:
+            continue
+        choices = _choices(default, hint)
+        if choices:
+            fields[name] = option(default, *choices)
+    return fields
+
+
+def non_default(fields: Mapping[str, st.SearchStrategy], source: Callable[..., Any] | type) -> st.SearchStrategy[dict]:
+    """A dict of only the fields drawn different from their defaults (e.g. config overrides)."""
+    defaults = {name: default for name, default, _ in _defaults(source)}
+    return st.fixed_dictionaries(dict(fields)).map(
+        lambda drawn: {k: v for k, v in drawn.items() if v != defaults.get(k, object())})
+
+
+def _defaults(source: Callable[..., Any] | type) -> list[tuple[str, Any, Any]]:
+    """(name, default, type hint) of every defaulted keyword or dataclass field."""
+    try:
+        hints = typing.get_type_hints(source)
+    except Exception:  # noqa: BLE001 - unresolvable annotations only cost the Literal choices
+        hints = {}
+    if dataclasses.is_dataclass(source):
+        return [(f.name, f.default, hints.get(f.name)) for f in dataclasses.fields(source)
+                if f.default is not dataclasses.MISSING]
+    return [(name, p.default, hints.get(name)) for name, p in inspect.signature(source).parameters.items()
+            if p.default is not inspect.Parameter.empty]
+
+
+def _choices(default: Any, hint: Any) -> list[Any]:
+    if typing.get_origin(hint) is typing.Literal:
+        return list(typing.get_args(hint))
+    if isinstance(default, bool):
+        return [not default]
+    if isinstance(default, enum.Enum):
+        return list(type(default))
+    if isinstance(default, int):
+        return list(range(1, max(2 * default, 4) + 1))
+    if isinstance(default, float):
+        return [0.0, 0.1, 0.5]
+    return []
 
 
 # -- campaigns -------------------------------------------------------------------------------

@@ -1,5 +1,9 @@
 """The fuzzer finds and shrinks each planted bug, deterministically under a fixed seed."""
 
+import dataclasses
+import enum
+import functools
+import typing
 from pathlib import Path
 
 import pytest
@@ -14,8 +18,10 @@ from shardcheck.cli import main
 from shardcheck.findings import FindingStore
 from shardcheck.fuzz import (
     FuzzError,
+    default_fields,
     fuzz,
     layouts,
+    non_default,
     option,
     per_rank,
     register_fuzz_target,
@@ -168,3 +174,44 @@ def test_a_raising_rank_is_a_run_finding_at_the_raise():
     assert (finding.kind, finding.config, finding.contract) == ("run", {"size": 3}, "runs without raising")
     assert finding.location == f"{__file__}:{line}"
     assert "ValueError: size 3 is too big" in finding.title
+
+
+class Norm(enum.Enum):
+    LAYER = "LayerNorm"
+    RMS = "RMSNorm"
+
+
+@dataclasses.dataclass
+class Setup:
+    padding: bool = False
+    norm: Norm = Norm.LAYER
+    activation: typing.Literal["gelu", "swiglu", "relu"] = "gelu"
+    layers: int = 2
+    name: str = "tiny"
+    config: dict = dataclasses.field(default_factory=dict)
+
+
+def test_default_fields_of_a_dataclass_shrink_to_the_defaults():
+    fields = default_fields(Setup)
+    assert sorted(fields) == ["activation", "layers", "norm", "padding"]
+    drawn = find(st.fixed_dictionaries(fields), lambda d: d["norm"] is Norm.RMS and d["activation"] != "gelu")
+    assert drawn == {"padding": False, "norm": Norm.RMS, "activation": "swiglu", "layers": 2}
+
+
+def test_non_default_keeps_only_the_changed_options():
+    overrides = non_default(default_fields(Setup, only=["padding", "layers"]), Setup)
+    assert find(overrides, lambda _: True) == {}
+    assert find(overrides, lambda d: "layers" in d) == {"layers": 1}
+
+
+def planted_masked_mean(**config):
+    """A scenario factory, as the Megatron catalogue registers its components."""
+    return functools.partial(targets.masked_mean, **config)
+
+
+def test_make_scenario_targets_run_through_the_pool():
+    strategy = resolve_target("planted-masked-mean").strategy
+    target = register_fuzz_target("test-factory", make_scenario=planted_masked_mean, strategy=strategy)
+    [finding] = fuzz(target, budget=30, seed=0, root=None).findings
+    assert (finding.layout, finding.config) == SHRUNK["planted-masked-mean"]
+    assert finding.observed == {"value": 2.25} and finding.reference == {"value": 2.0}
