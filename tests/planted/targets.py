@@ -30,8 +30,9 @@ from planted.bugs import (
     weighted_token_mean,
 )
 from shardcheck import R, S
-from shardcheck.fuzz import Campaign, fuzz, option, per_rank, register_fuzz_target, space
+from shardcheck.fuzz import Campaign, fuzz, register_fuzz_target
 from shardcheck.repro import ScriptBody
+from shardcheck.spaces import option, per_rank, space
 
 FIX = {"fixed": True}
 
