@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import shardcheck as sc
+from shardcheck.scenario import build_groups
 
 B, S, H, FF = 4, 8, 6, 12
 
@@ -148,6 +149,9 @@ class Block(nn.Module):
         self.act = nn.GELU()
         scale = 1 + 1e-3 if bug == "tiny" and ctx.world_size > 1 else 1.0
         self.fc2 = RowParallel(ctx, w2, ctx.layout.sp, scale)
+        if bug == "global_group":  # reduces over the default-order tp group, not the layout's
+            default = sc.Layout(tp=ctx.layout.tp, cp=ctx.layout.cp, dp=ctx.layout.dp)
+            self.fc2.group = build_groups(default, ctx.rank)["tp"]
         self.drop = Dropout(ctx, seed_bug=bug == "seed")
         self.pool = MeanPool(ctx, count_bug=bug == "count")
         self.tp, self.sp = ctx.groups["tp"], ctx.layout.sp
@@ -202,6 +206,5 @@ def tiny_bug(ctx):
     return run_block(ctx, "tiny")
 
 
-def explicit_tp_groups(ctx):
-    """The block on tensor-parallel groups [0, 2], [1, 3] (the layout passes explicit groups)."""
-    return run_block(ctx)
+def global_group_bug(ctx):
+    return run_block(ctx, "global_group")

@@ -95,6 +95,8 @@ def test_compare_directories_matches_by_relative_path(tmp_path):
     ]
     table = invoke("compare", old, new).output
     assert "changed metrics" in table and "1 of" in table
+    markdown = invoke("compare", old, new, "--markdown").output
+    assert "- skipped 1: only in old" in markdown and "- skipped 1: empty file" in markdown
 
 
 @pytest.fixture
@@ -203,3 +205,22 @@ def test_usage_errors_are_one_line():
         result = invoke(*args)
         assert result.exit_code == 2, args
         assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_config_nondeterminism_skips_exact_checks_and_counts_unlogged_steps():
+    case = "hybrid/hybrid_mr_mcore_te_tp1_pp1_cp1_dgx_a100_1N8G"
+    golden_path, actual_path = (
+        head(f"{case}/golden_values_dev_dgx_h100.json"),
+        head(f"{case}/golden_values_dev_dgx_a100.json"),
+    )
+    result = invoke(
+        "check", golden_path, actual_path, "--model-config", head(f"{case}/model_config.yaml")
+    )
+    assert (
+        "approximate checks only (nondeterminism allowed by the config's ENV_VARS)" in result.output
+    )
+    assert "deterministic" not in result.output
+    golden_steps = json.loads(golden_path.read_text())["num-zeros"]["values"]
+    logged = json.loads(actual_path.read_text())["num-zeros"]["values"]
+    unlogged = sum(1 for s in golden_steps if not isinstance(logged.get(s), int | float))
+    assert f"({unlogged} not logged by the run)" in result.output and result.exit_code == 1

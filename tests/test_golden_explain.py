@@ -1,7 +1,7 @@
 """num-zeros jumps as whole experts, on the real EP8 H100 files."""
 
 import pytest
-from golden_data import A2A, EP8, head, history, plain_series
+from golden_data import A2A, EP8, TOP2, head, history, plain_series
 
 from shardcheck.golden.config import load_model_config, parse_model_config
 from shardcheck.golden.explain import candidate_blocks, explain_num_zeros
@@ -78,3 +78,18 @@ def test_swiglu_doubles_fc1_and_etp_adds_a_shard_block():
 def test_config_without_hidden_size_is_rejected():
     with pytest.raises(GoldenInputError, match="no --hidden-size"):
         candidate_blocks(parse_model_config("MODEL_ARGS:\n  --num-layers: 2\n", "c"))
+
+
+def test_top2router_runs_disagree_on_which_steps_have_an_idle_expert():
+    expert = 512 * 2048 + 2048 * 512  # ffn defaults to 4 x hidden, moe-ffn to ffn
+    old = plain_series(head(f"{TOP2}/golden_values_dev_dgx_h100_2nd.json"), "num-zeros")
+    new = plain_series(head(f"{TOP2}/golden_values_dev_dgx_h100.json"), "num-zeros")
+    deltas = {s: int(new[s] // expert) - int(old[s] // expert) for s in old if s in new}
+    explained = explain_pair(
+        "golden_values_dev_dgx_h100_2nd.json", "golden_values_dev_dgx_h100.json", TOP2
+    )
+    assert explained.block.size == expert
+    assert {s.step: s.new_blocks - s.old_blocks for s in explained.changed()} == {
+        s: d for s, d in deltas.items() if d
+    }
+    assert sorted(deltas.values()).count(1) == 11 and sorted(deltas.values()).count(-1) == 12

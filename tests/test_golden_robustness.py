@@ -9,6 +9,7 @@ from click.testing import CliRunner
 from golden_data import data_root, head
 
 from shardcheck.golden.cli import golden
+from shardcheck.golden.compare import compare_golden
 from shardcheck.golden.config import load_model_config
 from shardcheck.golden.io import GoldenInputError, load_golden
 
@@ -42,16 +43,20 @@ def test_every_head_file_loads_or_is_rejected_in_one_line():
             continue
         kind = classify(path)
         kinds[kind] = kinds.get(kind, 0) + 1
-        result = runner.invoke(golden, ["compare", str(path), str(path), "--json"])
         if kind in ("training", "legacy"):
-            assert result.exit_code == 0, (path, result.output)
-            assert json.loads(result.stdout)["files"][0]["metrics"], path
-        else:
-            assert result.exit_code == 2, (path, result.output)
-            assert isinstance(result.exception, SystemExit)
-            lines = result.stderr.strip().splitlines()
-            assert len(lines) == 1 and lines[0].startswith(f"error: {path}: "), lines
-            assert "Traceback" not in result.output
+            loaded = load_golden(path)
+            assert loaded.legacy is (kind == "legacy")
+            (whole,) = compare_golden(loaded, loaded, path.name)
+            assert whole.metrics and all(
+                m.pattern in ("unchanged", "no shared steps") for m in whole.metrics
+            )
+            continue
+        result = runner.invoke(golden, ["compare", str(path), str(path)])
+        assert result.exit_code == 2, (path, result.output)
+        assert isinstance(result.exception, SystemExit)
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"error: {path}: "), lines
+        assert "Traceback" not in result.output
     assert (
         kinds["empty"] >= 1
         and kinds["{}"] >= 1

@@ -3,9 +3,10 @@
 import json
 
 import pytest
+from golden_data import A2A, history
 
 from shardcheck.golden.config import parse_model_config
-from shardcheck.golden.io import parse_golden
+from shardcheck.golden.io import load_golden, parse_golden
 from shardcheck.golden.verdict import allowed_failing_steps, ci_verdict, steady_window
 
 
@@ -115,6 +116,7 @@ def test_missing_actual_step_fails_against_a_finite_golden():
         ("lm loss", "approximate", True),
     ]
     assert verdict.results[0].failing_steps == (50,)
+    assert verdict.results[0].unlogged_failures == 1
 
 
 def test_blind_spot_golden_nan_against_missing_actual_passes_and_is_warned():
@@ -221,3 +223,30 @@ def test_config_chooses_metrics_and_nondeterminism():
     )
     assert custom.metrics() == ("lm loss", "iteration-time") and custom.allows_nondeterministic()
     assert parse_model_config("METRICS: []\n", "c").metrics() == ()
+
+
+def test_real_te_bump_verdict_matches_the_rules_applied_by_hand():
+    old_path, new_path = history(A2A, "build: Bump TE2.13")
+    old_raw = json.loads(old_path.read_text())
+    new_raw = json.loads(new_path.read_text())
+    expected = []
+    for metric, rtol in (("lm loss", 0.05), ("num-zeros", 0.20)):
+        golden = old_raw[metric]["values"]
+        actual = new_raw[metric]["values"]
+        as_ci = lambda v: float("inf") if isinstance(v, str) else v  # noqa: E731
+        bad_exact, bad_approx = [], []
+        for step, g in golden.items():
+            a, g = as_ci(actual.get(step, "nan")), as_ci(g)
+            if not (a == g):
+                bad_exact.append(int(step))
+            if not (a == g or abs(a - g) <= rtol * abs(g)):
+                bad_approx.append(int(step))
+        allowed = min(max(len(golden) // 100, 1), 50)
+        expected += [
+            (metric, not bad_exact, bad_exact),
+            (metric, len(bad_approx) <= allowed, bad_approx),
+        ]
+    verdict = ci_verdict(load_golden(old_path), load_golden(new_path), ["lm loss", "num-zeros"])
+    got = [(r.metric, r.passed, sorted(r.failing_steps)) for r in verdict.results]
+    assert got == [(m, p, sorted(s)) for m, p, s in expected]
+    assert not verdict.passed and got[3][1] is False  # num-zeros halved: approximate check fails

@@ -20,20 +20,24 @@ def test_correct_tp_sp_cp_dp_block_matches_at_tight_tolerances(pool):
         assert [r.kind for r in report.rows].count("module") == 7
         assert {r.name for r in report.rows if r.kind == "grad"} == {
             "block.gamma", "block.fc1.weight", "block.fc2.weight"}
-        assert all(r.tol < 2e-5 * 10 and r.max_rel < 1e-5 for r in report.rows), str(report.table())
+        # every value compared (none skipped), rounding-level errors, tolerances far below 1e-3
+        assert all(r.verdict == "ok" and r.max_rel < 1e-5 and r.tol < 2e-4 for r in report.rows), str(result)
 
 
-def test_types_are_read_back_from_the_layout(pool):
+def test_types_come_from_the_checker_declarations_or_inference(pool):
     report = sc.parity(scenarios.correct, ["tp2-cp2-sp"], pool=pool)["tp2-cp2-sp"]
-    assert report.row("module", "block.fc1").types == "tp=S(2)* cp=S(1)*"
-    assert report.row("module", "block.norm").types == "tp=S(1)* cp=S(1)*"
+    assert report.row("module", "block.fc1").types.replace("*", "") == "tp=S(2) cp=S(1)"
+    assert report.row("module", "block.norm").types == "tp=S(1) cp=S(1)", "typed by the checker"
     assert report.row("grad", "block.fc1.weight").types.startswith("tp=S(0) ")
     assert report.row("output", "loss").types == "tp=R cp=R"
 
 
-def test_explicit_tensor_parallel_groups_match_too(pool):
-    layout = sc.Layout(tp=2, dp=2, explicit_groups={"tp": [[0, 2], [1, 3]], "dp": [[0, 1], [2, 3]]})
-    assert sc.parity(scenarios.explicit_tp_groups, [layout], pool=pool).ok
+def test_explicit_groups_expose_code_that_reads_a_default_order_group(pool):
+    explicit = sc.Layout(tp=2, dp=2, explicit_groups={"tp": [[0, 2], [1, 3]], "dp": [[0, 1], [2, 3]]})
+    assert sc.parity(scenarios.correct, [explicit], pool=pool).ok
+    result = sc.parity(scenarios.global_group_bug, ["tp2-dp2", explicit], pool=pool)
+    assert result["tp2-dp2"].ok, "with the default order the two groups coincide"
+    assert result[explicit].first_divergence == "block.fc2"
 
 
 @pytest.mark.parametrize(("scenario", "layout", "module"), [

@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shardcheck.golden.io import GoldenInputError
+from shardcheck.golden.io import GoldenInputError, read_text
 
 DEFAULT_METRICS = ("lm loss", "num-zeros")
 _TOP = re.compile(r"^([A-Za-z_][\w-]*):\s*(.*)$")
@@ -70,13 +70,7 @@ class ModelConfig:
 
 def load_model_config(path: str | Path) -> ModelConfig:
     """Parse a model_config.yaml; raise GoldenInputError with one line if it can't be used."""
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except (OSError, UnicodeDecodeError) as err:
-        reason = getattr(err, "strerror", None) or str(err)
-        raise GoldenInputError(f"{path}: cannot read ({reason})") from None
-    return parse_model_config(text, str(path))
+    return parse_model_config(read_text(path), str(path))
 
 
 def parse_model_config(text: str, source: str) -> ModelConfig:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,13 +53,6 @@ class MetricSeries:
         """The steps where ``mask`` is true."""
         return MetricSeries(self.name, self.steps[mask], self.values[mask], self.text[mask])
 
-    def lookup(self) -> dict[int, float | str]:
-        """Step -> value as the file had it: a float, or the string for string values."""
-        return {
-            int(s): ("nan" if t else float(v))
-            for s, v, t in zip(self.steps, self.values, self.text, strict=True)
-        }
-
 
 @dataclass(frozen=True)
 class GoldenFile:
@@ -71,13 +66,16 @@ class GoldenFile:
 
 def load_golden(path: str | Path) -> GoldenFile:
     """Read and validate one golden-values file; raise GoldenInputError with a one-line reason."""
-    path = Path(path)
+    return parse_golden(read_text(path), str(path))
+
+
+def read_text(path: str | Path) -> str:
+    """A text file's contents; GoldenInputError with the reason if it can't be read."""
     try:
-        text = path.read_text()
+        return Path(path).read_text()
     except (OSError, UnicodeDecodeError) as err:
         reason = getattr(err, "strerror", None) or str(err)
         raise GoldenInputError(f"{path}: cannot read ({reason})") from None
-    return parse_golden(text, str(path))
 
 
 def parse_golden(text: str, source: str) -> GoldenFile:
@@ -154,19 +152,29 @@ def _parse_metric(name: str, block: Mapping, source: str) -> MetricSeries:
 
 def _numbers(values: list, steps: list[int], where: str) -> tuple[np.ndarray, np.ndarray]:
     """Values as floats (NaN for strings) and the mask of string values."""
-    kinds = set(map(type, values))
-    if kinds <= {int, float}:
+    kinds = Counter(map(type, values))
+    if kinds.keys() <= {int, float}:
         return np.array(values, dtype=np.float64), np.zeros(len(values), dtype=bool)
-    if kinds <= {int, float, str} and {v for v in values if type(v) is str} <= NAN_STRINGS:
-        text = np.array([type(v) is str for v in values], dtype=bool)
-        numbers = np.array(
-            [math.nan if t else v for v, t in zip(values, text, strict=True)], dtype=np.float64
-        )
-        return numbers, text
+    if kinds.keys() <= {int, float, str}:
+        fast = _nan_strings_fast(values, kinds[str])
+        if fast is not None:
+            return fast
     numbers = np.array(
         [_number(v, s, where) for s, v in zip(steps, values, strict=True)], dtype=np.float64
     )
     return numbers, np.array([isinstance(v, str) for v in values], dtype=bool)
+
+
+def _nan_strings_fast(values: list, n_strings: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """Numbers and string mask when every string is "nan"/"NaN"; None to take the slow path."""
+    try:
+        numbers = np.array(values, dtype=np.float64)
+    except ValueError:
+        return None
+    text = np.zeros(len(values), dtype=bool)
+    nan_at = np.flatnonzero(np.isnan(numbers))
+    text[nan_at] = [type(values[i]) is str for i in nan_at]
+    return (numbers, text) if int(text.sum()) == n_strings else None
 
 
 def _legacy_pairs(raw: list, block: Mapping, where: str) -> list[tuple[int, object]]:
@@ -176,7 +184,18 @@ def _legacy_pairs(raw: list, block: Mapping, where: str) -> list[tuple[int, obje
     return [(start + i * interval, value) for i, value in enumerate(raw)]
 
 
+@functools.lru_cache(maxsize=512)
+def _regular_keys(start: int, count: int, interval: int) -> list[str]:
+    return [str(step) for step in range(start, start + count * interval, interval)]
+
+
 def _steps(keys: list, where: str) -> np.ndarray:
+    """Step keys as integers; evenly spaced keys (after an optional first) take a fast path."""
+    if len(keys) >= 3 and all(k.isdigit() for k in keys[:3]):
+        second, interval = int(keys[1]), int(keys[2]) - int(keys[1])
+        if interval > 0 and keys[1:] == _regular_keys(second, len(keys) - 1, interval):
+            rest = np.arange(second, second + (len(keys) - 1) * interval, interval, dtype=np.int64)
+            return np.concatenate([[int(keys[0])], rest]).astype(np.int64)
     try:
         return np.fromiter(map(int, keys), dtype=np.int64, count=len(keys))
     except ValueError:

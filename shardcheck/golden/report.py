@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 
 from rich.console import Console
@@ -116,15 +117,27 @@ def summary_counts(comparisons: Sequence[FileComparison]) -> str:
 def print_summary(console: Console, comparisons: Sequence[FileComparison]) -> None:
     """The summary table for many file pairs: changed metrics only, then the skipped files."""
     table = Table(title="changed metrics", title_justify="left")
-    for column in ("file", *COMPARE_COLUMNS):
+    table.add_column("file", overflow="fold")
+    for column in COMPARE_COLUMNS:
         table.add_column(column)
     for row in summary_rows(comparisons):
         table.add_row(*map(escape, row))
     console.print(table)
+    for reason, labels in skip_reasons(comparisons).items():
+        shown = ", ".join(labels[:3]) + (
+            f", ... ({len(labels) - 3} more)" if len(labels) > 3 else ""
+        )
+        console.print(f"  skipped {len(labels)}: {escape(reason)}: {escape(shown)}", soft_wrap=True)
+    console.print(summary_counts(comparisons))
+
+
+def skip_reasons(comparisons: Sequence[FileComparison]) -> dict[str, list[str]]:
+    """Skipped file pairs grouped by reason (the reason without its leading file name)."""
+    groups: dict[str, list[str]] = {}
     for fc in comparisons:
         if fc.skipped:
-            console.print(f"  skipped {escape(fc.label)}: {escape(fc.skipped)}", soft_wrap=True)
-    console.print(summary_counts(comparisons))
+            groups.setdefault(re.sub(r"^\S+\.json: ", "", fc.skipped), []).append(fc.label)
+    return groups
 
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
@@ -141,6 +154,9 @@ def comparisons_markdown(comparisons: Sequence[FileComparison], summary: bool) -
             summary_counts(comparisons),
             markdown_table(("file", *COMPARE_COLUMNS), summary_rows(comparisons)),
         ]
+        groups = skip_reasons(comparisons)
+        if groups:
+            parts.append("\n".join(f"- skipped {len(v)}: {reason}" for reason, v in groups.items()))
         return "\n\n".join(parts) + "\n"
     parts = []
     for fc in comparisons:
@@ -152,7 +168,8 @@ def comparisons_markdown(comparisons: Sequence[FileComparison], summary: bool) -
             f"### {fc.label}\n\n"
             + markdown_table(COMPARE_COLUMNS, [metric_row(m) for m in fc.metrics])
         )
-        parts += [f"- {n}" for n in notes]
+        if notes:
+            parts.append("\n".join(f"- {n}" for n in notes))
     return "\n\n".join(parts) + "\n"
 
 
@@ -273,6 +290,8 @@ def check_line(r: CheckResult) -> str:
     text += f"{len(r.failing_steps)} of {r.steps_evaluated} step(s) off"
     if r.kind == "approximate" and r.steps_evaluated > 1:
         text += f", {r.allowed_failures} allowed"
+    if r.unlogged_failures:
+        text += f" ({r.unlogged_failures} not logged by the run)"
     if r.failing_steps:
         shown = ", ".join(str(s) for s in r.failing_steps[:12])
         more = f", ... ({len(r.failing_steps) - 12} more)" if len(r.failing_steps) > 12 else ""
@@ -304,6 +323,7 @@ def verdict_json(verdict: Verdict) -> dict:
                 "steps_evaluated": r.steps_evaluated,
                 "failing_steps": list(r.failing_steps),
                 "allowed_failures": r.allowed_failures,
+                "unlogged_failures": r.unlogged_failures,
                 "detail": r.detail or None,
             }
             for r in verdict.results
@@ -335,6 +355,13 @@ def explanation_lines(e: Explanation) -> list[str]:
         )
     gained = [f"{s.step} ({s.new_blocks - s.old_blocks:+d})" for s in e.changed()]
     lines.append(f"steps that gained or lost whole blocks: {', '.join(gained) or 'none'}")
+    if gained:
+        deltas = [s.new_blocks - s.old_blocks for s in e.changed()]
+        up, down = [d for d in deltas if d > 0], [d for d in deltas if d < 0]
+        lines.append(
+            f"  in total: gained {sum(up)} block(s) at {len(up)} step(s), lost {-sum(down)} at "
+            f"{len(down)} step(s), net {sum(deltas):+d} = {sum(deltas) * size:+,} values"
+        )
     if e.poor_fit:
         lines.append(
             f"steps whose residual exceeds 10% of a block: {', '.join(map(str, e.poor_fit))}"

@@ -42,6 +42,7 @@ class CheckResult:
     failing_steps: tuple[int, ...] = ()
     allowed_failures: int = 0
     detail: str = ""
+    unlogged_failures: int = 0
 
 
 @dataclass(frozen=True)
@@ -115,11 +116,13 @@ def _check(golden: MetricSeries, actual: MetricSeries, rtol: float, kind: str) -
     close = np.isclose(actual_values, golden_values, rtol=rtol, atol=0)
     total = len(golden.steps)
     failing = tuple(int(s) for s in golden.steps[~close])
+    unlogged = int(np.count_nonzero(~close & np.isinf(actual_values) & np.isfinite(golden_values)))
     if kind == DETERMINISTIC or total == 1:
-        return CheckResult(golden.name, kind, bool(close.all()), rtol, total, failing, 0)
-    allowed = allowed_failing_steps(total)
-    passed = bool(np.mean(close) >= 1 - allowed / total)
-    return CheckResult(golden.name, kind, passed, rtol, total, failing, allowed)
+        passed, allowed = bool(close.all()), 0
+    else:
+        allowed = allowed_failing_steps(total)
+        passed = bool(np.mean(close) >= 1 - allowed / total)
+    return CheckResult(golden.name, kind, passed, rtol, total, failing, allowed, "", unlogged)
 
 
 def steady_window(golden: MetricSeries) -> list[int]:
