@@ -193,7 +193,9 @@ def _measure(make_scenario: MakeScenario, example: Mapping[str, Any]) -> tuple[d
 
 
 def _outputs(captured: dict) -> dict[str, tuple[torch.Tensor, dict[str, str]]]:
-    return {name: (value, types) for kind, name, value, types in captured["entries"] if kind == "output"}
+    """Named outputs of one rank's parity capture, with their placements (declared or checked)."""
+    return {name: (value, {axis: text for part in types for axis, text in part.items()})
+            for kind, name, value, types in captured["entries"] if kind == "output"}
 
 
 def _global_value(values: list[tuple[torch.Tensor, dict[str, str]]], reference: torch.Tensor,
