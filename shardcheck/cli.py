@@ -7,6 +7,7 @@ import click
 from shardcheck import __version__
 from shardcheck.cli_parity import parity_command
 from shardcheck.cli_run import run
+from shardcheck.fuzz_cli import findings_command, fuzz_command, repro_command
 from shardcheck.golden.cli import golden
 
 
@@ -19,3 +20,6 @@ def main() -> None:
 main.add_command(golden)
 main.add_command(run)
 main.add_command(parity_command)
+main.add_command(fuzz_command)
+main.add_command(repro_command)
+main.add_command(findings_command)
