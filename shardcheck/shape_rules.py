@@ -159,12 +159,25 @@ def _cut_along(ctx, pl: Pl, ndim: int, dim: int, pieces: list[tuple[int, int]], 
     return results
 
 
+def rank_chunks(total: int, parts: int, index: int) -> set[tuple[int, int]]:
+    """(start, length) of piece ``index`` when ``total`` is cut into ``parts`` by rank.
+
+    Equal pieces, ``tensor_split`` (the first ``total % parts`` pieces one longer) and
+    ``chunk`` (pieces of ``ceil(total / parts)``, the last one shorter) all count.
+    """
+    base, extra = divmod(total, parts)
+    by_tensor_split = (index * base + min(index, extra), base + (index < extra))
+    ceil = -(-total // parts)
+    by_chunk = (index * ceil, max(0, min(ceil, total - index * ceil)))
+    return {by_tensor_split, by_chunk}
+
+
 def rank_piece(ctx, pl: Pl, dim: int, total: int, start: int, length: int,
                check_varying: bool) -> dict[int, Placement | None]:
     """Axes on which the piece [start, start+length) is this rank's chunk of ``total``."""
     def matches(a: int) -> bool:
         size = ctx.sizes[a]
-        return size > 1 and length * size == total and start == ctx.index[a] * length
+        return size > 1 and (start, length) in rank_chunks(total, size, ctx.index[a])
     by_rank = [a for a, p in enumerate(pl) if replicated(p) and matches(a)]
     if len(by_rank) == 1:
         return {by_rank[0]: S(dim) if check_varying else RankChunk(dim)}

@@ -243,6 +243,9 @@ def test_rank_slice_heuristic_and_typed_helper():
         assert sc.typeof(torch.split(x, 2, 0)[1]) == {"tp": S(0)}
         assert sc.typeof(torch.chunk(x, 2, 1)[1]) == {"tp": S(1)}
         assert sc.typeof(sc.rank_slice(x, "tp", 0)) == {"tp": S(0)}
+        uneven = T(7, 2)
+        assert sc.typeof(uneven.tensor_split(2)[1]) == {"tp": S(0)}  # rows 4..6 of 7
+        assert sc.typeof(uneven[3:6]) == {"tp": R}  # floor-sized pieces drop the tail: no rank's chunk
         assert torch.equal(sc.rank_slice(x, "tp", 1), x[:, 3:])
         with pytest.raises(sc.SpmdTypeError) as info:
             T(4, 6, tp=V)[2:4]
