@@ -37,6 +37,10 @@ class GradientFinding:
         return (f"{self.param}: parameter {self.param_type!r} on {self.axis}, "
                 f"gradient {self.grad_type!r}")
 
+    @property
+    def why(self) -> str:
+        return WHY[self.rule]
+
 
 def _is_replicated(p: Placement) -> bool:
     return p is R or p is I

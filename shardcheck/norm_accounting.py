@@ -34,9 +34,22 @@ class Counted:
 
 @dataclass(frozen=True)
 class AccountingError:
+    """A parameter counted a wrong number of times in a global gradient norm."""
+
     param: str
     axis: str
     message: str
+    rule: str = NORM_ACCOUNTING
+    why: str = ("each logical parameter element must enter the global norm exactly once; "
+                "otherwise gradient clipping scales every gradient by a wrong factor")
+
+    def describe(self) -> str:
+        return self.message
+
+    @property
+    def fix(self) -> str:
+        return (f"count {self.param} on every {self.axis} rank if it is sharded there, on one "
+                f"{self.axis} rank if it is replicated (and declare its type to match)")
 
 
 def accounting_errors(ranks: Sequence[Counted], axes: Sequence[str],

@@ -13,8 +13,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+import shardcheck as sc
+
 HIDDEN, FFN, SEQ, BATCH = 8, 16, 8, 2
-HEADS, HEAD_DIM = 4, 4
+HEADS, HEAD_DIM = 8, 4
 
 
 # ---- Megatron-style collectives as autograd Functions --------------------------------------
@@ -116,6 +118,15 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).abs().max().item()
 
 
+def found() -> list[tuple[str, str | None, str | None]]:
+    """(rule, parameter, axis) of every violation the region recorded."""
+    return [(v.rule, getattr(v, "param", None), getattr(v, "axis", None)) for v in sc.violations()]
+
+
+def on(axis: str, types: dict[str, str]) -> dict[str, dict[str, str]]:
+    return {name: {axis: placement} for name, placement in types.items()}
+
+
 # ---- 1. sequence-parallel MLP: layer-norm gradient all-reduced over tp or not --------------
 
 
@@ -158,27 +169,33 @@ def _mlp_reference(model: nn.Module, x: torch.Tensor) -> None:
     z.pow(2).sum().backward()
 
 
-def sequence_parallel_mlp(reduce_norm_grads: bool, checked: bool = False) -> dict:
-    """Loss: sum of squares of the local output shard (a P loss: sum semantics over tp)."""
+MLP_TYPES = {"norm.weight": "R", "norm.bias": "R", "fc1.weight": "S(0)", "fc2.weight": "S(1)"}
+
+
+def sequence_parallel_mlp(reduce_norm_grads: bool) -> dict:
+    """Loss: sum of squares of the local output shard (a P loss: sum semantics over tp).
+
+    Checked by the optimizer step's pre-hook.
+    """
     group = dist.group.WORLD
     full = _full_mlp()
     x = torch.randn(SEQ, HIDDEN)
     _mlp_reference(full, x)
     model = SequenceParallelMLP(full, group)
-    with _maybe_typecheck(checked, tp=group) as region:
-        region.annotate_params(model, {"norm.weight": "R", "norm.bias": "R",
-                                       "fc1.weight": "S(0)", "fc2.weight": "S(1)"})
-        x_local = region.annotate(shard(x, 0, group), tp="S(0)")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with sc.typecheck(sc.Mesh(tp=group), mode="collect"):
+        sc.annotate_parameters(model, on("tp", MLP_TYPES))
+        x_local = sc.annotate(shard(x, 0, group), tp=sc.S(0))
         model(x_local).pow(2).sum().backward()
         if reduce_norm_grads:
             for p in model.norm.parameters():
                 dist.all_reduce(p.grad, group=group)
-        region.check(model)
+        optimizer.step()
     return {
         "norm_diff": max_diff(model.norm.weight.grad, full.norm.weight.grad),
         "fc1_diff": max_diff(model.fc1.weight.grad, shard(full.fc1.weight.grad, 0, group)),
         "fc2_diff": max_diff(model.fc2.weight.grad, shard(full.fc2.weight.grad, 1, group)),
-        "violations": region.found,
+        "violations": found(),
     }
 
 
@@ -240,24 +257,28 @@ HEADS_TYPES = {"q_proj.weight": "S(0)", "q_norm.weight": "R", "q_norm.bias": "R"
                "head_scale": "S(0)", "o_proj.weight": "S(1)", "out_norm.weight": "R"}
 
 
-def head_norm(sum_norm_grads: bool, checked: bool = False) -> dict:
-    """The head_dim norm weight's gradient is partial over tp: summed (correct) or not."""
+def head_norm(sum_norm_grads: bool) -> dict:
+    """The head_dim norm weight's gradient is partial over tp: summed (correct) or not.
+
+    Checked explicitly with ``sc.check_gradients``; its findings are returned too.
+    """
     group = dist.group.WORLD
     full = _full_heads()
     x = torch.randn(BATCH, SEQ, HIDDEN)
     _heads_step(full, x)
     model = HeadsModel(full, group)
-    with _maybe_typecheck(checked, tp=group) as region:
-        region.annotate_params(model, HEADS_TYPES)
-        _heads_step(model, region.annotate(x, tp="R"))
+    with sc.typecheck(sc.Mesh(tp=group), mode="collect"):
+        sc.annotate_parameters(model, on("tp", HEADS_TYPES))
+        _heads_step(model, sc.annotate(x, tp=sc.R))
         if sum_norm_grads:
             for p in model.q_norm.parameters():
                 dist.all_reduce(p.grad, group=group)
-        region.check(model)
+        returned = [(f.rule, f.param, f.axis) for f in sc.check_gradients(model)]
     return {
         "q_norm_diff": max_diff(model.q_norm.weight.grad, full.q_norm.weight.grad),
         "q_proj_diff": max_diff(model.q_proj.weight.grad, shard(full.q_proj.weight.grad, 0, group)),
-        "violations": region.found,
+        "returned": returned,
+        "violations": found(),
     }
 
 
@@ -274,8 +295,7 @@ def clip_grad_norm(model: nn.Module, max_norm: float, group, tp_rank: int) -> to
     return norm
 
 
-def per_head_scale(head_scale_type: str, count_replicated_once: bool = True,
-                   checked: bool = False) -> dict:
+def per_head_scale(head_scale_type: str, count_replicated_once: bool = True) -> dict:
     """A per-head parameter declared S(0) (correct) or R (misdeclared), then clipped.
 
     ``count_replicated_once=False`` drops the duplicate filter, so R parameters are counted
@@ -291,26 +311,26 @@ def per_head_scale(head_scale_type: str, count_replicated_once: bool = True,
     for name, p in model.named_parameters():
         p.tensor_model_parallel = types[name].startswith("S")
     filtering_rank = dist.get_rank(group) if count_replicated_once else 0
-    with _maybe_typecheck(checked, tp=group) as region:
-        region.annotate_params(model, types)
-        _heads_step(model, region.annotate(x, tp="R"))
+    with sc.typecheck(sc.Mesh(tp=group), mode="collect"):
+        sc.annotate_parameters(model, on("tp", types))
+        _heads_step(model, sc.annotate(x, tp=sc.R))
         for p in model.q_norm.parameters():
             dist.all_reduce(p.grad, group=group)
-        region.check(model)
+        sc.check_gradients(model)
         norm = clip_grad_norm(model, 0.5, group, filtering_rank)
     return {
         "head_scale_diff": max_diff(
             model.head_scale.grad, shard(full.head_scale.grad, 0, group) * 0.5 / ref_norm),
         "norm": norm.item(),
         "ref_norm": ref_norm.item(),
-        "violations": region.found,
+        "violations": found(),
     }
 
 
 # ---- 4. data-parallel gradient all-reduce present or missing -------------------------------
 
 
-def data_parallel(all_reduce_grads: bool, checked: bool = False) -> dict:
+def data_parallel(all_reduce_grads: bool) -> dict:
     """A replicated linear model on per-rank batches; DDP-style averaged gradients."""
     group = dist.group.WORLD
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -320,19 +340,20 @@ def data_parallel(all_reduce_grads: bool, checked: bool = False) -> dict:
     F.mse_loss(full(x), y).backward()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(HIDDEN, FFN), nn.Tanh(), nn.Linear(FFN, 1))
-    with _maybe_typecheck(checked, dp=group) as region:
-        region.annotate_params(model, dict.fromkeys(dict(model.named_parameters()), "R"), "dp")
-        x_local = region.annotate(x.chunk(world)[rank], dp="V")
-        y_local = region.annotate(y.chunk(world)[rank], dp="V")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with sc.typecheck(sc.Mesh(dp=group), mode="collect"):
+        sc.annotate_parameters(model, dp=sc.R)
+        x_local = sc.annotate(x.chunk(world)[rank], dp=sc.V)
+        y_local = sc.annotate(y.chunk(world)[rank], dp=sc.V)
         F.mse_loss(model(x_local), y_local).backward()
         if all_reduce_grads:
             for p in model.parameters():
                 dist.all_reduce(p.grad, op=dist.ReduceOp.AVG, group=group)
-        region.check(model)
+        optimizer.step()
     return {
         "max_diff": max(max_diff(p.grad, q.grad)
                         for p, q in zip(model.parameters(), full.parameters(), strict=True)),
-        "violations": region.found,
+        "violations": found(),
     }
 
 
@@ -359,8 +380,8 @@ def _move_grad_to_main_grad(param: torch.Tensor) -> None:
     param.grad = None
 
 
-def flat_buffer(reduced_numel: str, checked: bool = False) -> dict:
-    """tp=2 x dp=2: the buffer is all-reduced over dp in place, whole or ('short') without its tail."""
+def flat_buffer(reduced_numel: str) -> dict:
+    """tp=2 x dp=2: the buffer is averaged over dp in place, whole or ('short') without its tail."""
     tp, dp = tp_dp_groups(2)
     dp_size = dist.get_world_size(dp)
     full = _full_heads()
@@ -368,46 +389,19 @@ def flat_buffer(reduced_numel: str, checked: bool = False) -> dict:
     x = torch.randn(BATCH * dp_size, SEQ, HIDDEN)
     _heads_step(full, x)  # a mean over the global batch
     model = HeadsModel(full, tp)
-    buffer = attach_main_grads(model)
-    with _maybe_typecheck(checked, tp=tp, dp=dp) as region:
-        region.annotate_params(model, HEADS_TYPES)
-        region.annotate_params(model, dict.fromkeys(HEADS_TYPES, "R"), "dp")
-        x_local = region.annotate(shard(x, 0, dp), tp="R", dp="V")
+    with sc.typecheck(sc.Mesh(tp=tp, dp=dp), mode="collect"):
+        buffer = attach_main_grads(model)
+        sc.annotate_parameters(model, on("tp", HEADS_TYPES), dp=sc.R)
+        x_local = sc.annotate(shard(x, 0, dp), tp=sc.R, dp=sc.V)
         _heads_step(model, x_local)
         for p in model.q_norm.parameters():
             dist.all_reduce(p.main_grad, group=tp)
         end = buffer.numel() if reduced_numel == "all" else buffer.numel() - HIDDEN
-        bucket = buffer[:end]
-        dist.all_reduce(bucket, group=dp)
-        bucket.div_(dp_size)
-        region.check(model)
+        dist.all_reduce(buffer[:end], op=dist.ReduceOp.AVG, group=dp)
+        sc.check_gradients(model)
     shards = {"q_proj.weight": 0, "head_scale": 0, "o_proj.weight": 1}
     diffs = {name: max_diff(p.main_grad, shard(full.get_parameter(name).grad, shards[name], tp)
                             if name in shards else full.get_parameter(name).grad)
              for name, p in model.named_parameters()}
-    return {"diffs": diffs, "violations": region.found}
+    return {"diffs": diffs, "violations": found()}
 
-
-# ---- the typecheck region (temporary: unchecked until the checker lands) -------------------
-
-
-class _Region:
-    def __init__(self) -> None:
-        self.found: list = []
-
-    def annotate_params(self, model, types, axis="tp"):
-        return model
-
-    def annotate(self, x, **types):
-        return x
-
-    def check(self, model):
-        return None
-
-
-from contextlib import contextmanager  # noqa: E402
-
-
-@contextmanager
-def _maybe_typecheck(checked, **groups):
-    yield _Region()
