@@ -5,3 +5,22 @@ from shardcheck.types import Axis, I, Mesh, P, Placement, R, S, Shard, V
 __version__ = "0.1.0"
 
 __all__ = ["I", "P", "R", "S", "V", "Axis", "Mesh", "Placement", "Shard", "__version__"]
+
+from shardcheck.checker import (  # noqa: E402
+    Coverage,
+    SpmdTypeError,
+    annotate,
+    assert_type,
+    contract,
+    coverage,
+    rank_slice,
+    register_rule,
+    typecheck,
+    typeof,
+    violations,
+)
+
+__all__ += [
+    "Coverage", "SpmdTypeError", "annotate", "assert_type", "contract", "coverage",
+    "rank_slice", "register_rule", "typecheck", "typeof", "violations",
+]
