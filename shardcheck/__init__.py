@@ -24,3 +24,8 @@ __all__ += [
     "Coverage", "SpmdTypeError", "annotate", "assert_type", "contract", "coverage",
     "rank_slice", "register_rule", "typecheck", "typeof", "violations",
 ]
+
+from shardcheck import backward_rules, norm_tracking  # noqa: E402,F401  (register their rules)
+from shardcheck.gradients import annotate_parameters, check_gradients  # noqa: E402
+
+__all__ += ["annotate_parameters", "check_gradients"]
