@@ -265,12 +265,19 @@ def _axis_layout(tensors: list[_Operand], a: int, out_ndim: int) -> Placement:
         for o in tensors:
             if _replicated(o.pl[a]) or _is_partial(o.pl[a]):
                 local = d - (out_ndim - len(o.shape))
-                if local >= 0 and o.shape[local] != 1:
+                if local >= 0 and o.shape[local] != 1 and not o.zero and not _in_backward():
                     raise Violation("global shape mismatch", a)
         return V if varying else S(d)
     if varying:
         return V
     return I if invariant_only and tensors else R
+
+
+def _in_backward() -> bool:
+    """In the backward pass, a replicated full-size operand next to a shard is a gradient that
+    autograd broadcast back to the local shape (sum/mean backward expand the seed): it is
+    constant along the sharded dim, so it fits any shard. The forward checked the shapes."""
+    return torch._C._current_autograd_node() is not None
 
 
 def _roles(*roles: str) -> Callable:
