@@ -405,3 +405,62 @@ def flat_buffer(reduced_numel: str) -> dict:
              for name, p in model.named_parameters()}
     return {"diffs": diffs, "violations": found()}
 
+
+
+
+# ---- 6. a large layout on a fake process group ---------------------------------------------
+
+FAKE_LAYOUT = {"dp": 64, "cp": 4, "tp": 8}  # 2048 ranks, Megatron order (tp fastest)
+
+
+def fake_layout_groups(rank: int) -> dict[str, dist.ProcessGroup]:
+    """tp, cp, dp and the dp x cp gradient group of ``rank``; every group is made, as on real ranks."""
+    dp_size, cp_size, tp_size = FAKE_LAYOUT.values()
+    coords = {"tp": rank % tp_size, "cp": rank // tp_size % cp_size, "dp": rank // (tp_size * cp_size)}
+
+    def rank_of(dp: int, cp: int, tp: int) -> int:
+        return tp + tp_size * (cp + cp_size * dp)
+    lines = {
+        "tp": [[rank_of(d, c, t) for t in range(tp_size)] for d in range(dp_size) for c in range(cp_size)],
+        "cp": [[rank_of(d, c, t) for c in range(cp_size)] for d in range(dp_size) for t in range(tp_size)],
+        "dp": [[rank_of(d, c, t) for d in range(dp_size)] for c in range(cp_size) for t in range(tp_size)],
+        "dp_cp": [[rank_of(d, c, t) for d in range(dp_size) for c in range(cp_size)]
+                  for t in range(tp_size)],
+    }
+    mine = {}
+    for name, groups in lines.items():
+        for ranks in groups:
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                mine[name] = group
+    assert coords["tp"] == dist.get_rank(mine["tp"])
+    return mine
+
+
+def fake_layout_step(reduce_over: str) -> list[tuple[str, str | None, str | None]]:
+    """One rank of TP=8 x CP=4 x DP=64: a tp MLP on its sequence shard and its own batch.
+
+    The loss is P over cp (a sum over the local sequence shard) and V over dp; the gradients
+    are all-reduced over ``reduce_over`` ("dp_cp", Megatron's group, or just "dp").
+    """
+    groups = fake_layout_groups(dist.get_rank())
+    tp = groups["tp"]
+    model = SequenceParallelMLP(None, None)
+    model.fc1.weight = nn.Parameter(torch.randn(FFN // 8, HIDDEN))
+    model.fc2.weight = nn.Parameter(torch.randn(HIDDEN, FFN // 8))
+    mesh = sc.Mesh(tp=tp, cp=groups["cp"], dp=groups["dp"])
+    with sc.typecheck(mesh, mode="collect"):
+        sc.annotate_parameters(model, on("tp", MLP_TYPES), cp=sc.R, dp=sc.R)
+        x = sc.annotate(torch.randn(SEQ, HIDDEN), tp=sc.R, cp=sc.S(0), dp=sc.V)
+        h = F.gelu(model.fc1(CopyToRegion.apply(model.norm(x), tp)))
+        out = ReduceFromRegion.apply(model.fc2(h), tp)
+        out.pow(2).sum().backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad, group=groups[reduce_over])
+        sc.check_gradients(model)
+    return found()
+
+
+def run_cases(cases: dict[str, tuple]) -> dict[str, dict]:
+    """Run several programs one after another on the same ranks: {case: fn(*args)}."""
+    return {case: fn(*args) for case, (fn, *args) in cases.items()}
