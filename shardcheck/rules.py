@@ -484,7 +484,7 @@ def _axis_contract(pls, a: int, out_spec: str) -> Placement | None:
         return I if all(p is I for p in ps) else R
     (letter,) = letters
     for p, (_, spec) in zip(ps, pls, strict=True):
-        if _replicated(p) and letter in spec:
+        if _replicated(p) and letter in spec and not _in_backward():
             raise Violation("global shape mismatch", a)
     return S(out_spec.index(letter)) if letter in out_spec else P
 
