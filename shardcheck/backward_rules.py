@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from shardcheck.checker import register_rule
-from shardcheck.rules import MUL, NL, _arg, _reduce_axis, elementwise
+from shardcheck.rules import MUL, NL, RULES, _arg, _reduce_axis, elementwise
 
 aten = torch.ops.aten
 _REDUCTION_KIND = {1: "mean", 2: "sum"}  # at::Reduction: 0 none, 1 mean, 2 sum
@@ -35,3 +35,7 @@ for _loss in ("mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss"):
     backward = getattr(aten, _loss + "_backward", None)
     if backward is not None:
         register_rule(backward, _pointwise_loss_backward)
+
+
+# scaled_dot_product_attention's CPU math path normalises with _safe_softmax(x, dim).
+register_rule(aten._safe_softmax, RULES["_softmax"])
