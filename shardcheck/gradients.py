@@ -59,6 +59,10 @@ def parameter_name(param: torch.Tensor) -> str | None:
     return _NAMED.get(param)
 
 
+def has_named_parameters() -> bool:
+    return len(_NAMED) > 0
+
+
 def named_parameters() -> list[tuple[str, torch.Tensor]]:
     """The live parameters shardcheck knows by name."""
     return [(name, p) for p, name in _NAMED.items()]

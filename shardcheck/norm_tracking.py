@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from shardcheck import checker as _checker
 from shardcheck import collectives as _collectives
-from shardcheck.gradients import gradient_of, named_parameters, report
+from shardcheck.gradients import gradient_of, has_named_parameters, named_parameters, report
 from shardcheck.norm_accounting import AccountingError, Counted, accounting_errors
 from shardcheck.rules import NO_TENSOR, RULES
 from shardcheck.types import P, R
@@ -84,15 +84,11 @@ def _wrap(name: str, tagged_rule) -> None:
     base = RULES[name]
 
     def rule(ctx, args, kwargs, out):
-        pl = tagged_rule(ctx, args, kwargs, out) if _named_any() else None
+        pl = tagged_rule(ctx, args, kwargs, out) if has_named_parameters() else None
         return base(ctx, args, kwargs, out) if pl is None else pl
     for packet in (name, name + "_"):
         if hasattr(aten, packet):
             _checker.register_rule(getattr(aten, packet), rule)
-
-
-def _named_any() -> bool:
-    return bool(named_parameters())
 
 
 def _pow(ctx, args, kwargs, out):
@@ -151,7 +147,7 @@ def _add(ctx, args, kwargs, out):
 
 def _foreach_norm(ctx, args, kwargs, out):
     order = args[1] if len(args) > 1 else kwargs.get("ord", 2)
-    if order != 2 or not _named_any():
+    if order != 2 or not has_named_parameters():
         return None
     return [_start(ctx, o, g, 1) for g, o in zip(args[0], out, strict=True)]
 
@@ -169,7 +165,7 @@ _base_allreduce = _collectives.C10D_RULES["allreduce_"]
 
 def _allreduce(ctx, args, kwargs, out):
     tensors, group, op = args[0], args[1], _collectives._reduce_op(args[2])
-    if len(tensors) != 1 or tensors[0].numel() != 1 or op != _collectives.SUM or not _named_any():
+    if len(tensors) != 1 or tensors[0].numel() != 1 or op != _collectives.SUM or not has_named_parameters():
         return _base_allreduce(ctx, args, kwargs, out)
     t = tensors[0]
     term = _term(t)
