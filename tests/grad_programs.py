@@ -282,11 +282,19 @@ def head_norm(sum_norm_grads: bool) -> dict:
     }
 
 
-def clip_grad_norm(model: nn.Module, max_norm: float, group, tp_rank: int) -> torch.Tensor:
-    """Megatron-style clipping: skip tp duplicates, sum squares, all-reduce over tp."""
-    squares = [p.grad.pow(2).sum() for p in model.parameters()
-               if getattr(p, "tensor_model_parallel", False) or tp_rank == 0]
-    total = torch.stack(squares).sum() if squares else torch.zeros(())
+def clip_grad_norm(model: nn.Module, max_norm: float, group, tp_rank: int,
+                   foreach: bool = False) -> torch.Tensor:
+    """Megatron-style clipping: skip tp duplicates, sum squares, all-reduce over tp.
+
+    ``foreach`` takes the per-gradient norms with ``torch._foreach_norm``, as
+    ``torch.nn.utils.clip_grad_norm_`` does, and squares them.
+    """
+    grads = [p.grad for p in model.parameters()
+             if getattr(p, "tensor_model_parallel", False) or tp_rank == 0]
+    if foreach:
+        total = torch.stack(torch._foreach_norm(grads)).pow(2).sum()
+    else:
+        total = torch.stack([g.pow(2).sum() for g in grads]).sum()
     dist.all_reduce(total, group=group)
     norm = total.sqrt()
     coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
@@ -295,7 +303,8 @@ def clip_grad_norm(model: nn.Module, max_norm: float, group, tp_rank: int) -> to
     return norm
 
 
-def per_head_scale(head_scale_type: str, count_replicated_once: bool = True) -> dict:
+def per_head_scale(head_scale_type: str, count_replicated_once: bool = True,
+                   foreach: bool = False) -> dict:
     """A per-head parameter declared S(0) (correct) or R (misdeclared), then clipped.
 
     ``count_replicated_once=False`` drops the duplicate filter, so R parameters are counted
@@ -317,7 +326,7 @@ def per_head_scale(head_scale_type: str, count_replicated_once: bool = True) -> 
         for p in model.q_norm.parameters():
             dist.all_reduce(p.grad, group=group)
         sc.check_gradients(model)
-        norm = clip_grad_norm(model, 0.5, group, filtering_rank)
+        norm = clip_grad_norm(model, 0.5, group, filtering_rank, foreach)
     return {
         "head_scale_diff": max_diff(
             model.head_scale.grad, shard(full.head_scale.grad, 0, group) * 0.5 / ref_norm),

@@ -19,6 +19,8 @@ TWO_RANKS = {
     "head_scale_S": (programs.per_head_scale, "S(0)"),
     "head_scale_R": (programs.per_head_scale, "R"),
     "counted_everywhere": (programs.per_head_scale, "S(0)", False),
+    "head_scale_S_foreach": (programs.per_head_scale, "S(0)", True, True),
+    "head_scale_R_foreach": (programs.per_head_scale, "R", True, True),
     "dp_reduced": (programs.data_parallel, True),
     "dp_missing": (programs.data_parallel, False),
 }
@@ -76,16 +78,18 @@ def test_head_norm_grad_not_summed(four):
 
 
 @pytest.mark.slow
-def test_per_head_parameter_declared_sharded(two):
-    out = two["head_scale_S"]
+@pytest.mark.parametrize("clip", ["", "_foreach"])
+def test_per_head_parameter_declared_sharded(two, clip):
+    out = two["head_scale_S" + clip]
     assert out["norm"] == pytest.approx(out["ref_norm"], rel=1e-6)
     assert out["head_scale_diff"] < 1e-7
     assert out["violations"] == []
 
 
 @pytest.mark.slow
-def test_per_head_parameter_declared_replicated(two):
-    out = two["head_scale_R"]
+@pytest.mark.parametrize("clip", ["", "_foreach"])
+def test_per_head_parameter_declared_replicated(two, clip):
+    out = two["head_scale_R" + clip]
     assert abs(out["norm"] - out["ref_norm"]) > 1e-4 * out["ref_norm"]
     assert out["head_scale_diff"] > 1e-6
     assert gradient_findings(out) == {(MISDECLARED, "head_scale", "tp"),
