@@ -1,7 +1,8 @@
 """The SPMD type checker: a TorchDispatchMode that types every op per mesh axis.
 
 Types live on the tensors themselves (attribute ``_sc``: the mesh key, one placement per
-mesh axis or None where unknown, and a known-zero flag). Views of a tensor are remembered
+mesh axis or None where unknown, and what is known of its value: nothing, every element
+equal (CONST: e.g. the ones that seed a backward pass), or all zero). Views of a tensor are remembered
 on their base (``_sc_views``), so in-place ops and in-place collectives retype every
 tracked tensor that views the same storage.
 """
@@ -43,9 +44,12 @@ _MESH_KEYS: dict[tuple, tuple] = {}
 _ACTIVE: list[Checker] = []
 _LAST: list[Checker] = []
 
-# How an op's result relates to "known zero": made zero, zero when its value arg is 0,
-# zero when its input is, zero when its source (copy_) is.
-_ZERO, _FILL, _KEEP, _COPY = 1, 2, 3, 4
+# What is known of a value: nothing, every element equal (a slice of a constant global tensor
+# fits any layout), or all zero (also fits a partial sum).
+CONST, ZERO = 1, 2
+# How an op's result relates to its inputs' known values: made zero; constant, zero when its
+# value arg is 0; as its input; as its source (copy_); constant when all tensor inputs are.
+_ZERO, _FILL, _KEEP, _COPY, _ARITH = 1, 2, 3, 4, 5
 _FILL_VALUE_POS = {"full": 1, "full_like": 1, "fill": 1, "new_full": 2, "scalar_tensor": 0}
 _KEEPS_ZERO = {
     "view", "_unsafe_view", "reshape", "permute", "transpose", "t", "unsqueeze", "squeeze",
@@ -167,21 +171,29 @@ class Checker(TorchDispatchMode):
 
     def zero(self, t: Any) -> bool:
         st = getattr(t, "_sc", None)
-        return st is not None and st[0] is self.key and st[2]
+        return st is not None and st[0] is self.key and st[2] == ZERO
 
-    def set_type(self, t: torch.Tensor, pl: tuple | None, zero: bool = False) -> None:
+    def const(self, t: Any) -> bool:
+        st = getattr(t, "_sc", None)
+        return st is not None and st[0] is self.key and st[2] > 0
+
+    def _flags(self, t: Any) -> int:
+        st = getattr(t, "_sc", None)
+        return st[2] if st is not None and st[0] is self.key else 0
+
+    def set_type(self, t: torch.Tensor, pl: tuple | None, flags: int = 0) -> None:
         if pl is None or all(p is None for p in pl):
             if getattr(t, "_sc", None) is not None:
                 t._sc = None
         else:
-            t._sc = (self.key, pl, zero)
+            t._sc = (self.key, pl, flags)
 
     def update_inplace(self, t: torch.Tensor, pl: tuple | None,
                        transform: Callable[[tuple], tuple] | None = None,
-                       zero: bool = False) -> None:
+                       flags: int = 0) -> None:
         """Retype ``t`` in place, and every tracked tensor overlapping its storage."""
         old = self.types(t)
-        self.set_type(t, pl, zero)
+        self.set_type(t, pl, flags)
         root = getattr(t, "_sc_root", None)
         if root is None:
             root = t
@@ -200,7 +212,7 @@ class Checker(TorchDispatchMode):
             if a_hi <= lo or hi <= a_lo:
                 continue
             self.set_type(alias, self._alias_type(alias, alias_pl, t, old, pl, transform),
-                          zero and _same_region(alias, t))
+                          flags if _same_region(alias, t) else 0)
 
     def _alias_type(self, alias, alias_pl, t, old, pl, transform) -> tuple | None:
         if transform is not None:
@@ -243,9 +255,9 @@ class Checker(TorchDispatchMode):
         out = func(*args, **kwargs)
         if self._paused:
             return out
-        entry = self._entries.get(func)
+        entry = self._entries.get(id(func))  # OpOverloads live forever; id() hashes fastest
         if entry is None:
-            entry = self._entries[func] = _resolve(func)
+            entry = self._entries[id(func)] = _resolve(func)
         rule, zero_kind, mutated, is_view = entry
         if rule is None:
             self.unknown[func] += 1
@@ -263,14 +275,14 @@ class Checker(TorchDispatchMode):
             self.unknown[func] += 1
         else:
             self.typed += 1
-        zero = bool(zero_kind) and pl is not None and self._zero_result(zero_kind, func, args)
+        flags = self._value_flags(zero_kind, func, args) if zero_kind and pl is not None else 0
         if mutated:
             if pl is None:
                 self._forget(mutated, args, kwargs)
             for t in _mutated_tensors(mutated, args, kwargs) if pl is not None else ():
-                self.update_inplace(t, pl, None, zero)
+                self.update_inplace(t, pl, None, flags)
             return out
-        self._type_outputs(out, pl, zero, args[0] if is_view else None)
+        self._type_outputs(out, pl, flags, args[0] if is_view else None)
         return out
 
     def _forget(self, mutated, args, kwargs) -> None:
@@ -279,9 +291,9 @@ class Checker(TorchDispatchMode):
             if self.types(t) is not None and not _inside_collective():
                 self.update_inplace(t, None)
 
-    def _type_outputs(self, out, pl, zero: bool, base: torch.Tensor | None) -> None:
+    def _type_outputs(self, out, pl, flags: int, base: torch.Tensor | None) -> None:
         if isinstance(out, torch.Tensor):
-            self.set_type(out, pl, zero)
+            self.set_type(out, pl, flags)
             if base is not None and pl is not None:
                 self.register_view(out, base)
             return
@@ -290,20 +302,25 @@ class Checker(TorchDispatchMode):
         each = pl if isinstance(pl, list) else [pl] * len(out)
         for t, p in zip(out, each, strict=False):
             if isinstance(t, torch.Tensor):
-                self.set_type(t, p, zero)
+                self.set_type(t, p, flags)
                 if base is not None and p is not None:
                     self.register_view(t, base)
 
-    def _zero_result(self, kind: int, func, args) -> bool:
-        if kind == _ZERO:
-            return True
+    def _value_flags(self, kind: int, func, args) -> int:
+        if kind == _ARITH:
+            for a in args:
+                if isinstance(a, torch.Tensor) and not self.const(a):
+                    return 0
+            return CONST
         if kind == _KEEP:
-            return self.zero(args[0])
+            return self._flags(args[0])
+        if kind == _ZERO:
+            return ZERO
         if kind == _COPY:
-            return self.zero(args[1])
-        pos = _FILL_VALUE_POS[_base_name(func)]
-        value = args[pos] if len(args) > pos else None
-        return isinstance(value, (int, float, bool)) and value == 0
+            return self._flags(args[1])
+        pos = _FILL_VALUE_POS.get(_base_name(func))
+        value = args[pos] if pos is not None and len(args) > pos else None
+        return ZERO if isinstance(value, (int, float)) and value == 0 else CONST
 
     # --- violations --------------------------------------------------------------------
     def _report(self, violation: Violation, func, args) -> None:
@@ -340,10 +357,10 @@ class Checker(TorchDispatchMode):
         pl = self.types(x)
         if pl is None:
             return "?"
-        zero = " zero" if self.zero(x) else ""
+        known = {CONST: " const", ZERO: " zero"}.get(self._flags(x), "")
         inner = ", ".join(f"{n}:{'?' if p is None else p}"
                           for n, p in zip(self.names, pl, strict=True))
-        return "{" + inner + "}" + zero
+        return "{" + inner + "}" + known
 
     # --- region ------------------------------------------------------------------------
     @contextmanager
@@ -441,6 +458,8 @@ def _resolve(func) -> tuple:
         zero_kind = _KEEP
     elif name == "copy":
         zero_kind = _COPY
+    elif name in _rules.CONST_PRESERVING:
+        zero_kind = _ARITH
     return rule, zero_kind, mutated, is_view
 
 
@@ -488,7 +507,7 @@ def annotate(x: torch.Tensor, mesh: Mesh | None = None, **placements: Placement 
     old = checker.types(x) or (None,) * checker.n
     pl = tuple(_placement(placements[n]) if n in placements else old[i]
                for i, n in enumerate(checker.names))
-    checker.set_type(x, pl, checker.zero(x))
+    checker.set_type(x, pl, checker._flags(x))
     if x._base is not None:
         checker.register_view(x, x._base)
     return x

@@ -165,14 +165,18 @@ class Typed:
 
 
 class _Operand:
-    __slots__ = ("pl", "role", "zero", "shape", "scalar")
+    __slots__ = ("pl", "role", "zero", "shape", "scalar", "const")
 
-    def __init__(self, pl, role, zero, shape, scalar):
+    def __init__(self, pl, role, zero, shape, scalar, const=False):
         self.pl, self.role, self.zero, self.shape, self.scalar = pl, role, zero, shape, scalar
+        self.const = const
 
 
 def elementwise(ctx, items: list[tuple[Any, str]]) -> Pl | None:
     """Type an elementwise op over ``(value, role)`` items, broadcasting tensors."""
+    fast = _same_simple_layout(ctx, items)
+    if fast is not None:
+        return fast
     ops = []
     out_ndim = 0
     for value, role in items:
@@ -185,16 +189,40 @@ def elementwise(ctx, items: list[tuple[Any, str]]) -> Pl | None:
                 continue
             shape = value.shape
             out_ndim = max(out_ndim, len(shape))
-            ops.append(_Operand(pl, role, ctx.zero(value), shape, False))
+            ops.append(_Operand(pl, role, ctx.zero(value), shape, False, ctx.const(value)))
         elif isinstance(value, Typed):
             out_ndim = max(out_ndim, len(value.shape))
             ops.append(_Operand(value.pl, role, False, value.shape, False))
         elif value is not None:
             ops.append(_Operand(None, role, value == 0, (), True))
-    result = []
-    for a in range(ctx.n):
-        result.append(_axis_elementwise(ops, a, out_ndim))
-    return tuple(result)
+    return tuple(_axis_elementwise(ops, a, out_ndim) for a in range(ctx.n))
+
+
+def _same_simple_layout(ctx, items: list[tuple[Any, str]]) -> Pl | None:
+    """The common case, fast: every typed operand has the same placements, no P, and any
+    shard is on tensors of equal rank. Returns None when the general rule must decide."""
+    first = None
+    ndim = -1
+    for value, _ in items:
+        if not isinstance(value, torch.Tensor):
+            if isinstance(value, Typed):
+                return None
+            continue
+        pl = ctx.types(value)
+        if pl is None:
+            return None
+        if first is None:
+            first = pl
+            for p in pl:
+                if p is not R and p is not V and p is not I and type(p) is not Shard:
+                    return None
+        elif pl != first:
+            return None
+        if ndim != value.dim():
+            if ndim >= 0:
+                return None
+            ndim = value.dim()
+    return first
 
 
 def _axis_elementwise(ops: list[_Operand], a: int, out_ndim: int) -> Placement | None:
@@ -263,7 +291,7 @@ def _axis_layout(tensors: list[_Operand], a: int, out_ndim: int) -> Placement:
     if shard_dims:
         (d,) = shard_dims
         for o in tensors:
-            if _replicated(o.pl[a]) or _is_partial(o.pl[a]):
+            if (_replicated(o.pl[a]) or _is_partial(o.pl[a])) and not o.const:
                 local = d - (out_ndim - len(o.shape))
                 if local >= 0 and o.shape[local] != 1 and not o.zero and not _in_backward():
                     raise Violation("global shape mismatch", a)
@@ -451,13 +479,20 @@ def _dropout_backward(ctx, args, kwargs, out):
 # --- contractions --------------------------------------------------------------------------
 
 def einsum_rule(ctx, specs: list[tuple[Any, str]], out_spec: str) -> Pl | None:
-    """Type a contraction given each operand's dim letters and the output's letters."""
+    """Type a contraction given each operand's dim letters and the output's letters.
+
+    A constant operand (every element equal) is a slice of a constant global tensor, so it
+    fits any layout: it is left out of the layout decision.
+    """
     pls = []
     for t, letters in specs:
         pl = ctx.types(t)
         if pl is None:
             return None
-        pls.append((pl, letters))
+        if not (ctx.const(t) and all(_replicated(p) for p in pl)):
+            pls.append((pl, letters))
+    if not pls:
+        return ctx.types(specs[0][0])
     return tuple(_axis_contract(pls, a, out_spec) for a in range(ctx.n))
 
 
@@ -972,7 +1007,13 @@ RANDOM_FROM_TEMPLATE = [
     "exponential", "cauchy", "log_normal", "geometric",
 ]
 ZERO_MAKERS = {"zeros", "zeros_like", "new_zeros", "zero"}
-FILL_OPS = {"full", "full_like", "new_full", "fill", "scalar_tensor"}  # zero when the value is 0
+FILL_OPS = {  # constant; zero when the value is 0
+    "full", "full_like", "new_full", "fill", "scalar_tensor", "ones", "ones_like", "new_ones",
+}
+CONST_PRESERVING = {  # elementwise: constant when every tensor operand is
+    "add", "sub", "rsub", "mul", "div", "true_divide", "neg", "exp", "log", "sqrt", "rsqrt",
+    "pow", "reciprocal", "sigmoid", "tanh", "relu", "gelu", "silu", "abs", "where",
+}
 
 _reduce = {
     "sum": reduction("sum"), "nansum": reduction("sum"), "mean": reduction("mean"),
