@@ -293,19 +293,12 @@ def _axis_layout(tensors: list[_Operand], a: int, out_ndim: int) -> Placement:
         for o in tensors:
             if (_replicated(o.pl[a]) or _is_partial(o.pl[a])) and not o.const:
                 local = d - (out_ndim - len(o.shape))
-                if local >= 0 and o.shape[local] != 1 and not o.zero and not _in_backward():
+                if local >= 0 and o.shape[local] != 1:
                     raise Violation("global shape mismatch", a)
         return V if varying else S(d)
     if varying:
         return V
     return I if invariant_only and tensors else R
-
-
-def _in_backward() -> bool:
-    """In the backward pass, a replicated full-size operand next to a shard is a gradient that
-    autograd broadcast back to the local shape (sum/mean backward expand the seed): it is
-    constant along the sharded dim, so it fits any shard. The forward checked the shapes."""
-    return torch._C._current_autograd_node() is not None
 
 
 def _roles(*roles: str) -> Callable:
@@ -519,7 +512,7 @@ def _axis_contract(pls, a: int, out_spec: str) -> Placement | None:
         return I if all(p is I for p in ps) else R
     (letter,) = letters
     for p, (_, spec) in zip(ps, pls, strict=True):
-        if _replicated(p) and letter in spec and not _in_backward():
+        if _replicated(p) and letter in spec:
             raise Violation("global shape mismatch", a)
     return S(out_spec.index(letter)) if letter in out_spec else P
 
