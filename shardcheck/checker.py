@@ -48,8 +48,9 @@ _LAST: list[Checker] = []
 # fits any layout), or all zero (also fits a partial sum).
 CONST, ZERO = 1, 2
 # How an op's result relates to its inputs' known values: made zero; constant, zero when its
-# value arg is 0; as its input; as its source (copy_); constant when all tensor inputs are.
-_ZERO, _FILL, _KEEP, _COPY, _ARITH = 1, 2, 3, 4, 5
+# value arg is 0; as its input; as its source (copy_); constant when all tensor inputs are;
+# a Python number made a tensor (torch.tensor(0.0)).
+_ZERO, _FILL, _KEEP, _COPY, _ARITH, _LIFT = 1, 2, 3, 4, 5, 6
 _FILL_VALUE_POS = {"full": 1, "full_like": 1, "fill": 1, "new_full": 2, "scalar_tensor": 0}
 _KEEPS_ZERO = {
     "view", "_unsafe_view", "reshape", "permute", "transpose", "t", "unsqueeze", "squeeze",
@@ -318,6 +319,10 @@ class Checker(TorchDispatchMode):
             return ZERO
         if kind == _COPY:
             return self._flags(args[1])
+        if kind == _LIFT:
+            if args[0].numel() != 1:
+                return 0
+            return ZERO if args[0].item() == 0 else CONST
         pos = _FILL_VALUE_POS.get(_base_name(func))
         value = args[pos] if pos is not None and len(args) > pos else None
         return ZERO if isinstance(value, (int, float)) and value == 0 else CONST
@@ -460,6 +465,8 @@ def _resolve(func) -> tuple:
         zero_kind = _COPY
     elif name in _rules.CONST_PRESERVING:
         zero_kind = _ARITH
+    elif name in ("lift_fresh", "lift_fresh_copy"):
+        zero_kind = _LIFT
     return rule, zero_kind, mutated, is_view
 
 

@@ -534,11 +534,12 @@ def _dot(ctx, args, kwargs, out):
 
 
 def _with_bias(contract: Callable) -> Callable:
-    """addmm/baddbmm(bias, a, b, beta, alpha): the product plus a broadcast bias."""
+    """addmm/baddbmm(bias, a, b, beta, alpha): the product plus a broadcast bias (ignored
+    with beta=0, as Megatron's attention does with an uninitialised buffer)."""
     def rule(ctx, args, kwargs, out):
         prod = contract(ctx, args[1:], kwargs, out)
-        if prod is None:
-            return None
+        if prod is None or _arg(args, kwargs, 3, "beta", 1) == 0:
+            return prod
         return elementwise(ctx, [(args[0], ADD), (Typed(prod, tuple(out.shape)), ADD)])
     return rule
 
@@ -882,26 +883,67 @@ def _scatter_rule(ctx, args, kwargs, out):
 
 
 def _index_rule(ctx, args, kwargs, out):
-    """x[idx] with index tensors: keeps R/P/V; sharded inputs become unknown."""
-    pl = ctx.types(args[0])
+    """x[i0, i1, ...] with index tensors: indexing a sharded dim gives V (each rank picks from
+    its own shard); a shard after a leading block of indexed dims moves with the block."""
+    x, indices = args[0], list(args[1])
+    pl = ctx.types(x)
     if pl is None:
         return None
-    for idx in args[1]:
-        if idx is not None and ctx.types(idx) is None:
-            return None
-    return tuple(None if isinstance(p, (Shard, Gathered)) else p for p in pl)
+    picked = [k for k, idx in enumerate(indices) if idx is not None]
+    index_pls = [ctx.types(indices[k]) for k in picked]
+    if any(p is None for p in index_pls):
+        return None
+    index_ndim = out.dim() - (x.dim() - len(picked))
+    leading = picked == list(range(len(picked)))
+    result = []
+    for a, p in enumerate(pl):
+        index_axis = [ip[a] for ip in index_pls]
+        if p is None or isinstance(p, Gathered) or any(i is None for i in index_axis):
+            result.append(None)
+        elif any(_is_partial(i) for i in index_axis):
+            raise Violation("non-linear on partial", a)
+        elif isinstance(p, Shard) and _norm(p.dim, x.dim()) in picked:
+            result.append(V)
+        elif isinstance(p, Shard):
+            d = _norm(p.dim, x.dim())
+            result.append(S(d - len(picked) + index_ndim) if leading else None)
+        elif V in index_axis or any(isinstance(i, Shard) for i in index_axis):
+            result.append(V if not _is_partial(p) else None)
+        else:
+            result.append(p)
+    return tuple(result)
 
 
 def _index_put_rule(ctx, args, kwargs, out):
-    """x[idx] = values: the stored values must have x's placement (zeros fit a partial)."""
+    """x[idx] = values: a shard stays a shard (each rank writes its own elements); otherwise
+    the stored values must have x's placement (zeros fit a partial)."""
     xl, values = ctx.types(args[0]), args[2]
     if xl is None:
         return None
-    if values.dim() == 0 and ctx.types(values) is None:
-        if all(not _is_partial(p) for p in xl) or values.item() == 0:
-            return xl
-        return tuple(None if _is_partial(p) else p for p in xl)
-    return _join(xl, ctx.types(values))
+    vl = ctx.types(values)
+    if vl is None:
+        if values.dim() != 0:
+            return None
+        zero = values.item() == 0
+        return tuple(None if _is_partial(p) and not zero else p for p in xl)
+    result = []
+    for p, v in zip(xl, vl, strict=True):
+        if isinstance(p, Shard) and not _is_partial(v):
+            result.append(p)
+        elif p == v or (ctx.zero(values) and _is_partial(p)):
+            result.append(p)
+        elif p in (R, I) and v is V:
+            result.append(V)
+        else:
+            result.append(None)
+    return tuple(result)
+
+
+def _as_strided_rule(ctx, args, kwargs, out):
+    """as_strided: typed only when it reproduces its input's layout (autograd does that)."""
+    x = args[0]
+    same = out.shape == x.shape and out.stride() == x.stride()
+    return ctx.types(x) if same else None
 
 
 def _copy_rule(ctx, args, kwargs, out):
@@ -1057,6 +1099,7 @@ def _base_table() -> dict[str, Callable]:
         "scatter": _scatter_rule, "scatter_add": _scatter_rule,
         "index": _index_rule, "index_put": _index_put_rule,
         "flip": _flip_like(1), "roll": _flip_like(2), "repeat": _repeat_rule,
+        "as_strided": _as_strided_rule,
         "_local_scalar_dense": _scalar_rule, "sym_size": _scalar_rule,
         "sym_numel": _scalar_rule, "equal": _scalar_rule, "is_nonzero": _scalar_rule,
     })

@@ -146,6 +146,15 @@ SHAPES = [
     ("cat along other dim", lambda: torch.cat([T(4, 3, tp=S(0)), T(4, 3, tp=S(0))], 1), S(0)),
     ("cat along sharded dim", lambda: torch.cat([T(4, 3, tp=S(0)), T(4, 3, tp=S(0))], 0), V),
     ("stack", lambda: torch.stack([T(4, 3, tp=S(1)), T(4, 3, tp=S(1))]), S(2)),
+    ("index along sharded dim", lambda: T(4, 6, tp=S(1))[torch.arange(4), torch.arange(4)], V),
+    ("index before shard", lambda: T(4, 6, tp=S(1))[torch.tensor([0, 2])], S(1)),
+    ("index of R", lambda: T(4, 6)[torch.tensor([0, 2])], R),
+    ("index_put into shard", lambda: T(4, 6, tp=S(1)).index_put_(
+        (torch.arange(2),), T(2, 6, tp=V)), S(1)),
+    ("index_put zero into P", lambda: T(4, tp=P).index_put_((torch.arange(2),),
+                                                            torch.tensor(0.0)), P),
+    ("baddbmm beta=0 ignores its buffer", lambda: torch.baddbmm(
+        torch.empty(4, 2, 5), T(4, 2, 3, tp=S(0)), T(4, 3, 5, tp=S(0)), beta=0.0), S(0)),
     ("contiguous/clone/detach", lambda: T(4, 3, tp=S(1)).t().contiguous().clone().detach(), S(0)),
     ("type conversion", lambda: T(4, 3, tp=P).to(torch.float64).half(), P),
     ("gather unsharded dim", lambda: torch.gather(T(4, 3, tp=S(0)), 1,
