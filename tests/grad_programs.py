@@ -390,7 +390,8 @@ def _move_grad_to_main_grad(param: torch.Tensor) -> None:
 
 
 def flat_buffer(reduced_numel: str) -> dict:
-    """tp=2 x dp=2: the buffer is averaged over dp in place, whole or ('short') without its tail."""
+    """tp=2 x dp=2: the buffer is scaled and summed over dp in place, whole or ('short')
+    without its tail."""
     tp, dp = tp_dp_groups(2)
     dp_size = dist.get_world_size(dp)
     full = _full_heads()
@@ -406,7 +407,9 @@ def flat_buffer(reduced_numel: str) -> dict:
         for p in model.q_norm.parameters():
             dist.all_reduce(p.main_grad, group=tp)
         end = buffer.numel() if reduced_numel == "all" else buffer.numel() - HIDDEN
-        dist.all_reduce(buffer[:end], op=dist.ReduceOp.AVG, group=dp)
+        bucket = buffer[:end]
+        bucket.mul_(1 / dp_size)  # Megatron's gradient_scaling_factor, then a SUM all-reduce
+        dist.all_reduce(bucket, group=dp)
         sc.check_gradients(model)
     shards = {"q_proj.weight": 0, "head_scale": 0, "o_proj.weight": 1}
     diffs = {name: max_diff(p.main_grad, shard(full.get_parameter(name).grad, shards[name], tp)
