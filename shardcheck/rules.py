@@ -928,11 +928,11 @@ def _index_put_rule(ctx, args, kwargs, out):
         return tuple(None if _is_partial(p) and not zero else p for p in xl)
     result = []
     for p, v in zip(xl, vl, strict=True):
-        if isinstance(p, Shard) and not _is_partial(v):
+        if (isinstance(p, Shard) or p is V) and not _is_partial(v):
             result.append(p)
         elif p == v or (ctx.zero(values) and _is_partial(p)):
             result.append(p)
-        elif p in (R, I) and v is V:
+        elif _replicated(p) and v is V:
             result.append(V)
         else:
             result.append(None)

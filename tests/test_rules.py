@@ -151,6 +151,8 @@ SHAPES = [
     ("index of R", lambda: T(4, 6)[torch.tensor([0, 2])], R),
     ("index_put into shard", lambda: T(4, 6, tp=S(1)).index_put_(
         (torch.arange(2),), T(2, 6, tp=V)), S(1)),
+    ("index_put into V", lambda: T(4, tp=V).index_put_((torch.arange(2),), torch.tensor(0.0)),
+     V),
     ("index_put zero into P", lambda: T(4, tp=P).index_put_((torch.arange(2),),
                                                             torch.tensor(0.0)), P),
     ("baddbmm beta=0 ignores its buffer", lambda: torch.baddbmm(
