@@ -89,6 +89,23 @@ class ReduceScatterSequence(torch.autograd.Function):
         return _gather_dim0(grad, ctx.group), None
 
 
+PLAIN = {"copy": CopyToRegion.apply, "reduce": ReduceFromRegion.apply}
+
+
+def megatron_mappings() -> dict:
+    """megatron-core's own autograd Functions for copy-to and reduce-from the tp region."""
+    from megatron.core.tensor_parallel import mappings
+
+    return {
+        "copy": lambda x, g: mappings.copy_to_tensor_model_parallel_region(x, group=g),
+        "reduce": lambda x, g: mappings.reduce_from_tensor_model_parallel_region(x, group=g),
+    }
+
+
+def collectives(kind: str) -> dict:
+    return megatron_mappings() if kind == "megatron" else PLAIN
+
+
 # ---- process groups -------------------------------------------------------------------------
 
 
@@ -209,9 +226,9 @@ class HeadsModel(nn.Module):
     ``head_scale`` holds one value per local head.
     """
 
-    def __init__(self, full: nn.Module | None, group) -> None:
+    def __init__(self, full: nn.Module | None, group, kind: str = "plain") -> None:
         super().__init__()
-        self.group = group
+        self.group, self.comm = group, collectives(kind)
         self.q_proj = nn.Linear(HIDDEN, HEADS * HEAD_DIM, bias=False)
         self.q_norm = nn.LayerNorm(HEAD_DIM)
         self.head_scale = nn.Parameter(torch.ones(HEADS))
@@ -230,13 +247,13 @@ class HeadsModel(nn.Module):
 
     def forward(self, x):
         if self.group is not None:
-            x = CopyToRegion.apply(x, self.group)
+            x = self.comm["copy"](x, self.group)
         q = self.q_proj(x)
         q = q.view(*q.shape[:-1], -1, HEAD_DIM)
         q = self.q_norm(q) * self.head_scale[:, None]
         out = self.o_proj(q.flatten(-2))
         if self.group is not None:
-            out = ReduceFromRegion.apply(out, self.group)
+            out = self.comm["reduce"](out, self.group)
         return self.out_norm(out)
 
 
@@ -257,7 +274,7 @@ HEADS_TYPES = {"q_proj.weight": "S(0)", "q_norm.weight": "R", "q_norm.bias": "R"
                "head_scale": "S(0)", "o_proj.weight": "S(1)", "out_norm.weight": "R"}
 
 
-def head_norm(sum_norm_grads: bool) -> dict:
+def head_norm(sum_norm_grads: bool, kind: str = "plain") -> dict:
     """The head_dim norm weight's gradient is partial over tp: summed (correct) or not.
 
     Checked explicitly with ``sc.check_gradients``; its findings are returned too.
@@ -266,7 +283,7 @@ def head_norm(sum_norm_grads: bool) -> dict:
     full = _full_heads()
     x = torch.randn(BATCH, SEQ, HIDDEN)
     _heads_step(full, x)
-    model = HeadsModel(full, group)
+    model = HeadsModel(full, group, kind)
     with sc.typecheck(sc.Mesh(tp=group), mode="collect"):
         sc.annotate_parameters(model, on("tp", HEADS_TYPES))
         _heads_step(model, sc.annotate(x, tp=sc.R))
