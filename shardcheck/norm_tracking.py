@@ -165,20 +165,18 @@ _base_allreduce = _collectives.C10D_RULES["allreduce_"]
 
 def _allreduce(ctx, args, kwargs, out):
     tensors, group, op = args[0], args[1], _collectives._reduce_op(args[2])
-    if len(tensors) != 1 or tensors[0].numel() != 1 or op != _collectives.SUM or not has_named_parameters():
+    if (len(tensors) != 1 or tensors[0].numel() != 1 or op != _collectives.SUM
+            or not has_named_parameters()):
         return _base_allreduce(ctx, args, kwargs, out)
     t = tensors[0]
     term = _term(t)
     axes = _collectives._axes(ctx, group)
     everyone = _exchange(ctx, group, axes, term)
-    if everyone is None and term is None:
-        return _base_allreduce(ctx, args, kwargs, out)
-    if everyone is not None:
-        errors = accounting_errors(everyone, [ctx.names[a] for a in axes],
-                                   [ctx.sizes[a] for a in axes])
-        if term is not None and term.power != 2:
-            errors.append(_summed_norms(term, ctx.names[axes[0]]))
-        report(ctx, errors, "all_reduce of a gradient norm")
+    errors = [] if everyone is None else accounting_errors(
+        everyone, [ctx.names[a] for a in axes], [ctx.sizes[a] for a in axes])
+    if term is not None and term.power != 2 and axes:
+        errors.append(_summed_norms(term, ctx.names[axes[0]]))
+    report(ctx, errors, "all_reduce of a gradient norm")
     if term is None:
         return _base_allreduce(ctx, args, kwargs, out)
     t._sc_norm = None
@@ -206,9 +204,9 @@ def _exchange(ctx, group, axes, term: NormTerm | None) -> list[Counted] | None:
 
 
 def _summed_norms(term: NormTerm, axis: str) -> AccountingError:
-    name = next(iter(term.params))
-    return AccountingError(name, axis, f"norms (not squared norms) of {name} and others are "
-                           f"summed over {axis}")
+    names = sorted(term.params)
+    return AccountingError(names[0], axis, f"norms (not squared norms) of {', '.join(names)} "
+                           f"are summed over {axis}: square them before the all-reduce")
 
 
 _checker.register_rule(torch.ops.c10d.allreduce_, _allreduce)

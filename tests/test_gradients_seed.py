@@ -121,3 +121,36 @@ def test_annotate_parameters_by_glob_pattern(mesh):
         assert sc.typeof(model[0].bias) == {"tp": S(0), "dp": R}
         assert sc.typeof(model[1].weight) == {"tp": R, "dp": R}
         assert sc.typeof(model[1].bias) == {"dp": R}
+
+
+def norm_terms(mesh, grad_types):
+    """Gradients of the given tp types, squared, summed and stacked into one norm term."""
+    params = {name: nn.Parameter(torch.ones(2, 2)) for name in grad_types}
+    sc.annotate_parameters(params)
+    for name, p in params.items():
+        p.grad = sc.annotate(torch.ones(2, 2), tp=grad_types[name], dp=R)
+    return params, torch.stack([p.grad.pow(2).sum() for p in params.values()]).sum()
+
+
+def test_norm_terms_are_partial_where_any_gradient_is_sharded(mesh):
+    with sc.typecheck(mesh):
+        _, total = norm_terms(mesh, {"w": S(0), "b": R})
+        assert sc.typeof(total) == {"tp": P, "dp": R}
+        dist.all_reduce(total, group=mesh.groups["tp"])
+        assert sc.typeof(total) == {"tp": R, "dp": R}
+
+
+def test_replicated_norm_terms_stay_replicated(mesh):
+    with sc.typecheck(mesh):
+        _, total = norm_terms(mesh, {"b": R})
+        assert sc.typeof(total) == {"tp": R, "dp": R}
+
+
+def test_summing_norms_instead_of_squares_is_flagged(mesh):
+    with sc.typecheck(mesh, mode="collect"):
+        params, _ = norm_terms(mesh, {"w": S(0)})
+        norm = torch.linalg.vector_norm(params["w"].grad)
+        dist.all_reduce(norm, group=mesh.groups["tp"])
+        (record,) = sc.violations()
+    assert (record.rule, record.param, record.axis) == ("norm accounting", "w", "tp")
+    assert "norms (not squared norms) of w" in record.message
