@@ -93,7 +93,7 @@ def _wrap(name: str, tagged_rule) -> None:
 
 def _pow(ctx, args, kwargs, out):
     x, exponent = args[0], args[1]
-    if exponent != 2 or not isinstance(x, torch.Tensor):
+    if not isinstance(x, torch.Tensor) or not isinstance(exponent, (int, float)) or exponent != 2:
         return None
     term = _term(x)
     if term is not None:
