@@ -51,16 +51,21 @@ def _is_partial(p: Placement) -> bool:
 
 
 def gradient_finding(param: str, axis: str, param_type: Placement | None,
-                     grad_type: Placement | None, loss_varies: bool) -> GradientFinding | None:
+                     grad_type: Placement | None, loss_varies: bool,
+                     grad_constant: bool = False) -> GradientFinding | None:
     """The broken rule for one parameter on one axis, or None when the gradient fits.
 
     ``loss_varies``: a loss seeded ``backward()`` while V on this axis (data-parallel
     semantics), so a V gradient there is a per-rank contribution still to be reduced.
+    ``grad_constant``: every element of the gradient is known to be the same (or zero), so an
+    R or S layout fits either parameter layout.
     """
     if param_type is None or grad_type is None or not (
             _is_replicated(param_type) or isinstance(param_type, Shard)):
         return None
     if grad_type == param_type or (_is_replicated(param_type) and _is_replicated(grad_type)):
+        return None
+    if grad_constant and (_is_replicated(grad_type) or isinstance(grad_type, Shard)):
         return None
 
     def found(rule: str, fix: str) -> GradientFinding:

@@ -132,8 +132,10 @@ def _findings(checker: _checker.Checker,
         actual = checker.types(grad) if grad is not None else None
         if declared is None or actual is None:
             continue
+        constant = checker.const(grad)
         for a, axis in enumerate(checker.names):
-            found = gradient_finding(name, axis, declared[a], actual[a], a in state.loss_varies)
+            found = gradient_finding(name, axis, declared[a], actual[a], a in state.loss_varies,
+                                     constant)
             if found is not None:
                 findings.append(found)
     return findings

@@ -31,6 +31,13 @@ def test_gradient_type_table(param, grad, loss_varies, rule):
         assert found.param == "w" and found.axis == "tp" and "tp" in found.fix
 
 
+@pytest.mark.parametrize(("param", "grad", "rule"), [
+    (S(0), R, None), (R, S(0), None), (R, P, UNREDUCED), (S(0), V, MISMATCH)])
+def test_constant_gradients_fit_any_layout_but_not_a_partial(param, grad, rule):
+    found = gradient_finding("w", "tp", param, grad, False, grad_constant=True)
+    assert (found and found.rule) == rule
+
+
 def test_misdeclared_fix_names_the_shard_dim():
     found = gradient_finding("head_scale", "tp", R, S(0), False)
     assert "declare head_scale S(0) on tp" in found.fix
