@@ -86,7 +86,7 @@ def main() -> None:
             _row(table, name, label, value, eager, floor)
         if isinstance(other, dict):
             _row(table, name, f"spmd_types {other['version']}", other[name], eager, floor)
-    Console().print(table)
+    Console(width=120).print(table)
     if not isinstance(other, dict):
         print(f"spmd_types: {other}")
     print(f"goal: at most {GOAL_US:.0f} us added per op. 'over floor' is the time added beyond a "

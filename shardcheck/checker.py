@@ -160,7 +160,8 @@ class Checker(TorchDispatchMode):
         self.unknown: Counter = Counter()
         self.records: list[ViolationRecord] = []
         self._seen: set[tuple[str, str]] = set()
-        self._entries: dict[Any, tuple] = {}
+        self._entries: dict[int, tuple] = {}
+        self._ops: dict[int, Any] = {}
         self._paused = False
 
     # --- the type store ----------------------------------------------------------------
@@ -259,9 +260,10 @@ class Checker(TorchDispatchMode):
         entry = self._entries.get(id(func))  # OpOverloads live forever; id() hashes fastest
         if entry is None:
             entry = self._entries[id(func)] = _resolve(func)
+            self._ops[id(func)] = func
         rule, zero_kind, mutated, is_view = entry
         if rule is None:
-            self.unknown[func] += 1
+            self.unknown[id(func)] += 1
             self._forget(mutated, args, kwargs)
             return out
         try:
@@ -273,7 +275,7 @@ class Checker(TorchDispatchMode):
             self.typed += 1
             return out
         if pl is None:
-            self.unknown[func] += 1
+            self.unknown[id(func)] += 1
         else:
             self.typed += 1
         flags = self._value_flags(zero_kind, func, args) if zero_kind and pl is not None else 0
@@ -379,8 +381,8 @@ class Checker(TorchDispatchMode):
 
     def coverage(self, top: int = 10) -> Coverage:
         names = Counter()
-        for func, count in self.unknown.items():
-            names[str(func)] += count
+        for key, count in self.unknown.items():
+            names[str(self._ops[key])] += count
         return Coverage(self.typed, sum(self.unknown.values()), names.most_common(top))
 
     def summary(self) -> str:

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardcheck.rules import NO_TENSOR, PAVG, Gathered, Pl, Violation, as_pieces
+from shardcheck.rules import NO_TENSOR, PAVG, BlockShard, Gathered, Pl, Violation, as_pieces
 from shardcheck.types import I, P, Placement, R, S, Shard, V
 
 SUM, AVG, PRODUCT, MIN, MAX = "sum", "avg", "product", "min", "max"
@@ -84,6 +84,8 @@ def _gather_step(into_tensor: bool) -> Callable[[Placement, int], Placement | No
     def step(p: Placement, a: int) -> Placement | None:
         if p is R or p is I:
             raise Violation("gather of replicated", a)
+        if isinstance(p, BlockShard):
+            return None
         if isinstance(p, Shard) and p.dim != 0 and into_tensor:
             return Gathered(p.dim)
         return R if isinstance(p, Shard) or p is V else None
@@ -198,6 +200,18 @@ def _broadcast(ctx, args, kwargs, out):
     return NO_TENSOR
 
 
+def _point_to_point_receive(ctx, args, kwargs, out):
+    """recv: the buffer now holds another rank's value."""
+    for t in args[0]:
+        ctx.update_inplace(t, (V,) * ctx.n)
+    return NO_TENSOR
+
+
+def _no_data_change(ctx, args, kwargs, out):
+    """send, barrier: nothing this rank holds changes."""
+    return NO_TENSOR
+
+
 # --- functional collectives (out of place, group by name) -----------------------------------
 
 def _functional(step_of: Callable[[tuple, dict], Callable], group_pos: int) -> Callable:
@@ -229,6 +243,11 @@ C10D_RULES: dict[str, Callable] = {
     "alltoall_base_": _alltoall_base,
     "alltoall_": _alltoall,
     "broadcast_": _broadcast,
+    "send": _no_data_change,
+    "barrier": _no_data_change,
+    "monitored_barrier_": _no_data_change,
+    "recv_": _point_to_point_receive,
+    "recv_any_source_": _point_to_point_receive,
 }
 
 FUNCTIONAL_RULES: dict[str, Callable] = {

@@ -47,6 +47,38 @@ class RankChunk(Shard):
     __slots__ = ()
 
 
+class BlockShard(Shard):
+    """S(d) of a merged dim whose sharded factor is inner: dim d holds ``outer`` blocks, and
+    in each block the ranks' pieces are concatenated in rank order. Megatron's attention
+    builds it: [s, b, np, hn] -> [s, b*np, hn] with np sharded is S(1) with b blocks; the
+    reverse view makes it S on np again."""
+
+    __slots__ = ("outer",)
+
+    def __init__(self, dim: int, outer: int) -> None:
+        super().__init__(dim)
+        self.outer = outer
+
+    def __repr__(self) -> str:
+        return f"S({self.dim}, blocks={self.outer})"
+
+    def __eq__(self, other: object) -> bool:
+        return (isinstance(other, BlockShard) and other.dim == self.dim
+                and other.outer == self.outer)
+
+    def __hash__(self) -> int:
+        return hash(("S", self.dim, self.outer))
+
+
+def _outer(p: Shard) -> int:
+    return p.outer if type(p) is BlockShard else 1
+
+
+def moved(p: Shard, dim: int) -> Shard:
+    """The same kind of shard on another dim."""
+    return BlockShard(dim, p.outer) if type(p) is BlockShard else S(dim)
+
+
 def as_pieces(pl: tuple) -> tuple:
     """Read rank chunks as the replicated pieces they are (for cat and list collectives)."""
     return tuple(R if type(p) is RankChunk else p for p in pl)
@@ -135,13 +167,13 @@ def _replicated(p: Placement | None) -> bool:
     return p is R or p is I
 
 
-def shift_shards(pl: Pl, moved: Callable[[int], int | None]) -> Pl:
-    """Move each S(d) to S(moved(d)); None from ``moved`` makes that axis unknown."""
+def shift_shards(pl: Pl, move: Callable[[int], int | None]) -> Pl:
+    """Move each S(d) to S(move(d)); None from ``move`` makes that axis unknown."""
     out = []
     for p in pl:
         if isinstance(p, Shard):
-            d = moved(p.dim)
-            out.append(None if d is None else S(d))
+            d = move(p.dim)
+            out.append(None if d is None else moved(p, d))
         elif isinstance(p, Gathered):
             out.append(None)
         else:
@@ -281,7 +313,7 @@ def _axis_layout(tensors: list[_Operand], a: int, out_ndim: int) -> Placement:
     for o in tensors:
         p = o.pl[a]
         if isinstance(p, Shard):
-            shard_dims.add(_norm(p.dim, len(o.shape)) + out_ndim - len(o.shape))
+            shard_dims.add((_norm(p.dim, len(o.shape)) + out_ndim - len(o.shape), _outer(p)))
         if p is V:
             varying = True
         if p is not I:
@@ -289,13 +321,13 @@ def _axis_layout(tensors: list[_Operand], a: int, out_ndim: int) -> Placement:
     if len(shard_dims) > 1:
         raise Violation("mixed shards", a)
     if shard_dims:
-        (d,) = shard_dims
+        ((d, outer),) = shard_dims
         for o in tensors:
             if (_replicated(o.pl[a]) or _is_partial(o.pl[a])) and not o.const:
                 local = d - (out_ndim - len(o.shape))
                 if local >= 0 and o.shape[local] != 1:
                     raise Violation("global shape mismatch", a)
-        return V if varying else S(d)
+        return V if varying else (BlockShard(d, outer) if outer > 1 else S(d))
     if varying:
         return V
     return I if invariant_only and tensors else R
@@ -354,6 +386,13 @@ def _keep_layout(ctx, args, kwargs, out):
     return (V,) * ctx.n if pl is None else _without_partial(pl)
 
 
+def _like_rule(ctx, args, kwargs, out):
+    """zeros_like & co: a tensor shaped like one rank's template, so laid out like it
+    (a partial template gives R: the new values are the same on every rank)."""
+    pl = ctx.types(args[0])
+    return (R,) * ctx.n if pl is None else _without_partial(pl)
+
+
 def _dropout_rule(ctx, args, kwargs, out):
     pl = ctx.types(args[0])
     return None if pl is None else [pl, _without_partial(pl)]
@@ -401,7 +440,7 @@ def _reduce_axis(kind: str, p: Placement | None, a: int, dims: set[int], keep: b
         if kind == "max":
             return V
         raise Violation("normalization over shard", a)
-    return p if keep else S(p.dim - sum(1 for d in dims if d < p.dim))
+    return p if keep else moved(p, p.dim - sum(1 for d in dims if d < p.dim))
 
 
 def _normalize_rule(ctx, args, kwargs, out):
@@ -486,35 +525,42 @@ def einsum_rule(ctx, specs: list[tuple[Any, str]], out_spec: str) -> Pl | None:
             pls.append((pl, letters))
     if not pls:
         return ctx.types(specs[0][0])
+    first = pls[0][0]
+    if all(pl == first for pl, _ in pls) and all(p is R or p is V or p is I for p in first):
+        return first  # R@R, V@V: the common case, fast
     return tuple(_axis_contract(pls, a, out_spec) for a in range(ctx.n))
 
 
 def _axis_contract(pls, a: int, out_spec: str) -> Placement | None:
     ps = [pl[a] for pl, _ in pls]
-    if any(p is None or isinstance(p, Gathered) for p in ps):
-        return None
-    partial = [p for p in ps if _is_partial(p)]
+    partial = False
+    for p in ps:
+        if p is None or type(p) is Gathered:
+            return None
+        if p is P or p is PAVG:
+            partial = True
     if partial:
-        if PAVG in partial:
+        if PAVG in ps:
             raise Violation("mean over shard", a)
-        if len(partial) > 1 or any(isinstance(p, Shard) for p in ps):
+        if sum(1 for p in ps if p is P) > 1 or any(isinstance(p, Shard) for p in ps):
             raise Violation("partial product", a)
         return V if V in ps else P
-    letters = set()
+    letters, shard = set(), None
     for p, (_, spec) in zip(ps, pls, strict=True):
         if isinstance(p, Shard):
-            letters.add(spec[_norm(p.dim, len(spec))])
+            letters.add((spec[_norm(p.dim, len(spec))], _outer(p)))
+            shard = p
     if len(letters) > 1:
         raise Violation("mixed shards", a)
     if V in ps:
         return V
     if not letters:
         return I if all(p is I for p in ps) else R
-    (letter,) = letters
+    ((letter, _),) = letters
     for p, (_, spec) in zip(ps, pls, strict=True):
         if _replicated(p) and letter in spec:
             raise Violation("global shape mismatch", a)
-    return S(out_spec.index(letter)) if letter in out_spec else P
+    return moved(shard, out_spec.index(letter)) if letter in out_spec else P
 
 
 def _mm(ctx, args, kwargs, out):
@@ -636,19 +682,30 @@ def _prod(xs) -> int:
     return n
 
 
-def view_dim(in_shape, out_shape, d: int) -> int | None:
-    """Where a shard on input dim ``d`` lands after a reshape, or None when it cannot."""
-    pre = _prod(in_shape[:d])
-    candidates = [j for j in range(len(out_shape)) if _prod(out_shape[:j]) == pre]
+def view_shard(in_shape, out_shape, p: Shard) -> Shard | None:
+    """Where a shard lands after a reshape, or None when it cannot be said.
+
+    The ranks' pieces start at a flat offset ``pre`` (the product of the dims before the
+    sharded one, times its blocks). An output dim starting exactly there is sharded plainly;
+    one that ``pre`` falls inside holds the pieces in blocks (a merge with an inner shard).
+    """
+    d, outer = _norm(p.dim, len(in_shape)), _outer(p)
+    pre = _prod(in_shape[:d]) * outer
+    inner = in_shape[d] // outer
+    piece = inner * _prod(in_shape[d + 1:])
+    start, candidates = 1, []
+    for j, size in enumerate(out_shape):
+        if start == pre:
+            candidates.append(j)
+        elif start < pre < start * size:
+            if candidates or pre % start or piece % _prod(out_shape[j + 1:]):
+                break
+            return BlockShard(j, pre // start)
+        start *= size
     if not candidates:
         return None
-    for j in candidates:
-        if out_shape[j] == in_shape[d]:
-            return j
-    for j in candidates:
-        if out_shape[j] > 1:
-            return j
-    return candidates[0]
+    return S(next((j for j in candidates if out_shape[j] == inner),
+                  next((j for j in candidates if out_shape[j] > 1), candidates[0])))
 
 
 def _view_rule(ctx, args, kwargs, out):
@@ -656,8 +713,11 @@ def _view_rule(ctx, args, kwargs, out):
     pl = ctx.types(x)
     if pl is None:
         return None
-    in_shape, out_shape = tuple(x.shape), tuple(out.shape)
-    return shift_shards(pl, lambda d: view_dim(in_shape, out_shape, _norm(d, len(in_shape))))
+    in_shape, out_shape = x.shape, out.shape
+    if in_shape == out_shape:
+        return pl
+    return tuple(view_shard(in_shape, out_shape, p) if isinstance(p, Shard)
+                 else (None if isinstance(p, Gathered) else p) for p in pl)
 
 
 def _permute_rule(ctx, args, kwargs, out):
@@ -1033,9 +1093,10 @@ ACTIVATION_BACKWARD = [
 ]
 FACTORIES = [
     "zeros", "ones", "full", "empty", "empty_strided", "arange", "eye", "scalar_tensor",
-    "linspace", "logspace", "zeros_like", "ones_like", "full_like", "empty_like", "new_zeros",
-    "new_ones", "new_full", "new_empty", "new_empty_strided", "lift_fresh", "tensor",
+    "linspace", "logspace", "new_zeros", "new_ones", "new_full", "new_empty",
+    "new_empty_strided", "lift_fresh", "tensor",
 ]
+LIKE_FACTORIES = ["zeros_like", "ones_like", "full_like", "empty_like"]
 RANDOM_FACTORIES = ["rand", "randn", "randint", "randperm"]
 RANDOM_FROM_TEMPLATE = [
     "rand_like", "randn_like", "randint_like", "bernoulli", "uniform", "normal", "random",
@@ -1070,6 +1131,7 @@ def _base_table() -> dict[str, Callable]:
     table.update(dict.fromkeys(FACTORIES, _replicated_rule))
     table.update(dict.fromkeys(RANDOM_FACTORIES, _varying_rule))
     table.update(dict.fromkeys(RANDOM_FROM_TEMPLATE, _keep_layout))
+    table.update(dict.fromkeys(LIKE_FACTORIES, _like_rule))
     table.update(_reduce)
     table.update({
         "add": _add_rule, "sub": _add_rule, "rsub": _add_rule,

@@ -120,3 +120,35 @@ def test_layer_norm_weight_gradient_under_sequence_parallelism_is_partial():
         F.layer_norm(x, (8,), weight).sum().backward()
         assert sc.typeof(weight.grad) == {"tp": P, "dp": V}
         assert sc.typeof(x.grad)["tp"] == S(0)
+
+
+def _megatron_style_attention(x, w_qkv, w_proj, heads: int):
+    """Megatron's core attention shapes: [s, b, h] -> heads -> [b*np, s, s] scores -> back."""
+    s, b, _ = x.shape
+    qkv = F.linear(x, w_qkv).view(s, b, heads, -1)
+    q, k, v = torch.split(qkv, qkv.shape[-1] // 3, dim=3)
+    hn = q.shape[-1]
+    q, k = q.reshape(s, b * heads, hn), k.reshape(s, b * heads, hn)
+    buffer = torch.empty(b * heads, s, s)
+    scores = torch.baddbmm(buffer, q.transpose(0, 1), k.transpose(0, 1).transpose(1, 2),
+                           beta=0.0, alpha=hn**-0.5).view(b, heads, s, s)
+    mask = torch.ones(s, s, dtype=torch.bool).triu(1)
+    probs = F.dropout(scores.masked_fill(mask, -10000.0).softmax(-1), 0.1, True)
+    v = v.reshape(s, b * heads, hn).transpose(0, 1)
+    context = torch.bmm(probs.view(b * heads, s, s), v).view(b, heads, s, hn)
+    context = context.permute(2, 0, 1, 3).contiguous().view(s, b, heads * hn)
+    return F.linear(context, w_proj)
+
+
+def test_megatron_style_attention_types_end_to_end():
+    """Heads split over tp: the block-sharded [b*np] dim flows through baddbmm and bmm."""
+    with sc.typecheck(sc.Mesh(rank=0, tp=[0, 1])):
+        x = sc.annotate(torch.randn(5, 2, 8, requires_grad=True), tp=R)
+        w_qkv = sc.annotate(torch.randn(12, 8, requires_grad=True), tp=S(0))  # 2 local heads
+        w_proj = sc.annotate(torch.randn(8, 4, requires_grad=True), tp=S(1))
+        out = _megatron_style_attention(x, w_qkv, w_proj, heads=2)
+        assert sc.typeof(out) == {"tp": P}
+        out.sum().backward()
+        assert sc.typeof(w_qkv.grad) == {"tp": S(0)} and sc.typeof(w_proj.grad) == {"tp": S(1)}
+        assert sc.typeof(x.grad) == {"tp": P}
+    assert sc.coverage().unknown == 0, sc.coverage()

@@ -37,6 +37,12 @@ def T(*shape, tp=R, dp=R):  # noqa: N802
     return sc.annotate(torch.randn(*shape), tp=tp, dp=dp)
 
 
+def keep(x, action):
+    """Run ``action`` (on x when it takes an argument) and return x."""
+    action(x) if action.__code__.co_argcount else action()
+    return x
+
+
 def all_reduce(x, g, op=SUM):
     dist.all_reduce(x, op=op, group=g["tp"])
     return x
@@ -116,6 +122,10 @@ ROWS = [
     ("all_to_all_single", lambda g: all_to_all(T(4, tp=S(0)), g), V),
     ("all_to_all list", lambda g: all_to_all_list(T(4, tp=V), g), V),
     ("broadcast", lambda g: broadcast(T(4, tp=V), g), R),
+    ("functional broadcast", lambda g: fc.broadcast(T(4, tp=V), 0, g["tp"]) * 1, R),
+    ("barrier keeps types", lambda g: keep(T(4, tp=P), lambda: dist.barrier(group=g["tp"])), P),
+    ("send keeps types", lambda g: keep(T(4, tp=P), lambda x: dist.send(x, dst=1)), P),
+    ("recv gives V", lambda g: keep(T(4, tp=R), lambda x: dist.recv(x, src=1)), V),
     ("unknown axis", lambda g: dist.all_reduce(T(4, tp=P), group=g["other"]), "unknown axis"),
     ("functional all_reduce", lambda g: fc.all_reduce(T(4, tp=P), "sum", g["tp"]) * 1, R),
     ("functional all_reduce of R", lambda g: fc.all_reduce(T(4), "sum", g["tp"]) * 1,

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 import shardcheck as sc
-from shardcheck.rules import PAVG
+from shardcheck.rules import PAVG, BlockShard
 
 MESH = sc.Mesh(rank=0, tp=[0, 1])
 R, P, V, S = sc.R, sc.P, sc.V, sc.S
@@ -127,7 +127,16 @@ SHAPES = [
     ("view split last", lambda: T(2, 3, 8, tp=S(2)).view(2, 3, 2, 4), S(2)),
     ("view merge outer sharded", lambda: T(2, 3, 4, tp=S(0)).reshape(6, 4), S(0)),
     ("view merge heads", lambda: T(5, 2, 3, 4, tp=S(2)).reshape(5, 2, 12), S(2)),
-    ("view merge inner sharded is unknown", lambda: T(2, 3, 4, tp=S(2)).reshape(2, 12), None),
+    ("view merge inner shard: blocks", lambda: T(2, 3, 4, tp=S(1)).reshape(6, 4),
+     BlockShard(0, 2)),
+    ("view merge inner shard, rows cut", lambda: T(2, 3, 4, tp=S(2)).reshape(2, 12),
+     BlockShard(1, 3)),
+    ("view blocks back", lambda: T(2, 3, 4, tp=S(1)).reshape(6, 4).view(2, 3, 4), S(1)),
+    ("view cuts through pieces", lambda: T(2, 3, tp=S(1)).reshape(3, 2), None),
+    ("blocks + S same dim", lambda: T(2, 3, 4, tp=S(1)).reshape(6, 4) + T(6, 4, tp=S(0)),
+     "mixed shards"),
+    ("blocks bmm", lambda: torch.bmm(T(2, 3, 4, 5, tp=S(1)).view(6, 4, 5),
+                                     T(2, 3, 5, 2, tp=S(1)).view(6, 5, 2)).view(2, 3, 4, 2), S(1)),
     ("flatten", lambda: T(2, 3, 4, tp=S(0)).flatten(), S(0)),
     ("permute", lambda: T(2, 3, 4, tp=S(0)).permute(2, 0, 1), S(1)),
     ("transpose", lambda: T(2, 3, 4, tp=S(2)).transpose(0, 2), S(0)),
@@ -168,8 +177,10 @@ FACTORIES = [
     ("zeros", lambda: torch.zeros(3), R), ("ones", lambda: torch.ones(3), R),
     ("arange", lambda: torch.arange(3), R), ("full", lambda: torch.full((3,), 2.0), R),
     ("empty", lambda: torch.empty(3), R), ("eye", lambda: torch.eye(3), R),
-    ("tensor", lambda: torch.tensor([1.0, 2.0]), R), ("zeros_like", lambda: torch.zeros_like(
-        T(3, tp=P)), R),
+    ("tensor", lambda: torch.tensor([1.0, 2.0]), R),
+    ("zeros_like of P", lambda: torch.zeros_like(T(3, tp=P)), R),
+    ("empty_like of a shard", lambda: torch.empty_like(T(3, tp=S(0))), S(0)),
+    ("dropout of a shard", lambda: F.dropout(T(4, 3, tp=S(1)), 0.5, True), S(1)),
     ("randn", lambda: torch.randn(3), V), ("rand", lambda: torch.rand(3), V),
     ("randint", lambda: torch.randint(0, 5, (3,)), V),
 ]
