@@ -83,8 +83,8 @@ def test_optimizer_step_raises_in_raise_mode(mesh):
     model = nn.Linear(4, 3, bias=False)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with sc.typecheck(mesh):
-        sc.annotate_parameters(model, tp=R)
-        model(sc.annotate(torch.randn(8, 4), tp=S(0))).sum().backward()
+        sc.annotate_parameters(model, tp=R, dp=R)
+        model(sc.annotate(torch.randn(8, 4), tp=S(0), dp=R)).sum().backward()
         with pytest.raises(sc.SpmdTypeError) as info:
             optimizer.step()
     first = str(info.value).splitlines()[0]
