@@ -8,18 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from shardcheck.checker import register_rule
-from shardcheck.rules import (
-    MUL,
-    NL,
-    RULES,
-    _along_dim_rule,
-    _arg,
-    _norm,
-    _reduce_axis,
-    elementwise,
-    shift_shards,
-)
+from shardcheck.checker import RULES, register_rule
+from shardcheck.rules import MUL, NL, _reduce_axis, arg, elementwise, norm_dim, shift_shards
+from shardcheck.shape_rules import _along_dim_rule
 from shardcheck.types import Shard, V
 
 aten = torch.ops.aten
@@ -29,7 +20,7 @@ _REDUCTION_KIND = {1: "mean", 2: "sum"}  # at::Reduction: 0 none, 1 mean, 2 sum
 def _pointwise_loss(ctx, args, kwargs, out, reduction_pos: int = 2):
     """mse_loss / l1_loss / smooth_l1_loss / huber_loss(self, target, reduction, ...)."""
     pl = elementwise(ctx, [(args[0], NL), (args[1], NL)])
-    kind = _REDUCTION_KIND.get(_arg(args, kwargs, reduction_pos, "reduction", 1))
+    kind = _REDUCTION_KIND.get(arg(args, kwargs, reduction_pos, "reduction", 1))
     if pl is None or kind is None:
         return pl
     every_dim = set(range(args[0].dim()))
@@ -51,8 +42,8 @@ def _slice_backward(ctx, args, kwargs, out):
     pl = ctx.types(args[0])
     if pl is None:
         return None
-    dim = _norm(args[2], len(args[1]))
-    return tuple(V if isinstance(p, Shard) and _norm(p.dim, len(args[1])) == dim else p
+    dim = norm_dim(args[2], len(args[1]))
+    return tuple(V if isinstance(p, Shard) and norm_dim(p.dim, len(args[1])) == dim else p
                  for p in pl)
 
 
@@ -62,10 +53,10 @@ def _select_backward(ctx, args, kwargs, out):
     if pl is None:
         return None
     ndim = len(args[1])
-    dim = _norm(args[2], ndim)
+    dim = norm_dim(args[2], ndim)
 
     def moved(d: int) -> int:
-        d = _norm(d, ndim - 1)
+        d = norm_dim(d, ndim - 1)
         return d + (d >= dim)
     return shift_shards(pl, moved)
 

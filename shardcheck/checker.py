@@ -25,8 +25,9 @@ import typing_extensions
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardcheck import rules as _rules
+from shardcheck import shape_rules
 from shardcheck.collectives import collective_rule
-from shardcheck.rules import HELP, NO_TENSOR, RULES, Violation
+from shardcheck.rules import HELP, NO_TENSOR, Violation
 from shardcheck.types import Mesh, Placement, Shard, V, parse_placement
 
 _HERE = os.path.dirname(os.path.abspath(__file__)) + os.sep
@@ -39,6 +40,7 @@ _SKIP_PREFIXES = (
     typing_extensions.__file__,
     "<frozen",
 )
+RULES: dict[str, Callable] = {**_rules.RULES, **shape_rules.RULES}
 _USER_RULES: dict[Any, Callable] = {}
 _MESH_KEYS: dict[tuple, tuple] = {}
 _ACTIVE: list[Checker] = []
@@ -570,7 +572,7 @@ def rank_slice(x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
     if x.shape[dim] % size:
         raise ValueError(f"dim {dim} of size {x.shape[dim]} does not split into {size} chunks")
     pl = checker.types(x) or (None,) * checker.n
-    if pl[a] is not None and not _rules._replicated(pl[a]):
+    if pl[a] is not None and not _rules.replicated(pl[a]):
         checker._report(Violation("split of varying", a), torch.ops.aten.slice.Tensor, (x,))
     length = x.shape[dim] // size
     with checker.paused():

@@ -21,7 +21,6 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from shardcheck import checker as _checker
 from shardcheck.gradient_rules import GradientFinding, gradient_finding
-from shardcheck.rules import RULES
 from shardcheck.types import Placement, V
 
 ParamsLike = nn.Module | Iterable[torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]
@@ -193,7 +192,7 @@ register_optimizer_step_pre_hook(_before_step)
 
 # --- the seed of loss.backward() ------------------------------------------------------------
 
-_ones_like = RULES["ones_like"]
+_ones_like = _checker.RULES["ones_like"]
 
 
 def _seed_rule(ctx, args, kwargs, out):

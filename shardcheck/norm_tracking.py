@@ -18,9 +18,10 @@ import torch.distributed as dist
 
 from shardcheck import checker as _checker
 from shardcheck import collectives as _collectives
+from shardcheck.checker import RULES
 from shardcheck.gradients import gradient_of, has_named_parameters, named_parameters, report
 from shardcheck.norm_accounting import AccountingError, Counted, accounting_errors
-from shardcheck.rules import NO_TENSOR, RULES
+from shardcheck.rules import NO_TENSOR
 from shardcheck.types import P, R
 
 aten = torch.ops.aten

@@ -70,7 +70,7 @@ class BlockShard(Shard):
         return hash(("S", self.dim, self.outer))
 
 
-def _outer(p: Shard) -> int:
+def outer_of(p: Shard) -> int:
     return p.outer if type(p) is BlockShard else 1
 
 
@@ -147,23 +147,23 @@ HELP: dict[str, tuple[str, str]] = {
 
 # --- helpers -------------------------------------------------------------------------------
 
-def _arg(args: tuple, kwargs: dict, pos: int, name: str, default: Any = None) -> Any:
+def arg(args: tuple, kwargs: dict, pos: int, name: str, default: Any = None) -> Any:
     return args[pos] if len(args) > pos else kwargs.get(name, default)
 
 
-def _is_tensor(x: Any) -> bool:
+def is_tensor(x: Any) -> bool:
     return isinstance(x, torch.Tensor)
 
 
-def _norm(d: int, ndim: int) -> int:
+def norm_dim(d: int, ndim: int) -> int:
     return d + ndim if d < 0 else d
 
 
-def _is_partial(p: Placement | None) -> bool:
+def is_partial(p: Placement | None) -> bool:
     return p is P or p is PAVG
 
 
-def _replicated(p: Placement | None) -> bool:
+def replicated(p: Placement | None) -> bool:
     return p is R or p is I
 
 
@@ -212,7 +212,7 @@ def elementwise(ctx, items: list[tuple[Any, str]]) -> Pl | None:
     ops = []
     out_ndim = 0
     for value, role in items:
-        if _is_tensor(value):
+        if is_tensor(value):
             pl = ctx.types(value)
             if pl is None:
                 if value.dim() != 0:
@@ -263,7 +263,7 @@ def _axis_elementwise(ops: list[_Operand], a: int, out_ndim: int) -> Placement |
         p = o.pl[a]
         if p is None or isinstance(p, Gathered):
             return None
-    partial = [o for o in tensors if _is_partial(o.pl[a]) and not o.zero]
+    partial = [o for o in tensors if is_partial(o.pl[a]) and not o.zero]
     if partial:
         return _axis_partial(ops, partial, a)
     return _axis_layout(tensors, a, out_ndim)
@@ -296,11 +296,11 @@ def _axis_partial(ops: list[_Operand], partial: list[_Operand], a: int) -> Place
         elif o.zero:
             continue
         elif MUL in roles or (o.role != ADD and ADD not in roles):
-            if not _replicated(p):
+            if not replicated(p):
                 raise Violation("mean over shard" if avg else "partial product", a)
         elif o.role == ADD:
             raise Violation("mean over shard" if avg else "affine on partial", a)
-        elif not _replicated(p):
+        elif not replicated(p):
             raise Violation("mean over shard" if avg else "affine on partial", a)
     if MUL in roles and len(partial) > 1:
         raise Violation("mean over shard" if avg else "partial product", a)
@@ -313,7 +313,7 @@ def _axis_layout(tensors: list[_Operand], a: int, out_ndim: int) -> Placement:
     for o in tensors:
         p = o.pl[a]
         if isinstance(p, Shard):
-            shard_dims.add((_norm(p.dim, len(o.shape)) + out_ndim - len(o.shape), _outer(p)))
+            shard_dims.add((norm_dim(p.dim, len(o.shape)) + out_ndim - len(o.shape), outer_of(p)))
         if p is V:
             varying = True
         if p is not I:
@@ -323,7 +323,7 @@ def _axis_layout(tensors: list[_Operand], a: int, out_ndim: int) -> Placement:
     if shard_dims:
         ((d, outer),) = shard_dims
         for o in tensors:
-            if (_replicated(o.pl[a]) or _is_partial(o.pl[a])) and not o.const:
+            if (replicated(o.pl[a]) or is_partial(o.pl[a])) and not o.const:
                 local = d - (out_ndim - len(o.shape))
                 if local >= 0 and o.shape[local] != 1:
                     raise Violation("global shape mismatch", a)
@@ -344,7 +344,7 @@ def _roles(*roles: str) -> Callable:
 def _add_rule(ctx, args, kwargs, out):
     alpha = kwargs.get("alpha", args[2] if len(args) > 2 else 1)
     other = args[1]
-    if not _is_tensor(other):
+    if not is_tensor(other):
         other = other * alpha
     return elementwise(ctx, [(args[0], ADD), (other, ADD)])
 
@@ -364,48 +364,36 @@ def _unary_linear(ctx, args, kwargs, out):
     return tuple(None if isinstance(p, Gathered) else p for p in pl)
 
 
-def _unary_nonlinear(ctx, args, kwargs, out):
-    pl = ctx.types(args[0])
-    if pl is None:
-        return None
-    for a, p in enumerate(pl):
-        if p is P:
-            raise Violation("non-linear on partial", a)
-        if p is PAVG:
-            raise Violation("mean over shard", a)
-    return pl
-
-
-def _without_partial(pl: Pl | None) -> Pl | None:
-    return None if pl is None else tuple(R if _is_partial(p) else p for p in pl)
+def without_partial(pl: Pl | None) -> Pl | None:
+    return None if pl is None else tuple(R if is_partial(p) else p for p in pl)
 
 
 def _keep_layout(ctx, args, kwargs, out):
     """Random fills keep their template's layout (the RNG is assumed in sync); else V."""
-    pl = ctx.types(args[0]) if args and _is_tensor(args[0]) else None
-    return (V,) * ctx.n if pl is None else _without_partial(pl)
+    pl = ctx.types(args[0]) if args and is_tensor(args[0]) else None
+    return (V,) * ctx.n if pl is None else without_partial(pl)
 
 
 def _like_rule(ctx, args, kwargs, out):
     """zeros_like & co: a tensor shaped like one rank's template, so laid out like it
     (a partial template gives R: the new values are the same on every rank)."""
     pl = ctx.types(args[0])
-    return (R,) * ctx.n if pl is None else _without_partial(pl)
+    return (R,) * ctx.n if pl is None else without_partial(pl)
 
 
 def _dropout_rule(ctx, args, kwargs, out):
     pl = ctx.types(args[0])
-    return None if pl is None else [pl, _without_partial(pl)]
+    return None if pl is None else [pl, without_partial(pl)]
 
 
 # --- reductions ----------------------------------------------------------------------------
 
-def _reduced_dims(dim: Any, ndim: int) -> set[int]:
+def reduced_dims(dim: Any, ndim: int) -> set[int]:
     if dim is None or (isinstance(dim, (list, tuple)) and len(dim) == 0):
         return set(range(ndim))
     if isinstance(dim, int):
         dim = [dim]
-    return {_norm(d, max(ndim, 1)) for d in dim}
+    return {norm_dim(d, max(ndim, 1)) for d in dim}
 
 
 def reduction(kind: str, dim_pos: int = 1, keep_pos: int = 2) -> Callable:
@@ -416,8 +404,8 @@ def reduction(kind: str, dim_pos: int = 1, keep_pos: int = 2) -> Callable:
         if pl is None:
             return None
         ndim = x.dim()
-        dims = _reduced_dims(_arg(args, kwargs, dim_pos, "dim"), ndim)
-        keep = bool(_arg(args, kwargs, keep_pos, "keepdim", False))
+        dims = reduced_dims(arg(args, kwargs, dim_pos, "dim"), ndim)
+        keep = bool(arg(args, kwargs, keep_pos, "keepdim", False))
         result = tuple(_reduce_axis(kind, p, a, dims, keep) for a, p in enumerate(pl))
         return result
     return rule
@@ -426,7 +414,7 @@ def reduction(kind: str, dim_pos: int = 1, keep_pos: int = 2) -> Callable:
 def _reduce_axis(kind: str, p: Placement | None, a: int, dims: set[int], keep: bool):
     if p is None or isinstance(p, Gathered):
         return None
-    if _is_partial(p):
+    if is_partial(p):
         if kind in ("sum", "mean"):
             return p
         raise Violation("mean over shard" if p is PAVG else "non-linear on partial", a)
@@ -449,13 +437,13 @@ def _normalize_rule(ctx, args, kwargs, out):
     pl = ctx.types(x)
     if pl is None:
         return None
-    dim = _norm(args[1], x.dim())
+    dim = norm_dim(args[1], x.dim())
     for a, p in enumerate(pl):
         if p is P:
             raise Violation("non-linear on partial", a)
         if p is PAVG:
             raise Violation("mean over shard", a)
-        if isinstance(p, Shard) and _norm(p.dim, x.dim()) == dim:
+        if isinstance(p, Shard) and norm_dim(p.dim, x.dim()) == dim:
             raise Violation("normalization over shard", a)
     return pl
 
@@ -474,15 +462,15 @@ def _layer_norm_rule(ctx, args, kwargs, out):
         return None
     first = x.dim() - len(args[1])
     for a, p in enumerate(pl):
-        if _is_partial(p):
+        if is_partial(p):
             raise Violation("mean over shard" if p is PAVG else "non-linear on partial", a)
-        if isinstance(p, Shard) and _norm(p.dim, x.dim()) >= first:
+        if isinstance(p, Shard) and norm_dim(p.dim, x.dim()) >= first:
             raise Violation("normalization over shard", a)
-    weight, bias = _arg(args, kwargs, 2, "weight"), _arg(args, kwargs, 3, "bias")
+    weight, bias = arg(args, kwargs, 2, "weight"), arg(args, kwargs, 3, "bias")
     return [elementwise(ctx, [(x, NL), (weight, NL), (bias, NL)]), pl, pl]
 
 
-def _join(a: Pl | None, b: Pl | None) -> Pl | None:
+def join(a: Pl | None, b: Pl | None) -> Pl | None:
     if a is None or b is None:
         return None
     return tuple(x if x == y else None for x, y in zip(a, b, strict=True))
@@ -521,7 +509,7 @@ def einsum_rule(ctx, specs: list[tuple[Any, str]], out_spec: str) -> Pl | None:
         pl = ctx.types(t)
         if pl is None:
             return None
-        if not (ctx.const(t) and all(_replicated(p) for p in pl)):
+        if not (ctx.const(t) and all(replicated(p) for p in pl)):
             pls.append((pl, letters))
     if not pls:
         return ctx.types(specs[0][0])
@@ -548,7 +536,7 @@ def _axis_contract(pls, a: int, out_spec: str) -> Placement | None:
     letters, shard = set(), None
     for p, (_, spec) in zip(ps, pls, strict=True):
         if isinstance(p, Shard):
-            letters.add((spec[_norm(p.dim, len(spec))], _outer(p)))
+            letters.add((spec[norm_dim(p.dim, len(spec))], outer_of(p)))
             shard = p
     if len(letters) > 1:
         raise Violation("mixed shards", a)
@@ -558,7 +546,7 @@ def _axis_contract(pls, a: int, out_spec: str) -> Placement | None:
         return I if all(p is I for p in ps) else R
     ((letter, _),) = letters
     for p, (_, spec) in zip(ps, pls, strict=True):
-        if _replicated(p) and letter in spec:
+        if replicated(p) and letter in spec:
             raise Violation("global shape mismatch", a)
     return moved(shard, out_spec.index(letter)) if letter in out_spec else P
 
@@ -583,10 +571,10 @@ def _with_bias(contract: Callable) -> Callable:
     """addmm/baddbmm(bias, a, b, beta, alpha): the product plus a broadcast bias (ignored
     with beta=0, as Megatron's attention does with an uninitialised buffer)."""
     def rule(ctx, args, kwargs, out):
-        prod = contract(ctx, args[1:], kwargs, out)
-        if prod is None or _arg(args, kwargs, 3, "beta", 1) == 0:
-            return prod
-        return elementwise(ctx, [(args[0], ADD), (Typed(prod, tuple(out.shape)), ADD)])
+        product = contract(ctx, args[1:], kwargs, out)
+        if product is None or arg(args, kwargs, 3, "beta", 1) == 0:
+            return product
+        return elementwise(ctx, [(args[0], ADD), (Typed(product, tuple(out.shape)), ADD)])
     return rule
 
 
@@ -600,14 +588,14 @@ def _embedding_rule(ctx, args, kwargs, out):
     for a, (w, i) in enumerate(zip(wl, il, strict=True)):
         if w is None or i is None:
             result.append(None)
-        elif _is_partial(i):
+        elif is_partial(i):
             raise Violation("non-linear on partial", a)
         elif w is V or i is V:
             result.append(V)
         elif isinstance(w, Shard) and isinstance(i, Shard):
             raise Violation("mixed shards", a)
         elif isinstance(w, Shard):
-            result.append(P if _norm(w.dim, 2) == 0 else S(idx.dim()))
+            result.append(P if norm_dim(w.dim, 2) == 0 else S(idx.dim()))
         elif isinstance(i, Shard):
             result.append(i)
         else:
@@ -623,7 +611,7 @@ def _embedding_backward_rule(ctx, args, kwargs, out):
         return None
     last = grad.dim() - 1
     tokens = set(range(last))
-    return tuple(S(1) if isinstance(p, Shard) and _norm(p.dim, grad.dim()) == last
+    return tuple(S(1) if isinstance(p, Shard) and norm_dim(p.dim, grad.dim()) == last
                  else _reduce_axis("sum", p, a, tokens, False) for a, p in enumerate(pl))
 
 
@@ -633,7 +621,7 @@ def _nll_rule(ctx, args, kwargs, out):
     xl, tl = ctx.types(x), ctx.types(target)
     if xl is None or tl is None:
         return None
-    reduction = _arg(args, kwargs, 3, "reduction", 1)
+    reduction = arg(args, kwargs, 3, "reduction", 1)
     class_dim = 1 if x.dim() > 1 else 0
     loss, weight = [], []
     for a, (p, t) in enumerate(zip(xl, tl, strict=True)):
@@ -641,12 +629,12 @@ def _nll_rule(ctx, args, kwargs, out):
             loss.append(None)
             weight.append(None)
             continue
-        if isinstance(p, Shard) and _norm(p.dim, x.dim()) == class_dim:
+        if isinstance(p, Shard) and norm_dim(p.dim, x.dim()) == class_dim:
             raise Violation("normalization over shard", a)
         if p is PAVG:
             raise Violation("mean over shard", a)
-        lay = p if not _replicated(p) else t
-        if _is_partial(t):
+        lay = p if not replicated(p) else t
+        if is_partial(t):
             raise Violation("non-linear on partial", a)
         loss.append(_nll_reduce(lay, reduction))
         weight.append(_nll_reduce(t, 2) if isinstance(t, Shard) else (V if t is V else R))
@@ -670,386 +658,6 @@ def _nll_backward_rule(ctx, args, kwargs, out):
             result.append(None)
         else:
             result.append(g if g is P or g is V else x)
-    return tuple(result)
-
-
-# --- shape ops -----------------------------------------------------------------------------
-
-def _prod(xs) -> int:
-    n = 1
-    for x in xs:
-        n *= x
-    return n
-
-
-def view_shard(in_shape, out_shape, p: Shard) -> Shard | None:
-    """Where a shard lands after a reshape, or None when it cannot be said.
-
-    The ranks' pieces start at a flat offset ``pre`` (the product of the dims before the
-    sharded one, times its blocks). An output dim starting exactly there is sharded plainly;
-    one that ``pre`` falls inside holds the pieces in blocks (a merge with an inner shard).
-    """
-    d, outer = _norm(p.dim, len(in_shape)), _outer(p)
-    pre = _prod(in_shape[:d]) * outer
-    inner = in_shape[d] // outer
-    piece = inner * _prod(in_shape[d + 1:])
-    start, candidates = 1, []
-    for j, size in enumerate(out_shape):
-        if start == pre:
-            candidates.append(j)
-        elif start < pre < start * size:
-            if candidates or pre % start or piece % _prod(out_shape[j + 1:]):
-                break
-            return BlockShard(j, pre // start)
-        start *= size
-    if not candidates:
-        return None
-    return S(next((j for j in candidates if out_shape[j] == inner),
-                  next((j for j in candidates if out_shape[j] > 1), candidates[0])))
-
-
-def _view_rule(ctx, args, kwargs, out):
-    x = args[0]
-    pl = ctx.types(x)
-    if pl is None:
-        return None
-    in_shape, out_shape = x.shape, out.shape
-    if in_shape == out_shape:
-        return pl
-    return tuple(view_shard(in_shape, out_shape, p) if isinstance(p, Shard)
-                 else (None if isinstance(p, Gathered) else p) for p in pl)
-
-
-def _permute_rule(ctx, args, kwargs, out):
-    x = args[0]
-    pl = ctx.types(x)
-    if pl is None:
-        return None
-    ndim = x.dim()
-    order = [_norm(d, ndim) for d in args[1]]
-    return shift_shards(pl, lambda d: order.index(_norm(d, ndim)))
-
-
-def _transpose_rule(ctx, args, kwargs, out):
-    x = args[0]
-    pl = ctx.types(x)
-    if pl is None:
-        return None
-    ndim = x.dim()
-    if len(args) < 3:  # t()
-        d0, d1 = 0, max(ndim - 1, 0)
-    else:
-        d0, d1 = _norm(args[1], ndim), _norm(args[2], ndim)
-    swap = {d0: d1, d1: d0}
-    return shift_shards(pl, lambda d: swap.get(_norm(d, ndim), _norm(d, ndim)))
-
-
-def _unsqueeze_rule(ctx, args, kwargs, out):
-    x = args[0]
-    pl = ctx.types(x)
-    if pl is None:
-        return None
-    new = _norm(args[1], x.dim() + 1)
-    return shift_shards(pl, lambda d: _norm(d, x.dim()) + (_norm(d, x.dim()) >= new))
-
-
-def _squeeze_rule(ctx, args, kwargs, out):
-    x = args[0]
-    pl = ctx.types(x)
-    if pl is None:
-        return None
-    ndim = x.dim()
-    dims = args[1] if len(args) > 1 else range(ndim)
-    dims = [dims] if isinstance(dims, int) else dims
-    gone = {_norm(d, ndim) for d in dims if x.shape[_norm(d, ndim)] == 1}
-
-    def moved(d: int) -> int | None:
-        d = _norm(d, ndim)
-        return None if d in gone else d - sum(1 for g in gone if g < d)
-    return shift_shards(pl, moved)
-
-
-def _expand_rule(ctx, args, kwargs, out):
-    x = args[0]
-    pl = ctx.types(x)
-    if pl is None:
-        return None
-    lead = out.dim() - x.dim()
-    return shift_shards(pl, lambda d: _norm(d, x.dim()) + lead)
-
-
-def _cut_along(ctx, pl: Pl, ndim: int, dim: int, pieces: list[tuple[int, int]], total: int,
-               by_rank_slice: bool = False) -> list[Pl]:
-    """Placements of each piece (start, length) cut from a tensor along ``dim``.
-
-    Cutting along a sharded dim gives V. The rank-slice heuristic: a piece of an R tensor
-    whose length is total / axis size and whose start is this rank's index on that axis
-    times the length is S(dim) on that axis (Megatron's scatter-to-region idiom). A slice
-    (``by_rank_slice``) of a V tensor matching the pattern is a "split of varying".
-    """
-    results = []
-    for start, length in pieces:
-        by_rank = rank_piece(ctx, pl, dim, total, start, length, by_rank_slice)
-        per_axis = []
-        for a, p in enumerate(pl):
-            if a in by_rank:
-                per_axis.append(by_rank[a])
-            elif isinstance(p, Shard) and _norm(p.dim, ndim) == dim:
-                per_axis.append(V)
-            elif isinstance(p, Gathered):
-                per_axis.append(R if dim == 0 else None)
-            else:
-                per_axis.append(p)
-        results.append(tuple(per_axis))
-    return results
-
-
-def rank_piece(ctx, pl: Pl, dim: int, total: int, start: int, length: int,
-               check_varying: bool) -> dict[int, Placement | None]:
-    """Axes on which the piece [start, start+length) is this rank's chunk of ``total``."""
-    def matches(a: int) -> bool:
-        size = ctx.sizes[a]
-        return size > 1 and length * size == total and start == ctx.index[a] * length
-    replicated = [a for a, p in enumerate(pl) if _replicated(p) and matches(a)]
-    if len(replicated) == 1:
-        return {replicated[0]: S(dim) if check_varying else RankChunk(dim)}
-    if replicated:  # ambiguous: several axes have the same size and index here
-        return dict.fromkeys(replicated)
-    if check_varying:
-        for a, p in enumerate(pl):
-            if p is V and matches(a):
-                raise Violation("split of varying", a)
-    return {}
-
-
-def _slice_rule(ctx, args, kwargs, out):
-    x = args[0]
-    pl = ctx.types(x)
-    if pl is None:
-        return None
-    ndim = x.dim()
-    dim = _norm(_arg(args, kwargs, 1, "dim", 0), ndim)
-    size = x.shape[dim]
-    start = _arg(args, kwargs, 2, "start", 0) or 0
-    step = _arg(args, kwargs, 4, "step", 1)
-    start = max(0, min(size, _norm(start, size)))
-    length = out.shape[dim]
-    if step != 1:
-        start = -1  # a strided slice is no rank's chunk
-    return _cut_along(ctx, pl, ndim, dim, [(start, length)], size, by_rank_slice=True)[0]
-
-
-def _select_rule(ctx, args, kwargs, out):
-    x = args[0]
-    pl = ctx.types(x)
-    if pl is None:
-        return None
-    ndim = x.dim()
-    dim = _norm(args[1], ndim)
-    index = _norm(args[2], x.shape[dim])
-    (piece,) = _cut_along(ctx, pl, ndim, dim, [(index, 1)], x.shape[dim], by_rank_slice=True)
-    return shift_shards(piece, lambda d: None if d == dim else d - (d > dim))
-
-
-def _split_rule(ctx, args, kwargs, out):
-    x = args[0]
-    pl = ctx.types(x)
-    if pl is None:
-        return None
-    ndim = x.dim()
-    dim = _norm(_arg(args, kwargs, 2, "dim", 0), ndim)
-    pieces, start = [], 0
-    for t in out:
-        pieces.append((start, t.shape[dim]))
-        start += t.shape[dim]
-    return _cut_along(ctx, pl, ndim, dim, pieces, x.shape[dim])
-
-
-def _unbind_rule(ctx, args, kwargs, out):
-    x = args[0]
-    pl = ctx.types(x)
-    if pl is None:
-        return None
-    ndim = x.dim()
-    dim = _norm(_arg(args, kwargs, 1, "dim", 0), ndim)
-    pieces = _cut_along(ctx, pl, ndim, dim, [(k, 1) for k in range(len(out))], len(out))
-    return [shift_shards(p, lambda d: None if d == dim else d - (d > dim)) for p in pieces]
-
-
-def _pieces(ctx, tensors) -> list:
-    """Operands put back together: rank chunks read as R when other pieces are there."""
-    if len(tensors) < 2:
-        return [(t, ADD) for t in tensors]
-    items = []
-    for t in tensors:
-        pl = ctx.types(t)
-        items.append((Typed(as_pieces(pl), tuple(t.shape)) if pl is not None else t, ADD))
-    return items
-
-
-def _cat_rule(ctx, args, kwargs, out):
-    tensors = [t for t in args[0] if t.numel() > 0 or t.dim() > 1]
-    if not tensors:
-        return None
-    ndim = out.dim()
-    dim = _norm(_arg(args, kwargs, 1, "dim", 0), ndim)
-    pl = elementwise(ctx, _pieces(ctx, tensors))
-    if pl is None:
-        return None
-    return tuple(V if isinstance(p, Shard) and p.dim == dim and len(tensors) > 1 else p
-                 for p in pl)
-
-
-def _stack_rule(ctx, args, kwargs, out):
-    ndim = out.dim()
-    dim = _norm(_arg(args, kwargs, 1, "dim", 0), ndim)
-    pl = elementwise(ctx, _pieces(ctx, args[0]))
-    if pl is None:
-        return None
-    return shift_shards(pl, lambda d: d + (d >= dim))
-
-
-def _along_dim_rule(self_pos: int, dim_pos: int, index_pos: int) -> Callable:
-    """index_select / gather / scatter: typed when the indexed dim is not sharded."""
-    def rule(ctx, args, kwargs, out):
-        x = args[self_pos]
-        pl = ctx.types(x)
-        il = ctx.types(args[index_pos])
-        if pl is None or il is None:
-            return None
-        dim = _norm(args[dim_pos], x.dim())
-        result = []
-        for a, (p, i) in enumerate(zip(pl, il, strict=True)):
-            if p is None or i is None or isinstance(p, Gathered):
-                result.append(None)
-            elif _is_partial(i):
-                raise Violation("non-linear on partial", a)
-            elif isinstance(p, Shard) and _norm(p.dim, x.dim()) == dim:
-                result.append(V)
-            elif i is V:
-                result.append(V)
-            else:
-                result.append(p)
-        return tuple(result)
-    return rule
-
-
-def _scatter_rule(ctx, args, kwargs, out):
-    base = _along_dim_rule(0, 1, 2)(ctx, args, kwargs, out)
-    src = args[3] if len(args) > 3 else kwargs.get("src", kwargs.get("value"))
-    if base is None or not _is_tensor(src):
-        return base
-    return _join(base, ctx.types(src))
-
-
-def _index_rule(ctx, args, kwargs, out):
-    """x[i0, i1, ...] with index tensors: indexing a sharded dim gives V (each rank picks from
-    its own shard); a shard after a leading block of indexed dims moves with the block."""
-    x, indices = args[0], list(args[1])
-    pl = ctx.types(x)
-    if pl is None:
-        return None
-    picked = [k for k, idx in enumerate(indices) if idx is not None]
-    index_pls = [ctx.types(indices[k]) for k in picked]
-    if any(p is None for p in index_pls):
-        return None
-    index_ndim = out.dim() - (x.dim() - len(picked))
-    leading = picked == list(range(len(picked)))
-    result = []
-    for a, p in enumerate(pl):
-        index_axis = [ip[a] for ip in index_pls]
-        if p is None or isinstance(p, Gathered) or any(i is None for i in index_axis):
-            result.append(None)
-        elif any(_is_partial(i) for i in index_axis):
-            raise Violation("non-linear on partial", a)
-        elif isinstance(p, Shard) and _norm(p.dim, x.dim()) in picked:
-            result.append(V)
-        elif isinstance(p, Shard):
-            d = _norm(p.dim, x.dim())
-            result.append(S(d - len(picked) + index_ndim) if leading else None)
-        elif V in index_axis or any(isinstance(i, Shard) for i in index_axis):
-            result.append(V if not _is_partial(p) else None)
-        else:
-            result.append(p)
-    return tuple(result)
-
-
-def _index_put_rule(ctx, args, kwargs, out):
-    """x[idx] = values: a shard stays a shard (each rank writes its own elements); otherwise
-    the stored values must have x's placement (zeros fit a partial)."""
-    xl, values = ctx.types(args[0]), args[2]
-    if xl is None:
-        return None
-    vl = ctx.types(values)
-    if vl is None:
-        if values.dim() != 0:
-            return None
-        zero = values.item() == 0
-        return tuple(None if _is_partial(p) and not zero else p for p in xl)
-    result = []
-    for p, v in zip(xl, vl, strict=True):
-        if (isinstance(p, Shard) or p is V) and not _is_partial(v):
-            result.append(p)
-        elif p == v or (ctx.zero(values) and _is_partial(p)):
-            result.append(p)
-        elif _replicated(p) and v is V:
-            result.append(V)
-        else:
-            result.append(None)
-    return tuple(result)
-
-
-def _as_strided_rule(ctx, args, kwargs, out):
-    """as_strided: typed only when it reproduces its input's layout (autograd does that)."""
-    x = args[0]
-    same = out.shape == x.shape and out.stride() == x.stride()
-    return ctx.types(x) if same else None
-
-
-def _copy_rule(ctx, args, kwargs, out):
-    dst, src = args[0], args[1]
-    pl = ctx.types(src)
-    if pl is None:
-        return None
-    lead = dst.dim() - src.dim()
-    return shift_shards(pl, lambda d: _norm(d, src.dim()) + lead)
-
-
-def _fill_rule(ctx, args, kwargs, out):
-    value = args[1]
-    if _is_tensor(value):
-        return ctx.types(value)
-    return (R,) * ctx.n
-
-
-def _flip_like(dims_pos: int) -> Callable:
-    """flip/roll/repeat: reordering or repeating a sharded dim loses its meaning (V)."""
-    def rule(ctx, args, kwargs, out):
-        x = args[0]
-        pl = ctx.types(x)
-        if pl is None:
-            return None
-        dims = _arg(args, kwargs, dims_pos, "dims", None)
-        touched = _reduced_dims(dims, x.dim())
-        return tuple(V if isinstance(p, Shard) and _norm(p.dim, x.dim()) in touched else p
-                     for p in pl)
-    return rule
-
-
-def _repeat_rule(ctx, args, kwargs, out):
-    x = args[0]
-    pl = ctx.types(x)
-    if pl is None:
-        return None
-    reps = list(args[1])
-    lead = len(reps) - x.dim()
-    result = []
-    for p in pl:
-        if isinstance(p, Shard):
-            d = _norm(p.dim, x.dim()) + lead
-            result.append(V if reps[d] != 1 else S(d))
-        else:
-            result.append(None if isinstance(p, Gathered) else p)
     return tuple(result)
 
 
@@ -1138,7 +746,7 @@ def _base_table() -> dict[str, Callable]:
         "mul": _roles(MUL, MUL), "div": _roles(MUL, DIV), "true_divide": _roles(MUL, DIV),
         "where": _where_rule, "masked_fill": _masked_fill_rule, "lerp": _roles(NL, NL, NL),
         "addcmul": _roles(ADD, MUL, MUL), "addcdiv": _roles(ADD, MUL, DIV),
-        "zero": _replicated_rule, "fill": _fill_rule, "copy": _copy_rule,
+        "zero": _replicated_rule,
         "native_dropout": _dropout_rule, "native_dropout_backward": _dropout_backward,
         "_softmax": _normalize_rule, "_log_softmax": _normalize_rule,
         "softmax": _normalize_rule, "log_softmax": _normalize_rule,
@@ -1150,18 +758,6 @@ def _base_table() -> dict[str, Callable]:
         "addmm": _with_bias(_mm), "baddbmm": _with_bias(_bmm),
         "embedding": _embedding_rule, "embedding_dense_backward": _embedding_backward_rule,
         "nll_loss_forward": _nll_rule, "nll_loss_backward": _nll_backward_rule,
-        "view": _view_rule, "_unsafe_view": _view_rule, "reshape": _view_rule,
-        "_reshape_alias": _view_rule,
-        "permute": _permute_rule, "transpose": _transpose_rule, "t": _transpose_rule,
-        "unsqueeze": _unsqueeze_rule, "squeeze": _squeeze_rule, "expand": _expand_rule,
-        "slice": _slice_rule, "select": _select_rule, "split": _split_rule,
-        "split_with_sizes": _split_rule, "unbind": _unbind_rule,
-        "cat": _cat_rule, "stack": _stack_rule,
-        "index_select": _along_dim_rule(0, 1, 2), "gather": _along_dim_rule(0, 1, 2),
-        "scatter": _scatter_rule, "scatter_add": _scatter_rule,
-        "index": _index_rule, "index_put": _index_put_rule,
-        "flip": _flip_like(1), "roll": _flip_like(2), "repeat": _repeat_rule,
-        "as_strided": _as_strided_rule,
         "_local_scalar_dense": _scalar_rule, "sym_size": _scalar_rule,
         "sym_numel": _scalar_rule, "equal": _scalar_rule, "is_nonzero": _scalar_rule,
     })
@@ -1169,4 +765,5 @@ def _base_table() -> dict[str, Callable]:
 
 
 RULES: dict[str, Callable] = _base_table()
-"""Rule per op base name ("add" covers add.Tensor, add_.Scalar, add.out, ...)."""
+"""Arithmetic, reduction, contraction and factory rules per op base name ("add" covers
+add.Tensor, add_.Scalar, add.out, ...); shape ops are in shardcheck.shape_rules."""
