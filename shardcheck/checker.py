@@ -271,6 +271,8 @@ class Checker(TorchDispatchMode):
         try:
             pl = rule(self, args, kwargs, out)
         except Violation as violation:
+            if func.namespace == "_c10d_functional" and isinstance(out, torch.Tensor):
+                torch.ops._c10d_functional.wait_tensor(out)  # raise with no work in flight
             self._report(violation, func, args)
             pl = _retyped_after(self, violation, rule, args, kwargs, out)
         if pl is NO_TENSOR:
