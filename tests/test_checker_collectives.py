@@ -179,3 +179,15 @@ def test_untyped_collective_stays_unknown(groups):
 def test_mean_over_shard_reads_as_partial_average(groups):
     with sc.typecheck(sc.Mesh(tp=groups["tp"], dp=groups["dp"])):
         assert sc.typeof(T(4, 2, tp=S(1)).mean(1))["tp"] is PAVG
+
+
+def test_mesh_from_a_named_device_mesh(groups):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    device_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    with sc.typecheck(sc.Mesh.from_device_mesh(device_mesh)):
+        x = T(4, tp=P, dp=V)
+        dist.all_reduce(x, group=device_mesh.get_group("tp"))
+        assert sc.typeof(x) == {"tp": R, "dp": V}
+        dist.all_reduce(x, group=device_mesh.get_group("dp"))
+        assert sc.typeof(x) == {"tp": R, "dp": R}
