@@ -36,18 +36,22 @@ class GradientViolation(_checker.ViolationRecord):
 
 @dataclass
 class _GradientState:
-    """Per typecheck region: axes a seeded loss varied on, and findings already reported."""
+    """Per typecheck region: axes a seeded loss varied on, findings already reported, and the
+    parameters named in this region (what norm accounting follows; every rank of an SPMD
+    program names the same ones, so the decision to exchange counts is the same on all)."""
 
     loss_varies: set[int] = field(default_factory=set)
     reported: set[tuple[str, str, str, str]] = field(default_factory=set)
+    named: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)
 
 
 _STATE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_NAMED = WeakIdKeyDictionary()
+_NAMES = WeakIdKeyDictionary()
 """Parameter -> name, for parameters named by annotate_parameters, check_gradients or a step."""
 
 
 def _state(checker: _checker.Checker) -> _GradientState:
+    checker = getattr(checker, "_checker", checker)  # a rule re-run sees the checker wrapped
     state = _STATE.get(checker)
     if state is None:
         state = _STATE[checker] = _GradientState()
@@ -55,16 +59,16 @@ def _state(checker: _checker.Checker) -> _GradientState:
 
 
 def parameter_name(param: torch.Tensor) -> str | None:
-    return _NAMED.get(param)
+    return _NAMES.get(param)
 
 
-def has_named_parameters() -> bool:
-    return len(_NAMED) > 0
+def has_named_parameters(checker: _checker.Checker) -> bool:
+    return len(_state(checker).named) > 0
 
 
-def named_parameters() -> list[tuple[str, torch.Tensor]]:
-    """The live parameters shardcheck knows by name."""
-    return [(name, p) for p, name in _NAMED.items()]
+def named_parameters(checker: _checker.Checker) -> list[tuple[str, torch.Tensor]]:
+    """The live parameters named in ``checker``'s region."""
+    return [(name, p) for p, name in _state(checker).named.items()]
 
 
 def _named(params: ParamsLike) -> list[tuple[str, torch.Tensor]]:
@@ -78,8 +82,11 @@ def _named(params: ParamsLike) -> list[tuple[str, torch.Tensor]]:
     for i, (name, p) in enumerate(pairs):
         if name is None:
             name = f"parameter {i} {tuple(p.shape)}"
-        _NAMED[p] = name
+        _NAMES[p] = name
         named.append((name, p))
+    checker = _checker.current()
+    if checker is not None:
+        _state(checker).named.update((p, name) for name, p in named)
     return named
 
 

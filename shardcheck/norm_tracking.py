@@ -54,7 +54,7 @@ def _gradient_param(ctx, t) -> tuple[str, tuple] | None:
     if (not isinstance(t, torch.Tensor) or t.requires_grad
             or torch._C._current_autograd_node() is not None):
         return None
-    for name, param in named_parameters():
+    for name, param in named_parameters(ctx):
         grad = gradient_of(param)
         if grad is t or (grad is not None and grad.data_ptr() == t.data_ptr()
                          and grad.shape == t.shape):
@@ -85,7 +85,7 @@ def _wrap(name: str, tagged_rule) -> None:
     base = RULES[name]
 
     def rule(ctx, args, kwargs, out):
-        pl = tagged_rule(ctx, args, kwargs, out) if has_named_parameters() else None
+        pl = tagged_rule(ctx, args, kwargs, out) if has_named_parameters(ctx) else None
         return base(ctx, args, kwargs, out) if pl is None else pl
     for packet in (name, name + "_"):
         if hasattr(aten, packet):
@@ -148,7 +148,7 @@ def _add(ctx, args, kwargs, out):
 
 def _foreach_norm(ctx, args, kwargs, out):
     order = args[1] if len(args) > 1 else kwargs.get("ord", 2)
-    if order != 2 or not has_named_parameters():
+    if order != 2 or not has_named_parameters(ctx):
         return None
     return [_start(ctx, o, g, 1) for g, o in zip(args[0], out, strict=True)]
 
@@ -167,7 +167,7 @@ _base_allreduce = _collectives.C10D_RULES["allreduce_"]
 def _allreduce(ctx, args, kwargs, out):
     tensors, group, op = args[0], args[1], _collectives._reduce_op(args[2])
     if (len(tensors) != 1 or tensors[0].numel() != 1 or op != _collectives.SUM
-            or not has_named_parameters()):
+            or not has_named_parameters(ctx)):
         return _base_allreduce(ctx, args, kwargs, out)
     t = tensors[0]
     term = _term(t)
