@@ -33,3 +33,8 @@ from shardcheck.parity import ParityResult, parity  # noqa: E402
 from shardcheck.pool import PoolFailure, RankPool  # noqa: E402
 
 __all__ += ["ParityResult", "PoolFailure", "RankPool", "parity"]
+
+from shardcheck import backward_rules, norm_tracking  # noqa: E402,F401  (register their rules)
+from shardcheck.gradients import annotate_parameters, check_gradients  # noqa: E402
+
+__all__ += ["annotate_parameters", "check_gradients"]

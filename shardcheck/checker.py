@@ -28,7 +28,7 @@ from shardcheck import rules as _rules
 from shardcheck import shape_rules
 from shardcheck.collectives import collective_rule
 from shardcheck.rules import HELP, NO_TENSOR, Violation
-from shardcheck.types import Mesh, Placement, Shard, parse_placement
+from shardcheck.types import Mesh, Placement, Shard, V, parse_placement
 
 _HERE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _DISTRIBUTED = os.path.join(os.path.dirname(torch.__file__), "distributed") + os.sep
@@ -274,7 +274,7 @@ class Checker(TorchDispatchMode):
             if func.namespace == "_c10d_functional" and isinstance(out, torch.Tensor):
                 torch.ops._c10d_functional.wait_tensor(out)  # raise with no work in flight
             self._report(violation, func, args)
-            pl = None
+            pl = _retyped_after(self, violation, rule, args, kwargs, out)
         if pl is NO_TENSOR:
             self.typed += 1
             return out
@@ -395,6 +395,31 @@ class Checker(TorchDispatchMode):
         lines = [f"shardcheck: {len(self.records)} SPMD type violation(s)"]
         lines += [r.first_line for r in self.records]
         return "\n".join(lines)
+
+
+class _VaryingOn:
+    """The checker as a rule re-run after a violation sees it: every operand V on one axis."""
+
+    def __init__(self, checker: Checker, axis: int) -> None:
+        self._checker, self._axis = checker, axis
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._checker, name)
+
+    def types(self, t: Any) -> tuple | None:
+        pl = self._checker.types(t)
+        return None if pl is None else pl[:self._axis] + (V,) + pl[self._axis + 1:]
+
+
+def _retyped_after(checker: Checker, violation: Violation, rule, args, kwargs, out):
+    """In collect mode, a violating op's result is V on the broken axis (its values differ per
+    rank with no meaning the mesh knows), so checking goes on downstream, backward included."""
+    if violation.axis < 0:
+        return None
+    try:
+        return rule(_VaryingOn(checker, violation.axis), args, kwargs, out)
+    except Violation:
+        return None
 
 
 def _flat(args: Any) -> Iterator[Any]:
