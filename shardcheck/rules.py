@@ -509,7 +509,7 @@ def einsum_rule(ctx, specs: list[tuple[Any, str]], out_spec: str) -> Pl | None:
         pl = ctx.types(t)
         if pl is None:
             return None
-        if not (ctx.const(t) and all(replicated(p) for p in pl)):
+        if not (ctx.const(t) and all(p is None or replicated(p) for p in pl)):
             pls.append((pl, letters))
     if not pls:
         return ctx.types(specs[0][0])

@@ -260,3 +260,14 @@ def test_item_and_tolist_are_typed_reads():
         x = T(3, tp=P)
         assert isinstance(x.sum().item(), float) and len(x.tolist()) == 3
     assert sc.coverage().unknown == 0
+
+
+def test_constant_seed_with_an_unannotated_axis_fits_a_sharded_contraction():
+    # The backward seed (ones) is constant: it fits the batch-sharded input even where an
+    # axis is left unannotated, so the weight gradient is a partial sum, not a false alarm.
+    mesh = sc.Mesh(rank=0, tp=[0, 1], dp=[0, 2])
+    w0, x0 = torch.randn(6, 8, requires_grad=True), torch.randn(4, 8)
+    with sc.typecheck(mesh):
+        w, x = sc.annotate(w0, tp=R), sc.annotate(x0, tp=S(0))
+        torch.nn.functional.linear(x, w).sum().backward()
+        assert sc.typeof(w.grad) == {"tp": P}
