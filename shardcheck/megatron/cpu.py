@@ -21,6 +21,10 @@ computes. Each patch below replaces one such place with its CPU equivalent and n
 6. ``streams``: ``torch.cuda.current_stream()``/``default_stream()`` return a CPU stand-in, for the
    distributed optimizer and DDP bucket code that only records or waits on them.
 
+7. ``te_gemm_name``: ``moe_utils.te_general_gemm`` is only defined when Transformer Engine imports,
+   yet the router's gating linear tests it for ``None``; without TE it is set to ``None``, which
+   selects Megatron's own torch matmul path.
+
 ``apply_cpu_patches()`` applies all of them (idempotent) and ``remove_cpu_patches()`` restores
 every original.
 """
@@ -37,6 +41,7 @@ from torch.overrides import TorchFunctionMode
 _CPU = torch.device("cpu")
 _originals: list[tuple[Any, str, Any]] = []
 _mode: TorchFunctionMode | None = None
+_MISSING = object()
 
 
 def _is_cuda(device: Any) -> bool:
@@ -150,6 +155,14 @@ def _patch_streams() -> None:
     _set(torch.cuda, "default_stream", lambda *_a, **_k: stream)
 
 
+def _patch_te_gemm_name() -> None:
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        _originals.append((moe_utils, "te_general_gemm", _MISSING))
+        moe_utils.te_general_gemm = None
+
+
 def apply_cpu_patches() -> None:
     """Make megatron-core run on the CPU of this process; a second call does nothing."""
     global _mode
@@ -160,6 +173,7 @@ def apply_cpu_patches() -> None:
     _patch_torch_norm()
     _patch_synchronize()
     _patch_streams()
+    _patch_te_gemm_name()
     _mode = CudaToCpuMode()
     _mode.__enter__()
 
@@ -173,7 +187,10 @@ def remove_cpu_patches() -> None:
     _mode = None
     while _originals:
         owner, name, value = _originals.pop()
-        setattr(owner, name, value)
+        if value is _MISSING:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, value)
 
 
 def cpu_patches_active() -> bool:

@@ -66,7 +66,9 @@ def param_shards(model: torch.nn.Module) -> list[ParamShards]:
     """Every parameter of ``model`` with its sharded-state-dict builder, in parameter order."""
     by_storage = {(p.data_ptr(), tuple(p.shape)): (n, p) for n, p in model.named_parameters()}
     found: dict[str, ParamShards] = {}
-    for leaf in _leaves(model.sharded_state_dict()):
+    from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
+
+    for leaf in _leaves(model.sharded_state_dict(metadata=ensure_metadata_has_dp_cp_group(None))):
         data = getattr(leaf, "data", None)
         build = _builder(leaf)
         if data is None or build is None:
@@ -92,7 +94,7 @@ def seeded_global(key: str, shape: tuple[int, ...], seed: int = 0) -> torch.Tens
     digest = hashlib.sha256(f"{seed}:{key}".encode()).digest()
     gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
     values = torch.randn(shape, generator=gen, dtype=torch.float64) * 0.05
-    if "norm" in key.rsplit(".", 2)[-2] and key.endswith("weight"):
+    if key.endswith("weight") and any("norm" in part for part in key.split(".")[-2:]):
         values += 1.0
     return values
 

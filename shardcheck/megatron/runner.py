@@ -53,10 +53,16 @@ def _on_rank(scenario: Callable[[Any], Mapping[str, torch.Tensor]], layout: Any)
     return {name: value.detach().double().numpy() for name, value in outputs.items()}
 
 
+def run_ranks(scenario: Callable[[Any], Mapping[str, torch.Tensor]], layout: Any,
+              timeout: float = 120.0) -> list[dict[str, np.ndarray]]:
+    """Every rank's outputs of the scenario under ``layout``, in rank order."""
+    return spawn_ranks(_on_rank, layout.world_size, scenario, layout, timeout=timeout)
+
+
 def run_layout(scenario: Callable[[Any], Mapping[str, torch.Tensor]], layout: Any,
                timeout: float = 120.0) -> dict[str, np.ndarray]:
     """The scenario's outputs under ``layout``; raises if ranks disagree on a replicated output."""
-    per_rank = spawn_ranks(_on_rank, layout.world_size, scenario, layout, timeout=timeout)
+    per_rank = run_ranks(scenario, layout, timeout)
     first = per_rank[0]
     for rank, outputs in enumerate(per_rank[1:], start=1):
         for name, value in outputs.items():

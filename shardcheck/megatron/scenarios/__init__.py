@@ -12,6 +12,8 @@ from functools import partial
 from typing import Any
 
 from shardcheck.megatron.scenarios.gpt import GPTSetup, train_step
+from shardcheck.megatron.scenarios.moe_router import RouterSetup, router_step
+from shardcheck.megatron.scenarios.output_loss import OutputLossSetup, output_loss
 
 
 @dataclass(frozen=True)
@@ -24,6 +26,8 @@ class Component:
 
 COMPONENTS: dict[str, Component] = {
     "gpt": Component(train_step, GPTSetup),
+    "output_loss": Component(output_loss, OutputLossSetup),
+    "moe_router": Component(router_step, RouterSetup),
 }
 
 
