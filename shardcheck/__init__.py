@@ -5,3 +5,8 @@ from shardcheck.types import Axis, I, Mesh, P, Placement, R, S, Shard, V
 __version__ = "0.1.0"
 
 __all__ = ["I", "P", "R", "S", "V", "Axis", "Mesh", "Placement", "Shard", "__version__"]
+
+from shardcheck.layout import Layout, LayoutError  # noqa: E402
+from shardcheck.scenario import ScenarioContext, current_context, replicate, shard  # noqa: E402
+
+__all__ += ["Layout", "LayoutError", "ScenarioContext", "current_context", "replicate", "shard"]

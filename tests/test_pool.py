@@ -1,0 +1,158 @@
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from shardcheck.pool import PoolFailure, RankPool
+
+
+def alive(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie (read from /proc, no psutil)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def wait_gone(pids, seconds=10.0) -> list[int]:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and any(alive(p) for p in pids):
+        time.sleep(0.05)
+    return [p for p in pids if alive(p)]
+
+
+def _tp_sum(ctx, value):
+    t = torch.tensor([value * (ctx.rank + 1)])
+    dist.all_reduce(t, group=ctx.groups["tp"])
+    return (ctx.rank, ctx.world_size, t.item())
+
+
+def _rank_one_raises(ctx):
+    if ctx.rank == 1:
+        raise ValueError("boom on rank one")
+    t = torch.ones(1)
+    dist.all_reduce(t, group=ctx.groups["tp"])  # rank 0 waits for a partner that is gone
+    return t.item()
+
+
+def _extra_collective_on_rank_zero(ctx):
+    t = torch.ones(3)
+    dist.all_reduce(t, group=ctx.groups["tp"])
+    if ctx.rank == 0:
+        dist.all_reduce(t, group=ctx.groups["tp"])
+    return t.tolist()
+
+
+def _ranks_disagree_on_the_collective(ctx):
+    t = torch.ones(4)
+    if ctx.rank == 0:
+        dist.all_reduce(t, group=ctx.groups["tp"])
+    else:
+        dist.broadcast(t, src=0, group=ctx.groups["tp"])
+    return t.tolist()
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with RankPool(4, timeout=20, grace=0.5) as warm:
+        yield warm
+
+
+def test_pool_runs_many_layouts_on_sub_groups_of_one_world(pool):
+    pids = pool.pids
+    assert pool.run("tp2", _tp_sum, 1.0) == [(0, 2, 3.0), (1, 2, 3.0)]
+    assert pool.run("tp2-dp2", _tp_sum, 2.0) == [(0, 4, 6.0), (1, 4, 6.0), (2, 4, 14.0), (3, 4, 14.0)]
+    assert pool.run("dp2", _tp_sum, 1.0) == [(0, 2, 1.0), (1, 2, 2.0)]
+    assert pool.run("tp1", _tp_sum, 5.0) == [(0, 1, 5.0)]
+    assert pool.pids == pids, "the warm workers were reused"
+
+
+def test_a_warm_run_takes_milliseconds(pool):
+    pool.run("tp2", _tp_sum, 1.0)
+    start = time.perf_counter()
+    for _ in range(5):
+        pool.run("tp2", _tp_sum, 1.0)
+    assert (time.perf_counter() - start) / 5 < 0.5
+
+
+def test_a_rank_that_raises_is_reported_and_the_pool_keeps_serving(pool):
+    with pytest.raises(PoolFailure) as info:
+        pool.run("tp2", _rank_one_raises, timeout=10)
+    failure = info.value
+    assert failure.kind == "error" and set(failure.tracebacks) == {1}
+    assert "rank 1 raised" in str(failure) and "ValueError: boom on rank one" in str(failure)
+    assert "rank 0: #1 all_reduce(float32[1]) on group [0, 1]" in str(failure)
+    assert pool.run("tp2", _tp_sum, 1.0) == [(0, 2, 3.0), (1, 2, 3.0)]
+
+
+def test_a_hang_reports_the_last_collective_and_restarts_the_pool(pool):
+    old = pool.pids
+    with pytest.raises(PoolFailure) as info:
+        pool.run("tp2", _extra_collective_on_rank_zero, timeout=2)
+    failure = info.value
+    assert failure.kind == "hang"
+    assert failure.last_collectives == {0: "#2 all_reduce(float32[3]) on group [0, 1]",
+                                        1: "#1 all_reduce(float32[3]) on group [0, 1]"}
+    assert "ranks [0] did not finish within 2 s" in str(failure)
+    assert wait_gone(old) == [] and set(pool.pids).isdisjoint(old)
+    assert pool.run("tp2", _tp_sum, 1.0)[0] == (0, 2, 3.0)
+
+
+def test_a_desync_is_reported_as_a_desync(pool):
+    old = pool.pids
+    with pytest.raises(PoolFailure) as info:
+        pool.run("tp2", _ranks_disagree_on_the_collective, timeout=2)
+    assert info.value.kind == "desync"
+    assert str(info.value).startswith(
+        "desync on group [0, 1] at its collective #1: rank 0: all_reduce(float32[4]); "
+        "rank 1: broadcast(float32[4])")
+    pool.run("tp2", _tp_sum, 1.0)
+    assert wait_gone(set(old) - set(pool.pids)) == []
+
+
+def test_closing_the_pool_leaves_no_worker():
+    with RankPool(2, timeout=20) as small:
+        pids = small.pids
+        assert all(alive(p) for p in pids)
+    assert wait_gone(pids) == []
+
+
+_PARENT = textwrap.dedent("""
+    import sys, torch, torch.distributed as dist
+    from shardcheck.pool import RankPool
+
+    def stuck(ctx):
+        if ctx.rank == 0:
+            dist.all_reduce(torch.ones(1), group=ctx.groups["tp"])
+        return 0
+
+    pool = RankPool(2, timeout=600)
+    print(" ".join(map(str, pool.pids)), flush=True)
+    if sys.argv[1] == "raise":
+        raise RuntimeError("parent failed")
+    pool.run("tp2", stuck)
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["sigint", "sigkill", "raise"])
+def test_parent_interrupt_kill_or_exception_leaves_no_process(how, tmp_path):
+    script = tmp_path / "parent.py"
+    script.write_text(_PARENT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    parent = subprocess.Popen([sys.executable, str(script), how], stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, text=True, env=env)
+    pids = [int(p) for p in parent.stdout.readline().split()]
+    assert len(pids) == 2 and all(alive(p) for p in pids)
+    if how != "raise":
+        time.sleep(0.5)  # the parent is now waiting on the stuck job
+        parent.send_signal(signal.SIGINT if how == "sigint" else signal.SIGKILL)
+    assert parent.wait(timeout=30) != 0
+    assert wait_gone(pids) == []
