@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from shardcheck.megatron.cpu import apply_cpu_patches
@@ -147,6 +148,8 @@ def megatron_parallel(ctx: Any, seed: int = 1234) -> Iterator[None]:
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     apply_cpu_patches()
+    # A forked rank must not reuse OpenMP threads its parent started: libgomp deadlocks.
+    torch.set_num_threads(1)
     _check(ctx.layout)
     with _layout_as_world(ctx):
         _initialise(ctx.layout)
