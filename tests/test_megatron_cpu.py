@@ -72,9 +72,26 @@ def test_device_mode_sends_cuda_requests_to_the_cpu_with_equal_values(patched):
     assert x.type(torch.float64).dtype == torch.float64
 
 
-def test_synchronize_and_streams_do_nothing(patched):
+def test_synchronize_streams_and_events_do_nothing(patched):
     torch.cuda.synchronize()
     torch.cuda.current_stream().wait_stream(torch.cuda.default_stream())
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        x = torch.ones(2) * 3
+    assert torch.equal(x, torch.full((2,), 3.0))
+    event = side.record_event()
+    event.synchronize()
+    assert event.query() and torch.cuda.Event().query()
+
+
+def test_host_copy_gives_numpy_split_sizes_with_the_same_values(patched):
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    splits = torch.tensor([3, 5])
+    assert token_dispatcher.maybe_move_tensor_to_cpu is moe_utils.maybe_move_tensor_to_cpu
+    host = moe_utils.maybe_move_tensor_to_cpu(splits, as_numpy=True)
+    assert host.tolist() == [3, 5] and type(host).__module__ == "numpy"
+    assert moe_utils.maybe_move_tensor_to_cpu(splits) is splits
 
 
 def test_patches_apply_once_and_remove_restores_every_original():

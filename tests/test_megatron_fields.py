@@ -46,3 +46,27 @@ def test_probe_runs_the_real_model():
     assert ran == ("runs", "")
     assert fused[0] == "needs-gpu" and "fused_weight_gradient_mlp_cuda" in fused[1]
     assert sp_alone[0] == "invalid"
+
+
+def test_every_preset_builds_a_scenario_and_unknown_names_are_refused():
+    from shardcheck.megatron.scenarios import PRESETS, preset, scenario
+
+    assert all(callable(preset(name)) for name in PRESETS)
+    with pytest.raises(KeyError, match="unknown Megatron component"):
+        scenario("bert")
+    with pytest.raises(TypeError):
+        scenario("gpt", no_such_option=1)
+
+
+def _run_every_preset():
+    from shardcheck.megatron.runner import MegatronLayout, RankContext
+    from shardcheck.megatron.scenarios import PRESETS, preset
+
+    return {name: sorted(preset(name)(RankContext(MegatronLayout(), 0))) for name in PRESETS}
+
+
+@pytest.mark.slow
+def test_every_preset_runs_on_one_rank():
+    outputs = spawn_ranks(_run_every_preset, 1, timeout=600)[0]
+    assert all("loss" in names or "probs" in names for names in outputs.values())
+    assert any(n.startswith("grad/decoder.layers.mlp.experts") for n in outputs["moe/alltoall"])

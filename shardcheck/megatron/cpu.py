@@ -18,12 +18,18 @@ computes. Each patch below replaces one such place with its CPU equivalent and n
    asserts.
 5. ``synchronize``: ``torch.cuda.synchronize()`` (and stream waits) are no-ops: CPU ops are
    synchronous. Pipeline send/recv calls it.
-6. ``streams``: ``torch.cuda.current_stream()``/``default_stream()`` return a CPU stand-in, for the
-   distributed optimizer and DDP bucket code that only records or waits on them.
+6. ``streams``: ``torch.cuda.current_stream()``/``default_stream()``/``Stream()`` and the
+   ``torch.cuda.stream(...)`` context and ``torch.cuda.Event()`` return do-nothing CPU stand-ins, for the DDP, optimizer
+   and MoE (alltoall dispatcher, shared experts) code that only creates, records or waits on
+   side streams.
 
 7. ``te_gemm_name``: ``moe_utils.te_general_gemm`` is only defined when Transformer Engine imports,
    yet the router's gating linear tests it for ``None``; without TE it is set to ``None``, which
    selects Megatron's own torch matmul path.
+
+8. ``host_copy``: the MoE alltoall dispatcher gets its split sizes from
+   ``maybe_move_tensor_to_cpu(..., as_numpy=True)``, which converts only CUDA tensors; a CPU
+   tensor is converted to numpy too, as the GPU path would return it.
 
 ``apply_cpu_patches()`` applies all of them (idempotent) and ``remove_cpu_patches()`` restores
 every original.
@@ -72,6 +78,22 @@ class CudaToCpuMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+class _CpuEvent:
+    """What Megatron needs of a CUDA event on a CPU: it has always happened."""
+
+    def record(self, _stream: Any = None) -> None:
+        """Nothing to record."""
+
+    def synchronize(self) -> None:
+        """CPU ops are synchronous."""
+
+    def wait(self, _stream: Any = None) -> None:
+        """CPU ops are synchronous."""
+
+    def query(self) -> bool:
+        return True
+
+
 class _CpuStream:
     """What Megatron needs of a CUDA stream on a CPU: nothing to wait for."""
 
@@ -84,8 +106,9 @@ class _CpuStream:
     def synchronize(self) -> None:
         """CPU ops are synchronous."""
 
-    def record_event(self, _event: Any = None) -> None:
-        """Nothing to record."""
+    def record_event(self, event: Any = None) -> Any:
+        """An event that has already happened."""
+        return event if event is not None else _CpuEvent()
 
     def __enter__(self) -> _CpuStream:
         return self
@@ -153,6 +176,9 @@ def _patch_streams() -> None:
     stream = _CpuStream()
     _set(torch.cuda, "current_stream", lambda *_a, **_k: stream)
     _set(torch.cuda, "default_stream", lambda *_a, **_k: stream)
+    _set(torch.cuda, "Stream", lambda *_a, **_k: _CpuStream())
+    _set(torch.cuda, "stream", lambda *_a, **_k: _CpuStream())
+    _set(torch.cuda, "Event", lambda *_a, **_k: _CpuEvent())
 
 
 def _patch_te_gemm_name() -> None:
@@ -161,6 +187,23 @@ def _patch_te_gemm_name() -> None:
     if not hasattr(moe_utils, "te_general_gemm"):
         _originals.append((moe_utils, "te_general_gemm", _MISSING))
         moe_utils.te_general_gemm = None
+
+
+def _to_host(original: Callable[..., Any]) -> Callable[..., Any]:
+    def move(tensor, as_numpy=False, record_stream=False):
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    return move
+
+
+def _patch_host_copy() -> None:
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    move = _to_host(moe_utils.maybe_move_tensor_to_cpu)
+    _set(moe_utils, "maybe_move_tensor_to_cpu", move)
+    _set(token_dispatcher, "maybe_move_tensor_to_cpu", move)
 
 
 def apply_cpu_patches() -> None:
@@ -174,6 +217,7 @@ def apply_cpu_patches() -> None:
     _patch_synchronize()
     _patch_streams()
     _patch_te_gemm_name()
+    _patch_host_copy()
     _mode = CudaToCpuMode()
     _mode.__enter__()
 
