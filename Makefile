@@ -24,7 +24,12 @@ lint: $(STAMP)
 test: $(STAMP) lint
 	$(BIN)/python -m pytest
 
-bench: $(STAMP)
+# spmd_types 0.3.1, for the checker-overhead comparison only: its own folder, never a torch.
+SPMD_TYPES := bench/.deps/spmd_types
+$(SPMD_TYPES): | $(BIN)/python
+	$(BIN)/pip install -q --no-deps --target bench/.deps spmd-types==0.3.1
+
+bench: $(STAMP) $(SPMD_TYPES)
 	$(BIN)/python bench/run_all.py
 
 audit: $(STAMP)

@@ -50,7 +50,7 @@ class Layout:
     pp: int = 1
     sp: bool = False
     order: str = DEFAULT_ORDER
-    explicit_groups: Mapping[str, Sequence[Sequence[int]]] | None = field(default=None, compare=False)
+    explicit_groups: Mapping[str, Sequence[Sequence[int]]] | None = field(default=None, hash=False)
 
     def __post_init__(self) -> None:
         for dim in (*BASE_DIMS, "ep"):
@@ -93,7 +93,8 @@ class Layout:
     def __str__(self) -> str:
         parts = [f"{d}{getattr(self, d)}" for d in ("tp", "cp", "dp", "ep", "pp") if getattr(self, d) > 1]
         parts += ["sp"] if self.sp else []
-        return "-".join(parts) or "tp1"
+        explicit = f" (explicit {', '.join(sorted(self.explicit_groups))})" if self.explicit_groups else ""
+        return ("-".join(parts) or "tp1") + explicit
 
     @property
     def world_size(self) -> int:

@@ -9,8 +9,10 @@ estimate how much rounding alone moves each value; tolerances follow from that.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import io
+import sys
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import nullcontext
@@ -25,30 +27,24 @@ from shardcheck.assemble import NotComparable, compare
 from shardcheck.layout import BASE_DIMS, Layout
 from shardcheck.pool import PoolFailure, RankPool, in_torchrun, run_in_place
 from shardcheck.scenario import Scenario, ScenarioContext
-from shardcheck.types import Placement, parse_placement
+from shardcheck.types import Placement, V, parse_placement
 
 PERTURBATION_EPS = 4.0  # noise runs perturb every sharded global tensor by this many epsilons
 KINDS = ("output", "module", "grad")
 
-Entry = tuple[str, str, torch.Tensor, dict[str, str]]  # kind, name, value, {axis: placement}
+Types = tuple[dict[str, str], dict[str, str]]  # declared by the scenario, found by the checker
+Entry = tuple[str, str, torch.Tensor, Types]  # kind, name, value, types
 
 
-def _checker():
-    """The type checker's API when it is available (``sc.typecheck``/``typeof``/``violations``)."""
-    needed = ("typecheck", "typeof", "violations")
-    return shardcheck if all(hasattr(shardcheck, n) for n in needed) else None
-
-
-def _types(declared: Mapping[str, Placement] | None, tensor: torch.Tensor, checker) -> dict[str, str]:
-    """Declared placements, completed by the checker's where it knows them, as strings."""
-    found: dict[str, Placement] = {}
-    if checker is not None:
-        try:
-            found = {k: v for k, v in checker.typeof(tensor).items() if v is not None}
-        except Exception:  # noqa: BLE001 - an untracked tensor simply has no checker types
-            found = {}
-    found.update(declared or {})
-    return {axis: repr(p) for axis, p in found.items() if axis in BASE_DIMS}
+def _types(declared: Mapping[str, Placement] | None, tensor: torch.Tensor, checker) -> Types:
+    """Declared placements, and the checker's on the other axes, as strings."""
+    declared = {axis: repr(p) for axis, p in (declared or {}).items() if axis in BASE_DIMS}
+    if checker is None:
+        return declared, {}
+    # V from the checker off dp mostly means "never annotated": leave those axes to inference
+    found = {a: repr(p) for a, p in checker.typeof(tensor).items()
+             if a in BASE_DIMS and a not in declared and (p is not V or a == "dp")}
+    return declared, found
 
 
 def _entries(ctx: ScenarioContext, outputs: Mapping[str, object], checker) -> list[Entry]:
@@ -74,10 +70,17 @@ def capture(ctx: ScenarioContext, scenario: Scenario, perturbation: float, seed:
     ctx.perturb_inputs(perturbation, seed)
     ctx.module_outputs = []
     torch.manual_seed(0)
-    checker = _checker() if typecheck else None
-    with checker.typecheck(ctx.mesh, mode="collect") if checker else nullcontext():
+    checker = shardcheck if typecheck else None  # the checker's API: typecheck, typeof, violations
+    region = checker.typecheck(ctx.mesh, mode="collect") if checker else nullcontext()
+    region.__enter__()
+    try:
         entries = _entries(ctx, dict(scenario(ctx)), checker)
-        violations = [str(v).splitlines()[0] for v in checker.violations()] if checker else []
+        violations = [v.first_line for v in checker.violations()] if checker else []
+    except BaseException:
+        region.__exit__(*sys.exc_info())
+        raise
+    with contextlib.redirect_stderr(io.StringIO()):  # the table lists violations; drop the summary
+        region.__exit__(None, None, None)
     return {"entries": entries, "violations": violations}
 
 
@@ -169,11 +172,18 @@ class ParityResult:
 Runner = Callable[..., list | None]
 
 
-def _merge_types(per_rank: Sequence[dict[str, str]]) -> dict[str, Placement]:
-    merged: dict[str, str] = {}
-    for types in reversed(per_rank):
-        merged.update(types)
-    return {axis: parse_placement(text) for axis, text in merged.items()}
+def _merge_types(per_rank: Sequence[Types]) -> tuple[dict[str, Placement], dict[str, Placement]]:
+    """One rank's declared and checker placements (the lowest rank wins where ranks differ)."""
+    declared: dict[str, str] = {}
+    checked: dict[str, str] = {}
+    for rank_declared, rank_checked in reversed(per_rank):
+        declared.update(rank_declared)
+        checked.update(rank_checked)
+    return _parsed(declared), _parsed(checked)
+
+
+def _parsed(types: Mapping[str, str]) -> dict[str, Placement]:
+    return {axis: parse_placement(text) for axis, text in types.items()}
 
 
 def _noise(reference: torch.Tensor, noisy: Iterable[torch.Tensor | None]) -> float:
@@ -182,15 +192,21 @@ def _noise(reference: torch.Tensor, noisy: Iterable[torch.Tensor | None]) -> flo
     return max(changes, default=0.0)
 
 
-def _row(kind: str, name: str, values: list[torch.Tensor], types: list[dict[str, str]],
+def _row(kind: str, name: str, values: list[torch.Tensor], types: list[Types],
          reference: torch.Tensor, noise: float, layout: Layout) -> Row:
+    declared, checked = _merge_types(types)
     try:
-        found = compare(values, reference, noise, layout, _merge_types(types))
+        found = compare(values, reference, noise, layout, {**checked, **declared})
     except NotComparable as why:
-        return Row(kind, name, verdict=f"skipped: {why}")
+        if not checked:
+            return Row(kind, name, verdict=f"skipped: {why}")
+        try:  # the checker's types give no global value of this shape: infer them instead
+            found = compare(values, reference, noise, layout, declared)
+        except NotComparable:
+            return Row(kind, name, verdict=f"skipped: {why}")
     shown = " ".join(f"{a}={p}{'*' if a in found.inferred else ''}" for a, p in found.placements.items())
-    verdict = "ok" if found.ok else "MISMATCH" if found.max_abs > found.tol else (
-        "REPLICA MISMATCH on " + ",".join(found.replica_mismatch))
+    verdict = ("REPLICA MISMATCH on " + ",".join(found.replica_mismatch) if found.replica_mismatch
+               else "ok" if found.ok else "MISMATCH")
     return Row(kind, name, shown, found.max_abs, found.max_rel, found.tol, verdict)
 
 

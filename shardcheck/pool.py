@@ -1,7 +1,7 @@
 """A warm pool of forked Gloo ranks that runs many scenarios and layouts without restarting.
 
-The parent imports torch (and any ``preload`` modules) once, then forks ``world_size`` workers
-that join one Gloo world and wait for jobs. A job runs ``fn(ctx, *args)`` on the first
+The parent imports torch (and any ``preload`` modules) and builds the type checker's tables
+once, then forks ``world_size`` workers that join one Gloo world and wait for jobs. A job runs ``fn(ctx, *args)`` on the first
 ``layout.world_size`` workers, with ``ctx`` a :class:`~shardcheck.scenario.ScenarioContext`
 whose groups are sub-groups of that world (created once, cached by ranks).
 
@@ -23,14 +23,16 @@ process group instead, NCCL and ``cuda`` when available, through the same :func:
 from __future__ import annotations
 
 import atexit
-import ctypes
+import contextlib
 import importlib
+import io
 import multiprocessing as mp
 import os
 import signal
 import tempfile
 import time
 import traceback
+import warnings
 from collections.abc import Callable, Iterable
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
@@ -40,9 +42,12 @@ import torch
 import torch.distributed as dist
 
 from shardcheck import collective_log
-from shardcheck.launch import free_port
+from shardcheck.checker import typecheck
+from shardcheck.gloo_avg import avg_problems
+from shardcheck.launch import die_with_parent, free_port
 from shardcheck.layout import Layout
 from shardcheck.scenario import ScenarioContext, active, build_groups
+from shardcheck.types import Mesh
 
 Job = Callable[..., Any]
 
@@ -107,50 +112,60 @@ def _to_cpu(value: Any) -> Any:
 _IN_WORKER = False
 
 
-def _die_with_parent() -> None:
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
 def _worker_main(rank: int, world_size: int, port: int, conn: Connection, log_dir: str) -> None:
     global _IN_WORKER
     _IN_WORKER = True
-    _die_with_parent()
+    die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    problems = avg_problems() if world_size > 1 else []
     collective_log.install()
-    conn.send(("ready", os.getpid()))
+    conn.send(("ready", problems))
     while (job := conn.recv()) is not None:
         fn, layout, args = job
         collective_log.LOG.restart(Path(log_dir) / f"rank{rank}.log")
         try:
             reply = (True, run_on_rank(fn, layout, rank, "cpu", args))
-        except BaseException:  # noqa: BLE001 - every failure goes back to the parent
-            reply = (False, traceback.format_exc())
+        except BaseException as exc:  # noqa: BLE001 - every failure goes back to the parent
+            reply = (False, _user_traceback(exc))
         try:
             conn.send(reply)
         except Exception:  # the result does not pickle
             conn.send((False, traceback.format_exc()))
 
 
+def warm_checker() -> None:
+    """Build the type checker's op tables (seconds, once per process) so forked workers inherit them."""
+    with contextlib.redirect_stderr(io.StringIO()), typecheck(Mesh(rank=0, tp=[0]), mode="collect"):
+        torch.ones(2).add(1)
+
+
+def _user_traceback(exc: BaseException) -> str:
+    """The formatted traceback without the pool's own frames."""
+    report = traceback.TracebackException.from_exception(exc)
+    report.stack = traceback.StackSummary.from_list([f for f in report.stack if f.filename != __file__])
+    return "".join(report.format())
+
+
 class RankPool:
     """``world_size`` warm Gloo ranks; :meth:`run` runs a job on a layout's first ranks."""
 
     def __init__(self, world_size: int, timeout: float = 60.0, grace: float = 1.0,
-                 preload: Iterable[str] = ()) -> None:
+                 preload: Iterable[str] = (), checker: bool = True) -> None:
         for module in preload:
             importlib.import_module(module)
+        if checker:
+            warm_checker()
         self.world_size = world_size
         self.timeout = timeout
         self.grace = grace
         self._log_dir = tempfile.TemporaryDirectory(prefix="shardcheck-pool-")
         self._procs: list[mp.Process] = []
         self._conns: list[Connection] = []
+        self.gloo_avg_problems: list[str] = []
         atexit.register(self.close)
         self.start()
 
@@ -174,7 +189,10 @@ class RankPool:
             if not conn.poll(self.timeout):
                 self.close()
                 raise PoolFailure("hang", f"rank {rank} did not join the Gloo world in {self.timeout:.0f} s")
-            conn.recv()
+            self.gloo_avg_problems = conn.recv()[1]
+        if self.gloo_avg_problems:
+            warnings.warn("Gloo AVG reductions are wrong here (pytorch #162338): "
+                          + "; ".join(self.gloo_avg_problems) + ". Use SUM then divide.", stacklevel=2)
 
     def close(self) -> None:
         """Kill every worker and wait for it; the pool can be started again with :meth:`start`."""
@@ -207,9 +225,13 @@ class RankPool:
         if not self._procs:
             self.start()
         ranks = list(range(self.world_size))  # all of them create the layout's groups
-        for rank in ranks:
-            self._conns[rank].send((fn, layout, args))
-        results, errors, pending = self._collect(ranks, self.timeout if timeout is None else timeout)
+        try:
+            for rank in ranks:
+                self._conns[rank].send((fn, layout, args))
+            results, errors, pending = self._collect(ranks, self.timeout if timeout is None else timeout)
+        except BaseException:  # e.g. Ctrl-C: the workers are mid-job, so stop them
+            self.close()
+            raise
         logs = {r: collective_log.read(Path(self._log_dir.name) / f"rank{r}.log") for r in ranks}
         if pending or not all(p.is_alive() for p in self._procs):
             self.restart()
@@ -248,6 +270,6 @@ def _failure(desync: str | None, errors: dict[int, str], pending: list[int],
     lines += [f"rank {rank} raised:\n{tb.rstrip()}" for rank, tb in sorted(errors.items())]
     if pending:
         lines.append(f"hang: ranks {pending} did not finish within {timeout:g} s; the pool was restarted")
-    lines.append("last collective entered: " + "; ".join(
-        f"rank {r}: {what}{'' if r in pending else ' (returned)'}" for r, what in last.items()))
+    state = {r: "" if r in pending else " (raised)" if r in errors else " (finished)" for r in last}
+    lines.append("last collective entered: " + "; ".join(f"rank {r}: {what}{state[r]}" for r, what in last.items()))
     return PoolFailure(kind, "\n".join(lines), errors, last)

@@ -16,6 +16,7 @@ from functools import cached_property
 import torch
 import torch.distributed as dist
 
+from shardcheck import checker
 from shardcheck.layout import BASE_DIMS, GROUP_NAMES, Layout
 from shardcheck.types import Mesh, Placement, R, Shard, V
 from shardcheck.types import P as PARTIAL
@@ -86,6 +87,8 @@ class ScenarioContext:
             self.module_types[_join(prefix, name)] = dict(placements)
         for name, module in model.named_modules():
             module.register_forward_hook(self._recorder(_join(prefix, name) or type(model).__name__))
+        for param in model.parameters():  # nn.Parameter(ctx.shard(...)) is a new tensor to the checker
+            _annotate(param, self.declared_types(param) or {})
         return model
 
     def _recorder(self, name: str):
@@ -112,7 +115,9 @@ class ScenarioContext:
         """This rank's local piece of ``global_tensor`` laid out as ``placement`` on ``axis``.
 
         S(d): the rank's chunk along d; R or I: a copy; P: the value on the axis' first rank and
-        zeros elsewhere. The piece is declared with that placement and moved to ``ctx.device``.
+        zeros elsewhere. The piece is moved to ``ctx.device`` and declared (and annotated for an
+        active type checker) with that placement on ``axis`` and R, or the placements declared
+        for ``global_tensor``, on the other axes.
         """
         value = self._perturbed(global_tensor.detach())
         size, index = len(self.layout.group_ranks(axis, self.rank)), self.index(axis)
@@ -129,7 +134,9 @@ class ScenarioContext:
             local = value
         local = local.contiguous().clone().to(self.device)
         local.requires_grad_(global_tensor.requires_grad)
-        return self.declare(local, **{axis: placement})
+        placements = {**(self.declared_types(global_tensor) or dict.fromkeys(BASE_DIMS, R)), axis: placement}
+        _annotate(local, placements)
+        return self.declare(local, **placements)
 
     def perturb_inputs(self, epsilons: float, seed: int) -> None:
         """Make :meth:`shard` perturb each global tensor by up to ``epsilons`` machine epsilons
@@ -143,6 +150,13 @@ class ScenarioContext:
         relative = self.perturbation * torch.finfo(value.dtype).eps
         noise = torch.rand(value.shape, generator=self._noise, dtype=torch.float64) * 2 - 1
         return (value.double() * (1 + relative * noise)).to(value.dtype)
+
+
+def _annotate(tensor: torch.Tensor, placements: Mapping[str, Placement]) -> None:
+    """Tell an active type checker the placements of a tensor the scenario just sharded."""
+    active_checker = checker.current()
+    if active_checker is not None:
+        checker.annotate(tensor, **{a: p for a, p in placements.items() if a in active_checker.names})
 
 
 def _storage_key(tensor: torch.Tensor) -> tuple[int, tuple[int, ...]]:
@@ -177,6 +191,4 @@ def shard(global_tensor: torch.Tensor, placement: Placement, axis: str) -> torch
 
 def replicate(global_tensor: torch.Tensor) -> torch.Tensor:
     """A copy of a global tensor used whole by every rank (declared R on every axis)."""
-    ctx = current_context()
-    local = ctx.shard(global_tensor, R, "tp")
-    return ctx.declare(local, **dict.fromkeys(BASE_DIMS, R))
+    return current_context().shard(global_tensor, R, "tp")

@@ -26,3 +26,12 @@ def test_spawn_ranks_reports_the_failing_rank():
         spawn_ranks(_rank_one_raises, 2)
     assert info.value.rank == 1 and isinstance(info.value.error, ValueError)
     assert "boom on one" in info.value.traceback
+
+
+def _rank_tensor():
+    return torch.full((3,), float(dist.get_rank()))
+
+
+def test_spawn_ranks_returns_tensors_by_value():
+    first, second = spawn_ranks(_rank_tensor, 2)
+    assert torch.equal(first, torch.zeros(3)) and torch.equal(second, torch.ones(3))

@@ -1,0 +1,438 @@
+"""Typing rules for shape ops: views, slicing by rank, cat/stack, indexing, copies.
+
+Part of the rule table (see shardcheck.rules for the rule protocol).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from shardcheck.rules import (
+    ADD,
+    BlockShard,
+    Gathered,
+    Pl,
+    RankChunk,
+    Typed,
+    Violation,
+    arg,
+    as_pieces,
+    elementwise,
+    is_partial,
+    is_tensor,
+    join,
+    norm_dim,
+    outer_of,
+    reduced_dims,
+    replicated,
+    shift_shards,
+)
+from shardcheck.types import Placement, R, S, Shard, V
+
+
+def prod(xs) -> int:
+    n = 1
+    for x in xs:
+        n *= x
+    return n
+
+
+def view_shard(in_shape, out_shape, p: Shard) -> Shard | None:
+    """Where a shard lands after a reshape, or None when it cannot be said.
+
+    The ranks' pieces start at a flat offset ``pre`` (the product of the dims before the
+    sharded one, times its blocks). An output dim starting exactly there is sharded plainly;
+    one that ``pre`` falls inside holds the pieces in blocks (a merge with an inner shard).
+    """
+    d, outer = norm_dim(p.dim, len(in_shape)), outer_of(p)
+    pre = prod(in_shape[:d]) * outer
+    inner = in_shape[d] // outer
+    piece = inner * prod(in_shape[d + 1:])
+    start, candidates = 1, []
+    for j, size in enumerate(out_shape):
+        if start == pre:
+            candidates.append(j)
+        elif start < pre < start * size:
+            if candidates or pre % start or piece % prod(out_shape[j + 1:]):
+                break
+            return BlockShard(j, pre // start)
+        start *= size
+    if not candidates:
+        return None
+    return S(next((j for j in candidates if out_shape[j] == inner),
+                  next((j for j in candidates if out_shape[j] > 1), candidates[0])))
+
+
+def _view_rule(ctx, args, kwargs, out):
+    x = args[0]
+    pl = ctx.types(x)
+    if pl is None:
+        return None
+    in_shape, out_shape = x.shape, out.shape
+    if in_shape == out_shape:
+        return pl
+    return tuple(view_shard(in_shape, out_shape, p) if isinstance(p, Shard)
+                 else (None if isinstance(p, Gathered) else p) for p in pl)
+
+
+def _permute_rule(ctx, args, kwargs, out):
+    x = args[0]
+    pl = ctx.types(x)
+    if pl is None:
+        return None
+    ndim = x.dim()
+    order = [norm_dim(d, ndim) for d in args[1]]
+    return shift_shards(pl, lambda d: order.index(norm_dim(d, ndim)))
+
+
+def _transpose_rule(ctx, args, kwargs, out):
+    x = args[0]
+    pl = ctx.types(x)
+    if pl is None:
+        return None
+    ndim = x.dim()
+    if len(args) < 3:  # t()
+        d0, d1 = 0, max(ndim - 1, 0)
+    else:
+        d0, d1 = norm_dim(args[1], ndim), norm_dim(args[2], ndim)
+    swap = {d0: d1, d1: d0}
+    return shift_shards(pl, lambda d: swap.get(norm_dim(d, ndim), norm_dim(d, ndim)))
+
+
+def _unsqueeze_rule(ctx, args, kwargs, out):
+    x = args[0]
+    pl = ctx.types(x)
+    if pl is None:
+        return None
+    new = norm_dim(args[1], x.dim() + 1)
+    return shift_shards(pl, lambda d: norm_dim(d, x.dim()) + (norm_dim(d, x.dim()) >= new))
+
+
+def _squeeze_rule(ctx, args, kwargs, out):
+    x = args[0]
+    pl = ctx.types(x)
+    if pl is None:
+        return None
+    ndim = x.dim()
+    dims = args[1] if len(args) > 1 else range(ndim)
+    dims = [dims] if isinstance(dims, int) else dims
+    gone = {norm_dim(d, ndim) for d in dims if x.shape[norm_dim(d, ndim)] == 1}
+
+    def moved(d: int) -> int | None:
+        d = norm_dim(d, ndim)
+        return None if d in gone else d - sum(1 for g in gone if g < d)
+    return shift_shards(pl, moved)
+
+
+def _expand_rule(ctx, args, kwargs, out):
+    x = args[0]
+    pl = ctx.types(x)
+    if pl is None:
+        return None
+    lead = out.dim() - x.dim()
+    return shift_shards(pl, lambda d: norm_dim(d, x.dim()) + lead)
+
+
+def _cut_along(ctx, pl: Pl, ndim: int, dim: int, pieces: list[tuple[int, int]], total: int,
+               by_rank_slice: bool = False) -> list[Pl]:
+    """Placements of each piece (start, length) cut from a tensor along ``dim``.
+
+    Cutting along a sharded dim gives V. The rank-slice heuristic: a piece of an R tensor
+    whose length is total / axis size and whose start is this rank's index on that axis
+    times the length is S(dim) on that axis (Megatron's scatter-to-region idiom). A slice
+    (``by_rank_slice``) of a V tensor matching the pattern is a "split of varying".
+    """
+    results = []
+    for start, length in pieces:
+        by_rank = rank_piece(ctx, pl, dim, total, start, length, by_rank_slice)
+        per_axis = []
+        for a, p in enumerate(pl):
+            if a in by_rank:
+                per_axis.append(by_rank[a])
+            elif isinstance(p, Shard) and norm_dim(p.dim, ndim) == dim:
+                per_axis.append(V)
+            elif isinstance(p, Gathered):
+                per_axis.append(R if dim == 0 else None)
+            else:
+                per_axis.append(p)
+        results.append(tuple(per_axis))
+    return results
+
+
+def rank_chunks(total: int, parts: int, index: int) -> set[tuple[int, int]]:
+    """(start, length) of piece ``index`` when ``total`` is cut into ``parts`` by rank.
+
+    Equal pieces, ``tensor_split`` (the first ``total % parts`` pieces one longer) and
+    ``chunk`` (pieces of ``ceil(total / parts)``, the last one shorter) all count.
+    """
+    base, extra = divmod(total, parts)
+    by_tensor_split = (index * base + min(index, extra), base + (index < extra))
+    ceil = -(-total // parts)
+    by_chunk = (index * ceil, max(0, min(ceil, total - index * ceil)))
+    return {by_tensor_split, by_chunk}
+
+
+def rank_piece(ctx, pl: Pl, dim: int, total: int, start: int, length: int,
+               check_varying: bool) -> dict[int, Placement | None]:
+    """Axes on which the piece [start, start+length) is this rank's chunk of ``total``."""
+    def matches(a: int) -> bool:
+        size = ctx.sizes[a]
+        return size > 1 and (start, length) in rank_chunks(total, size, ctx.index[a])
+    by_rank = [a for a, p in enumerate(pl) if replicated(p) and matches(a)]
+    if len(by_rank) == 1:
+        return {by_rank[0]: S(dim) if check_varying else RankChunk(dim)}
+    if by_rank:  # ambiguous: several axes have the same size and index here
+        return dict.fromkeys(by_rank)
+    if check_varying:
+        for a, p in enumerate(pl):
+            if p is V and matches(a):
+                raise Violation("split of varying", a)
+    return {}
+
+
+def _slice_rule(ctx, args, kwargs, out):
+    x = args[0]
+    pl = ctx.types(x)
+    if pl is None:
+        return None
+    ndim = x.dim()
+    dim = norm_dim(arg(args, kwargs, 1, "dim", 0), ndim)
+    size = x.shape[dim]
+    start = arg(args, kwargs, 2, "start", 0) or 0
+    step = arg(args, kwargs, 4, "step", 1)
+    start = max(0, min(size, norm_dim(start, size)))
+    length = out.shape[dim]
+    if step != 1:
+        start = -1  # a strided slice is no rank's chunk
+    return _cut_along(ctx, pl, ndim, dim, [(start, length)], size, by_rank_slice=True)[0]
+
+
+def _select_rule(ctx, args, kwargs, out):
+    x = args[0]
+    pl = ctx.types(x)
+    if pl is None:
+        return None
+    ndim = x.dim()
+    dim = norm_dim(args[1], ndim)
+    index = norm_dim(args[2], x.shape[dim])
+    (piece,) = _cut_along(ctx, pl, ndim, dim, [(index, 1)], x.shape[dim], by_rank_slice=True)
+    return shift_shards(piece, lambda d: None if d == dim else d - (d > dim))
+
+
+def _split_rule(ctx, args, kwargs, out):
+    x = args[0]
+    pl = ctx.types(x)
+    if pl is None:
+        return None
+    ndim = x.dim()
+    dim = norm_dim(arg(args, kwargs, 2, "dim", 0), ndim)
+    pieces, start = [], 0
+    for t in out:
+        pieces.append((start, t.shape[dim]))
+        start += t.shape[dim]
+    return _cut_along(ctx, pl, ndim, dim, pieces, x.shape[dim])
+
+
+def _unbind_rule(ctx, args, kwargs, out):
+    x = args[0]
+    pl = ctx.types(x)
+    if pl is None:
+        return None
+    ndim = x.dim()
+    dim = norm_dim(arg(args, kwargs, 1, "dim", 0), ndim)
+    pieces = _cut_along(ctx, pl, ndim, dim, [(k, 1) for k in range(len(out))], len(out))
+    return [shift_shards(p, lambda d: None if d == dim else d - (d > dim)) for p in pieces]
+
+
+def _pieces(ctx, tensors) -> list:
+    """Operands put back together: rank chunks read as R when other pieces are there."""
+    if len(tensors) < 2:
+        return [(t, ADD) for t in tensors]
+    items = []
+    for t in tensors:
+        pl = ctx.types(t)
+        items.append((Typed(as_pieces(pl), tuple(t.shape)) if pl is not None else t, ADD))
+    return items
+
+
+def _cat_rule(ctx, args, kwargs, out):
+    tensors = [t for t in args[0] if t.numel() > 0 or t.dim() > 1]
+    if not tensors:
+        return None
+    ndim = out.dim()
+    dim = norm_dim(arg(args, kwargs, 1, "dim", 0), ndim)
+    pl = elementwise(ctx, _pieces(ctx, tensors))
+    if pl is None:
+        return None
+    return tuple(V if isinstance(p, Shard) and p.dim == dim and len(tensors) > 1 else p
+                 for p in pl)
+
+
+def _stack_rule(ctx, args, kwargs, out):
+    ndim = out.dim()
+    dim = norm_dim(arg(args, kwargs, 1, "dim", 0), ndim)
+    pl = elementwise(ctx, _pieces(ctx, args[0]))
+    if pl is None:
+        return None
+    return shift_shards(pl, lambda d: d + (d >= dim))
+
+
+def _along_dim_rule(self_pos: int, dim_pos: int, index_pos: int) -> Callable:
+    """index_select / gather / scatter: typed when the indexed dim is not sharded."""
+    def rule(ctx, args, kwargs, out):
+        x = args[self_pos]
+        pl = ctx.types(x)
+        il = ctx.types(args[index_pos])
+        if pl is None or il is None:
+            return None
+        dim = norm_dim(args[dim_pos], x.dim())
+        result = []
+        for a, (p, i) in enumerate(zip(pl, il, strict=True)):
+            if p is None or i is None or isinstance(p, Gathered):
+                result.append(None)
+            elif is_partial(i):
+                raise Violation("non-linear on partial", a)
+            elif isinstance(p, Shard) and norm_dim(p.dim, x.dim()) == dim:
+                result.append(V)
+            elif i is V:
+                result.append(V)
+            else:
+                result.append(p)
+        return tuple(result)
+    return rule
+
+
+def _scatter_rule(ctx, args, kwargs, out):
+    base = _along_dim_rule(0, 1, 2)(ctx, args, kwargs, out)
+    src = args[3] if len(args) > 3 else kwargs.get("src", kwargs.get("value"))
+    if base is None or not is_tensor(src):
+        return base
+    return join(base, ctx.types(src))
+
+
+def _index_rule(ctx, args, kwargs, out):
+    """x[i0, i1, ...] with index tensors: indexing a sharded dim gives V (each rank picks from
+    its own shard); a shard after a leading block of indexed dims moves with the block."""
+    x, indices = args[0], list(args[1])
+    pl = ctx.types(x)
+    if pl is None:
+        return None
+    picked = [k for k, idx in enumerate(indices) if idx is not None]
+    index_pls = [ctx.types(indices[k]) for k in picked]
+    if any(p is None for p in index_pls):
+        return None
+    index_ndim = out.dim() - (x.dim() - len(picked))
+    leading = picked == list(range(len(picked)))
+    result = []
+    for a, p in enumerate(pl):
+        index_axis = [ip[a] for ip in index_pls]
+        if p is None or isinstance(p, Gathered) or any(i is None for i in index_axis):
+            result.append(None)
+        elif any(is_partial(i) for i in index_axis):
+            raise Violation("non-linear on partial", a)
+        elif isinstance(p, Shard) and norm_dim(p.dim, x.dim()) in picked:
+            result.append(V)
+        elif isinstance(p, Shard):
+            d = norm_dim(p.dim, x.dim())
+            result.append(S(d - len(picked) + index_ndim) if leading else None)
+        elif V in index_axis or any(isinstance(i, Shard) for i in index_axis):
+            result.append(V if not is_partial(p) else None)
+        else:
+            result.append(p)
+    return tuple(result)
+
+
+def _index_put_rule(ctx, args, kwargs, out):
+    """x[idx] = values: a shard stays a shard (each rank writes its own elements); otherwise
+    the stored values must have x's placement (zeros fit a partial)."""
+    xl, values = ctx.types(args[0]), args[2]
+    if xl is None:
+        return None
+    vl = ctx.types(values)
+    if vl is None:
+        if values.dim() != 0:
+            return None
+        zero = values.item() == 0
+        return tuple(None if is_partial(p) and not zero else p for p in xl)
+    result = []
+    for p, v in zip(xl, vl, strict=True):
+        if (isinstance(p, Shard) or p is V) and not is_partial(v):
+            result.append(p)
+        elif p == v or (ctx.zero(values) and is_partial(p)):
+            result.append(p)
+        elif replicated(p) and v is V:
+            result.append(V)
+        else:
+            result.append(None)
+    return tuple(result)
+
+
+def _as_strided_rule(ctx, args, kwargs, out):
+    """as_strided: typed only when it reproduces its input's layout (autograd does that)."""
+    x = args[0]
+    same = out.shape == x.shape and out.stride() == x.stride()
+    return ctx.types(x) if same else None
+
+
+def _copy_rule(ctx, args, kwargs, out):
+    dst, src = args[0], args[1]
+    pl = ctx.types(src)
+    if pl is None:
+        return None
+    lead = dst.dim() - src.dim()
+    return shift_shards(pl, lambda d: norm_dim(d, src.dim()) + lead)
+
+
+def _fill_rule(ctx, args, kwargs, out):
+    value = args[1]
+    if is_tensor(value):
+        return ctx.types(value)
+    return (R,) * ctx.n
+
+
+def _flip_like(dims_pos: int) -> Callable:
+    """flip/roll/repeat: reordering or repeating a sharded dim loses its meaning (V)."""
+    def rule(ctx, args, kwargs, out):
+        x = args[0]
+        pl = ctx.types(x)
+        if pl is None:
+            return None
+        dims = arg(args, kwargs, dims_pos, "dims", None)
+        touched = reduced_dims(dims, x.dim())
+        return tuple(V if isinstance(p, Shard) and norm_dim(p.dim, x.dim()) in touched else p
+                     for p in pl)
+    return rule
+
+
+def _repeat_rule(ctx, args, kwargs, out):
+    x = args[0]
+    pl = ctx.types(x)
+    if pl is None:
+        return None
+    reps = list(args[1])
+    lead = len(reps) - x.dim()
+    result = []
+    for p in pl:
+        if isinstance(p, Shard):
+            d = norm_dim(p.dim, x.dim()) + lead
+            result.append(V if reps[d] != 1 else S(d))
+        else:
+            result.append(None if isinstance(p, Gathered) else p)
+    return tuple(result)
+
+
+RULES: dict[str, Callable] = {
+    "view": _view_rule, "_unsafe_view": _view_rule, "reshape": _view_rule,
+    "_reshape_alias": _view_rule,
+    "permute": _permute_rule, "transpose": _transpose_rule, "t": _transpose_rule,
+    "unsqueeze": _unsqueeze_rule, "squeeze": _squeeze_rule, "expand": _expand_rule,
+    "slice": _slice_rule, "select": _select_rule, "split": _split_rule,
+    "split_with_sizes": _split_rule, "unbind": _unbind_rule,
+    "cat": _cat_rule, "stack": _stack_rule,
+    "index_select": _along_dim_rule(0, 1, 2), "gather": _along_dim_rule(0, 1, 2),
+    "scatter": _scatter_rule, "scatter_add": _scatter_rule,
+    "index": _index_rule, "index_put": _index_put_rule,
+    "flip": _flip_like(1), "roll": _flip_like(2), "repeat": _repeat_rule,
+    "as_strided": _as_strided_rule, "fill": _fill_rule, "copy": _copy_rule,
+}
+"""Shape-op rules per op base name."""

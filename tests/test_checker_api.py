@@ -1,0 +1,154 @@
+"""The public API: annotate/typeof/assert_type, messages, collect mode, coverage, contracts,
+user rules, and typed backward passes (one process, no process group)."""
+
+import inspect
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import shardcheck as sc
+
+MESH = sc.Mesh(rank=0, tp=[0, 1], dp=[0, 2])
+R, P, V, S = sc.R, sc.P, sc.V, sc.S
+
+
+def test_annotate_typeof_and_assert_type():
+    with sc.typecheck(MESH):
+        x = sc.annotate(torch.randn(4, 8), tp=R, dp="V")
+        w = sc.annotate(torch.randn(6, 8), tp="S(0)", dp=R)
+        y = F.linear(x, w)
+        assert sc.typeof(y) == {"tp": S(1), "dp": V}
+        sc.assert_type(y, tp=S(-1), dp=V)
+        with pytest.raises(sc.SpmdTypeError) as info:
+            sc.assert_type(y, tp=R)
+        assert info.value.rule == "assertion"
+        assert str(info.value).startswith(f"checker: assertion at {__file__}:")
+        assert sc.typeof(torch.randn(2)) == {"tp": V, "dp": V}
+        assert sc.typeof(torch.randn(2)._neg_view()) == {}  # no rule: unknown
+
+
+def test_annotate_rejects_unknown_axes_and_bad_placements():
+    with sc.typecheck(MESH):
+        with pytest.raises(ValueError, match="unknown axes"):
+            sc.annotate(torch.ones(2), cp=R)
+        with pytest.raises(ValueError, match="unknown placement"):
+            sc.annotate(torch.ones(2), tp="Q")
+    with pytest.raises(RuntimeError, match="inside `with sc.typecheck"):
+        sc.annotate(torch.ones(2), tp=R)
+
+
+def test_violation_message_names_user_line_rule_operands_and_fix():
+    with sc.typecheck(MESH):
+        y = sc.annotate(torch.randn(4, 8), tp=P, dp=V)
+        line = inspect.currentframe().f_lineno + 2
+        with pytest.raises(sc.SpmdTypeError) as info:
+            F.gelu(y)
+    lines = str(info.value).splitlines()
+    assert lines[0] == (f"checker: non-linear on partial at {__file__}:{line} "
+                        "in aten.gelu.default: {tp:P, dp:V}")
+    assert lines[1] == "  operand 0: {tp:P, dp:V} shape (4, 8)"
+    assert lines[2] == "  axis: tp (ranks [0, 1])"
+    assert lines[-1] == "  fix: all_reduce over tp before gelu"
+    assert info.value.location == f"{__file__}:{line}" and isinstance(info.value, RuntimeError)
+
+
+def test_collect_mode_dedups_and_prints_a_summary(capsys):
+    with sc.typecheck(MESH, mode="collect"):
+        for _ in range(3):
+            y = F.relu(sc.annotate(torch.randn(3), tp=P))  # same line, same rule: once
+        z = sc.annotate(torch.randn(3), tp=P) * sc.annotate(torch.randn(3), tp=P)
+    assert [r.rule for r in sc.violations()] == ["non-linear on partial", "partial product"]
+    assert sc.typeof.__name__ and y is not None and z is not None
+    err = capsys.readouterr().err
+    assert "shardcheck: 2 SPMD type violation(s)" in err
+    assert err.count("checker: non-linear on partial at") == 1
+
+
+def test_coverage_counts_typed_and_unknown_calls():
+    with sc.typecheck(MESH):
+        x = sc.annotate(torch.randn(3), tp=R)
+        for _ in range(3):
+            assert sc.typeof(x * 2) and not sc.typeof(x._neg_view())
+    cov = sc.coverage()
+    assert cov.typed >= 4 and cov.unknown == 3
+    assert cov.top_unknown[0] == ("aten._neg_view.default", 3)
+    assert str(cov).startswith("typed 4 of 7 op calls (57.1%)")
+
+
+def test_contract_checks_arguments_and_types_the_result():
+    @sc.contract(args={0: {"tp": S(-1)}}, returns={"tp": R})
+    def vocab_parallel_loss(logits):
+        return logits.exp().sum()  # a non-linear reduction the contract vouches for
+
+    with sc.typecheck(MESH):
+        loss = vocab_parallel_loss(sc.annotate(torch.randn(4, 6), tp=S(1)))
+        assert sc.typeof(loss) == {"tp": R}
+        with pytest.raises(sc.SpmdTypeError) as info:
+            vocab_parallel_loss(sc.annotate(torch.randn(4, 6), tp=P))
+        assert info.value.rule == "contract"
+    assert vocab_parallel_loss.__wrapped__(torch.ones(1, 1)) == torch.e
+
+
+def test_register_rule_types_an_op():
+    op = torch.ops.aten._neg_view.default
+    sc.register_rule(op, lambda ctx, args, kwargs, out: ctx.types(args[0]))
+    try:
+        with sc.typecheck(MESH):
+            x = sc.annotate(torch.randn(3), tp=S(0))
+            assert sc.typeof(x._neg_view()) == {"tp": S(0), "dp": V}
+    finally:
+        from shardcheck.checker import _USER_RULES
+        del _USER_RULES[op]
+
+
+def test_backward_kernels_type_the_gradients():
+    """Column- then row-parallel linear: weight grads keep their shards, the input's is P."""
+    with sc.typecheck(MESH):
+        x = sc.annotate(torch.randn(4, 8, requires_grad=True), tp=R, dp=V)
+        w1 = sc.annotate(torch.randn(6, 8, requires_grad=True), tp=S(0), dp=R)
+        w2 = sc.annotate(torch.randn(8, 6, requires_grad=True), tp=S(1), dp=R)
+        F.linear(F.gelu(F.linear(x, w1)), w2).sum().backward()
+        assert sc.typeof(w1.grad)["tp"] == S(0) and sc.typeof(w2.grad)["tp"] == S(1)
+        assert sc.typeof(x.grad) == {"tp": P, "dp": V}
+
+
+def test_layer_norm_weight_gradient_under_sequence_parallelism_is_partial():
+    with sc.typecheck(MESH):
+        x = sc.annotate(torch.randn(4, 8, requires_grad=True), tp=S(0), dp=V)
+        weight = sc.annotate(torch.ones(8, requires_grad=True), tp=R, dp=R)
+        F.layer_norm(x, (8,), weight).sum().backward()
+        assert sc.typeof(weight.grad) == {"tp": P, "dp": V}
+        assert sc.typeof(x.grad)["tp"] == S(0)
+
+
+def _megatron_style_attention(x, w_qkv, w_proj, heads: int):
+    """Megatron's core attention shapes: [s, b, h] -> heads -> [b*np, s, s] scores -> back."""
+    s, b, _ = x.shape
+    qkv = F.linear(x, w_qkv).view(s, b, heads, -1)
+    q, k, v = torch.split(qkv, qkv.shape[-1] // 3, dim=3)
+    hn = q.shape[-1]
+    q, k = q.reshape(s, b * heads, hn), k.reshape(s, b * heads, hn)
+    buffer = torch.empty(b * heads, s, s)
+    scores = torch.baddbmm(buffer, q.transpose(0, 1), k.transpose(0, 1).transpose(1, 2),
+                           beta=0.0, alpha=hn**-0.5).view(b, heads, s, s)
+    mask = torch.ones(s, s, dtype=torch.bool).triu(1)
+    probs = F.dropout(scores.masked_fill(mask, -10000.0).softmax(-1), 0.1, True)
+    v = v.reshape(s, b * heads, hn).transpose(0, 1)
+    context = torch.bmm(probs.view(b * heads, s, s), v).view(b, heads, s, hn)
+    context = context.permute(2, 0, 1, 3).contiguous().view(s, b, heads * hn)
+    return F.linear(context, w_proj)
+
+
+def test_megatron_style_attention_types_end_to_end():
+    """Heads split over tp: the block-sharded [b*np] dim flows through baddbmm and bmm."""
+    with sc.typecheck(sc.Mesh(rank=0, tp=[0, 1])):
+        x = sc.annotate(torch.randn(5, 2, 8, requires_grad=True), tp=R)
+        w_qkv = sc.annotate(torch.randn(12, 8, requires_grad=True), tp=S(0))  # 2 local heads
+        w_proj = sc.annotate(torch.randn(8, 4, requires_grad=True), tp=S(1))
+        out = _megatron_style_attention(x, w_qkv, w_proj, heads=2)
+        assert sc.typeof(out) == {"tp": P}
+        out.sum().backward()
+        assert sc.typeof(w_qkv.grad) == {"tp": S(0)} and sc.typeof(w_proj.grad) == {"tp": S(1)}
+        assert sc.typeof(x.grad) == {"tp": P}
+    assert sc.coverage().unknown == 0, sc.coverage()
