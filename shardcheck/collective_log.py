@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
 
 COLLECTIVES = (
     "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "reduce_scatter",
@@ -94,11 +95,17 @@ def _logged(op: str, original):
 
 
 def install() -> None:
-    """Wrap the torch.distributed collectives of this process so they are logged."""
+    """Wrap the torch.distributed collectives of this process so they are logged.
+
+    ``isend``/``irecv`` are also replaced where ``P2POp`` looks them up, since it accepts only
+    those exact functions (Megatron's pipeline schedules build P2POps from ``dist.isend``).
+    """
     for op in COLLECTIVES:
         original = getattr(dist, op, None)
         if original is not None and not hasattr(original, "__shardcheck_original__"):
             setattr(dist, op, _logged(op, original))
+            if op in ("isend", "irecv"):
+                setattr(distributed_c10d, op, getattr(dist, op))
 
 
 def read(path: Path) -> list[Call]:

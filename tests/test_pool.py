@@ -74,6 +74,21 @@ def test_pool_runs_many_layouts_on_sub_groups_of_one_world(pool):
     assert pool.pids == pids, "the warm workers were reused"
 
 
+def _pipeline_exchange(ctx):
+    """Send this stage's rank to the other pipeline stage with P2POps, as Megatron's schedules do."""
+    ranks = ctx.layout.partition("pp")[0]
+    other = ranks[1 - ranks.index(ctx.rank)]
+    out, received = torch.tensor([float(ctx.rank)]), torch.zeros(1)
+    ops = [dist.P2POp(dist.isend, out, other), dist.P2POp(dist.irecv, received, other)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    return received.item()
+
+
+def test_point_to_point_ops_accept_the_logged_isend_and_irecv(pool):
+    assert pool.run("pp2", _pipeline_exchange) == [1.0, 0.0]
+
+
 def test_a_warm_run_takes_milliseconds(pool):
     pool.run("tp2", _tp_sum, 1.0)
     start = time.perf_counter()
