@@ -145,7 +145,9 @@ class ScriptRun:
         return 1 if self.checker_lines else 2 if self.failed else 0
 
     def report(self) -> str:
-        lines = [f"{line}  [ranks {', '.join(map(str, ranks))}]" for line, ranks in self.checker_lines.items()]
+        here = os.getcwd() + os.sep  # paths under the working directory read better relative
+        lines = [f"{line.replace(f' at {here}', ' at ')}  [ranks {', '.join(map(str, ranks))}]"
+                 for line, ranks in self.checker_lines.items()]
         if not lines:
             for rank in self.failed:
                 what = f"hung: killed after {self.timeout:g} s" if rank.returncode is None else (
