@@ -1,0 +1,198 @@
+"""Run megatron-core on a CPU: the few patches it needs, applied once per rank.
+
+megatron-core assumes CUDA in a handful of places that have nothing to do with the numbers it
+computes. Each patch below replaces one such place with its CPU equivalent and nothing else:
+
+1. ``rng``: Megatron's CUDA RNG tracker (``_get_cuda_rng_state``/``_set_cuda_rng_state``) and
+   ``torch.cuda.get_rng_state``/``set_rng_state``/``manual_seed`` act on the CPU generator, so the
+   tracker forks and restores the generator CPU ops actually draw from.
+2. ``current_device``: ``torch.cuda.current_device()`` returns ``"cpu"``, the device Megatron's
+   buffers are then allocated on.
+3. ``torch_norm_sp``: ``WrappedTorchNorm`` refuses ``sequence_parallel``. It is built from a copy
+   of the config with sequence parallelism off, then its parameters are marked
+   ``sequence_parallel=True``, as Megatron's own fused norms do, so their gradients are
+   all-reduced over tensor parallelism by ``finalize_model_grads``.
+4. ``device_mode``: a small TorchFunctionMode rewrites ``device="cuda"``, ``.cuda()``,
+   ``.to("cuda")`` and ``pin_memory`` to CPU, for the hard-coded ones; ``tensor.type()`` with
+   no argument reports the CUDA type name (``torch.cuda.FloatTensor``), which gradient clipping
+   asserts.
+5. ``synchronize``: ``torch.cuda.synchronize()`` (and stream waits) are no-ops: CPU ops are
+   synchronous. Pipeline send/recv calls it.
+6. ``streams``: ``torch.cuda.current_stream()``/``default_stream()`` return a CPU stand-in, for the
+   distributed optimizer and DDP bucket code that only records or waits on them.
+
+7. ``te_gemm_name``: ``moe_utils.te_general_gemm`` is only defined when Transformer Engine imports,
+   yet the router's gating linear tests it for ``None``; without TE it is set to ``None``, which
+   selects Megatron's own torch matmul path.
+
+``apply_cpu_patches()`` applies all of them (idempotent) and ``remove_cpu_patches()`` restores
+every original.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_CPU = torch.device("cpu")
+_originals: list[tuple[Any, str, Any]] = []
+_mode: TorchFunctionMode | None = None
+_MISSING = object()
+
+
+def _is_cuda(device: Any) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+class CudaToCpuMode(TorchFunctionMode):
+    """Send every tensor that code asks to put on CUDA to the CPU instead."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func in (torch.Tensor.cuda, torch.Tensor.pin_memory):
+            return args[0]
+        if func is torch.Tensor.is_pinned:
+            return False
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            return func(*args).replace("torch.", "torch.cuda.", 1)
+        if _is_cuda(kwargs.get("device")):
+            kwargs["device"] = _CPU
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
+            args = (args[0], _CPU, *args[2:])
+        return func(*args, **kwargs)
+
+
+class _CpuStream:
+    """What Megatron needs of a CUDA stream on a CPU: nothing to wait for."""
+
+    def wait_stream(self, _other: Any) -> None:
+        """CPU ops are synchronous."""
+
+    def wait_event(self, _event: Any) -> None:
+        """CPU ops are synchronous."""
+
+    def synchronize(self) -> None:
+        """CPU ops are synchronous."""
+
+    def record_event(self, _event: Any = None) -> None:
+        """Nothing to record."""
+
+    def __enter__(self) -> _CpuStream:
+        return self
+
+    def __exit__(self, *_exc: Any) -> None:
+        return None
+
+
+def _set(owner: Any, name: str, value: Any) -> None:
+    _originals.append((owner, name, getattr(owner, name)))
+    setattr(owner, name, value)
+
+
+def _cpu_get_rng_state(*_args: Any, **_kwargs: Any) -> torch.Tensor:
+    return torch.get_rng_state()
+
+
+def _cpu_set_rng_state(state: torch.Tensor, *_args: Any, **_kwargs: Any) -> None:
+    torch.set_rng_state(state)
+
+
+def _cpu_manual_seed(seed: int) -> None:
+    torch.default_generator.manual_seed(seed)
+
+
+def _patch_rng() -> None:
+    from megatron.core.tensor_parallel import random as mrandom
+
+    _set(mrandom, "_get_cuda_rng_state", _cpu_get_rng_state)
+    _set(mrandom, "_set_cuda_rng_state", _cpu_set_rng_state)
+    _set(torch.cuda, "get_rng_state", _cpu_get_rng_state)
+    _set(torch.cuda, "set_rng_state", _cpu_set_rng_state)
+    _set(torch.cuda, "manual_seed", _cpu_manual_seed)
+
+
+def _patch_current_device() -> None:
+    _set(torch.cuda, "current_device", lambda: "cpu")
+
+
+def _norm_with_sequence_parallel(original_new: Callable[..., Any]) -> Callable[..., Any]:
+    def build(cls, config, hidden_size, *args, **kwargs):
+        if not config.sequence_parallel:
+            return original_new(cls, config, hidden_size, *args, **kwargs)
+        plain = copy.copy(config)
+        plain.sequence_parallel = False
+        norm = original_new(cls, plain, hidden_size, *args, **kwargs)
+        for param in norm.parameters():
+            param.sequence_parallel = True
+        return norm
+
+    return build
+
+
+def _patch_torch_norm() -> None:
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    _set(WrappedTorchNorm, "__new__", _norm_with_sequence_parallel(WrappedTorchNorm.__new__))
+
+
+def _patch_synchronize() -> None:
+    _set(torch.cuda, "synchronize", lambda *_a, **_k: None)
+
+
+def _patch_streams() -> None:
+    stream = _CpuStream()
+    _set(torch.cuda, "current_stream", lambda *_a, **_k: stream)
+    _set(torch.cuda, "default_stream", lambda *_a, **_k: stream)
+
+
+def _patch_te_gemm_name() -> None:
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        _originals.append((moe_utils, "te_general_gemm", _MISSING))
+        moe_utils.te_general_gemm = None
+
+
+def apply_cpu_patches() -> None:
+    """Make megatron-core run on the CPU of this process; a second call does nothing."""
+    global _mode
+    if _mode is not None:
+        return
+    _patch_rng()
+    _patch_current_device()
+    _patch_torch_norm()
+    _patch_synchronize()
+    _patch_streams()
+    _patch_te_gemm_name()
+    _mode = CudaToCpuMode()
+    _mode.__enter__()
+
+
+def remove_cpu_patches() -> None:
+    """Undo :func:`apply_cpu_patches`, restoring every original."""
+    global _mode
+    if _mode is None:
+        return
+    _mode.__exit__(None, None, None)
+    _mode = None
+    while _originals:
+        owner, name, value = _originals.pop()
+        if value is _MISSING:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, value)
+
+
+def cpu_patches_active() -> bool:
+    """Whether :func:`apply_cpu_patches` is in effect in this process."""
+    return _mode is not None

@@ -1,0 +1,171 @@
+"""Global weights and gradients of a Megatron model, from its own ``sharded_state_dict`` metadata.
+
+Megatron describes where each local parameter sits in its global tensor (key, global shape,
+offset, prepended layer axes; GLU ``fc1`` through a factory that splits it in two). We use
+that description both ways:
+
+- :func:`load_global_weights` fills every local parameter from global tensors that depend only
+  on the key, so a sharded model and the one-rank reference start from the same global weights
+  whatever the layout (fused QKV, GLU ``fc1`` and pipeline stages included);
+- :func:`gather_global` rebuilds global tensors (gradients, updated weights) from every rank's
+  local pieces, and measures how far replicas of the same piece disagree.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+Builder = Callable[[torch.Tensor], list[ShardedTensor]]
+
+
+@dataclass(frozen=True)
+class ParamShards:
+    """One parameter and how to cut any tensor of its shape into its global pieces."""
+
+    name: str
+    param: torch.nn.Parameter
+    build: Builder
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A local piece of a global tensor: where it goes, and its values."""
+
+    key: str
+    global_shape: tuple[int, ...]
+    index: tuple
+    value: torch.Tensor
+
+
+def _leaves(tree) -> Iterator:
+    if isinstance(tree, dict):
+        for value in tree.values():
+            yield from _leaves(tree=value)
+    elif isinstance(tree, list | tuple):
+        for value in tree:
+            yield from _leaves(value)
+    else:
+        yield tree
+
+
+def _builder(leaf) -> Builder | None:
+    if isinstance(leaf, ShardedTensorFactory):
+        return lambda t: list(_leaves(leaf.build_fn(leaf.key, t, leaf.replica_id, None)))
+    if isinstance(leaf, ShardedTensor) and leaf.flattened_range is None:
+        return lambda t: [replace(leaf, data=t)]
+    return None
+
+
+def param_shards(model: torch.nn.Module) -> list[ParamShards]:
+    """Every parameter of ``model`` with its sharded-state-dict builder, in parameter order."""
+    by_storage = {(p.data_ptr(), tuple(p.shape)): (n, p) for n, p in model.named_parameters()}
+    found: dict[str, ParamShards] = {}
+    from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
+
+    for leaf in _leaves(model.sharded_state_dict(metadata=ensure_metadata_has_dp_cp_group(None))):
+        data = getattr(leaf, "data", None)
+        build = _builder(leaf)
+        if data is None or build is None:
+            continue
+        hit = by_storage.get((data.data_ptr(), tuple(data.shape)))
+        if hit is not None:
+            found.setdefault(hit[0], ParamShards(hit[0], hit[1], build))
+    missing = [n for n, _ in model.named_parameters() if n not in found]
+    if missing:
+        raise ValueError(f"parameters without sharded_state_dict metadata: {missing}")
+    return [found[n] for n, _ in model.named_parameters()]
+
+
+def _index(piece: ShardedTensor) -> tuple:
+    prepend = piece.prepend_axis_num
+    offsets = piece.global_offset
+    return tuple(offsets[:prepend]) + tuple(
+        slice(o, o + n) for o, n in zip(offsets[prepend:], piece.local_shape, strict=True))
+
+
+def seeded_global(key: str, shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
+    """A global tensor that depends only on (key, shape, seed): N(0, 0.05), norms near 1."""
+    digest = hashlib.sha256(f"{seed}:{key}".encode()).digest()
+    gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
+    values = torch.randn(shape, generator=gen, dtype=torch.float64) * 0.05
+    if key.endswith("weight") and any("norm" in part for part in key.split(".")[-2:]):
+        values += 1.0
+    return values
+
+
+@torch.no_grad()
+def load_global_weights(model: torch.nn.Module, seed: int = 0,
+                        make: Callable[[str, tuple[int, ...], int], torch.Tensor] = seeded_global,
+                        ) -> None:
+    """Fill every parameter of ``model`` with its piece of the global tensor ``make(key, ...)``."""
+    cache: dict[str, torch.Tensor] = {}
+    for entry in param_shards(model):
+        for piece in entry.build(entry.param.data):
+            if piece.key not in cache:
+                cache[piece.key] = make(piece.key, tuple(piece.global_shape), seed)
+            piece.data.copy_(cache[piece.key][_index(piece)])
+
+
+def local_pieces(model: torch.nn.Module, tensor_of: Callable[[torch.nn.Parameter], torch.Tensor | None],
+                 ) -> list[Piece]:
+    """This rank's pieces of ``tensor_of(param)`` (a gradient, the weight) for every parameter."""
+    pieces = []
+    for entry in param_shards(model):
+        tensor = tensor_of(entry.param)
+        if tensor is None:
+            continue
+        for piece in entry.build(tensor.detach().reshape(entry.param.shape)):
+            pieces.append(Piece(piece.key, tuple(piece.global_shape), _index(piece),
+                                piece.data.detach().double().clone()))
+    return pieces
+
+
+def assemble(pieces_per_rank: list[list[Piece]]) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """Global tensors from all ranks' pieces, and per key the largest replica disagreement."""
+    tensors: dict[str, torch.Tensor] = {}
+    filled: dict[str, torch.Tensor] = {}
+    spread: dict[str, float] = {}
+    for pieces in pieces_per_rank:
+        for piece in pieces:
+            if piece.key not in tensors:
+                tensors[piece.key] = torch.zeros(piece.global_shape, dtype=torch.float64)
+                filled[piece.key] = torch.zeros(piece.global_shape, dtype=torch.bool)
+                spread[piece.key] = 0.0
+            seen = filled[piece.key][piece.index]
+            if seen.any():
+                gap = (tensors[piece.key][piece.index] - piece.value)[seen]
+                spread[piece.key] = max(spread[piece.key], gap.abs().max().item())
+            else:
+                tensors[piece.key][piece.index] = piece.value
+                filled[piece.key][piece.index] = True
+    unfilled = [k for k, f in filled.items() if not f.all()]
+    if unfilled:
+        raise ValueError(f"no rank holds part of: {unfilled}")
+    return tensors, spread
+
+
+def gather_global(model: torch.nn.Module,
+                  tensor_of: Callable[[torch.nn.Parameter], torch.Tensor | None],
+                  group: dist.ProcessGroup | None = None,
+                  ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """Every rank of ``group`` gets the global tensors of ``tensor_of`` and replica spreads."""
+    mine = local_pieces(model, tensor_of)
+    size = dist.get_world_size(group) if dist.is_initialized() else 1
+    everyone: list = [None] * size
+    if size > 1:
+        dist.all_gather_object(everyone, mine, group=group)
+    else:
+        everyone = [mine]
+    return assemble(everyone)
+
+
+def gradient_of(param: torch.nn.Parameter) -> torch.Tensor | None:
+    """The gradient Megatron accumulated for ``param``: ``main_grad`` under DDP, else ``grad``."""
+    grad = getattr(param, "main_grad", None)
+    return grad if grad is not None else param.grad

@@ -1,0 +1,183 @@
+"""The GPT model end to end: schedules, DDP, finalize_model_grads and an optimizer step.
+
+Run under any layout, it returns global values only (assembled from Megatron's own shard
+metadata inside the scenario), so every output is replicated and comparable with the one-rank
+run as is: the loss, every gradient after ``finalize_model_grads``, the gradient norm, the
+clipping factor and every weight after one optimizer step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shardcheck.megatron.parallel import megatron_parallel
+from shardcheck.megatron.reference import gather_global, gradient_of, load_global_weights
+
+
+@dataclass(frozen=True)
+class GPTSetup:
+    """Sizes, data and training options of the tiny GPT; ``config`` overrides TransformerConfig."""
+
+    hidden: int = 32
+    heads: int = 4
+    layers: int = 2
+    vocab: int = 64
+    seq: int = 16
+    micro_batch: int = 2
+    microbatches: int = 2
+    loss_mask: bool = False
+    share_embeddings: bool = False
+    position_embedding: str = "learned_absolute"
+    optimizer_step: bool = True
+    clip_grad: float = 0.05
+    seed: int = 0
+    config: dict[str, Any] = field(default_factory=dict)
+
+
+def transformer_config(layout: Any, setup: GPTSetup, **extra: Any):
+    """A CPU-runnable TransformerConfig for ``layout`` with the setup's overrides applied."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    options = dict(
+        num_layers=setup.layers, hidden_size=setup.hidden, num_attention_heads=setup.heads,
+        use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
+        tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
+        context_parallel_size=layout.cp, expert_model_parallel_size=layout.ep,
+        sequence_parallel=layout.sp, pipeline_dtype=torch.float32,
+        gradient_accumulation_fusion=False, apply_rope_fusion=False,
+        bias_activation_fusion=False, masked_softmax_fusion=False,
+    )
+    options.update(extra)
+    options.update(setup.config)
+    return TransformerConfig(**options)
+
+
+def global_batches(setup: GPTSetup) -> list[dict[str, torch.Tensor]]:
+    """All microbatches of the global batch, identical on every rank and in every layout."""
+    gen = torch.Generator().manual_seed(1000 + setup.seed)
+    shape = (setup.microbatches, setup.micro_batch, setup.seq)
+    tokens = torch.randint(0, setup.vocab, shape, generator=gen)
+    labels = torch.randint(0, setup.vocab, shape, generator=gen)
+    mask = (torch.rand(shape, generator=gen) < 0.6).float() if setup.loss_mask else torch.ones(shape)
+    positions = torch.arange(setup.seq).expand(shape).contiguous()
+    return [dict(tokens=tokens[i], labels=labels[i], loss_mask=mask[i], position_ids=positions[i])
+            for i in range(setup.microbatches)]
+
+
+def local_batches(setup: GPTSetup) -> list[dict[str, torch.Tensor]]:
+    """This rank's microbatches: a contiguous share per data-parallel rank, cut for its CP rank."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    if setup.microbatches % dp:
+        raise ValueError(f"{setup.microbatches} microbatches do not split over dp={dp}")
+    share = setup.microbatches // dp
+    mine = global_batches(setup)[dp_rank * share:(dp_rank + 1) * share]
+    return [get_batch_on_this_cp_rank(dict(batch)) for batch in mine]
+
+
+def build_gpt(config, setup: GPTSetup):
+    """A GPTModel with the local (no Transformer Engine) spec for this pipeline stage."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    from shardcheck.megatron.cp_attention import local_spec_for
+
+    spec = local_spec_for(config, get_gpt_layer_local_spec(normalization=config.normalization))
+    return GPTModel(
+        config=config, transformer_layer_spec=spec, vocab_size=setup.vocab,
+        max_sequence_length=setup.seq, pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=setup.share_embeddings,
+        position_embedding_type=setup.position_embedding,
+    )
+
+
+def masked_loss(batch: dict[str, torch.Tensor], output: torch.Tensor):
+    """Megatron's training loss function: (sum of masked losses, token count, report)."""
+    mask = batch["loss_mask"].reshape(-1).float()
+    loss_sum = (output.float().reshape(-1) * mask).sum()
+    num_tokens = mask.sum().to(torch.int)
+    report = torch.stack([loss_sum.detach(), num_tokens.detach().float()])
+    return loss_sum, num_tokens, {"lm loss": report}
+
+
+def _forward_step(batches):
+    batch_iter = iter(batches)
+
+    def forward_step(_data_iterator, model):
+        batch = next(batch_iter)
+        output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+        return output, lambda out: masked_loss(batch, out)
+
+    return forward_step
+
+
+def reported_loss(reports: list[torch.Tensor], per_token: bool) -> torch.Tensor:
+    """The global loss: mean of microbatch means (or, per token, total sum / total count)."""
+    from megatron.core import parallel_state as ps
+
+    per_mb = torch.stack(reports) if reports else torch.zeros(0, 2)
+    dist.all_reduce(per_mb, group=ps.get_context_parallel_group())
+    if per_token:
+        total = per_mb.sum(0)
+    else:
+        total = torch.stack([(per_mb[:, 0] / per_mb[:, 1].clamp(min=1)).sum(),
+                             torch.tensor(float(len(reports)))])
+    dist.all_reduce(total, group=ps.get_data_parallel_group())
+    dist.all_reduce(total, group=ps.get_pipeline_model_parallel_group())
+    return (total[0] / total[1].clamp(min=1)).double()
+
+
+def _optimizer(model, setup: GPTSetup):
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    config = OptimizerConfig(optimizer="adam", lr=1e-2, clip_grad=setup.clip_grad,
+                             weight_decay=0.0, bf16=False, fp16=False)
+    return get_megatron_optimizer(config, [model])
+
+
+def train_step(ctx: Any, setup: GPTSetup) -> dict[str, torch.Tensor]:
+    """One training step of the tiny GPT on ``ctx``'s layout; global values by name."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+    from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
+
+    with megatron_parallel(ctx):
+        config = transformer_config(ctx.layout, setup)
+        model = build_gpt(config, setup)
+        load_global_weights(model, seed=setup.seed)
+        ddp = DistributedDataParallel(config, DistributedDataParallelConfig(), model)
+        config.finalize_model_grads_func = finalize_model_grads
+        config.no_sync_func = ddp.no_sync
+        optimizer = _optimizer(ddp, setup) if setup.optimizer_step else None
+        ddp.zero_grad_buffer()
+        batches = local_batches(setup)
+        reports = get_forward_backward_func()(
+            forward_step_func=_forward_step(batches), data_iterator=None, model=[ddp],
+            num_microbatches=len(batches), seq_length=setup.seq,
+            micro_batch_size=setup.micro_batch, forward_only=False)
+        outputs = {"loss": reported_loss([r["lm loss"] for r in reports],
+                                         config.calculate_per_token_loss)}
+        grads, spread = gather_global(model, gradient_of)
+        outputs.update({f"grad/{k}": v for k, v in grads.items()})
+        outputs["grad_replica_spread"] = torch.tensor(max(spread.values()), dtype=torch.float64)
+        if optimizer is not None:
+            outputs.update(_step(model, optimizer))
+        return outputs
+
+
+def _step(model, optimizer) -> dict[str, torch.Tensor]:
+    _, grad_norm, _ = optimizer.step()
+    clip = optimizer.config.clip_grad
+    weights, _ = gather_global(model, lambda p: p.data)
+    out = {f"param/{k}": v for k, v in weights.items()}
+    out["grad_norm"] = torch.tensor(float(grad_norm), dtype=torch.float64)
+    out["clip_factor"] = torch.tensor(min(1.0, clip / (float(grad_norm) + 1e-6)), dtype=torch.float64)
+    return out

@@ -1,0 +1,79 @@
+"""The output layer and the loss: ColumnParallelLinear logits into vocab-parallel cross-entropy.
+
+Mirrors ``LanguageModule.compute_language_model_loss`` (the unfused path) with the options it
+does not expose: label smoothing, ``parallel_output`` (``gather_output``) and
+``runtime_gather_output``. Outputs are global: the mean loss, the output weight's gradient and
+the hidden states' gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shardcheck.megatron.parallel import megatron_parallel
+from shardcheck.megatron.reference import gather_global, load_global_weights, seeded_global
+from shardcheck.megatron.scenarios.gpt import GPTSetup, transformer_config
+
+
+@dataclass(frozen=True)
+class OutputLossSetup:
+    """Sizes and the loss options of the output-layer scenario."""
+
+    hidden: int = 16
+    vocab: int = 64
+    seq: int = 8
+    batch: int = 2
+    label_smoothing: float = 0.0
+    parallel_output: bool = True
+    runtime_gather_output: bool | None = None
+    seed: int = 0
+
+
+def _sequence_shard(tensor: torch.Tensor, sp: bool) -> torch.Tensor:
+    """This TP rank's sequence chunk under sequence parallelism, else the whole tensor."""
+    from megatron.core import parallel_state as ps
+
+    if not sp:
+        return tensor
+    return tensor.chunk(ps.get_tensor_model_parallel_world_size(), dim=0)[
+        ps.get_tensor_model_parallel_rank()]
+
+
+def _sequence_gather(tensor: torch.Tensor, sp: bool) -> torch.Tensor:
+    from megatron.core import parallel_state as ps
+
+    if not sp:
+        return tensor
+    group = ps.get_tensor_model_parallel_group()
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
+    return torch.cat(parts, dim=0)
+
+
+def output_loss(ctx: Any, setup: OutputLossSetup) -> dict[str, torch.Tensor]:
+    """Loss and gradients of the output layer + vocab-parallel cross-entropy under ``ctx``."""
+    from megatron.core import tensor_parallel
+
+    with megatron_parallel(ctx):
+        config = transformer_config(ctx.layout, GPTSetup(hidden=setup.hidden, heads=4, layers=1))
+        layer = tensor_parallel.ColumnParallelLinear(
+            setup.hidden, setup.vocab, config=config, init_method=config.init_method,
+            bias=False, gather_output=not setup.parallel_output)
+        load_global_weights(layer, seed=setup.seed)
+        hidden = seeded_global("hidden", (setup.seq, setup.batch, setup.hidden), setup.seed) * 20
+        labels = torch.randint(0, setup.vocab, (setup.seq, setup.batch),
+                               generator=torch.Generator().manual_seed(setup.seed))
+        local_hidden = _sequence_shard(hidden.float(), ctx.layout.sp).requires_grad_(True)
+        logits, _ = layer(local_hidden, runtime_gather_output=setup.runtime_gather_output)
+        losses = tensor_parallel.vocab_parallel_cross_entropy(
+            logits.float().clone(), labels, label_smoothing=setup.label_smoothing)
+        loss = losses.mean()
+        loss.backward()
+        grads, _ = gather_global(layer, lambda p: p.grad)
+        return {"loss": loss.detach().double(),
+                "hidden_grad": _sequence_gather(local_hidden.grad, ctx.layout.sp).double(),
+                **{f"grad/{k}": v for k, v in grads.items()}}

@@ -1,0 +1,91 @@
+"""Each CPU patch lets megatron-core run without changing a number."""
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from megatron.core.tensor_parallel import random as mrandom  # noqa: E402
+from megatron.core.transformer.torch_norm import WrappedTorchNorm  # noqa: E402
+from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
+
+from shardcheck.megatron import cpu  # noqa: E402
+
+
+@pytest.fixture
+def patched():
+    cpu.apply_cpu_patches()
+    try:
+        yield
+    finally:
+        cpu.remove_cpu_patches()
+
+
+def _config(**kw):
+    return TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2,
+                             use_cpu_initialization=True, **kw)
+
+
+def test_rng_tracker_draws_what_a_plainly_seeded_cpu_generator_draws(patched):
+    mrandom.model_parallel_cuda_manual_seed(7, tp_rank=1, ep_rank=0, etp_rank=0)
+    outside = torch.get_rng_state()
+    with mrandom.get_cuda_rng_tracker().fork():
+        tracked = torch.randn(5)
+    assert torch.equal(torch.get_rng_state(), outside)  # the fork restored the outer generator
+    expected = torch.randn(5, generator=torch.Generator().manual_seed(7 + 2718 + 1))
+    assert torch.equal(tracked, expected)
+    with mrandom.get_cuda_rng_tracker().fork():  # the tracked stream continues, not restarts
+        assert not torch.equal(torch.randn(5), expected)
+
+
+def test_current_device_is_the_cpu(patched):
+    assert torch.empty(3, device=torch.cuda.current_device()).device.type == "cpu"
+
+
+def test_torch_norm_under_sequence_parallel_is_plain_layernorm_marked_sp(patched):
+    config = _config(tensor_model_parallel_size=2, sequence_parallel=True)
+    norm = WrappedTorchNorm(config, 8)
+    plain = torch.nn.LayerNorm(8, eps=1e-5)
+    with torch.no_grad():
+        for ours, theirs in zip(norm.parameters(), plain.parameters(), strict=True):
+            ours.copy_(torch.randn_like(ours))
+            theirs.copy_(ours)
+    x = torch.randn(4, 8)
+    assert torch.equal(norm(x), plain(x))
+    assert all(p.sequence_parallel for p in norm.parameters())
+    assert config.sequence_parallel  # the caller's config is untouched
+
+
+def test_torch_norm_without_sequence_parallel_is_unchanged(patched):
+    norm = WrappedTorchNorm(_config(), 8)
+    assert not any(getattr(p, "sequence_parallel", False) for p in norm.parameters())
+
+
+def test_device_mode_sends_cuda_requests_to_the_cpu_with_equal_values(patched):
+    x = torch.randn(3)
+    assert torch.equal(torch.zeros(2, device="cuda"), torch.zeros(2))
+    assert torch.equal(torch.arange(4, device=torch.device("cuda", 0)), torch.arange(4))
+    assert x.cuda() is x and x.pin_memory() is x and not x.is_pinned()
+    assert torch.equal(x.to("cuda"), x)
+    assert torch.empty(2, pin_memory=True).device.type == "cpu"
+    assert x.type() == "torch.cuda.FloatTensor"
+    assert x.type(torch.float64).dtype == torch.float64
+
+
+def test_synchronize_and_streams_do_nothing(patched):
+    torch.cuda.synchronize()
+    torch.cuda.current_stream().wait_stream(torch.cuda.default_stream())
+
+
+def test_patches_apply_once_and_remove_restores_every_original():
+    before = (torch.cuda.current_device, torch.cuda.synchronize, mrandom._get_cuda_rng_state,
+              WrappedTorchNorm.__new__)
+    cpu.apply_cpu_patches()
+    cpu.apply_cpu_patches()
+    assert cpu.cpu_patches_active()
+    cpu.remove_cpu_patches()
+    assert not cpu.cpu_patches_active()
+    after = (torch.cuda.current_device, torch.cuda.synchronize, mrandom._get_cuda_rng_state,
+             WrappedTorchNorm.__new__)
+    assert after == before
+    assert torch.ones(1).type() == "torch.FloatTensor"

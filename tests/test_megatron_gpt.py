@@ -1,0 +1,52 @@
+"""The real megatron-core GPT on Gloo ranks matches its one-rank reference, except under CP + mask."""
+
+import pytest
+
+pytest.importorskip("megatron.core")
+
+import megatron.core.pipeline_parallel.schedules  # noqa: E402, F401  (imported once, before forking)
+
+from shardcheck.megatron.runner import MegatronLayout, relative_errors, run_layout, worst  # noqa: E402
+from shardcheck.megatron.scenarios import scenario  # noqa: E402
+
+pytestmark = pytest.mark.slow
+ONE = MegatronLayout()
+CORRECT_LAYOUTS = [
+    MegatronLayout(tp=2), MegatronLayout(tp=2, sp=True), MegatronLayout(dp=2),
+    MegatronLayout(pp=2), MegatronLayout(cp=2), MegatronLayout(tp=2, pp=2),
+    MegatronLayout(tp=2, dp=2, sp=True), MegatronLayout(cp=2, dp=2),
+]
+
+
+@pytest.fixture(scope="module")
+def plain():
+    gpt = scenario("gpt")
+    return gpt, run_layout(gpt, ONE)
+
+
+@pytest.mark.parametrize("layout", CORRECT_LAYOUTS, ids=str)
+def test_gpt_train_step_matches_one_rank(plain, layout):
+    gpt, reference = plain
+    errors = relative_errors(run_layout(gpt, layout), reference)
+    assert worst(errors, "grad/")[1] < 1e-5, worst(errors, "grad/")
+    assert worst(errors, "param/")[1] < 1e-4, worst(errors, "param/")
+    for name in ("loss", "grad_norm", "clip_factor"):
+        assert errors[name] < 1e-6, (name, errors[name])
+    assert reference["clip_factor"] < 1.0  # the step really clips
+
+
+def test_context_parallel_loss_with_a_mask_diverges_from_one_rank():
+    """0.16.1 bug: schedules.forward_step_calc_loss divides by the CP rank's own token count."""
+    masked = scenario("gpt", loss_mask=True, optimizer_step=False)
+    reference = run_layout(masked, ONE)
+    errors = relative_errors(run_layout(masked, MegatronLayout(cp=2)), reference)
+    assert errors["loss"] < 1e-6  # the loss itself is right ...
+    assert worst(errors, "grad/")[1] > 1e-2  # ... its gradients are not
+
+
+def test_context_parallel_with_a_mask_and_per_token_loss_matches():
+    masked = scenario("gpt", loss_mask=True, optimizer_step=False,
+                      config={"calculate_per_token_loss": True})
+    reference = run_layout(masked, ONE)
+    errors = relative_errors(run_layout(masked, MegatronLayout(cp=2)), reference)
+    assert worst(errors, "grad/")[1] < 1e-5
