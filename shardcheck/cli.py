@@ -11,3 +11,9 @@ from shardcheck import __version__
 @click.version_option(__version__, prog_name="shardcheck")
 def main() -> None:
     """Find silent numerical-correctness bugs in distributed PyTorch training."""
+
+from shardcheck.fuzz_cli import findings_command, fuzz_command, repro_command  # noqa: E402
+
+main.add_command(fuzz_command)
+main.add_command(repro_command)
+main.add_command(findings_command)

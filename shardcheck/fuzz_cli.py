@@ -1,0 +1,110 @@
+"""The ``fuzz``, ``repro`` and ``findings`` commands."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from shardcheck.findings import DEFAULT_ROOT, Finding, FindingStore
+from shardcheck.fuzz import FuzzError, FuzzTarget, fuzz, registered_targets, resolve_target
+from shardcheck.layout import LayoutError
+from shardcheck.repro import ReproError, run_repro, write_repro
+
+CATALOGUE_PACKAGE = "shardcheck.megatron"
+_root_option = click.option("--root", default=str(DEFAULT_ROOT), show_default=True,
+                            type=click.Path(file_okay=False), help="Where findings and the example database live.")
+
+
+def _target(spec: str) -> FuzzTarget:
+    """Resolve a target; component names may need the Megatron catalogue imported first."""
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # module:function scenarios next to the user
+    if ":" not in spec and spec not in registered_targets() and importlib.util.find_spec(CATALOGUE_PACKAGE):
+        importlib.import_module(CATALOGUE_PACKAGE)
+    try:
+        return resolve_target(spec)
+    except (FuzzError, LayoutError) as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+def _show_findings(findings: list[Finding], statuses: dict[str, str] | None = None) -> None:
+    table = Table("id", *(["status"] if statuses is not None else []), "layout", "config",
+                  "observed", "reference", "title", "repro")
+    for f in findings:
+        status = [statuses[f.id]] if statuses is not None else []
+        table.add_row(f.id, *status, f.layout, str(f.config), str(f.observed), str(f.reference),
+                      f.title, f.repro or "-")
+    Console(width=200).print(table)
+
+
+@click.command("fuzz")
+@click.argument("target")
+@click.option("--budget", default=50, show_default=True, type=click.IntRange(1),
+              help="How many examples hypothesis may try (shrinking comes on top).")
+@click.option("--seed", type=int, default=None, help="Make the search reproducible.")
+@_root_option
+def fuzz_command(target: str, budget: int, seed: int | None, root: str) -> None:
+    """Search TARGET's layouts, configurations and inputs for failures; shrink and store them.
+
+    TARGET is a scenario as module:function, or a registered component name. Exits 1 when a
+    failure is found.
+    """
+    resolved = _target(target)
+    console = Console(stderr=True)
+    try:
+        with console.status(f"fuzzing {resolved.name}") as status:
+            def show(examples: int, failing: int) -> None:
+                status.update(f"fuzzing {resolved.name}: {examples} examples run, {failing} failing")
+            campaign = fuzz(resolved, budget=budget, seed=seed, root=root, progress=show)
+    except (FuzzError, LayoutError, ReproError) as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(f"{campaign.target}: {campaign.examples} examples in {campaign.seconds:.1f} s, "
+               f"{len(campaign.findings)} finding(s), {len(campaign.new)} new")
+    if campaign.findings:
+        _show_findings(campaign.findings)
+        sys.exit(1)
+
+
+@click.command("repro")
+@click.argument("finding_id")
+@click.option("-o", "--output", type=click.Path(dir_okay=False), default=None,
+              help="Where to write the script (default: ROOT/repro/<id>.py).")
+@_root_option
+def repro_command(finding_id: str, output: str | None, root: str) -> None:
+    """Write the self-contained torchrun script that reproduces finding FINDING_ID."""
+    store = FindingStore(root)
+    try:
+        finding = store.load(finding_id)
+        path = write_repro(finding, _target(finding.target), output or Path(root) / "repro" / f"{finding.id}.py")
+    except (KeyError, ReproError) as exc:
+        raise click.ClickException(exc.args[0]) from None
+    if output is None:
+        finding.repro = str(path)
+        store.save(finding)
+    click.echo(f"wrote {path}\nrun:  torchrun --standalone --nproc-per-node={finding.world_size} {path}")
+
+
+@click.command("findings")
+@click.option("--no-run", is_flag=True, help="List without rerunning the repro scripts.")
+@_root_option
+def findings_command(no_run: bool, root: str) -> None:
+    """List the stored findings with their status, by rerunning their repro scripts."""
+    findings = FindingStore(root).all()
+    if not findings:
+        click.echo(f"no findings in {Path(root) / 'findings'}")
+        return
+    statuses = None if no_run else {f.id: _status(f) for f in findings}
+    _show_findings(findings, statuses)
+
+
+def _status(finding: Finding) -> str:
+    if not finding.repro or not Path(finding.repro).exists():
+        return "no script"
+    return run_repro(finding.repro, finding.world_size).status

@@ -1,0 +1,162 @@
+"""Self-contained reproduction scripts for findings, and running them under torchrun.
+
+A target describes its script with a :class:`ScriptBody`: the imports of the library under
+test and code defining ``observed()`` (run on every rank), ``reference()`` (the right value) and
+optionally ``corrected()`` (the value with the fix applied). The template around it starts Gloo,
+prints ``observed:``, ``reference:``, ``corrected:`` and ``checker:`` lines and ``REPRODUCED
+<name>``, and exits 0 while the bug reproduces and 1 once observed matches reference. The
+generated script imports nothing from shardcheck.
+"""
+
+from __future__ import annotations
+
+import os
+import pprint
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from string import Template
+from typing import TYPE_CHECKING
+
+from shardcheck.findings import Finding
+
+if TYPE_CHECKING:
+    from shardcheck.fuzz import FuzzTarget
+
+REPRODUCES, FIXED, BROKEN = "reproduces", "fixed", "error"
+
+
+@dataclass(frozen=True)
+class ScriptBody:
+    """The target-specific part of a repro script (see the module docstring)."""
+
+    code: str
+    imports: str = ""
+    has_corrected: bool = False
+    sys_path: tuple[str, ...] = field(default=())
+
+
+_TEMPLATE = Template('''\
+"""$title
+
+Finding $id: $contract
+Location: $location
+Trigger: layout $layout, config $config_inline
+Run: torchrun --standalone --nproc-per-node=$world $filename
+Exits 0 while the bug reproduces, 1 once it is fixed.
+"""
+
+from __future__ import annotations
+
+import sys
+$sys_path
+import torch
+import torch.distributed as dist
+$imports
+
+NAME = "$name"
+LAYOUT = "$layout"
+CONFIG = $config
+RTOL, ATOL = 1e-4, 1e-6
+CHECKER = $checker
+
+
+$code
+
+
+def show(value: torch.Tensor) -> str:
+    flat = value.detach().double().flatten()
+    text = ", ".join(f"{x:.7g}" for x in flat[:8].tolist())
+    return text + (", ..." if flat.numel() > 8 else "")
+
+
+def differs(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Whether observed and reference differ on any rank (the answer is the same on all ranks)."""
+    bad = got.shape != want.shape or not torch.allclose(got.double(), want.double(), RTOL, ATOL)
+    flag = torch.tensor([float(bad)])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+def main() -> int:
+    dist.init_process_group("gloo")
+    got, want = observed(), reference()
+$corrected_call
+    reproduces = differs(got, want)
+    if dist.get_rank() == 0:
+        print(f"observed:  {show(got)}")
+        print(f"reference: {show(want)}")
+$corrected_print
+        if reproduces and CHECKER:
+            print(f"checker: {CHECKER}")
+        print(f"REPRODUCED {NAME}" if reproduces else f"FIXED {NAME}: observed matches reference")
+    dist.destroy_process_group()
+    return 0 if reproduces else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+''')
+
+
+def render_script(finding: Finding, body: ScriptBody, filename: str = "repro.py") -> str:
+    """The full script for ``finding`` around the target's ``body``."""
+    sys_path = "".join(f"sys.path.insert(0, {p!r})  # the library under test\n" for p in body.sys_path)
+    return _TEMPLATE.substitute(
+        title=finding.title, id=finding.id, contract=finding.contract, location=finding.location,
+        layout=finding.layout, config_inline=finding.config, world=finding.world_size,
+        filename=filename, sys_path=sys_path.rstrip("\n"), imports=body.imports.strip(),
+        name=finding.id, config=pprint.pformat(finding.config, width=90, sort_dicts=False),
+        checker=repr(finding.checker), code=body.code.strip() + "\n",
+        corrected_call="    fixed = corrected()" if body.has_corrected else "",
+        corrected_print='        print(f"corrected: {show(fixed)}")' if body.has_corrected else "",
+    ).replace("\n\n\n\n", "\n\n\n")
+
+
+class ReproError(ValueError):
+    """A finding that cannot get a script; its message is one line for the user."""
+
+
+def write_repro(finding: Finding, target: FuzzTarget, path: Path | str) -> Path:
+    """Write ``finding``'s script, from ``target``'s repro hook, to ``path``."""
+    if target.repro is None:
+        raise ReproError(f"fuzz target {target.name!r} provides no repro script body "
+                         "(register it with repro=...)")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(render_script(finding, target.repro(finding), filename=path.name))
+    return path
+
+
+@dataclass(frozen=True)
+class ReproRun:
+    """One run of a repro script: its status (reproduces / fixed / error) and its output."""
+
+    status: str
+    returncode: int
+    output: str
+
+
+def run_repro(path: Path | str, nproc: int, env: dict[str, str] | None = None,
+              timeout: float = 120.0) -> ReproRun:
+    """Run a repro script under ``torch.distributed.run --standalone`` with ``nproc`` ranks."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={nproc}", str(path)]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env=full_env, start_new_session=True)
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)  # torchrun and its ranks share the new session
+        process.communicate()
+        return ReproRun(BROKEN, -1, f"timed out after {timeout:.0f} s")
+    if process.returncode == 0 and "REPRODUCED " in stdout:
+        status = REPRODUCES
+    elif process.returncode != 0 and "FIXED " in stdout:
+        status = FIXED
+    else:
+        status = BROKEN
+    return ReproRun(status, process.returncode, stdout + stderr)
