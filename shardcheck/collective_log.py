@@ -46,7 +46,7 @@ class _Log:
     def __init__(self) -> None:
         self.file = None
         self.path: Path | None = None
-        self._ranks: dict[int, tuple[int, ...]] = {}
+        self._ranks: dict[dist.ProcessGroup, tuple[int, ...]] = {}
 
     def restart(self, path: Path) -> None:
         if self.file is not None:
@@ -64,10 +64,9 @@ class _Log:
 
     def _ranks_of(self, group: dist.ProcessGroup | None) -> tuple[int, ...]:
         group = group or dist.group.WORLD
-        key = id(group)
-        if key not in self._ranks:
-            self._ranks[key] = tuple(dist.get_process_group_ranks(group))
-        return self._ranks[key]
+        if group not in self._ranks:  # keyed by the group itself: ids of destroyed groups get reused
+            self._ranks[group] = tuple(dist.get_process_group_ranks(group))
+        return self._ranks[group]
 
 
 LOG = _Log()
@@ -95,10 +94,16 @@ def _logged(op: str, original):
 
 def install() -> None:
     """Wrap the torch.distributed collectives of this process so they are logged."""
+    from torch.distributed import distributed_c10d
+
     for op in COLLECTIVES:
         original = getattr(dist, op, None)
         if original is not None and not hasattr(original, "__shardcheck_original__"):
-            setattr(dist, op, _logged(op, original))
+            wrapper = _logged(op, original)
+            setattr(dist, op, wrapper)
+            if getattr(distributed_c10d, op, None) is original:
+                # P2POp accepts only distributed_c10d's own isend/irecv: keep them the same object
+                setattr(distributed_c10d, op, wrapper)
 
 
 def read(path: Path) -> list[Call]:

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from shardcheck.types import Mesh, Placement, R, S, V
+from shardcheck.types import Mesh, Placement, R, S, V, parse_placement
 
 AXES = ("tp", "cp", "dp", "ep", "etp", "pp")
 INPUT_ROLES = ("tokens", "input_ids", "labels", "loss_mask", "position_ids", "attention_mask")
@@ -127,3 +127,30 @@ def annotate_batch(batch: Mapping[str, Any], mesh_axes: tuple[str, ...]) -> None
 def load_balanced_chunks(cp: int, cp_rank: int) -> tuple[int, int]:
     """The two sequence chunks (of ``2*cp``) that Megatron gives CP rank ``cp_rank``."""
     return cp_rank, 2 * cp - 1 - cp_rank
+
+
+def assume_required(fn: Any, requires: Mapping[str, Mapping[str, str]], args: tuple,
+                    kwargs: Mapping[str, Any]) -> None:
+    """Give arguments the checker does not know yet the placements a contract requires.
+
+    A contract's precondition is taken as the assumption for values that came from code
+    without types (e.g. a tensor a test built itself); known types are checked, not replaced.
+    """
+    import inspect
+
+    import shardcheck as sc
+    from shardcheck.checker import current
+
+    checker = current()
+    if checker is None:
+        return
+    bound = inspect.signature(fn).bind_partial(*args, **kwargs).arguments
+    for name, types in requires.items():
+        value = bound.get(name)
+        if not isinstance(value, torch.Tensor):
+            continue
+        known = sc.typeof(value)
+        missing = {axis: parse_placement(p) for axis, p in types.items()
+                   if axis in checker.names and axis not in known}
+        if missing:
+            sc.annotate(value, **missing)
