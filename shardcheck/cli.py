@@ -17,3 +17,7 @@ from shardcheck.fuzz_cli import findings_command, fuzz_command, repro_command  #
 main.add_command(fuzz_command)
 main.add_command(repro_command)
 main.add_command(findings_command)
+
+from shardcheck.megatron.audit_cli import audit_command  # noqa: E402
+
+main.add_command(audit_command)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack, contextmanager, nullcontext, suppress
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,9 +25,11 @@ from typing import Any
 import torch
 
 from shardcheck.layout import Layout
-from shardcheck.megatron import contracts
-from shardcheck.megatron.divergence import CallGap, Gap, first_call_gap, gap, output_gaps
+from shardcheck.megatron import audit_report, contracts
+from shardcheck.megatron.audit_report import Finding
+from shardcheck.megatron.divergence import CallGap, Gap, first_call_gap, max_errors, output_gaps
 from shardcheck.megatron.sweep import Case, setup_kwargs
+from shardcheck.megatron.typecheck import checked_region, checker_available
 from shardcheck.pool import PoolFailure, RankPool
 
 PRELOAD = ("megatron.core.pipeline_parallel.schedules", "megatron.core.optimizer",
@@ -41,7 +43,6 @@ RUN_TIMEOUT = 60.0
 def run_case(ctx: Any, component: str, options: tuple, fixes: tuple[str, ...], typecheck: bool) -> dict:
     """Run one component with its options on this rank; outputs, contracted calls, violations."""
     from shardcheck.megatron.scenarios import COMPONENTS, scenario
-    from shardcheck.megatron.typecheck import checked_region
 
     warnings.filterwarnings("ignore")
     contracts.install()
@@ -124,6 +125,7 @@ class Outcome:
     violations: list[dict] = field(default_factory=list)
     error: str | None = None
     seconds: float = 0.0
+    errors: dict[str, float] = field(default_factory=dict)
 
     @property
     def failed(self) -> bool:
@@ -176,7 +178,8 @@ class Runner:
             return Outcome(case, error=_first_line(failure), seconds=time.monotonic() - started)
         outcome = Outcome(case, output_gaps([r["outputs"] for r in ranks], ref["outputs"]),
                           first_call_gap(case.layout, [r["calls"] for r in ranks], ref["calls"]),
-                          _unique(v for r in ranks for v in r["violations"]))
+                          _unique(v for r in ranks for v in r["violations"]),
+                          errors=max_errors([r["outputs"] for r in ranks], ref["outputs"]))
         outcome.seconds = time.monotonic() - started
         return outcome
 
@@ -192,11 +195,105 @@ def _unique(violations) -> list[dict]:
     return list(seen.values())
 
 
-def corrected_gap(runner: Runner, case: Case, contract: str) -> tuple[Outcome, Gap | None]:
-    """Rerun ``case`` with the contract's fix patched in; the outcome and its worst remaining gap."""
-    outcome = runner.run(case, fixes=(contract,))
-    worst = max(outcome.gaps, key=lambda g: g.max_error, default=None)
-    return outcome, worst
+def corrected_control(runner: Runner, minimal: Outcome) -> dict[str, Any] | None:
+    """Rerun the minimal trigger with its contract's fix patched in, compared with the reference."""
+    if minimal.call_gap is None or contracts.BY_NAME[minimal.call_gap.contract].fix is None:
+        return None
+    contract = contracts.BY_NAME[minimal.call_gap.contract]
+    fixed = runner.run(minimal.case, fixes=(contract.name,))
+    if fixed.error:
+        return {"fix": contract.fix_note, "result": f"the corrected run failed: {fixed.error}",
+                "equal_to_reference": False}
+    names = [g.name for g in minimal.gaps]
+    errors = {name: fixed.errors.get(name) for name in names}
+    worst = max((e for e in errors.values() if e is not None), default=0.0)
+    ok = not fixed.gaps and fixed.call_gap is None
+    verdict = ("corrected == reference" if ok else
+               f"still differs: {', '.join(g.name for g in fixed.gaps[:3])}")
+    return {"fix": contract.fix_note, "result": f"{verdict} (max abs error of the diverging outputs "
+            f"{worst:.3g} after the fix)", "equal_to_reference": ok, "max_abs_error": worst}
 
 
-__all__ = ["Outcome", "Pools", "Runner", "corrected_gap", "gap", "pools", "run_case"]
+@dataclass
+class AuditResult:
+    """Everything an audit found and ran."""
+
+    findings: list[Finding]
+    outcomes: list[Outcome]
+    not_swept: list[str]
+    seconds: float
+    stopped_early: bool
+
+    @property
+    def errors(self) -> list[Outcome]:
+        return [o for o in self.outcomes if o.error]
+
+    def summary(self) -> dict[str, Any]:
+        ran = [o for o in self.outcomes if not o.error]
+        return {
+            "cases run": len(ran), "cases failed to run": len(self.errors),
+            "options not swept": len(self.not_swept), "findings": len(self.findings),
+            "wall time (s)": round(self.seconds, 1),
+            "stopped at the budget or time limit": self.stopped_early,
+            "not_swept": self.not_swept,
+            "errors": sorted({f"{o.case.label}: {o.error}" for o in self.errors}),
+        }
+
+
+Progress = Callable[[Case, int], None]
+
+
+def audit(cases: Iterable[Case], *, budget: int | None = None, time_limit: float | None = None,
+          typecheck: bool = True, progress: Progress | None = None,
+          run_pools: Pools | None = None) -> AuditResult:
+    """Run the cases (screening options on one rank first), then build the findings."""
+    started = time.monotonic()
+    with nullcontext(run_pools) if run_pools else pools() as owned:
+        runner = Runner(owned, typecheck and checker_available())
+        outcomes, not_swept, early = _sweep(runner, cases, budget, time_limit, progress, started)
+        findings = _findings(runner, [o for o in outcomes if o.failed])
+    return AuditResult(findings, outcomes, not_swept, time.monotonic() - started, early)
+
+
+def _sweep(runner: Runner, cases: Iterable[Case], budget: int | None, time_limit: float | None,
+           progress: Progress | None, started: float) -> tuple[list[Outcome], list[str], bool]:
+    outcomes: list[Outcome] = []
+    not_swept: dict[tuple, str] = {}
+    broken_layouts: set[tuple[str, Layout]] = set()
+    for case in cases:
+        if (budget is not None and len(outcomes) >= budget) or (
+                time_limit is not None and time.monotonic() - started > time_limit):
+            return outcomes, _listed(not_swept), True
+        key = (case.component, case.options)
+        if key not in not_swept and (why := runner.screen(*key)):
+            not_swept[key] = why
+        if key in not_swept or (case.component, case.layout) in broken_layouts:
+            continue
+        if progress:
+            progress(case, len(outcomes))
+        outcome = runner.run(case)
+        outcomes.append(outcome)
+        if outcome.error and not case.options:
+            broken_layouts.add((case.component, case.layout))
+    return outcomes, _listed(not_swept), False
+
+
+def _listed(not_swept: dict[tuple, str]) -> list[str]:
+    return [f"{component} {dict(options) or 'defaults'}: {why}"
+            for (component, options), why in not_swept.items()]
+
+
+def _findings(runner: Runner, failed: list[Outcome]) -> list[Finding]:
+    findings = []
+    for key, members in audit_report.group(failed).items():
+        minimal = min(members, key=lambda o: audit_report._size(o.case))
+        findings.append(Finding(
+            title=audit_report.title(key, minimal), kind=audit_report.kind(members),
+            location=key[0], contract=key[1], trigger=audit_report.trigger(minimal.case),
+            effect=audit_report.effect(minimal),
+            first_divergence=minimal.call_gap.gap.summary() if minimal.call_gap else None,
+            checker=next((v["line"] for o in members for v in o.violations), None),
+            corrected=corrected_control(runner, minimal),
+            reproduce=audit_report.reproduce_command(minimal.case),
+            seen_in=sorted({f"{o.case.layout} {dict(o.case.options) or ''}".strip() for o in members})))
+    return sorted(findings, key=lambda f: (f.kind, f.location))

@@ -121,7 +121,10 @@ def _loss_over_global_token_count(*args, **kwargs):
         loss, num_tokens, reported = outputs
         total = num_tokens.clone().float()
         dist.all_reduce(total, group=ps.get_context_parallel_group())
-        return loss, total / ps.get_context_parallel_world_size(), reported
+        # Megatron divides by the local count next: pre-scale so that the quotient uses the
+        # global count (over cp, times cp for the gradient average), keeping num_tokens intact
+        per_rank = total.clamp(min=1) / ps.get_context_parallel_world_size()
+        return loss * num_tokens.clamp(min=1) / per_rank, num_tokens, reported
 
     bound.arguments["loss_func"] = global_count if loss_func is not None else None
     return original(*bound.args, **bound.kwargs)

@@ -87,6 +87,17 @@ def output_gaps(per_rank: Sequence[Mapping[str, torch.Tensor]],
     return gaps
 
 
+def max_errors(per_rank: Sequence[Mapping[str, torch.Tensor]],
+               reference: Mapping[str, torch.Tensor]) -> dict[str, float]:
+    """Per output, the largest absolute difference from the reference over the ranks."""
+    errors: dict[str, float] = {}
+    for name, ref in reference.items():
+        diffs = [(outputs[name].double() - ref.double()).abs().max().item() for outputs in per_rank
+                 if name in outputs and outputs[name].shape == ref.shape and ref.numel()]
+        errors[name] = max(diffs, default=float("inf") if ref.numel() else 0.0)
+    return errors
+
+
 # ---- contracted calls --------------------------------------------------------------------
 
 def _load_balanced(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
