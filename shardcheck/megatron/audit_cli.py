@@ -79,14 +79,13 @@ def audit_command(budget: int | None, time_limit: float | None, only: tuple[str,
     on Gloo ranks, compare each with one rank, type-check it, and report deduplicated findings."""
     if budget is not None and time_limit is not None:
         raise click.UsageError("give --budget or --time-limit, not both")
+    warnings.filterwarnings("ignore", category=UserWarning)  # Megatron's "Apex is not installed"
     try:
         import megatron.core  # noqa: F401
     except ImportError:
         raise click.ClickException("megatron-core is not installed: pip install 'shardcheck[megatron]'") from None
     from shardcheck.megatron import audit_report
     from shardcheck.megatron.audit import audit
-
-    warnings.filterwarnings("ignore", category=UserWarning)  # Megatron's "Apex is not installed"
 
     started = time.monotonic()
     cases = _plan(only, layouts_text, sets, budget)
