@@ -10,3 +10,26 @@ from shardcheck.layout import Layout, LayoutError  # noqa: E402
 from shardcheck.scenario import ScenarioContext, current_context, replicate, shard  # noqa: E402
 
 __all__ += ["Layout", "LayoutError", "ScenarioContext", "current_context", "replicate", "shard"]
+
+from shardcheck.checker import (  # noqa: E402
+    Coverage,
+    SpmdTypeError,
+    annotate,
+    assert_type,
+    contract,
+    coverage,
+    rank_slice,
+    register_rule,
+    typecheck,
+    typeof,
+    violations,
+)
+
+__all__ += [
+    "Coverage", "SpmdTypeError", "annotate", "assert_type", "contract", "coverage",
+    "rank_slice", "register_rule", "typecheck", "typeof", "violations",
+]
+from shardcheck.parity import ParityResult, parity  # noqa: E402
+from shardcheck.pool import PoolFailure, RankPool  # noqa: E402
+
+__all__ += ["ParityResult", "PoolFailure", "RankPool", "parity"]

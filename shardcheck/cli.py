@@ -5,12 +5,20 @@ from __future__ import annotations
 import click
 
 from shardcheck import __version__
+from shardcheck.cli_parity import parity_command
+from shardcheck.cli_run import run
+from shardcheck.golden.cli import golden
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="shardcheck")
 def main() -> None:
     """Find silent numerical-correctness bugs in distributed PyTorch training."""
+
+
+main.add_command(golden)
+main.add_command(run)
+main.add_command(parity_command)
 
 from shardcheck.fuzz_cli import findings_command, fuzz_command, repro_command  # noqa: E402
 

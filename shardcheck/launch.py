@@ -1,13 +1,23 @@
-"""Start real Gloo ranks on this machine and collect what each one returns."""
+"""Start real local ranks: forked Gloo ranks that return values (:func:`spawn_ranks`), and
+torchrun-style script launches that report checker findings (:func:`run_script`)."""
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import multiprocessing as mp
 import os
+import re
+import signal
 import socket
+import subprocess
+import sys
+import tempfile
+import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -85,3 +95,115 @@ def spawn_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: fl
     if failures:
         raise min(failures, key=lambda f: f.rank)
     return [results[r] for r in range(world_size)]
+
+
+CHECKER_LINE = re.compile(r"^\s*(?:[\w.]*SpmdTypeError: )?(checker: .*)$")
+RANK_PREFIX = re.compile(r"^\[rank\d+\]: ", re.MULTILINE)  # torch's excepthook prefixes tracebacks
+
+
+@dataclass
+class RankExit:
+    """How one launched rank ended: its exit code (None when it hung) and its stderr."""
+
+    rank: int
+    returncode: int | None
+    stderr: str
+
+
+@dataclass
+class ScriptRun:
+    """The outcome of :func:`run_script`: per-rank exits and the distinct checker lines."""
+
+    ranks: list[RankExit]
+    timeout: float
+
+    @property
+    def checker_lines(self) -> dict[str, list[int]]:
+        """Each distinct ``checker:`` line on any rank's stderr, with the ranks that printed it."""
+        found: dict[str, list[int]] = {}
+        for rank in self.ranks:
+            for line in rank.stderr.splitlines():
+                match = CHECKER_LINE.match(line)
+                if match and rank.rank not in found.setdefault(match.group(1), []):
+                    found[match.group(1)].append(rank.rank)
+        return found
+
+    @property
+    def failed(self) -> list[RankExit]:
+        return [r for r in self.ranks if r.returncode != 0]
+
+    @property
+    def exit_code(self) -> int:
+        """1 if the checker fired, 2 if a rank failed or hung otherwise, 0 when clean."""
+        return 1 if self.checker_lines else 2 if self.failed else 0
+
+    def report(self) -> str:
+        lines = [f"{line}  [ranks {', '.join(map(str, ranks))}]" for line, ranks in self.checker_lines.items()]
+        if not lines:
+            for rank in self.failed:
+                what = f"hung: killed after {self.timeout:g} s" if rank.returncode is None else (
+                    f"failed with exit code {rank.returncode}")
+                lines.append(f"rank {rank.rank} {what}")
+                lines += [f"  {line}" for line in rank.stderr.rstrip().splitlines()[-30:]]
+        return "\n".join(lines)
+
+
+def torchrun_env(rank: int, world_size: int, port: int) -> dict[str, str]:
+    """The environment torchrun --standalone gives rank ``rank`` of a one-node run."""
+    return {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world_size), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
+            "ROLE_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+            "TORCHELASTIC_RUN_ID": "shardcheck"}
+
+
+def die_with_parent() -> None:
+    """Have the kernel kill this process when its parent dies (Linux ``PR_SET_PDEATHSIG``)."""
+    with contextlib.suppress(OSError):
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)
+
+
+def _own_session() -> None:
+    """In the child before exec: a session of its own (killed as a group), dying with the parent."""
+    os.setsid()
+    die_with_parent()
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def run_script(script: str, args: Sequence[str], nproc: int, timeout: float) -> ScriptRun:
+    """Run ``python script args`` as ``nproc`` local ranks, like ``torchrun --standalone``.
+
+    Each rank runs in its own session; ranks still running after ``timeout`` seconds are
+    killed with everything they started, and so is every rank if this call is interrupted.
+    """
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="shardcheck-run-") as tmp:
+        logs = [open(Path(tmp) / f"rank{r}.err", "w+") for r in range(nproc)]  # noqa: SIM115
+        procs: list[subprocess.Popen] = []
+        try:
+            for rank in range(nproc):
+                procs.append(subprocess.Popen(
+                    [sys.executable, script, *args], stderr=logs[rank], preexec_fn=_own_session,
+                    env={**os.environ, **torchrun_env(rank, nproc, port)}))
+            codes = _wait_all(procs, timeout)
+        finally:
+            for proc in procs:
+                _kill_group(proc)
+        ranks = []
+        for rank, log in enumerate(logs):
+            log.seek(0)
+            ranks.append(RankExit(rank, codes[rank], RANK_PREFIX.sub("", log.read())))
+            log.close()
+    return ScriptRun(ranks, timeout)
+
+
+def _wait_all(procs: list[subprocess.Popen], timeout: float) -> list[int | None]:
+    """Exit codes once every rank ended, or None for those still running at the deadline."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+        time.sleep(0.02)
+    return [p.poll() for p in procs]

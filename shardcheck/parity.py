@@ -189,8 +189,8 @@ def _row(kind: str, name: str, values: list[torch.Tensor], types: list[dict[str,
     except NotComparable as why:
         return Row(kind, name, verdict=f"skipped: {why}")
     shown = " ".join(f"{a}={p}{'*' if a in found.inferred else ''}" for a, p in found.placements.items())
-    verdict = "ok" if found.ok else "MISMATCH" if found.max_abs > found.tol else (
-        "REPLICA MISMATCH on " + ",".join(found.replica_mismatch))
+    verdict = ("REPLICA MISMATCH on " + ",".join(found.replica_mismatch) if found.replica_mismatch
+               else "ok" if found.ok else "MISMATCH")
     return Row(kind, name, shown, found.max_abs, found.max_rel, found.tol, verdict)
 
 

@@ -23,7 +23,6 @@ process group instead, NCCL and ``cuda`` when available, through the same :func:
 from __future__ import annotations
 
 import atexit
-import ctypes
 import importlib
 import multiprocessing as mp
 import os
@@ -31,6 +30,7 @@ import signal
 import tempfile
 import time
 import traceback
+import warnings
 from collections.abc import Callable, Iterable
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
@@ -40,7 +40,8 @@ import torch
 import torch.distributed as dist
 
 from shardcheck import collective_log
-from shardcheck.launch import free_port
+from shardcheck.gloo_avg import avg_problems
+from shardcheck.launch import die_with_parent, free_port
 from shardcheck.layout import Layout
 from shardcheck.scenario import ScenarioContext, active, build_groups
 
@@ -107,24 +108,18 @@ def _to_cpu(value: Any) -> Any:
 _IN_WORKER = False
 
 
-def _die_with_parent() -> None:
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
 def _worker_main(rank: int, world_size: int, port: int, conn: Connection, log_dir: str) -> None:
     global _IN_WORKER
     _IN_WORKER = True
-    _die_with_parent()
+    die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    problems = avg_problems() if world_size > 1 else []
     collective_log.install()
-    conn.send(("ready", os.getpid()))
+    conn.send(("ready", problems))
     while (job := conn.recv()) is not None:
         fn, layout, args = job
         collective_log.LOG.restart(Path(log_dir) / f"rank{rank}.log")
@@ -151,6 +146,7 @@ class RankPool:
         self._log_dir = tempfile.TemporaryDirectory(prefix="shardcheck-pool-")
         self._procs: list[mp.Process] = []
         self._conns: list[Connection] = []
+        self.gloo_avg_problems: list[str] = []
         atexit.register(self.close)
         self.start()
 
@@ -174,7 +170,10 @@ class RankPool:
             if not conn.poll(self.timeout):
                 self.close()
                 raise PoolFailure("hang", f"rank {rank} did not join the Gloo world in {self.timeout:.0f} s")
-            conn.recv()
+            self.gloo_avg_problems = conn.recv()[1]
+        if self.gloo_avg_problems:
+            warnings.warn("Gloo AVG reductions are wrong here (pytorch #162338): "
+                          + "; ".join(self.gloo_avg_problems) + ". Use SUM then divide.", stacklevel=2)
 
     def close(self) -> None:
         """Kill every worker and wait for it; the pool can be started again with :meth:`start`."""

@@ -122,11 +122,23 @@ class MeanPool(nn.Module):
         return mean / self.shards
 
 
+class Dropout(nn.Module):
+    """Dropout whose mask is drawn for the global batch and sliced to this rank's tokens."""
+
+    def __init__(self, ctx, p=0.25, seed_bug=False):
+        super().__init__()
+        self.ctx, self.p = ctx, p
+        self.seed = 11 + (ctx.rank if seed_bug else 0)  # the bug: a seed that differs per rank
+
+    def forward(self, y):
+        generator = torch.Generator().manual_seed(self.seed)
+        keep = (torch.rand(B, S, H, generator=generator) > self.p).float() / (1 - self.p)
+        return y * _local_batch(self.ctx, keep)
+
+
 class Block(nn.Module):
     def __init__(self, ctx, bug=None):
         super().__init__()
-        if bug == "seed":
-            torch.manual_seed(100 + ctx.rank)  # a per-rank seed for a replicated weight
         gamma = 1 + 0.1 * torch.randn(H)
         torch.manual_seed(7)
         w1, w2 = torch.randn(FF, H), torch.randn(H, FF) * 0.3
@@ -136,13 +148,14 @@ class Block(nn.Module):
         self.act = nn.GELU()
         scale = 1 + 1e-3 if bug == "tiny" and ctx.world_size > 1 else 1.0
         self.fc2 = RowParallel(ctx, w2, ctx.layout.sp, scale)
+        self.drop = Dropout(ctx, seed_bug=bug == "seed")
         self.pool = MeanPool(ctx, count_bug=bug == "count")
         self.tp, self.sp = ctx.groups["tp"], ctx.layout.sp
 
     def forward(self, x):
         h = self.norm(x) * self.gamma
         h = _Gather.apply(h, self.tp, 1) if self.sp else _Copy.apply(h, self.tp)
-        y = x + self.fc2(self.act(self.fc1(h)))
+        y = x + self.drop(self.fc2(self.act(self.fc1(h))))
         return self.pool(y)
 
 
@@ -156,7 +169,8 @@ def run_block(ctx, bug=None):
     torch.manual_seed(0)
     x = torch.randn(B, S, H)
     target = torch.randn(B, H)
-    block = ctx.register(Block(ctx, bug), prefix="block")
+    drop_type = sc.S(1) if ctx.layout.sp else sc.R
+    block = ctx.register(Block(ctx, bug), prefix="block", types={"drop": {"tp": drop_type}})
     pooled = block(_local_batch(ctx, x))
     loss_sum = ((pooled - sc.shard(target, sc.S(0), "dp")) ** 2).sum()
     loss = _Reduce.apply(loss_sum, ctx.groups["dp"]) / (B * H)  # SUM then divide, never AVG

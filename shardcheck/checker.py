@@ -1,0 +1,587 @@
+"""The SPMD type checker: a TorchDispatchMode that types every op per mesh axis.
+
+Types live on the tensors themselves (attribute ``_sc``: the mesh key, one placement per
+mesh axis or None where unknown, and a known-zero flag). Views of a tensor are remembered
+on their base (``_sc_views``), so in-place ops and in-place collectives retype every
+tracked tensor that views the same storage.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import sys
+import weakref
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import typing_extensions
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from shardcheck import rules as _rules
+from shardcheck.collectives import collective_rule
+from shardcheck.rules import HELP, NO_TENSOR, RULES, Violation
+from shardcheck.types import Mesh, Placement, Shard, parse_placement
+
+_HERE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_DISTRIBUTED = os.path.join(os.path.dirname(torch.__file__), "distributed") + os.sep
+_SKIP_PREFIXES = (
+    os.path.dirname(torch.__file__) + os.sep,
+    _HERE,
+    os.path.dirname(contextlib.__file__) + os.sep + "contextlib.py",
+    os.path.dirname(functools.__file__) + os.sep + "functools.py",
+    typing_extensions.__file__,
+    "<frozen",
+)
+_USER_RULES: dict[Any, Callable] = {}
+_MESH_KEYS: dict[tuple, tuple] = {}
+_ACTIVE: list[Checker] = []
+_LAST: list[Checker] = []
+
+# How an op's result relates to "known zero": made zero, zero when its value arg is 0,
+# zero when its input is, zero when its source (copy_) is.
+_ZERO, _FILL, _KEEP, _COPY = 1, 2, 3, 4
+_FILL_VALUE_POS = {"full": 1, "full_like": 1, "fill": 1, "new_full": 2, "scalar_tensor": 0}
+_KEEPS_ZERO = {
+    "view", "_unsafe_view", "reshape", "permute", "transpose", "t", "unsqueeze", "squeeze",
+    "expand", "slice", "select", "split", "split_with_sizes", "unbind", "clone", "detach",
+    "alias", "_to_copy", "contiguous", "as_strided",
+}
+
+
+class SpmdTypeError(RuntimeError):
+    """An op would compute a wrong global value. The first line starts with ``checker:``."""
+
+    def __init__(self, message: str, rule: str, location: str, op: str) -> None:
+        super().__init__(message)
+        self.rule, self.location, self.op = rule, location, op
+
+
+@dataclass(frozen=True)
+class ViolationRecord:
+    """One violation: the rule, the user's file:line, the op and the full message."""
+
+    rule: str
+    location: str
+    op: str
+    message: str
+
+    @property
+    def first_line(self) -> str:
+        return self.message.splitlines()[0]
+
+
+@dataclass
+class Coverage:
+    """How many op calls got a typed result, and which ops most often did not."""
+
+    typed: int = 0
+    unknown: int = 0
+    top_unknown: list[tuple[str, int]] = field(default_factory=list)
+
+    @property
+    def fraction(self) -> float:
+        total = self.typed + self.unknown
+        return self.typed / total if total else 1.0
+
+    def __str__(self) -> str:
+        lines = [f"typed {self.typed} of {self.typed + self.unknown} op calls "
+                 f"({100 * self.fraction:.1f}%)"]
+        lines += [f"  unknown {name}: {count}" for name, count in self.top_unknown]
+        return "\n".join(lines)
+
+
+def user_location() -> str:
+    """file:line of the innermost frame outside torch and shardcheck."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if not name.startswith(_SKIP_PREFIXES):
+            return f"{name}:{frame.f_lineno}"
+        frame = frame.f_back
+    return "<unknown>"
+
+
+def _inside_collective() -> bool:
+    """Whether the op runs inside torch.distributed (a collective moving its own data)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if name.startswith(_DISTRIBUTED):
+            return True
+        if not name.startswith(_SKIP_PREFIXES):
+            return False
+        frame = frame.f_back
+    return False
+
+
+def mesh_key(mesh: Mesh) -> tuple:
+    """An interned key: equal meshes share one key object, so a type check is an ``is``."""
+    key = (mesh.rank, *((a.name, a.ranks) for a in mesh.axes.values()))
+    return _MESH_KEYS.setdefault(key, key)
+
+
+def _storage_range(t: torch.Tensor) -> tuple[int, int]:
+    start = t.storage_offset()
+    extent = 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True) if s > 0)
+    return start, start + (extent if t.numel() else 0)
+
+
+def _same_region(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.storage_offset() == b.storage_offset() and a.shape == b.shape
+            and a.stride() == b.stride())
+
+
+class Checker(TorchDispatchMode):
+    """Types every dispatched op on ``mesh``; ``mode`` is "raise" or "collect"."""
+
+    def __init__(self, mesh: Mesh, mode: str = "raise") -> None:
+        super().__init__()
+        if mode not in ("raise", "collect"):
+            raise ValueError(f"mode must be 'raise' or 'collect', not {mode!r}")
+        self.mesh, self.mode = mesh, mode
+        self.key = mesh_key(mesh)
+        self.names = mesh.names
+        self.n = len(self.names)
+        self.sizes = tuple(a.size for a in mesh.axes.values())
+        self.index = tuple(a.ranks.index(mesh.rank) if mesh.rank in a.ranks else -1
+                           for a in mesh.axes.values())
+        self.typed = 0
+        self.unknown: Counter = Counter()
+        self.records: list[ViolationRecord] = []
+        self._seen: set[tuple[str, str]] = set()
+        self._entries: dict[Any, tuple] = {}
+        self._paused = False
+
+    # --- the type store ----------------------------------------------------------------
+    def types(self, t: Any) -> tuple | None:
+        st = getattr(t, "_sc", None)
+        if st is None or st[0] is not self.key:
+            return None
+        return st[1]
+
+    def zero(self, t: Any) -> bool:
+        st = getattr(t, "_sc", None)
+        return st is not None and st[0] is self.key and st[2]
+
+    def set_type(self, t: torch.Tensor, pl: tuple | None, zero: bool = False) -> None:
+        if pl is None or all(p is None for p in pl):
+            if getattr(t, "_sc", None) is not None:
+                t._sc = None
+        else:
+            t._sc = (self.key, pl, zero)
+
+    def update_inplace(self, t: torch.Tensor, pl: tuple | None,
+                       transform: Callable[[tuple], tuple] | None = None,
+                       zero: bool = False) -> None:
+        """Retype ``t`` in place, and every tracked tensor overlapping its storage."""
+        old = self.types(t)
+        self.set_type(t, pl, zero)
+        root = getattr(t, "_sc_root", None)
+        if root is None:
+            root = t
+        views = getattr(root, "_sc_views", None)
+        if not views and root is t:
+            return
+        aliases = [root] + [w() for w in views or ()]
+        lo, hi = _storage_range(t)
+        for alias in aliases:
+            if alias is None or alias is t:
+                continue
+            alias_pl = self.types(alias)
+            if alias_pl is None:
+                continue
+            a_lo, a_hi = _storage_range(alias)
+            if a_hi <= lo or hi <= a_lo:
+                continue
+            self.set_type(alias, self._alias_type(alias, alias_pl, t, old, pl, transform),
+                          zero and _same_region(alias, t))
+
+    def _alias_type(self, alias, alias_pl, t, old, pl, transform) -> tuple | None:
+        if transform is not None:
+            try:
+                return transform(alias_pl)
+            except Violation:
+                return None
+        if pl is None:
+            return None
+        if _same_region(alias, t):
+            return pl
+        alias_zero = self.zero(alias)
+        merged = []
+        for a, (mine, new) in enumerate(zip(alias_pl, pl, strict=True)):
+            if mine == new or (old is not None and old[a] == new):
+                merged.append(mine)
+            elif alias_zero and not isinstance(new, Shard):
+                merged.append(new)
+            else:
+                merged.append(None)
+        return tuple(merged)
+
+    def register_view(self, view: torch.Tensor, base: torch.Tensor) -> None:
+        """Remember that ``view`` aliases ``base``'s storage (on their common root)."""
+        root = getattr(base, "_sc_root", None)
+        if root is None:
+            root = base
+        view._sc_root = root
+        views = getattr(root, "_sc_views", None)
+        if views is None:
+            root._sc_views = [weakref.ref(view)]
+            return
+        views.append(weakref.ref(view))
+        if len(views) % 64 == 0:
+            views[:] = [w for w in views if w() is not None]
+
+    # --- dispatch ----------------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self._paused:
+            return out
+        entry = self._entries.get(func)
+        if entry is None:
+            entry = self._entries[func] = _resolve(func)
+        rule, zero_kind, mutated, is_view = entry
+        if rule is None:
+            self.unknown[func] += 1
+            self._forget(mutated, args, kwargs)
+            return out
+        try:
+            pl = rule(self, args, kwargs, out)
+        except Violation as violation:
+            self._report(violation, func, args)
+            pl = None
+        if pl is NO_TENSOR:
+            self.typed += 1
+            return out
+        if pl is None:
+            self.unknown[func] += 1
+        else:
+            self.typed += 1
+        zero = bool(zero_kind) and pl is not None and self._zero_result(zero_kind, func, args)
+        if mutated:
+            if pl is None:
+                self._forget(mutated, args, kwargs)
+            for t in _mutated_tensors(mutated, args, kwargs) if pl is not None else ():
+                self.update_inplace(t, pl, None, zero)
+            return out
+        self._type_outputs(out, pl, zero, args[0] if is_view else None)
+        return out
+
+    def _forget(self, mutated, args, kwargs) -> None:
+        """An untyped write makes its target unknown, except a collective's own copies."""
+        for t in _mutated_tensors(mutated, args, kwargs):
+            if self.types(t) is not None and not _inside_collective():
+                self.update_inplace(t, None)
+
+    def _type_outputs(self, out, pl, zero: bool, base: torch.Tensor | None) -> None:
+        if isinstance(out, torch.Tensor):
+            self.set_type(out, pl, zero)
+            if base is not None and pl is not None:
+                self.register_view(out, base)
+            return
+        if not isinstance(out, (tuple, list)):
+            return
+        each = pl if isinstance(pl, list) else [pl] * len(out)
+        for t, p in zip(out, each, strict=False):
+            if isinstance(t, torch.Tensor):
+                self.set_type(t, p, zero)
+                if base is not None and p is not None:
+                    self.register_view(t, base)
+
+    def _zero_result(self, kind: int, func, args) -> bool:
+        if kind == _ZERO:
+            return True
+        if kind == _KEEP:
+            return self.zero(args[0])
+        if kind == _COPY:
+            return self.zero(args[1])
+        pos = _FILL_VALUE_POS[_base_name(func)]
+        value = args[pos] if len(args) > pos else None
+        return isinstance(value, (int, float, bool)) and value == 0
+
+    # --- violations --------------------------------------------------------------------
+    def _report(self, violation: Violation, func, args) -> None:
+        location = user_location()
+        message = self.describe(violation, location, func, args)
+        if self.mode == "raise":
+            raise SpmdTypeError(message, violation.rule, location, str(func))
+        if (location, violation.rule) not in self._seen:
+            self._seen.add((location, violation.rule))
+            self.records.append(ViolationRecord(violation.rule, location, str(func), message))
+
+    def describe(self, violation: Violation, location: str, op: Any, args: tuple) -> str:
+        numbers = getattr(op, "namespace", "") == "aten"
+        operands = [x for x in _flat(args) if isinstance(x, torch.Tensor)
+                    or (numbers and isinstance(x, (int, float)) and not isinstance(x, bool))]
+        summary = ", ".join(self.render(x) for x in operands)
+        axis = self.names[violation.axis] if violation.axis >= 0 else "?"
+        why, fix = HELP.get(violation.rule, ("", ""))
+        short = getattr(op, "_opname", str(op))
+        lines = [f"checker: {violation.rule} at {location} in {op}: {summary}"]
+        lines += [f"  operand {i}: {self.render(x)} shape {tuple(x.shape)}"
+                  for i, x in enumerate(operands) if isinstance(x, torch.Tensor)]
+        if violation.axis >= 0:
+            lines.append(f"  axis: {axis} (ranks {list(self.mesh.axes[axis].ranks)})")
+        if violation.why:
+            lines.append(f"  {violation.why}")
+        lines.append(f"  why: {why}")
+        lines.append("  fix: " + fix.format(axis=axis, op=short))
+        return "\n".join(lines)
+
+    def render(self, x: Any) -> str:
+        if not isinstance(x, torch.Tensor):
+            return repr(x)
+        pl = self.types(x)
+        if pl is None:
+            return "?"
+        zero = " zero" if self.zero(x) else ""
+        inner = ", ".join(f"{n}:{'?' if p is None else p}"
+                          for n, p in zip(self.names, pl, strict=True))
+        return "{" + inner + "}" + zero
+
+    # --- region ------------------------------------------------------------------------
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Run ops untyped (inside contracts and typed helpers)."""
+        before, self._paused = self._paused, True
+        try:
+            yield
+        finally:
+            self._paused = before
+
+    def coverage(self, top: int = 10) -> Coverage:
+        names = Counter()
+        for func, count in self.unknown.items():
+            names[str(func)] += count
+        return Coverage(self.typed, sum(self.unknown.values()), names.most_common(top))
+
+    def summary(self) -> str:
+        if not self.records:
+            return "shardcheck: no SPMD type violations"
+        lines = [f"shardcheck: {len(self.records)} SPMD type violation(s)"]
+        lines += [r.first_line for r in self.records]
+        return "\n".join(lines)
+
+
+def _flat(args: Any) -> Iterator[Any]:
+    for a in args:
+        if isinstance(a, (list, tuple)):
+            yield from _flat(a)
+        else:
+            yield a
+
+
+def _mutated_tensors(mutated, args, kwargs) -> Iterator[torch.Tensor]:
+    for pos, name in mutated:
+        value = args[pos] if pos < len(args) else kwargs.get(name)
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, (list, tuple)):
+            yield from (v for v in value if isinstance(v, torch.Tensor))
+
+
+def _base_name(func) -> str:
+    name = func._opname if hasattr(func, "_opname") else func.__name__.split(".")[0]
+    return name[:-1] if name.endswith("_") and not name.endswith("__") else name
+
+
+def _resolve(func) -> tuple:
+    """(rule, zero kind, mutated (pos, name) args, is_view) for an OpOverload."""
+    rule = _USER_RULES.get(func) or _USER_RULES.get(getattr(func, "overloadpacket", None))
+    name = _base_name(func)
+    if rule is None:
+        if func.namespace == "aten":
+            opname = getattr(func, "_opname", name)
+            rule = RULES.get(opname) or RULES.get(name)
+        else:
+            rule = collective_rule(func)
+    schema = func._schema
+    mutated = tuple((i, a.name) for i, a in enumerate(schema.arguments)
+                    if a.alias_info is not None and a.alias_info.is_write)
+    is_view = (not mutated and bool(schema.returns) and schema.returns[0].alias_info is not None)
+    if func.namespace == "c10d" and rule is None and schema.arguments:
+        mutated = ((0, schema.arguments[0].name),)
+    zero_kind = 0
+    if name in _rules.ZERO_MAKERS:
+        zero_kind = _ZERO
+    elif name in _rules.FILL_OPS:
+        zero_kind = _FILL
+    elif name in _KEEPS_ZERO:
+        zero_kind = _KEEP
+    elif name == "copy":
+        zero_kind = _COPY
+    return rule, zero_kind, mutated, is_view
+
+
+# --- public API ------------------------------------------------------------------------------
+
+def current() -> Checker | None:
+    """The innermost active checker, or None outside ``typecheck``."""
+    return _ACTIVE[-1] if _ACTIVE else None
+
+
+@contextmanager
+def typecheck(mesh: Mesh, mode: str = "raise") -> Iterator[Checker]:
+    """Type-check every op in the region on ``mesh``; mode "raise" (default) or "collect"."""
+    checker = Checker(mesh, mode)
+    _ACTIVE.append(checker)
+    try:
+        with checker:
+            yield checker
+    finally:
+        _ACTIVE.remove(checker)
+        _LAST[:] = [checker]
+        if mode == "collect":
+            print(checker.summary(), file=sys.stderr, flush=True)
+
+
+def _checker_for(mesh: Mesh | None) -> Checker:
+    if mesh is not None:
+        return Checker(mesh)
+    checker = current()
+    if checker is None:
+        raise RuntimeError("shardcheck: call this inside `with sc.typecheck(mesh):` or pass mesh=")
+    return checker
+
+
+def _placement(value: Placement | str) -> Placement:
+    return value if isinstance(value, Placement) else parse_placement(str(value))
+
+
+def annotate(x: torch.Tensor, mesh: Mesh | None = None, **placements: Placement | str) -> torch.Tensor:
+    """Declare ``x``'s placement on the named axes (others keep their type); returns ``x``."""
+    checker = _checker_for(mesh)
+    unknown = set(placements) - set(checker.names)
+    if unknown:
+        raise ValueError(f"unknown axes {sorted(unknown)}; the mesh has {list(checker.names)}")
+    old = checker.types(x) or (None,) * checker.n
+    pl = tuple(_placement(placements[n]) if n in placements else old[i]
+               for i, n in enumerate(checker.names))
+    checker.set_type(x, pl, checker.zero(x))
+    if x._base is not None:
+        checker.register_view(x, x._base)
+    return x
+
+
+def typeof(x: torch.Tensor, mesh: Mesh | None = None) -> dict[str, Placement]:
+    """The known placements of ``x`` by axis name (unknown axes are left out)."""
+    checker = _checker_for(mesh)
+    pl = checker.types(x) or ()
+    return {n: p for n, p in zip(checker.names, pl, strict=False) if p is not None}
+
+
+def _same(actual: Placement | None, expected: Placement, ndim: int) -> bool:
+    if isinstance(expected, Shard) and isinstance(actual, Shard):
+        return expected.dim % max(ndim, 1) == actual.dim % max(ndim, 1)
+    return actual is expected or actual == expected
+
+
+def assert_type(x: torch.Tensor, **expected: Placement | str) -> None:
+    """Raise SpmdTypeError (rule "assertion") unless ``x`` has the expected placements."""
+    checker = _checker_for(None)
+    actual = typeof(x)
+    wrong = {n: p for n, p in expected.items()
+             if not _same(actual.get(n), _placement(p), x.dim())}
+    if wrong:
+        location = user_location()
+        want = ", ".join(f"{n}={_placement(p)}" for n, p in wrong.items())
+        got = ", ".join(f"{n}={actual.get(n, '?')}" for n in wrong)
+        message = (f"checker: assertion at {location} in assert_type: expected {want}, got {got}\n"
+                   f"  value: {checker.render(x)} shape {tuple(x.shape)}")
+        raise SpmdTypeError(message, "assertion", location, "assert_type")
+
+
+def violations() -> list[ViolationRecord]:
+    """Violations recorded by the active (or the last) typecheck region in collect mode."""
+    checker = current() or (_LAST[0] if _LAST else None)
+    return list(checker.records) if checker else []
+
+
+def coverage(top: int = 10) -> Coverage:
+    """Typed vs unknown op calls of the active (or the last) typecheck region."""
+    checker = current() or (_LAST[0] if _LAST else None)
+    return checker.coverage(top) if checker else Coverage()
+
+
+def rank_slice(x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
+    """This rank's chunk of ``x`` along ``dim`` for ``axis``: R there becomes S(dim)."""
+    checker = _checker_for(None)
+    a = checker.names.index(axis)
+    size, index = checker.sizes[a], checker.index[a]
+    if x.shape[dim] % size:
+        raise ValueError(f"dim {dim} of size {x.shape[dim]} does not split into {size} chunks")
+    pl = checker.types(x) or (None,) * checker.n
+    if pl[a] is not None and not _rules._replicated(pl[a]):
+        checker._report(Violation("split of varying", a), torch.ops.aten.slice.Tensor, (x,))
+    length = x.shape[dim] // size
+    with checker.paused():
+        piece = x.narrow(dim, index * length, length)
+    checker.set_type(piece, pl[:a] + (_rules.S(dim % x.dim()),) + pl[a + 1:])
+    return piece
+
+
+def register_rule(op: Any, rule: Callable) -> None:
+    """Type ``op`` (an OpOverload or OpOverloadPacket) with ``rule(ctx, args, kwargs, out)``."""
+    _USER_RULES[op] = rule
+    for checker in _ACTIVE:
+        checker._entries.clear()
+
+
+def contract(args: Mapping[int | str, Mapping[str, Placement | str]] | None = None,
+             returns: Mapping[str, Placement | str] | list | None = None,
+             trusted: bool = True) -> Callable[[Callable], Callable]:
+    """Decorate a function with argument types checked on entry and result types set on exit.
+
+    ``args`` maps a positional index or keyword name to {axis: placement}. With ``trusted``,
+    the body runs untyped (its ops are not checked); ``returns`` types the result (a list
+    types each element of a tuple result).
+    """
+    def wrap(fn: Callable) -> Callable:
+        def checked(*call_args, **call_kwargs):
+            checker = current()
+            if checker is None:
+                return fn(*call_args, **call_kwargs)
+            _check_args(checker, args or {}, call_args, call_kwargs)
+            if trusted:
+                with checker.paused():
+                    result = fn(*call_args, **call_kwargs)
+            else:
+                result = fn(*call_args, **call_kwargs)
+            _type_result(result, returns)
+            return result
+        checked.__wrapped__ = fn
+        checked.__name__ = getattr(fn, "__name__", "contract")
+        checked.__doc__ = fn.__doc__
+        return checked
+    return wrap
+
+
+def _check_args(checker: Checker, spec, call_args, call_kwargs) -> None:
+    for key, expected in spec.items():
+        value = call_args[key] if isinstance(key, int) else call_kwargs.get(key)
+        if not isinstance(value, torch.Tensor):
+            continue
+        actual = typeof(value)
+        for axis, want in expected.items():
+            got = actual.get(axis)
+            if got is not None and not _same(got, _placement(want), value.dim()):
+                checker._report(Violation("contract", checker.names.index(axis),
+                                          f"argument {key} must be {axis}={_placement(want)}"),
+                                "contract", (value,))
+
+
+def _type_result(result: Any, returns) -> None:
+    if returns is None:
+        return
+    if isinstance(returns, list):
+        for value, spec in zip(result, returns, strict=False):
+            if isinstance(value, torch.Tensor) and spec is not None:
+                annotate(value, **spec)
+    elif isinstance(result, torch.Tensor):
+        annotate(result, **returns)

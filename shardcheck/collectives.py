@@ -1,0 +1,253 @@
+"""Typing rules for the c10d collectives that torch.distributed routes through the dispatcher.
+
+``dist.all_reduce`` & co. reach a TorchDispatchMode as ``c10d::*_`` ops carrying the
+ProcessGroup as a ScriptObject; ``torch.distributed._functional_collectives`` reaches it as
+``_c10d_functional::*`` ops carrying a group name. Both are typed here, per mesh axis the
+group acts on; a group that matches no combination of mesh axes is an "unknown axis".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shardcheck.rules import NO_TENSOR, PAVG, Gathered, Pl, Violation, as_pieces
+from shardcheck.types import I, P, Placement, R, S, Shard, V
+
+SUM, AVG, PRODUCT, MIN, MAX = "sum", "avg", "product", "min", "max"
+_C10D_OPS = {0: SUM, 1: AVG, 2: PRODUCT, 3: MIN, 4: MAX}  # c10d::ReduceOp::RedOpType
+
+
+def _reduce_op(obj: Any) -> str:
+    if isinstance(obj, str):
+        return obj.lower()
+    return _C10D_OPS.get(obj.op(), "other")
+
+
+def group_ranks(group: Any) -> tuple[int, ...]:
+    """Global ranks of a ProcessGroup given as a ScriptObject, a ProcessGroup or a name."""
+    if isinstance(group, str):
+        group = dist.distributed_c10d._resolve_process_group(group)
+    elif not isinstance(group, dist.ProcessGroup):
+        group = dist.ProcessGroup.unbox(group)
+    return tuple(dist.get_process_group_ranks(group))
+
+
+class UnknownAxis(Violation):
+    """A collective's group is no axis (or combination of axes) of the mesh."""
+
+    def __init__(self, ranks: tuple[int, ...], mesh) -> None:
+        axes = ", ".join(f"{a.name}={list(a.ranks)}" for a in mesh.axes.values())
+        super().__init__("unknown axis", -1, f"the group has ranks {list(ranks)}; the mesh has {axes}")
+
+
+def _axes(ctx, group: Any) -> list[int]:
+    ranks = group_ranks(group)
+    names = ctx.mesh.axes_of(ranks)
+    if names is None:
+        raise UnknownAxis(ranks, ctx.mesh)
+    return [ctx.names.index(n) for n in names]
+
+
+def _on_axes(pl: Pl, axes: list[int], step: Callable[[Placement, int], Placement | None]) -> Pl:
+    out = list(pl)
+    for a in axes:
+        p = pl[a]
+        out[a] = None if p is None else step(p, a)
+    return tuple(out)
+
+
+# --- per-axis steps ------------------------------------------------------------------------
+
+def _all_reduce_step(op: str) -> Callable[[Placement, int], Placement | None]:
+    def step(p: Placement, a: int) -> Placement | None:
+        if isinstance(p, Gathered):
+            return None
+        if op == SUM:
+            if p is R or p is I:
+                raise Violation("double count", a)
+            if p is PAVG:
+                raise Violation("mean over shard", a)
+            return R if p in (P, V) else V
+        if op == AVG:
+            return R if p in (P, V, PAVG, R, I) else V
+        if p is P or p is PAVG:
+            raise Violation("mean over shard" if p is PAVG else "non-linear on partial", a)
+        return R if p in (R, I, V) else V
+    return step
+
+
+def _gather_step(into_tensor: bool) -> Callable[[Placement, int], Placement | None]:
+    def step(p: Placement, a: int) -> Placement | None:
+        if p is R or p is I:
+            raise Violation("gather of replicated", a)
+        if isinstance(p, Shard) and p.dim != 0 and into_tensor:
+            return Gathered(p.dim)
+        return R if isinstance(p, Shard) or p is V else None
+    return step
+
+
+def _scatter_step(op: str) -> Callable[[Placement, int], Placement | None]:
+    def step(p: Placement, a: int) -> Placement | None:
+        if op not in (SUM, AVG):
+            return None
+        if p is R or p is I:
+            raise Violation("scatter of replicated", a)
+        if p is PAVG:
+            raise Violation("mean over shard", a)
+        return S(0) if p in (P, V) else None
+    return step
+
+
+def _to_varying(p: Placement, a: int) -> Placement:
+    return V
+
+
+def _to_replicated(p: Placement, a: int) -> Placement:
+    return R
+
+
+# --- c10d ops (torch.distributed's in-place API) --------------------------------------------
+
+def _typed_update(ctx, tensors, source_pl: Pl | None, axes, step) -> Any:
+    """Set every tensor in ``tensors`` (in place) to ``source_pl`` transformed on ``axes``."""
+    if source_pl is None:
+        for t in tensors:
+            ctx.update_inplace(t, None)
+        return None
+    new = _on_axes(source_pl, axes, step)
+    for t in tensors:
+        ctx.update_inplace(t, new, lambda old: _on_axes(old, axes, step))
+    return NO_TENSOR
+
+
+def _allreduce(ctx, args, kwargs, out):
+    tensors, group, op = args[0], args[1], _reduce_op(args[2])
+    pls = [ctx.types(t) for t in tensors]
+    if any(pl is None for pl in pls):
+        return _typed_update(ctx, tensors, None, (), None)
+    axes, step = _axes(ctx, group), _all_reduce_step(op)
+    for t, pl in zip(tensors, pls, strict=True):
+        _typed_update(ctx, [t], pl, axes, step)
+    return NO_TENSOR
+
+
+def _allgather(ctx, args, kwargs, out):
+    outputs, inputs, group = args[0], args[1], args[2]
+    flat = [t for row in outputs for t in row]
+    pl = ctx.types(inputs[0])
+    if pl is None:
+        return _typed_update(ctx, flat, None, (), None)
+    return _typed_update(ctx, flat, pl, _axes(ctx, group), _gather_step(False))
+
+
+def _allgather_base(ctx, args, kwargs, out):
+    output, inp, group = args[0], args[1], args[2]
+    pl = ctx.types(inp)
+    if pl is None:
+        return _typed_update(ctx, [output], None, (), None)
+    return _typed_update(ctx, [output], pl, _axes(ctx, group), _gather_step(True))
+
+
+def _reduce_scatter(ctx, args, kwargs, out):
+    outputs, inputs, group, op = args[0], args[1], args[2], _reduce_op(args[3])
+    pieces = [ctx.types(t) for row in inputs for t in row]
+    pieces = [None if p is None else as_pieces(p) for p in pieces]
+    pl = pieces[0] if pieces and all(p == pieces[0] for p in pieces) else None
+    if pl is None:
+        return _typed_update(ctx, outputs, None, (), None)
+    return _typed_update(ctx, outputs, pl, _axes(ctx, group), _scatter_step(op))
+
+
+def _reduce_scatter_base(ctx, args, kwargs, out):
+    output, inp, group, op = args[0], args[1], args[2], _reduce_op(args[3])
+    pl = ctx.types(inp)
+    if pl is None:
+        return _typed_update(ctx, [output], None, (), None)
+    return _typed_update(ctx, [output], pl, _axes(ctx, group), _scatter_step(op))
+
+
+def _alltoall_base(ctx, args, kwargs, out):
+    output, inp, group = args[0], args[1], args[2]
+    pl = ctx.types(inp)
+    if pl is None:
+        return _typed_update(ctx, [output], None, (), None)
+    return _typed_update(ctx, [output], pl, _axes(ctx, group), _to_varying)
+
+
+def _alltoall(ctx, args, kwargs, out):
+    outputs, inputs, group = args[0], args[1], args[2]
+    pls = [ctx.types(t) for t in inputs]
+    pl = as_pieces(pls[0]) if pls and all(p is not None for p in pls) else None
+    if pl is None:
+        return _typed_update(ctx, outputs, None, (), None)
+    return _typed_update(ctx, outputs, pl, _axes(ctx, group), _to_varying)
+
+
+def _broadcast(ctx, args, kwargs, out):
+    tensors, group = args[0], args[1]
+    pls = [ctx.types(t) for t in tensors]
+    if any(pl is None for pl in pls):
+        return _typed_update(ctx, tensors, None, (), None)
+    axes = _axes(ctx, group)
+    for t, pl in zip(tensors, pls, strict=True):
+        _typed_update(ctx, [t], pl, axes, _to_replicated)
+    return NO_TENSOR
+
+
+# --- functional collectives (out of place, group by name) -----------------------------------
+
+def _functional(step_of: Callable[[tuple, dict], Callable], group_pos: int) -> Callable:
+    def rule(ctx, args, kwargs, out):
+        pl = ctx.types(args[0])
+        if pl is None:
+            return None
+        return _on_axes(pl, _axes(ctx, args[group_pos]), step_of(args, kwargs))
+    return rule
+
+
+def _functional_all_reduce_(ctx, args, kwargs, out):
+    pl = ctx.types(args[0])
+    if pl is None:
+        return _typed_update(ctx, [args[0]], None, (), None)
+    return _typed_update(ctx, [args[0]], pl, _axes(ctx, args[2]), _all_reduce_step(_reduce_op(args[1])))
+
+
+def _same_type(ctx, args, kwargs, out):
+    return ctx.types(args[0])
+
+
+C10D_RULES: dict[str, Callable] = {
+    "allreduce_": _allreduce,
+    "allgather_": _allgather,
+    "_allgather_base_": _allgather_base,
+    "reduce_scatter_": _reduce_scatter,
+    "_reduce_scatter_base_": _reduce_scatter_base,
+    "alltoall_base_": _alltoall_base,
+    "alltoall_": _alltoall,
+    "broadcast_": _broadcast,
+}
+
+FUNCTIONAL_RULES: dict[str, Callable] = {
+    "all_reduce": _functional(lambda a, k: _all_reduce_step(_reduce_op(a[1])), 2),
+    "all_reduce_": _functional_all_reduce_,
+    "all_gather_into_tensor": _functional(lambda a, k: _gather_step(True), 2),
+    "reduce_scatter_tensor": _functional(lambda a, k: _scatter_step(_reduce_op(a[1])), 3),
+    "all_to_all_single": _functional(lambda a, k: _to_varying, 3),
+    "broadcast": _functional(lambda a, k: _to_replicated, 2),
+    "wait_tensor": _same_type,
+    "_wrap_tensor_autograd": _same_type,
+}
+
+
+def collective_rule(func: torch._ops.OpOverload) -> Callable | None:
+    """The rule for a c10d or functional-collective op, or None."""
+    name = func._opname if hasattr(func, "_opname") else func.__name__.split(".")[0]
+    if func.namespace == "c10d":
+        return C10D_RULES.get(name)
+    if func.namespace == "_c10d_functional":
+        return FUNCTIONAL_RULES.get(name)
+    return None

@@ -1,0 +1,171 @@
+"""Collective rules, driven through torch.distributed on a fake process group (one process)."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as fc
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+import shardcheck as sc
+from shardcheck.rules import PAVG
+
+R, P, V, S = sc.R, sc.P, sc.V, sc.S
+SUM, AVG, MAX = dist.ReduceOp.SUM, dist.ReduceOp.AVG, dist.ReduceOp.MAX
+
+
+@pytest.fixture(scope="module")
+def groups():
+    """Rank 0 of 4 on a fake backend: tp = [0, 1], dp = [0, 2], and a group over [0, 3]."""
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        yield {"tp": dist.new_group([0, 1]), "dp": dist.new_group([0, 2]),
+               "other": dist.new_group([0, 3]), "world": dist.group.WORLD}
+    finally:
+        dist.destroy_process_group()
+
+
+def check(groups, program):
+    """Run program(groups) typed on the tp x dp mesh; its result's tp type or the rule broken."""
+    with sc.typecheck(sc.Mesh(tp=groups["tp"], dp=groups["dp"])):
+        try:
+            return sc.typeof(program(groups)).get("tp")
+        except sc.SpmdTypeError as err:
+            return err.rule
+
+
+def T(*shape, tp=R, dp=R):  # noqa: N802
+    return sc.annotate(torch.randn(*shape), tp=tp, dp=dp)
+
+
+def all_reduce(x, g, op=SUM):
+    dist.all_reduce(x, op=op, group=g["tp"])
+    return x
+
+
+def gather_list(x, g):
+    out = [torch.empty_like(x) for _ in range(2)]
+    dist.all_gather(out, x, group=g["tp"])
+    return torch.cat(out)
+
+
+def gather_into(x, g):
+    out = torch.empty(x.shape[0] * 2, *x.shape[1:])
+    dist.all_gather_into_tensor(out, x, group=g["tp"])
+    return out
+
+
+def gather_last_dim(x, g):
+    """Megatron's gather along the last dim: gather on dim 0, chunk, cat on the last dim."""
+    return torch.cat(gather_into(x, g).chunk(2, dim=0), dim=-1)
+
+
+def reduce_scatter(x, g, op=SUM):
+    out = torch.empty(x.shape[0] // 2, *x.shape[1:])
+    dist.reduce_scatter_tensor(out, x, op=op, group=g["tp"])
+    return out
+
+
+def reduce_scatter_list(x, g):
+    out = torch.empty(x.shape[0] // 2, *x.shape[1:])
+    dist.reduce_scatter(out, list(x.chunk(2)), group=g["tp"])
+    return out
+
+
+def all_to_all(x, g):
+    out = torch.empty_like(x)
+    dist.all_to_all_single(out, x, group=g["tp"])
+    return out
+
+
+def all_to_all_list(x, g):
+    outs = [torch.empty(2), torch.empty(2)]
+    dist.all_to_all(outs, list(x.chunk(2)), group=g["tp"])
+    return outs[0]
+
+
+def broadcast(x, g):
+    dist.broadcast(x, src=0, group=g["tp"])
+    return x
+
+
+ROWS = [
+    ("all_reduce SUM of P", lambda g: all_reduce(T(4, tp=P), g), R),
+    ("all_reduce SUM of V", lambda g: all_reduce(T(4, tp=V), g), R),
+    ("all_reduce SUM of R", lambda g: all_reduce(T(4), g), "double count"),
+    ("all_reduce AVG of P", lambda g: all_reduce(T(4, tp=P), g, AVG), R),
+    ("all_reduce AVG of V", lambda g: all_reduce(T(4, tp=V), g, AVG), R),
+    ("all_reduce AVG of a shard mean", lambda g: all_reduce(T(4, 2, tp=S(1)).mean(1), g, AVG), R),
+    ("all_reduce SUM of a shard mean", lambda g: all_reduce(T(4, 2, tp=S(1)).mean(1), g),
+     "mean over shard"),
+    ("all_reduce MAX of R", lambda g: all_reduce(T(4), g, MAX), R),
+    ("all_reduce MAX of V", lambda g: all_reduce(T(4, 2, tp=S(1)).amax(1), g, MAX), R),
+    ("all_reduce MAX of P", lambda g: all_reduce(T(4, tp=P), g, MAX), "non-linear on partial"),
+    ("all_gather list of S(0)", lambda g: gather_list(T(4, tp=S(0)), g), R),
+    ("all_gather list of V", lambda g: gather_list(T(4, tp=V), g), R),
+    ("all_gather list of R", lambda g: gather_list(T(4), g), "gather of replicated"),
+    ("all_gather_into_tensor of S(0)", lambda g: gather_into(T(4, 3, tp=S(0)), g), R),
+    ("all_gather_into_tensor of V", lambda g: gather_into(T(4, tp=V), g), R),
+    ("all_gather_into_tensor of R", lambda g: gather_into(T(4), g), "gather of replicated"),
+    ("gather along the last dim", lambda g: gather_last_dim(T(4, 3, tp=S(1)), g), R),
+    ("reduce_scatter_tensor of P", lambda g: reduce_scatter(T(4, 3, tp=P), g), S(0)),
+    ("reduce_scatter_tensor of V", lambda g: reduce_scatter(T(4, 3, tp=V), g), S(0)),
+    ("reduce_scatter_tensor of R", lambda g: reduce_scatter(T(4, 3), g), "scatter of replicated"),
+    ("reduce_scatter list of P", lambda g: reduce_scatter_list(T(4, tp=P, dp=V), g), S(0)),
+    ("reduce_scatter list of R", lambda g: reduce_scatter_list(T(4, dp=V), g),
+     "scatter of replicated"),
+    ("all_to_all_single", lambda g: all_to_all(T(4, tp=S(0)), g), V),
+    ("all_to_all list", lambda g: all_to_all_list(T(4, tp=V), g), V),
+    ("broadcast", lambda g: broadcast(T(4, tp=V), g), R),
+    ("unknown axis", lambda g: dist.all_reduce(T(4, tp=P), group=g["other"]), "unknown axis"),
+    ("functional all_reduce", lambda g: fc.all_reduce(T(4, tp=P), "sum", g["tp"]) * 1, R),
+    ("functional all_reduce of R", lambda g: fc.all_reduce(T(4), "sum", g["tp"]) * 1,
+     "double count"),
+    ("functional all_gather", lambda g: fc.all_gather_tensor(T(4, 3, tp=S(1)), 1, g["tp"]) * 1, R),
+    ("functional reduce_scatter",
+     lambda g: fc.reduce_scatter_tensor(T(4, 3, tp=P), "sum", 0, g["tp"]) * 1, S(0)),
+    ("functional all_to_all",
+     lambda g: fc.all_to_all_single(T(4, tp=V), None, None, g["tp"]) * 1, V),
+]
+
+
+@pytest.mark.parametrize(("program", "expected"), [r[1:] for r in ROWS], ids=[r[0] for r in ROWS])
+def test_collective_rule(groups, program, expected):
+    assert check(groups, program) == expected
+
+
+def test_group_over_several_axes_reduces_each(groups):
+    with sc.typecheck(sc.Mesh(tp=groups["tp"], dp=groups["dp"])):
+        x = T(4, tp=P, dp=V)
+        dist.all_reduce(x, group=groups["world"])
+        assert sc.typeof(x) == {"tp": R, "dp": R}
+
+
+def test_unknown_axis_message_names_ranks_and_axes(groups):
+    with sc.typecheck(sc.Mesh(tp=groups["tp"], dp=groups["dp"])):
+        with pytest.raises(sc.SpmdTypeError) as info:
+            dist.all_reduce(T(4, tp=P), group=groups["other"])
+    assert "the group has ranks [0, 3]; the mesh has tp=[0, 1], dp=[0, 2]" in str(info.value)
+
+
+def test_inplace_all_reduce_retypes_views_of_a_flat_buffer(groups):
+    with sc.typecheck(sc.Mesh(tp=groups["tp"], dp=groups["dp"])):
+        flat = torch.zeros(10)
+        a, b = flat[:4].view(2, 2), flat[4:].view(3, 2)
+        a.add_(T(2, 2, tp=P, dp=V))
+        b.add_(T(3, 2, tp=P, dp=V))
+        dist.all_reduce(flat, group=groups["world"])
+        assert sc.typeof(a) == {"tp": R, "dp": R} and sc.typeof(b) == {"tp": R, "dp": R}
+
+
+def test_untyped_collective_stays_unknown(groups):
+    with sc.typecheck(sc.Mesh(tp=groups["tp"], dp=groups["dp"])):
+        x = torch.ones(2) + torch.randn(2).detach().requires_grad_(False).abs().neg_()
+        y = sc.annotate(torch.ones(2), tp=R)
+        y.copy_(x._neg_view())  # unknown source: y becomes unknown
+        dist.all_reduce(y, group=groups["other"])  # untyped: no violation even on a wrong group
+        assert sc.typeof(y) == {}
+
+
+def test_mean_over_shard_reads_as_partial_average(groups):
+    with sc.typecheck(sc.Mesh(tp=groups["tp"], dp=groups["dp"])):
+        assert sc.typeof(T(4, 2, tp=S(1)).mean(1))["tp"] is PAVG

@@ -1,0 +1,237 @@
+"""One test per row of the rule tables, on a one-axis mesh seen from rank 0 (no processes)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import shardcheck as sc
+from shardcheck.rules import PAVG
+
+MESH = sc.Mesh(rank=0, tp=[0, 1])
+R, P, V, S = sc.R, sc.P, sc.V, sc.S
+
+
+def T(*shape, tp=R):  # noqa: N802 - a typed tensor factory, short on purpose
+    return sc.annotate(torch.randn(*shape), tp=tp)
+
+
+def outcome(program, mesh=MESH):
+    """The tp placement of the program's result, or the violated rule's name."""
+    with sc.typecheck(mesh):
+        try:
+            return sc.typeof(program()).get("tp")
+        except sc.SpmdTypeError as err:
+            return err.rule
+
+
+ELEMENTWISE = [
+    ("R+R", lambda: T(4, 3) + T(4, 3), R),
+    ("S+S same dim", lambda: T(4, 3, tp=S(0)) * T(4, 3, tp=S(0)), S(0)),
+    ("S+S broadcast", lambda: T(2, 4, 3, tp=S(1)) + T(4, 3, tp=S(0)), S(1)),
+    ("S(0)+S(1)", lambda: T(4, 4, tp=S(0)) + T(4, 4, tp=S(1)), "mixed shards"),
+    ("R extent 1 + S", lambda: T(1, 3) + T(4, 3, tp=S(0)), S(0)),
+    ("R broadcast + S", lambda: T(3) + T(4, 3, tp=S(0)), S(0)),
+    ("R full + S", lambda: T(4, 3) + T(4, 3, tp=S(1)), "global shape mismatch"),
+    ("R full bias + S(-1)", lambda: T(4, 3, tp=S(-1)) + T(3), "global shape mismatch"),
+    ("V*R", lambda: T(4, tp=V) * T(4), V),
+    ("V+S", lambda: T(4, tp=V) + T(4, tp=S(0)), V),
+]
+
+LINEAR_ON_PARTIAL = [
+    ("P+P", lambda: T(4, tp=P) + T(4, tp=P), P),
+    ("P-P", lambda: T(4, tp=P) - T(4, tp=P), P),
+    ("-P", lambda: -T(4, tp=P), P),
+    ("P*const", lambda: T(4, tp=P) * 3.0, P),
+    ("P*R", lambda: T(4, tp=P) * T(4), P),
+    ("sum P", lambda: T(4, 3, tp=P).sum(0), P),
+    ("mean P", lambda: T(4, 3, tp=P).mean(), P),
+    ("view P", lambda: T(4, 3, tp=P).view(12), P),
+    ("permute P", lambda: T(4, 3, 2, tp=P).permute(2, 0, 1), P),
+    ("transpose P", lambda: T(4, 3, tp=P).transpose(0, 1), P),
+    ("cat P", lambda: torch.cat([T(4, tp=P), T(4, tp=P)]), P),
+    ("stack P", lambda: torch.stack([T(4, tp=P), T(4, tp=P)]), P),
+    ("P+R", lambda: T(4, tp=P) + T(4), "affine on partial"),
+    ("P+const", lambda: T(4, tp=P) + 1.0, "affine on partial"),
+    ("P+0", lambda: T(4, tp=P) + 0, P),
+    ("P+S", lambda: T(4, tp=P) + T(4, tp=S(0)), "affine on partial"),
+    ("P*P", lambda: T(4, tp=P) * T(4, tp=P), "partial product"),
+    ("P@P", lambda: T(4, 3, tp=P) @ T(3, 2, tp=P), "partial product"),
+    ("R/P", lambda: T(4) / T(4, tp=P), "division by partial"),
+    ("P/P", lambda: T(4, tp=P) / T(4, tp=P), "division by partial"),
+    ("P/R", lambda: T(4, tp=P) / T(4), P),
+    ("P/const", lambda: T(4, tp=P) / 2, P),
+    ("P masked_fill 0", lambda: T(4, tp=P).masked_fill(T(4) > 0, 0.0), P),
+    ("P masked_fill 1", lambda: T(4, tp=P).masked_fill(T(4) > 0, 1.0), "affine on partial"),
+    ("where(R, P, 0)", lambda: torch.where(T(4) > 0, T(4, tp=P), 0.0), P),
+]
+
+NONLINEAR = {
+    "exp": torch.exp, "log": torch.log, "softmax": lambda x: x.softmax(-1),
+    "log_softmax": lambda x: x.log_softmax(-1), "gelu": F.gelu, "silu": F.silu,
+    "relu": F.relu, "pow": lambda x: x**2, "sqrt": torch.sqrt, "rsqrt": torch.rsqrt,
+    "norm": torch.linalg.vector_norm, "max": torch.max, "amax": lambda x: x.amax(-1),
+    "min": lambda x: x.min(-1).values, "gt": lambda x: x > 0, "sigmoid": torch.sigmoid,
+    "tanh": torch.tanh, "erf": torch.erf, "abs": torch.abs,
+    "layer_norm": lambda x: F.layer_norm(x, (3,)), "rms_norm": lambda x: F.rms_norm(x, (3,)),
+    "cross_entropy": lambda x: F.cross_entropy(x, torch.tensor([0, 1, 2, 0])),
+}
+
+REDUCTIONS = [
+    ("sum over S", lambda: T(4, 3, tp=S(0)).sum(0), P),
+    ("sum all of S", lambda: T(4, 3, tp=S(1)).sum(), P),
+    ("sum over other dim", lambda: T(4, 3, tp=S(0)).sum(1), S(0)),
+    ("sum keepdim", lambda: T(4, 3, tp=S(1)).sum(0, keepdim=True), S(1)),
+    ("mean over S", lambda: T(4, 3, tp=S(1)).mean(-1), PAVG),
+    ("mean over S then use", lambda: T(4, 3, tp=S(1)).mean(-1) + T(4), "mean over shard"),
+    ("mean over other dim", lambda: T(4, 3, tp=S(1)).mean(0), S(0)),
+    ("max over S", lambda: T(4, 3, tp=S(1)).amax(-1), V),
+    ("argmax over S", lambda: T(4, 3, tp=S(1)).argmax(-1), V),
+    ("min over S", lambda: T(4, 3, tp=S(1)).min(-1).values, V),
+    ("softmax over S", lambda: T(4, 3, tp=S(1)).softmax(-1), "normalization over shard"),
+    ("softmax over other", lambda: T(4, 3, tp=S(1)).softmax(0), S(1)),
+    ("log_softmax over S", lambda: T(4, 3, tp=S(1)).log_softmax(1), "normalization over shard"),
+    ("layer_norm over S", lambda: F.layer_norm(T(4, 3, tp=S(1)), (3,)), "normalization over shard"),
+    ("layer_norm seq-sharded", lambda: F.layer_norm(T(4, 3, tp=S(0)), (3,), T(3), T(3)), S(0)),
+    ("norm over S", lambda: torch.linalg.vector_norm(T(4, 3, tp=S(1)), dim=1),
+     "normalization over shard"),
+    ("cross_entropy over vocab shard",
+     lambda: F.cross_entropy(T(4, 3, tp=S(1)), torch.tensor([0, 1, 2, 0])),
+     "normalization over shard"),
+    ("nll sum of seq shard", lambda: F.nll_loss(T(4, 3, tp=S(0)), T(4, tp=S(0)).long().abs() % 3,
+                                                reduction="sum"), P),
+]
+
+MATMUL = [
+    ("contract S,S", lambda: T(4, 6, tp=S(1)) @ T(6, 2, tp=S(0)), P),
+    ("contract S,R", lambda: T(4, 6, tp=S(1)) @ T(6, 2), "global shape mismatch"),
+    ("contract R,S", lambda: T(4, 6) @ T(6, 2, tp=S(0)), "global shape mismatch"),
+    ("linear R x S(0) weight", lambda: F.linear(T(4, 8), T(6, 8, tp=S(0))), S(1)),
+    ("linear 3d R x S(0) weight", lambda: F.linear(T(2, 4, 8), T(6, 8, tp=S(0)), T(6, tp=S(0))),
+     S(2)),
+    ("linear S(-1) x S(1) weight", lambda: F.linear(T(2, 4, 3, tp=S(2)), T(8, 3, tp=S(1))), P),
+    ("linear bias on partial", lambda: F.linear(T(4, 3, tp=S(1)), T(8, 3, tp=S(1)), T(8)),
+     "affine on partial"),
+    ("P @ R", lambda: T(4, 6, tp=P) @ T(6, 2), P),
+    ("R @ P", lambda: T(4, 6) @ T(6, 2, tp=P), P),
+    ("batch-sharded bmm", lambda: torch.bmm(T(4, 2, 3, tp=S(0)), T(4, 3, 5, tp=S(0))), S(0)),
+    ("bmm contraction", lambda: torch.bmm(T(4, 2, 3, tp=S(2)), T(4, 3, 5, tp=S(1))), P),
+    ("baddbmm", lambda: torch.baddbmm(T(4, 2, 5, tp=S(0)), T(4, 2, 3, tp=S(0)),
+                                      T(4, 3, 5, tp=S(0))), S(0)),
+    ("einsum", lambda: torch.einsum("bhd,bkd->bhk", T(2, 4, 3, tp=S(1)), T(2, 5, 3)), S(1)),
+    ("matmul S(0)xR", lambda: T(4, 6, tp=S(0)) @ T(6, 2), S(0)),
+    ("matmul S(0)xS(1)", lambda: T(4, 6, tp=S(0)) @ T(6, 2, tp=S(1)), "mixed shards"),
+]
+
+SHAPES = [
+    ("view split sharded dim", lambda: T(6, 4, tp=S(0)).view(2, 3, 4), S(0)),
+    ("view split last", lambda: T(2, 3, 8, tp=S(2)).view(2, 3, 2, 4), S(2)),
+    ("view merge outer sharded", lambda: T(2, 3, 4, tp=S(0)).reshape(6, 4), S(0)),
+    ("view merge heads", lambda: T(5, 2, 3, 4, tp=S(2)).reshape(5, 2, 12), S(2)),
+    ("view merge inner sharded is unknown", lambda: T(2, 3, 4, tp=S(2)).reshape(2, 12), None),
+    ("flatten", lambda: T(2, 3, 4, tp=S(0)).flatten(), S(0)),
+    ("permute", lambda: T(2, 3, 4, tp=S(0)).permute(2, 0, 1), S(1)),
+    ("transpose", lambda: T(2, 3, 4, tp=S(2)).transpose(0, 2), S(0)),
+    ("t", lambda: T(2, 3, tp=S(0)).t(), S(1)),
+    ("unsqueeze", lambda: T(2, 3, tp=S(1)).unsqueeze(0), S(2)),
+    ("squeeze", lambda: T(1, 2, 3, tp=S(2)).squeeze(0), S(1)),
+    ("expand", lambda: T(2, 3, tp=S(1)).expand(4, 2, 3), S(2)),
+    ("narrow unsharded", lambda: T(4, 6, tp=S(1)).narrow(0, 1, 2), S(1)),
+    ("slice unsharded", lambda: T(4, 6, tp=S(1))[1:3], S(1)),
+    ("slice sharded", lambda: T(4, 6, tp=S(1))[:, 1:3], V),
+    ("index unsharded", lambda: T(4, 6, tp=S(1))[2], S(0)),
+    ("index sharded", lambda: T(4, 6, tp=S(0))[2], V),
+    ("split unsharded", lambda: torch.split(T(4, 6, tp=S(1)), 2, 0)[1], S(1)),
+    ("chunk sharded", lambda: torch.chunk(T(4, 6, tp=S(1)), 3, 1)[1], V),
+    ("chunk of P", lambda: torch.chunk(T(4, 6, tp=P), 2, 1)[1], P),
+    ("cat along other dim", lambda: torch.cat([T(4, 3, tp=S(0)), T(4, 3, tp=S(0))], 1), S(0)),
+    ("cat along sharded dim", lambda: torch.cat([T(4, 3, tp=S(0)), T(4, 3, tp=S(0))], 0), V),
+    ("stack", lambda: torch.stack([T(4, 3, tp=S(1)), T(4, 3, tp=S(1))]), S(2)),
+    ("contiguous/clone/detach", lambda: T(4, 3, tp=S(1)).t().contiguous().clone().detach(), S(0)),
+    ("type conversion", lambda: T(4, 3, tp=P).to(torch.float64).half(), P),
+    ("gather unsharded dim", lambda: torch.gather(T(4, 3, tp=S(0)), 1,
+                                                  sc.annotate(torch.zeros(4, 1).long(), tp=S(0))),
+     S(0)),
+]
+
+FACTORIES = [
+    ("zeros", lambda: torch.zeros(3), R), ("ones", lambda: torch.ones(3), R),
+    ("arange", lambda: torch.arange(3), R), ("full", lambda: torch.full((3,), 2.0), R),
+    ("empty", lambda: torch.empty(3), R), ("eye", lambda: torch.eye(3), R),
+    ("tensor", lambda: torch.tensor([1.0, 2.0]), R), ("zeros_like", lambda: torch.zeros_like(
+        T(3, tp=P)), R),
+    ("randn", lambda: torch.randn(3), V), ("rand", lambda: torch.rand(3), V),
+    ("randint", lambda: torch.randint(0, 5, (3,)), V),
+]
+
+ROWS = ELEMENTWISE + LINEAR_ON_PARTIAL + REDUCTIONS + MATMUL + SHAPES + FACTORIES
+
+
+@pytest.mark.parametrize(("program", "expected"), [r[1:] for r in ROWS], ids=[r[0] for r in ROWS])
+def test_rule_row(program, expected):
+    assert outcome(program) == expected
+
+
+@pytest.mark.parametrize("name", sorted(NONLINEAR))
+def test_nonlinear_on_partial(name):
+    op = NONLINEAR[name]
+    assert outcome(lambda: op(T(4, 3, tp=P))) == "non-linear on partial"
+    if name not in ("norm", "max"):  # these reduce every dim, the sharded one too
+        assert not isinstance(outcome(lambda: op(T(4, 3, tp=S(0)))), str)
+
+
+def test_unknown_operand_gives_unknown_not_violation():
+    with sc.typecheck(MESH):
+        x = T(4, tp=P)
+        y = x + torch.randn(4) * 0 + torch.ones(4)  # randn is V, ones is R: V + R = V
+        z = x + sc.annotate(torch.randn(4), tp=R)._neg_view()  # no rule: unknown
+        assert sc.typeof(y) == {"tp": V} and sc.typeof(z) == {}
+    cov = sc.coverage()
+    assert cov.unknown >= 1 and any("_neg_view" in name for name, _ in cov.top_unknown)
+
+
+def test_known_zero_buffer_accumulates_partial():
+    with sc.typecheck(MESH):
+        buf = torch.zeros(4)
+        buf += T(4, tp=P)
+        assert sc.typeof(buf) == {"tp": P}
+        grad = torch.ones(4).zero_()
+        grad.add_(T(4, tp=P))
+        assert sc.typeof(grad) == {"tp": P}
+        filled = torch.ones(4)
+        with pytest.raises(sc.SpmdTypeError) as info:
+            filled += T(4, tp=P)
+        assert info.value.rule == "affine on partial"
+
+
+def test_inplace_op_updates_views_of_the_same_storage():
+    with sc.typecheck(MESH):
+        flat = torch.zeros(8)
+        first, second = flat[:4].view(2, 2), flat[4:].view(2, 2)
+        first.copy_(T(2, 2, tp=P))
+        assert sc.typeof(first) == {"tp": P} and sc.typeof(second) == {"tp": R}
+        assert sc.typeof(flat) == {"tp": P}  # zeros elsewhere: the whole buffer is a partial sum
+
+
+def test_rank_slice_heuristic_and_typed_helper():
+    mesh = sc.Mesh(rank=1, tp=[0, 1])
+    with sc.typecheck(mesh):
+        x = T(4, 6)
+        assert sc.typeof(x[:, 3:6]) == {"tp": S(1)}            # this rank's chunk
+        assert sc.typeof(x[:, 0:3]) == {"tp": R}               # another rank's chunk, on every rank
+        assert sc.typeof(torch.split(x, 2, 0)[1]) == {"tp": S(0)}
+        assert sc.typeof(torch.chunk(x, 2, 1)[1]) == {"tp": S(1)}
+        assert sc.typeof(sc.rank_slice(x, "tp", 0)) == {"tp": S(0)}
+        assert torch.equal(sc.rank_slice(x, "tp", 1), x[:, 3:])
+        with pytest.raises(sc.SpmdTypeError) as info:
+            T(4, 6, tp=V)[2:4]
+        assert info.value.rule == "split of varying"
+        with pytest.raises(sc.SpmdTypeError) as info:
+            sc.rank_slice(T(4, 6, tp=V), "tp", 0)
+        assert info.value.rule == "split of varying"
+
+
+def test_item_and_tolist_are_typed_reads():
+    with sc.typecheck(MESH):
+        x = T(3, tp=P)
+        assert isinstance(x.sum().item(), float) and len(x.tolist()) == 3
+    assert sc.coverage().unknown == 0
