@@ -351,12 +351,12 @@ def reduction(kind: str, dim_pos: int = 1, keep_pos: int = 2) -> Callable:
         ndim = x.dim()
         dims = _reduced_dims(_arg(args, kwargs, dim_pos, "dim"), ndim)
         keep = bool(_arg(args, kwargs, keep_pos, "keepdim", False))
-        result = tuple(_reduce_axis(kind, p, a, dims, keep) for a, p in enumerate(pl))
+        result = tuple(_reduce_axis(kind, p, a, dims, keep, ndim) for a, p in enumerate(pl))
         return result
     return rule
 
 
-def _reduce_axis(kind: str, p: Placement | None, a: int, dims: set[int], keep: bool):
+def _reduce_axis(kind: str, p: Placement | None, a: int, dims: set[int], keep: bool, ndim: int):
     if p is None or isinstance(p, Gathered):
         return None
     if _is_partial(p):
@@ -365,6 +365,7 @@ def _reduce_axis(kind: str, p: Placement | None, a: int, dims: set[int], keep: b
         raise Violation("mean over shard" if p is PAVG else "non-linear on partial", a)
     if not isinstance(p, Shard):
         return p
+    p = S(_norm(p.dim, max(ndim, 1)))  # S(-1) and S(ndim-1) are the same shard
     if p.dim in dims:
         if kind == "sum":
             return P
@@ -428,7 +429,7 @@ def _layer_norm_backward_rule(ctx, args, kwargs, out):
     if g is None:
         return None
     lead = set(range(x.dim() - len(args[2])))
-    param = tuple(_reduce_axis("sum", p, a, lead, False) for a, p in enumerate(g))
+    param = tuple(_reduce_axis("sum", p, a, lead, False, x.dim()) for a, p in enumerate(g))
     return [g, param, param]
 
 
@@ -501,9 +502,11 @@ def _dot(ctx, args, kwargs, out):
 def _with_bias(contract: Callable) -> Callable:
     """addmm/baddbmm(bias, a, b, beta, alpha): the product plus a broadcast bias."""
     def rule(ctx, args, kwargs, out):
-        prod = contract(ctx, args[1:], kwargs, out)
+        prod = contract(ctx, args[1:3], kwargs, out)
         if prod is None:
             return None
+        if kwargs.get("beta", args[3] if len(args) > 3 else 1) == 0:
+            return prod  # beta=0: the bias is ignored (an uninitialised buffer, typically)
         return elementwise(ctx, [(args[0], ADD), (Typed(prod, tuple(out.shape)), ADD)])
     return rule
 
@@ -542,7 +545,7 @@ def _embedding_backward_rule(ctx, args, kwargs, out):
     last = grad.dim() - 1
     tokens = set(range(last))
     return tuple(S(1) if isinstance(p, Shard) and _norm(p.dim, grad.dim()) == last
-                 else _reduce_axis("sum", p, a, tokens, False) for a, p in enumerate(pl))
+                 else _reduce_axis("sum", p, a, tokens, False, grad.dim()) for a, p in enumerate(pl))
 
 
 def _nll_rule(ctx, args, kwargs, out):
@@ -847,14 +850,19 @@ def _scatter_rule(ctx, args, kwargs, out):
 
 
 def _index_rule(ctx, args, kwargs, out):
-    """x[idx] with index tensors: keeps R/P/V; sharded inputs become unknown."""
+    """x[idx] with index tensors: keeps R/P/V; a shard indexed along its sharded dim reads each
+    rank's own slice at the same local indices (V, like slicing along a sharded dim); other
+    sharded inputs become unknown."""
     pl = ctx.types(args[0])
     if pl is None:
         return None
     for idx in args[1]:
         if idx is not None and ctx.types(idx) is None:
             return None
-    return tuple(None if isinstance(p, (Shard, Gathered)) else p for p in pl)
+    indexed = {d for d, idx in enumerate(args[1]) if idx is not None}
+    ndim = args[0].dim()
+    return tuple(V if isinstance(p, Shard) and _norm(p.dim, ndim) in indexed
+                 else None if isinstance(p, (Shard, Gathered)) else p for p in pl)
 
 
 def _index_put_rule(ctx, args, kwargs, out):
@@ -862,7 +870,9 @@ def _index_put_rule(ctx, args, kwargs, out):
     xl, values = ctx.types(args[0]), args[2]
     if xl is None:
         return None
-    if values.dim() == 0 and ctx.types(values) is None:
+    scalar_types = ctx.types(values)
+    if values.dim() == 0 and (scalar_types is None or all(_replicated(p) for p in scalar_types)):
+        # one value written everywhere (a Python number or a replicated scalar)
         if all(not _is_partial(p) for p in xl) or values.item() == 0:
             return xl
         return tuple(None if _is_partial(p) else p for p in xl)
@@ -920,6 +930,15 @@ def _replicated_rule(ctx, args, kwargs, out):
     return (R,) * ctx.n
 
 
+def _like_rule(ctx, args, kwargs, out):
+    """zeros_like(x) & co: a fresh value with x's local shape, so a shard of x gives a shard
+    (the same value on every rank, cut the same way); everything else is replicated."""
+    pl = ctx.types(args[0])
+    if pl is None:
+        return (R,) * ctx.n
+    return tuple(S(_norm(p.dim, args[0].dim())) if isinstance(p, Shard) else R for p in pl)
+
+
 def _varying_rule(ctx, args, kwargs, out):
     return (V,) * ctx.n
 
@@ -959,6 +978,7 @@ FACTORIES = [
     "linspace", "logspace", "zeros_like", "ones_like", "full_like", "empty_like", "new_zeros",
     "new_ones", "new_full", "new_empty", "new_empty_strided", "lift_fresh", "tensor",
 ]
+LIKE_FACTORIES = ["zeros_like", "ones_like", "full_like", "empty_like"]
 RANDOM_FACTORIES = ["rand", "randn", "randint", "randperm"]
 RANDOM_FROM_TEMPLATE = [
     "rand_like", "randn_like", "randint_like", "bernoulli", "uniform", "normal", "random",
@@ -985,6 +1005,7 @@ def _base_table() -> dict[str, Callable]:
     table.update(dict.fromkeys(LINEAR_UNARY, _unary_linear))
     table.update(dict.fromkeys(ACTIVATION_BACKWARD, _activation_backward))
     table.update(dict.fromkeys(FACTORIES, _replicated_rule))
+    table.update(dict.fromkeys(LIKE_FACTORIES, _like_rule))
     table.update(dict.fromkeys(RANDOM_FACTORIES, _varying_rule))
     table.update(dict.fromkeys(RANDOM_FROM_TEMPLATE, _keep_layout))
     table.update(_reduce)

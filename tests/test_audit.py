@@ -12,13 +12,15 @@ pytestmark = pytest.mark.slow
 for module in PRELOAD:
     __import__(module)
 
-KNOWN = {
+KNOWN = {  # trigger, location, checker line (None: numeric-only)
     "label smoothing": (Case("output_loss", (("label_smoothing", 0.1),), Layout(tp=2)),
-                        "tensor_parallel/cross_entropy.py"),
+                        "tensor_parallel/cross_entropy.py",
+                        "checker: mean over shard at megatron/core/tensor_parallel/cross_entropy.py:"),
     "cp loss": (Case("gpt", (("loss_mask", True), ("optimizer_step", False)), Layout(cp=2)),
-                "pipeline_parallel/schedules.py"),
+                "pipeline_parallel/schedules.py", None),
     "router count": (Case("moe_router", (("padding", True),), Layout(tp=2, sp=True)),
-                     "transformer/moe/moe_utils.py"),
+                     "transformer/moe/moe_utils.py",
+                     "checker: contract at megatron/core/transformer/moe/router.py:"),
 }
 CORRECT = ["tp2", "tp2-sp", "dp2", "pp2", "cp2", "tp2-dp2-sp", "cp2-dp2", "tp2-pp2"]
 
@@ -31,13 +33,15 @@ def warm():
 
 @pytest.fixture(scope="module")
 def known(warm):
-    return audit([case for case, _ in KNOWN.values()], run_pools=warm)
+    return audit([case for case, _, _ in KNOWN.values()], run_pools=warm)
 
 
 @pytest.mark.parametrize("name", list(KNOWN))
 def test_known_bug_is_found_with_location_numbers_and_corrected_control(known, name):
-    case, where = KNOWN[name]
+    case, where, checker = KNOWN[name]
     [finding] = [f for f in known.findings if f.trigger["component"] == case.component]
+    assert (finding.checker or "").startswith(checker or "") and (checker is None) == (finding.checker is None)
+    assert finding.kind == ("numeric-only" if checker is None else "type+numeric")
     assert where in finding.location and finding.location.rsplit(":", 1)[1].isdigit()
     assert finding.trigger["layout"] == str(case.layout)
     assert finding.effect and finding.effect[0]["max_abs_error"] > 1e-4

@@ -35,13 +35,17 @@ from shardcheck.pool import PoolFailure, RankPool
 PRELOAD = ("megatron.core.pipeline_parallel.schedules", "megatron.core.optimizer",
            "megatron.core.transformer.moe.router", "megatron.core.models.gpt.gpt_model",
            "shardcheck.megatron.scenarios")
-RUN_TIMEOUT = 60.0
+RUN_TIMEOUT = 30.0
 
 
 # ---- on each rank --------------------------------------------------------------------------
 
-def run_case(ctx: Any, component: str, options: tuple, fixes: tuple[str, ...], typecheck: bool) -> dict:
-    """Run one component with its options on this rank; outputs, contracted calls, violations."""
+def run_case(ctx: Any, component: str, options: tuple, fixes: tuple[str, ...], typecheck: bool,
+             rng_offset: int = 0) -> dict:
+    """Run one component with its options on this rank; outputs, contracted calls, violations.
+
+    ``rng_offset`` shifts the seed of Megatron's model-parallel RNG (screening for randomness).
+    """
     from shardcheck.megatron.scenarios import COMPONENTS, scenario
 
     warnings.filterwarnings("ignore")
@@ -49,12 +53,52 @@ def run_case(ctx: Any, component: str, options: tuple, fixes: tuple[str, ...], t
     run = scenario(component, **setup_kwargs(COMPONENTS[component].setup, options))
     with ExitStack() as stack:
         stack.enter_context(_groups_destroyed_after())
+        stack.enter_context(_seed_shifted(rng_offset))
+        entries = stack.enter_context(_entry_points())
         calls = stack.enter_context(contracts.recording())
         stack.enter_context(contracts.fixed(fixes))
         found = stack.enter_context(checked_region(ctx) if typecheck else nullcontext([]))
         outputs = run(ctx)
     return {"outputs": {k: torch.as_tensor(v).detach().double().clone() for k, v in outputs.items()},
-            "calls": calls, "violations": list(found)}
+            "calls": calls, "violations": list(found), "entry": entries[0] if entries else None}
+
+
+@contextmanager
+def _entry_points() -> Iterator[list[str]]:
+    """Record the forward of the first megatron-core module the scenario runs (its entry point)."""
+    import inspect
+
+    from shardcheck.megatron.contracts import _short
+
+    found: list[str] = []
+
+    def record(module: torch.nn.Module, _args: Any) -> None:
+        cls = type(module)
+        if not found and cls.__module__.startswith("megatron.core"):
+            forward = inspect.unwrap(cls.forward)
+            found.append(f"{_short(inspect.getsourcefile(forward))}:{inspect.getsourcelines(forward)[1]}")
+
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(record)
+    try:
+        yield found
+    finally:
+        handle.remove()
+
+
+@contextmanager
+def _seed_shifted(offset: int) -> Iterator[None]:
+    from megatron.core.tensor_parallel import random as megatron_random
+
+    original = megatron_random.model_parallel_cuda_manual_seed
+
+    def shifted(seed: int, *args: Any, **kwargs: Any) -> Any:
+        return original(seed + offset, *args, **kwargs)
+
+    megatron_random.model_parallel_cuda_manual_seed = shifted
+    try:
+        yield
+    finally:
+        megatron_random.model_parallel_cuda_manual_seed = original
 
 
 @contextmanager
@@ -125,6 +169,8 @@ class Outcome:
     violations: list[dict] = field(default_factory=list)
     error: str | None = None
     seconds: float = 0.0
+    error_kind: str | None = None
+    entry: str | None = None
     errors: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -144,28 +190,32 @@ class Runner:
     def __init__(self, runner_pools: Pools, typecheck: bool) -> None:
         self.pools = runner_pools
         self.typecheck = typecheck
-        self.references: dict[tuple[str, tuple], dict | str] = {}
+        self.references: dict[tuple[str, tuple, int], dict | str] = {}
 
-    def reference(self, component: str, options: tuple) -> dict | str:
+    def reference(self, component: str, options: tuple, rng_offset: int = 0) -> dict | str:
         """The one-rank result of a component with options, or the error line when it fails."""
-        key = (component, options)
+        key = (component, options, rng_offset)
         if key not in self.references:
             try:
-                self.references[key] = self.pools.run(Layout(), run_case, component, options, (), False)[0]
+                self.references[key] = self.pools.run(Layout(), run_case, component, options, (),
+                                                      False, rng_offset)[0]
             except PoolFailure as failure:
                 self.references[key] = _first_line(failure)
         return self.references[key]
 
     def screen(self, component: str, options: tuple) -> str | None:
-        """Why an option is not swept (fails, or changes nothing at one rank), else None."""
+        """Why an option is not swept, else None: it fails or changes nothing at one rank, or
+        its outputs depend on the RNG seed (each rank of a layout draws its own random stream,
+        so such outputs have no one-rank reference)."""
         ref = self.reference(component, options)
         if isinstance(ref, str):
             return f"fails on one rank: {ref}"
-        if not options:
-            return None
         base = self.reference(component, ())
-        if isinstance(base, dict) and _same_outputs(ref["outputs"], base["outputs"]):
+        if options and isinstance(base, dict) and _same_outputs(ref["outputs"], base["outputs"]):
             return "changes no output at one rank"
+        reseeded = self.reference(component, options, rng_offset=1)
+        if isinstance(reseeded, dict) and not _same_outputs(ref["outputs"], reseeded["outputs"]):
+            return "random: its outputs depend on the RNG seed, so no one-rank reference exists"
         return None
 
     def run(self, case: Case, fixes: tuple[str, ...] = ()) -> Outcome:
@@ -175,11 +225,13 @@ class Runner:
         try:
             ranks = self.pools.run(case.layout, run_case, case.component, case.options, fixes, self.typecheck)
         except PoolFailure as failure:
-            return Outcome(case, error=_first_line(failure), seconds=time.monotonic() - started)
+            return Outcome(case, error=_first_line(failure), seconds=time.monotonic() - started,
+                           error_kind=failure.kind)
         outcome = Outcome(case, output_gaps([r["outputs"] for r in ranks], ref["outputs"]),
                           first_call_gap(case.layout, [r["calls"] for r in ranks], ref["calls"]),
                           _unique(v for r in ranks for v in r["violations"]),
-                          errors=max_errors([r["outputs"] for r in ranks], ref["outputs"]))
+                          errors=max_errors([r["outputs"] for r in ranks], ref["outputs"]),
+                          entry=ranks[0]["entry"])
         outcome.seconds = time.monotonic() - started
         return outcome
 
@@ -251,7 +303,7 @@ def audit(cases: Iterable[Case], *, budget: int | None = None, time_limit: float
     with nullcontext(run_pools) if run_pools else pools() as owned:
         runner = Runner(owned, typecheck and checker_available())
         outcomes, not_swept, early = _sweep(runner, cases, budget, time_limit, progress, started)
-        findings = _findings(runner, [o for o in outcomes if o.failed])
+        findings = _findings(runner, outcomes)
     return AuditResult(findings, outcomes, not_swept, time.monotonic() - started, early)
 
 
@@ -275,6 +327,8 @@ def _sweep(runner: Runner, cases: Iterable[Case], budget: int | None, time_limit
         outcomes.append(outcome)
         if outcome.error and not case.options:
             broken_layouts.add((case.component, case.layout))
+        elif outcome.error_kind in ("hang", "desync"):
+            not_swept[key] = f"{outcome.error_kind} under {case.layout}; not swept further"
     return outcomes, _listed(not_swept), False
 
 
@@ -283,17 +337,20 @@ def _listed(not_swept: dict[tuple, str]) -> list[str]:
             for (component, options), why in not_swept.items()]
 
 
-def _findings(runner: Runner, failed: list[Outcome]) -> list[Finding]:
+def _findings(runner: Runner, outcomes: list[Outcome]) -> list[Finding]:
+    baseline = {(o.case.component, o.case.layout): {audit_report._violation_key(v) for v in o.violations}
+                for o in outcomes if not o.case.options}
     findings = []
-    for key, members in audit_report.group(failed).items():
-        minimal = min(members, key=lambda o: audit_report._size(o.case))
+    for key, members in audit_report.group([o for o in outcomes if o.failed]).items():
+        minimal = min(members, key=lambda o: (not o.gaps, audit_report._size(o.case)))
+        seen = baseline.get((minimal.case.component, minimal.case.layout), set())
+        checker = audit_report.checker_line(key[0], members, seen if minimal.case.options else set())
         findings.append(Finding(
-            title=audit_report.title(key, minimal), kind=audit_report.kind(members),
+            title=audit_report.title(key, minimal), kind=audit_report.kind(members, checker),
             location=key[0], contract=key[1], trigger=audit_report.trigger(minimal.case),
             effect=audit_report.effect(minimal),
             first_divergence=minimal.call_gap.gap.summary() if minimal.call_gap else None,
-            checker=next((v["line"] for o in members for v in o.violations), None),
-            corrected=corrected_control(runner, minimal),
+            checker=checker, corrected=corrected_control(runner, minimal),
             reproduce=audit_report.reproduce_command(minimal.case),
             seen_in=sorted({f"{o.case.layout} {dict(o.case.options) or ''}".strip() for o in members})))
     return sorted(findings, key=lambda f: (f.kind, f.location))

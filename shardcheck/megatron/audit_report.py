@@ -45,13 +45,16 @@ class Finding:
         self.id = self.id or hashlib.sha1(f"{self.location}\0{self.contract}".encode()).hexdigest()[:10]
 
 
+def _violation_key(violation: dict) -> tuple[str, str]:
+    return violation["location"], f"checker rule: {violation['rule']}"
+
+
 def _key(outcome) -> tuple[str, str] | None:
     if outcome.call_gap is not None:
         contract = BY_NAME[outcome.call_gap.contract]
         return contract.location(), contract.notation()
-    if outcome.violations:
-        first = outcome.violations[0]
-        return first["location"], f"checker rule: {first['rule']}"
+    if outcome.gaps and outcome.entry:
+        return outcome.entry, "outputs match the one-rank run"
     return None
 
 
@@ -60,21 +63,44 @@ def _size(case: Case) -> tuple:
 
 
 def group(failed: Sequence) -> dict[tuple[str, str], list]:
-    """Failing outcomes grouped by (location, contract), unlocated ones attached as described above."""
+    """Failing outcomes grouped by (location, contract).
+
+    Numeric failures are keyed by their first diverging contracted call, else by their entry
+    point into megatron-core; unlocated ones join the finding of the same component and options.
+    Type-only outcomes are keyed by their violation, unless a numeric finding's cases have the
+    same violation: then they are that finding's (they explain it).
+    """
     groups: dict[tuple[str, str], list] = {}
     by_options: dict[tuple, tuple[str, str]] = {}
-    for outcome in sorted(failed, key=lambda o: _size(o.case)):
+    numeric = [o for o in failed if o.gaps]
+    for outcome in sorted(numeric, key=lambda o: _size(o.case)):
         key = _key(outcome)
         if key is not None:
             groups.setdefault(key, []).append(outcome)
             by_options.setdefault((outcome.case.component, outcome.case.options), key)
-    for outcome in failed:
+    for outcome in numeric:
         if _key(outcome) is None:
-            options = (outcome.case.component, outcome.case.options)
-            key = by_options.get(options) or (f"{outcome.case.component} output "
-                                              f"{outcome.gaps[0].name}", "matches the one-rank run")
+            key = by_options.get((outcome.case.component, outcome.case.options)) or (
+                f"{outcome.case.component} output {outcome.gaps[0].name}", "outputs match the one-rank run")
             groups.setdefault(key, []).append(outcome)
+    explained = {_violation_key(v): key for key, members in groups.items()
+                 for o in members for v in o.violations}
+    for outcome in (o for o in failed if not o.gaps):
+        for violation in outcome.violations:
+            groups.setdefault(explained.get(_violation_key(violation), _violation_key(violation)),
+                              []).append(outcome)
     return groups
+
+
+def checker_line(location: str, members: Sequence, baseline_violations: set[tuple[str, str]]) -> str | None:
+    """The ``checker:`` line explaining a finding: a violation in the finding's own file, else
+    one its cases have and the same component's default run under that layout has not."""
+    violations = [v for o in members for v in o.violations]
+    file = location.rsplit(":", 1)[0]
+    same_file = [v for v in violations if v["location"].rsplit(":", 1)[0] == file]
+    new = [v for v in violations if _violation_key(v) not in baseline_violations]
+    chosen = (same_file or new or [None])[0]
+    return chosen["line"] if chosen else None
 
 
 def reproduce_command(case: Case) -> str:
@@ -92,15 +118,14 @@ def title(key: tuple[str, str], minimal) -> str:
     if minimal.call_gap is not None:
         what = minimal.call_gap.gap.name.split(".", 1)[1]
         return f"{minimal.call_gap.contract}: {what} differs from one rank under {case.layout} ({opts})"
-    if minimal.violations:
-        return f"checker: {minimal.violations[0]['rule']} in {case.component} under {case.layout} ({opts})"
-    return f"{case.component}: {minimal.gaps[0].name} differs from one rank under {case.layout} ({opts})"
+    if minimal.gaps:
+        return f"{case.component}: {minimal.gaps[0].name} differs from one rank under {case.layout} ({opts})"
+    return f"{minimal.violations[0]['rule']} in {case.component} under {case.layout} ({opts})"
 
 
-def kind(outcomes: Sequence) -> str:
+def kind(outcomes: Sequence, checker: str | None) -> str:
     numeric = any(o.gaps for o in outcomes)
-    typed = any(o.violations for o in outcomes)
-    return "type+numeric" if numeric and typed else "numeric-only" if numeric else "type-only"
+    return "type+numeric" if numeric and checker else "numeric-only" if numeric else "type-only"
 
 
 def effect(outcome, limit: int = 3) -> list[dict[str, Any]]:

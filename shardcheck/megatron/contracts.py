@@ -43,6 +43,7 @@ class Contract:
     ensures: tuple[tuple[str, Mapping[str, str]], ...] = ()
     fix: Callable[..., Any] | None = None
     fix_note: str = ""
+    trusted: bool = False  # the checker does not type the body; probes still check the result
 
     def original(self) -> Callable[..., Any]:
         module, attribute = self.function.split(":")
@@ -159,6 +160,11 @@ CONTRACTS: tuple[Contract, ...] = (
         fix_note="divide each CP rank's masked loss sum by the token count summed over cp "
                  "(divided by the cp size, which the gradient average undoes)"),
     Contract(
+        "get_grad_norm_fp32",
+        "megatron.core.optimizer.clip_grads:get_grad_norm_fp32",
+        ensures=(("total_norm", {"tp": "R", "cp": "R", "dp": "R", "pp": "R"}),),
+        trusted=True),
+    Contract(
         "reduce_from_tensor_model_parallel_region",
         "megatron.core.tensor_parallel.mappings:reduce_from_tensor_model_parallel_region",
         requires={"input_": {"tp": "P"}}),
@@ -239,20 +245,68 @@ def _wrapper(contract: Contract, original: Callable[..., Any]) -> Callable[..., 
 def _checked(contract: Contract, fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` under the checker's contract hook when a typecheck region is active."""
     checker = sys.modules.get("shardcheck.checker")
-    if checker is None or checker.current() is None or not contract.requires:
+    if checker is None or checker.current() is None:
+        return fn
+    if contract.trusted:
+        return _paused(checker.current(), fn)
+    if not contract.requires:
         return fn
     from shardcheck.megatron.typing import assume_required
 
     def run(*args: Any, **kwargs: Any) -> Any:
         assume_required(fn, contract.requires, args, kwargs)
-        spec = _positional(fn, contract.requires)
-        return checker.contract(args=spec, trusted=False)(fn)(*args, **kwargs)
+        spec = _as_passed(fn, contract.requires, args)
+        result = checker.contract(args=spec, trusted=False)(fn)(*args, **kwargs)
+        _check_results(checker.current(), contract, fn, args, kwargs, result)
+        return result
     return run
 
 
-def _positional(fn: Callable[..., Any], requires: Mapping[str, Mapping[str, str]]) -> dict:
+def _ensured_axes(active: Any, axis: str, bound: Mapping[str, Any]) -> tuple[str, ...]:
+    """The mesh axes an ``ensures`` axis names: itself, or the axes of the group argument."""
+    if not axis.startswith("group:"):
+        return (axis,) if axis in active.names else ()
+    ranks = _group_ranks(bound.get(axis.split(":", 1)[1]))
+    return (active.mesh.axes_of(ranks) or ()) if ranks else ()
+
+
+def _check_results(active: Any, contract: Contract, fn: Callable[..., Any], args: tuple,
+                   kwargs: dict, result: Any) -> None:
+    """Report results whose checker type breaks the contract's ``ensures`` (R, P and S only)."""
+    from shardcheck.checker import typeof
+    from shardcheck.rules import Violation
+    from shardcheck.types import parse_placement
+
+    bound = inspect.signature(fn).bind(*args, **kwargs).arguments
+    values = result if isinstance(result, tuple | list) else (result,)
+    for (name, types), value in zip(contract.ensures, values, strict=False):
+        if not isinstance(value, torch.Tensor):
+            continue
+        actual = typeof(value)
+        for axis, placement in types.items():
+            if placement == "P(avg)":
+                continue
+            want = parse_placement(placement)
+            for mesh_axis in _ensured_axes(active, axis, bound):
+                got = actual.get(mesh_axis)
+                if got is not None and got != want:
+                    active._report(Violation("contract", active.names.index(mesh_axis),
+                                             f"{contract.name} result {name} must be {mesh_axis}={want}"),
+                                   "contract", (value,))
+
+
+def _paused(active: Any, fn: Callable[..., Any]) -> Callable[..., Any]:
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with active.paused():
+            return fn(*args, **kwargs)
+    return run
+
+
+def _as_passed(fn: Callable[..., Any], requires: Mapping[str, Mapping[str, str]], args: tuple) -> dict:
+    """The checker's argument spec: by position for arguments passed positionally, else by name."""
     names = list(inspect.signature(fn).parameters)
-    return {names.index(name): types for name, types in requires.items() if name in names}
+    return {names.index(name) if names.index(name) < len(args) else name: types
+            for name, types in requires.items() if name in names}
 
 
 def install() -> None:

@@ -5,8 +5,10 @@ value is compared with the reference. Contracted calls (see :mod:`shardcheck.meg
 are rebuilt into global values from their ``ensures`` placements first.
 
 Tolerance: ``max(assemble.tolerance(reference), RELATIVE * max|reference|)``. The floor of
-``RELATIVE = 1e-5`` absorbs float32 reassociation over a whole training step (measured below
-1e-6 on the correct layouts); an error of 1e-3 relative is always reported. Weights after an
+``RELATIVE = 1e-4`` (parity's cap) absorbs float32 reassociation over a whole training step:
+the correct layouts stay below 1e-5, but a differently fused kernel (e.g. the fused
+cross-entropy) reorders sums by up to ~5e-5 of the largest gradient. An error of 1e-3
+relative is always reported. Weights after an
 optimizer step get ``STEP_RELATIVE``: Adam's first step moves each weight by about ``lr``
 whatever the gradient's size, so a gradient that rounds across zero moves its weight the
 other way; such weights are reported through their gradients instead.
@@ -23,7 +25,7 @@ from shardcheck.assemble import tolerance
 from shardcheck.layout import BASE_DIMS, Layout
 from shardcheck.megatron.contracts import BY_NAME, ProbeRecord
 
-RELATIVE = 1e-5
+RELATIVE = 1e-4
 STEP_RELATIVE = 5e-2
 
 
