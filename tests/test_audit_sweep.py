@@ -100,3 +100,38 @@ def test_gap_tolerates_reassociation_and_reports_a_real_error():
     found = gap("grad/w", reference * (1 + 1e-3), reference)
     assert found is not None and found.relative == pytest.approx(1e-3, rel=1e-3)
     assert gap("loss", torch.zeros(2), torch.zeros(3)).max_error == float("inf")
+
+
+def _outcome(layout, options=(), gaps=1, call=None, violations=(), entry="megatron/core/x.py:1"):
+    from types import SimpleNamespace
+
+    from shardcheck.megatron.divergence import CallGap, Gap
+
+    found = [Gap("loss", 1.0, 2.0, 1.0, 0.5, 1e-6)] * gaps
+    call_gap = CallGap(call, 0, found[0]) if call else None
+    return SimpleNamespace(case=Case("c", options, Layout.parse(layout)), gaps=found, call_gap=call_gap,
+                           violations=list(violations), entry=entry)
+
+
+def test_findings_are_deduplicated_by_location_and_contract():
+    from shardcheck.megatron.audit_report import case_size, group
+
+    smoothing = (("label_smoothing", 0.1),)
+    failed = [_outcome("tp2-dp2", smoothing, call="vocab_parallel_cross_entropy"),
+              _outcome("tp2", smoothing, call="vocab_parallel_cross_entropy"),
+              _outcome("cp2-dp2", smoothing, call=None)]  # unlocated: joins the same options
+    groups = group(failed)
+    [(key, members)] = groups.items()
+    assert "cross_entropy.py" in key[0] and "ensures loss: tp=R" in key[1]
+    assert str(min(members, key=lambda o: case_size(o.case)).case.layout) == "tp2"
+
+
+def test_a_violation_seen_in_a_numeric_finding_explains_it_instead_of_adding_one():
+    from shardcheck.megatron.audit_report import group
+
+    violation = {"rule": "mean over shard", "location": "megatron/core/a.py:3", "line": "checker: ..."}
+    failed = [_outcome("tp2", (("o", 1),), call="get_tokens_per_expert_and_token_count", violations=[violation]),
+              _outcome("tp2-sp", (("o", 1),), gaps=0, violations=[violation]),
+              _outcome("cp2", gaps=0, violations=[{**violation, "location": "megatron/core/b.py:9"}])]
+    keys = sorted(group(failed))
+    assert len(keys) == 2 and keys[0][0] == "megatron/core/b.py:9"

@@ -16,9 +16,8 @@ listed in the report's coverage section instead).
 from __future__ import annotations
 
 import time
-import warnings
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import ExitStack, contextmanager, nullcontext, suppress
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,107 +25,17 @@ import torch
 
 from shardcheck.layout import Layout
 from shardcheck.megatron import audit_report, contracts
+from shardcheck.megatron.audit_rank import run_case
 from shardcheck.megatron.audit_report import Finding
 from shardcheck.megatron.divergence import CallGap, Gap, first_call_gap, max_errors, output_gaps
-from shardcheck.megatron.sweep import Case, setup_kwargs
-from shardcheck.megatron.typecheck import checked_region, checker_available
+from shardcheck.megatron.sweep import Case
+from shardcheck.megatron.typecheck import checker_available
 from shardcheck.pool import PoolFailure, RankPool
 
 PRELOAD = ("megatron.core.pipeline_parallel.schedules", "megatron.core.optimizer",
            "megatron.core.transformer.moe.router", "megatron.core.models.gpt.gpt_model",
            "shardcheck.megatron.scenarios")
 RUN_TIMEOUT = 30.0
-
-
-# ---- on each rank --------------------------------------------------------------------------
-
-def run_case(ctx: Any, component: str, options: tuple, fixes: tuple[str, ...], typecheck: bool,
-             rng_offset: int = 0) -> dict:
-    """Run one component with its options on this rank; outputs, contracted calls, violations.
-
-    ``rng_offset`` shifts the seed of Megatron's model-parallel RNG (screening for randomness).
-    """
-    from shardcheck.megatron.scenarios import COMPONENTS, scenario
-
-    warnings.filterwarnings("ignore")
-    contracts.install()
-    run = scenario(component, **setup_kwargs(COMPONENTS[component].setup, options))
-    with ExitStack() as stack:
-        stack.enter_context(_groups_destroyed_after())
-        stack.enter_context(_seed_shifted(rng_offset))
-        entries = stack.enter_context(_entry_points())
-        calls = stack.enter_context(contracts.recording())
-        stack.enter_context(contracts.fixed(fixes))
-        found = stack.enter_context(checked_region(ctx) if typecheck else nullcontext([]))
-        outputs = run(ctx)
-    return {"outputs": {k: torch.as_tensor(v).detach().double().clone() for k, v in outputs.items()},
-            "calls": calls, "violations": list(found), "entry": entries[0] if entries else None}
-
-
-@contextmanager
-def _entry_points() -> Iterator[list[str]]:
-    """Record the forward of the first megatron-core module the scenario runs (its entry point)."""
-    import inspect
-
-    from shardcheck.megatron.contracts import _short
-
-    found: list[str] = []
-
-    def record(module: torch.nn.Module, _args: Any) -> None:
-        cls = type(module)
-        if not found and cls.__module__.startswith("megatron.core"):
-            forward = inspect.unwrap(cls.forward)
-            found.append(f"{_short(inspect.getsourcefile(forward))}:{inspect.getsourcelines(forward)[1]}")
-
-    handle = torch.nn.modules.module.register_module_forward_pre_hook(record)
-    try:
-        yield found
-    finally:
-        handle.remove()
-
-
-@contextmanager
-def _seed_shifted(offset: int) -> Iterator[None]:
-    from megatron.core.tensor_parallel import random as megatron_random
-
-    original = megatron_random.model_parallel_cuda_manual_seed
-
-    def shifted(seed: int, *args: Any, **kwargs: Any) -> Any:
-        return original(seed + offset, *args, **kwargs)
-
-    megatron_random.model_parallel_cuda_manual_seed = shifted
-    try:
-        yield
-    finally:
-        megatron_random.model_parallel_cuda_manual_seed = original
-
-
-@contextmanager
-def _groups_destroyed_after() -> Iterator[None]:
-    """Destroy the process groups created inside the block (Megatron's, per run).
-
-    Megatron's ``destroy_model_parallel`` forgets its groups without destroying them; in a
-    warm rank that runs hundreds of cases they would pile up, each with its own Gloo threads.
-    """
-    import torch.distributed as dist
-
-    created: list[dist.ProcessGroup] = []
-    original = dist.new_group
-
-    def tracked(*args: Any, **kwargs: Any) -> Any:
-        group = original(*args, **kwargs)
-        if isinstance(group, dist.ProcessGroup):
-            created.append(group)
-        return group
-
-    dist.new_group = tracked
-    try:
-        yield
-    finally:
-        dist.new_group = original
-        for group in {id(g): g for g in created if g is not dist.GroupMember.WORLD}.values():
-            with suppress(ValueError):  # already gone: torch may hand out one group twice
-                dist.destroy_process_group(group)
 
 
 # ---- in the parent ------------------------------------------------------------------------
@@ -338,11 +247,11 @@ def _listed(not_swept: dict[tuple, str]) -> list[str]:
 
 
 def _findings(runner: Runner, outcomes: list[Outcome]) -> list[Finding]:
-    baseline = {(o.case.component, o.case.layout): {audit_report._violation_key(v) for v in o.violations}
+    baseline = {(o.case.component, o.case.layout): {audit_report.violation_key(v) for v in o.violations}
                 for o in outcomes if not o.case.options}
     findings = []
     for key, members in audit_report.group([o for o in outcomes if o.failed]).items():
-        minimal = min(members, key=lambda o: (not o.gaps, audit_report._size(o.case)))
+        minimal = min(members, key=lambda o: (not o.gaps, audit_report.case_size(o.case)))
         seen = baseline.get((minimal.case.component, minimal.case.layout), set())
         checker = audit_report.checker_line(key[0], members, seen if minimal.case.options else set())
         findings.append(Finding(

@@ -45,7 +45,7 @@ class Finding:
         self.id = self.id or hashlib.sha1(f"{self.location}\0{self.contract}".encode()).hexdigest()[:10]
 
 
-def _violation_key(violation: dict) -> tuple[str, str]:
+def violation_key(violation: dict) -> tuple[str, str]:
     return violation["location"], f"checker rule: {violation['rule']}"
 
 
@@ -53,12 +53,10 @@ def _key(outcome) -> tuple[str, str] | None:
     if outcome.call_gap is not None:
         contract = BY_NAME[outcome.call_gap.contract]
         return contract.location(), contract.notation()
-    if outcome.gaps and outcome.entry:
-        return outcome.entry, "outputs match the one-rank run"
     return None
 
 
-def _size(case: Case) -> tuple:
+def case_size(case: Case) -> tuple:
     return case.layout.world_size, len(case.options), str(case.layout)
 
 
@@ -73,21 +71,22 @@ def group(failed: Sequence) -> dict[tuple[str, str], list]:
     groups: dict[tuple[str, str], list] = {}
     by_options: dict[tuple, tuple[str, str]] = {}
     numeric = [o for o in failed if o.gaps]
-    for outcome in sorted(numeric, key=lambda o: _size(o.case)):
+    for outcome in sorted(numeric, key=lambda o: case_size(o.case)):
         key = _key(outcome)
         if key is not None:
             groups.setdefault(key, []).append(outcome)
             by_options.setdefault((outcome.case.component, outcome.case.options), key)
     for outcome in numeric:
         if _key(outcome) is None:
-            key = by_options.get((outcome.case.component, outcome.case.options)) or (
-                f"{outcome.case.component} output {outcome.gaps[0].name}", "outputs match the one-rank run")
+            located = outcome.entry or f"{outcome.case.component} output {outcome.gaps[0].name}"
+            key = (by_options.get((outcome.case.component, outcome.case.options))
+                   or (located, "outputs match the one-rank run"))
             groups.setdefault(key, []).append(outcome)
-    explained = {_violation_key(v): key for key, members in groups.items()
+    explained = {violation_key(v): key for key, members in groups.items()
                  for o in members for v in o.violations}
     for outcome in (o for o in failed if not o.gaps):
         for violation in outcome.violations:
-            groups.setdefault(explained.get(_violation_key(violation), _violation_key(violation)),
+            groups.setdefault(explained.get(violation_key(violation), violation_key(violation)),
                               []).append(outcome)
     return groups
 
@@ -98,7 +97,7 @@ def checker_line(location: str, members: Sequence, baseline_violations: set[tupl
     violations = [v for o in members for v in o.violations]
     file = location.rsplit(":", 1)[0]
     same_file = [v for v in violations if v["location"].rsplit(":", 1)[0] == file]
-    new = [v for v in violations if _violation_key(v) not in baseline_violations]
+    new = [v for v in violations if violation_key(v) not in baseline_violations]
     chosen = (same_file or new or [None])[0]
     return chosen["line"] if chosen else None
 
