@@ -31,10 +31,11 @@ def test_reproduce_command_reruns_one_finding_and_writes_the_report(tmp_path):
             "--out", str(tmp_path)]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
-    assert "1 finding(s)" in result.output and "cross_entropy.py" in result.output
+    assert "1 finding(s) confirmed by parity, 0 type-only" in result.output
+    assert "checker: mean over shard at megatron/core/tensor_parallel/cross_entropy.py:" in result.output
     data = json.loads((tmp_path / "findings.json").read_text())
     [finding] = data["findings"]
     assert finding["trigger"] == {"component": "output_loss", "options": {"label_smoothing": 0.1},
                                   "layout": "tp2"}
     assert finding["reproduce"] == "shardcheck audit --only output_loss --layouts tp2 --set label_smoothing=0.1"
-    assert "## Findings (1)" in (tmp_path / "report.md").read_text()
+    assert "## Findings confirmed by parity (1)" in (tmp_path / "report.md").read_text()

@@ -141,8 +141,10 @@ def _print_summary(result, summary: dict, out_dir: Path) -> None:
     console.print(f"audit: {summary['cases run']} cases run, {summary['cases failed to run']} failed to run, "
                   f"{summary['options not swept']} options not swept, {summary['wall time (s)']} s"
                   + (" (stopped at the limit)" if result.stopped_early else ""))
-    console.print(f"{len(result.findings)} finding(s)")
-    for n, f in enumerate(result.findings, 1):
+    confirmed = [f for f in result.findings if f.kind != "type-only"]
+    typed_only = [f for f in result.findings if f.kind == "type-only"]
+    console.print(f"{len(confirmed)} finding(s) confirmed by parity, {len(typed_only)} type-only")
+    for n, f in enumerate(confirmed, 1):
         options = ", ".join(f"{k}={v}" for k, v in f.trigger["options"].items()) or "defaults"
         console.print(f"[{n}] {f.id} {f.kind}  {f.location}\n    {f.title}\n"
                       f"    trigger: {f.trigger['component']} @ {f.trigger['layout']} ({options})")
@@ -154,5 +156,8 @@ def _print_summary(result, summary: dict, out_dir: Path) -> None:
         if f.corrected:
             console.print(f"    corrected control: {f.corrected['result']}")
         console.print(f"    reproduce: {f.reproduce}")
+    for n, f in enumerate(typed_only, len(confirmed) + 1):
+        console.print(f"[{n}] {f.id} type-only  {f.checker}  ({f.trigger['component']} @ "
+                      f"{f.trigger['layout']} {f.trigger['options'] or ''})")
     console.print(f"report: {out_dir / 'report.md'}, {out_dir / 'findings.json'}")
     sys.stdout.flush()

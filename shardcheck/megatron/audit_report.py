@@ -63,25 +63,22 @@ def case_size(case: Case) -> tuple:
 def group(failed: Sequence) -> dict[tuple[str, str], list]:
     """Failing outcomes grouped by (location, contract).
 
-    Numeric failures are keyed by their first diverging contracted call, else by their entry
-    point into megatron-core; unlocated ones join the finding of the same component and options.
-    Type-only outcomes are keyed by their violation, unless a numeric finding's cases have the
-    same violation: then they are that finding's (they explain it).
+    All numeric failures of one component with the same options form one finding, keyed by
+    the first diverging contracted call of its smallest located case, else by the entry point
+    into megatron-core of its smallest case (a bug also shows downstream, e.g. in the gradient
+    norm under data parallelism, where the call that causes it is not compared). Findings of
+    different options that share a key are one. Type-only outcomes are keyed by their
+    violation, unless a numeric finding's cases have the same violation: they explain it.
     """
-    groups: dict[tuple[str, str], list] = {}
-    by_options: dict[tuple, tuple[str, str]] = {}
     numeric = [o for o in failed if o.gaps]
-    for outcome in sorted(numeric, key=lambda o: case_size(o.case)):
-        key = _key(outcome)
-        if key is not None:
-            groups.setdefault(key, []).append(outcome)
-            by_options.setdefault((outcome.case.component, outcome.case.options), key)
+    by_options: dict[tuple, tuple[str, str]] = {}
+    for outcome in sorted(numeric, key=lambda o: (_key(o) is None, case_size(o.case))):
+        located = outcome.entry or f"{outcome.case.component} output {outcome.gaps[0].name}"
+        by_options.setdefault((outcome.case.component, outcome.case.options),
+                              _key(outcome) or (located, "outputs match the one-rank run"))
+    groups: dict[tuple[str, str], list] = {}
     for outcome in numeric:
-        if _key(outcome) is None:
-            located = outcome.entry or f"{outcome.case.component} output {outcome.gaps[0].name}"
-            key = (by_options.get((outcome.case.component, outcome.case.options))
-                   or (located, "outputs match the one-rank run"))
-            groups.setdefault(key, []).append(outcome)
+        groups.setdefault(by_options[(outcome.case.component, outcome.case.options)], []).append(outcome)
     explained = {violation_key(v): key for key, members in groups.items()
                  for o in members for v in o.violations}
     for outcome in (o for o in failed if not o.gaps):
@@ -161,28 +158,38 @@ def show_number(value: Any) -> str:
     return f"shape {shape} [{', '.join(flat)}, ...]"
 
 
-def markdown(findings: Sequence[Finding], summary: dict[str, Any]) -> str:
-    lines = ["# shardcheck audit of megatron-core", ""]
-    lines += [f"- {k}: {v}" for k, v in summary.items() if not isinstance(v, list | dict)]
-    lines += ["", f"## Findings ({len(findings)})", ""]
-    for n, f in enumerate(findings, 1):
-        lines += [f"### {n}. {f.title}", "",
-                  f"- **id**: `{f.id}` ({f.kind})",
-                  f"- **location**: `{f.location}`",
-                  f"- **minimal trigger**: component `{f.trigger['component']}`, options "
-                  f"`{f.trigger['options'] or 'defaults'}`, layout `{f.trigger['layout']}`",
-                  f"- **contract**: `{f.contract}`",
-                  f"- **checker**: `{f.checker or 'no type violation recorded'}`",
-                  f"- **first divergence**: {f.first_divergence or 'no contracted call diverged'}",
+def _finding_lines(n: int, f: Finding) -> list[str]:
+    lines = [f"### {n}. {f.title}", "",
+             f"- **id**: `{f.id}` ({f.kind})",
+             f"- **location**: `{f.location}`",
+             f"- **minimal trigger**: component `{f.trigger['component']}`, options "
+             f"`{f.trigger['options'] or 'defaults'}`, layout `{f.trigger['layout']}`",
+             f"- **contract**: `{f.contract}`",
+             f"- **checker**: `{f.checker or 'no type violation recorded'}`"]
+    if f.effect:
+        lines += [f"- **first divergence**: {f.first_divergence or 'no contracted call diverged'}",
                   "- **effect** (observed vs one-rank reference):"]
         lines += [f"  - `{e['value']}`: observed {show_number(e['observed'])}, reference "
                   f"{show_number(e['reference'])}, max abs error {e['max_abs_error']:.3g} "
                   f"(relative {e['max_rel_error']:.3g})" for e in f.effect]
-        if f.corrected:
-            lines.append(f"- **corrected control**: {f.corrected['fix']} -> {f.corrected['result']}")
-        else:
-            lines.append("- **corrected control**: none (no evident fix for this contract)")
-        lines += [f"- **seen in**: {', '.join(f.seen_in)}", f"- **reproduce**: `{f.reproduce}`", ""]
+        lines.append(f"- **corrected control**: {f.corrected['fix']} -> {f.corrected['result']}" if f.corrected
+                     else "- **corrected control**: none (no evident fix for this contract)")
+    return lines + [f"- **seen in**: {', '.join(f.seen_in)}", f"- **reproduce**: `{f.reproduce}`", ""]
+
+
+def markdown(findings: Sequence[Finding], summary: dict[str, Any]) -> str:
+    confirmed = [f for f in findings if f.kind != "type-only"]
+    typed_only = [f for f in findings if f.kind == "type-only"]
+    lines = ["# shardcheck audit of megatron-core", ""]
+    lines += [f"- {k}: {v}" for k, v in summary.items() if not isinstance(v, list | dict)]
+    lines += ["", f"## Findings confirmed by parity ({len(confirmed)})", ""]
+    for n, f in enumerate(confirmed, 1):
+        lines += _finding_lines(n, f)
+    lines += [f"## Type-only findings: the checker objects, parity sees no wrong value ({len(typed_only)})",
+              "", "Each is a rule a value breaks without changing the result in this run (a latent bug, or "
+              "a layout the checker cannot express yet: report it to the checker if parity keeps agreeing).", ""]
+    for n, f in enumerate(typed_only, len(confirmed) + 1):
+        lines += _finding_lines(n, f)
     for section in ("not_swept", "errors"):
         entries = summary.get(section) or []
         if entries:
