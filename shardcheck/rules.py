@@ -850,19 +850,33 @@ def _scatter_rule(ctx, args, kwargs, out):
 
 
 def _index_rule(ctx, args, kwargs, out):
-    """x[idx] with index tensors: keeps R/P/V; a shard indexed along its sharded dim reads each
-    rank's own slice at the same local indices (V, like slicing along a sharded dim); other
-    sharded inputs become unknown."""
-    pl = ctx.types(args[0])
+    """x[idx] with index tensors. Per axis: a shard indexed along its sharded dim reads each
+    rank's own slice at the same local indices (V); other shards become unknown; a replicated
+    x takes the layout of the indices (all replicated: x's own; one leading index tensor:
+    its S(d) or V, since the index dims lead the result); anything else is unknown."""
+    x = args[0]
+    pl = ctx.types(x)
     if pl is None:
         return None
-    for idx in args[1]:
-        if idx is not None and ctx.types(idx) is None:
-            return None
-    indexed = {d for d, idx in enumerate(args[1]) if idx is not None}
-    ndim = args[0].dim()
-    return tuple(V if isinstance(p, Shard) and _norm(p.dim, ndim) in indexed
-                 else None if isinstance(p, (Shard, Gathered)) else p for p in pl)
+    typed = [(d, ctx.types(idx)) for d, idx in enumerate(args[1]) if idx is not None]
+    if any(t is None for _, t in typed):
+        return None
+    indexed, ndim = {d for d, _ in typed}, x.dim()
+    single_leading = len(typed) == 1 and typed[0][0] == 0
+    result = []
+    for a, p in enumerate(pl):
+        index_pl = [t[a] for _, t in typed]
+        if isinstance(p, Shard) and _norm(p.dim, ndim) in indexed:
+            result.append(V)
+        elif p is None or isinstance(p, (Shard, Gathered)):
+            result.append(None)
+        elif all(_replicated(q) for q in index_pl):
+            result.append(p)
+        elif _replicated(p) and single_leading and (index_pl[0] is V or isinstance(index_pl[0], Shard)):
+            result.append(index_pl[0])
+        else:
+            result.append(None)
+    return tuple(result)
 
 
 def _index_put_rule(ctx, args, kwargs, out):

@@ -26,6 +26,10 @@ def _types_of_program():
         scores = torch.baddbmm(torch.empty(8, 2, 2), x.view(8, 1, 8).expand(8, 2, 8),
                                x.view(8, 8, 1).expand(8, 8, 2), beta=0.0)
         found["baddbmm with beta=0"] = sc.typeof(scores)["tp"]
+        weight, tokens = torch.randn(16, 4), torch.zeros(2, 3, dtype=torch.long)
+        sc.annotate(weight, tp=sc.R)
+        sc.annotate(tokens, tp=sc.S(1))
+        found["replicated table indexed by sharded tokens"] = sc.typeof(weight[tokens])["tp"]
         mean_log = x.log_softmax(0).mean(dim=-1)
         (top - mean_log).sum()
     return {k: repr(v) for k, v in found.items()}, [v.rule for v in sc.violations()]
@@ -37,5 +41,6 @@ def test_rules_for_megatron_cross_entropy_and_router_patterns():
         "max over S(-1) along -1": "V", "then MAX all-reduce": "R",
         "index along the sharded dim": "V", "index_put of a scalar keeps it": "V",
         "zeros_like of a shard": "S(2)", "baddbmm with beta=0": "P",
+        "replicated table indexed by sharded tokens": "S(1)",
     }
     assert rules == ["mean over shard"]  # R minus a mean over one rank's vocabulary shard

@@ -65,23 +65,48 @@ def _parameters_typed_on_first_use(axes: tuple[str, ...]) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _batches_typed_by_role(axes: tuple[str, ...]) -> Iterator[None]:
-    from megatron.core import utils
+def _replaced_everywhere(original: Any, replacement: Any) -> Iterator[None]:
+    """Replace a megatron-core function in every megatron module that refers to it."""
+    import sys
 
-    from shardcheck.megatron.typing import annotate_batch
-
-    original = utils.get_batch_on_this_cp_rank
-
-    def typed(batch, *args: Any, **kwargs: Any):
-        result = original(batch, *args, **kwargs)
-        annotate_batch(result, axes)
-        return result
-
-    utils.get_batch_on_this_cp_rank = typed
+    sites = [module for module in list(sys.modules.values())
+             if getattr(module, "__name__", "").startswith("megatron")
+             and getattr(module, original.__name__, None) is original]
+    for module in sites:
+        setattr(module, original.__name__, replacement)
     try:
         yield
     finally:
-        utils.get_batch_on_this_cp_rank = original
+        for module in sites:
+            setattr(module, original.__name__, original)
+
+
+@contextlib.contextmanager
+def _context_parallel_cuts_typed(axes: tuple[str, ...]) -> Iterator[None]:
+    """Type what Megatron cuts for this CP rank with a rank-dependent index (which the checker
+    reads as replicated data): the batch by role, and the rotary position embedding as
+    S(seq_dim) over cp, in Megatron's load-balanced chunk order."""
+    from megatron.core import utils
+    from megatron.core.models.common.embeddings import rope_utils
+
+    import shardcheck as sc
+    from shardcheck.megatron.typing import annotate_batch
+    from shardcheck.types import S
+
+    batch_cut, rope_cut = utils.get_batch_on_this_cp_rank, rope_utils.get_pos_emb_on_this_cp_rank
+
+    def typed_batch(batch, *args: Any, **kwargs: Any):
+        result = batch_cut(batch, *args, **kwargs)
+        annotate_batch(result, axes)
+        return result
+
+    def typed_rope(pos_emb, seq_dim, cp_group, *args: Any, **kwargs: Any):
+        result = rope_cut(pos_emb, seq_dim, cp_group, *args, **kwargs)
+        return sc.annotate(result, cp=S(seq_dim)) if "cp" in axes else result
+
+    typed_batch.__name__, typed_rope.__name__ = batch_cut.__name__, rope_cut.__name__
+    with _replaced_everywhere(batch_cut, typed_batch), _replaced_everywhere(rope_cut, typed_rope):
+        yield
 
 
 OBJECT_COLLECTIVES = ("all_gather_object", "broadcast_object_list", "gather_object",
@@ -218,7 +243,7 @@ def checked_region(ctx: Any) -> Iterator[list[dict]]:
     mesh = layout_mesh(ctx)
     with contextlib.ExitStack() as stack:
         stack.enter_context(_parameters_typed_on_first_use(mesh.names))
-        stack.enter_context(_batches_typed_by_role(mesh.names))
+        stack.enter_context(_context_parallel_cuts_typed(mesh.names))
         stack.enter_context(_object_collectives_untyped())
         stack.enter_context(_harness_values_typed(mesh.names))
         stack.enter_context(_received_tensors_untyped())
