@@ -1,4 +1,17 @@
-"""Megatron's ``parallel_state`` for a scenario's layout, set up on Gloo and torn down after."""
+"""Megatron's ``parallel_state`` for a scenario's layout, on Gloo, set up and torn down per run.
+
+Megatron keeps its process groups in module globals of ``parallel_state``. For a layout we call
+its own ``initialize_model_parallel`` with two adjustments, so that it also works on the first
+ranks of a larger world (the warm rank pool): while the scenario runs, the layout's world group
+(``ctx.groups['world']``) stands in for the default group, so Megatron's world-size reads and
+default-group collectives (e.g. the optimizer's ``all_gather_object``) stay among the layout's
+ranks; and each group is created with local synchronisation (only its members take part). The
+groups it builds are checked against the layout's own groups when the context has them.
+
+Groups are created once per layout and process: the state is saved after the first
+initialisation and restored on the next run of the same layout, so that a long sweep does not
+open Gloo groups without end. ``destroy_model_parallel`` runs after every scenario.
+"""
 
 from __future__ import annotations
 
@@ -11,44 +24,135 @@ import torch.distributed as dist
 from shardcheck.megatron.cpu import apply_cpu_patches
 
 DEFAULT_ORDER = "tp-cp-ep-dp-pp"
+_saved: dict[tuple, dict[str, Any]] = {}
+_created: dict[tuple[int, ...], int] = {}
 
 
 class LayoutUnsupported(ValueError):
     """A layout Megatron's global ``parallel_state`` cannot express on this process group."""
 
 
+def _world(layout: Any) -> int:
+    return layout.tp * layout.cp * layout.dp * layout.pp
+
+
 def _check(layout: Any) -> None:
-    world = layout.tp * layout.cp * layout.dp * layout.pp
-    if dist.get_world_size() != world:
+    if _world(layout) > dist.get_world_size():
         raise LayoutUnsupported(
-            f"layout needs {world} ranks but the default process group has {dist.get_world_size()}")
+            f"layout needs {_world(layout)} ranks; the process group has {dist.get_world_size()}")
     if getattr(layout, "explicit_groups", None):
         raise LayoutUnsupported("explicit_groups are not expressible in Megatron's parallel_state")
     if layout.sp and layout.tp == 1:
         raise LayoutUnsupported("sequence parallelism needs tp > 1")
 
 
+def _state_names(parallel_state) -> list[str]:
+    return [n for n in vars(parallel_state) if n.startswith("_") and n[1:2].isupper()
+            and n.upper() == n]
+
+
+@contextmanager
+def _local_groups() -> Iterator[None]:
+    """Megatron creates each group among its members only, under a name its members agree on.
+
+    torch names a locally synchronised group by its ranks and the number of groups this process
+    already has, which differs between ranks that ran different layouts in a pool; the name
+    used here counts only earlier groups over the same ranks, which every member created too.
+    """
+    from megatron.core import parallel_state
+
+    c10d = dist.distributed_c10d
+    original_create, original_name = parallel_state.create_group, c10d._process_group_name
+
+    def local_group(ranks=None, **kwargs):
+        kwargs["use_local_synchronization"] = True
+        return original_create(ranks, **kwargs)
+
+    def agreed_name(ranks, use_hashed_name):
+        if not use_hashed_name:
+            return original_name(ranks, use_hashed_name)
+        key = tuple(ranks)
+        _created[key] = _created.get(key, 0) + 1
+        return c10d.GroupName(f"megatron:{'_'.join(map(str, key))}:{_created[key]}")
+
+    parallel_state.create_group, c10d._process_group_name = local_group, agreed_name
+    try:
+        yield
+    finally:
+        parallel_state.create_group, c10d._process_group_name = original_create, original_name
+
+
+@contextmanager
+def _layout_as_world(ctx: Any) -> Iterator[None]:
+    """The layout's world group is the default group while the scenario runs."""
+    group, state = world_group(ctx), dist.distributed_c10d._world
+    if group is None or group is state.default_pg:
+        yield
+        return
+    original, state.default_pg = state.default_pg, group
+    try:
+        yield
+    finally:
+        state.default_pg = original
+
+
+def _initialise(layout: Any) -> None:
+    from megatron.core import parallel_state
+
+    key = (layout.tp, layout.cp, layout.dp, layout.ep, layout.pp,
+           getattr(layout, "order", DEFAULT_ORDER), id(dist.distributed_c10d._world.default_pg))
+    if key in _saved:
+        for name, value in _saved[key].items():
+            setattr(parallel_state, name, value)
+        return
+    with _local_groups():
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=layout.tp,
+            pipeline_model_parallel_size=layout.pp,
+            context_parallel_size=layout.cp,
+            expert_model_parallel_size=layout.ep,
+            order=getattr(layout, "order", DEFAULT_ORDER),
+            create_gloo_process_groups=False,
+        )
+    _saved[key] = {n: getattr(parallel_state, n) for n in _state_names(parallel_state)}
+
+
+def _verify(ctx: Any) -> None:
+    """Megatron's tp/cp/dp/pp groups hold the same ranks as the layout's own groups."""
+    from megatron.core import parallel_state as ps
+
+    megatron = {"tp": ps.get_tensor_model_parallel_group(), "cp": ps.get_context_parallel_group(),
+                "dp": ps.get_data_parallel_group(), "pp": ps.get_pipeline_model_parallel_group()}
+    for axis, group in megatron.items():
+        ours = getattr(ctx, "groups", {}).get(axis)
+        if ours is not None and dist.get_process_group_ranks(ours) != dist.get_process_group_ranks(group):
+            raise LayoutUnsupported(
+                f"Megatron's {axis} group {dist.get_process_group_ranks(group)} differs from the "
+                f"layout's {dist.get_process_group_ranks(ours)}")
+
+
+def world_group(ctx: Any) -> dist.ProcessGroup | None:
+    """The group of all the layout's ranks: ``ctx.groups['world']``, else the default group."""
+    return getattr(ctx, "groups", {}).get("world")
+
+
 @contextmanager
 def megatron_parallel(ctx: Any, seed: int = 1234) -> Iterator[None]:
     """Initialise Megatron's model-parallel groups and RNG for ``ctx.layout``; destroy them after.
 
-    ``ctx`` needs ``.layout`` with ``tp, cp, dp, ep, pp, sp`` (and optionally ``order``).
+    ``ctx`` needs ``.layout`` with ``tp, cp, dp, ep, pp, sp`` (and optionally ``order``); its
+    ``.groups`` (by axis name), when present, are checked against Megatron's.
     """
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     apply_cpu_patches()
-    layout = ctx.layout
-    _check(layout)
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=layout.tp,
-        pipeline_model_parallel_size=layout.pp,
-        context_parallel_size=layout.cp,
-        expert_model_parallel_size=layout.ep,
-        order=getattr(layout, "order", DEFAULT_ORDER),
-    )
-    try:
-        model_parallel_cuda_manual_seed(seed)
-        yield
-    finally:
-        parallel_state.destroy_model_parallel()
+    _check(ctx.layout)
+    with _layout_as_world(ctx):
+        _initialise(ctx.layout)
+        try:
+            _verify(ctx)
+            model_parallel_cuda_manual_seed(seed)
+            yield
+        finally:
+            parallel_state.destroy_model_parallel()

@@ -122,32 +122,35 @@ def local_pieces(model: torch.nn.Module, tensor_of: Callable[[torch.nn.Parameter
             continue
         for piece in entry.build(tensor.detach().reshape(entry.param.shape)):
             pieces.append(Piece(piece.key, tuple(piece.global_shape), _index(piece),
-                                piece.data.detach().double().clone()))
+                                piece.data.detach().clone()))
     return pieces
 
 
 def assemble(pieces_per_rank: list[list[Piece]]) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-    """Global tensors from all ranks' pieces, and per key the largest replica disagreement."""
+    """Global tensors (in the pieces' dtype) from all ranks' pieces, and per key the largest
+    replica disagreement."""
     tensors: dict[str, torch.Tensor] = {}
+    dtypes: dict[str, torch.dtype] = {}
     filled: dict[str, torch.Tensor] = {}
     spread: dict[str, float] = {}
     for pieces in pieces_per_rank:
         for piece in pieces:
             if piece.key not in tensors:
                 tensors[piece.key] = torch.zeros(piece.global_shape, dtype=torch.float64)
+                dtypes[piece.key] = piece.value.dtype
                 filled[piece.key] = torch.zeros(piece.global_shape, dtype=torch.bool)
                 spread[piece.key] = 0.0
             seen = filled[piece.key][piece.index]
             if seen.any():
-                gap = (tensors[piece.key][piece.index] - piece.value)[seen]
+                gap = (tensors[piece.key][piece.index] - piece.value.double())[seen]
                 spread[piece.key] = max(spread[piece.key], gap.abs().max().item())
             else:
-                tensors[piece.key][piece.index] = piece.value
+                tensors[piece.key][piece.index] = piece.value.double()
                 filled[piece.key][piece.index] = True
     unfilled = [k for k, f in filled.items() if not f.all()]
     if unfilled:
         raise ValueError(f"no rank holds part of: {unfilled}")
-    return tensors, spread
+    return {k: t.to(dtypes[k]) for k, t in tensors.items()}, spread
 
 
 def gather_global(model: torch.nn.Module,

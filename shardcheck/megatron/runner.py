@@ -54,13 +54,13 @@ def _on_rank(scenario: Callable[[Any], Mapping[str, torch.Tensor]], layout: Any)
 
 
 def run_ranks(scenario: Callable[[Any], Mapping[str, torch.Tensor]], layout: Any,
-              timeout: float = 120.0) -> list[dict[str, np.ndarray]]:
+              timeout: float = 600.0) -> list[dict[str, np.ndarray]]:
     """Every rank's outputs of the scenario under ``layout``, in rank order."""
     return spawn_ranks(_on_rank, layout.world_size, scenario, layout, timeout=timeout)
 
 
 def run_layout(scenario: Callable[[Any], Mapping[str, torch.Tensor]], layout: Any,
-               timeout: float = 120.0) -> dict[str, np.ndarray]:
+               timeout: float = 600.0) -> dict[str, np.ndarray]:
     """The scenario's outputs under ``layout``; raises if ranks disagree on a replicated output."""
     per_rank = run_ranks(scenario, layout, timeout)
     first = per_rank[0]

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardcheck.megatron.parallel import megatron_parallel
+from shardcheck.megatron.parallel import megatron_parallel, world_group
 from shardcheck.megatron.reference import gather_global, gradient_of, load_global_weights
 
 
@@ -89,7 +89,9 @@ def build_gpt(config, setup: GPTSetup):
 
     from shardcheck.megatron.cp_attention import local_spec_for
 
-    spec = local_spec_for(config, get_gpt_layer_local_spec(normalization=config.normalization))
+    spec = local_spec_for(config, get_gpt_layer_local_spec(
+        num_experts=config.num_moe_experts, qk_layernorm=config.qk_layernorm,
+        normalization=config.normalization, qk_l2_norm=config.qk_l2_norm))
     return GPTModel(
         config=config, transformer_layer_spec=spec, vocab_size=setup.vocab,
         max_sequence_length=setup.seq, pre_process=ps.is_pipeline_first_stage(),
@@ -132,15 +134,17 @@ def reported_loss(reports: list[torch.Tensor], per_token: bool) -> torch.Tensor:
                              torch.tensor(float(len(reports)))])
     dist.all_reduce(total, group=ps.get_data_parallel_group())
     dist.all_reduce(total, group=ps.get_pipeline_model_parallel_group())
-    return (total[0] / total[1].clamp(min=1)).double()
+    return (total[0] / total[1].clamp(min=1))
 
 
 def _optimizer(model, setup: GPTSetup):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    config = OptimizerConfig(optimizer="adam", lr=1e-2, clip_grad=setup.clip_grad,
+    # SGD: the step is linear in the gradients, so rounding in them stays rounding after it
+    # (Adam divides tiny gradients by their own size and turns rounding into visible changes).
+    config = OptimizerConfig(optimizer="sgd", lr=0.5, sgd_momentum=0.0, clip_grad=setup.clip_grad,
                              weight_decay=0.0, bf16=False, fp16=False)
-    return get_megatron_optimizer(config, [model])
+    return get_megatron_optimizer(config, [model], use_gloo_process_groups=False)
 
 
 def train_step(ctx: Any, setup: GPTSetup) -> dict[str, torch.Tensor]:
@@ -165,19 +169,19 @@ def train_step(ctx: Any, setup: GPTSetup) -> dict[str, torch.Tensor]:
             micro_batch_size=setup.micro_batch, forward_only=False)
         outputs = {"loss": reported_loss([r["lm loss"] for r in reports],
                                          config.calculate_per_token_loss)}
-        grads, spread = gather_global(model, gradient_of)
+        grads, spread = gather_global(model, gradient_of, world_group(ctx))
         outputs.update({f"grad/{k}": v for k, v in grads.items()})
-        outputs["grad_replica_spread"] = torch.tensor(max(spread.values()), dtype=torch.float64)
+        outputs["grad_replica_spread"] = torch.tensor(max(spread.values()))
         if optimizer is not None:
-            outputs.update(_step(model, optimizer))
+            outputs.update(_step(ctx, model, optimizer))
         return outputs
 
 
-def _step(model, optimizer) -> dict[str, torch.Tensor]:
+def _step(ctx: Any, model, optimizer) -> dict[str, torch.Tensor]:
     _, grad_norm, _ = optimizer.step()
     clip = optimizer.config.clip_grad
-    weights, _ = gather_global(model, lambda p: p.data)
+    weights, _ = gather_global(model, lambda p: p.data, world_group(ctx))
     out = {f"param/{k}": v for k, v in weights.items()}
-    out["grad_norm"] = torch.tensor(float(grad_norm), dtype=torch.float64)
-    out["clip_factor"] = torch.tensor(min(1.0, clip / (float(grad_norm) + 1e-6)), dtype=torch.float64)
+    out["grad_norm"] = torch.tensor(float(grad_norm))
+    out["clip_factor"] = torch.tensor(min(1.0, clip / (float(grad_norm) + 1e-6)))
     return out

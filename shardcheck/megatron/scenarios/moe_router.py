@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardcheck.megatron.parallel import megatron_parallel
+from shardcheck.megatron.parallel import megatron_parallel, world_group
 from shardcheck.megatron.reference import gather_global, load_global_weights, seeded_global
 from shardcheck.megatron.scenarios.gpt import GPTSetup, transformer_config
 from shardcheck.megatron.scenarios.output_loss import _sequence_gather, _sequence_shard
@@ -66,7 +66,7 @@ def _recording_token_counts(counts: list[torch.Tensor]) -> Iterator[None]:
 
     def recorded(*args, **kwargs):
         result = original(*args, **kwargs)
-        counts.append(torch.as_tensor(result[1], dtype=torch.float64).clone())
+        counts.append(torch.as_tensor(result[1], dtype=torch.float32).clone())
         return result
 
     router_module.get_tokens_per_expert_and_token_count = recorded
@@ -112,18 +112,18 @@ def router_step(ctx: Any, setup: RouterSetup) -> dict[str, torch.Tensor]:
             probs, routing_map = router(
                 hidden, padding_mask=None if mask is None else _sequence_shard(mask, sp))
         # each rank's count of its own valid tokens: summed over TP x CP, the global count
-        local_counts = torch.stack(counts) if counts else torch.zeros(0, dtype=torch.float64)
+        local_counts = torch.stack(counts) if counts else torch.zeros(0)
         dist.all_reduce(local_counts, group=ps.get_tensor_and_context_parallel_group())
         upstream = _sequence_shard(seeded_global("upstream", (setup.seq * setup.batch, setup.experts),
                                                  setup.seed).float().view(setup.seq, -1), sp)
         (probs * upstream.reshape(probs.shape)).sum().backward()
         _finalize_sequence_parallel_grads(router)
-        grads, _ = gather_global(router, lambda p: p.grad)
+        grads, _ = gather_global(router, lambda p: p.grad, world_group(ctx))
         seq_major = (-1, setup.batch, setup.experts)
         return {
-            "probs": _sequence_gather(probs.detach().reshape(seq_major), sp).double(),
-            "routing_map": _sequence_gather(routing_map.reshape(seq_major).to(torch.float64), sp),
-            "hidden_grad": _sequence_gather(hidden.grad, sp).double(),
+            "probs": _sequence_gather(probs.detach().reshape(seq_major), sp),
+            "routing_map": _sequence_gather(routing_map.reshape(seq_major).float(), sp),
+            "hidden_grad": _sequence_gather(hidden.grad, sp),
             "local_num_tokens_summed": local_counts,
             **{f"grad/{k}": v for k, v in grads.items()},
         }

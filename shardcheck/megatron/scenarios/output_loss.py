@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardcheck.megatron.parallel import megatron_parallel
+from shardcheck.megatron.parallel import megatron_parallel, world_group
 from shardcheck.megatron.reference import gather_global, load_global_weights, seeded_global
 from shardcheck.megatron.scenarios.gpt import GPTSetup, transformer_config
 
@@ -73,7 +73,7 @@ def output_loss(ctx: Any, setup: OutputLossSetup) -> dict[str, torch.Tensor]:
             logits.float().clone(), labels, label_smoothing=setup.label_smoothing)
         loss = losses.mean()
         loss.backward()
-        grads, _ = gather_global(layer, lambda p: p.grad)
-        return {"loss": loss.detach().double(),
-                "hidden_grad": _sequence_gather(local_hidden.grad, ctx.layout.sp).double(),
+        grads, _ = gather_global(layer, lambda p: p.grad, world_group(ctx))
+        return {"loss": loss.detach(),
+                "hidden_grad": _sequence_gather(local_hidden.grad, ctx.layout.sp),
                 **{f"grad/{k}": v for k, v in grads.items()}}
