@@ -109,6 +109,37 @@ def _context_parallel_cuts_typed(axes: tuple[str, ...]) -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def _gradient_buffers_typed(axes: tuple[str, ...]) -> Iterator[None]:
+    """After DDP zeroes its gradient buffer, each ``param.main_grad`` (a view of it) is a known
+    zero with its parameter's layout: gradients accumulate into it whatever their placement."""
+    from megatron.core.distributed import DistributedDataParallel
+
+    from shardcheck import checker as checker_module
+    from shardcheck.checker import current
+    from shardcheck.megatron.typing import parameter_type
+
+    zero = getattr(checker_module, "ZERO", True)  # the zero flag (an int in newer checkers)
+
+    original = DistributedDataParallel.zero_grad_buffer
+
+    def typed_zero(self, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        checker = current()
+        for param in self.module.parameters() if checker else ():
+            main_grad = getattr(param, "main_grad", None)
+            if isinstance(main_grad, torch.Tensor):
+                placements = parameter_type(param).placements
+                checker.set_type(main_grad, tuple(placements.get(a) for a in checker.names), zero)
+        return result
+
+    DistributedDataParallel.zero_grad_buffer = typed_zero
+    try:
+        yield
+    finally:
+        DistributedDataParallel.zero_grad_buffer = original
+
+
 OBJECT_COLLECTIVES = ("all_gather_object", "broadcast_object_list", "gather_object",
                       "scatter_object_list")
 
@@ -142,7 +173,8 @@ def _object_collectives_untyped() -> Iterator[None]:
 @contextlib.contextmanager
 def _received_tensors_untyped() -> Iterator[None]:
     """A tensor received from another pipeline stage holds what the sender sent, which this
-    rank cannot type: the receive buffer (a fresh ``empty``, typed R) becomes unknown."""
+    rank cannot type: after the receive, the buffer is unknown (not R from its ``empty``, nor
+    V from the receive itself)."""
     import torch.distributed as dist
     from torch.distributed import distributed_c10d
 
@@ -155,16 +187,18 @@ def _received_tensors_untyped() -> Iterator[None]:
 
     def batched(original):
         def run(p2p_ops, *args: Any, **kwargs: Any) -> Any:
+            result = original(p2p_ops, *args, **kwargs)
             for op in p2p_ops:
                 if getattr(op.op, "__name__", "") in ("irecv", "recv"):
                     forget(op.tensor)
-            return original(p2p_ops, *args, **kwargs)
+            return result
         return run
 
     def receiving(original):
         def run(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            result = original(tensor, *args, **kwargs)
             forget(tensor)
-            return original(tensor, *args, **kwargs)
+            return result
         run.__name__ = original.__name__
         return run
 
@@ -247,6 +281,7 @@ def checked_region(ctx: Any) -> Iterator[list[dict]]:
         stack.enter_context(_object_collectives_untyped())
         stack.enter_context(_harness_values_typed(mesh.names))
         stack.enter_context(_received_tensors_untyped())
+        stack.enter_context(_gradient_buffers_typed(mesh.names))
         stack.enter_context(contextlib.redirect_stderr(io.StringIO()))  # the region's summary
         stack.enter_context(sc.typecheck(mesh, mode="collect"))
         yield found
