@@ -135,3 +135,13 @@ def test_a_violation_seen_in_a_numeric_finding_explains_it_instead_of_adding_one
               _outcome("cp2", gaps=0, violations=[{**violation, "location": "megatron/core/b.py:9"}])]
     keys = sorted(group(failed))
     assert len(keys) == 2 and keys[0][0] == "megatron/core/b.py:9"
+
+
+def test_rounding_noise_of_a_zero_gradient_is_judged_at_its_family_scale():
+    from shardcheck.megatron.divergence import output_gaps
+
+    reference = {"grad/w": torch.tensor([0.3, -0.2]), "grad/b": torch.tensor([1.6e-9, -9.8e-10])}
+    noisy = {"grad/w": torch.tensor([0.3, -0.2]), "grad/b": torch.tensor([-3.5e-10, 4.5e-10])}
+    assert output_gaps([noisy], reference) == []
+    wrong = {"grad/w": torch.tensor([0.3003, -0.2]), "grad/b": torch.tensor([1.6e-9, -9.8e-10])}
+    assert [g.name for g in output_gaps([wrong], reference)] == ["grad/w"]

@@ -11,7 +11,10 @@ cross-entropy) reorders sums by up to ~5e-5 of the largest gradient. An error of
 relative is always reported. Weights after an
 optimizer step get ``STEP_RELATIVE``: Adam's first step moves each weight by about ``lr``
 whatever the gradient's size, so a gradient that rounds across zero moves its weight the
-other way; such weights are reported through their gradients instead.
+other way; such weights are reported through their gradients instead. Every value is also
+allowed ``FAMILY_RELATIVE = 1e-6`` of the largest magnitude among the outputs of its family
+(``grad/...``, ``param/...``): a gradient that is zero in exact arithmetic is pure rounding
+noise, with no scale of its own.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from shardcheck.megatron.contracts import BY_NAME, ProbeRecord
 
 RELATIVE = 1e-4
 STEP_RELATIVE = 5e-2
+FAMILY_RELATIVE = 1e-6
 
 
 @dataclass(frozen=True)
@@ -57,20 +61,33 @@ def _numbers(value: torch.Tensor) -> float | list:
     return value.item() if value.numel() == 1 else value.tolist()
 
 
-def _tolerance(name: str, reference: torch.Tensor) -> float:
+def _tolerance(name: str, reference: torch.Tensor, floor: float) -> float:
     scale = reference.abs().max().item() if reference.numel() else 0.0
     relative = STEP_RELATIVE if name.startswith("param/") else RELATIVE
-    return max(tolerance(reference, 0.0, torch.float32), relative * scale)
+    return max(tolerance(reference, 0.0, torch.float32), relative * scale, floor)
 
 
-def gap(name: str, observed: torch.Tensor, reference: torch.Tensor) -> Gap | None:
+def family_floors(reference: Mapping[str, torch.Tensor]) -> dict[str, float]:
+    """Per output, ``FAMILY_RELATIVE`` times the largest magnitude among outputs of its family
+    (the same prefix, e.g. every ``grad/``): a value that is zero in exact arithmetic (e.g. the
+    gradient of a bias a softmax cannot see) is rounding noise at its family's scale."""
+    scales: dict[str, float] = {}
+    for name, value in reference.items():
+        family = name.split("/", 1)[0] if "/" in name else name
+        if value.numel():
+            scales[family] = max(scales.get(family, 0.0), value.abs().max().item())
+    return {name: FAMILY_RELATIVE * scales.get(name.split("/", 1)[0] if "/" in name else name, 0.0)
+            for name in reference}
+
+
+def gap(name: str, observed: torch.Tensor, reference: torch.Tensor, floor: float = 0.0) -> Gap | None:
     """The gap between two values of one name, or None when within tolerance."""
     if observed.shape != reference.shape:
         return Gap(name, list(observed.shape), list(reference.shape), float("inf"), float("inf"), 0.0)
     if not reference.numel():
         return None
     error = (observed.double() - reference.double()).abs().max().item()
-    tol = _tolerance(name, reference)
+    tol = _tolerance(name, reference, floor)
     if error <= tol and error == error:
         return None
     scale = reference.abs().max().item()
@@ -81,9 +98,10 @@ def output_gaps(per_rank: Sequence[Mapping[str, torch.Tensor]],
                 reference: Mapping[str, torch.Tensor]) -> list[Gap]:
     """Outputs that differ from the reference on some rank (the worst rank's value per name)."""
     gaps: list[Gap] = []
+    floors = family_floors(reference)
     for name, ref in reference.items():
         found = [g for outputs in per_rank if name in outputs
-                 and (g := gap(name, outputs[name], ref)) is not None]
+                 and (g := gap(name, outputs[name], ref, floors[name])) is not None]
         if found:
             gaps.append(max(found, key=lambda g: g.max_error))
     return gaps
