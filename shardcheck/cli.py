@@ -9,6 +9,7 @@ from shardcheck.cli_parity import parity_command
 from shardcheck.cli_run import run
 from shardcheck.fuzz_cli import findings_command, fuzz_command, repro_command
 from shardcheck.golden.cli import golden
+from shardcheck.megatron.audit_cli import audit_command
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -23,3 +24,4 @@ main.add_command(parity_command)
 main.add_command(fuzz_command)
 main.add_command(repro_command)
 main.add_command(findings_command)
+main.add_command(audit_command)

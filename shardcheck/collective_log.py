@@ -47,7 +47,7 @@ class _Log:
     def __init__(self) -> None:
         self.file = None
         self.path: Path | None = None
-        self._ranks: dict[int, tuple[int, ...]] = {}
+        self._ranks: dict[dist.ProcessGroup, tuple[int, ...]] = {}
 
     def restart(self, path: Path) -> None:
         if self.file is not None:
@@ -65,10 +65,9 @@ class _Log:
 
     def _ranks_of(self, group: dist.ProcessGroup | None) -> tuple[int, ...]:
         group = group or dist.group.WORLD
-        key = id(group)
-        if key not in self._ranks:
-            self._ranks[key] = tuple(dist.get_process_group_ranks(group))
-        return self._ranks[key]
+        if group not in self._ranks:  # keyed by the group itself: ids of destroyed groups get reused
+            self._ranks[group] = tuple(dist.get_process_group_ranks(group))
+        return self._ranks[group]
 
 
 LOG = _Log()

@@ -406,6 +406,8 @@ def reduction(kind: str, dim_pos: int = 1, keep_pos: int = 2) -> Callable:
         ndim = x.dim()
         dims = reduced_dims(arg(args, kwargs, dim_pos, "dim"), ndim)
         keep = bool(arg(args, kwargs, keep_pos, "keepdim", False))
+        pl = tuple(moved(p, norm_dim(p.dim, max(ndim, 1))) if isinstance(p, Shard) and p.dim < 0
+                   else p for p in pl)  # S(-1) and S(ndim-1) are the same shard
         result = tuple(_reduce_axis(kind, p, a, dims, keep) for a, p in enumerate(pl))
         return result
     return rule

@@ -1,0 +1,265 @@
+"""``shardcheck audit``: the type checker and parity over the generic sweep of megatron-core.
+
+For each case of the sweep (:mod:`shardcheck.megatron.sweep`) the component runs on warm Gloo
+ranks (one :class:`~shardcheck.pool.RankPool` per world size, since Megatron's
+``parallel_state`` spans the whole default group) and on one rank. A case fails when an
+output differs from the one-rank run (:mod:`shardcheck.megatron.divergence`); its contracted
+calls locate the divergence in megatron-core, and the type checker, when present, gives the
+``checker:`` line. Failures are deduplicated into findings by location and contract
+(:mod:`shardcheck.megatron.findings`).
+
+A single option is screened on one rank before it is swept: if the component fails with it
+there, or it changes none of the one-rank outputs, it is not run under the layouts (it is
+listed in the report's coverage section instead).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from shardcheck.layout import Layout
+from shardcheck.megatron import audit_report, contracts
+from shardcheck.megatron.audit_rank import run_case
+from shardcheck.megatron.audit_report import Finding
+from shardcheck.megatron.divergence import CallGap, Gap, first_call_gap, max_errors, output_gaps
+from shardcheck.megatron.sweep import Case
+from shardcheck.megatron.typecheck import checker_available
+from shardcheck.pool import PoolFailure, RankPool
+
+PRELOAD = ("megatron.core.pipeline_parallel.schedules", "megatron.core.optimizer",
+           "megatron.core.transformer.moe.router", "megatron.core.models.gpt.gpt_model",
+           "shardcheck.megatron.scenarios")
+RUN_TIMEOUT = 30.0
+
+
+# ---- in the parent ------------------------------------------------------------------------
+
+class Pools:
+    """One warm rank pool per world size, started on first use."""
+
+    def __init__(self, timeout: float = RUN_TIMEOUT) -> None:
+        self.timeout = timeout
+        self._pools: dict[int, RankPool] = {}
+
+    def run(self, layout: Layout, fn: Callable[..., Any], *args: Any) -> list[Any]:
+        if layout.world_size not in self._pools:
+            self._pools[layout.world_size] = RankPool(layout.world_size, timeout=self.timeout,
+                                                      preload=PRELOAD)
+        return self._pools[layout.world_size].run(layout, fn, *args)
+
+    def close(self) -> None:
+        for pool in self._pools.values():
+            pool.__exit__(None, None, None)
+        self._pools.clear()
+
+
+@contextmanager
+def pools(timeout: float = RUN_TIMEOUT) -> Iterator[Pools]:
+    owned = Pools(timeout)
+    try:
+        yield owned
+    finally:
+        owned.close()
+
+
+@dataclass
+class Outcome:
+    """What one case gave: nothing wrong, gaps (numeric), violations (types), or an error."""
+
+    case: Case
+    gaps: list[Gap] = field(default_factory=list)
+    call_gap: CallGap | None = None
+    violations: list[dict] = field(default_factory=list)
+    error: str | None = None
+    seconds: float = 0.0
+    error_kind: str | None = None
+    entry: str | None = None
+    errors: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def failed(self) -> bool:
+        return bool(self.gaps or self.violations)
+
+
+def _first_line(failure: PoolFailure) -> str:
+    lines = [ln.strip() for ln in str(failure).splitlines() if ln.strip() and not ln.startswith(" ")]
+    errors = [ln for ln in lines if not ln.startswith(("rank ", "last collective", "Traceback"))]
+    return (errors[-1] if errors else lines[0] if lines else failure.kind)[:300]
+
+
+class Runner:
+    """Runs cases and their one-rank references through the pools, caching references."""
+
+    def __init__(self, runner_pools: Pools, typecheck: bool) -> None:
+        self.pools = runner_pools
+        self.typecheck = typecheck
+        self.references: dict[tuple[str, tuple, int], dict | str] = {}
+
+    def reference(self, component: str, options: tuple, rng_offset: int = 0) -> dict | str:
+        """The one-rank result of a component with options, or the error line when it fails."""
+        key = (component, options, rng_offset)
+        if key not in self.references:
+            try:
+                self.references[key] = self.pools.run(Layout(), run_case, component, options, (),
+                                                      False, rng_offset)[0]
+            except PoolFailure as failure:
+                self.references[key] = _first_line(failure)
+        return self.references[key]
+
+    def screen(self, component: str, options: tuple) -> str | None:
+        """Why an option is not swept, else None: it fails or changes nothing at one rank, or
+        its outputs depend on the RNG seed (each rank of a layout draws its own random stream,
+        so such outputs have no one-rank reference)."""
+        ref = self.reference(component, options)
+        if isinstance(ref, str):
+            return f"fails on one rank: {ref}"
+        base = self.reference(component, ())
+        if options and isinstance(base, dict) and _same_outputs(ref["outputs"], base["outputs"]):
+            return "changes no output at one rank"
+        reseeded = self.reference(component, options, rng_offset=1)
+        if isinstance(reseeded, dict) and not _same_outputs(ref["outputs"], reseeded["outputs"]):
+            return "random: its outputs depend on the RNG seed, so no one-rank reference exists"
+        return None
+
+    def run(self, case: Case, fixes: tuple[str, ...] = ()) -> Outcome:
+        started = time.monotonic()
+        ref = self.reference(case.component, case.options)
+        assert isinstance(ref, dict), "screened cases have a reference"
+        try:
+            ranks = self.pools.run(case.layout, run_case, case.component, case.options, fixes, self.typecheck)
+        except PoolFailure as failure:
+            return Outcome(case, error=_first_line(failure), seconds=time.monotonic() - started,
+                           error_kind=failure.kind)
+        outcome = Outcome(case, output_gaps([r["outputs"] for r in ranks], ref["outputs"]),
+                          first_call_gap(case.layout, [r["calls"] for r in ranks], ref["calls"]),
+                          _unique(v for r in ranks for v in r["violations"]),
+                          errors=max_errors([r["outputs"] for r in ranks], ref["outputs"]),
+                          entry=ranks[0]["entry"])
+        outcome.seconds = time.monotonic() - started
+        return outcome
+
+
+def _same_outputs(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(a[k].shape == b[k].shape and torch.equal(a[k], b[k]) for k in a)
+
+
+def _unique(violations) -> list[dict]:
+    seen: dict[tuple, dict] = {}
+    for v in violations:
+        seen.setdefault((v["rule"], v["location"]), v)
+    return list(seen.values())
+
+
+def corrected_control(runner: Runner, minimal: Outcome) -> dict[str, Any] | None:
+    """Rerun the minimal trigger with its contract's fix patched in, compared with the reference."""
+    if minimal.call_gap is None or contracts.BY_NAME[minimal.call_gap.contract].fix is None:
+        return None
+    contract = contracts.BY_NAME[minimal.call_gap.contract]
+    fixed = runner.run(minimal.case, fixes=(contract.name,))
+    if fixed.error:
+        return {"fix": contract.fix_note, "result": f"the corrected run failed: {fixed.error}",
+                "equal_to_reference": False}
+    names = [g.name for g in minimal.gaps]
+    errors = {name: fixed.errors.get(name) for name in names}
+    worst = max((e for e in errors.values() if e is not None), default=0.0)
+    ok = not fixed.gaps and fixed.call_gap is None
+    verdict = ("corrected == reference" if ok else
+               f"still differs: {', '.join(g.name for g in fixed.gaps[:3])}")
+    return {"fix": contract.fix_note, "result": f"{verdict} (max abs error of the diverging outputs "
+            f"{worst:.3g} after the fix)", "equal_to_reference": ok, "max_abs_error": worst}
+
+
+@dataclass
+class AuditResult:
+    """Everything an audit found and ran."""
+
+    findings: list[Finding]
+    outcomes: list[Outcome]
+    not_swept: list[str]
+    seconds: float
+    stopped_early: bool
+
+    @property
+    def errors(self) -> list[Outcome]:
+        return [o for o in self.outcomes if o.error]
+
+    def summary(self) -> dict[str, Any]:
+        ran = [o for o in self.outcomes if not o.error]
+        return {
+            "cases run": len(ran), "cases failed to run": len(self.errors),
+            "options not swept": len(self.not_swept), "findings": len(self.findings),
+            "wall time (s)": round(self.seconds, 1),
+            "stopped at the budget or time limit": self.stopped_early,
+            "not_swept": self.not_swept,
+            "errors": sorted({f"{o.case.label}: {o.error}" for o in self.errors}),
+        }
+
+
+Progress = Callable[[Case, int], None]
+
+
+def audit(cases: Iterable[Case], *, budget: int | None = None, time_limit: float | None = None,
+          typecheck: bool = True, progress: Progress | None = None,
+          run_pools: Pools | None = None) -> AuditResult:
+    """Run the cases (screening options on one rank first), then build the findings."""
+    started = time.monotonic()
+    with nullcontext(run_pools) if run_pools else pools() as owned:
+        runner = Runner(owned, typecheck and checker_available())
+        outcomes, not_swept, early = _sweep(runner, cases, budget, time_limit, progress, started)
+        findings = _findings(runner, outcomes)
+    return AuditResult(findings, outcomes, not_swept, time.monotonic() - started, early)
+
+
+def _sweep(runner: Runner, cases: Iterable[Case], budget: int | None, time_limit: float | None,
+           progress: Progress | None, started: float) -> tuple[list[Outcome], list[str], bool]:
+    outcomes: list[Outcome] = []
+    not_swept: dict[tuple, str] = {}
+    broken_layouts: set[tuple[str, Layout]] = set()
+    for case in cases:
+        if (budget is not None and len(outcomes) >= budget) or (
+                time_limit is not None and time.monotonic() - started > time_limit):
+            return outcomes, _listed(not_swept), True
+        key = (case.component, case.options)
+        if key not in not_swept and (why := runner.screen(*key)):
+            not_swept[key] = why
+        if key in not_swept or (case.component, case.layout) in broken_layouts:
+            continue
+        if progress:
+            progress(case, len(outcomes))
+        outcome = runner.run(case)
+        outcomes.append(outcome)
+        if outcome.error and not case.options:
+            broken_layouts.add((case.component, case.layout))
+        elif outcome.error_kind in ("hang", "desync"):
+            not_swept[key] = f"{outcome.error_kind} under {case.layout}; not swept further"
+    return outcomes, _listed(not_swept), False
+
+
+def _listed(not_swept: dict[tuple, str]) -> list[str]:
+    return [f"{component} {dict(options) or 'defaults'}: {why}"
+            for (component, options), why in not_swept.items()]
+
+
+def _findings(runner: Runner, outcomes: list[Outcome]) -> list[Finding]:
+    baseline = {(o.case.component, o.case.layout): {audit_report.violation_key(v) for v in o.violations}
+                for o in outcomes if not o.case.options}
+    findings = []
+    for key, members in audit_report.group([o for o in outcomes if o.failed]).items():
+        minimal = min(members, key=lambda o: (not o.gaps, audit_report.case_size(o.case)))
+        seen = baseline.get((minimal.case.component, minimal.case.layout), set())
+        checker = audit_report.checker_line(key[0], members, seen if minimal.case.options else set())
+        findings.append(Finding(
+            title=audit_report.title(key, minimal), kind=audit_report.kind(members, checker),
+            location=key[0], contract=key[1], trigger=audit_report.trigger(minimal.case),
+            effect=audit_report.effect(minimal),
+            first_divergence=minimal.call_gap.gap.summary() if minimal.call_gap else None,
+            checker=checker, corrected=corrected_control(runner, minimal),
+            reproduce=audit_report.reproduce_command(minimal.case),
+            seen_in=sorted({f"{o.case.layout} {dict(o.case.options) or ''}".strip() for o in members})))
+    return sorted(findings, key=lambda f: (f.kind, f.location))

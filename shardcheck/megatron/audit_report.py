@@ -1,0 +1,198 @@
+"""Findings of an audit: failing cases deduplicated by location and contract, and their report.
+
+A failing case is *located* by the first contracted call that diverges (the contract names the
+function and its file:line in megatron-core) or by the type checker's first violation. Cases
+that fail without a location (e.g. data-parallel layouts, where contracted calls are not
+aligned with the one-rank run) join the finding of the same component and options found
+elsewhere, or else form a finding located at their first diverging output.
+
+The minimal trigger of a finding is its failing case with the fewest ranks, then the fewest
+options. ``kind`` is ``type+numeric`` when both parity and the checker saw it, ``numeric-only``
+when only parity did, ``type-only`` when only the checker did.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from shardcheck.megatron.contracts import BY_NAME
+from shardcheck.megatron.sweep import Case
+
+
+@dataclass
+class Finding:
+    """One distinct bug with its minimal trigger, effect, contract and controls."""
+
+    title: str
+    kind: str
+    location: str
+    contract: str
+    trigger: dict[str, Any]
+    effect: list[dict[str, Any]]
+    first_divergence: str | None
+    checker: str | None
+    corrected: dict[str, Any] | None
+    reproduce: str
+    seen_in: list[str] = field(default_factory=list)
+    id: str = ""
+
+    def __post_init__(self) -> None:
+        self.id = self.id or hashlib.sha1(f"{self.location}\0{self.contract}".encode()).hexdigest()[:10]
+
+
+def violation_key(violation: dict) -> tuple[str, str]:
+    return violation["location"], f"checker rule: {violation['rule']}"
+
+
+def _key(outcome) -> tuple[str, str] | None:
+    if outcome.call_gap is not None:
+        contract = BY_NAME[outcome.call_gap.contract]
+        return contract.location(), contract.notation()
+    return None
+
+
+def case_size(case: Case) -> tuple:
+    return case.layout.world_size, len(case.options), str(case.layout)
+
+
+def group(failed: Sequence) -> dict[tuple[str, str], list]:
+    """Failing outcomes grouped by (location, contract).
+
+    All numeric failures of one component with the same options form one finding, keyed by
+    the first diverging contracted call of its smallest located case, else by the entry point
+    into megatron-core of its smallest case (a bug also shows downstream, e.g. in the gradient
+    norm under data parallelism, where the call that causes it is not compared). Findings of
+    different options that share a key are one. Type-only outcomes are keyed by their
+    violation, unless a numeric finding's cases have the same violation: they explain it.
+    """
+    numeric = [o for o in failed if o.gaps]
+    by_options: dict[tuple, tuple[str, str]] = {}
+    for outcome in sorted(numeric, key=lambda o: (_key(o) is None, case_size(o.case))):
+        located = outcome.entry or f"{outcome.case.component} output {outcome.gaps[0].name}"
+        by_options.setdefault((outcome.case.component, outcome.case.options),
+                              _key(outcome) or (located, "outputs match the one-rank run"))
+    groups: dict[tuple[str, str], list] = {}
+    for outcome in numeric:
+        groups.setdefault(by_options[(outcome.case.component, outcome.case.options)], []).append(outcome)
+    explained = {violation_key(v): key for key, members in groups.items()
+                 for o in members for v in o.violations}
+    for outcome in (o for o in failed if not o.gaps):
+        for violation in outcome.violations:
+            groups.setdefault(explained.get(violation_key(violation), violation_key(violation)),
+                              []).append(outcome)
+    return groups
+
+
+def checker_line(location: str, members: Sequence, baseline_violations: set[tuple[str, str]]) -> str | None:
+    """The ``checker:`` line explaining a finding: a violation in the finding's own file, else
+    one its cases have and the same component's default run under that layout has not."""
+    violations = [v for o in members for v in o.violations]
+    file = location.rsplit(":", 1)[0]
+    same_file = [v for v in violations if v["location"].rsplit(":", 1)[0] == file]
+    new = [v for v in violations if violation_key(v) not in baseline_violations]
+    chosen = (same_file or new or [None])[0]
+    return chosen["line"] if chosen else None
+
+
+def reproduce_command(case: Case) -> str:
+    sets = " ".join(f"--set {name}={value}" for name, value in case.options)
+    return f"shardcheck audit --only {case.component} --layouts {case.layout} {sets}".rstrip()
+
+
+def trigger(case: Case) -> dict[str, Any]:
+    return {"component": case.component, "options": dict(case.options), "layout": str(case.layout)}
+
+
+def title(key: tuple[str, str], minimal) -> str:
+    case = minimal.case
+    opts = ", ".join(f"{k}={v}" for k, v in case.options) or "default options"
+    if minimal.call_gap is not None:
+        what = minimal.call_gap.gap.name.split(".", 1)[1]
+        return f"{minimal.call_gap.contract}: {what} differs from one rank under {case.layout} ({opts})"
+    if minimal.gaps:
+        return f"{case.component}: {minimal.gaps[0].name} differs from one rank under {case.layout} ({opts})"
+    return f"{minimal.violations[0]['rule']} in {case.component} under {case.layout} ({opts})"
+
+
+def kind(outcomes: Sequence, checker: str | None) -> str:
+    numeric = any(o.gaps for o in outcomes)
+    return "type+numeric" if numeric and checker else "numeric-only" if numeric else "type-only"
+
+
+def effect(outcome, limit: int = 3) -> list[dict[str, Any]]:
+    gaps = sorted(outcome.gaps, key=lambda g: -g.relative)
+    if outcome.call_gap is not None:
+        gaps = [outcome.call_gap.gap, *gaps]
+    return [{"value": g.name, "observed": g.observed, "reference": g.reference,
+             "max_abs_error": g.max_error, "max_rel_error": g.relative} for g in gaps[:limit + 1]]
+
+
+def write(out_dir: Path, findings: Sequence[Finding], summary: dict[str, Any]) -> None:
+    """``out_dir/findings.json`` and ``out_dir/report.md``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    data = {"summary": summary, "findings": [asdict(f) for f in findings]}
+    (out_dir / "findings.json").write_text(json.dumps(data, indent=2, default=str) + "\n")
+    (out_dir / "report.md").write_text(markdown(findings, summary))
+
+
+def show_number(value: Any) -> str:
+    """A scalar with 6 significant digits; a tensor as its shape and first values."""
+    if not isinstance(value, list):
+        return f"{value:.6g}" if isinstance(value, float) else str(value)
+    flat, shape, inner = [], [], value
+    while isinstance(inner, list):
+        shape.append(len(inner))
+        inner = inner[0] if inner else None
+    stack = [value]
+    while stack and len(flat) < 4:
+        item = stack.pop(0)
+        if isinstance(item, list):
+            stack = item + stack
+        else:
+            flat.append(f"{item:.6g}")
+    return f"shape {shape} [{', '.join(flat)}, ...]"
+
+
+def _finding_lines(n: int, f: Finding) -> list[str]:
+    lines = [f"### {n}. {f.title}", "",
+             f"- **id**: `{f.id}` ({f.kind})",
+             f"- **location**: `{f.location}`",
+             f"- **minimal trigger**: component `{f.trigger['component']}`, options "
+             f"`{f.trigger['options'] or 'defaults'}`, layout `{f.trigger['layout']}`",
+             f"- **contract**: `{f.contract}`",
+             f"- **checker**: `{f.checker or 'no type violation recorded'}`"]
+    if f.effect:
+        lines += [f"- **first divergence**: {f.first_divergence or 'no contracted call diverged'}",
+                  "- **effect** (observed vs one-rank reference):"]
+        lines += [f"  - `{e['value']}`: observed {show_number(e['observed'])}, reference "
+                  f"{show_number(e['reference'])}, max abs error {e['max_abs_error']:.3g} "
+                  f"(relative {e['max_rel_error']:.3g})" for e in f.effect]
+        lines.append(f"- **corrected control**: {f.corrected['fix']} -> {f.corrected['result']}" if f.corrected
+                     else "- **corrected control**: none (no evident fix for this contract)")
+    return lines + [f"- **seen in**: {', '.join(f.seen_in)}", f"- **reproduce**: `{f.reproduce}`", ""]
+
+
+def markdown(findings: Sequence[Finding], summary: dict[str, Any]) -> str:
+    confirmed = [f for f in findings if f.kind != "type-only"]
+    typed_only = [f for f in findings if f.kind == "type-only"]
+    lines = ["# shardcheck audit of megatron-core", ""]
+    lines += [f"- {k}: {v}" for k, v in summary.items() if not isinstance(v, list | dict)]
+    lines += ["", f"## Findings confirmed by parity ({len(confirmed)})", ""]
+    for n, f in enumerate(confirmed, 1):
+        lines += _finding_lines(n, f)
+    lines += [f"## Type-only findings: the checker objects, parity sees no wrong value ({len(typed_only)})",
+              "", "Each is a rule a value breaks without changing the result in this run (a latent bug, or "
+              "a layout the checker cannot express yet: report it to the checker if parity keeps agreeing).", ""]
+    for n, f in enumerate(typed_only, len(confirmed) + 1):
+        lines += _finding_lines(n, f)
+    for section in ("not_swept", "errors"):
+        entries = summary.get(section) or []
+        if entries:
+            lines += [f"## {section.replace('_', ' ').capitalize()} ({len(entries)})", ""]
+            lines += [f"- {entry}" for entry in entries] + [""]
+    return "\n".join(lines)

@@ -1,0 +1,241 @@
+"""The generic sweep: every component of the catalogue x CPU-compatible options x layouts, in a budget.
+
+Options are found by introspection, never hand-picked:
+
+* each component's setup dataclass: booleans, optional booleans, floats that default to 0
+  (tried at 0.1) and strings whose choices a Megatron constructor declares as a ``Literal``;
+* for components that take a ``config``: every boolean, ``Literal`` and ``Enum`` field of
+  ``TransformerConfig`` (and so of ``ModelParallelConfig``), except the fields a layout sets
+  and the fields the component pins for the CPU. A value that ``TransformerConfig`` itself
+  rejects is dropped here; :mod:`shardcheck.megatron.audit` then drops values that fail or
+  change nothing at one rank.
+
+Layouts: every grid of tp, cp, dp, pp in {1, 2} up to ``max_world`` ranks, each with and
+without sequence parallelism when tp > 1, and with ep=2 where dp*cp allows it. Cases are
+ordered so that a budget cut keeps the space covered evenly: first every component's defaults
+under every layout, then each option under each two-rank layout, then under the larger ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import itertools
+import typing
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from shardcheck.layout import Layout
+
+LAYOUT_FIELDS = frozenset({
+    "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+    "expert_model_parallel_size", "expert_tensor_parallel_size", "sequence_parallel",
+    "virtual_pipeline_model_parallel_size", "hierarchical_context_parallel_sizes",
+    "hybrid_context_parallel", "pipeline_dtype",
+})
+SKIPPED_SETUP_FIELDS = frozenset({"seed", "config"})
+FLOAT_TRY = 0.1
+
+
+@dataclass(frozen=True)
+class Case:
+    """One run: a component, its non-default options (setup fields and config fields), a layout."""
+
+    component: str
+    options: tuple[tuple[str, Any], ...]
+    layout: Layout
+
+    @property
+    def label(self) -> str:
+        opts = ", ".join(f"{k}={v!r}" for k, v in self.options) or "defaults"
+        return f"{self.component}[{opts}] @ {self.layout}"
+
+    def with_layout(self, layout: Layout) -> Case:
+        return Case(self.component, self.options, layout)
+
+
+def setup_kwargs(setup_cls: type, options: Iterable[tuple[str, Any]]) -> dict[str, Any]:
+    """Split options into the setup's own fields and its ``config`` overrides."""
+    own = {f.name for f in dataclasses.fields(setup_cls)}
+    kwargs: dict[str, Any] = {}
+    config: dict[str, Any] = {}
+    for name, value in options:
+        if name in own and name != "config":
+            kwargs[name] = value
+        elif "config" in own:
+            config[name] = value
+        else:
+            raise KeyError(f"{setup_cls.__name__} has no option {name!r}")
+    if config:
+        kwargs["config"] = config
+    return kwargs
+
+
+def _literal_choices(annotation: Any) -> tuple | None:
+    if typing.get_origin(annotation) is typing.Literal:
+        return typing.get_args(annotation)
+    for arg in typing.get_args(annotation):
+        if typing.get_origin(arg) is typing.Literal:
+            return typing.get_args(arg)
+    return None
+
+
+def _enum_type(annotation: Any) -> type[enum.Enum] | None:
+    for candidate in (annotation, *typing.get_args(annotation)):
+        if isinstance(candidate, type) and issubclass(candidate, enum.Enum):
+            return candidate
+    return None
+
+
+def _is_bool(annotation: Any) -> bool:
+    args = set(typing.get_args(annotation))
+    return annotation is bool or (bool in args and args <= {bool, type(None)})
+
+
+def values_to_try(annotation: Any, default: Any) -> list[Any]:
+    """The values other than ``default`` that a field of this type can take (empty: not swept)."""
+    if _is_bool(annotation):
+        options = [True, False] + ([None] if type(None) in typing.get_args(annotation) else [])
+    elif (choices := _literal_choices(annotation)) is not None:
+        options = list(choices)
+    elif (kind := _enum_type(annotation)) is not None:
+        options = list(kind)
+    elif annotation is float and default == 0.0:
+        options = [FLOAT_TRY]
+    else:
+        options = []
+    return [value for value in options if value != default]
+
+
+def _megatron_literals() -> dict[str, tuple]:
+    """``Literal`` parameters of the Megatron constructors the catalogue builds, by name."""
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    found: dict[str, tuple] = {}
+    for cls in (GPTModel,):
+        for name, annotation in typing.get_type_hints(cls.__init__).items():
+            if (choices := _literal_choices(annotation)) is not None:
+                found[name] = choices
+    return found
+
+
+def setup_options(setup_cls: type) -> list[tuple[str, Any]]:
+    """Every non-default value of the setup dataclass's sweepable fields."""
+    hints = typing.get_type_hints(setup_cls)
+    literals = _megatron_literals()
+    found: list[tuple[str, Any]] = []
+    for f in dataclasses.fields(setup_cls):
+        if f.name in SKIPPED_SETUP_FIELDS or f.default is dataclasses.MISSING:
+            continue
+        annotation = hints[f.name]
+        if annotation is str:
+            choices = literals.get(f.name) or literals.get(f"{f.name}_type") or ()
+            found += [(f.name, c) for c in choices if c != f.default]
+        else:
+            found += [(f.name, v) for v in values_to_try(annotation, f.default)]
+    return found
+
+
+def pinned_config_fields(component: str) -> frozenset[str]:
+    """Config fields the component sets itself (its CPU choices), which the sweep leaves alone."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from shardcheck.megatron.scenarios.gpt import GPTSetup, transformer_config
+
+    ours = transformer_config(Layout(), GPTSetup())
+    required = {"num_layers": ours.num_layers, "hidden_size": ours.hidden_size,
+                "num_attention_heads": ours.num_attention_heads}
+    plain = TransformerConfig(**required)
+    return frozenset(f.name for f in dataclasses.fields(TransformerConfig)
+                     if f.name not in required and getattr(ours, f.name) != getattr(plain, f.name))
+
+
+def config_options(component: str) -> list[tuple[str, Any]]:
+    """Non-default values of TransformerConfig's boolean, Literal and Enum fields that it accepts."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    hints = typing.get_type_hints(TransformerConfig)
+    skip = LAYOUT_FIELDS | pinned_config_fields(component)
+    found: list[tuple[str, Any]] = []
+    for f in dataclasses.fields(TransformerConfig):
+        if f.name in skip or f.default is dataclasses.MISSING:
+            continue
+        found += [(f.name, v) for v in values_to_try(hints[f.name], f.default)
+                  if not isinstance(v, float)]
+    return [option for option in found if accepted_by_config(component, option)]
+
+
+def accepted_by_config(component: str, option: tuple[str, Any]) -> bool:
+    """Whether TransformerConfig's own validation accepts the option on one rank."""
+    from shardcheck.megatron.scenarios import COMPONENTS
+    from shardcheck.megatron.scenarios.gpt import GPTSetup, transformer_config
+
+    setup = COMPONENTS[component].setup(**setup_kwargs(COMPONENTS[component].setup, [option]))
+    try:
+        transformer_config(Layout(), GPTSetup(config=getattr(setup, "config", {})))
+    except Exception:  # noqa: BLE001 - any rejection means the value is not usable here
+        return False
+    return True
+
+
+def component_options(component: str) -> list[tuple[str, Any]]:
+    """All candidate single options of a component, setup fields first."""
+    from shardcheck.megatron.scenarios import COMPONENTS
+
+    setup_cls = COMPONENTS[component].setup
+    found = setup_options(setup_cls)
+    if "config" in {f.name for f in dataclasses.fields(setup_cls)}:
+        found += config_options(component)
+    return found
+
+
+def layouts(max_world: int = 4) -> list[Layout]:
+    """Every tp/cp/dp/pp grid of sizes 1 or 2 within ``max_world`` ranks, with sp and ep variants."""
+    found: list[Layout] = []
+    for tp, cp, dp, pp in itertools.product((1, 2), repeat=4):
+        if tp * cp * dp * pp > max_world or tp * cp * dp * pp == 1:
+            continue
+        for sp in (False, True) if tp > 1 else (False,):
+            found.append(Layout(tp=tp, cp=cp, dp=dp, pp=pp, sp=sp))
+            if (dp * cp) % 2 == 0 and dp > 1:
+                found.append(Layout(tp=tp, cp=cp, dp=dp, pp=pp, sp=sp, ep=2))
+    return sorted(found, key=lambda lay: (lay.world_size, str(lay)))
+
+
+def parse_value(text: str) -> Any:
+    """A ``--set`` value: true/false/none, a number, else the string."""
+    lowered = text.strip().lower()
+    special = {"true": True, "false": False, "none": None}
+    if lowered in special:
+        return special[lowered]
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def plan(components: Mapping[str, list[tuple[str, Any]]], layout_list: list[Layout],
+         budget: int | None) -> list[Case]:
+    """Cases in coverage order (see the module docstring), cut to ``budget`` runs."""
+    def tier(option_sets: list[tuple[str, tuple]], tier_layouts: list[Layout]) -> Iterator[Case]:
+        for layout in tier_layouts:
+            for component, options in option_sets:
+                yield Case(component, options, layout)
+
+    defaults = [(c, ()) for c in components]
+    singles = [(c, (option,)) for c, options in components.items() for option in options]
+    small = [lay for lay in layout_list if lay.world_size <= 2]
+    large = [lay for lay in layout_list if lay.world_size > 2]
+    ordered = itertools.chain(tier(defaults, layout_list), _interleave(singles, small),
+                              _interleave(singles, large))
+    return list(itertools.islice(ordered, budget))
+
+
+def _interleave(option_sets: list[tuple[str, tuple]], tier_layouts: list[Layout]) -> Iterator[Case]:
+    """Each option under each layout, round-robin over options so a cut spreads evenly."""
+    for shift in range(len(tier_layouts)):
+        for i, (component, options) in enumerate(option_sets):
+            yield Case(component, options, tier_layouts[(i + shift) % len(tier_layouts)])

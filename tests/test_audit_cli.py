@@ -1,0 +1,41 @@
+"""``shardcheck audit`` on the command line: a real reproduce run, and bad input."""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+pytest.importorskip("megatron.core")
+
+from shardcheck.cli import main  # noqa: E402
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--layouts", "tp2,tpx"], "malformed layout"),
+    (["--only", "nothing"], "unknown component"),
+    (["--budget", "3", "--time-limit", "1"], "not both"),
+    (["--only", "output_loss", "--set", "label_smoothing"], "is not NAME=VALUE"),
+    (["--only", "output_loss", "--set", "no_such_option=1"], "no option"),
+    (["--budget", "0"], "Invalid value"),
+])
+def test_bad_input_gets_one_clear_line_and_a_nonzero_exit(args, message, tmp_path):
+    result = CliRunner().invoke(main, ["audit", *args, "--out", str(tmp_path)])
+    assert result.exit_code == 2, result.output
+    assert message in result.output and "Traceback" not in result.output
+    assert not (tmp_path / "report.md").exists()
+
+
+@pytest.mark.slow
+def test_reproduce_command_reruns_one_finding_and_writes_the_report(tmp_path):
+    args = ["audit", "--only", "output_loss", "--layouts", "tp2", "--set", "label_smoothing=0.1",
+            "--out", str(tmp_path)]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert "1 finding(s) confirmed by parity, 0 type-only" in result.output
+    assert "checker: mean over shard at megatron/core/tensor_parallel/cross_entropy.py:" in result.output
+    data = json.loads((tmp_path / "findings.json").read_text())
+    [finding] = data["findings"]
+    assert finding["trigger"] == {"component": "output_loss", "options": {"label_smoothing": 0.1},
+                                  "layout": "tp2"}
+    assert finding["reproduce"] == "shardcheck audit --only output_loss --layouts tp2 --set label_smoothing=0.1"
+    assert "## Findings confirmed by parity (1)" in (tmp_path / "report.md").read_text()

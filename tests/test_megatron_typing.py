@@ -1,0 +1,105 @@
+"""Types of real Megatron parameters and meshes, built under real Gloo layouts."""
+
+import pytest
+
+pytest.importorskip("megatron.core")
+
+import megatron.core.models.gpt.gpt_model  # noqa: E402, F401  (imported once, before forking)
+
+from shardcheck.launch import spawn_ranks  # noqa: E402
+from shardcheck.megatron.parallel import megatron_parallel  # noqa: E402
+from shardcheck.megatron.runner import MegatronLayout, RankContext  # noqa: E402
+from shardcheck.megatron.scenarios.gpt import GPTSetup, build_gpt, transformer_config  # noqa: E402
+from shardcheck.megatron.typing import (  # noqa: E402
+    input_types,
+    mesh_from_parallel_state,
+    mesh_from_pg_collection,
+    parameter_types,
+)
+from shardcheck.types import R, S, V  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+def _types_on_rank(layout: MegatronLayout, config: dict) -> tuple:
+    import torch.distributed as dist
+
+    with megatron_parallel(RankContext(layout, dist.get_rank())):
+        setup = GPTSetup(config=config)
+        model = _build(transformer_config(layout, setup), setup)
+        mesh = mesh_from_parallel_state()
+        types = {name: (repr(t.placements), t.grad_reduced_over)
+                 for name, t in parameter_types(model).items()}
+        return types, {name: axis.ranks for name, axis in mesh.axes.items()}
+
+
+def _build(config, setup: GPTSetup):
+    """The scenario's GPT; with experts, Megatron's local MoE spec (SequentialMLP experts)."""
+    if not config.num_moe_experts:
+        return build_gpt(config, setup)
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False)
+    return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=setup.vocab,
+                    max_sequence_length=setup.seq)
+
+
+def _run(layout: MegatronLayout, config: dict | None = None):
+    return spawn_ranks(_types_on_rank, layout.world_size, layout, config or {})
+
+
+def _placements(text: str) -> dict:
+    return eval(text, {"R": R, "V": V, "S": S})  # repr of {axis: placement}
+
+
+def test_tp2_sp_gpt_parameters_are_typed_from_megatron_metadata():
+    (types, axes), _ = _run(MegatronLayout(tp=2, sp=True))
+    qkv, qkv_reduced = types["decoder.layers.0.self_attention.linear_qkv.weight"]
+    assert _placements(qkv)["tp"] == S(0) and qkv_reduced == ()
+    assert _placements(types["decoder.layers.0.self_attention.linear_proj.weight"][0])["tp"] == S(1)
+    assert _placements(types["embedding.word_embeddings.weight"][0])["tp"] == S(0)
+    norm, norm_reduced = types["decoder.layers.0.input_layernorm.weight"]
+    assert _placements(norm)["tp"] == R and norm_reduced == ("tp",)
+    assert all(_placements(text)["dp"] == R for text, _ in types.values())
+    assert axes["tp"] == (0, 1) and axes["dp"] == (0,)
+
+
+def test_without_sequence_parallelism_norms_need_no_tp_reduction():
+    (types, _), _ = _run(MegatronLayout(tp=2))
+    assert types["decoder.layers.0.input_layernorm.weight"][1] == ()
+    assert _placements(types["embedding.position_embeddings.weight"][0])["tp"] == R
+
+
+def test_expert_weights_are_sharded_over_ep():
+    moe = {"num_moe_experts": 4, "moe_router_topk": 2, "add_bias_linear": False}
+    (types, axes), _ = _run(MegatronLayout(dp=2, ep=2), moe)
+    experts = {n: _placements(t) for n, (t, _) in types.items() if ".experts." in n}
+    assert experts and all(p["ep"] == S(0) and p["tp"] == R for p in experts.values())
+    router = _placements(types["decoder.layers.0.mlp.router.weight"][0])
+    assert router["ep"] == R
+    assert axes["ep"] == (0, 1)
+
+
+def _explicit_mesh_axes(layout):
+    import torch.distributed as dist
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    with megatron_parallel(RankContext(layout, dist.get_rank())):
+        collection = ProcessGroupCollection()
+        collection.tp = dist.new_group([0, 1])
+        collection.cp = dist.new_group([dist.get_rank()])
+        return {name: axis.ranks for name, axis in mesh_from_pg_collection(collection).axes.items()}
+
+
+def test_mesh_from_an_explicit_pg_collection_uses_its_groups():
+    axes = spawn_ranks(_explicit_mesh_axes, 2, MegatronLayout(dp=2))
+    assert axes[0] == {"tp": (0, 1), "cp": (0,)} and axes[1] == {"tp": (0, 1), "cp": (1,)}
+
+
+def test_inputs_are_varying_over_dp_and_sequence_sharded_over_cp():
+    tokens = input_types("tokens")
+    assert tokens["dp"] == V and tokens["cp"] == S(1) and tokens["tp"] == R
+    assert input_types("attention_mask", seq_dim=2)["cp"] == S(2)
+    with pytest.raises(ValueError, match="unknown input role"):
+        input_types("weights")
