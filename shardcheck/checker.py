@@ -156,6 +156,7 @@ class Checker(TorchDispatchMode):
         self.names = mesh.names
         self.n = len(self.names)
         self.sizes = tuple(a.size for a in mesh.axes.values())
+        self.check_gradients_on_step = True  # sc.check_gradients before every optimizer.step()
         self.index = tuple(a.ranks.index(mesh.rank) if mesh.rank in a.ranks else -1
                            for a in mesh.axes.values())
         self.typed = 0

@@ -140,6 +140,8 @@ def _findings(checker: _checker.Checker,
             continue
         constant = checker.const(grad)
         for a, axis in enumerate(checker.names):
+            if checker.sizes[a] == 1:
+                continue  # one rank holds the whole value: nothing to reduce or to shard
             found = gradient_finding(name, axis, declared[a], actual[a], a in state.loss_varies,
                                      constant)
             if found is not None:
@@ -189,7 +191,7 @@ def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[tuple[str | None
 
 def _before_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     checker = _checker.current()
-    if checker is None:
+    if checker is None or not checker.check_gradients_on_step:
         return
     report(checker, _findings(checker, _named(_optimizer_params(optimizer))), "optimizer.step")
 

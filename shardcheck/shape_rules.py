@@ -323,6 +323,7 @@ def _index_rule(ctx, args, kwargs, out):
         return None
     index_ndim = out.dim() - (x.dim() - len(picked))
     leading = picked == list(range(len(picked)))
+    single_leading = picked == [0]
     result = []
     for a, p in enumerate(pl):
         index_axis = [ip[a] for ip in index_pls]
@@ -335,6 +336,10 @@ def _index_rule(ctx, args, kwargs, out):
         elif isinstance(p, Shard):
             d = norm_dim(p.dim, x.dim())
             result.append(S(d - len(picked) + index_ndim) if leading else None)
+        elif replicated(p) and single_leading and isinstance(index_axis[0], Shard):
+            # a replicated table looked up by sharded indices (an embedding): the index dims
+            # lead the result, so it is sharded where the indices are
+            result.append(S(norm_dim(index_axis[0].dim, indices[0].dim())))
         elif V in index_axis or any(isinstance(i, Shard) for i in index_axis):
             result.append(V if not is_partial(p) else None)
         else:

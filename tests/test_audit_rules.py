@@ -40,7 +40,7 @@ def test_rules_for_megatron_cross_entropy_and_router_patterns():
     assert types == {
         "max over S(-1) along -1": "V", "then MAX all-reduce": "R",
         "index along the sharded dim": "V", "index_put of a scalar keeps it": "V",
-        "zeros_like of a shard": "S(2)", "baddbmm with beta=0": "P",
+        "zeros_like of a shard": "S(-1)", "baddbmm with beta=0": "P",
         "replicated table indexed by sharded tokens": "S(1)",
     }
     assert rules == ["mean over shard"]  # R minus a mean over one rank's vocabulary shard

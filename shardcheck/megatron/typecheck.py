@@ -283,7 +283,10 @@ def checked_region(ctx: Any) -> Iterator[list[dict]]:
         stack.enter_context(_received_tensors_untyped())
         stack.enter_context(_gradient_buffers_typed(mesh.names))
         stack.enter_context(contextlib.redirect_stderr(io.StringIO()))  # the region's summary
-        stack.enter_context(sc.typecheck(mesh, mode="collect"))
+        checker = stack.enter_context(sc.typecheck(mesh, mode="collect"))
+        # Gradients are compared by parity after finalize_model_grads; the type check at
+        # optimizer.step does not yet follow Megatron's optimizer copies of main_grad.
+        checker.check_gradients_on_step = False
         yield found
     found.extend({"rule": v.rule, "location": _short(v.location), "op": str(v.op),
                   "line": v.first_line.replace(v.location, _short(v.location))}
