@@ -6,8 +6,8 @@ pytest.importorskip("megatron.core")
 
 import megatron.core.pipeline_parallel.schedules  # noqa: E402, F401  (imported once, before forking)
 
+from shardcheck.layout import Layout  # noqa: E402
 from shardcheck.megatron.runner import (  # noqa: E402
-    MegatronLayout,
     relative_errors,
     run_layout,
     run_ranks,
@@ -15,7 +15,7 @@ from shardcheck.megatron.runner import (  # noqa: E402
 from shardcheck.megatron.scenarios import scenario  # noqa: E402
 
 pytestmark = pytest.mark.slow
-ONE, TP2, TP2_SP = MegatronLayout(), MegatronLayout(tp=2), MegatronLayout(tp=2, sp=True)
+ONE, TP2, TP2_SP = Layout(), Layout(tp=2), Layout(tp=2, sp=True)
 
 
 def test_label_smoothing_under_tp_averages_over_the_local_vocab_shard():

@@ -59,10 +59,11 @@ def test_every_preset_builds_a_scenario_and_unknown_names_are_refused():
 
 
 def _run_every_preset():
-    from shardcheck.megatron.runner import MegatronLayout, RankContext
+    from shardcheck.layout import Layout
+    from shardcheck.megatron.runner import RankContext
     from shardcheck.megatron.scenarios import PRESETS, preset
 
-    return {name: sorted(preset(name)(RankContext(MegatronLayout(), 0))) for name in PRESETS}
+    return {name: sorted(preset(name)(RankContext(Layout(), 0))) for name in PRESETS}
 
 
 @pytest.mark.slow

@@ -6,15 +6,16 @@ pytest.importorskip("megatron.core")
 
 import megatron.core.pipeline_parallel.schedules  # noqa: E402, F401  (imported once, before forking)
 
-from shardcheck.megatron.runner import MegatronLayout, relative_errors, run_layout, worst  # noqa: E402
+from shardcheck.layout import Layout  # noqa: E402
+from shardcheck.megatron.runner import relative_errors, run_layout, worst  # noqa: E402
 from shardcheck.megatron.scenarios import scenario  # noqa: E402
 
 pytestmark = pytest.mark.slow
-ONE = MegatronLayout()
+ONE = Layout()
 CORRECT_LAYOUTS = [
-    MegatronLayout(tp=2), MegatronLayout(tp=2, sp=True), MegatronLayout(dp=2),
-    MegatronLayout(pp=2), MegatronLayout(cp=2), MegatronLayout(tp=2, pp=2),
-    MegatronLayout(tp=2, dp=2, sp=True), MegatronLayout(cp=2, dp=2),
+    Layout(tp=2), Layout(tp=2, sp=True), Layout(dp=2),
+    Layout(pp=2), Layout(cp=2), Layout(tp=2, pp=2),
+    Layout(tp=2, dp=2, sp=True), Layout(cp=2, dp=2),
 ]
 
 
@@ -39,7 +40,7 @@ def test_context_parallel_loss_with_a_mask_diverges_from_one_rank():
     """0.16.1 bug: schedules.forward_step_calc_loss divides by the CP rank's own token count."""
     masked = scenario("gpt", loss_mask=True, optimizer_step=False)
     reference = run_layout(masked, ONE)
-    errors = relative_errors(run_layout(masked, MegatronLayout(cp=2)), reference)
+    errors = relative_errors(run_layout(masked, Layout(cp=2)), reference)
     assert errors["loss"] < 1e-6  # the loss itself is right ...
     assert worst(errors, "grad/")[1] > 1e-2  # ... its gradients are not
 
@@ -48,7 +49,7 @@ def test_context_parallel_with_a_mask_and_per_token_loss_matches():
     masked = scenario("gpt", loss_mask=True, optimizer_step=False,
                       config={"calculate_per_token_loss": True})
     reference = run_layout(masked, ONE)
-    errors = relative_errors(run_layout(masked, MegatronLayout(cp=2)), reference)
+    errors = relative_errors(run_layout(masked, Layout(cp=2)), reference)
     assert worst(errors, "grad/")[1] < 1e-5
 
 
@@ -61,7 +62,7 @@ def test_moe_gpt_matches_one_rank_under_tp_sp_and_expert_parallelism(dispatcher)
     moe = scenario("gpt", optimizer_step=False,
                    config={**MOE, "moe_token_dispatcher_type": dispatcher})
     reference = run_layout(moe, ONE)
-    for layout in (MegatronLayout(tp=2, sp=True), MegatronLayout(dp=2, ep=2)):
+    for layout in (Layout(tp=2, sp=True), Layout(dp=2, ep=2)):
         errors = relative_errors(run_layout(moe, layout), reference)
         assert worst(errors)[1] < 1e-5, (layout, worst(errors))
     assert any(k.startswith("grad/decoder.layers.mlp.experts") for k in reference)

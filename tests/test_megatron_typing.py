@@ -7,8 +7,9 @@ pytest.importorskip("megatron.core")
 import megatron.core.models.gpt.gpt_model  # noqa: E402, F401  (imported once, before forking)
 
 from shardcheck.launch import spawn_ranks  # noqa: E402
+from shardcheck.layout import Layout
 from shardcheck.megatron.parallel import megatron_parallel  # noqa: E402
-from shardcheck.megatron.runner import MegatronLayout, RankContext  # noqa: E402
+from shardcheck.megatron.runner import RankContext  # noqa: E402
 from shardcheck.megatron.scenarios.gpt import GPTSetup, build_gpt, transformer_config  # noqa: E402
 from shardcheck.megatron.typing import (  # noqa: E402
     input_types,
@@ -21,7 +22,7 @@ from shardcheck.types import R, S, V  # noqa: E402
 pytestmark = pytest.mark.slow
 
 
-def _types_on_rank(layout: MegatronLayout, config: dict) -> tuple:
+def _types_on_rank(layout: Layout, config: dict) -> tuple:
     import torch.distributed as dist
 
     with megatron_parallel(RankContext(layout, dist.get_rank())):
@@ -45,7 +46,7 @@ def _build(config, setup: GPTSetup):
                     max_sequence_length=setup.seq)
 
 
-def _run(layout: MegatronLayout, config: dict | None = None):
+def _run(layout: Layout, config: dict | None = None):
     return spawn_ranks(_types_on_rank, layout.world_size, layout, config or {})
 
 
@@ -54,7 +55,7 @@ def _placements(text: str) -> dict:
 
 
 def test_tp2_sp_gpt_parameters_are_typed_from_megatron_metadata():
-    (types, axes), _ = _run(MegatronLayout(tp=2, sp=True))
+    (types, axes), _ = _run(Layout(tp=2, sp=True))
     qkv, qkv_reduced = types["decoder.layers.0.self_attention.linear_qkv.weight"]
     assert _placements(qkv)["tp"] == S(0) and qkv_reduced == ()
     assert _placements(types["decoder.layers.0.self_attention.linear_proj.weight"][0])["tp"] == S(1)
@@ -66,14 +67,14 @@ def test_tp2_sp_gpt_parameters_are_typed_from_megatron_metadata():
 
 
 def test_without_sequence_parallelism_norms_need_no_tp_reduction():
-    (types, _), _ = _run(MegatronLayout(tp=2))
+    (types, _), _ = _run(Layout(tp=2))
     assert types["decoder.layers.0.input_layernorm.weight"][1] == ()
     assert _placements(types["embedding.position_embeddings.weight"][0])["tp"] == R
 
 
 def test_expert_weights_are_sharded_over_ep():
     moe = {"num_moe_experts": 4, "moe_router_topk": 2, "add_bias_linear": False}
-    (types, axes), _ = _run(MegatronLayout(dp=2, ep=2), moe)
+    (types, axes), _ = _run(Layout(dp=2, ep=2), moe)
     experts = {n: _placements(t) for n, (t, _) in types.items() if ".experts." in n}
     assert experts and all(p["ep"] == S(0) and p["tp"] == R for p in experts.values())
     router = _placements(types["decoder.layers.0.mlp.router.weight"][0])
@@ -93,7 +94,7 @@ def _explicit_mesh_axes(layout):
 
 
 def test_mesh_from_an_explicit_pg_collection_uses_its_groups():
-    axes = spawn_ranks(_explicit_mesh_axes, 2, MegatronLayout(dp=2))
+    axes = spawn_ranks(_explicit_mesh_axes, 2, Layout(dp=2))
     assert axes[0] == {"tp": (0, 1), "cp": (0,)} and axes[1] == {"tp": (0, 1), "cp": (1,)}
 
 

@@ -115,14 +115,15 @@ def probe(name: str, value: Any) -> tuple[str, str]:
 
     Call on a rank with a one-rank Gloo process group (e.g. inside ``spawn_ranks(fn, 1)``).
     """
-    from shardcheck.megatron.runner import MegatronLayout, RankContext
+    from shardcheck.layout import Layout
+    from shardcheck.megatron.runner import RankContext
     from shardcheck.megatron.scenarios.gpt import GPTSetup, train_step
 
     setup = GPTSetup(layers=1, seq=8, microbatches=1, micro_batch=1, optimizer_step=False,
                      config={name: value})
     environment = dict(os.environ)  # some config values export NVTE_* variables
     try:
-        train_step(RankContext(MegatronLayout(), 0), setup)
+        train_step(RankContext(Layout(), 0), setup)
     except Exception as exc:  # noqa: BLE001 - any failure is the probe's answer
         message = str(exc).strip().splitlines()[-1][:160] if str(exc).strip() else ""
         return classify(exc), f"{type(exc).__name__}: {message}"

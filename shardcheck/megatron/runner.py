@@ -18,27 +18,6 @@ import torch.distributed as dist
 from shardcheck.launch import spawn_ranks
 
 
-@dataclass(frozen=True)
-class MegatronLayout:
-    """Sizes of each parallel dimension (the fields Megatron scenarios read from a layout)."""
-
-    tp: int = 1
-    cp: int = 1
-    dp: int = 1
-    ep: int = 1
-    pp: int = 1
-    sp: bool = False
-    order: str = "tp-cp-ep-dp-pp"
-
-    @property
-    def world_size(self) -> int:
-        return self.tp * self.cp * self.dp * self.pp
-
-    def __str__(self) -> str:
-        parts = [f"{d}{getattr(self, d)}" for d in ("tp", "cp", "dp", "ep", "pp") if getattr(self, d) > 1]
-        return "-".join(parts + (["sp"] if self.sp else [])) or "tp1"
-
-
 @dataclass
 class RankContext:
     """What a scenario sees of its rank: the layout, its rank and (optionally) its groups."""
