@@ -89,6 +89,7 @@ def run_in_place(layout: Layout | str, fn: Job, *args: Any) -> list[Any] | None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     if not dist.is_initialized():
         dist.init_process_group("nccl" if cuda else "gloo")
+        atexit.register(_destroy_group)  # ours to close: Gloo may abort at exit otherwise
     if layout.world_size > dist.get_world_size():
         raise ValueError(f"layout {layout} needs {layout.world_size} ranks; torchrun started {dist.get_world_size()}")
     rank = dist.get_rank()
@@ -97,6 +98,11 @@ def run_in_place(layout: Layout | str, fn: Job, *args: Any) -> list[Any] | None:
     gathered = [None] * dist.get_world_size() if rank == 0 else None
     dist.gather_object(_to_cpu(result), gathered, dst=0)
     return gathered[:layout.world_size] if rank == 0 else None
+
+
+def _destroy_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _to_cpu(value: Any) -> Any:
