@@ -13,42 +13,13 @@ import math
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from grad_programs import CopyToRegion, ReduceFromRegion
 from torch import nn
 
 import shardcheck as sc
 from shardcheck.scenario import build_groups
 
 B, S, H, FF = 4, 8, 6, 12
-
-
-def _sum(x, group):
-    dist.all_reduce(x, group=group)
-    return x
-
-
-class _Copy(torch.autograd.Function):
-    """Identity forward, all-reduce of the gradient over the group backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _sum(grad.clone(), ctx.group), None
-
-
-class _Reduce(torch.autograd.Function):
-    """All-reduce (sum) forward, identity backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        return _sum(x.clone(), group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
 
 
 class _Gather(torch.autograd.Function):
@@ -101,7 +72,7 @@ class RowParallel(nn.Module):
 
     def forward(self, x):
         partial = F.linear(x, self.weight) * self.scale
-        return _ReduceScatter.apply(partial, self.group, 1) if self.sp else _Reduce.apply(partial, self.group)
+        return _ReduceScatter.apply(partial, self.group, 1) if self.sp else ReduceFromRegion.apply(partial, self.group)
 
 
 class MeanPool(nn.Module):
@@ -119,7 +90,7 @@ class MeanPool(nn.Module):
             dist.all_reduce(count, group=self.groups[0])
         mean = y.sum(1) / count
         for group in self.groups:
-            mean = _Reduce.apply(mean, group)
+            mean = ReduceFromRegion.apply(mean, group)
         return mean / self.shards
 
 
@@ -158,7 +129,7 @@ class Block(nn.Module):
 
     def forward(self, x):
         h = self.norm(x) * self.gamma
-        h = _Gather.apply(h, self.tp, 1) if self.sp else _Copy.apply(h, self.tp)
+        h = _Gather.apply(h, self.tp, 1) if self.sp else CopyToRegion.apply(h, self.tp)
         y = x + self.drop(self.fc2(self.act(self.fc1(h))))
         return self.pool(y)
 
@@ -177,7 +148,7 @@ def run_block(ctx, bug=None):
     block = ctx.register(Block(ctx, bug), prefix="block", types={"drop": {"tp": drop_type}})
     pooled = block(_local_batch(ctx, x))
     loss_sum = ((pooled - sc.shard(target, sc.S(0), "dp")) ** 2).sum()
-    loss = _Reduce.apply(loss_sum, ctx.groups["dp"]) / (B * H)  # SUM then divide, never AVG
+    loss = ReduceFromRegion.apply(loss_sum, ctx.groups["dp"]) / (B * H)  # SUM then divide, never AVG
     loss.backward()
     for param in block.parameters():
         dist.all_reduce(param.grad, group=ctx.groups["dp_cp"])
