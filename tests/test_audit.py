@@ -74,3 +74,14 @@ def test_the_same_masks_without_cp_give_no_finding(warm):
                    + [Case("output_loss", (), Layout(tp=2)), Case("moe_router", (), Layout(tp=2, sp=True))],
                    run_pools=warm)
     assert result.findings == [] and not result.errors
+
+
+def test_layouts_a_component_does_not_support_are_listed_apart_from_errors(warm):
+    cases = [Case("gpt", (), Layout(dp=2, ep=2)),                # no experts: refused before running
+             Case("moe_router", (), Layout(tp=2)),               # the scenario refuses tp without sp
+             Case("moe_router", (("padding", True),), Layout(tp=2))]  # same layout: not run again
+    result = audit(cases, run_pools=warm)
+    assert result.outcomes == [] and not result.errors
+    assert result.not_applicable == [
+        "gpt @ dp2-ep2: expert parallelism needs a component with experts",
+        "moe_router @ tp2: MoE with tp > 1 needs sequence parallelism (MoELayer refuses it)"]

@@ -28,6 +28,7 @@ from shardcheck.megatron import audit_report, contracts
 from shardcheck.megatron.audit_rank import run_case
 from shardcheck.megatron.audit_report import Finding
 from shardcheck.megatron.divergence import CallGap, Gap, first_call_gap, max_errors, output_gaps
+from shardcheck.megatron.parallel import LayoutUnsupported
 from shardcheck.megatron.sweep import Case
 from shardcheck.megatron.typecheck import checker_available
 from shardcheck.pool import PoolFailure, RankPool
@@ -184,6 +185,7 @@ class AuditResult:
     not_swept: list[str]
     seconds: float
     stopped_early: bool
+    not_applicable: list[str] = field(default_factory=list)
 
     @property
     def errors(self) -> list[Outcome]:
@@ -193,10 +195,13 @@ class AuditResult:
         ran = [o for o in self.outcomes if not o.error]
         return {
             "cases run": len(ran), "cases failed to run": len(self.errors),
-            "options not swept": len(self.not_swept), "findings": len(self.findings),
+            "options not swept": len(self.not_swept),
+            "layouts a component does not support": len(self.not_applicable),
+            "findings": len(self.findings),
             "wall time (s)": round(self.seconds, 1),
             "stopped at the budget or time limit": self.stopped_early,
             "not_swept": self.not_swept,
+            "not_applicable": self.not_applicable,
             "errors": sorted({f"{o.case.label}: {o.error}" for o in self.errors}),
         }
 
@@ -211,34 +216,64 @@ def audit(cases: Iterable[Case], *, budget: int | None = None, time_limit: float
     started = time.monotonic()
     with nullcontext(run_pools) if run_pools else pools() as owned:
         runner = Runner(owned, typecheck and checker_available())
-        outcomes, not_swept, early = _sweep(runner, cases, budget, time_limit, progress, started)
-        findings = _findings(runner, outcomes)
-    return AuditResult(findings, outcomes, not_swept, time.monotonic() - started, early)
+        swept = _sweep(runner, cases, budget, time_limit, progress, started)
+        findings = _findings(runner, swept.outcomes)
+    return AuditResult(findings, swept.outcomes, _listed(swept.not_swept), time.monotonic() - started,
+                       swept.stopped_early, sorted(swept.not_applicable.values()))
+
+
+@dataclass
+class _Swept:
+    outcomes: list[Outcome] = field(default_factory=list)
+    not_swept: dict[tuple, str] = field(default_factory=dict)
+    not_applicable: dict[tuple[str, str], str] = field(default_factory=dict)
+    broken: set[tuple[str, str]] = field(default_factory=set)
+    stopped_early: bool = False
+
+
+def _refusal(case: Case) -> str | None:
+    from shardcheck.megatron.scenarios import COMPONENTS
+
+    return COMPONENTS[case.component].refuses(case.layout)
 
 
 def _sweep(runner: Runner, cases: Iterable[Case], budget: int | None, time_limit: float | None,
-           progress: Progress | None, started: float) -> tuple[list[Outcome], list[str], bool]:
-    outcomes: list[Outcome] = []
-    not_swept: dict[tuple, str] = {}
-    broken_layouts: set[tuple[str, Layout]] = set()
+           progress: Progress | None, started: float) -> _Swept:
+    swept = _Swept()
     for case in cases:
-        if (budget is not None and len(outcomes) >= budget) or (
+        if (budget is not None and len(swept.outcomes) >= budget) or (
                 time_limit is not None and time.monotonic() - started > time_limit):
-            return outcomes, _listed(not_swept), True
-        key = (case.component, case.options)
-        if key not in not_swept and (why := runner.screen(*key)):
-            not_swept[key] = why
-        if key in not_swept or (case.component, case.layout) in broken_layouts:
+            swept.stopped_early = True
+            return swept
+        key, where = (case.component, case.options), (case.component, str(case.layout))
+        if where in swept.not_applicable or where in swept.broken:
+            continue
+        if why := _refusal(case):
+            swept.not_applicable[where] = f"{case.component} @ {case.layout}: {why}"
+            continue
+        if key not in swept.not_swept and (why := runner.screen(*key)):
+            swept.not_swept[key] = why
+        if key in swept.not_swept:
             continue
         if progress:
-            progress(case, len(outcomes))
-        outcome = runner.run(case)
-        outcomes.append(outcome)
-        if outcome.error and not case.options:
-            broken_layouts.add((case.component, case.layout))
-        elif outcome.error_kind in ("hang", "desync"):
-            not_swept[key] = f"{outcome.error_kind} under {case.layout}; not swept further"
-    return outcomes, _listed(not_swept), False
+            progress(case, len(swept.outcomes))
+        _record(swept, runner.run(case))
+    return swept
+
+
+def _record(swept: _Swept, outcome: Outcome) -> None:
+    """Keep an outcome; a layout the component refuses is noted as such, not as an error."""
+    case = outcome.case
+    if outcome.error and outcome.error.split(":")[0].endswith(LayoutUnsupported.__name__):
+        why = outcome.error.split(":", 1)[1].strip()
+        swept.not_applicable[(case.component, str(case.layout))] = f"{case.component} @ {case.layout}: {why}"
+        return
+    swept.outcomes.append(outcome)
+    if outcome.error and not case.options:
+        swept.broken.add((case.component, str(case.layout)))
+    elif outcome.error_kind in ("hang", "desync"):
+        swept.not_swept[(case.component, case.options)] = (
+            f"{outcome.error_kind} under {case.layout}; not swept further")
 
 
 def _listed(not_swept: dict[tuple, str]) -> list[str]:
