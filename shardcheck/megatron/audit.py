@@ -9,8 +9,10 @@ calls locate the divergence in megatron-core, and the type checker, when present
 (:mod:`shardcheck.megatron.findings`).
 
 A single option is screened on one rank before it is swept: if the component fails with it
-there, or it changes none of the one-rank outputs, it is not run under the layouts (it is
-listed in the report's coverage section instead).
+there, or its outputs depend on the RNG seed, it is not run under the layouts (it is listed in
+the report's coverage section instead). An option that changes none of the one-rank outputs
+(a dispatcher choice, an overlap switch) may still change what the ranks exchange, so it is
+swept last, after every option that does change them, within the same budget.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ PRELOAD = ("megatron.core.pipeline_parallel.schedules", "megatron.core.optimizer
            "megatron.core.transformer.moe.router", "megatron.core.models.gpt.gpt_model",
            "shardcheck.megatron.scenarios")
 RUN_TIMEOUT = 30.0
+INERT = "changes no output at one rank"
 
 
 # ---- in the parent ------------------------------------------------------------------------
@@ -122,7 +125,7 @@ class Runner:
             return f"fails on one rank: {ref}"
         base = self.reference(component, ())
         if options and isinstance(base, dict) and _same_outputs(ref["outputs"], base["outputs"]):
-            return "changes no output at one rank"
+            return INERT
         reseeded = self.reference(component, options, rng_offset=1)
         if isinstance(reseeded, dict) and not _same_outputs(ref["outputs"], reseeded["outputs"]):
             return "random: its outputs depend on the RNG seed, so no one-rank reference exists"
@@ -228,6 +231,7 @@ class _Swept:
     not_swept: dict[tuple, str] = field(default_factory=dict)
     not_applicable: dict[tuple[str, str], str] = field(default_factory=dict)
     broken: set[tuple[str, str]] = field(default_factory=set)
+    inert: list[Case] = field(default_factory=list)
     stopped_early: bool = False
 
 
@@ -239,26 +243,44 @@ def _refusal(case: Case) -> str | None:
 
 def _sweep(runner: Runner, cases: Iterable[Case], budget: int | None, time_limit: float | None,
            progress: Progress | None, started: float) -> _Swept:
+    """Run the cases in order, then the deferred cases of inert options, until the budget."""
     swept = _Swept()
-    for case in cases:
-        if (budget is not None and len(swept.outcomes) >= budget) or (
-                time_limit is not None and time.monotonic() - started > time_limit):
-            swept.stopped_early = True
-            return swept
-        key, where = (case.component, case.options), (case.component, str(case.layout))
-        if where in swept.not_applicable or where in swept.broken:
-            continue
-        if why := _refusal(case):
-            swept.not_applicable[where] = f"{case.component} @ {case.layout}: {why}"
-            continue
-        if key not in swept.not_swept and (why := runner.screen(*key)):
-            swept.not_swept[key] = why
-        if key in swept.not_swept:
-            continue
-        if progress:
-            progress(case, len(swept.outcomes))
-        _record(swept, runner.run(case))
+    for phase in (cases, "inert"):
+        for case in swept.inert if phase == "inert" else phase:
+            if (budget is not None and len(swept.outcomes) >= budget) or (
+                    time_limit is not None and time.monotonic() - started > time_limit):
+                swept.stopped_early = True
+                break
+            if _runnable(runner, swept, case, defer_inert=phase != "inert"):
+                if progress:
+                    progress(case, len(swept.outcomes))
+                _record(swept, runner.run(case))
+    if swept.stopped_early:
+        ran = {(o.case.component, o.case.options) for o in swept.outcomes}
+        for case in (c for c in swept.inert if (c.component, c.options) not in ran):
+            swept.not_swept.setdefault((case.component, case.options),
+                                       f"{INERT}; its multi-rank cases were not reached in the budget")
     return swept
+
+
+def _runnable(runner: Runner, swept: _Swept, case: Case, defer_inert: bool) -> bool:
+    """Whether to run the case now (screening its option once); inert options wait."""
+    key, where = (case.component, case.options), (case.component, str(case.layout))
+    if where in swept.not_applicable or where in swept.broken:
+        return False
+    if why := _refusal(case):
+        swept.not_applicable[where] = f"{case.component} @ {case.layout}: {why}"
+        return False
+    if key in swept.not_swept:
+        return False
+    why = runner.screen(*key)
+    if why and why != INERT:
+        swept.not_swept[key] = why
+        return False
+    if defer_inert and why == INERT:
+        swept.inert.append(case)
+        return False
+    return True
 
 
 def _record(swept: _Swept, outcome: Outcome) -> None:

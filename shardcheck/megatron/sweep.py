@@ -164,11 +164,14 @@ def config_options(component: str) -> list[tuple[str, Any]]:
     """Non-default values of TransformerConfig's boolean, Literal and Enum fields that it accepts."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    from shardcheck.megatron.scenarios import COMPONENTS
+
     hints = typing.get_type_hints(TransformerConfig)
     skip = LAYOUT_FIELDS | pinned_config_fields(component)
+    prefix = COMPONENTS[component].config_prefix
     found: list[tuple[str, Any]] = []
     for f in dataclasses.fields(TransformerConfig):
-        if f.name in skip or f.default is dataclasses.MISSING:
+        if f.name in skip or f.default is dataclasses.MISSING or not f.name.startswith(prefix):
             continue
         found += [(f.name, v) for v in values_to_try(hints[f.name], f.default)
                   if not isinstance(v, float)]

@@ -20,23 +20,31 @@ from shardcheck.megatron.scenarios.output_loss import OutputLossSetup, output_lo
 
 @dataclass(frozen=True)
 class Component:
-    """A Megatron component: how to run it under a layout, and its options' dataclass."""
+    """A Megatron component: how to run it under a layout, and its options' dataclass.
+
+    ``experts``: it has MoE experts, so expert-parallel layouts apply. ``config_prefix``: the
+    sweep varies only the TransformerConfig fields with this prefix (the MoE GPT leaves the
+    fields it shares with the plain GPT to the ``gpt`` component).
+    """
 
     run: Callable[[Any, Any], dict]
     setup: type
     experts: bool = False
+    config_prefix: str = ""
 
     def refuses(self, layout: Any) -> str | None:
         """Why the component cannot run under ``layout`` (checked before any rank starts)."""
         if layout.ep > 1 and not self.experts:
             return "expert parallelism needs a component with experts"
+        if self.experts and layout.tp > 1 and not layout.sp:
+            return "MoE with tp > 1 needs sequence parallelism (Megatron refuses it)"
         return None
 
 
 COMPONENTS: dict[str, Component] = {
     "gpt": Component(train_step, GPTSetup),
     "output_loss": Component(output_loss, OutputLossSetup),
-    "moe": Component(train_step, MoEGPTSetup, experts=True),
+    "moe": Component(train_step, MoEGPTSetup, experts=True, config_prefix="moe_"),
     "moe_router": Component(router_step, RouterSetup, experts=True),
 }
 

@@ -1,7 +1,7 @@
 """The MoE top-k router with its load-balancing losses, optionally with a padding mask.
 
 Tokens are split over context parallelism by sequence chunk, then over tensor parallelism by
-sequence parallelism (MoE requires it with TP>1). The scenario runs the router forward,
+sequence parallelism (MoE requires it with TP>1; the catalogue refuses TP>1 without it). The scenario runs the router forward,
 back-propagates a fixed upstream gradient through the routing probabilities (which also
 triggers the auxiliary-loss gradients), sums the gradients over CP (the net effect of DDP's
 average over DP x CP of a loss that the schedules scale by the CP size) and all-reduces those of
@@ -99,21 +99,12 @@ def _recording_token_counts(counts: list[torch.Tensor]) -> Iterator[None]:
         router_module.get_tokens_per_expert_and_token_count = original
 
 
-def _check_layout(layout: Any) -> None:
-    """Refuse layouts whose tokens this scenario does not lay out as Megatron would."""
-    from shardcheck.megatron.parallel import LayoutUnsupported
-
-    if layout.tp > 1 and not layout.sp:
-        raise LayoutUnsupported("MoE with tp > 1 needs sequence parallelism (MoELayer refuses it)")
-
-
 def router_step(ctx: Any, setup: RouterSetup) -> dict[str, torch.Tensor]:
     """Forward and backward of Megatron's TopKRouter under ``ctx``; global values by name."""
     from megatron.core import parallel_state as ps
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.moe.router import TopKRouter
 
-    _check_layout(ctx.layout)
     with megatron_parallel(ctx):
         options = dict(num_moe_experts=setup.experts, moe_router_topk=setup.topk,
                        moe_aux_loss_coeff=1.0, moe_router_load_balancing_type="aux_loss",
