@@ -101,5 +101,19 @@ def test_an_option_inert_at_one_rank_is_still_swept_after_the_others(warm):
     dispatcher = (("moe_token_dispatcher_type", "alltoall"),)
     cases = [Case("moe", dispatcher, Layout(dp=2, ep=2)), Case("moe", (), Layout(dp=2, ep=2))]
     result = audit(cases, run_pools=warm)
-    assert [o.case.options for o in result.outcomes] == [(), dispatcher]
+    assert [o.case.options for o in result.outcomes] == [(), dispatcher], result.not_swept
     assert not result.not_swept and not result.findings
+
+
+def test_a_warm_rank_starts_each_case_with_fresh_moe_state(warm):
+    """The schedules set the aux-loss gradient scale (1 / microbatches) process-wide; a router
+    case run next in the same rank must not inherit it."""
+    from shardcheck.megatron.audit_rank import run_case
+    from shardcheck.megatron.runner import run_layout
+    from shardcheck.megatron.scenarios import scenario
+
+    warm.run(Layout(), run_case, "moe", (("optimizer_step", False),), (), False)
+    [after_gpt] = warm.run(Layout(), run_case, "moe_router", (), (), False)
+    fresh = run_layout(scenario("moe_router"), Layout())
+    for name, value in fresh.items():
+        assert after_gpt["outputs"][name].numpy() == pytest.approx(value, rel=1e-6, abs=1e-9), name
