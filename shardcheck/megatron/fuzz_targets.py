@@ -1,10 +1,11 @@
 """The Megatron catalogue as fuzz targets: ``shardcheck fuzz moe_router``.
 
 Each component of :data:`~shardcheck.megatron.scenarios.COMPONENTS` is registered under its
-name. An example is a layout the component accepts, up to two of the single options the audit
-sweeps (found by introspection, see :mod:`shardcheck.megatron.sweep`), and the input sizes the
-component's setup declares fuzzable (``field(metadata={"fuzz": (4, 8, 16)})``). Examples shrink
-to the fewest ranks, then the fewest options, then the smallest sizes.
+name. An example is a layout the component accepts, its setup's own options (padding, masks, label
+smoothing, ...), up to two of the ``TransformerConfig`` options the audit sweeps (both found by
+introspection, see :mod:`shardcheck.megatron.sweep`), and the input sizes the component's setup
+declares fuzzable (``field(metadata={"fuzz": (4, 8, 16)})``). Examples shrink to the fewest
+ranks, then the fewest non-default options, then the smallest sizes.
 
 An example is judged as the audit judges a case: the component runs on warm Gloo ranks under the
 type checker, and its outputs and contracted calls are compared with the one-rank run; findings
@@ -29,8 +30,9 @@ from shardcheck.megatron import audit_report
 from shardcheck.megatron.audit import INERT, Outcome, Pools, Runner
 from shardcheck.megatron.parallel import LayoutUnsupported
 from shardcheck.megatron.scenarios import COMPONENTS
-from shardcheck.megatron.sweep import Case, component_options, layouts
+from shardcheck.megatron.sweep import Case, component_options, layouts, setup_options
 from shardcheck.megatron.typecheck import checker_available
+from shardcheck.spaces import option
 from shardcheck.trial import BOTH, NUMERIC, RUN, TYPE, Failure, Verdict, split_example
 
 MAX_OPTIONS = 2
@@ -51,22 +53,42 @@ def fuzzable_sizes(setup_cls: type) -> dict[str, tuple[int, ...]]:
 
 
 def component_space(component: str) -> st.SearchStrategy[dict[str, Any]]:
-    """Examples ``{"layout": ..., **options, **sizes}`` of a catalogue component."""
+    """Examples ``{"layout": ..., **setup options, **config options, **sizes}`` of a component.
+
+    The setup's own options (padding, masks, label smoothing, ...) are drawn one field each,
+    shrinking to the default; ``TransformerConfig`` options are many, so at most
+    :data:`MAX_OPTIONS` of them are drawn, shrinking to none.
+    """
     entry = COMPONENTS[component]
     accepted = [str(lay) for lay in layouts() if entry.refuses(lay) is None]
-    options = component_options(component)
-    picked = st.lists(st.sampled_from(range(len(options))), max_size=MAX_OPTIONS,
-                      unique_by=lambda i: options[i][0]) if options else st.just([])
-    sizes = {name: st.sampled_from(sorted(choices)) for name, choices in fuzzable_sizes(entry.setup).items()}
+    own = _by_field(setup_options(entry.setup))
+    config = [o for o in component_options(component) if o[0] not in own]
+    picked = st.lists(st.sampled_from(range(len(config))), max_size=MAX_OPTIONS,
+                      unique_by=lambda i: config[i][0]) if config else st.just([])
+    fields = {name: option(_default(entry.setup, name), *values) for name, values in own.items()}
+    fields.update({name: st.sampled_from(sorted(sizes)) for name, sizes in fuzzable_sizes(entry.setup).items()})
 
     @st.composite
     def examples(draw) -> dict[str, Any]:
         example: dict[str, Any] = {"layout": draw(st.sampled_from(accepted))}
-        example.update(options[i] for i in sorted(draw(picked)))
-        example.update({name: draw(strategy) for name, strategy in sizes.items()})
+        example.update(config[i] for i in sorted(draw(picked)))
+        drawn = {name: draw(strategy) for name, strategy in fields.items()}
+        example.update({name: value for name, value in drawn.items()
+                        if name in fuzzable_sizes(entry.setup) or value != _default(entry.setup, name)})
         return example
 
     return examples()
+
+
+def _by_field(options: list[tuple[str, Any]]) -> dict[str, list[Any]]:
+    grouped: dict[str, list[Any]] = {}
+    for name, value in options:
+        grouped.setdefault(name, []).append(value)
+    return grouped
+
+
+def _default(setup_cls: type, name: str) -> Any:
+    return next(f.default for f in dataclasses.fields(setup_cls) if f.name == name)
 
 
 def check_example(component: str, example: dict[str, Any]) -> Verdict:
