@@ -183,10 +183,11 @@ def rank_piece(ctx, pl: Pl, dim: int, total: int, start: int, length: int,
         return {by_rank[0]: S(dim) if check_varying else RankChunk(dim)}
     if by_rank:  # ambiguous: several axes have the same size and index here
         return dict.fromkeys(by_rank)
-    if check_varying:
+    if check_varying and any(p is V for p in pl):
+        occurrence = ctx.count_varying_cut()
         for a, p in enumerate(pl):
             if p is V and matches(a):
-                raise Violation("split of varying", a)
+                raise Violation("split of varying", a, occurrence=occurrence)
     return {}
 
 

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from shardcheck.checker import confirmed_across_ranks
 from shardcheck.layout import Layout
 from shardcheck.megatron import audit_report, contracts
 from shardcheck.megatron.audit_rank import run_case
@@ -143,7 +144,7 @@ class Runner:
                            error_kind=failure.kind)
         outcome = Outcome(case, output_gaps([r["outputs"] for r in ranks], ref["outputs"]),
                           first_call_gap(case.layout, [r["calls"] for r in ranks], ref["calls"]),
-                          _unique(v for r in ranks for v in r["violations"]),
+                          confirmed_across_ranks(r["violations"] for r in ranks),
                           errors=max_errors([r["outputs"] for r in ranks], ref["outputs"]),
                           entry=ranks[0]["entry"])
         outcome.seconds = time.monotonic() - started
@@ -152,13 +153,6 @@ class Runner:
 
 def _same_outputs(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(a[k].shape == b[k].shape and torch.equal(a[k], b[k]) for k in a)
-
-
-def _unique(violations) -> list[dict]:
-    seen: dict[tuple, dict] = {}
-    for v in violations:
-        seen.setdefault((v["rule"], v["location"]), v)
-    return list(seen.values())
 
 
 def corrected_control(runner: Runner, minimal: Outcome) -> dict[str, Any] | None:

@@ -33,8 +33,9 @@ computes. Each patch below replaces one such place with its CPU equivalent and n
 
 9. ``uneven_collectives``: the MoE alltoall dispatcher under tp > 1 gathers (and reduce-scatters)
    pieces of different sizes with the list forms of ``all_gather`` and ``reduce_scatter``,
-   which NCCL accepts and Gloo refuses. Uneven pieces are padded to the
-   largest, exchanged, and cut back; even pieces go straight to torch.
+   which NCCL accepts and Gloo refuses. Uneven pieces are padded to the largest, exchanged,
+   and cut back (unseen by the type checker, which types the exchange as the uneven
+   collective); even pieces go straight to torch.
 
 ``apply_cpu_patches()`` applies all of them (idempotent) and ``remove_cpu_patches()`` restores
 every original.
@@ -43,7 +44,8 @@ every original.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -215,9 +217,31 @@ def _uneven(tensors: list[torch.Tensor]) -> bool:
     return len({t.shape for t in tensors}) > 1
 
 
+@contextmanager
+def _unseen() -> Iterator[Any]:
+    """Run the padding and cutting unseen by an active type checker (which is yielded, or None),
+    so that it types the exchange as the uneven collective itself."""
+    from shardcheck.checker import current
+
+    checker = current()
+    with checker.paused() if checker else nullcontext():
+        yield checker
+
+
 def _padded(tensor: torch.Tensor, rows: int) -> torch.Tensor:
-    padding = tensor.new_zeros((rows - tensor.shape[0], *tensor.shape[1:]))
-    return torch.cat([tensor, padding]) if padding.numel() else tensor.contiguous()
+    with _unseen() as checker:
+        padding = tensor.new_zeros((rows - tensor.shape[0], *tensor.shape[1:]))
+        padded = torch.cat([tensor, padding]) if padding.numel() else tensor.contiguous().clone()
+        if checker:
+            checker.set_type(padded, checker.types(tensor))
+    return padded
+
+
+def _cut_into(out: torch.Tensor, exchanged: torch.Tensor) -> None:
+    with _unseen() as checker:
+        out.copy_(exchanged[:out.shape[0]])
+        if checker:
+            checker.update_inplace(out, checker.types(exchanged))
 
 
 def _gloo_all_gather(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -228,7 +252,7 @@ def _gloo_all_gather(original: Callable[..., Any]) -> Callable[..., Any]:
         gathered = [tensor.new_empty((rows, *tensor.shape[1:])) for _ in tensor_list]
         original(gathered, _padded(tensor, rows), group=group)
         for out, piece in zip(tensor_list, gathered, strict=True):
-            out.copy_(piece[:out.shape[0]])
+            _cut_into(out, piece)
         return None
 
     return all_gather
@@ -242,7 +266,7 @@ def _gloo_reduce_scatter(original: Callable[..., Any]) -> Callable[..., Any]:
         rows = max(t.shape[0] for t in input_list)
         reduced = output.new_empty((rows, *output.shape[1:]))
         original(reduced, [_padded(t, rows) for t in input_list], op=op, group=group)
-        output.copy_(reduced[:output.shape[0]])
+        _cut_into(output, reduced)
         return None
 
     return reduce_scatter

@@ -288,7 +288,7 @@ def checked_region(ctx: Any) -> Iterator[list[dict]]:
         # optimizer.step does not yet follow Megatron's optimizer copies of main_grad.
         checker.check_gradients_on_step = False
         yield found
-    found.extend({"rule": v.rule, "location": _short(v.location), "op": str(v.op),
+    found.extend({**v.as_dict(), "location": _short(v.location),
                   "line": v.first_line.replace(v.location, _short(v.location))}
                  for v in sc.violations() if _in_megatron(v.location))
 
