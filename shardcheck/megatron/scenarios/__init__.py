@@ -15,7 +15,9 @@ from typing import Any
 
 from shardcheck.megatron.scenarios.gpt import GPTSetup, train_step
 from shardcheck.megatron.scenarios.moe_router import RouterSetup, router_step
+from shardcheck.megatron.scenarios.multimodal import MultimodalSetup, multimodal_step
 from shardcheck.megatron.scenarios.output_loss import OutputLossSetup, output_loss
+from shardcheck.megatron.scenarios.t5 import T5Setup, t5_step
 
 
 @dataclass(frozen=True)
@@ -30,6 +32,8 @@ COMPONENTS: dict[str, Component] = {
     "gpt": Component(train_step, GPTSetup),
     "output_loss": Component(output_loss, OutputLossSetup),
     "moe_router": Component(router_step, RouterSetup),
+    "t5": Component(t5_step, T5Setup),
+    "multimodal": Component(multimodal_step, MultimodalSetup),
 }
 
 
@@ -64,6 +68,12 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     "router/plain": ("moe_router", {}),
     "router/padding": ("moe_router", {"padding": True}),
     "router/per-token-loss": ("moe_router", {"config": {"calculate_per_token_loss": True}}),
+    "t5/cross-attention": ("t5", {}),
+    "t5/encoder-padding": ("t5", {"encoder_padding": True, "loss_mask": True}),
+    "t5/rope-tied": ("t5", {"position_embedding": "rope", "share_embeddings": True}),
+    "multimodal/llava": ("multimodal", {}),
+    "multimodal/text-only-sample": ("multimodal", {"text_only_sample": True, "loss_mask": True}),
+    "multimodal/class-token": ("multimodal", {"keep_class_token": True}),
 }
 
 
