@@ -6,9 +6,10 @@ asked, masks the padded encoder positions in both the encoder's self-attention a
 decoder's cross attention. Outputs are global: the loss, every parameter's gradient and the
 encoder output of every microbatch (the module output cross attention reads).
 
-Pipeline and context parallelism are refused: T5 needs the encoder and decoder on separate
-pipeline stages, with two tensors per transfer, which 0.16.1's schedules do not send; and
-megatron-core's torch attention refuses context parallelism (only Transformer Engine has it).
+Pipeline and context parallelism are refused: T5 under pipeline parallelism puts encoder and
+decoder on separate stages (``add_encoder``/``add_decoder``, the decoder stages receiving the
+encoder output too), which this scenario does not build; and megatron-core's torch attention
+refuses context parallelism (only Transformer Engine has it).
 """
 
 from __future__ import annotations
@@ -56,8 +57,9 @@ class T5Setup:
 def check_layout(layout: Any) -> None:
     """Refuse the layouts the T5 scenario cannot run as Megatron would."""
     if layout.pp > 1:
-        raise LayoutUnsupported("T5 under pipeline parallelism needs separate encoder and decoder "
-                                "stages, which megatron-core 0.16.1's schedules do not drive")
+        raise LayoutUnsupported("T5 under pipeline parallelism puts encoder and decoder on "
+                                "separate stages (add_encoder/add_decoder), which this scenario "
+                                "does not build")
     if layout.cp > 1:
         raise LayoutUnsupported("cross attention under context parallelism needs Transformer "
                                 "Engine (megatron-core's DotProductAttention refuses cp > 1)")
