@@ -16,7 +16,7 @@ import megatron.core.pipeline_parallel.schedules  # noqa: E402, F401  (imported 
 from shardcheck.layout import Layout  # noqa: E402
 from shardcheck.megatron.parallel import LayoutUnsupported  # noqa: E402
 from shardcheck.megatron.runner import relative_errors, worst  # noqa: E402
-from shardcheck.megatron.scenarios import multimodal, scenario, t5  # noqa: E402
+from shardcheck.megatron.scenarios import COMPONENTS, multimodal, scenario, t5  # noqa: E402
 from shardcheck.pool import PoolFailure, RankPool  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -158,8 +158,11 @@ def test_affine_vision_projection_with_bias_crashes_under_tp(pool):
 
 # ---- layouts refused ----------------------------------------------------------------------
 
-@pytest.mark.parametrize("module", [t5, multimodal])
+@pytest.mark.parametrize("component", ["t5", "multimodal"])
 @pytest.mark.parametrize("layout", [Layout(pp=2), Layout(cp=2), Layout(tp=2, cp=2)], ids=str)
-def test_unsupported_layouts_are_refused_with_a_reason(module, layout):
+def test_unsupported_layouts_are_refused_with_a_reason(component, layout):
+    module = {"t5": t5, "multimodal": multimodal}[component]
     with pytest.raises(LayoutUnsupported, match="pipeline|context"):
         module.check_layout(layout)
+    assert "parallel" in COMPONENTS[component].refuses(layout)  # the audit skips it up front
+    assert COMPONENTS[component].refuses(TP2_DP2_SP) is None
