@@ -18,9 +18,8 @@ context-parallel path imports ``megatron.training``, which megatron-core does no
 
 from __future__ import annotations
 
-import typing
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -36,7 +35,8 @@ from shardcheck.megatron.scenarios.training import (
 )
 
 IMAGE_TOKEN = -200
-Projection = typing.Literal["mlp", "affine"]
+# MultimodalProjector's projector types (Megatron types the argument as a plain str)
+Projection = Literal["mlp", "affine"]
 
 
 @dataclass(frozen=True)
