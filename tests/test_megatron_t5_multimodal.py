@@ -16,7 +16,14 @@ import megatron.core.pipeline_parallel.schedules  # noqa: E402, F401  (imported 
 from shardcheck.layout import Layout  # noqa: E402
 from shardcheck.megatron.parallel import LayoutUnsupported  # noqa: E402
 from shardcheck.megatron.runner import relative_errors, worst  # noqa: E402
-from shardcheck.megatron.scenarios import COMPONENTS, multimodal, scenario, t5  # noqa: E402
+from shardcheck.megatron.scenarios import (  # noqa: E402
+    COMPONENTS,
+    PRESETS,
+    multimodal,
+    preset,
+    scenario,
+    t5,
+)
 from shardcheck.pool import PoolFailure, RankPool  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -166,3 +173,10 @@ def test_unsupported_layouts_are_refused_with_a_reason(component, layout):
         module.check_layout(layout)
     assert "parallel" in COMPONENTS[component].refuses(layout)  # the audit skips it up front
     assert COMPONENTS[component].refuses(TP2_DP2_SP) is None
+
+
+def test_presets_name_valid_options():
+    names = [name for name in PRESETS if name.startswith(("t5/", "multimodal/"))]
+    assert len(names) == 6
+    for name in names:
+        assert callable(preset(name))
