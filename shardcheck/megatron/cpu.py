@@ -37,6 +37,17 @@ computes. Each patch below replaces one such place with its CPU equivalent and n
    and cut back (unseen by the type checker, which types the exchange as the uneven
    collective); even pieces go straight to torch.
 
+10. ``llava_te_attention``: ``LLaVAModel`` accepts sequence parallelism only when the language
+    model's core attention is Transformer Engine's ``TEDotProductAttention``; without Transformer
+    Engine that name is undefined in ``llava_model`` and the check cannot pass. There it names
+    megatron-core's torch ``DotProductAttention`` (the local spec's) and ``HAVE_TE`` is set,
+    which ``llava_model`` reads only in that check and in its context-parallel path (refused).
+
+11. ``clip_norm``: without Transformer Engine, ``CLIPViTModel``'s default ``ln_pre``/``ln_post``
+    is ``torch.nn.LayerNorm``, which cannot take the ``config`` Megatron builds it with; the
+    defaults become megatron-core's ``WrappedTorchNorm`` (the same LayerNorm, built from the
+    config), the CPU stand-in for ``TENorm``. Explicitly passed norms are left alone.
+
 ``apply_cpu_patches()`` applies all of them (idempotent) and ``remove_cpu_patches()`` restores
 every original.
 """
@@ -279,6 +290,37 @@ def _patch_uneven_collectives() -> None:
     _set(dist, "reduce_scatter", _gloo_reduce_scatter(dist.reduce_scatter))
 
 
+def _patch_llava_te_attention() -> None:
+    from megatron.core.models.multimodal import llava_model
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    if llava_model.HAVE_TE:
+        return
+    _originals.append((llava_model, "TEDotProductAttention",
+                       getattr(llava_model, "TEDotProductAttention", _MISSING)))
+    llava_model.TEDotProductAttention = DotProductAttention
+    _set(llava_model, "HAVE_TE", True)
+
+
+def _with_default_norms(original_init: Callable[..., Any], norm: type) -> Callable[..., Any]:
+    def init(self, *args, **kwargs):
+        if len(args) <= 2:  # the norms were not passed positionally
+            kwargs.setdefault("ln_pre_impl", norm)
+            kwargs.setdefault("ln_post_impl", norm)
+        original_init(self, *args, **kwargs)
+
+    return init
+
+
+def _patch_clip_norm() -> None:
+    from megatron.core.models.vision import clip_vit_model
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    if clip_vit_model.NORM_IMPL is torch.nn.LayerNorm:
+        model = clip_vit_model.CLIPViTModel
+        _set(model, "__init__", _with_default_norms(model.__init__, WrappedTorchNorm))
+
+
 def apply_cpu_patches() -> None:
     """Make megatron-core run on the CPU of this process; a second call does nothing."""
     global _mode
@@ -292,6 +334,8 @@ def apply_cpu_patches() -> None:
     _patch_te_gemm_name()
     _patch_host_copy()
     _patch_uneven_collectives()
+    _patch_llava_te_attention()
+    _patch_clip_norm()
     _mode = CudaToCpuMode()
     _mode.__enter__()
 
