@@ -45,11 +45,26 @@ class Finding:
         self.id = self.id or hashlib.sha1(f"{self.location}\0{self.contract}".encode()).hexdigest()[:10]
 
 
+GLOBAL_GROUP_CONTRACT = ("collectives use the model's pg_collection groups: a value laid out "
+                         "over pg_collection.tp is reduced over pg_collection.tp, not over "
+                         "parallel_state's global tp group")
+
+
+def global_group_use(outcome) -> dict | None:
+    """The first collective the outcome issued on a global group its explicit groups replace."""
+    from shardcheck.megatron.explicit import RULE
+
+    return next((v for v in outcome.violations if v["rule"] == RULE), None)
+
+
 def violation_key(violation: dict) -> tuple[str, str]:
     return violation["location"], f"checker rule: {violation['rule']}"
 
 
 def _key(outcome) -> tuple[str, str] | None:
+    misuse = global_group_use(outcome)
+    if misuse is not None:
+        return misuse["location"], GLOBAL_GROUP_CONTRACT
     if outcome.call_gap is not None:
         contract = BY_NAME[outcome.call_gap.contract]
         return contract.location(), contract.notation()
@@ -111,6 +126,9 @@ def trigger(case: Case) -> dict[str, Any]:
 def title(key: tuple[str, str], minimal) -> str:
     case = minimal.case
     opts = ", ".join(f"{k}={v}" for k, v in case.options) or "default options"
+    if (misuse := global_group_use(minimal)) is not None:
+        return (f"{misuse['op']} on parallel_state's global {misuse['group']} group instead of the "
+                f"model's pg_collection.{misuse['group']} under {case.layout} ({opts})")
     if minimal.call_gap is not None:
         what = minimal.call_gap.gap.name.split(".", 1)[1]
         return f"{minimal.call_gap.contract}: {what} differs from one rank under {case.layout} ({opts})"

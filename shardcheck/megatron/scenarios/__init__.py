@@ -20,16 +20,21 @@ from shardcheck.megatron.scenarios.output_loss import OutputLossSetup, output_lo
 
 @dataclass(frozen=True)
 class Component:
-    """A Megatron component: how to run it under a layout, and its options' dataclass."""
+    """A Megatron component: how to run it under a layout, and its options' dataclass.
+
+    ``explicit_groups``: it passes the explicit ``ProcessGroupCollection`` that
+    ``megatron_parallel`` yields to Megatron, so it runs under layouts with explicit groups.
+    """
 
     run: Callable[[Any, Any], dict]
     setup: type
+    explicit_groups: bool = False
 
 
 COMPONENTS: dict[str, Component] = {
-    "gpt": Component(train_step, GPTSetup),
-    "output_loss": Component(output_loss, OutputLossSetup),
-    "moe_router": Component(router_step, RouterSetup),
+    "gpt": Component(train_step, GPTSetup, explicit_groups=True),
+    "output_loss": Component(output_loss, OutputLossSetup, explicit_groups=True),
+    "moe_router": Component(router_step, RouterSetup, explicit_groups=True),
 }
 
 

@@ -6,7 +6,8 @@ routing probabilities (which also triggers the auxiliary-loss gradients), all-re
 gradients of sequence-parallel parameters over TP as ``finalize_model_grads`` does, and returns
 global values: routing probabilities and map, the router's gradients, and the sum over TP x CP
 of the ``local_num_tokens`` each rank's router computed (recorded as it is returned, unchanged),
-which must equal the one-rank count.
+which must equal the one-rank count. The router gets the explicit ``pg_collection`` under
+explicit groups (else ``parallel_state``'s), and the harness shards over its groups.
 """
 
 from __future__ import annotations
@@ -49,12 +50,10 @@ def _padding_mask(setup: RouterSetup) -> torch.Tensor | None:
     return mask
 
 
-def _finalize_sequence_parallel_grads(module: torch.nn.Module) -> None:
-    from megatron.core import parallel_state as ps
-
+def _finalize_sequence_parallel_grads(module: torch.nn.Module, tp: dist.ProcessGroup) -> None:
     for param in module.parameters():
         if getattr(param, "sequence_parallel", False) and param.grad is not None:
-            dist.all_reduce(param.grad, group=ps.get_tensor_model_parallel_group())
+            dist.all_reduce(param.grad, group=tp)
 
 
 @contextmanager
@@ -88,42 +87,42 @@ def _check_layout(layout: Any) -> None:
 
 def router_step(ctx: Any, setup: RouterSetup) -> dict[str, torch.Tensor]:
     """Forward and backward of Megatron's TopKRouter under ``ctx``; global values by name."""
-    from megatron.core import parallel_state as ps
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.moe.router import TopKRouter
 
     _check_layout(ctx.layout)
-    with megatron_parallel(ctx):
+    with megatron_parallel(ctx) as explicit:
+        pg = explicit or ProcessGroupCollection.use_mpu_process_groups()
         options = dict(num_moe_experts=setup.experts, moe_router_topk=setup.topk,
                        moe_aux_loss_coeff=1.0, moe_router_load_balancing_type="aux_loss",
                        add_bias_linear=False)
         options.update(setup.config)
         config = transformer_config(ctx.layout, GPTSetup(hidden=setup.hidden, heads=4, layers=1),
                                     **options)
-        router = TopKRouter(config, ProcessGroupCollection.use_mpu_process_groups())
+        router = TopKRouter(config, pg)
         router.train()
         load_global_weights(router, seed=setup.seed)
         sp = ctx.layout.sp
         hidden = _sequence_shard(seeded_global("tokens", (setup.seq, setup.batch, setup.hidden),
-                                               setup.seed).float() * 20, sp).requires_grad_(True)
+                                               setup.seed).float() * 20, sp, pg.tp).requires_grad_(True)
         mask = _padding_mask(setup)
         counts: list[torch.Tensor] = []
         with _recording_token_counts(counts):
             probs, routing_map = router(
-                hidden, padding_mask=None if mask is None else _sequence_shard(mask, sp))
+                hidden, padding_mask=None if mask is None else _sequence_shard(mask, sp, pg.tp))
         # each rank's count of its own valid tokens: summed over TP x CP, the global count
         local_counts = torch.stack(counts) if counts else torch.zeros(0)
-        dist.all_reduce(local_counts, group=ps.get_tensor_and_context_parallel_group())
+        dist.all_reduce(local_counts, group=pg.tp_cp)
         upstream = _sequence_shard(seeded_global("upstream", (setup.seq * setup.batch, setup.experts),
-                                                 setup.seed).float().view(setup.seq, -1), sp)
+                                                 setup.seed).float().view(setup.seq, -1), sp, pg.tp)
         (probs * upstream.reshape(probs.shape)).sum().backward()
-        _finalize_sequence_parallel_grads(router)
+        _finalize_sequence_parallel_grads(router, pg.tp)
         grads, _ = gather_global(router, lambda p: p.grad, world_group(ctx))
         seq_major = (-1, setup.batch, setup.experts)
         return {
-            "probs": _sequence_gather(probs.detach().reshape(seq_major), sp),
-            "routing_map": _sequence_gather(routing_map.reshape(seq_major).float(), sp),
-            "hidden_grad": _sequence_gather(hidden.grad, sp),
+            "probs": _sequence_gather(probs.detach().reshape(seq_major), sp, pg.tp),
+            "routing_map": _sequence_gather(routing_map.reshape(seq_major).float(), sp, pg.tp),
+            "hidden_grad": _sequence_gather(hidden.grad, sp, pg.tp),
             "local_num_tokens_summed": local_counts,
             **{f"grad/{k}": v for k, v in grads.items()},
         }
