@@ -112,6 +112,23 @@ def _short(path: str) -> str:
     return path
 
 
+def check_mesh(pg: Any) -> None:
+    """The active type checker's axes hold the collection's groups: the mesh it types with is
+    :func:`~shardcheck.megatron.typing.mesh_from_pg_collection` of the collection."""
+    from shardcheck.checker import current
+    from shardcheck.megatron.typing import mesh_from_pg_collection
+
+    checker = current()
+    if checker is None:
+        return
+    expected = mesh_from_pg_collection(pg).axes
+    for name, axis in checker.mesh.axes.items():
+        if name in expected and expected[name].ranks != axis.ranks:
+            raise ExplicitGroupsUnsupported(
+                f"the type checker's {name} axis {list(axis.ranks)} is not the explicit "
+                f"pg_collection's {list(expected[name].ranks)}")
+
+
 def _caller() -> str:
     """file:line of the code that issued the collective (the caller of the probe)."""
     frame = traceback.extract_stack(limit=3)[0]

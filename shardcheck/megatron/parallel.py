@@ -154,6 +154,7 @@ def _explicit(ctx: Any) -> Any:
         with _local_groups():
             pg = explicit.explicit_collection(ctx.layout, ctx.rank)
         explicit.check_against(pg, getattr(ctx, "groups", {}))
+        explicit.check_mesh(pg)
     except explicit.ExplicitGroupsUnsupported as exc:
         raise LayoutUnsupported(str(exc)) from None
     return pg
