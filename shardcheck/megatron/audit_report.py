@@ -95,12 +95,20 @@ def group(failed: Sequence) -> dict[tuple[str, str], list]:
     for outcome in numeric:
         groups.setdefault(by_options[(outcome.case.component, outcome.case.options)], []).append(outcome)
     explained = {violation_key(v): key for key, members in groups.items()
-                 for o in members for v in o.violations}
+                 for o in members for v in o.violations if _explains(key, v)}
     for outcome in (o for o in failed if not o.gaps):
         for violation in outcome.violations:
             groups.setdefault(explained.get(violation_key(violation), violation_key(violation)),
                               []).append(outcome)
     return groups
+
+
+def _explains(key: tuple[str, str], violation: dict) -> bool:
+    """Whether a numeric finding explains a violation its cases have: a global-group finding
+    explains only global-group uses (its cases may break other rules for other reasons)."""
+    from shardcheck.megatron.explicit import RULE
+
+    return key[1] != GLOBAL_GROUP_CONTRACT or violation["rule"] == RULE
 
 
 def checker_line(location: str, members: Sequence, baseline_violations: set[tuple[str, str]]) -> str | None:
