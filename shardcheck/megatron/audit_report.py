@@ -45,9 +45,9 @@ class Finding:
         self.id = self.id or hashlib.sha1(f"{self.location}\0{self.contract}".encode()).hexdigest()[:10]
 
 
-GLOBAL_GROUP_CONTRACT = ("collectives use the model's pg_collection groups: a value laid out "
-                         "over pg_collection.tp is reduced over pg_collection.tp, not over "
-                         "parallel_state's global tp group")
+GLOBAL_GROUP_CONTRACT = ("collectives of a model given a pg_collection use its groups: a value "
+                         "laid out over pg_collection.X is reduced over pg_collection.X, not over "
+                         "parallel_state's global X group")
 
 
 def global_group_use(outcome) -> dict | None:

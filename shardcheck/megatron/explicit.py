@@ -104,14 +104,6 @@ def check_against(pg: Any, groups: dict[str, dist.ProcessGroup]) -> None:
                 f"layout's {list(ranks_of(groups[axis]))}")
 
 
-def _short(path: str) -> str:
-    for marker in ("/megatron/core/", "/shardcheck/", "/tests/"):
-        index = path.rfind(marker)
-        if index >= 0:
-            return path[index + 1:]
-    return path
-
-
 def check_mesh(pg: Any) -> None:
     """The active type checker's axes hold the collection's groups: the mesh it types with is
     :func:`~shardcheck.megatron.typing.mesh_from_pg_collection` of the collection."""
@@ -127,6 +119,14 @@ def check_mesh(pg: Any) -> None:
             raise ExplicitGroupsUnsupported(
                 f"the type checker's {name} axis {list(axis.ranks)} is not the explicit "
                 f"pg_collection's {list(expected[name].ranks)}")
+
+
+def _short(path: str) -> str:
+    for marker in ("/megatron/core/", "/shardcheck/", "/tests/"):
+        index = path.rfind(marker)
+        if index >= 0:
+            return path[index + 1:]
+    return path
 
 
 def _caller() -> str:
