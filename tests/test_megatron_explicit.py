@@ -112,8 +112,8 @@ def _collection_ranks(ctx):
 
 @pytest.fixture(scope="module")
 def warm():
-    planted = {"planted_global_group": Component(planted_global_group, PlantedSetup, True),
-               "planted_explicit_group": Component(planted_explicit_group, PlantedSetup, True)}
+    planted = {"planted_global_group": Component(planted_global_group, PlantedSetup, explicit_groups=True),
+               "planted_explicit_group": Component(planted_explicit_group, PlantedSetup, explicit_groups=True)}
     COMPONENTS.update(planted)  # before the pools fork, so their ranks know the planted ones
     try:
         with pools() as shared:
