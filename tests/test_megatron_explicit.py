@@ -19,10 +19,9 @@ import torch.distributed as dist  # noqa: E402
 from shardcheck.layout import Layout, LayoutError  # noqa: E402
 from shardcheck.megatron.audit import PRELOAD, audit, pools  # noqa: E402
 from shardcheck.megatron.audit_cli import audit_command  # noqa: E402
-from shardcheck.megatron.parallel import megatron_parallel  # noqa: E402
+from shardcheck.megatron.parallel import megatron_parallel, scenario_groups  # noqa: E402
 from shardcheck.megatron.reference import seeded_global  # noqa: E402
 from shardcheck.megatron.scenarios import COMPONENTS, Component  # noqa: E402
-from shardcheck.megatron.scenarios.gpt import groups  # noqa: E402
 from shardcheck.megatron.sweep import Case, layouts, plan, runs_under  # noqa: E402
 
 for module in PRELOAD:
@@ -50,7 +49,8 @@ def test_a_bad_at_order_is_one_clear_line(text, message):
 
 
 def test_the_sweep_runs_defaults_under_explicit_layouts_for_components_that_pass_the_groups():
-    explicit = [lay for lay in layouts() if lay.explicit_groups]
+    explicit = [lay for lay in layouts(explicit=True) if lay.explicit_groups]
+    assert not any(lay.explicit_groups for lay in layouts())
     assert {str(lay) for lay in explicit} >= {"tp2-dp2@dp-tp", "tp2-cp2@cp-tp", "cp2-dp2@dp-cp"}
     assert not any(lay.pp > 1 for lay in explicit)
     cases = plan({"gpt": [("loss_mask", True)], "other": [("x", True)]}, [Layout(tp=2), EXPLICIT], None)
@@ -71,7 +71,7 @@ def _row_parallel(ctx, setup: PlantedSetup, on_global_group: bool) -> dict[str, 
     from megatron.core import parallel_state as ps
 
     with megatron_parallel(ctx) as pg:
-        tp = groups(pg).tp
+        tp = scenario_groups(pg).tp
         x = seeded_global("x", (setup.rows, setup.width)).float()
         w = seeded_global("w", (setup.width, 3)).float()
         part = setup.width // tp.size()

@@ -17,7 +17,7 @@ def _layouts(text: str | None):
     from shardcheck.megatron.sweep import layouts
 
     if not text:
-        return layouts()
+        return layouts(explicit=True)
     try:
         return [Layout.parse(part) for part in text.split(",") if part.strip()]
     except LayoutError as exc:

@@ -139,6 +139,21 @@ def _verify(ctx: Any) -> None:
                 f"layout's {dist.get_process_group_ranks(ours)}")
 
 
+def scenario_groups(pg: Any = None) -> Any:
+    """The groups a scenario computes with: the explicit collection ``megatron_parallel``
+    yielded, else a collection of ``parallel_state``'s tp, cp, dp and pp groups."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    return pg if pg is not None else ProcessGroupCollection.use_mpu_process_groups(
+        ["tp", "cp", "dp", "pp"])
+
+
+def explicit_kwargs(pg: Any, name: str = "pg_collection") -> dict[str, Any]:
+    """``{name: pg}`` for a Megatron entry point when the scenario has explicit groups, else
+    nothing (Megatron then reads ``parallel_state``)."""
+    return {name: pg} if pg is not None else {}
+
+
 def world_group(ctx: Any) -> dist.ProcessGroup | None:
     """The group of all the layout's ranks: ``ctx.groups['world']``, else the default group."""
     return getattr(ctx, "groups", {}).get("world")

@@ -205,9 +205,9 @@ def component_options(component: str) -> list[tuple[str, Any]]:
     return found
 
 
-def layouts(max_world: int = 4) -> list[Layout]:
-    """Every tp/cp/dp/pp grid of sizes 1 or 2 within ``max_world`` ranks, with sp, ep and
-    explicit-group variants."""
+def layouts(max_world: int = 4, explicit: bool = False) -> list[Layout]:
+    """Every tp/cp/dp/pp grid of sizes 1 or 2 within ``max_world`` ranks, with sp and ep
+    variants, and with ``explicit`` their explicit-group variants (:func:`explicit_layouts`)."""
     found: list[Layout] = []
     for tp, cp, dp, pp in itertools.product((1, 2), repeat=4):
         if tp * cp * dp * pp > max_world or tp * cp * dp * pp == 1:
@@ -216,7 +216,7 @@ def layouts(max_world: int = 4) -> list[Layout]:
             found.append(Layout(tp=tp, cp=cp, dp=dp, pp=pp, sp=sp))
             if (dp * cp) % 2 == 0 and dp > 1:
                 found.append(Layout(tp=tp, cp=cp, dp=dp, pp=pp, sp=sp, ep=2))
-    found += explicit_layouts(found)
+    found += explicit_layouts(found) if explicit else []
     return sorted(found, key=lambda lay: (lay.world_size, str(lay)))
 
 

@@ -18,7 +18,12 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from shardcheck.megatron.parallel import megatron_parallel, world_group
+from shardcheck.megatron.parallel import (
+    explicit_kwargs,
+    megatron_parallel,
+    scenario_groups,
+    world_group,
+)
 from shardcheck.megatron.reference import gather_global, gradient_of, load_global_weights
 
 
@@ -83,24 +88,11 @@ def global_batches(setup: GPTSetup) -> list[dict[str, torch.Tensor]]:
             for i in range(setup.microbatches)]
 
 
-def groups(pg: Any = None) -> Any:
-    """The scenario's process groups: the explicit collection, else ``parallel_state``'s."""
-    from megatron.core.process_groups_config import ProcessGroupCollection
-
-    return pg if pg is not None else ProcessGroupCollection.use_mpu_process_groups(
-        ["tp", "cp", "dp", "pp"])
-
-
-def explicit_kwargs(pg: Any, name: str = "pg_collection") -> dict[str, Any]:
-    """``{name: pg}`` for a Megatron entry point when the scenario has explicit groups."""
-    return {name: pg} if pg is not None else {}
-
-
 def local_batches(setup: GPTSetup, pg: Any = None) -> list[dict[str, torch.Tensor]]:
     """This rank's microbatches: a contiguous share per data-parallel rank, cut for its CP rank."""
     from megatron.core.utils import get_batch_on_this_cp_rank
 
-    used = groups(pg)
+    used = scenario_groups(pg)
     dp, dp_rank = used.dp.size(), used.dp.rank()
     if setup.microbatches % dp:
         raise ValueError(f"{setup.microbatches} microbatches do not split over dp={dp}")
@@ -120,7 +112,7 @@ def build_gpt(config, setup: GPTSetup, pg: Any = None):
     spec = local_spec_for(config, get_gpt_layer_local_spec(
         num_experts=config.num_moe_experts, qk_layernorm=config.qk_layernorm,
         normalization=config.normalization, qk_l2_norm=config.qk_l2_norm))
-    pp = groups(pg).pp
+    pp = scenario_groups(pg).pp
     return GPTModel(
         config=config, transformer_layer_spec=spec, vocab_size=setup.vocab,
         max_sequence_length=setup.seq, pre_process=pp.rank() == 0,
@@ -152,7 +144,7 @@ def _forward_step(batches):
 
 def reported_loss(reports: list[torch.Tensor], per_token: bool, pg: Any = None) -> torch.Tensor:
     """The global loss: mean of microbatch means (or, per token, total sum / total count)."""
-    used = groups(pg)
+    used = scenario_groups(pg)
     per_mb = torch.stack(reports) if reports else torch.zeros(0, 2)
     dist.all_reduce(per_mb, group=used.cp)
     if per_token:

@@ -15,9 +15,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardcheck.megatron.parallel import megatron_parallel, world_group
+from shardcheck.megatron.parallel import explicit_kwargs, megatron_parallel, world_group
 from shardcheck.megatron.reference import gather_global, load_global_weights, seeded_global
-from shardcheck.megatron.scenarios.gpt import GPTSetup, explicit_kwargs, transformer_config
+from shardcheck.megatron.scenarios.gpt import GPTSetup, transformer_config
 
 
 @dataclass(frozen=True)
