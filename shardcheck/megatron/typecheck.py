@@ -299,8 +299,8 @@ def _sequence_typed(original: Any) -> Any:
     import shardcheck as sc
     from shardcheck.types import S
 
-    def run(tensor: torch.Tensor, sp: bool) -> torch.Tensor:
-        local = original(tensor, sp)
+    def run(tensor: torch.Tensor, sp: bool, group: Any = None) -> torch.Tensor:
+        local = original(tensor, sp, group)
         return sc.annotate(local, tp=S(0)) if sp else local
     return run
 

@@ -30,6 +30,8 @@ class Component:
     sweep varies only the TransformerConfig fields with this prefix (the MoE GPT leaves the
     fields it shares with the plain GPT to the ``gpt`` component). ``check_layout``: raises
     ``LayoutUnsupported`` for the layouts the component's own scenario refuses.
+    ``explicit_groups``: it passes the explicit ``ProcessGroupCollection`` that
+    ``megatron_parallel`` yields to Megatron, so it runs under layouts with explicit groups.
     """
 
     run: Callable[[Any, Any], dict]
@@ -37,6 +39,7 @@ class Component:
     experts: bool = False
     config_prefix: str = ""
     check_layout: Callable[[Any], None] | None = None
+    explicit_groups: bool = False
 
     def refuses(self, layout: Any) -> str | None:
         """Why the component cannot run under ``layout`` (checked before any rank starts)."""
@@ -53,10 +56,11 @@ class Component:
 
 
 COMPONENTS: dict[str, Component] = {
-    "gpt": Component(train_step, GPTSetup),
-    "output_loss": Component(output_loss, OutputLossSetup),
-    "moe": Component(train_step, MoEGPTSetup, experts=True, config_prefix="moe_"),
-    "moe_router": Component(router_step, RouterSetup, experts=True),
+    "gpt": Component(train_step, GPTSetup, explicit_groups=True),
+    "output_loss": Component(output_loss, OutputLossSetup, explicit_groups=True),
+    "moe": Component(train_step, MoEGPTSetup, experts=True, config_prefix="moe_",
+                     explicit_groups=True),
+    "moe_router": Component(router_step, RouterSetup, experts=True, explicit_groups=True),
     "t5": Component(t5_step, T5Setup, check_layout=t5.check_layout),
     "multimodal": Component(multimodal_step, MultimodalSetup, check_layout=multimodal.check_layout),
 }
