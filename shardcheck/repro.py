@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from string import Template
@@ -134,12 +135,18 @@ def write_repro(finding: Finding, target: FuzzTarget, path: Path | str) -> Path:
     if target.repro is None:
         raise ReproError(f"fuzz target {target.name!r} provides no repro script body "
                          "(register it with repro=...)")
+    return write_script(finding, target.repro, path)
+
+
+def write_script(finding: Finding, body: Callable[[Finding], ScriptBody], path: Path | str) -> Path:
+    """Write ``finding``'s script, around the code ``body(finding)`` gives, to ``path``."""
     if finding.kind == TYPE_ONLY:
         raise ReproError(f"finding {finding.id} is type-only: its numbers agree, so a script has "
                          "nothing to show; see its checker line")
+    text = render_script(finding, body(finding), filename=Path(path).name)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(render_script(finding, target.repro(finding), filename=path.name))
+    path.write_text(text)
     return path
 
 

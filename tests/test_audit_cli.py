@@ -28,7 +28,7 @@ def test_bad_input_gets_one_clear_line_and_a_nonzero_exit(args, message, tmp_pat
 @pytest.mark.slow
 def test_reproduce_command_reruns_one_finding_and_writes_the_report(tmp_path):
     args = ["audit", "--only", "output_loss", "--layouts", "tp2", "--set", "label_smoothing=0.1",
-            "--out", str(tmp_path)]
+            "--out", str(tmp_path), "--root", str(tmp_path / "store")]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     assert "1 finding(s) confirmed by parity, 0 type-only" in result.output
