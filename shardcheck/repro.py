@@ -160,8 +160,8 @@ class ReproRun:
 
 
 def run_repro(path: Path | str, nproc: int, env: dict[str, str] | None = None,
-              timeout: float = 300.0, launcher: str = "torchrun") -> ReproRun:
-    """Run a repro script on ``nproc`` ranks and tell whether it reproduces.
+              timeout: float = 300.0, launcher: str = "torchrun", args: tuple[str, ...] = ()) -> ReproRun:
+    """Run a repro script (with ``args``) on ``nproc`` ranks and tell whether it reproduces.
 
     ``launcher="torchrun"`` runs ``python -m torch.distributed.run --standalone``, as a user
     would; ``"direct"`` starts the ranks itself with the same environment variables, which skips
@@ -170,10 +170,10 @@ def run_repro(path: Path | str, nproc: int, env: dict[str, str] | None = None,
     base = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     if launcher == "torchrun":
         ranks = [([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   f"--nproc-per-node={nproc}", str(path)], base)]
+                   f"--nproc-per-node={nproc}", str(path), *args], base)]
     else:
         port = str(free_port())
-        ranks = [([sys.executable, str(path)],
+        ranks = [([sys.executable, str(path), *args],
                   {**base, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(nproc),
                    "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
                  for r in range(nproc)]

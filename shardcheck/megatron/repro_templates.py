@@ -25,10 +25,22 @@ from shardcheck.megatron.contracts import BY_NAME, Contract
 from shardcheck.repro import ReproError, ScriptBody
 
 _HELPERS = '''
-def use_layout(tp=1, cp=1, pp=1, ep=1, sp=False):
-    """Megatron's process groups for a layout of this world (data parallelism takes the rest)."""
+def run_on(sizes, check=False):
+    """``run`` on megatron's process groups for ``sizes`` (data parallelism takes the rest of the
+    world); with ``check``, under shardcheck's type checker when it is installed."""
+    global CHECKER
     ps.destroy_model_parallel()
-    ps.initialize_model_parallel(tp, pp, context_parallel_size=cp, expert_model_parallel_size=ep)
+    ps.initialize_model_parallel(sizes["tp"], sizes["pp"], context_parallel_size=sizes["cp"],
+                                 expert_model_parallel_size=sizes["ep"])
+    if check and CHECKER:
+        try:  # optional, only for the checker: line
+            from shardcheck.megatron.repro_check import checked_run
+        except ImportError:
+            CHECKER = None  # no checker here to confirm the line the audit recorded
+        else:
+            result, CHECKER = checked_run(run, sizes, CHECKER)
+            return result
+    return run(sizes)
 
 
 def config_for(sizes, **options):
@@ -50,6 +62,12 @@ def gather(tensor, dim, group):
     return torch.cat(parts, dim=dim)
 
 
+def shard(tensor, sizes):
+    """This rank's sequence chunk (dim 0) under sequence parallelism, else the whole tensor."""
+    tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    return tensor.chunk(tp)[rank] if sizes["sp"] else tensor
+
+
 def seeded(key, *shape):
     """A global tensor that depends only on ``key`` and its shape: the same in every layout."""
     return torch.randn(*shape, generator=torch.Generator().manual_seed(zlib.crc32(key.encode())))
@@ -58,7 +76,6 @@ def seeded(key, *shape):
 _OUTPUT_LOSS = '''
 def run(sizes):
     """ColumnParallelLinear logits into vocab_parallel_cross_entropy: [loss, weight grad, input grad]."""
-    use_layout(**sizes)
     tp, rank, group = (ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank(),
                        ps.get_tensor_model_parallel_group())
     config = config_for(sizes)
@@ -69,7 +86,7 @@ def run(sizes):
     hidden = seeded("hidden", SETUP["seq"], SETUP["batch"], SETUP["hidden"])
     labels = torch.randint(0, SETUP["vocab"], (SETUP["seq"], SETUP["batch"]),
                            generator=torch.Generator().manual_seed(0))
-    local = (hidden.chunk(tp)[rank] if sizes["sp"] else hidden).requires_grad_(True)
+    local = shard(hidden, sizes).requires_grad_(True)
     logits, _ = layer(local, runtime_gather_output=SETUP["runtime_gather_output"])
     loss = tensor_parallel.vocab_parallel_cross_entropy(
         logits.float().clone(), labels, label_smoothing=SETUP["label_smoothing"]).mean()
@@ -82,7 +99,6 @@ def run(sizes):
 _ROUTER = '''
 def run(sizes):
     """TopKRouter forward and backward: [summed local_num_tokens, weight grad, input grad]."""
-    use_layout(**sizes)
     tp, rank, group = (ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank(),
                        ps.get_tensor_model_parallel_group())
     config = config_for(sizes, num_moe_experts=SETUP["experts"], moe_router_topk=SETUP["topk"],
@@ -92,7 +108,7 @@ def run(sizes):
     router.weight.data.copy_(seeded("router", SETUP["experts"], SETUP["hidden"]) * 0.05)
     seq, batch = SETUP["seq"], SETUP["batch"]
     hidden = seeded("tokens", seq, batch, SETUP["hidden"])
-    local = (hidden.chunk(tp)[rank] if sizes["sp"] else hidden).requires_grad_(True)
+    local = shard(hidden, sizes).requires_grad_(True)
     padding = torch.zeros(seq, batch, dtype=torch.bool)  # True marks padding, uneven over ranks
     padding[seq * 5 // 8:, 0] = padding[seq - 1:, 1] = SETUP["padding"]
     counts = []  # the local token count megatron's router computes, recorded as it is returned
@@ -104,12 +120,12 @@ def run(sizes):
     counting, router_module.get_tokens_per_expert_and_token_count = (
         router_module.get_tokens_per_expert_and_token_count, recorded)
     try:
-        mask = (padding.chunk(tp)[rank] if sizes["sp"] else padding) if SETUP["padding"] else None
+        mask = shard(padding, sizes) if SETUP["padding"] else None
         probs, _ = router(local, padding_mask=mask)
     finally:
         router_module.get_tokens_per_expert_and_token_count = counting
     upstream = seeded("upstream", seq, batch, SETUP["experts"]).reshape(seq, -1)
-    (probs * (upstream.chunk(tp)[rank] if sizes["sp"] else upstream).reshape(probs.shape)).sum().backward()
+    (probs * shard(upstream, sizes).reshape(probs.shape)).sum().backward()
     dist.all_reduce(router.weight.grad, group=group)  # finalize_model_grads' sequence-parallel sum
     count = torch.stack(counts).sum().view(1) if counts else torch.zeros(1)
     dist.all_reduce(count, group=ps.get_tensor_and_context_parallel_group())
@@ -146,7 +162,6 @@ def forward_step(data, model):
 
 def run(sizes):
     """One GPT training step through the schedules: the norm of every gradient after finalize."""
-    use_layout(**sizes)
     tensor_parallel.model_parallel_cuda_manual_seed(0)
     config = config_for(sizes, num_layers=SETUP["layers"], hidden_size=SETUP["hidden"],
                         num_attention_heads=SETUP["heads"])
@@ -380,24 +395,24 @@ def _entry_points(has_fix: bool) -> str:
     if not has_fix:
         return '''
 def observed():
-    return run(SIZES)
+    return run_on(SIZES, check=True)
 
 
 def reference():
-    return run(ONE_RANK)
+    return run_on(ONE_RANK)
 '''
     return '''
 def observed():
     with fixed_megatron(FIXED):
-        return run(SIZES)
+        return run_on(SIZES, check=True)
 
 
 def reference():
     with fixed_megatron(FIXED):
-        return run(ONE_RANK)
+        return run_on(ONE_RANK)
 
 
 def corrected():
     with fixed_megatron(True):
-        return run(SIZES)
+        return run_on(SIZES)
 '''
