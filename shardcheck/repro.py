@@ -10,6 +10,7 @@ generated script imports nothing from shardcheck.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pprint
 import signal
@@ -186,7 +187,8 @@ def run_repro(path: Path | str, nproc: int, env: dict[str, str] | None = None,
             outputs.append(process.communicate(timeout=max(deadline - time.monotonic(), 0.1)))
     except subprocess.TimeoutExpired:
         for process in processes:  # each rank (or torchrun and its ranks) has its own session
-            os.killpg(process.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):  # a rank that has exited already
+                os.killpg(process.pid, signal.SIGKILL)
             process.communicate()
         return ReproRun(BROKEN, -1, f"timed out after {timeout:.0f} s")
     returncode = next((p.returncode for p in processes if p.returncode), 0)

@@ -2,8 +2,9 @@
 
 A script imports this only when shardcheck is installed (the import is guarded). The run is
 type-checked with Megatron's typing and contracts (:func:`shardcheck.megatron.typecheck.checked_region`)
-on the process groups the script built with ``initialize_model_parallel``; the line returned is
-the violation the audit recorded, when the checker raises it again.
+on the process groups the script built with ``initialize_model_parallel``, the script itself
+being harness code (violations are located in megatron-core, past its frames); the line
+returned is the violation the audit recorded, when the checker raises it again.
 """
 
 from __future__ import annotations
@@ -28,12 +29,13 @@ def megatron_groups() -> SimpleNamespace:
 def checked_run(run: Callable[[Any], Any], sizes: Any, recorded: str) -> tuple[Any, str | None]:
     """``run(sizes)`` under the checker: its result, and ``recorded`` if the checker raised that
     violation again (same rule and location), else None."""
+    from shardcheck.checker import harness_code
     from shardcheck.megatron import contracts
     from shardcheck.megatron.typecheck import checked_region, layout_mesh
 
     ctx = megatron_groups()
     with contracts.probes_installed(), checked_region(ctx) as found, \
-            _script_inputs_typed(run.__globals__, layout_mesh(ctx).names):
+            harness_code(run.__code__.co_filename), _script_inputs_typed(run.__globals__, layout_mesh(ctx).names):
         result = run(sizes)
     again = [v["line"] for v in found if _rule_and_place(v["line"]) == _rule_and_place(recorded)]
     return result, (recorded if again else None)
