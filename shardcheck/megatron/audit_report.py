@@ -184,8 +184,8 @@ def _finding_lines(n: int, f: Finding) -> list[str]:
 
 def script_line(f: Finding, quote: str = "") -> str:
     """How to run a finding's script (the command between ``quote`` marks), or why it has none."""
-    if f.repro is None or f.repro.startswith("no script"):
-        return f.repro or "none"
+    if f.repro is None or f.repro.startswith("no script: "):
+        return "none" + (f": {f.repro.removeprefix('no script: ')}" if f.repro else "")
     nproc = Layout.parse(f.trigger["layout"]).world_size
     command = f"torchrun --standalone --nproc-per-node={nproc} {f.repro}"
     return f"{quote}{command}{quote} (exits 0 while the bug reproduces)"
