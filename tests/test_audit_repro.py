@@ -98,7 +98,7 @@ def test_any_finding_of_a_templated_component_gets_a_script(component, options, 
 @pytest.mark.parametrize(("finding", "message"), [
     (_finding("t5", {}, "tp2"), "no repro template for component 't5'"),
     (_finding("gpt", {}, "tp2"), "tp = pp = ep = 1"),
-    (_finding("moe_router", {}, "cp2"), "not cp"),
+    (_finding("moe_router", {}, "tp2"), "needs sequence parallelism"),
     (_finding("gpt", {}, "cp2", kind="type-only"), "type-only"),
 ])
 def test_finding_without_a_script_says_why(finding, message, tmp_path):
@@ -139,3 +139,15 @@ def test_audit_findings_join_the_store_with_their_scripts_and_repro_reads_them(t
     assert result.exit_code == 1 and "no repro template for component 't5'" in result.output
     listed = CliRunner().invoke(main, ["findings", "--no-run", "--root", str(tmp_path / "store")])
     assert listed.exit_code == 0 and scripted.id in listed.output and untemplated.id in listed.output
+
+
+def test_megatron_fuzz_findings_get_their_scripts_from_the_same_templates(tmp_path):
+    from shardcheck.fuzz import resolve_target
+    from shardcheck.megatron import fuzz_targets  # noqa: F401  (registers the catalogue)
+    from shardcheck.repro import write_repro
+
+    finding = _finding("output_loss", {"label_smoothing": 0.1, "seq": 4}, "tp2-sp", "vocab_parallel_cross_entropy")
+    finding.origin = "fuzz"
+    text = write_repro(finding, resolve_target("output_loss"), tmp_path / "f.py").read_text()
+    assert "'seq': 4" in text and "vocab_parallel_cross_entropy(" in text and "def corrected():" in text
+    assert resolve_target("moe").repro is None  # no template for the MoE GPT yet

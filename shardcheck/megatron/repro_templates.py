@@ -99,8 +99,10 @@ def run(sizes):
 _ROUTER = '''
 def run(sizes):
     """TopKRouter forward and backward: [summed local_num_tokens, weight grad, input grad]."""
-    tp, rank, group = (ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank(),
-                       ps.get_tensor_model_parallel_group())
+    group, cp_group = ps.get_tensor_model_parallel_group(), ps.get_context_parallel_group()
+
+    def tokens(tensor):  # this rank's tokens: its CP chunk of the sequence, then its SP share
+        return shard(tensor.chunk(sizes["cp"])[ps.get_context_parallel_rank()], sizes)
     config = config_for(sizes, num_moe_experts=SETUP["experts"], moe_router_topk=SETUP["topk"],
                         moe_aux_loss_coeff=1.0, moe_router_load_balancing_type="aux_loss",
                         add_bias_linear=False, expert_model_parallel_size=sizes["ep"])
@@ -108,7 +110,7 @@ def run(sizes):
     router.weight.data.copy_(seeded("router", SETUP["experts"], SETUP["hidden"]) * 0.05)
     seq, batch = SETUP["seq"], SETUP["batch"]
     hidden = seeded("tokens", seq, batch, SETUP["hidden"])
-    local = shard(hidden, sizes).requires_grad_(True)
+    local = tokens(hidden).requires_grad_(True)
     padding = torch.zeros(seq, batch, dtype=torch.bool)  # True marks padding, uneven over ranks
     padding[seq * 5 // 8:, 0] = padding[seq - 1:, 1] = SETUP["padding"]
     counts = []  # the local token count megatron's router computes, recorded as it is returned
@@ -120,16 +122,17 @@ def run(sizes):
     counting, router_module.get_tokens_per_expert_and_token_count = (
         router_module.get_tokens_per_expert_and_token_count, recorded)
     try:
-        mask = shard(padding, sizes) if SETUP["padding"] else None
+        mask = tokens(padding) if SETUP["padding"] else None
         probs, _ = router(local, padding_mask=mask)
     finally:
         router_module.get_tokens_per_expert_and_token_count = counting
     upstream = seeded("upstream", seq, batch, SETUP["experts"]).reshape(seq, -1)
-    (probs * shard(upstream, sizes).reshape(probs.shape)).sum().backward()
+    (probs * tokens(upstream).reshape(probs.shape)).sum().backward()
+    dist.all_reduce(router.weight.grad, group=cp_group)  # DDP's average over CP of a loss scaled by cp
     dist.all_reduce(router.weight.grad, group=group)  # finalize_model_grads' sequence-parallel sum
     count = torch.stack(counts).sum().view(1) if counts else torch.zeros(1)
     dist.all_reduce(count, group=ps.get_tensor_and_context_parallel_group())
-    grad_in = gather(local.grad, 0, group) if sizes["sp"] else local.grad
+    grad_in = gather(gather(local.grad, 0, group) if sizes["sp"] else local.grad, 0, cp_group)
     return torch.cat([count, router.weight.grad.flatten(), grad_in.flatten()])
 '''
 
@@ -295,8 +298,8 @@ def _gpt_refuses(layout: Layout) -> str | None:
 
 
 def _router_refuses(layout: Layout) -> str | None:
-    if layout.cp > 1 or (layout.tp > 1 and not layout.sp):
-        return "the moe_router template cuts tokens for tp with sequence parallelism only, not cp"
+    if layout.tp > 1 and not layout.sp:
+        return "MoE with tp > 1 needs sequence parallelism (Megatron refuses it)"
     return None
 
 
