@@ -2,9 +2,11 @@
 
 A template turns a finding's component, options and layout into the ``observed()`` /
 ``reference()`` / ``corrected()`` code that :func:`shardcheck.repro.render_script` wraps into a
-self-contained torchrun script. ``run(sizes)`` builds Megatron's process groups for a layout
-with ``initialize_model_parallel`` and returns the component's global values on every rank;
-the reference is the same ``run`` with tp = cp = 1 (every rank computes it on full tensors).
+self-contained torchrun script. ``run_on(sizes)`` builds Megatron's process groups for a
+layout with ``initialize_model_parallel``, then the component's ``run(sizes)`` returns its global
+values on every rank; the reference is the same ``run`` with tp = cp = 1 (every rank computes it
+on full tensors). The observed run goes through shardcheck's type checker when the script finds
+shardcheck installed (:mod:`shardcheck.megatron.repro_check`), for the ``checker:`` line.
 When the finding's contract carries a fix, its source is inlined, ``corrected()`` reruns the
 layout with it patched into megatron-core, and ``--fixed`` runs the whole script with it (the
 script then exits 1: what a fixed release gives). Only the CUDA-only pieces a path needs are
