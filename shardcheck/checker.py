@@ -133,6 +133,19 @@ class Coverage:
         return "\n".join(lines)
 
 
+@contextmanager
+def harness_code(*paths: str) -> Iterator[None]:
+    """Inside the block, violations are located past the code under ``paths`` (a harness that
+    drives the library under test), as they are past torch and shardcheck."""
+    global _SKIP_PREFIXES
+    saved = _SKIP_PREFIXES
+    _SKIP_PREFIXES = (*saved, *paths)
+    try:
+        yield
+    finally:
+        _SKIP_PREFIXES = saved
+
+
 def user_location() -> str:
     """file:line of the innermost frame outside torch and shardcheck."""
     frame = sys._getframe(1)

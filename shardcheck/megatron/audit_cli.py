@@ -74,11 +74,16 @@ def _plan(only: tuple[str, ...], layouts_text: str | None, sets: tuple[str, ...]
               help="Where report.md and findings.json go.")
 @click.option("--json", "as_json", is_flag=True, help="Print findings.json to stdout instead of the summary.")
 @click.option("--no-typecheck", is_flag=True, help="Parity only, without the type checker.")
+@click.option("--root", default=".shardcheck", show_default=True, type=click.Path(file_okay=False),
+              help="The findings store shared with fuzz, repro and findings.")
 def audit_command(budget: int | None, time_limit: float | None, only: tuple[str, ...],
                   layouts_text: str | None, sets: tuple[str, ...], out_dir: str, as_json: bool,
-                  no_typecheck: bool) -> None:
+                  no_typecheck: bool, root: str) -> None:
     """Audit megatron-core: run its components over the generic sweep of options and layouts
-    on Gloo ranks, compare each with one rank, type-check it, and report deduplicated findings."""
+    on Gloo ranks, compare each with one rank, type-check it, and report deduplicated findings.
+
+    Each confirmed finding gets a torchrun script in OUT/repro/ and every finding is kept in
+    the store at ROOT, for `shardcheck repro` and `shardcheck findings`."""
     if budget is not None and time_limit is not None:
         raise click.UsageError("give --budget or --time-limit, not both")
     warnings.filterwarnings("ignore", category=UserWarning)  # Megatron's "Apex is not installed"
@@ -88,6 +93,7 @@ def audit_command(budget: int | None, time_limit: float | None, only: tuple[str,
         raise click.ClickException("megatron-core is not installed: pip install 'shardcheck[megatron]'") from None
     from shardcheck.megatron import audit_report
     from shardcheck.megatron.audit import audit
+    from shardcheck.megatron.audit_repro import save_with_scripts
 
     started = time.monotonic()
     cases = _plan(only, layouts_text, sets, budget)
@@ -97,6 +103,7 @@ def audit_command(budget: int | None, time_limit: float | None, only: tuple[str,
     with _progress(len(cases) if budget is None else min(budget, len(cases)), as_json) as show:
         result = audit(cases, budget=budget, time_limit=limit, typecheck=not no_typecheck, progress=show)
     summary = result.summary()
+    save_with_scripts(result.findings, Path(out_dir), root)
     summary["wall time (s)"] = round(time.monotonic() - started, 1)
     audit_report.write(Path(out_dir), result.findings, summary)
     if as_json:
@@ -137,7 +144,7 @@ class _progress:
 def _print_summary(result, summary: dict, out_dir: Path) -> None:
     from rich.console import Console
 
-    from shardcheck.megatron.audit_report import show_number
+    from shardcheck.megatron.audit_report import script_line, show_number
 
     console = Console(highlight=False, soft_wrap=True)
     console.print(f"audit: {summary['cases run']} cases run, {summary['cases failed to run']} failed to run, "
@@ -157,7 +164,7 @@ def _print_summary(result, summary: dict, out_dir: Path) -> None:
             console.print(f"    {f.checker}")
         if f.corrected:
             console.print(f"    corrected control: {f.corrected['result']}")
-        console.print(f"    reproduce: {f.reproduce}")
+        console.print(f"    reproduce: {f.reproduce}\n    script: {script_line(f)}")
     for n, f in enumerate(typed_only, len(confirmed) + 1):
         console.print(f"[{n}] {f.id} type-only  {f.checker}  ({f.trigger['component']} @ "
                       f"{f.trigger['layout']} {f.trigger['options'] or ''})")

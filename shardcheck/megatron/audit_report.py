@@ -13,13 +13,14 @@ when only parity did, ``type-only`` when only the checker did.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from shardcheck.findings import finding_id
+from shardcheck.layout import Layout
 from shardcheck.megatron.contracts import BY_NAME
 from shardcheck.megatron.sweep import Case
 
@@ -40,9 +41,10 @@ class Finding:
     reproduce: str
     seen_in: list[str] = field(default_factory=list)
     id: str = ""
+    repro: str | None = None  # the torchrun script, or "no script: why"
 
     def __post_init__(self) -> None:
-        self.id = self.id or hashlib.sha1(f"{self.location}\0{self.contract}".encode()).hexdigest()[:10]
+        self.id = self.id or finding_id(self.location, self.contract)
 
 
 GLOBAL_GROUP_CONTRACT = ("collectives of a model given a pg_collection use its groups: a value "
@@ -200,7 +202,19 @@ def _finding_lines(n: int, f: Finding) -> list[str]:
                   f"(relative {e['max_rel_error']:.3g})" for e in f.effect]
         lines.append(f"- **corrected control**: {f.corrected['fix']} -> {f.corrected['result']}" if f.corrected
                      else "- **corrected control**: none (no evident fix for this contract)")
-    return lines + [f"- **seen in**: {', '.join(f.seen_in)}", f"- **reproduce**: `{f.reproduce}`", ""]
+    lines += [f"- **seen in**: {', '.join(f.seen_in)}", f"- **reproduce**: `{f.reproduce}`"]
+    if f.repro:
+        lines.append(f"- **repro script**: {script_line(f, quote='`')}")
+    return lines + [""]
+
+
+def script_line(f: Finding, quote: str = "") -> str:
+    """How to run a finding's script (the command between ``quote`` marks), or why it has none."""
+    if f.repro is None or f.repro.startswith("no script: "):
+        return "none" + (f": {f.repro.removeprefix('no script: ')}" if f.repro else "")
+    nproc = Layout.parse(f.trigger["layout"]).world_size
+    command = f"torchrun --standalone --nproc-per-node={nproc} {f.repro}"
+    return f"{quote}{command}{quote} (exits 0 while the bug reproduces)"
 
 
 def markdown(findings: Sequence[Finding], summary: dict[str, Any]) -> str:
