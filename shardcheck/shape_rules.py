@@ -214,7 +214,8 @@ def _select_rule(ctx, args, kwargs, out):
         return None
     ndim = x.dim()
     dim = norm_dim(args[1], ndim)
-    index = norm_dim(args[2], x.shape[dim])
+    # every element of a constant is equal: its pieces are the same on every rank, not chunks
+    index = -1 if ctx.const(x) else norm_dim(args[2], x.shape[dim])
     (piece,) = _cut_along(ctx, pl, ndim, dim, [(index, 1)], x.shape[dim], by_rank_slice=True)
     return shift_shards(piece, lambda d: None if d == dim else d - (d > dim))
 
