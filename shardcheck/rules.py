@@ -85,7 +85,9 @@ def outer_of(p: Shard) -> int:
 
 def moved(p: Shard, dim: int) -> Shard:
     """The same kind of shard on another dim."""
-    return BlockShard(dim, p.outer) if type(p) is BlockShard else S(dim)
+    if type(p) is BlockShard:
+        return BlockShard(dim, p.outer)
+    return RankChunk(dim) if type(p) is RankChunk else S(dim)
 
 
 def as_pieces(pl: tuple) -> tuple:
@@ -203,12 +205,13 @@ ADD, MUL, DIV, NL = "add", "mul", "div", "nl"
 
 
 class Typed:
-    """An operand that is no tensor yet: its placements and shape (e.g. addmm's product)."""
+    """An operand that is no tensor yet: its placements and shape (e.g. addmm's product), and
+    whether every element is known to be equal."""
 
-    __slots__ = ("pl", "shape")
+    __slots__ = ("pl", "shape", "const")
 
-    def __init__(self, pl: Pl, shape: tuple) -> None:
-        self.pl, self.shape = pl, shape
+    def __init__(self, pl: Pl, shape: tuple, const: bool = False) -> None:
+        self.pl, self.shape, self.const = pl, shape, const
 
 
 class _Operand:
@@ -239,7 +242,7 @@ def elementwise(ctx, items: list[tuple[Any, str]]) -> Pl | None:
             ops.append(_Operand(pl, role, ctx.zero(value), shape, False, ctx.const(value)))
         elif isinstance(value, Typed):
             out_ndim = max(out_ndim, len(value.shape))
-            ops.append(_Operand(value.pl, role, False, value.shape, False))
+            ops.append(_Operand(value.pl, role, False, value.shape, False, value.const))
         elif value is not None:
             ops.append(_Operand(None, role, value == 0, (), True))
     return tuple(_axis_elementwise(ops, a, out_ndim) for a in range(ctx.n))
@@ -358,12 +361,31 @@ def _even_quotient(ops: list[_Operand], divisors: list[_Operand], a: int,
 
 
 def _axis_layout(tensors: list[_Operand], a: int, out_ndim: int) -> Placement:
+    """The layout of an elementwise result. A rank chunk is a guess (this rank's piece of an R
+    tensor, e.g. one output of a split); where it does not line up with the other operands, the
+    program uses it as the plain piece it is on every rank, R."""
+    try:
+        return _shard_layout(tensors, a, out_ndim)
+    except Violation:
+        if not any(type(o.pl[a]) is RankChunk for o in tensors):
+            raise
+    return _shard_layout([_as_piece(o, a) for o in tensors], a, out_ndim)
+
+
+def _as_piece(o: _Operand, a: int) -> _Operand:
+    if type(o.pl[a]) is not RankChunk:
+        return o
+    return _Operand(o.pl[:a] + (R,) + o.pl[a + 1:], o.role, o.zero, o.shape, o.scalar, o.const)
+
+
+def _shard_layout(tensors: list[_Operand], a: int, out_ndim: int) -> Placement:
     shard_dims = set()
-    varying, invariant_only = False, True
+    varying, invariant_only, guessed = False, True, True
     for o in tensors:
         p = o.pl[a]
         if isinstance(p, Shard):
             shard_dims.add((norm_dim(p.dim, len(o.shape)) + out_ndim - len(o.shape), outer_of(p)))
+            guessed = guessed and type(p) is RankChunk
         if p is V:
             varying = True
         if p is not I:
@@ -377,7 +399,9 @@ def _axis_layout(tensors: list[_Operand], a: int, out_ndim: int) -> Placement:
                 local = d - (out_ndim - len(o.shape))
                 if local >= 0 and o.shape[local] != 1:
                     raise Violation("global shape mismatch", a)
-        return V if varying else (BlockShard(d, outer) if outer > 1 else S(d))
+        if varying:
+            return V
+        return BlockShard(d, outer) if outer > 1 else (RankChunk(d) if guessed else S(d))
     if varying:
         return V
     return I if invariant_only and tensors else R

@@ -252,7 +252,8 @@ def _pieces(ctx, tensors) -> list:
     items = []
     for t in tensors:
         pl = ctx.types(t)
-        items.append((Typed(as_pieces(pl), tuple(t.shape)) if pl is not None else t, ADD))
+        items.append((Typed(as_pieces(pl), tuple(t.shape), ctx.const(t)) if pl is not None else t,
+                      ADD))
     return items
 
 
