@@ -77,3 +77,46 @@ def test_the_same_masks_without_cp_give_no_finding(warm):
                    + [Case("output_loss", (), Layout(tp=2)), Case("moe_router", (), Layout(tp=2, sp=True))],
                    run_pools=warm)
     assert result.findings == [] and not result.errors
+
+
+def test_layouts_a_component_does_not_support_are_listed_apart_from_errors(warm):
+    cases = [Case("gpt", (), Layout(dp=2, ep=2)),                # no experts: refused before running
+             Case("moe_router", (), Layout(tp=2)),               # Megatron refuses MoE with tp, no sp
+             Case("moe_router", (("padding", True),), Layout(tp=2))]  # same layout: not run again
+    result = audit(cases, run_pools=warm)
+    assert result.outcomes == [] and not result.errors
+    assert result.not_applicable == [
+        "gpt @ dp2-ep2: expert parallelism needs a component with experts",
+        "moe_router @ tp2: MoE with tp > 1 needs sequence parallelism (Megatron refuses it)"]
+
+
+def test_a_layout_a_scenario_refuses_on_its_ranks_is_not_an_error():
+    from shardcheck.megatron.audit import Outcome, _record, _Swept
+
+    swept, case = _Swept(), Case("gpt", (), Layout(tp=2))
+    _record(swept, Outcome(case, error="shardcheck.megatron.parallel.LayoutUnsupported: no such groups"))
+    _record(swept, Outcome(Case("gpt", (), Layout(dp=2)), error="RuntimeError: boom"))
+    assert swept.not_applicable == {("gpt", "tp2"): "gpt @ tp2: no such groups"}
+    assert [o.case.layout for o in swept.outcomes] == [Layout(dp=2)] and swept.broken == {("gpt", "dp2")}
+
+
+def test_an_option_inert_at_one_rank_is_still_swept_after_the_others(warm):
+    dispatcher = (("moe_token_dispatcher_type", "alltoall"),)
+    cases = [Case("moe", dispatcher, Layout(dp=2, ep=2)), Case("moe", (), Layout(dp=2, ep=2))]
+    result = audit(cases, run_pools=warm)
+    assert [o.case.options for o in result.outcomes] == [(), dispatcher], result.not_swept
+    assert not result.not_swept and not result.findings
+
+
+def test_a_warm_rank_starts_each_case_with_fresh_moe_state(warm):
+    """The schedules set the aux-loss gradient scale (1 / microbatches) process-wide; a router
+    case run next in the same rank must not inherit it."""
+    from shardcheck.megatron.audit_rank import run_case
+    from shardcheck.megatron.runner import run_layout
+    from shardcheck.megatron.scenarios import scenario
+
+    warm.run(Layout(), run_case, "moe", (("optimizer_step", False),), (), False)
+    [after_gpt] = warm.run(Layout(), run_case, "moe_router", (), (), False)
+    fresh = run_layout(scenario("moe_router"), Layout())
+    for name, value in fresh.items():
+        assert after_gpt["outputs"][name].numpy() == pytest.approx(value, rel=1e-6, abs=1e-9), name

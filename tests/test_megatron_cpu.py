@@ -106,3 +106,33 @@ def test_patches_apply_once_and_remove_restores_every_original():
              WrappedTorchNorm.__new__)
     assert after == before
     assert torch.ones(1).type() == "torch.FloatTensor"
+
+
+def _uneven_exchange(rows_of_rank: list[int]) -> dict:
+    import torch.distributed as dist
+
+    cpu.apply_cpu_patches()
+    try:
+        rank = dist.get_rank()
+        mine = torch.full((rows_of_rank[rank], 2), float(rank + 1))
+        gathered = [torch.empty(rows, 2) for rows in rows_of_rank]
+        dist.all_gather(gathered, mine)
+        pieces = [torch.arange(rows * 2, dtype=torch.float32).view(rows, 2) * (rank + 1)
+                  for rows in rows_of_rank]
+        reduced = torch.empty(rows_of_rank[rank], 2)
+        dist.reduce_scatter(reduced, pieces)
+        return {"gathered": torch.cat(gathered), "reduced": reduced}
+    finally:
+        cpu.remove_cpu_patches()
+
+
+@pytest.mark.parametrize("rows_of_rank", [[3, 1], [2, 2]])
+def test_uneven_collectives_give_what_nccl_gives(rows_of_rank):
+    from shardcheck.launch import spawn_ranks
+
+    results = spawn_ranks(_uneven_exchange, 2, rows_of_rank)
+    expected = torch.cat([torch.full((rows, 2), float(r + 1)) for r, rows in enumerate(rows_of_rank)])
+    for rank, result in enumerate(results):
+        assert torch.equal(result["gathered"], expected)
+        own = torch.arange(rows_of_rank[rank] * 2, dtype=torch.float32).view(-1, 2)
+        assert torch.equal(result["reduced"], own * 3)  # summed over ranks 1 and 2

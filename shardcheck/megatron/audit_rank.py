@@ -34,6 +34,7 @@ def run_case(ctx: Any, component: str, options: tuple, fixes: tuple[str, ...], t
     run = scenario(component, **setup_kwargs(COMPONENTS[component].setup, options))
     with ExitStack() as stack:
         stack.enter_context(_groups_destroyed_after())
+        stack.enter_context(_fresh_moe_state())
         stack.enter_context(_seed_shifted(rng_offset))
         entries = stack.enter_context(_entry_points())
         calls = stack.enter_context(contracts.recording())
@@ -77,6 +78,24 @@ def _entry_points() -> Iterator[list[str]]:
         yield found
     finally:
         handle.remove()
+
+
+@contextmanager
+def _fresh_moe_state() -> Iterator[None]:
+    """Start and leave each case with the MoE globals a fresh process has: the aux-loss
+    gradient scale (set by the schedules, read by every later router backward) and the
+    aux-loss logging tracker."""
+    from megatron.core.transformer.moe import moe_utils
+
+    def reset() -> None:
+        moe_utils.MoEAuxLossAutoScaler.main_loss_backward_scale = None
+        moe_utils.get_moe_layer_wise_logging_tracker().clear()
+
+    reset()
+    try:
+        yield
+    finally:
+        reset()
 
 
 @contextmanager

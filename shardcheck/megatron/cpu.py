@@ -31,6 +31,11 @@ computes. Each patch below replaces one such place with its CPU equivalent and n
    ``maybe_move_tensor_to_cpu(..., as_numpy=True)``, which converts only CUDA tensors; a CPU
    tensor is converted to numpy too, as the GPU path would return it.
 
+9. ``uneven_collectives``: the MoE alltoall dispatcher under tp > 1 gathers (and reduce-scatters)
+   pieces of different sizes with the list forms of ``all_gather`` and ``reduce_scatter``,
+   which NCCL accepts and Gloo refuses. Uneven pieces are padded to the
+   largest, exchanged, and cut back; even pieces go straight to torch.
+
 ``apply_cpu_patches()`` applies all of them (idempotent) and ``remove_cpu_patches()`` restores
 every original.
 """
@@ -206,6 +211,50 @@ def _patch_host_copy() -> None:
     _set(token_dispatcher, "maybe_move_tensor_to_cpu", move)
 
 
+def _uneven(tensors: list[torch.Tensor]) -> bool:
+    return len({t.shape for t in tensors}) > 1
+
+
+def _padded(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    padding = tensor.new_zeros((rows - tensor.shape[0], *tensor.shape[1:]))
+    return torch.cat([tensor, padding]) if padding.numel() else tensor.contiguous()
+
+
+def _gloo_all_gather(original: Callable[..., Any]) -> Callable[..., Any]:
+    def all_gather(tensor_list, tensor, group=None, async_op=False):
+        if not _uneven(tensor_list):
+            return original(tensor_list, tensor, group=group, async_op=async_op)
+        rows = max(t.shape[0] for t in tensor_list)
+        gathered = [tensor.new_empty((rows, *tensor.shape[1:])) for _ in tensor_list]
+        original(gathered, _padded(tensor, rows), group=group)
+        for out, piece in zip(tensor_list, gathered, strict=True):
+            out.copy_(piece[:out.shape[0]])
+        return None
+
+    return all_gather
+
+
+def _gloo_reduce_scatter(original: Callable[..., Any]) -> Callable[..., Any]:
+    def reduce_scatter(output, input_list, op=torch.distributed.ReduceOp.SUM, group=None,
+                       async_op=False):
+        if not _uneven(input_list):
+            return original(output, input_list, op=op, group=group, async_op=async_op)
+        rows = max(t.shape[0] for t in input_list)
+        reduced = output.new_empty((rows, *output.shape[1:]))
+        original(reduced, [_padded(t, rows) for t in input_list], op=op, group=group)
+        output.copy_(reduced[:output.shape[0]])
+        return None
+
+    return reduce_scatter
+
+
+def _patch_uneven_collectives() -> None:
+    import torch.distributed as dist
+
+    _set(dist, "all_gather", _gloo_all_gather(dist.all_gather))
+    _set(dist, "reduce_scatter", _gloo_reduce_scatter(dist.reduce_scatter))
+
+
 def apply_cpu_patches() -> None:
     """Make megatron-core run on the CPU of this process; a second call does nothing."""
     global _mode
@@ -218,6 +267,7 @@ def apply_cpu_patches() -> None:
     _patch_streams()
     _patch_te_gemm_name()
     _patch_host_copy()
+    _patch_uneven_collectives()
     _mode = CudaToCpuMode()
     _mode.__enter__()
 

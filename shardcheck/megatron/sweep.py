@@ -137,13 +137,22 @@ def setup_options(setup_cls: type) -> list[tuple[str, Any]]:
     return found
 
 
+def _gpt_setup_class(component: str) -> type:
+    """The GPT setup whose configuration the component's ``config`` options modify."""
+    from shardcheck.megatron.scenarios import COMPONENTS
+    from shardcheck.megatron.scenarios.gpt import GPTSetup
+
+    setup_cls = COMPONENTS[component].setup
+    return setup_cls if issubclass(setup_cls, GPTSetup) else GPTSetup
+
+
 def pinned_config_fields(component: str) -> frozenset[str]:
     """Config fields the component sets itself (its CPU choices), which the sweep leaves alone."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from shardcheck.megatron.scenarios.gpt import GPTSetup, transformer_config
+    from shardcheck.megatron.scenarios.gpt import transformer_config
 
-    ours = transformer_config(Layout(), GPTSetup())
+    ours = transformer_config(Layout(), _gpt_setup_class(component)())
     required = {"num_layers": ours.num_layers, "hidden_size": ours.hidden_size,
                 "num_attention_heads": ours.num_attention_heads}
     plain = TransformerConfig(**required)
@@ -155,11 +164,14 @@ def config_options(component: str) -> list[tuple[str, Any]]:
     """Non-default values of TransformerConfig's boolean, Literal and Enum fields that it accepts."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    from shardcheck.megatron.scenarios import COMPONENTS
+
     hints = typing.get_type_hints(TransformerConfig)
     skip = LAYOUT_FIELDS | pinned_config_fields(component)
+    prefix = COMPONENTS[component].config_prefix
     found: list[tuple[str, Any]] = []
     for f in dataclasses.fields(TransformerConfig):
-        if f.name in skip or f.default is dataclasses.MISSING:
+        if f.name in skip or f.default is dataclasses.MISSING or not f.name.startswith(prefix):
             continue
         found += [(f.name, v) for v in values_to_try(hints[f.name], f.default)
                   if not isinstance(v, float)]
@@ -169,11 +181,11 @@ def config_options(component: str) -> list[tuple[str, Any]]:
 def accepted_by_config(component: str, option: tuple[str, Any]) -> bool:
     """Whether TransformerConfig's own validation accepts the option on one rank."""
     from shardcheck.megatron.scenarios import COMPONENTS
-    from shardcheck.megatron.scenarios.gpt import GPTSetup, transformer_config
+    from shardcheck.megatron.scenarios.gpt import transformer_config
 
     setup = COMPONENTS[component].setup(**setup_kwargs(COMPONENTS[component].setup, [option]))
     try:
-        transformer_config(Layout(), GPTSetup(config=getattr(setup, "config", {})))
+        transformer_config(Layout(), _gpt_setup_class(component)(config=getattr(setup, "config", {})))
     except Exception:  # noqa: BLE001 - any rejection means the value is not usable here
         return False
     return True

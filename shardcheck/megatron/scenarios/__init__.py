@@ -13,23 +13,39 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from shardcheck.megatron.scenarios.gpt import GPTSetup, train_step
+from shardcheck.megatron.scenarios.gpt import GPTSetup, MoEGPTSetup, train_step
 from shardcheck.megatron.scenarios.moe_router import RouterSetup, router_step
 from shardcheck.megatron.scenarios.output_loss import OutputLossSetup, output_loss
 
 
 @dataclass(frozen=True)
 class Component:
-    """A Megatron component: how to run it under a layout, and its options' dataclass."""
+    """A Megatron component: how to run it under a layout, and its options' dataclass.
+
+    ``experts``: it has MoE experts, so expert-parallel layouts apply. ``config_prefix``: the
+    sweep varies only the TransformerConfig fields with this prefix (the MoE GPT leaves the
+    fields it shares with the plain GPT to the ``gpt`` component).
+    """
 
     run: Callable[[Any, Any], dict]
     setup: type
+    experts: bool = False
+    config_prefix: str = ""
+
+    def refuses(self, layout: Any) -> str | None:
+        """Why the component cannot run under ``layout`` (checked before any rank starts)."""
+        if layout.ep > 1 and not self.experts:
+            return "expert parallelism needs a component with experts"
+        if self.experts and layout.tp > 1 and not layout.sp:
+            return "MoE with tp > 1 needs sequence parallelism (Megatron refuses it)"
+        return None
 
 
 COMPONENTS: dict[str, Component] = {
     "gpt": Component(train_step, GPTSetup),
     "output_loss": Component(output_loss, OutputLossSetup),
-    "moe_router": Component(router_step, RouterSetup),
+    "moe": Component(train_step, MoEGPTSetup, experts=True, config_prefix="moe_"),
+    "moe_router": Component(router_step, RouterSetup, experts=True),
 }
 
 
@@ -40,9 +56,6 @@ def scenario(component: str, **options: Any) -> Callable[[Any], dict]:
     entry = COMPONENTS[component]
     return partial(entry.run, setup=entry.setup(**options))
 
-
-_MOE = {"num_moe_experts": 4, "moe_router_topk": 2, "moe_aux_loss_coeff": 0.01,
-        "add_bias_linear": False}
 
 PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     "gpt/plain": ("gpt", {}),
@@ -55,8 +68,8 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     "attention/learnable-softmax": ("gpt", {"config": {"softmax_type": "learnable"}}),
     "mlp/glu": ("gpt", {"config": {"gated_linear_unit": True}}),
     "norm/rmsnorm": ("gpt", {"config": {"normalization": "RMSNorm"}}),
-    "moe/alltoall": ("gpt", {"config": {**_MOE, "moe_token_dispatcher_type": "alltoall"}}),
-    "moe/allgather": ("gpt", {"config": {**_MOE, "moe_token_dispatcher_type": "allgather"}}),
+    "moe/alltoall": ("moe", {"config": {"moe_token_dispatcher_type": "alltoall"}}),
+    "moe/allgather": ("moe", {"config": {"moe_token_dispatcher_type": "allgather"}}),
     "loss/plain": ("output_loss", {}),
     "loss/label-smoothing": ("output_loss", {"label_smoothing": 0.1}),
     "loss/gathered-output": ("output_loss", {"parallel_output": False}),

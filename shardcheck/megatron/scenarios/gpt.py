@@ -9,7 +9,7 @@ clipping factor and every weight after one optimizer step.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -36,6 +36,16 @@ class GPTSetup:
     clip_grad: float = 0.05
     seed: int = 0
     config: dict[str, Any] = field(default_factory=dict)
+    base_config: ClassVar[dict[str, Any]] = {}
+
+
+@dataclass(frozen=True)
+class MoEGPTSetup(GPTSetup):
+    """The tiny GPT with mixture-of-experts MLPs; ``config`` overrides apply on top."""
+
+    base_config: ClassVar[dict[str, Any]] = {
+        "num_moe_experts": 4, "moe_router_topk": 2, "moe_aux_loss_coeff": 0.01,
+        "add_bias_linear": False}
 
 
 def transformer_config(layout: Any, setup: GPTSetup, **extra: Any):
@@ -52,6 +62,7 @@ def transformer_config(layout: Any, setup: GPTSetup, **extra: Any):
         bias_activation_fusion=False, masked_softmax_fusion=False,
     )
     options.update(extra)
+    options.update(setup.base_config)
     options.update(setup.config)
     return TransformerConfig(**options)
 
