@@ -340,8 +340,10 @@ def _even_quotient(ops: list[_Operand], divisors: list[_Operand], a: int,
                    out_ndim: int) -> Placement | None:
     """Division by an even partial c = C/n: x_r / c = n x_r / C on every rank. A P numerator
     gives a P(avg) (the mean over ranks is X/C: a mean over equal shards), a P(even) one gives
-    R (the n cancels); anything else divided by a partial is wrong on every rank. An untyped
-    numerator leaves the result unknown."""
+    R (the n cancels). In a backward pass an R gradient gives R: gradients of a P(avg) loss
+    carry the factor n that the gradient average takes out (as in mean's backward, which
+    divides by the local count). Anything else divided by a partial is wrong on every rank.
+    An untyped numerator leaves the result unknown."""
     divisor = divisors[0]
     if len(divisors) > 1 or divisor.pl[a] is not PEVEN:
         raise Violation("mean over shard" if divisor.pl[a] is PAVG else "division by partial", a)
@@ -357,6 +359,8 @@ def _even_quotient(ops: list[_Operand], divisors: list[_Operand], a: int,
         return R
     if numerator is V or numerator is None:
         return numerator
+    if replicated(numerator) and torch._C._current_graph_task_id() >= 0:  # in backward
+        return R
     raise Violation("mean over shard" if numerator is PAVG else "division by partial", a)
 
 

@@ -244,6 +244,15 @@ def test_nonlinear_on_partial(name):
         assert not isinstance(outcome(lambda: op(T(4, 3, tp=S(0)))), str)
 
 
+def test_backward_through_a_division_by_an_even_count_is_replicated():
+    with sc.typecheck(MESH):
+        x = T(4, tp=S(0)).requires_grad_()
+        loss = x.sum() / torch.clamp(even(), min=1)
+        loss.backward()
+        assert sc.typeof(loss) == {"tp": PAVG} and sc.typeof(x.grad) == {"tp": R}  # a constant
+    assert outcome(lambda: torch.ones(()) / even()) == "division by partial"  # forward: n x too big
+
+
 def test_unknown_operand_gives_unknown_not_violation():
     with sc.typecheck(MESH):
         x = T(4, tp=P)
