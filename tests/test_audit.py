@@ -100,12 +100,16 @@ def test_a_layout_a_scenario_refuses_on_its_ranks_is_not_an_error():
     assert [o.case.layout for o in swept.outcomes] == [Layout(dp=2)] and swept.broken == {("gpt", "dp2")}
 
 
-def test_an_option_inert_at_one_rank_is_still_swept_after_the_others(warm):
-    dispatcher = (("moe_token_dispatcher_type", "alltoall"),)
-    cases = [Case("moe", dispatcher, Layout(dp=2, ep=2)), Case("moe", (), Layout(dp=2, ep=2))]
+def test_an_option_inert_at_one_rank_is_swept_before_the_plan_moves_to_larger_layouts(warm):
+    gathered, smoothing = (("parallel_output", False),), (("label_smoothing", 0.1),)
+    cases = [Case("output_loss", gathered, Layout(tp=2)),          # inert at one rank: waits
+             Case("output_loss", smoothing, Layout(tp=2, dp=2)),   # 4 ranks: the 2-rank tier ends
+             Case("output_loss", gathered, Layout(tp=2, dp=2))]    # waits until the plan ends
     result = audit(cases, run_pools=warm)
-    assert [o.case.options for o in result.outcomes] == [(), dispatcher], result.not_swept
-    assert not result.not_swept and not result.findings
+    ran = [(o.case.options, o.case.layout.world_size) for o in result.outcomes]
+    assert ran == [(gathered, 2), (smoothing, 4), (gathered, 4)], result.not_swept
+    # full-vocabulary logits fed to the vocab-parallel loss: wrong under tp, like label smoothing
+    assert all(o.gaps for o in result.outcomes)
 
 
 def test_a_warm_rank_starts_each_case_with_fresh_moe_state(warm):

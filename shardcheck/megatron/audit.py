@@ -12,7 +12,8 @@ A single option is screened on one rank before it is swept: if the component fai
 there, or its outputs depend on the RNG seed, it is not run under the layouts (it is listed in
 the report's coverage section instead). An option that changes none of the one-rank outputs
 (a dispatcher choice, an overlap switch) may still change what the ranks exchange, so it is
-swept last, after every option that does change them, within the same budget.
+swept after the options that do change them on the same layout tier, before the plan moves on
+to larger layouts, within the same budget.
 """
 
 from __future__ import annotations
@@ -232,6 +233,7 @@ class _Swept:
     not_applicable: dict[tuple[str, str], str] = field(default_factory=dict)
     broken: set[tuple[str, str]] = field(default_factory=set)
     inert: list[Case] = field(default_factory=list)
+    done_inert: list[Case] = field(default_factory=list)
     stopped_early: bool = False
 
 
@@ -243,24 +245,41 @@ def _refusal(case: Case) -> str | None:
 
 def _sweep(runner: Runner, cases: Iterable[Case], budget: int | None, time_limit: float | None,
            progress: Progress | None, started: float) -> _Swept:
-    """Run the cases in order, then the deferred cases of inert options, until the budget."""
+    """Run the cases in order; an inert option's cases wait until the plan moves on to larger
+    layouts (or ends), so they run before the options of larger layouts, within the budget."""
     swept = _Swept()
-    for phase in (cases, "inert"):
-        for case in swept.inert if phase == "inert" else phase:
-            if (budget is not None and len(swept.outcomes) >= budget) or (
-                    time_limit is not None and time.monotonic() - started > time_limit):
-                swept.stopped_early = True
-                break
-            if _runnable(runner, swept, case, defer_inert=phase != "inert"):
-                if progress:
-                    progress(case, len(swept.outcomes))
-                _record(swept, runner.run(case))
+
+    def attempt(case: Case, defer_inert: bool) -> bool:
+        if (budget is not None and len(swept.outcomes) >= budget) or (
+                time_limit is not None and time.monotonic() - started > time_limit):
+            swept.stopped_early = True
+            return False
+        if _runnable(runner, swept, case, defer_inert):
+            if progress:
+                progress(case, len(swept.outcomes))
+            _record(swept, runner.run(case))
+        return True
+
+    for case in cases:
+        waiting = _inert_below(swept, case.layout.world_size) if case.options else []
+        if not all(attempt(deferred, False) for deferred in waiting) or not attempt(case, True):
+            break
+    else:
+        all(attempt(deferred, False) for deferred in _inert_below(swept, None))
     if swept.stopped_early:
         ran = {(o.case.component, o.case.options) for o in swept.outcomes}
-        for case in (c for c in swept.inert if (c.component, c.options) not in ran):
+        for case in (c for c in swept.inert + swept.done_inert if (c.component, c.options) not in ran):
             swept.not_swept.setdefault((case.component, case.options),
                                        f"{INERT}; its multi-rank cases were not reached in the budget")
     return swept
+
+
+def _inert_below(swept: _Swept, world_size: int | None) -> list[Case]:
+    """Take the deferred cases of inert options on layouts smaller than ``world_size`` (all: None)."""
+    taken = [c for c in swept.inert if world_size is None or c.layout.world_size < world_size]
+    swept.inert = [c for c in swept.inert if c not in taken]
+    swept.done_inert += taken
+    return taken
 
 
 def _runnable(runner: Runner, swept: _Swept, case: Case, defer_inert: bool) -> bool:

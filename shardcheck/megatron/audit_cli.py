@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-DEFAULT_TIME_LIMIT_MIN = 10.0
+DEFAULT_TIME_LIMIT_MIN = 12.0
 
 
 def _layouts(text: str | None):

@@ -26,9 +26,9 @@ class GPTSetup:
     heads: int = 4
     layers: int = 2
     vocab: int = 64
-    seq: int = 16
-    micro_batch: int = 2
-    microbatches: int = 2
+    seq: int = field(default=16, metadata={"fuzz": (8, 16)})
+    micro_batch: int = field(default=2, metadata={"fuzz": (1, 2)})
+    microbatches: int = field(default=2, metadata={"fuzz": (2, 4)})
     loss_mask: bool = False
     share_embeddings: bool = False
     position_embedding: str = "learned_absolute"

@@ -50,8 +50,8 @@ class RouterSetup:
     """Sizes and options of the router scenario; ``config`` overrides TransformerConfig."""
 
     hidden: int = 16
-    seq: int = 8
-    batch: int = 2
+    seq: int = field(default=8, metadata={"fuzz": (4, 8, 16)})
+    batch: int = field(default=2, metadata={"fuzz": (1, 2)})
     experts: int = 4
     topk: int = 2
     padding: bool = False

@@ -8,7 +8,7 @@ the hidden states' gradient.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -25,8 +25,8 @@ class OutputLossSetup:
 
     hidden: int = 16
     vocab: int = 64
-    seq: int = 8
-    batch: int = 2
+    seq: int = field(default=8, metadata={"fuzz": (4, 8, 16)})
+    batch: int = field(default=2, metadata={"fuzz": (1, 2)})
     label_smoothing: float = 0.0
     parallel_output: bool = True
     runtime_gather_output: bool | None = None
