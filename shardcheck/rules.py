@@ -366,18 +366,23 @@ def _even_quotient(ops: list[_Operand], divisors: list[_Operand], a: int,
 
 def _axis_layout(tensors: list[_Operand], a: int, out_ndim: int) -> Placement:
     """The layout of an elementwise result. A rank chunk is a guess (this rank's piece of an R
-    tensor, e.g. one output of a split); where it does not line up with the other operands, the
-    program uses it as the plain piece it is on every rank, R."""
+    tensor, e.g. one output of a split), and the shard of a constant is arbitrary (its pieces
+    are all equal); where they do not line up with the other operands, the program uses them
+    as the plain values they are on every rank, R."""
     try:
         return _shard_layout(tensors, a, out_ndim)
     except Violation:
-        if not any(type(o.pl[a]) is RankChunk for o in tensors):
+        if not any(_loose_shard(o, a) for o in tensors):
             raise
     return _shard_layout([_as_piece(o, a) for o in tensors], a, out_ndim)
 
 
+def _loose_shard(o: _Operand, a: int) -> bool:
+    return type(o.pl[a]) is RankChunk or (o.const and isinstance(o.pl[a], Shard))
+
+
 def _as_piece(o: _Operand, a: int) -> _Operand:
-    if type(o.pl[a]) is not RankChunk:
+    if not _loose_shard(o, a):
         return o
     return _Operand(o.pl[:a] + (R,) + o.pl[a + 1:], o.role, o.zero, o.shape, o.scalar, o.const)
 

@@ -103,6 +103,7 @@ PIECES = [
     ("chunk piece with a shard", lambda: T(4, 3).chunk(2)[0] + T(2, 3, tp=S(1)),
      "global shape mismatch"),
     ("unsqueezed piece with a shard", lambda: T(2, 3, tp=S(1)) / T(4).chunk(2)[0].unsqueeze(-1), S(1)),
+    ("constant shard times R", lambda: C(4, 3, tp=S(0)) * T(4, 3), R),
     ("cat with a constant", lambda: torch.cat([T(2, 3, tp=S(0)), C(2, 1).expand(2, 1)], 1), S(0)),
     ("cat with a full R", lambda: torch.cat([T(2, 3, tp=S(0)), T(2, 1)], 1), "global shape mismatch"),
 ]
