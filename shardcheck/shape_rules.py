@@ -214,9 +214,9 @@ def _select_rule(ctx, args, kwargs, out):
         return None
     ndim = x.dim()
     dim = norm_dim(args[1], ndim)
-    # every element of a constant is equal: its pieces are the same on every rank, not chunks
-    index = -1 if ctx.const(x) else norm_dim(args[2], x.shape[dim])
-    (piece,) = _cut_along(ctx, pl, ndim, dim, [(index, 1)], x.shape[dim], by_rank_slice=True)
+    # one index is no rank's chunk: it equals this rank's index by chance too often (a layer,
+    # a microbatch when there are as many as ranks)
+    (piece,) = _cut_along(ctx, pl, ndim, dim, [(-1, 1)], x.shape[dim])
     return shift_shards(piece, lambda d: None if d == dim else d - (d > dim))
 
 
