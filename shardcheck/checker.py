@@ -58,6 +58,7 @@ _KEEPS_ZERO = {
     "view", "_unsafe_view", "reshape", "permute", "transpose", "t", "unsqueeze", "squeeze",
     "expand", "slice", "select", "split", "split_with_sizes", "unbind", "clone", "detach",
     "alias", "_to_copy", "contiguous", "as_strided",
+    "index_select", "gather", "index", "take", "repeat", "flip", "roll",  # pick input elements
 }
 
 
@@ -633,7 +634,7 @@ def rank_slice(x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
     length = x.shape[dim] // size
     with checker.paused():
         piece = x.narrow(dim, index * length, length)
-    checker.set_type(piece, pl[:a] + (_rules.S(dim % x.dim()),) + pl[a + 1:])
+    checker.set_type(piece, pl[:a] + (_rules.S(dim % x.dim()),) + pl[a + 1:], checker._flags(x))
     return piece
 
 

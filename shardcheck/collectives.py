@@ -14,8 +14,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardcheck.rules import NO_TENSOR, PAVG, BlockShard, Gathered, Pl, Violation, as_pieces
-from shardcheck.types import I, P, Placement, R, S, Shard, V
+from shardcheck.rules import (
+    NO_TENSOR,
+    PAVG,
+    BlockShard,
+    Gathered,
+    Pl,
+    Violation,
+    as_pieces,
+    is_partial,
+    is_sum,
+)
+from shardcheck.types import I, Placement, R, S, Shard, V
 
 SUM, AVG, PRODUCT, MIN, MAX = "sum", "avg", "product", "min", "max"
 _C10D_OPS = {0: SUM, 1: AVG, 2: PRODUCT, 3: MIN, 4: MAX}  # c10d::ReduceOp::RedOpType
@@ -71,10 +81,10 @@ def _all_reduce_step(op: str) -> Callable[[Placement, int], Placement | None]:
                 raise Violation("double count", a)
             if p is PAVG:
                 raise Violation("mean over shard", a)
-            return R if p in (P, V) else V
+            return R if is_sum(p) or p is V else V
         if op == AVG:
-            return R if p in (P, V, PAVG, R, I) else V
-        if p is P or p is PAVG:
+            return R if is_partial(p) or p in (V, R, I) else V
+        if is_partial(p):
             raise Violation("mean over shard" if p is PAVG else "non-linear on partial", a)
         return R if p in (R, I, V) else V
     return step
@@ -100,7 +110,7 @@ def _scatter_step(op: str) -> Callable[[Placement, int], Placement | None]:
             raise Violation("scatter of replicated", a)
         if p is PAVG:
             raise Violation("mean over shard", a)
-        return S(0) if p in (P, V) else None
+        return S(0) if is_sum(p) or p is V else None
     return step
 
 

@@ -215,8 +215,9 @@ def _select_rule(ctx, args, kwargs, out):
         return None
     ndim = x.dim()
     dim = norm_dim(args[1], ndim)
-    index = norm_dim(args[2], x.shape[dim])
-    (piece,) = _cut_along(ctx, pl, ndim, dim, [(index, 1)], x.shape[dim], by_rank_slice=True)
+    # one index is no rank's chunk: it equals this rank's index by chance too often (a layer,
+    # a microbatch when there are as many as ranks)
+    (piece,) = _cut_along(ctx, pl, ndim, dim, [(-1, 1)], x.shape[dim])
     return shift_shards(piece, lambda d: None if d == dim else d - (d > dim))
 
 
@@ -256,7 +257,8 @@ def _pieces(ctx, tensors) -> list:
     items = []
     for t in tensors:
         pl = ctx.types(t)
-        items.append((Typed(as_pieces(pl), tuple(t.shape)) if pl is not None else t, ADD))
+        items.append((Typed(as_pieces(pl), tuple(t.shape), ctx.const(t)) if pl is not None else t,
+                      ADD))
     return items
 
 
