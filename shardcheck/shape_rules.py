@@ -426,6 +426,26 @@ def _repeat_rule(ctx, args, kwargs, out):
     return tuple(result)
 
 
+def _constant_pad_rule(ctx, args, kwargs, out):
+    """Constant padding is local: S(d) stays S(d) if d is not padded (padding a sharded dim
+    pads every rank's piece, V); R and V stay; P stays P only when padding with zeros."""
+    x, pad = args[0], list(args[1])
+    pl = ctx.types(x)
+    if pl is None:
+        return None
+    value = arg(args, kwargs, 2, "value", 0)
+    padded = {x.dim() - 1 - i // 2 for i, amount in enumerate(pad) if amount}
+    result = []
+    for p in pl:
+        if isinstance(p, Shard) and not isinstance(p, BlockShard | RankChunk):
+            result.append(V if norm_dim(p.dim, x.dim()) in padded else S(norm_dim(p.dim, x.dim())))
+        elif is_partial(p):
+            result.append(p if value == 0 or not padded else V)
+        else:
+            result.append(p if replicated(p) or p is V else None)
+    return tuple(result)
+
+
 RULES: dict[str, Callable] = {
     "view": _view_rule, "_unsafe_view": _view_rule, "reshape": _view_rule,
     "_reshape_alias": _view_rule,
@@ -439,5 +459,6 @@ RULES: dict[str, Callable] = {
     "index": _index_rule, "index_put": _index_put_rule,
     "flip": _flip_like(1), "roll": _flip_like(2), "repeat": _repeat_rule,
     "as_strided": _as_strided_rule, "fill": _fill_rule, "copy": _copy_rule,
+    "constant_pad_nd": _constant_pad_rule,
 }
 """Shape-op rules per op base name."""

@@ -31,6 +31,11 @@ computes. Each patch below replaces one such place with its CPU equivalent and n
    ``maybe_move_tensor_to_cpu(..., as_numpy=True)``, which converts only CUDA tensors; a CPU
    tensor is converted to numpy too, as the GPU path would return it.
 
+9. ``ssm_kernels``: Gated DeltaNet imports ``l2norm``, ``chunk_gated_delta_rule`` (``fla``) and
+   ``causal_conv1d_fn`` (``causal_conv1d``), CUDA-only packages, and refuses to build without
+   them. Where the import failed, the plain-torch equivalents of
+   :mod:`shardcheck.megatron.kernels` are set as those module attributes.
+
 ``apply_cpu_patches()`` applies all of them (idempotent) and ``remove_cpu_patches()`` restores
 every original.
 """
@@ -206,6 +211,25 @@ def _patch_host_copy() -> None:
     _set(token_dispatcher, "maybe_move_tensor_to_cpu", move)
 
 
+def _set_missing(owner: Any, name: str, value: Any) -> None:
+    """Set ``owner.name`` to ``value`` where the import that defines it failed (None or unset)."""
+    current = getattr(owner, name, _MISSING)
+    if current is None or current is _MISSING:
+        _originals.append((owner, name, current))
+        setattr(owner, name, value)
+
+
+def _patch_ssm_kernels() -> None:
+    from megatron.core.ssm import gated_delta_net
+
+    from shardcheck.megatron import kernels
+
+    for name in ("l2norm", "chunk_gated_delta_rule", "causal_conv1d_fn"):
+        _set_missing(gated_delta_net, name, getattr(kernels, name))
+    if not gated_delta_net.HAVE_FLA:
+        _set(gated_delta_net, "HAVE_FLA", True)
+
+
 def apply_cpu_patches() -> None:
     """Make megatron-core run on the CPU of this process; a second call does nothing."""
     global _mode
@@ -218,6 +242,7 @@ def apply_cpu_patches() -> None:
     _patch_streams()
     _patch_te_gemm_name()
     _patch_host_copy()
+    _patch_ssm_kernels()
     _mode = CudaToCpuMode()
     _mode.__enter__()
 

@@ -16,6 +16,7 @@ from typing import Any
 from shardcheck.megatron.scenarios.gpt import GPTSetup, train_step
 from shardcheck.megatron.scenarios.moe_router import RouterSetup, router_step
 from shardcheck.megatron.scenarios.output_loss import OutputLossSetup, output_loss
+from shardcheck.megatron.scenarios.ssm import GDNSetup, gdn_step
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,7 @@ COMPONENTS: dict[str, Component] = {
     "gpt": Component(train_step, GPTSetup),
     "output_loss": Component(output_loss, OutputLossSetup),
     "moe_router": Component(router_step, RouterSetup),
+    "gdn": Component(gdn_step, GDNSetup),
 }
 
 
@@ -64,6 +66,8 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     "router/plain": ("moe_router", {}),
     "router/padding": ("moe_router", {"padding": True}),
     "router/per-token-loss": ("moe_router", {"config": {"calculate_per_token_loss": True}}),
+    "ssm/gdn": ("gdn", {}),
+    "ssm/gdn-conv-bias": ("gdn", {"conv_bias": True, "bias": True}),
 }
 
 

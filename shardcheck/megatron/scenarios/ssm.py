@@ -1,0 +1,161 @@
+"""State-space layers: Megatron's Gated DeltaNet and Mamba-2 mixer, one training step each.
+
+The CUDA kernels they call are replaced by the plain-torch ones of
+:mod:`shardcheck.megatron.kernels` (CPU patch ``ssm_kernels``). The layer runs wrapped in
+Megatron's DistributedDataParallel on a [seq, batch, hidden] input (the batch split over data
+parallelism, the sequence over tensor parallelism under sequence parallelism), with the loss
+``sum(output * upstream) / batch``; then ``finalize_model_grads`` and, as outputs, global values
+only: the loss, the layer's output, the input's gradient, every parameter's gradient and the
+largest disagreement between replicas of a gradient (0 on one rank).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shardcheck.megatron.parallel import LayoutUnsupported, megatron_parallel, world_group
+from shardcheck.megatron.reference import gather_global, gradient_of, load_global_weights, seeded_global
+from shardcheck.megatron.scenarios.gpt import GPTSetup, transformer_config
+
+
+@dataclass(frozen=True)
+class GDNSetup:
+    """Sizes and options of the Gated DeltaNet scenario; ``config`` overrides TransformerConfig."""
+
+    hidden: int = 16
+    seq: int = 8
+    batch: int = 2
+    key_heads: int = 2
+    value_heads: int = 4
+    head_dim: int = 4
+    conv_kernel: int = 4
+    use_qk_l2norm: bool = True
+    bias: bool = False
+    conv_bias: bool = False
+    seed: int = 0
+    config: dict[str, Any] = field(default_factory=dict)
+
+
+def _gdn_config(layout: Any, setup: GDNSetup):
+    return transformer_config(
+        layout, GPTSetup(hidden=setup.hidden, heads=4, layers=1, config=setup.config),
+        experimental_attention_variant="gated_delta_net", linear_attention_freq=1,
+        linear_conv_kernel_dim=setup.conv_kernel, linear_key_head_dim=setup.head_dim,
+        linear_value_head_dim=setup.head_dim, linear_num_key_heads=setup.key_heads,
+        linear_num_value_heads=setup.value_heads, activation_func=torch.nn.functional.silu,
+        normalization="RMSNorm")
+
+
+def _build_gdn(config, setup: GDNSetup):
+    """GatedDeltaNet with Megatron's local (no Transformer Engine) linear and norm modules."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    submodules = GatedDeltaNetSubmodules(in_proj=ColumnParallelLinear, out_norm=WrappedTorchNorm,
+                                         out_proj=RowParallelLinear)
+    return GatedDeltaNet(config, submodules, layer_number=1, bias=setup.bias,
+                         conv_bias=setup.conv_bias, use_qk_l2norm=setup.use_qk_l2norm,
+                         pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+
+
+def gdn_step(ctx: Any, setup: GDNSetup) -> dict[str, torch.Tensor]:
+    """One training step of Megatron's GatedDeltaNet under ``ctx``'s layout; global values."""
+    return _train_step(ctx, setup, lambda: _gdn_config(ctx.layout, setup), _build_gdn)
+
+
+# ---- shared by the SSM layers ----------------------------------------------------------------
+
+def _check_layout(layout: Any) -> None:
+    if layout.pp > 1:
+        raise LayoutUnsupported("a single SSM layer has no pipeline stages")
+
+
+def _split(tensor: torch.Tensor, dim: int, size: int, rank: int) -> torch.Tensor:
+    return tensor.chunk(size, dim=dim)[rank]
+
+
+def _gather(tensor: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+    size = dist.get_world_size(group)
+    if size == 1:
+        return tensor
+    parts = [torch.empty_like(tensor) for _ in range(size)]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def _local_input(name: str, setup: Any, sp: bool) -> torch.Tensor:
+    """This rank's part of a global [seq, batch, hidden] tensor: batch over dp, seq over tp (SP)."""
+    from megatron.core import parallel_state as ps
+
+    full = seeded_global(name, (setup.seq, setup.batch, setup.hidden), setup.seed).float() * 20
+    local = _split(full, 1, ps.get_data_parallel_world_size(), ps.get_data_parallel_rank())
+    if sp:
+        local = _split(local, 0, ps.get_tensor_model_parallel_world_size(),
+                       ps.get_tensor_model_parallel_rank())
+    return _typed_input(local.contiguous(), sp)
+
+
+def _typed_input(local: torch.Tensor, sp: bool) -> torch.Tensor:
+    """Tell an active type checker how the input was cut: V over dp (each data-parallel rank
+    has its own samples, as Megatron's batches), S(0) over tp under sequence parallelism."""
+    import shardcheck as sc
+    from shardcheck.checker import current
+    from shardcheck.types import S, V
+
+    checker = current()
+    if checker is None:
+        return local
+    placements = {"dp": V, **({"tp": S(0)} if sp else {})}
+    return sc.annotate(local, **{a: p for a, p in placements.items() if a in checker.names})
+
+
+def _global(tensor: torch.Tensor, sp: bool) -> torch.Tensor:
+    """The global [seq, batch, ...] tensor from this rank's part (inverse of :func:`_local_input`)."""
+    from megatron.core import parallel_state as ps
+
+    if sp:
+        tensor = _gather(tensor, 0, ps.get_tensor_model_parallel_group())
+    return _gather(tensor, 1, ps.get_data_parallel_group())
+
+
+def _train_step(ctx: Any, setup: Any, make_config: Callable[[], Any],
+                build: Callable[[Any, Any], torch.nn.Module]) -> dict[str, torch.Tensor]:
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+
+    _check_layout(ctx.layout)
+    with megatron_parallel(ctx):
+        config = make_config()
+        layer = build(config, setup)
+        load_global_weights(layer, seed=setup.seed)
+        ddp = DistributedDataParallel(config, DistributedDataParallelConfig(), layer)
+        ddp.zero_grad_buffer()
+        sp = ctx.layout.sp
+        hidden = _local_input("hidden", setup, sp).requires_grad_(True)
+        output, bias = ddp(hidden, attention_mask=None)
+        if bias is not None:
+            output = output + bias
+        upstream = _local_input("upstream", setup, sp)
+        loss = (output * upstream).sum() / hidden.shape[1]
+        loss.backward()
+        finalize_model_grads([ddp])
+        reported = loss.detach().clone()
+        if sp:
+            dist.all_reduce(reported, group=ps.get_tensor_model_parallel_group())
+        dist.all_reduce(reported, group=ps.get_data_parallel_group())
+        reported /= ps.get_data_parallel_world_size()
+        grads, spread = gather_global(layer, gradient_of, world_group(ctx))
+        # each data-parallel rank's loss is its own batch mean: the global one is their mean
+        input_grad = hidden.grad / ps.get_data_parallel_world_size()
+        return {"loss": reported, "output": _global(output.detach(), sp),
+                "input_grad": _global(input_grad, sp),
+                "grad_replica_spread": torch.tensor(max(spread.values())),
+                **{f"grad/{k}": v for k, v in grads.items()}}

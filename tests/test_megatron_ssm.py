@@ -1,0 +1,74 @@
+"""Megatron's SSM layers on real Gloo ranks against one rank, with the plain-torch kernels."""
+
+from contextlib import contextmanager
+from functools import partial
+
+import pytest
+
+pytest.importorskip("megatron.core")
+
+from shardcheck.layout import Layout  # noqa: E402
+from shardcheck.megatron.runner import relative_errors, run_layout, run_ranks  # noqa: E402
+from shardcheck.megatron.scenarios import ssm  # noqa: E402
+
+pytestmark = [pytest.mark.megatron, pytest.mark.slow]
+
+GDN = partial(ssm.gdn_step, setup=ssm.GDNSetup())
+
+
+@pytest.fixture(scope="module")
+def gdn_reference():
+    return run_layout(GDN, Layout())
+
+
+def _within(errors, tolerance=1e-5, skip=()):
+    return {name: e for name, e in errors.items() if e > tolerance and name not in skip}
+
+
+def test_gdn_under_tp2_with_sequence_parallelism_matches_one_rank(gdn_reference):
+    errors = relative_errors(run_layout(GDN, Layout.parse("tp2-sp")), gdn_reference)
+    assert not _within(errors)
+    assert gdn_reference["grad_replica_spread"] == 0
+
+
+@contextmanager
+def _out_norm_grads_summed_over_tp():
+    """The fix: sum GatedDeltaNet's ``out_norm`` gradients over tp, as Megatron does for
+    q/k layernorms (each TP rank normalises only its own heads with the shared weight)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import finalize_model_grads as finalize
+
+    original = finalize._allreduce_non_tensor_model_parallel_grads
+
+    def fixed(model, config, tp_group=None):
+        original(model, config, tp_group)
+        if config.sequence_parallel:
+            return
+        for chunk in model:
+            for name, param in chunk.named_parameters():
+                if "out_norm" in name and param.main_grad is not None:
+                    dist.all_reduce(param.main_grad, group=ps.get_tensor_model_parallel_group())
+
+    finalize._allreduce_non_tensor_model_parallel_grads = fixed
+    try:
+        yield
+    finally:
+        finalize._allreduce_non_tensor_model_parallel_grads = original
+
+
+def gdn_with_out_norm_fix(ctx):
+    with _out_norm_grads_summed_over_tp():
+        return GDN(ctx)
+
+
+def test_gdn_out_norm_gradient_is_not_reduced_over_tp_without_sequence_parallelism(gdn_reference):
+    """A Megatron bug: finalize_model_grads sums norm gradients over tp only for sequence-parallel
+    norms and q/k layernorms, so without SP each TP rank keeps its own heads' share."""
+    ranks = run_ranks(GDN, Layout.parse("tp2"))
+    errors = relative_errors(ranks[0], gdn_reference)
+    assert errors["grad/out_norm.weight"] > 0.1
+    assert ranks[0]["grad_replica_spread"] > 1e-3  # the TP replicas of the weight drift apart
+    assert not _within(errors, skip=("grad/out_norm.weight", "grad_replica_spread"))
+    corrected = relative_errors(run_layout(gdn_with_out_norm_fix, Layout.parse("tp2")), gdn_reference)
+    assert not _within(corrected)
