@@ -174,10 +174,13 @@ def rank_chunks(total: int, parts: int, index: int) -> set[tuple[int, int]]:
 
 def rank_piece(ctx, pl: Pl, dim: int, total: int, start: int, length: int,
                check_varying: bool) -> dict[int, Placement | None]:
-    """Axes on which the piece [start, start+length) is this rank's chunk of ``total``."""
+    """Axes on which the piece [start, start+length) is this rank's chunk of ``total``.
+
+    The whole dim is no rank's chunk: ``x[:, 0]`` of a dim of size 1 on rank 0 is the tensor.
+    """
     def matches(a: int) -> bool:
         size = ctx.sizes[a]
-        return size > 1 and (start, length) in rank_chunks(total, size, ctx.index[a])
+        return size > 1 and length < total and (start, length) in rank_chunks(total, size, ctx.index[a])
     by_rank = [a for a, p in enumerate(pl) if replicated(p) and matches(a)]
     if len(by_rank) == 1:
         return {by_rank[0]: S(dim) if check_varying else RankChunk(dim)}

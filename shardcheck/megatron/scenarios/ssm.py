@@ -19,7 +19,12 @@ import torch
 import torch.distributed as dist
 
 from shardcheck.megatron.parallel import LayoutUnsupported, megatron_parallel, world_group
-from shardcheck.megatron.reference import gather_global, gradient_of, load_global_weights, seeded_global
+from shardcheck.megatron.reference import (
+    gather_global,
+    gradient_of,
+    load_global_weights,
+    seeded_global,
+)
 from shardcheck.megatron.scenarios.gpt import GPTSetup, transformer_config
 
 
