@@ -75,3 +75,65 @@ def test_gdn_out_norm_gradient_is_not_reduced_over_tp_without_sequence_paralleli
     assert not _within(errors, skip=("grad/out_norm.weight", "grad_replica_spread"))
     corrected = relative_errors(run_layout(gdn_with_out_norm_fix, Layout.parse("tp2")), gdn_reference)
     assert not _within(corrected)
+
+
+GDN_BIASED = partial(ssm.gdn_step, setup=ssm.GDNSetup(bias=True))
+
+
+@contextmanager
+def _in_proj_bias_split_like_its_weight():
+    """The fix: describe in_proj.bias in the checkpoint as in_proj.weight is, per section
+    (each TP rank holds its share of query, key, value, z, beta and alpha, not a contiguous
+    slice of their concatenation)."""
+    from megatron.core.ssm import gated_delta_net as gdn
+
+    original = gdn.GatedDeltaNet.sharded_state_dict
+
+    def fixed(self, prefix="", sharded_offsets=(), metadata=None, tp_group=None):
+        state = original(self, prefix, sharded_offsets, metadata, tp_group)
+        tp = self.tp_size
+        sections = [self.qk_dim // tp, self.qk_dim // tp, self.v_dim // tp, self.v_dim // tp,
+                    self.num_value_heads // tp, self.num_value_heads // tp]
+        names = ["query", "key", "value", "z", "beta", "alpha"]
+        state[f"{prefix}in_proj.bias"] = gdn._split_tensor_factory(
+            state[f"{prefix}in_proj.bias"], sections, names, 0)
+        return state
+
+    gdn.GatedDeltaNet.sharded_state_dict = fixed
+    try:
+        yield
+    finally:
+        gdn.GatedDeltaNet.sharded_state_dict = original
+
+
+def gdn_biased_with_bias_metadata_fix(ctx):
+    with _in_proj_bias_split_like_its_weight():
+        return GDN_BIASED(ctx)
+
+
+def test_gdn_in_proj_bias_checkpoint_metadata_is_a_contiguous_slice_not_per_section():
+    """A Megatron bug: GatedDeltaNet.sharded_state_dict splits in_proj.weight per section but
+    leaves in_proj.bias as a plain TP slice, so a checkpoint resharded across TP sizes (here:
+    global weights loaded through that metadata) gives each rank the wrong bias entries."""
+    reference = run_layout(GDN_BIASED, Layout())
+    broken = relative_errors(run_layout(GDN_BIASED, Layout.parse("tp2-sp")), reference)
+    assert broken["output"] > 0.05 and broken["grad/in_proj.weight.query"] > 0.05
+    fixed_reference = run_layout(gdn_biased_with_bias_metadata_fix, Layout())
+    assert "grad/in_proj.bias.query" in fixed_reference and "grad/in_proj.bias" in reference
+    fixed = relative_errors(run_layout(gdn_biased_with_bias_metadata_fix, Layout.parse("tp2-sp")),
+                            fixed_reference)
+    assert not _within(fixed)
+
+
+MAMBA = partial(ssm.mamba_step, setup=ssm.MambaSetup())
+
+
+@pytest.mark.parametrize("layout", ["tp2-sp", "cp2", "tp2"])
+def test_mamba_mixer_matches_one_rank(layout, mamba_reference):
+    errors = relative_errors(run_layout(MAMBA, Layout.parse(layout)), mamba_reference)
+    assert not _within(errors)
+
+
+@pytest.fixture(scope="module")
+def mamba_reference():
+    return run_layout(MAMBA, Layout())

@@ -11,6 +11,8 @@ and a definition is what a parity check should be measured against.
 * :func:`l2norm` (``fla.modules.l2norm``): ``x / sqrt(sum(x**2) + eps)`` on the last dim.
 * :func:`chunk_gated_delta_rule` (``fla.ops.gated_delta_rule``): the gated delta rule.
 * :func:`mamba_chunk_scan_combined` (``mamba_ssm``): the Mamba-2 SSD scan.
+* :func:`mamba_split_conv1d_scan_combined` (``mamba_ssm``): split of the fused projection,
+  convolution and scan in one call (the memory-efficient training path).
 * :class:`RMSNormGated` (``mamba_ssm``'s gated RMSNorm): grouped RMSNorm with a SiLU gate.
 """
 
@@ -121,6 +123,38 @@ def mamba_chunk_scan_combined(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor
         y = y * F.silu(z.float())
     y = y.to(dtype)
     return (y, state) if return_final_states else y
+
+
+def mamba_split_conv1d_scan_combined(zxbcdt: torch.Tensor, conv1d_weight: torch.Tensor,
+                                     conv1d_bias: torch.Tensor | None, dt_bias: torch.Tensor,
+                                     A: torch.Tensor, D: torch.Tensor, chunk_size: int,
+                                     activation: str = "silu", headdim: int | None = None,
+                                     ngroups: int = 1, norm_before_gate: bool = True,
+                                     dt_limit: tuple[float, float] = (0.0, math.inf),
+                                     **unsupported) -> torch.Tensor:
+    """Mamba-2's fused training step without its optional norm and output projection.
+
+    ``zxbcdt`` [b, l, 2*d_inner + 2*ngroups*d_state + nheads] is split into z, xBC, dt; xBC
+    goes through :func:`causal_conv1d_fn`, is split into x, B, C, and
+    :func:`mamba_chunk_scan_combined` runs with ``dt_softplus`` and the gate ``z``.
+    Returns y [b, l, d_inner]. (``norm_before_gate`` only matters with a norm weight.)
+    """
+    _refuse(unsupported)
+    nheads = dt_bias.shape[0]
+    headdim = D.shape[-1] if D.dim() == 2 else headdim
+    d_inner = nheads * headdim
+    d_state = (zxbcdt.shape[-1] - 2 * d_inner - nheads) // (2 * ngroups)
+    z, xbc, dt = torch.split(zxbcdt, [d_inner, d_inner + 2 * ngroups * d_state, nheads], dim=-1)
+    xbc = causal_conv1d_fn(xbc.transpose(1, 2), conv1d_weight, conv1d_bias,
+                           activation=activation).transpose(1, 2)
+    x, B, C = torch.split(xbc, [d_inner, ngroups * d_state, ngroups * d_state], dim=-1)
+    batch, length = x.shape[:2]
+    y = mamba_chunk_scan_combined(
+        x.reshape(batch, length, nheads, headdim), dt, A,
+        B.reshape(batch, length, ngroups, d_state), C.reshape(batch, length, ngroups, d_state),
+        chunk_size, D=D, z=z.reshape(batch, length, nheads, headdim), dt_bias=dt_bias,
+        dt_softplus=True, dt_limit=dt_limit)
+    return y.reshape(batch, length, d_inner)
 
 
 class RMSNormGated(torch.nn.Module):

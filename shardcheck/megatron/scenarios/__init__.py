@@ -16,7 +16,7 @@ from typing import Any
 from shardcheck.megatron.scenarios.gpt import GPTSetup, train_step
 from shardcheck.megatron.scenarios.moe_router import RouterSetup, router_step
 from shardcheck.megatron.scenarios.output_loss import OutputLossSetup, output_loss
-from shardcheck.megatron.scenarios.ssm import GDNSetup, gdn_step
+from shardcheck.megatron.scenarios.ssm import GDNSetup, MambaSetup, gdn_step, mamba_step
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,7 @@ COMPONENTS: dict[str, Component] = {
     "output_loss": Component(output_loss, OutputLossSetup),
     "moe_router": Component(router_step, RouterSetup),
     "gdn": Component(gdn_step, GDNSetup),
+    "mamba": Component(mamba_step, MambaSetup),
 }
 
 
@@ -68,6 +69,8 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     "router/per-token-loss": ("moe_router", {"config": {"calculate_per_token_loss": True}}),
     "ssm/gdn": ("gdn", {}),
     "ssm/gdn-conv-bias": ("gdn", {"conv_bias": True, "bias": True}),
+    "ssm/mamba": ("mamba", {}),
+    "ssm/mamba-unfused-scan": ("mamba", {"config": {"use_mamba_mem_eff_path": False}}),
 }
 
 

@@ -3,9 +3,11 @@
 The CUDA kernels they call are replaced by the plain-torch ones of
 :mod:`shardcheck.megatron.kernels` (CPU patch ``ssm_kernels``). The layer runs wrapped in
 Megatron's DistributedDataParallel on a [seq, batch, hidden] input (the batch split over data
-parallelism, the sequence over tensor parallelism under sequence parallelism), with the loss
-``sum(output * upstream) / batch``; then ``finalize_model_grads`` and, as outputs, global values
-only: the loss, the layer's output, the input's gradient, every parameter's gradient and the
+parallelism; the sequence over context parallelism in Megatron's load-balanced chunk order,
+then over tensor parallelism under sequence parallelism), with the loss
+``sum(output * upstream) / batch`` (times the cp size for the backward, as Megatron's schedules
+do, since the gradient all-reduce averages over dp x cp); then ``finalize_model_grads`` and,
+as outputs, global values only: the loss, the layer's output, the input's gradient, every parameter's gradient and the
 largest disagreement between replicas of a gradient (0 on one rank).
 """
 
@@ -75,6 +77,50 @@ def gdn_step(ctx: Any, setup: GDNSetup) -> dict[str, torch.Tensor]:
     return _train_step(ctx, setup, lambda: _gdn_config(ctx.layout, setup), _build_gdn)
 
 
+@dataclass(frozen=True)
+class MambaSetup:
+    """Sizes and options of the Mamba-2 mixer scenario; ``config`` overrides TransformerConfig."""
+
+    hidden: int = 16
+    seq: int = 8
+    batch: int = 2
+    expand: int = 2
+    head_dim: int = 4
+    state_dim: int = 4
+    groups: int = 2
+    conv_kernel: int = 4
+    rmsnorm: bool = True
+    d_has_hdim: bool = False
+    conv_bias: bool = True
+    seed: int = 0
+    config: dict[str, Any] = field(default_factory=dict)
+
+
+def _mamba_config(layout: Any, setup: MambaSetup):
+    return transformer_config(
+        layout, GPTSetup(hidden=setup.hidden, heads=4, layers=1, config=setup.config),
+        mamba_state_dim=setup.state_dim, mamba_head_dim=setup.head_dim,
+        mamba_num_groups=setup.groups)
+
+
+def _build_mamba(config, setup: MambaSetup):
+    """MambaMixer with Megatron's local (no Transformer Engine) linear modules."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.ssm.mamba_mixer import MambaMixer, MambaMixerSubmodules
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    submodules = MambaMixerSubmodules(in_proj=ColumnParallelLinear, out_proj=RowParallelLinear)
+    return MambaMixer(config, submodules, d_model=setup.hidden, d_conv=setup.conv_kernel,
+                      expand=setup.expand, D_has_hdim=setup.d_has_hdim, rmsnorm=setup.rmsnorm,
+                      conv_bias=setup.conv_bias, layer_number=1,
+                      pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+
+
+def mamba_step(ctx: Any, setup: MambaSetup) -> dict[str, torch.Tensor]:
+    """One training step of Megatron's Mamba-2 mixer under ``ctx``'s layout; global values."""
+    return _train_step(ctx, setup, lambda: _mamba_config(ctx.layout, setup), _build_mamba)
+
+
 # ---- shared by the SSM layers ----------------------------------------------------------------
 
 def _check_layout(layout: Any) -> None:
@@ -95,12 +141,28 @@ def _gather(tensor: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.T
     return torch.cat(parts, dim=dim)
 
 
+def _cp_positions(seq: int) -> torch.Tensor | None:
+    """The global sequence positions of this CP rank (None without context parallelism)."""
+    from megatron.core import parallel_state as ps
+
+    from shardcheck.megatron.cp_attention import load_balanced_positions
+
+    cp = ps.get_context_parallel_world_size()
+    if cp == 1:
+        return None
+    return load_balanced_positions(seq // cp, ps.get_context_parallel_rank(), cp)
+
+
 def _local_input(name: str, setup: Any, sp: bool) -> torch.Tensor:
-    """This rank's part of a global [seq, batch, hidden] tensor: batch over dp, seq over tp (SP)."""
+    """This rank's part of a global [seq, batch, hidden] tensor: batch over dp, seq over cp
+    (load-balanced chunks), then over tp under SP."""
     from megatron.core import parallel_state as ps
 
     full = seeded_global(name, (setup.seq, setup.batch, setup.hidden), setup.seed).float() * 20
     local = _split(full, 1, ps.get_data_parallel_world_size(), ps.get_data_parallel_rank())
+    positions = _cp_positions(setup.seq)
+    if positions is not None:
+        local = local[positions]
     if sp:
         local = _split(local, 0, ps.get_tensor_model_parallel_world_size(),
                        ps.get_tensor_model_parallel_rank())
@@ -109,7 +171,8 @@ def _local_input(name: str, setup: Any, sp: bool) -> torch.Tensor:
 
 def _typed_input(local: torch.Tensor, sp: bool) -> torch.Tensor:
     """Tell an active type checker how the input was cut: V over dp (each data-parallel rank
-    has its own samples, as Megatron's batches), S(0) over tp under sequence parallelism."""
+    has its own samples, as Megatron's batches), S(0) over cp (load-balanced order) and over
+    tp under sequence parallelism."""
     import shardcheck as sc
     from shardcheck.checker import current
     from shardcheck.types import S, V
@@ -117,16 +180,24 @@ def _typed_input(local: torch.Tensor, sp: bool) -> torch.Tensor:
     checker = current()
     if checker is None:
         return local
-    placements = {"dp": V, **({"tp": S(0)} if sp else {})}
+    placements = {"dp": V, "cp": S(0), **({"tp": S(0)} if sp else {})}
     return sc.annotate(local, **{a: p for a, p in placements.items() if a in checker.names})
 
 
-def _global(tensor: torch.Tensor, sp: bool) -> torch.Tensor:
+def _global(tensor: torch.Tensor, sp: bool, seq: int) -> torch.Tensor:
     """The global [seq, batch, ...] tensor from this rank's part (inverse of :func:`_local_input`)."""
     from megatron.core import parallel_state as ps
 
     if sp:
         tensor = _gather(tensor, 0, ps.get_tensor_model_parallel_group())
+    positions = _cp_positions(seq)
+    if positions is not None:
+        group = ps.get_context_parallel_group()
+        parts = _gather(tensor, 0, group).chunk(dist.get_world_size(group))
+        every = _gather(positions, 0, group).chunk(dist.get_world_size(group))
+        tensor = torch.empty(seq, *tensor.shape[1:], dtype=tensor.dtype)
+        for where, part in zip(every, parts, strict=True):
+            tensor[where] = part
     return _gather(tensor, 1, ps.get_data_parallel_group())
 
 
@@ -145,22 +216,29 @@ def _train_step(ctx: Any, setup: Any, make_config: Callable[[], Any],
         ddp.zero_grad_buffer()
         sp = ctx.layout.sp
         hidden = _local_input("hidden", setup, sp).requires_grad_(True)
-        output, bias = ddp(hidden, attention_mask=None)
+        output, bias = ddp(hidden, attention_mask=None) if _takes_mask(layer) else ddp(hidden)
         if bias is not None:
             output = output + bias
         upstream = _local_input("upstream", setup, sp)
         loss = (output * upstream).sum() / hidden.shape[1]
-        loss.backward()
+        cp = ps.get_context_parallel_world_size()
+        (loss * cp).backward()
         finalize_model_grads([ddp])
         reported = loss.detach().clone()
-        if sp:
-            dist.all_reduce(reported, group=ps.get_tensor_model_parallel_group())
+        dist.all_reduce(reported, group=ps.get_tensor_and_context_parallel_group() if sp
+                        else ps.get_context_parallel_group())
         dist.all_reduce(reported, group=ps.get_data_parallel_group())
         reported /= ps.get_data_parallel_world_size()
         grads, spread = gather_global(layer, gradient_of, world_group(ctx))
-        # each data-parallel rank's loss is its own batch mean: the global one is their mean
-        input_grad = hidden.grad / ps.get_data_parallel_world_size()
-        return {"loss": reported, "output": _global(output.detach(), sp),
-                "input_grad": _global(input_grad, sp),
+        # each rank's backward ran on its batch mean times the cp size: undo both
+        input_grad = hidden.grad / (ps.get_data_parallel_world_size() * cp)
+        return {"loss": reported, "output": _global(output.detach(), sp, setup.seq),
+                "input_grad": _global(input_grad, sp, setup.seq),
                 "grad_replica_spread": torch.tensor(max(spread.values())),
                 **{f"grad/{k}": v for k, v in grads.items()}}
+
+
+def _takes_mask(layer: torch.nn.Module) -> bool:
+    import inspect
+
+    return "attention_mask" in inspect.signature(layer.forward).parameters
