@@ -137,3 +137,13 @@ def test_mamba_mixer_matches_one_rank(layout, mamba_reference):
 @pytest.fixture(scope="module")
 def mamba_reference():
     return run_layout(MAMBA, Layout())
+
+
+MAMBA_UNFUSED = partial(ssm.mamba_step, setup=ssm.MambaSetup(config={"use_mamba_mem_eff_path": False}))
+
+
+def test_mamba_fused_kernel_equals_megatrons_unfused_path(mamba_reference):
+    """The split-conv-scan kernel against Megatron's own unfused code path (its split, the conv,
+    the scan and the gated norm called one by one)."""
+    errors = relative_errors(run_layout(MAMBA_UNFUSED, Layout()), mamba_reference)
+    assert not _within(errors)

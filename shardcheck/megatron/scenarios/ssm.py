@@ -7,8 +7,9 @@ parallelism; the sequence over context parallelism in Megatron's load-balanced c
 then over tensor parallelism under sequence parallelism), with the loss
 ``sum(output * upstream) / batch`` (times the cp size for the backward, as Megatron's schedules
 do, since the gradient all-reduce averages over dp x cp); then ``finalize_model_grads`` and,
-as outputs, global values only: the loss, the layer's output, the input's gradient, every parameter's gradient and the
-largest disagreement between replicas of a gradient (0 on one rank).
+as outputs, global values only: the loss, the layer's output, the input's gradient, every
+parameter's gradient and the largest disagreement between replicas of a gradient (0 on one
+rank).
 """
 
 from __future__ import annotations
@@ -74,7 +75,8 @@ def _build_gdn(config, setup: GDNSetup):
 
 def gdn_step(ctx: Any, setup: GDNSetup) -> dict[str, torch.Tensor]:
     """One training step of Megatron's GatedDeltaNet under ``ctx``'s layout; global values."""
-    return _train_step(ctx, setup, lambda: _gdn_config(ctx.layout, setup), _build_gdn)
+    return _train_step(ctx, setup, lambda: _gdn_config(ctx.layout, setup), _build_gdn,
+                       attention_mask=None)
 
 
 @dataclass(frozen=True)
@@ -201,8 +203,20 @@ def _global(tensor: torch.Tensor, sp: bool, seq: int) -> torch.Tensor:
     return _gather(tensor, 1, ps.get_data_parallel_group())
 
 
+def _reported_loss(loss: torch.Tensor, sp: bool) -> torch.Tensor:
+    """The global loss: the sum over the sequence's holders, the mean over dp's batch means."""
+    from megatron.core import parallel_state as ps
+
+    total = loss.detach().clone()
+    dist.all_reduce(total, group=ps.get_tensor_and_context_parallel_group() if sp
+                    else ps.get_context_parallel_group())
+    dist.all_reduce(total, group=ps.get_data_parallel_group())
+    return total / ps.get_data_parallel_world_size()
+
+
 def _train_step(ctx: Any, setup: Any, make_config: Callable[[], Any],
-                build: Callable[[Any, Any], torch.nn.Module]) -> dict[str, torch.Tensor]:
+                build: Callable[[Any, Any], torch.nn.Module], **forward_kwargs: Any,
+                ) -> dict[str, torch.Tensor]:
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
@@ -216,7 +230,7 @@ def _train_step(ctx: Any, setup: Any, make_config: Callable[[], Any],
         ddp.zero_grad_buffer()
         sp = ctx.layout.sp
         hidden = _local_input("hidden", setup, sp).requires_grad_(True)
-        output, bias = ddp(hidden, attention_mask=None) if _takes_mask(layer) else ddp(hidden)
+        output, bias = ddp(hidden, **forward_kwargs)
         if bias is not None:
             output = output + bias
         upstream = _local_input("upstream", setup, sp)
@@ -224,21 +238,11 @@ def _train_step(ctx: Any, setup: Any, make_config: Callable[[], Any],
         cp = ps.get_context_parallel_world_size()
         (loss * cp).backward()
         finalize_model_grads([ddp])
-        reported = loss.detach().clone()
-        dist.all_reduce(reported, group=ps.get_tensor_and_context_parallel_group() if sp
-                        else ps.get_context_parallel_group())
-        dist.all_reduce(reported, group=ps.get_data_parallel_group())
-        reported /= ps.get_data_parallel_world_size()
         grads, spread = gather_global(layer, gradient_of, world_group(ctx))
         # each rank's backward ran on its batch mean times the cp size: undo both
         input_grad = hidden.grad / (ps.get_data_parallel_world_size() * cp)
-        return {"loss": reported, "output": _global(output.detach(), sp, setup.seq),
+        return {"loss": _reported_loss(loss, sp), "output": _global(output.detach(), sp, setup.seq),
                 "input_grad": _global(input_grad, sp, setup.seq),
                 "grad_replica_spread": torch.tensor(max(spread.values())),
                 **{f"grad/{k}": v for k, v in grads.items()}}
 
-
-def _takes_mask(layer: torch.nn.Module) -> bool:
-    import inspect
-
-    return "attention_mask" in inspect.signature(layer.forward).parameters
