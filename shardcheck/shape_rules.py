@@ -13,6 +13,7 @@ from shardcheck.rules import (
     Gathered,
     Pl,
     RankChunk,
+    SectionShard,
     Typed,
     Violation,
     arg,
@@ -21,6 +22,7 @@ from shardcheck.rules import (
     is_partial,
     is_tensor,
     join,
+    moved,
     norm_dim,
     outer_of,
     reduced_dims,
@@ -55,12 +57,16 @@ def view_shard(in_shape, out_shape, p: Shard) -> Shard | None:
         elif start < pre < start * size:
             if candidates or pre % start or piece % prod(out_shape[j + 1:]):
                 break
-            return BlockShard(j, pre // start)
+            return BlockShard(j, pre // start) if type(p) is not SectionShard else None
         start *= size
     if not candidates:
         return None
-    return S(next((j for j in candidates if out_shape[j] == inner),
-                  next((j for j in candidates if out_shape[j] > 1), candidates[0])))
+    j = next((j for j in candidates if out_shape[j] == inner),
+             next((j for j in candidates if out_shape[j] > 1), candidates[0]))
+    if type(p) is SectionShard:  # sections survive only where the fused dim stays whole
+        whole = out_shape[j] == inner and prod(out_shape[j + 1:]) == prod(in_shape[d + 1:])
+        return moved(p, j) if whole else None
+    return S(j)
 
 
 def _view_rule(ctx, args, kwargs, out):
@@ -149,6 +155,9 @@ def _cut_along(ctx, pl: Pl, ndim: int, dim: int, pieces: list[tuple[int, int]], 
         for a, p in enumerate(pl):
             if a in by_rank:
                 per_axis.append(by_rank[a])
+            elif isinstance(p, SectionShard) and norm_dim(p.dim, ndim) == dim:
+                section = p.piece(start, length)
+                per_axis.append(V if section is None else moved(section, dim))
             elif isinstance(p, Shard) and norm_dim(p.dim, ndim) == dim:
                 per_axis.append(V)
             elif isinstance(p, Gathered):
@@ -441,7 +450,8 @@ def _constant_pad_rule(ctx, args, kwargs, out):
     result = []
     for p in pl:
         if isinstance(p, Shard) and not isinstance(p, BlockShard | RankChunk):
-            result.append(V if norm_dim(p.dim, x.dim()) in padded else S(norm_dim(p.dim, x.dim())))
+            d = norm_dim(p.dim, x.dim())
+            result.append(V if d in padded else moved(p, d))
         elif is_partial(p):
             result.append(p if value == 0 or not padded else V)
         else:

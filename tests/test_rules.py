@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 import shardcheck as sc
-from shardcheck.rules import PAVG, BlockShard
+from shardcheck.rules import PAVG, BlockShard, SectionShard
 
 MESH = sc.Mesh(rank=0, tp=[0, 1])
 R, P, V, S = sc.R, sc.P, sc.V, sc.S
@@ -266,6 +266,22 @@ def test_the_whole_of_a_dim_is_no_ranks_chunk():
         assert sc.typeof(T(4, 1, 3)[:, 0]) == {"tp": R}
         assert sc.typeof(T(4, 1, 3, tp=V)[:, 0:1]) == {"tp": V}  # no split of varying either
         assert sc.typeof(T(4, 2, 3)[:, 0:1]) == {"tp": S(1)}  # still this rank's chunk of 2
+
+
+def test_a_fused_dim_cut_at_its_sections_gives_shards():
+    """Megatron's fused column-parallel output: each rank holds its piece of q, k and v."""
+    fused = SectionShard(1, (2, 2, 4))
+    with sc.typecheck(MESH):
+        q, k, v = torch.split(T(3, 8, tp=fused), [2, 2, 4], dim=1)
+        assert sc.typeof(q) == sc.typeof(v) == {"tp": S(1)}
+        qk, _ = torch.split(T(3, 8, tp=fused), [4, 4], dim=1)
+        assert sc.typeof(qk) == {"tp": SectionShard(1, (2, 2))}
+        assert sc.typeof(torch.split(T(3, 8, tp=fused), [3, 5], dim=1)[0]) == {"tp": V}
+        assert sc.typeof(T(3, 8, tp=fused).t()) == {"tp": SectionShard(0, (2, 2, 4))}
+        assert sc.typeof(T(3, 8, tp=fused) * T(3, 8, tp=fused)) == {"tp": fused}
+        assert sc.typeof(T(3, 8, tp=fused) * T(3, 8, tp=S(1))) == {"tp": S(1)}
+        assert sc.typeof(T(3, 8, tp=fused).view(3, 2, 4)) == {}  # the fused dim is cut: unknown
+        assert sc.typeof(T(3, 8, tp=fused).view(3, 1, 8)) == {"tp": SectionShard(2, (2, 2, 4))}
 
 
 def test_item_and_tolist_are_typed_reads():

@@ -38,8 +38,8 @@ class GDNSetup:
     hidden: int = 16
     seq: int = 8
     batch: int = 2
-    key_heads: int = 2
-    value_heads: int = 4
+    key_heads: int = 4
+    value_heads: int = 8
     head_dim: int = 4
     conv_kernel: int = 4
     use_qk_l2norm: bool = True
@@ -89,7 +89,7 @@ class MambaSetup:
     expand: int = 2
     head_dim: int = 4
     state_dim: int = 4
-    groups: int = 2
+    groups: int = 8
     conv_kernel: int = 4
     rmsnorm: bool = True
     d_has_hdim: bool = False
@@ -230,7 +230,7 @@ def _train_step(ctx: Any, setup: Any, make_config: Callable[[], Any],
         ddp.zero_grad_buffer()
         sp = ctx.layout.sp
         hidden = _local_input("hidden", setup, sp).requires_grad_(True)
-        output, bias = ddp(hidden, **forward_kwargs)
+        output, bias = layer(hidden, **forward_kwargs)  # DDP's forward only calls it
         if bias is not None:
             output = output + bias
         upstream = _local_input("upstream", setup, sp)
