@@ -6,6 +6,7 @@ from shardcheck.checker import (
     SpmdTypeError,
     annotate,
     assert_type,
+    confirmed_across_ranks,
     contract,
     coverage,
     rank_slice,
@@ -26,7 +27,7 @@ __version__ = "0.1.0"
 __all__ = [
     "I", "P", "R", "S", "V", "Axis", "Mesh", "Placement", "Shard", "__version__",
     "Layout", "LayoutError", "ScenarioContext", "current_context", "replicate", "shard",
-    "Coverage", "SpmdTypeError", "annotate", "assert_type", "contract", "coverage",
+    "Coverage", "SpmdTypeError", "annotate", "assert_type", "confirmed_across_ranks", "contract", "coverage",
     "rank_slice", "register_rule", "typecheck", "typeof", "violations",
     "ParityResult", "PoolFailure", "RankPool", "parity",
     "annotate_parameters", "check_gradients",

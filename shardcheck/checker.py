@@ -15,7 +15,7 @@ import os
 import sys
 import weakref
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -71,16 +71,46 @@ class SpmdTypeError(RuntimeError):
 
 @dataclass(frozen=True)
 class ViolationRecord:
-    """One violation: the rule, the user's file:line, the op and the full message."""
+    """One violation: the rule, the user's file:line, the op and the full message.
+
+    ``axis`` and ``coordinate`` (this rank's index on it) name where the rule broke;
+    ``occurrence`` numbers a by-rank cut of a varying tensor (see :func:`confirmed_across_ranks`).
+    """
 
     rule: str
     location: str
     op: str
     message: str
+    axis: str | None = None
+    coordinate: int | None = None
+    occurrence: int | None = None
 
     @property
     def first_line(self) -> str:
         return self.message.splitlines()[0]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"rule": self.rule, "location": self.location, "op": self.op, "line": self.first_line,
+                "axis": self.axis, "coordinate": self.coordinate, "occurrence": self.occurrence}
+
+
+def confirmed_across_ranks(per_rank: Iterable[Iterable[Mapping[str, Any]]]) -> list[Mapping[str, Any]]:
+    """Every rank's violations (``ViolationRecord.as_dict``), one per rule and location.
+
+    A "split of varying" found by the rank-slice heuristic is kept only when ranks at two or more
+    coordinates of its axis report it at the same occurrence: slicing by rank makes every rank
+    cut its own piece there, while a fixed index (``values[layer]``) matches one rank's piece
+    only, each time on another rank.
+    """
+    reports = [v for rank in per_rank for v in rank]
+    cut_by_rank = {(v["location"], v["occurrence"]) for v in reports if v.get("occurrence") is not None
+                   and len({w["coordinate"] for w in reports if w.get("occurrence") == v["occurrence"]
+                            and w["location"] == v["location"]}) > 1}
+    kept: dict[tuple[str, str], Mapping[str, Any]] = {}
+    for v in reports:
+        if v.get("occurrence") is None or (v["location"], v["occurrence"]) in cut_by_rank:
+            kept.setdefault((v["rule"], v["location"]), v)
+    return list(kept.values())
 
 
 @dataclass
@@ -166,6 +196,12 @@ class Checker(TorchDispatchMode):
         self._entries: dict[int, tuple] = {}
         self._ops: dict[int, Any] = {}
         self._paused = False
+        self.varying_cuts = 0
+
+    def count_varying_cut(self) -> int:
+        """Number this by-rank cut of a varying tensor (the same on every rank of an SPMD run)."""
+        self.varying_cuts += 1
+        return self.varying_cuts
 
     # --- the type store ----------------------------------------------------------------
     def types(self, t: Any) -> tuple | None:
@@ -342,7 +378,11 @@ class Checker(TorchDispatchMode):
             raise SpmdTypeError(message, violation.rule, location, str(func))
         if (location, violation.rule) not in self._seen:
             self._seen.add((location, violation.rule))
-            self.records.append(ViolationRecord(violation.rule, location, str(func), message))
+            axis = violation.axis
+            self.records.append(ViolationRecord(
+                violation.rule, location, str(func), message,
+                self.names[axis] if axis >= 0 else None, self.index[axis] if axis >= 0 else None,
+                violation.occurrence))
 
     def describe(self, violation: Violation, location: str, op: Any, args: tuple) -> str:
         numbers = getattr(op, "namespace", "") == "aten"

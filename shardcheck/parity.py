@@ -24,6 +24,7 @@ from rich.table import Table
 
 import shardcheck
 from shardcheck.assemble import NotComparable, compare
+from shardcheck.checker import confirmed_across_ranks
 from shardcheck.layout import BASE_DIMS, Layout
 from shardcheck.pool import PoolFailure, RankPool, in_torchrun, run_in_place
 from shardcheck.scenario import Scenario, ScenarioContext
@@ -75,7 +76,7 @@ def capture(ctx: ScenarioContext, scenario: Scenario, perturbation: float, seed:
     region.__enter__()
     try:
         entries = _entries(ctx, dict(scenario(ctx)), checker)
-        violations = [v.first_line for v in checker.violations()] if checker else []
+        violations = [v.as_dict() for v in checker.violations()] if checker else []
     except BaseException:
         region.__exit__(*sys.exc_info())
         raise
@@ -219,7 +220,8 @@ def _check_layout(runner: Runner, layout: Layout, scenario: Scenario, reference:
     if ranks is None:  # a torchrun rank other than 0
         return LayoutReport(layout)
     by_rank = [{(k, n): (v, t) for k, n, v, t in rank["entries"]} for rank in ranks]
-    report = LayoutReport(layout, violations=sorted({v for rank in ranks for v in rank["violations"]}))
+    confirmed = confirmed_across_ranks(rank["violations"] for rank in ranks)
+    report = LayoutReport(layout, violations=sorted({v["line"] for v in confirmed}))
     for kind, name, ref_value, _ in reference:
         missing = [r for r, entries in enumerate(by_rank) if (kind, name) not in entries]
         if missing:

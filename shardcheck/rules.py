@@ -129,9 +129,9 @@ Pl = tuple  # per-axis placements, None where unknown
 class Violation(Exception):
     """A rule's verdict: ``rule`` broken on mesh axis ``axis`` (an index)."""
 
-    def __init__(self, rule: str, axis: int, why: str = "") -> None:
+    def __init__(self, rule: str, axis: int, why: str = "", occurrence: int | None = None) -> None:
         super().__init__(rule)
-        self.rule, self.axis, self.why = rule, axis, why
+        self.rule, self.axis, self.why, self.occurrence = rule, axis, why, occurrence
 
 
 HELP: dict[str, tuple[str, str]] = {

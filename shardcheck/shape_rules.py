@@ -195,10 +195,11 @@ def rank_piece(ctx, pl: Pl, dim: int, total: int, start: int, length: int,
         return {by_rank[0]: S(dim) if check_varying else RankChunk(dim)}
     if by_rank:  # ambiguous: several axes have the same size and index here
         return dict.fromkeys(by_rank)
-    if check_varying:
+    if check_varying and any(p is V for p in pl):
+        occurrence = ctx.count_varying_cut()
         for a, p in enumerate(pl):
             if p is V and matches(a):
-                raise Violation("split of varying", a)
+                raise Violation("split of varying", a, occurrence=occurrence)
     return {}
 
 
@@ -253,6 +254,10 @@ def _unbind_rule(ctx, args, kwargs, out):
     ndim = x.dim()
     dim = norm_dim(arg(args, kwargs, 1, "dim", 0), ndim)
     pieces = _cut_along(ctx, pl, ndim, dim, [(k, 1) for k in range(len(out))], len(out))
+    # a rank-slice guess along the unbound dim has no dim left to shard: the piece of a
+    # replicated tensor is what every rank holds, R
+    pieces = [tuple(R if isinstance(p, RankChunk) and p.dim == dim else p for p in piece)
+              for piece in pieces]
     return [shift_shards(p, lambda d: None if d == dim else d - (d > dim)) for p in pieces]
 
 
@@ -357,6 +362,17 @@ def _index_rule(ctx, args, kwargs, out):
         else:
             result.append(p)
     return tuple(result)
+
+
+def _nonzero_rule(ctx, args, kwargs, out):
+    """nonzero(x) (and ``torch.where(x)``): the positions of x's non-zero entries. The same on
+    every rank where x is replicated; a shard's (local positions) or a varying x's differ: V."""
+    pl = ctx.types(args[0])
+    if pl is None:
+        return None
+    if any(is_partial(p) for p in pl):
+        raise Violation("non-linear on partial", next(a for a, p in enumerate(pl) if is_partial(p)))
+    return tuple(None if p is None else R if replicated(p) else V for p in pl)
 
 
 def _index_put_rule(ctx, args, kwargs, out):
@@ -469,7 +485,7 @@ RULES: dict[str, Callable] = {
     "cat": _cat_rule, "stack": _stack_rule,
     "index_select": _along_dim_rule(0, 1, 2), "gather": _along_dim_rule(0, 1, 2),
     "scatter": _scatter_rule, "scatter_add": _scatter_rule,
-    "index": _index_rule, "index_put": _index_put_rule,
+    "index": _index_rule, "index_put": _index_put_rule, "nonzero": _nonzero_rule,
     "flip": _flip_like(1), "roll": _flip_like(2), "repeat": _repeat_rule,
     "as_strided": _as_strided_rule, "fill": _fill_rule, "copy": _copy_rule,
     "constant_pad_nd": _constant_pad_rule,

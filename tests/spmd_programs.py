@@ -197,3 +197,15 @@ def scatter_by_wrong_rank(index_group) -> torch.Tensor:
     batch = sc.annotate(torch.randn(4, HIDDEN), tp=sc.R, dp=sc.V)  # each rank's own data
     r, width = dist.get_rank(index_group), HIDDEN // dist.get_world_size(index_group)
     return batch[:, r * width:(r + 1) * width]  # BUG: split of varying
+
+
+def varying_rows_by_layer(group) -> torch.Tensor:
+    """Each rank's own statistics, read row by row with a fixed index (no rank involved)."""
+    stats = sc.annotate(torch.randn(2, HIDDEN), dp=sc.V)
+    return sum(stats[layer] for layer in range(2))
+
+
+def varying_row_by_rank(group) -> torch.Tensor:
+    """Each rank's own data, then its row by rank as if it were replicated."""
+    stats = sc.annotate(torch.randn(2, HIDDEN), dp=sc.V)
+    return stats[dist.get_rank(group)]  # BUG: split of varying

@@ -74,3 +74,50 @@ def test_the_same_masks_without_cp_give_no_finding(warm):
                    + [Case("output_loss", (), Layout(tp=2)), Case("moe_router", (), Layout(tp=2, sp=True))],
                    run_pools=warm)
     assert result.findings == [] and not result.errors
+
+
+def test_layouts_a_component_does_not_support_are_listed_apart_from_errors(warm):
+    cases = [Case("gpt", (), Layout(dp=2, ep=2)),                # no experts: refused before running
+             Case("moe_router", (), Layout(tp=2)),               # Megatron refuses MoE with tp, no sp
+             Case("moe_router", (("padding", True),), Layout(tp=2))]  # same layout: not run again
+    result = audit(cases, run_pools=warm)
+    assert result.outcomes == [] and not result.errors
+    assert result.not_applicable == [
+        "gpt @ dp2-ep2: expert parallelism needs a component with experts",
+        "moe_router @ tp2: MoE with tp > 1 needs sequence parallelism (Megatron refuses it)"]
+
+
+def test_a_layout_a_scenario_refuses_on_its_ranks_is_not_an_error():
+    from shardcheck.megatron.audit import Outcome, _record, _Swept
+
+    swept, case = _Swept(), Case("gpt", (), Layout(tp=2))
+    _record(swept, Outcome(case, error="shardcheck.megatron.parallel.LayoutUnsupported: no such groups"))
+    _record(swept, Outcome(Case("gpt", (), Layout(dp=2)), error="RuntimeError: boom"))
+    assert swept.not_applicable == {("gpt", "tp2"): "gpt @ tp2: no such groups"}
+    assert [o.case.layout for o in swept.outcomes] == [Layout(dp=2)] and swept.broken == {("gpt", "dp2")}
+
+
+def test_an_option_inert_at_one_rank_is_swept_before_the_plan_moves_to_larger_layouts(warm):
+    gathered, smoothing = (("parallel_output", False),), (("label_smoothing", 0.1),)
+    cases = [Case("output_loss", gathered, Layout(tp=2)),          # inert at one rank: waits
+             Case("output_loss", smoothing, Layout(tp=2, dp=2)),   # 4 ranks: the 2-rank tier ends
+             Case("output_loss", gathered, Layout(tp=2, dp=2))]    # waits until the plan ends
+    result = audit(cases, run_pools=warm)
+    ran = [(o.case.options, o.case.layout.world_size) for o in result.outcomes]
+    assert ran == [(gathered, 2), (smoothing, 4), (gathered, 4)], result.not_swept
+    # full-vocabulary logits fed to the vocab-parallel loss: wrong under tp, like label smoothing
+    assert all(o.gaps for o in result.outcomes)
+
+
+def test_a_warm_rank_starts_each_case_with_fresh_moe_state(warm):
+    """The schedules set the aux-loss gradient scale (1 / microbatches) process-wide; a router
+    case run next in the same rank must not inherit it."""
+    from shardcheck.megatron.audit_rank import run_case
+    from shardcheck.megatron.runner import run_layout
+    from shardcheck.megatron.scenarios import scenario
+
+    warm.run(Layout(), run_case, "moe", (("optimizer_step", False),), (), False)
+    [after_gpt] = warm.run(Layout(), run_case, "moe_router", (), (), False)
+    fresh = run_layout(scenario("moe_router"), Layout())
+    for name, value in fresh.items():
+        assert after_gpt["outputs"][name].numpy() == pytest.approx(value, rel=1e-6, abs=1e-9), name

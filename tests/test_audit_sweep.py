@@ -145,3 +145,18 @@ def test_rounding_noise_of_a_zero_gradient_is_judged_at_its_family_scale():
     assert output_gaps([noisy], reference) == []
     wrong = {"grad/w": torch.tensor([0.3003, -0.2]), "grad/b": torch.tensor([1.6e-9, -9.8e-10])}
     assert [g.name for g in output_gaps([wrong], reference)] == ["grad/w"]
+
+
+def test_calls_are_compared_only_when_every_rank_made_as_many_as_the_reference():
+    from shardcheck.megatron.divergence import first_call_gap
+
+    def norm(index, value):
+        return ProbeRecord("get_grad_norm_fp32", index, [torch.tensor(value, dtype=torch.float64)], {})
+
+    reference = [norm(0, 2.0)]
+    layout = Layout(tp=2)
+    split = [[norm(0, 1.0), norm(1, 1.5)]] * 2  # dense and expert norms, computed apart
+    assert first_call_gap(layout, split, reference) is None
+    wrong = first_call_gap(layout, [[norm(0, 1.0)]] * 2, reference)
+    assert wrong is not None and wrong.contract == "get_grad_norm_fp32"
+    assert first_call_gap(layout, [[norm(0, 2.0)]] * 2, reference) is None

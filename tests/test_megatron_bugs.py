@@ -46,9 +46,16 @@ def test_router_local_token_count_is_overwritten_by_the_in_place_all_reduce():
     assert (observed["local_num_tokens_summed"] == 2 * reference["local_num_tokens_summed"]).all()
 
 
-def test_router_token_count_without_padding_matches():
+def test_router_local_token_count_is_overwritten_under_context_parallelism_too():
+    padded = scenario("moe_router", padding=True)
+    observed = run_layout(padded, Layout(cp=2))
+    assert (observed["local_num_tokens_summed"] == 2 * run_layout(padded, ONE)["local_num_tokens_summed"]).all()
+
+
+@pytest.mark.parametrize("layout", [TP2_SP, Layout(cp=2)], ids=str)
+def test_router_token_count_without_padding_matches(layout):
     plain = scenario("moe_router")
-    errors = relative_errors(run_layout(plain, TP2_SP), run_layout(plain, ONE))
+    errors = relative_errors(run_layout(plain, layout), run_layout(plain, ONE))
     assert max(errors.values()) < 1e-6, errors
 
 

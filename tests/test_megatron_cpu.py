@@ -108,6 +108,72 @@ def test_patches_apply_once_and_remove_restores_every_original():
     assert torch.ones(1).type() == "torch.FloatTensor"
 
 
+def _uneven_exchange(rows_of_rank: list[int]) -> dict:
+    import torch.distributed as dist
+
+    cpu.apply_cpu_patches()
+    try:
+        rank = dist.get_rank()
+        mine = torch.full((rows_of_rank[rank], 2), float(rank + 1))
+        gathered = [torch.empty(rows, 2) for rows in rows_of_rank]
+        dist.all_gather(gathered, mine)
+        pieces = [torch.arange(rows * 2, dtype=torch.float32).view(rows, 2) * (rank + 1)
+                  for rows in rows_of_rank]
+        reduced = torch.empty(rows_of_rank[rank], 2)
+        dist.reduce_scatter(reduced, pieces)
+        return {"gathered": torch.cat(gathered), "reduced": reduced}
+    finally:
+        cpu.remove_cpu_patches()
+
+
+@pytest.mark.parametrize("rows_of_rank", [[3, 1], [2, 2]])
+def test_uneven_collectives_give_what_nccl_gives(rows_of_rank):
+    from shardcheck.launch import spawn_ranks
+
+    results = spawn_ranks(_uneven_exchange, 2, rows_of_rank)
+    expected = torch.cat([torch.full((rows, 2), float(r + 1)) for r, rows in enumerate(rows_of_rank)])
+    for rank, result in enumerate(results):
+        assert torch.equal(result["gathered"], expected)
+        own = torch.arange(rows_of_rank[rank] * 2, dtype=torch.float32).view(-1, 2)
+        assert torch.equal(result["reduced"], own * 3)  # summed over ranks 1 and 2
+
+
+def test_llava_accepts_sequence_parallel_with_megatron_torch_attention(patched):
+    from megatron.core.models.multimodal import llava_model
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    assert llava_model.TEDotProductAttention is DotProductAttention and llava_model.HAVE_TE
+
+
+def test_clip_vit_default_norms_are_megatron_layernorm_with_equal_values(patched):
+    from megatron.core.models.vision.clip_vit_model import CLIPViTModel
+
+    passed = {}
+
+    def init(_self, *args, **kwargs):
+        passed.update(kwargs)
+
+    cpu._with_default_norms(init, WrappedTorchNorm)(None, "config", "spec")
+    assert passed == {"ln_pre_impl": WrappedTorchNorm, "ln_post_impl": WrappedTorchNorm}
+    passed.clear()
+    cpu._with_default_norms(init, WrappedTorchNorm)(None, "config", "spec", ln_post_impl=None)
+    assert passed["ln_post_impl"] is None  # a norm passed explicitly is kept
+    assert CLIPViTModel.__init__.__name__ == "init"  # the patch is in place
+    config = _config()
+    norm, plain = WrappedTorchNorm(config, 8), torch.nn.LayerNorm(8, eps=config.layernorm_epsilon)
+    x = torch.randn(3, 8)
+    assert torch.equal(norm(x), plain(x))
+
+
+def test_multimodal_patches_are_removed_with_the_others():
+    from megatron.core.models.multimodal import llava_model
+    from megatron.core.models.vision.clip_vit_model import CLIPViTModel
+
+    before = (llava_model.HAVE_TE, hasattr(llava_model, "TEDotProductAttention"), CLIPViTModel.__init__)
+    cpu.apply_cpu_patches()
+    cpu.remove_cpu_patches()
+    after = (llava_model.HAVE_TE, hasattr(llava_model, "TEDotProductAttention"), CLIPViTModel.__init__)
+    assert after == before == (False, False, before[2])
 def test_ssm_kernels_fill_the_failed_imports_and_are_removed_after():
     from megatron.core.ssm import gated_delta_net, mamba_mixer
 

@@ -9,8 +9,11 @@ calls locate the divergence in megatron-core, and the type checker, when present
 (:mod:`shardcheck.megatron.findings`).
 
 A single option is screened on one rank before it is swept: if the component fails with it
-there, or it changes none of the one-rank outputs, it is not run under the layouts (it is
-listed in the report's coverage section instead).
+there, or its outputs depend on the RNG seed, it is not run under the layouts (it is listed in
+the report's coverage section instead). An option that changes none of the one-rank outputs
+(a dispatcher choice, an overlap switch) may still change what the ranks exchange, so it is
+swept after the options that do change them on the same layout tier, before the plan moves on
+to larger layouts, within the same budget.
 """
 
 from __future__ import annotations
@@ -23,19 +26,23 @@ from typing import Any
 
 import torch
 
+from shardcheck.checker import confirmed_across_ranks
 from shardcheck.layout import Layout
-from shardcheck.megatron import audit_report, contracts
+from shardcheck.megatron import audit_report, contracts, explicit
 from shardcheck.megatron.audit_rank import run_case
 from shardcheck.megatron.audit_report import Finding
 from shardcheck.megatron.divergence import CallGap, Gap, first_call_gap, max_errors, output_gaps
+from shardcheck.megatron.parallel import LayoutUnsupported
 from shardcheck.megatron.sweep import Case
 from shardcheck.megatron.typecheck import checker_available
 from shardcheck.pool import PoolFailure, RankPool
 
 PRELOAD = ("megatron.core.pipeline_parallel.schedules", "megatron.core.optimizer",
            "megatron.core.transformer.moe.router", "megatron.core.models.gpt.gpt_model",
+           "megatron.core.models.T5.t5_model", "megatron.core.models.multimodal.llava_model",
            "shardcheck.megatron.scenarios", "megatron.core.ssm.gated_delta_net")
 RUN_TIMEOUT = 30.0
+INERT = "changes no output at one rank"
 
 
 # ---- in the parent ------------------------------------------------------------------------
@@ -121,7 +128,7 @@ class Runner:
             return f"fails on one rank: {ref}"
         base = self.reference(component, ())
         if options and isinstance(base, dict) and _same_outputs(ref["outputs"], base["outputs"]):
-            return "changes no output at one rank"
+            return INERT
         reseeded = self.reference(component, options, rng_offset=1)
         if isinstance(reseeded, dict) and not _same_outputs(ref["outputs"], reseeded["outputs"]):
             return "random: its outputs depend on the RNG seed, so no one-rank reference exists"
@@ -138,7 +145,7 @@ class Runner:
                            error_kind=failure.kind)
         outcome = Outcome(case, output_gaps([r["outputs"] for r in ranks], ref["outputs"]),
                           first_call_gap(case.layout, [r["calls"] for r in ranks], ref["calls"]),
-                          _unique(v for r in ranks for v in r["violations"]),
+                          confirmed_across_ranks(r["violations"] for r in ranks),
                           errors=max_errors([r["outputs"] for r in ranks], ref["outputs"]),
                           entry=ranks[0]["entry"])
         outcome.seconds = time.monotonic() - started
@@ -149,21 +156,25 @@ def _same_outputs(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> boo
     return a.keys() == b.keys() and all(a[k].shape == b[k].shape and torch.equal(a[k], b[k]) for k in a)
 
 
-def _unique(violations) -> list[dict]:
-    seen: dict[tuple, dict] = {}
-    for v in violations:
-        seen.setdefault((v["rule"], v["location"]), v)
-    return list(seen.values())
-
-
-def corrected_control(runner: Runner, minimal: Outcome) -> dict[str, Any] | None:
-    """Rerun the minimal trigger with its contract's fix patched in, compared with the reference."""
+def _fix_of(minimal: Outcome) -> tuple[str, str] | None:
+    """The fix to apply (name, note): explicit groups for a global-group use, else the contract's."""
+    if audit_report.global_group_use(minimal) is not None:
+        return explicit.FIX, explicit.FIX_NOTE
     if minimal.call_gap is None or contracts.BY_NAME[minimal.call_gap.contract].fix is None:
         return None
     contract = contracts.BY_NAME[minimal.call_gap.contract]
-    fixed = runner.run(minimal.case, fixes=(contract.name,))
+    return contract.name, contract.fix_note
+
+
+def corrected_control(runner: Runner, minimal: Outcome) -> dict[str, Any] | None:
+    """Rerun the minimal trigger with its fix patched in, compared with the reference."""
+    fix = _fix_of(minimal)
+    if fix is None:
+        return None
+    fix_name, note = fix
+    fixed = runner.run(minimal.case, fixes=(fix_name,))
     if fixed.error:
-        return {"fix": contract.fix_note, "result": f"the corrected run failed: {fixed.error}",
+        return {"fix": note, "result": f"the corrected run failed: {fixed.error}",
                 "equal_to_reference": False}
     names = [g.name for g in minimal.gaps]
     errors = {name: fixed.errors.get(name) for name in names}
@@ -171,7 +182,7 @@ def corrected_control(runner: Runner, minimal: Outcome) -> dict[str, Any] | None
     ok = not fixed.gaps and fixed.call_gap is None
     verdict = ("corrected == reference" if ok else
                f"still differs: {', '.join(g.name for g in fixed.gaps[:3])}")
-    return {"fix": contract.fix_note, "result": f"{verdict} (max abs error of the diverging outputs "
+    return {"fix": note, "result": f"{verdict} (max abs error of the diverging outputs "
             f"{worst:.3g} after the fix)", "equal_to_reference": ok, "max_abs_error": worst}
 
 
@@ -184,6 +195,7 @@ class AuditResult:
     not_swept: list[str]
     seconds: float
     stopped_early: bool
+    not_applicable: list[str] = field(default_factory=list)
 
     @property
     def errors(self) -> list[Outcome]:
@@ -193,10 +205,13 @@ class AuditResult:
         ran = [o for o in self.outcomes if not o.error]
         return {
             "cases run": len(ran), "cases failed to run": len(self.errors),
-            "options not swept": len(self.not_swept), "findings": len(self.findings),
+            "options not swept": len(self.not_swept),
+            "layouts a component does not support": len(self.not_applicable),
+            "findings": len(self.findings),
             "wall time (s)": round(self.seconds, 1),
             "stopped at the budget or time limit": self.stopped_early,
             "not_swept": self.not_swept,
+            "not_applicable": self.not_applicable,
             "errors": sorted({f"{o.case.label}: {o.error}" for o in self.errors}),
         }
 
@@ -211,34 +226,101 @@ def audit(cases: Iterable[Case], *, budget: int | None = None, time_limit: float
     started = time.monotonic()
     with nullcontext(run_pools) if run_pools else pools() as owned:
         runner = Runner(owned, typecheck and checker_available())
-        outcomes, not_swept, early = _sweep(runner, cases, budget, time_limit, progress, started)
-        findings = _findings(runner, outcomes)
-    return AuditResult(findings, outcomes, not_swept, time.monotonic() - started, early)
+        swept = _sweep(runner, cases, budget, time_limit, progress, started)
+        findings = _findings(runner, swept.outcomes)
+    return AuditResult(findings, swept.outcomes, _listed(swept.not_swept), time.monotonic() - started,
+                       swept.stopped_early, sorted(swept.not_applicable.values()))
+
+
+@dataclass
+class _Swept:
+    outcomes: list[Outcome] = field(default_factory=list)
+    not_swept: dict[tuple, str] = field(default_factory=dict)
+    not_applicable: dict[tuple[str, str], str] = field(default_factory=dict)
+    broken: set[tuple[str, str]] = field(default_factory=set)
+    inert: list[Case] = field(default_factory=list)
+    done_inert: list[Case] = field(default_factory=list)
+    stopped_early: bool = False
+
+
+def _refusal(case: Case) -> str | None:
+    from shardcheck.megatron.scenarios import COMPONENTS
+
+    return COMPONENTS[case.component].refuses(case.layout)
 
 
 def _sweep(runner: Runner, cases: Iterable[Case], budget: int | None, time_limit: float | None,
-           progress: Progress | None, started: float) -> tuple[list[Outcome], list[str], bool]:
-    outcomes: list[Outcome] = []
-    not_swept: dict[tuple, str] = {}
-    broken_layouts: set[tuple[str, Layout]] = set()
-    for case in cases:
-        if (budget is not None and len(outcomes) >= budget) or (
+           progress: Progress | None, started: float) -> _Swept:
+    """Run the cases in order; an inert option's cases wait until the plan moves on to larger
+    layouts (or ends), so they run before the options of larger layouts, within the budget."""
+    swept = _Swept()
+
+    def attempt(case: Case, defer_inert: bool) -> bool:
+        if (budget is not None and len(swept.outcomes) >= budget) or (
                 time_limit is not None and time.monotonic() - started > time_limit):
-            return outcomes, _listed(not_swept), True
-        key = (case.component, case.options)
-        if key not in not_swept and (why := runner.screen(*key)):
-            not_swept[key] = why
-        if key in not_swept or (case.component, case.layout) in broken_layouts:
-            continue
-        if progress:
-            progress(case, len(outcomes))
-        outcome = runner.run(case)
-        outcomes.append(outcome)
-        if outcome.error and not case.options:
-            broken_layouts.add((case.component, case.layout))
-        elif outcome.error_kind in ("hang", "desync"):
-            not_swept[key] = f"{outcome.error_kind} under {case.layout}; not swept further"
-    return outcomes, _listed(not_swept), False
+            swept.stopped_early = True
+            return False
+        if _runnable(runner, swept, case, defer_inert):
+            if progress:
+                progress(case, len(swept.outcomes))
+            _record(swept, runner.run(case))
+        return True
+
+    for case in cases:
+        waiting = _inert_below(swept, case.layout.world_size) if case.options else []
+        if not all(attempt(deferred, False) for deferred in waiting) or not attempt(case, True):
+            break
+    else:
+        all(attempt(deferred, False) for deferred in _inert_below(swept, None))
+    if swept.stopped_early:
+        ran = {(o.case.component, o.case.options) for o in swept.outcomes}
+        for case in (c for c in swept.inert + swept.done_inert if (c.component, c.options) not in ran):
+            swept.not_swept.setdefault((case.component, case.options),
+                                       f"{INERT}; its multi-rank cases were not reached in the budget")
+    return swept
+
+
+def _inert_below(swept: _Swept, world_size: int | None) -> list[Case]:
+    """Take the deferred cases of inert options on layouts smaller than ``world_size`` (all: None)."""
+    taken = [c for c in swept.inert if world_size is None or c.layout.world_size < world_size]
+    swept.inert = [c for c in swept.inert if c not in taken]
+    swept.done_inert += taken
+    return taken
+
+
+def _runnable(runner: Runner, swept: _Swept, case: Case, defer_inert: bool) -> bool:
+    """Whether to run the case now (screening its option once); inert options wait."""
+    key, where = (case.component, case.options), (case.component, str(case.layout))
+    if where in swept.not_applicable or where in swept.broken:
+        return False
+    if why := _refusal(case):
+        swept.not_applicable[where] = f"{case.component} @ {case.layout}: {why}"
+        return False
+    if key in swept.not_swept:
+        return False
+    why = runner.screen(*key)
+    if why and why != INERT:
+        swept.not_swept[key] = why
+        return False
+    if defer_inert and why == INERT:
+        swept.inert.append(case)
+        return False
+    return True
+
+
+def _record(swept: _Swept, outcome: Outcome) -> None:
+    """Keep an outcome; a layout the component refuses is noted as such, not as an error."""
+    case = outcome.case
+    if outcome.error and outcome.error.split(":")[0].endswith(LayoutUnsupported.__name__):
+        why = outcome.error.split(":", 1)[1].strip()
+        swept.not_applicable[(case.component, str(case.layout))] = f"{case.component} @ {case.layout}: {why}"
+        return
+    swept.outcomes.append(outcome)
+    if outcome.error and not case.options:
+        swept.broken.add((case.component, str(case.layout)))
+    elif outcome.error_kind in ("hang", "desync"):
+        swept.not_swept[(case.component, case.options)] = (
+            f"{outcome.error_kind} under {case.layout}; not swept further")
 
 
 def _listed(not_swept: dict[tuple, str]) -> list[str]:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-DEFAULT_TIME_LIMIT_MIN = 10.0
+DEFAULT_TIME_LIMIT_MIN = 12.0
 
 
 def _layouts(text: str | None):
@@ -17,7 +17,7 @@ def _layouts(text: str | None):
     from shardcheck.megatron.sweep import layouts
 
     if not text:
-        return layouts()
+        return layouts(explicit=True)
     try:
         return [Layout.parse(part) for part in text.split(",") if part.strip()]
     except LayoutError as exc:
@@ -44,7 +44,7 @@ def _fixed_options(component_names: list[str], pairs: tuple[str, ...]) -> tuple:
 
 def _plan(only: tuple[str, ...], layouts_text: str | None, sets: tuple[str, ...], budget: int | None):
     from shardcheck.megatron.scenarios import COMPONENTS
-    from shardcheck.megatron.sweep import Case, component_options, plan
+    from shardcheck.megatron.sweep import Case, component_options, plan, runs_under
 
     unknown = [c for c in only if c not in COMPONENTS]
     if unknown:
@@ -54,7 +54,8 @@ def _plan(only: tuple[str, ...], layouts_text: str | None, sets: tuple[str, ...]
     layout_list = _layouts(layouts_text)
     if sets:
         options = _fixed_options(names, sets)
-        return [Case(c, options, layout) for layout in layout_list for c in names]
+        return [Case(c, options, layout) for layout in layout_list for c in names
+                if runs_under(c, layout)]
     return plan({c: component_options(c) for c in names}, layout_list, None)
 
 
@@ -65,7 +66,8 @@ def _plan(only: tuple[str, ...], layouts_text: str | None, sets: tuple[str, ...]
               help=f"Stop starting cases after MIN minutes (default {DEFAULT_TIME_LIMIT_MIN:g}).")
 @click.option("--only", multiple=True, metavar="COMPONENT", help="Audit only these components (repeatable).")
 @click.option("--layouts", "layouts_text", default=None, metavar="LIST",
-              help="Comma-separated layouts, e.g. tp2,tp2-sp,cp2 (default: every grid up to 4 ranks).")
+              help="Comma-separated layouts, e.g. tp2,tp2-sp,cp2; tp2-dp2@dp-tp gives the model "
+                   "explicit groups of another rank order (default: every grid up to 4 ranks).")
 @click.option("--set", "sets", multiple=True, metavar="NAME=VALUE",
               help="Run exactly these options (repeatable) instead of sweeping; used by reproduce commands.")
 @click.option("--out", "out_dir", default="audit-out", show_default=True, type=click.Path(file_okay=False),

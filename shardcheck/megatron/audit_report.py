@@ -45,11 +45,26 @@ class Finding:
         self.id = self.id or hashlib.sha1(f"{self.location}\0{self.contract}".encode()).hexdigest()[:10]
 
 
+GLOBAL_GROUP_CONTRACT = ("collectives of a model given a pg_collection use its groups: a value "
+                         "laid out over pg_collection.X is reduced over pg_collection.X, not over "
+                         "parallel_state's global X group")
+
+
+def global_group_use(outcome) -> dict | None:
+    """The first collective the outcome issued on a global group its explicit groups replace."""
+    from shardcheck.megatron.explicit import RULE
+
+    return next((v for v in outcome.violations if v["rule"] == RULE), None)
+
+
 def violation_key(violation: dict) -> tuple[str, str]:
     return violation["location"], f"checker rule: {violation['rule']}"
 
 
 def _key(outcome) -> tuple[str, str] | None:
+    misuse = global_group_use(outcome)
+    if misuse is not None:
+        return misuse["location"], GLOBAL_GROUP_CONTRACT
     if outcome.call_gap is not None:
         contract = BY_NAME[outcome.call_gap.contract]
         return contract.location(), contract.notation()
@@ -80,12 +95,20 @@ def group(failed: Sequence) -> dict[tuple[str, str], list]:
     for outcome in numeric:
         groups.setdefault(by_options[(outcome.case.component, outcome.case.options)], []).append(outcome)
     explained = {violation_key(v): key for key, members in groups.items()
-                 for o in members for v in o.violations}
+                 for o in members for v in o.violations if _explains(key, v)}
     for outcome in (o for o in failed if not o.gaps):
         for violation in outcome.violations:
             groups.setdefault(explained.get(violation_key(violation), violation_key(violation)),
                               []).append(outcome)
     return groups
+
+
+def _explains(key: tuple[str, str], violation: dict) -> bool:
+    """Whether a numeric finding explains a violation its cases have: a global-group finding
+    explains only global-group uses (its cases may break other rules for other reasons)."""
+    from shardcheck.megatron.explicit import RULE
+
+    return key[1] != GLOBAL_GROUP_CONTRACT or violation["rule"] == RULE
 
 
 def checker_line(location: str, members: Sequence, baseline_violations: set[tuple[str, str]]) -> str | None:
@@ -111,6 +134,9 @@ def trigger(case: Case) -> dict[str, Any]:
 def title(key: tuple[str, str], minimal) -> str:
     case = minimal.case
     opts = ", ".join(f"{k}={v}" for k, v in case.options) or "default options"
+    if (misuse := global_group_use(minimal)) is not None:
+        return (f"{misuse['op']} on parallel_state's global {misuse['group']} group instead of the "
+                f"model's pg_collection.{misuse['group']} under {case.layout} ({opts})")
     if minimal.call_gap is not None:
         what = minimal.call_gap.gap.name.split(".", 1)[1]
         return f"{minimal.call_gap.contract}: {what} differs from one rank under {case.layout} ({opts})"
@@ -190,7 +216,7 @@ def markdown(findings: Sequence[Finding], summary: dict[str, Any]) -> str:
               "a layout the checker cannot express yet: report it to the checker if parity keeps agreeing).", ""]
     for n, f in enumerate(typed_only, len(confirmed) + 1):
         lines += _finding_lines(n, f)
-    for section in ("not_swept", "errors"):
+    for section in ("not_swept", "not_applicable", "errors"):
         entries = summary.get(section) or []
         if entries:
             lines += [f"## {section.replace('_', ' ').capitalize()} ({len(entries)})", ""]

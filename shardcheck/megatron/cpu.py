@@ -31,7 +31,23 @@ computes. Each patch below replaces one such place with its CPU equivalent and n
    ``maybe_move_tensor_to_cpu(..., as_numpy=True)``, which converts only CUDA tensors; a CPU
    tensor is converted to numpy too, as the GPU path would return it.
 
-9. ``ssm_kernels``: Gated DeltaNet and the Mamba mixer import their kernels from CUDA-only
+9. ``uneven_collectives``: the MoE alltoall dispatcher under tp > 1 gathers (and reduce-scatters)
+   pieces of different sizes with the list forms of ``all_gather`` and ``reduce_scatter``,
+   which NCCL accepts and Gloo refuses. Uneven pieces are padded to the largest, exchanged,
+   and cut back (unseen by the type checker, which types the exchange as the uneven
+   collective); even pieces go straight to torch.
+
+10. ``llava_te_attention``: ``LLaVAModel`` accepts sequence parallelism only when the language
+    model's core attention is Transformer Engine's ``TEDotProductAttention``; without Transformer
+    Engine that name is undefined in ``llava_model`` and the check cannot pass. There it names
+    megatron-core's torch ``DotProductAttention`` (the local spec's) and ``HAVE_TE`` is set,
+    which ``llava_model`` reads only in that check and in its context-parallel path (refused).
+
+11. ``clip_norm``: without Transformer Engine, ``CLIPViTModel``'s default ``ln_pre``/``ln_post``
+    is ``torch.nn.LayerNorm``, which cannot take the ``config`` Megatron builds it with; the
+    defaults become megatron-core's ``WrappedTorchNorm`` (the same LayerNorm, built from the
+    config), the CPU stand-in for ``TENorm``. Explicitly passed norms are left alone.
+12. ``ssm_kernels``: Gated DeltaNet and the Mamba mixer import their kernels from CUDA-only
    packages (``fla``, ``causal_conv1d``, ``mamba_ssm``) and refuse to build without them. Where
    the import failed, the plain-torch equivalents of :mod:`shardcheck.megatron.kernels` are set
    as those module attributes, and the mixer's ``ExtendedRMSNorm`` (a MagicMock subclass
@@ -49,7 +65,8 @@ every original.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -217,6 +234,101 @@ def _patch_host_copy() -> None:
     _set(token_dispatcher, "maybe_move_tensor_to_cpu", move)
 
 
+def _uneven(tensors: list[torch.Tensor]) -> bool:
+    return len({t.shape for t in tensors}) > 1
+
+
+@contextmanager
+def _unseen() -> Iterator[Any]:
+    """Run the padding and cutting unseen by an active type checker (which is yielded, or None),
+    so that it types the exchange as the uneven collective itself."""
+    from shardcheck.checker import current
+
+    checker = current()
+    with checker.paused() if checker else nullcontext():
+        yield checker
+
+
+def _padded(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    with _unseen() as checker:
+        padding = tensor.new_zeros((rows - tensor.shape[0], *tensor.shape[1:]))
+        padded = torch.cat([tensor, padding]) if padding.numel() else tensor.contiguous().clone()
+        if checker:
+            checker.set_type(padded, checker.types(tensor))
+    return padded
+
+
+def _cut_into(out: torch.Tensor, exchanged: torch.Tensor) -> None:
+    with _unseen() as checker:
+        out.copy_(exchanged[:out.shape[0]])
+        if checker:
+            checker.update_inplace(out, checker.types(exchanged))
+
+
+def _gloo_all_gather(original: Callable[..., Any]) -> Callable[..., Any]:
+    def all_gather(tensor_list, tensor, group=None, async_op=False):
+        if not _uneven(tensor_list):
+            return original(tensor_list, tensor, group=group, async_op=async_op)
+        rows = max(t.shape[0] for t in tensor_list)
+        gathered = [tensor.new_empty((rows, *tensor.shape[1:])) for _ in tensor_list]
+        original(gathered, _padded(tensor, rows), group=group)
+        for out, piece in zip(tensor_list, gathered, strict=True):
+            _cut_into(out, piece)
+        return None
+
+    return all_gather
+
+
+def _gloo_reduce_scatter(original: Callable[..., Any]) -> Callable[..., Any]:
+    def reduce_scatter(output, input_list, op=torch.distributed.ReduceOp.SUM, group=None,
+                       async_op=False):
+        if not _uneven(input_list):
+            return original(output, input_list, op=op, group=group, async_op=async_op)
+        rows = max(t.shape[0] for t in input_list)
+        reduced = output.new_empty((rows, *output.shape[1:]))
+        original(reduced, [_padded(t, rows) for t in input_list], op=op, group=group)
+        _cut_into(output, reduced)
+        return None
+
+    return reduce_scatter
+
+
+def _patch_uneven_collectives() -> None:
+    import torch.distributed as dist
+
+    _set(dist, "all_gather", _gloo_all_gather(dist.all_gather))
+    _set(dist, "reduce_scatter", _gloo_reduce_scatter(dist.reduce_scatter))
+
+
+def _patch_llava_te_attention() -> None:
+    from megatron.core.models.multimodal import llava_model
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    if llava_model.HAVE_TE:
+        return
+    _originals.append((llava_model, "TEDotProductAttention",
+                       getattr(llava_model, "TEDotProductAttention", _MISSING)))
+    llava_model.TEDotProductAttention = DotProductAttention
+    _set(llava_model, "HAVE_TE", True)
+
+
+def _with_default_norms(original_init: Callable[..., Any], norm: type) -> Callable[..., Any]:
+    def init(self, *args, **kwargs):
+        if len(args) <= 2:  # the norms were not passed positionally
+            kwargs.setdefault("ln_pre_impl", norm)
+            kwargs.setdefault("ln_post_impl", norm)
+        original_init(self, *args, **kwargs)
+
+    return init
+
+
+def _patch_clip_norm() -> None:
+    from megatron.core.models.vision import clip_vit_model
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    if clip_vit_model.NORM_IMPL is torch.nn.LayerNorm:
+        model = clip_vit_model.CLIPViTModel
+        _set(model, "__init__", _with_default_norms(model.__init__, WrappedTorchNorm))
 def _set_missing(owner: Any, name: str, value: Any) -> None:
     """Set ``owner.name`` to ``value`` where the import that defines it failed (None or unset)."""
     current = getattr(owner, name, _MISSING)
@@ -299,6 +411,9 @@ def apply_cpu_patches() -> None:
     _patch_streams()
     _patch_te_gemm_name()
     _patch_host_copy()
+    _patch_uneven_collectives()
+    _patch_llava_te_attention()
+    _patch_clip_norm()
     _patch_ssm_kernels()
     _mode = CudaToCpuMode()
     _mode.__enter__()

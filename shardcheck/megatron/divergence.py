@@ -19,6 +19,7 @@ noise, with no scale of its own.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -182,10 +183,17 @@ class CallGap:
 
 def first_call_gap(layout: Layout, per_rank: Sequence[Sequence[ProbeRecord]],
                    reference: Sequence[ProbeRecord]) -> CallGap | None:
-    """In the reference's call order, the first contracted result that diverges."""
+    """In the reference's call order, the first contracted result that diverges.
+
+    A contract's calls are compared only when every rank made as many of them as the reference:
+    otherwise the n-th calls are not the same call (e.g. under expert parallelism Megatron's
+    optimizer computes the gradient norm of dense and expert parameters separately)."""
+    counts = Counter(ref.contract for ref in reference)
+    aligned = {name for name, count in counts.items()
+               if all(sum(rec.contract == name for rec in calls) == count for calls in per_rank)}
     for ref in reference:
         ensures = BY_NAME[ref.contract].ensures
-        if not ensures:
+        if not ensures or ref.contract not in aligned:
             continue
         records = {rank: rec for rank, calls in enumerate(per_rank) for rec in calls
                    if rec.contract == ref.contract and rec.index == ref.index}

@@ -147,6 +147,31 @@ def _gradient_buffers_typed(axes: tuple[str, ...]) -> Iterator[None]:
         DistributedDataParallel.zero_grad_buffer = original
 
 
+@contextlib.contextmanager
+def _viewless_tensors_typed() -> Iterator[None]:
+    """Megatron's ``make_viewless_tensor`` moves a view's data into a fresh tensor with
+    ``out.data = inp.data``, which no dispatched op shows the checker: the fresh tensor holds
+    the view's values, so it gets the view's type."""
+    from megatron.core import utils
+
+    from shardcheck.checker import current
+
+    original = utils._kernel_make_viewless_tensor
+
+    def typed(inp: torch.Tensor, requires_grad: bool) -> torch.Tensor:
+        out = original(inp, requires_grad)
+        checker = current()
+        if checker is not None and out is not inp:
+            checker.set_type(out, checker.types(inp))
+        return out
+
+    utils._kernel_make_viewless_tensor = typed
+    try:
+        yield
+    finally:
+        utils._kernel_make_viewless_tensor = original
+
+
 OBJECT_COLLECTIVES = ("all_gather_object", "broadcast_object_list", "gather_object",
                       "scatter_object_list")
 
@@ -227,7 +252,9 @@ def _harness_values_typed(axes: tuple[str, ...]) -> Iterator[None]:
     """Type the harness helpers whose results the checker cannot see through: ``seeded_global``
     (a global tensor drawn from a fixed seed: the same on every rank, R), ``_sequence_shard``
     (this TP rank's sequence chunk under sequence parallelism: S(0) over tp) and
-    ``load_balanced_positions`` (this CP rank's token positions: S(0) over cp)."""
+    ``load_balanced_positions`` (this CP rank's token positions: S(0) over cp) and
+    ``data_parallel_share`` (this DP rank's microbatches of a global batch built alike on every
+    rank: V over dp, R over the other axes)."""
     import sys
 
     import shardcheck as sc
@@ -240,6 +267,8 @@ def _harness_values_typed(axes: tuple[str, ...]) -> Iterator[None]:
         return run
 
     patches = [(reference.seeded_global, typed(reference.seeded_global, dict.fromkeys(axes, R)))]
+    share = importlib.import_module("shardcheck.megatron.scenarios.training").data_parallel_share
+    patches.append((share, _batches_typed(share, axes)))
     if "tp" in axes:
         output_loss = importlib.import_module("shardcheck.megatron.scenarios.output_loss")
         patches.append((output_loss._sequence_shard, _sequence_typed(output_loss._sequence_shard)))
@@ -258,12 +287,27 @@ def _harness_values_typed(axes: tuple[str, ...]) -> Iterator[None]:
             setattr(module, name, inspect_original(new, patches))
 
 
+def _batches_typed(original: Any, axes: tuple[str, ...]) -> Any:
+    import shardcheck as sc
+    from shardcheck.types import R, V
+
+    placements = {axis: V if axis == "dp" else R for axis in axes}
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        batches = original(*args, **kwargs)
+        for batch in batches:
+            for value in batch.values():
+                sc.annotate(value, **placements)
+        return batches
+    return run
+
+
 def _sequence_typed(original: Any) -> Any:
     import shardcheck as sc
     from shardcheck.types import S
 
-    def run(tensor: torch.Tensor, sp: bool) -> torch.Tensor:
-        local = original(tensor, sp)
+    def run(tensor: torch.Tensor, sp: bool, group: Any = None) -> torch.Tensor:
+        local = original(tensor, sp, group)
         return sc.annotate(local, tp=S(0)) if sp else local
     return run
 
@@ -289,13 +333,14 @@ def checked_region(ctx: Any) -> Iterator[list[dict]]:
         stack.enter_context(_harness_values_typed(mesh.names))
         stack.enter_context(_received_tensors_untyped())
         stack.enter_context(_gradient_buffers_typed(mesh.names))
+        stack.enter_context(_viewless_tensors_typed())
         stack.enter_context(contextlib.redirect_stderr(io.StringIO()))  # the region's summary
         checker = stack.enter_context(sc.typecheck(mesh, mode="collect"))
         # Gradients are compared by parity after finalize_model_grads; the type check at
         # optimizer.step does not yet follow Megatron's optimizer copies of main_grad.
         checker.check_gradients_on_step = False
         yield found
-    found.extend({"rule": v.rule, "location": _short(v.location), "op": str(v.op),
+    found.extend({**v.as_dict(), "location": _short(v.location),
                   "line": v.first_line.replace(v.location, _short(v.location))}
                  for v in sc.violations() if _in_megatron(v.location))
 
