@@ -79,6 +79,40 @@ class BlockShard(Shard):
         return hash(("S", self.dim, self.outer))
 
 
+class SectionShard(Shard):
+    """S(d) of a fused dim: the global dim concatenates sections (e.g. query, key, value), each
+    sharded over the axis, and every rank holds its piece of each section, in order;
+    ``sections`` are the local lengths. Megatron's fused column-parallel weights are laid out
+    so (their ``sharded_state_dict`` splits them per section); cutting such a dim at section
+    boundaries gives S(d) pieces."""
+
+    __slots__ = ("sections",)
+
+    def __init__(self, dim: int, sections: tuple[int, ...]) -> None:
+        super().__init__(dim)
+        self.sections = tuple(sections)
+
+    def __repr__(self) -> str:
+        return f"S({self.dim}, sections={list(self.sections)})"
+
+    def __eq__(self, other: object) -> bool:
+        return (isinstance(other, SectionShard) and other.dim == self.dim
+                and other.sections == self.sections)
+
+    def __hash__(self) -> int:
+        return hash(("S", self.dim, self.sections))
+
+    def piece(self, start: int, length: int) -> Shard | None:
+        """The shard of the local range [start, start+length) if it is whole sections."""
+        bounds = [0]
+        for size in self.sections:
+            bounds.append(bounds[-1] + size)
+        if start not in bounds or start + length not in bounds:
+            return None
+        inner = self.sections[bounds.index(start):bounds.index(start + length)]
+        return S(self.dim) if len(inner) == 1 else SectionShard(self.dim, inner)
+
+
 def outer_of(p: Shard) -> int:
     return p.outer if type(p) is BlockShard else 1
 
@@ -87,7 +121,9 @@ def moved(p: Shard, dim: int) -> Shard:
     """The same kind of shard on another dim."""
     if type(p) is BlockShard:
         return BlockShard(dim, p.outer)
-    return RankChunk(dim) if type(p) is RankChunk else S(dim)
+    if type(p) is RankChunk:
+        return RankChunk(dim)
+    return SectionShard(dim, p.sections) if type(p) is SectionShard else S(dim)
 
 
 def as_pieces(pl: tuple) -> tuple:
@@ -410,10 +446,21 @@ def _shard_layout(tensors: list[_Operand], a: int, out_ndim: int) -> Placement:
                     raise Violation("global shape mismatch", a)
         if varying:
             return V
-        return BlockShard(d, outer) if outer > 1 else (RankChunk(d) if guessed else S(d))
+        if outer > 1:
+            return BlockShard(d, outer)
+        return RankChunk(d) if guessed else _common_sections(tensors, a, d)
     if varying:
         return V
     return I if invariant_only and tensors else R
+
+
+def _common_sections(tensors: list[_Operand], a: int, d: int) -> Shard:
+    """S(d), keeping the sections when every sharded operand has the same ones."""
+    shards = {o.pl[a] for o in tensors if isinstance(o.pl[a], Shard)}
+    kinds = {(type(p), getattr(p, "sections", None)) for p in shards}
+    if len(kinds) == 1 and type(next(iter(shards))) is SectionShard:
+        return SectionShard(d, next(iter(kinds))[1])
+    return S(d)
 
 
 def _roles(*roles: str) -> Callable:

@@ -13,6 +13,7 @@ from shardcheck.rules import (
     Gathered,
     Pl,
     RankChunk,
+    SectionShard,
     Typed,
     Violation,
     arg,
@@ -21,6 +22,7 @@ from shardcheck.rules import (
     is_partial,
     is_tensor,
     join,
+    moved,
     norm_dim,
     outer_of,
     reduced_dims,
@@ -55,12 +57,16 @@ def view_shard(in_shape, out_shape, p: Shard) -> Shard | None:
         elif start < pre < start * size:
             if candidates or pre % start or piece % prod(out_shape[j + 1:]):
                 break
-            return BlockShard(j, pre // start)
+            return BlockShard(j, pre // start) if type(p) is not SectionShard else None
         start *= size
     if not candidates:
         return None
-    return S(next((j for j in candidates if out_shape[j] == inner),
-                  next((j for j in candidates if out_shape[j] > 1), candidates[0])))
+    j = next((j for j in candidates if out_shape[j] == inner),
+             next((j for j in candidates if out_shape[j] > 1), candidates[0]))
+    if type(p) is SectionShard:  # sections survive only where the fused dim stays whole
+        whole = out_shape[j] == inner and prod(out_shape[j + 1:]) == prod(in_shape[d + 1:])
+        return moved(p, j) if whole else None
+    return S(j)
 
 
 def _view_rule(ctx, args, kwargs, out):
@@ -149,6 +155,9 @@ def _cut_along(ctx, pl: Pl, ndim: int, dim: int, pieces: list[tuple[int, int]], 
         for a, p in enumerate(pl):
             if a in by_rank:
                 per_axis.append(by_rank[a])
+            elif isinstance(p, SectionShard) and norm_dim(p.dim, ndim) == dim:
+                section = p.piece(start, length)
+                per_axis.append(V if section is None else moved(section, dim))
             elif isinstance(p, Shard) and norm_dim(p.dim, ndim) == dim:
                 per_axis.append(V)
             elif isinstance(p, Gathered):
@@ -174,10 +183,13 @@ def rank_chunks(total: int, parts: int, index: int) -> set[tuple[int, int]]:
 
 def rank_piece(ctx, pl: Pl, dim: int, total: int, start: int, length: int,
                check_varying: bool) -> dict[int, Placement | None]:
-    """Axes on which the piece [start, start+length) is this rank's chunk of ``total``."""
+    """Axes on which the piece [start, start+length) is this rank's chunk of ``total``.
+
+    The whole dim is no rank's chunk: ``x[:, 0]`` of a dim of size 1 on rank 0 is the tensor.
+    """
     def matches(a: int) -> bool:
         size = ctx.sizes[a]
-        return size > 1 and (start, length) in rank_chunks(total, size, ctx.index[a])
+        return size > 1 and length < total and (start, length) in rank_chunks(total, size, ctx.index[a])
     by_rank = [a for a, p in enumerate(pl) if replicated(p) and matches(a)]
     if len(by_rank) == 1:
         return {by_rank[0]: S(dim) if check_varying else RankChunk(dim)}
@@ -444,6 +456,27 @@ def _repeat_rule(ctx, args, kwargs, out):
     return tuple(result)
 
 
+def _constant_pad_rule(ctx, args, kwargs, out):
+    """Constant padding is local: S(d) stays S(d) if d is not padded (padding a sharded dim
+    pads every rank's piece, V); R and V stay; P stays P only when padding with zeros."""
+    x, pad = args[0], list(args[1])
+    pl = ctx.types(x)
+    if pl is None:
+        return None
+    value = arg(args, kwargs, 2, "value", 0)
+    padded = {x.dim() - 1 - i // 2 for i, amount in enumerate(pad) if amount}
+    result = []
+    for p in pl:
+        if isinstance(p, Shard) and not isinstance(p, BlockShard | RankChunk):
+            d = norm_dim(p.dim, x.dim())
+            result.append(V if d in padded else moved(p, d))
+        elif is_partial(p):
+            result.append(p if value == 0 or not padded else V)
+        else:
+            result.append(p if replicated(p) or p is V else None)
+    return tuple(result)
+
+
 RULES: dict[str, Callable] = {
     "view": _view_rule, "_unsafe_view": _view_rule, "reshape": _view_rule,
     "_reshape_alias": _view_rule,
@@ -457,5 +490,6 @@ RULES: dict[str, Callable] = {
     "index": _index_rule, "index_put": _index_put_rule, "nonzero": _nonzero_rule,
     "flip": _flip_like(1), "roll": _flip_like(2), "repeat": _repeat_rule,
     "as_strided": _as_strided_rule, "fill": _fill_rule, "copy": _copy_rule,
+    "constant_pad_nd": _constant_pad_rule,
 }
 """Shape-op rules per op base name."""

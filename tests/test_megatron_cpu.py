@@ -174,3 +174,34 @@ def test_multimodal_patches_are_removed_with_the_others():
     cpu.remove_cpu_patches()
     after = (llava_model.HAVE_TE, hasattr(llava_model, "TEDotProductAttention"), CLIPViTModel.__init__)
     assert after == before == (False, False, before[2])
+def test_ssm_kernels_fill_the_failed_imports_and_are_removed_after():
+    from megatron.core.ssm import gated_delta_net, mamba_mixer
+
+    from shardcheck.megatron import kernels
+
+    cpu.apply_cpu_patches()
+    try:
+        assert gated_delta_net.chunk_gated_delta_rule is kernels.chunk_gated_delta_rule
+        assert gated_delta_net.l2norm is kernels.l2norm and gated_delta_net.HAVE_FLA
+        assert mamba_mixer.mamba_split_conv1d_scan_combined is kernels.mamba_split_conv1d_scan_combined
+        norm = mamba_mixer.ExtendedRMSNorm(8, group_size=4, norm_before_gate=False)
+        assert isinstance(norm, kernels.RMSNormGated)
+        assert "sharded_state_dict" in type(norm).__dict__  # Megatron's own method, kept
+    finally:
+        cpu.remove_cpu_patches()
+    assert gated_delta_net.chunk_gated_delta_rule is None and not gated_delta_net.HAVE_FLA
+    assert not hasattr(gated_delta_net, "l2norm") and not mamba_mixer.HAVE_MAMBA_SSM
+
+
+def test_gdn_gated_norm_runs_its_own_source_uncompiled(patched):
+    from types import SimpleNamespace
+
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet
+
+    norm = torch.nn.RMSNorm(4, eps=1e-6)
+    owner = SimpleNamespace(out_norm=norm, act_fn=torch.nn.functional.silu)
+    x, gate = torch.randn(2, 3, 4), torch.randn(2, 3, 4)
+    out = GatedDeltaNet._apply_gated_norm(owner, x, gate)
+    assert not hasattr(GatedDeltaNet._apply_gated_norm, "_torchdynamo_orig_callable")
+    expected = norm(x.reshape(-1, 4)) * torch.nn.functional.silu(gate.reshape(-1, 4))
+    assert torch.equal(out, expected)

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 import shardcheck as sc
-from shardcheck.rules import PAVG, PEVEN, BlockShard
+from shardcheck.rules import PAVG, PEVEN, BlockShard, SectionShard
 
 MESH = sc.Mesh(rank=0, tp=[0, 1])
 R, P, V, S = sc.R, sc.P, sc.V, sc.S
@@ -211,6 +211,11 @@ SHAPES = [
         torch.empty(4, 2, 5), T(4, 2, 3, tp=S(0)), T(4, 3, 5, tp=S(0)), beta=0.0), S(0)),
     ("contiguous/clone/detach", lambda: T(4, 3, tp=S(1)).t().contiguous().clone().detach(), S(0)),
     ("type conversion", lambda: T(4, 3, tp=P).to(torch.float64).half(), P),
+    ("pad unsharded dim", lambda: F.pad(T(2, 4, 3, tp=S(1)), (0, 5)), S(1)),
+    ("pad sharded dim", lambda: F.pad(T(2, 4, 3, tp=S(1)), (0, 0, 1, 0)), V),
+    ("pad P with zeros", lambda: F.pad(T(4, 3, tp=P), (0, 2)), P),
+    ("pad P with ones", lambda: F.pad(T(4, 3, tp=P), (0, 2), value=1.0), V),
+    ("pad R", lambda: F.pad(T(4, 3), (2, 2), value=1.0), R),
     ("gather unsharded dim", lambda: torch.gather(T(4, 3, tp=S(0)), 1,
                                                   sc.annotate(torch.zeros(4, 1).long(), tp=S(0))),
      S(0)),
@@ -306,6 +311,30 @@ def test_rank_slice_heuristic_and_typed_helper():
         with pytest.raises(sc.SpmdTypeError) as info:
             sc.rank_slice(T(4, 6, tp=V), "tp", 0)
         assert info.value.rule == "split of varying"
+
+
+def test_the_whole_of_a_dim_is_no_ranks_chunk():
+    """x[:, 0] of a dim of size 1 on rank 0 is tp rank 0's 'chunk' of 1 in 2 only by accident."""
+    with sc.typecheck(MESH):
+        assert sc.typeof(T(4, 1, 3)[:, 0]) == {"tp": R}
+        assert sc.typeof(T(4, 1, 3, tp=V)[:, 0:1]) == {"tp": V}  # no split of varying either
+        assert sc.typeof(T(4, 2, 3)[:, 0:1]) == {"tp": S(1)}  # still this rank's chunk of 2
+
+
+def test_a_fused_dim_cut_at_its_sections_gives_shards():
+    """Megatron's fused column-parallel output: each rank holds its piece of q, k and v."""
+    fused = SectionShard(1, (2, 2, 4))
+    with sc.typecheck(MESH):
+        q, k, v = torch.split(T(3, 8, tp=fused), [2, 2, 4], dim=1)
+        assert sc.typeof(q) == sc.typeof(v) == {"tp": S(1)}
+        qk, _ = torch.split(T(3, 8, tp=fused), [4, 4], dim=1)
+        assert sc.typeof(qk) == {"tp": SectionShard(1, (2, 2))}
+        assert sc.typeof(torch.split(T(3, 8, tp=fused), [3, 5], dim=1)[0]) == {"tp": V}
+        assert sc.typeof(T(3, 8, tp=fused).t()) == {"tp": SectionShard(0, (2, 2, 4))}
+        assert sc.typeof(T(3, 8, tp=fused) * T(3, 8, tp=fused)) == {"tp": fused}
+        assert sc.typeof(T(3, 8, tp=fused) * T(3, 8, tp=S(1))) == {"tp": S(1)}
+        assert sc.typeof(T(3, 8, tp=fused).view(3, 2, 4)) == {}  # the fused dim is cut: unknown
+        assert sc.typeof(T(3, 8, tp=fused).view(3, 1, 8)) == {"tp": SectionShard(2, (2, 2, 4))}
 
 
 def test_item_and_tolist_are_typed_reads():

@@ -40,7 +40,7 @@ from shardcheck.pool import PoolFailure, RankPool
 PRELOAD = ("megatron.core.pipeline_parallel.schedules", "megatron.core.optimizer",
            "megatron.core.transformer.moe.router", "megatron.core.models.gpt.gpt_model",
            "megatron.core.models.T5.t5_model", "megatron.core.models.multimodal.llava_model",
-           "shardcheck.megatron.scenarios")
+           "shardcheck.megatron.scenarios", "megatron.core.ssm.gated_delta_net")
 RUN_TIMEOUT = 30.0
 INERT = "changes no output at one rank"
 

@@ -2,8 +2,10 @@
 
 Nothing in megatron-core is ported. Inside the region:
 
-* every module's own parameters are typed from Megatron's metadata
-  (:func:`shardcheck.megatron.typing.parameter_type`) the first time the module runs;
+* every module's parameters, its submodules' included, are typed from Megatron's metadata
+  (:func:`shardcheck.megatron.typing.parameter_type`) the first time the module runs (a layer
+  may use a submodule's parameters without calling it: Mamba's context parallelism slices
+  its ``conv1d`` weights);
 * the batch Megatron cuts for context parallelism (``get_batch_on_this_cp_rank``) is typed by
   role (:func:`shardcheck.megatron.typing.annotate_batch`);
 * contracted functions check their arguments (:mod:`shardcheck.megatron.contracts`).
@@ -46,16 +48,21 @@ def layout_mesh(ctx: Any):
 @contextlib.contextmanager
 def _parameters_typed_on_first_use(axes: tuple[str, ...]) -> Iterator[None]:
     import shardcheck as sc
-    from shardcheck.megatron.typing import parameter_type
+    from shardcheck.checker import current
+    from shardcheck.megatron.typing import fused_sections, parameter_type
 
     typed: set[int] = set()
 
     def type_parameters(module: torch.nn.Module, _args: Any) -> None:
-        for param in module.parameters(recurse=False):
-            if id(param) not in typed:  # Megatron's metadata wins over what setup code did to it
-                typed.add(id(param))
-                types = parameter_type(param).placements
-                sc.annotate(param, **{a: p for a, p in types.items() if a in axes})
+        fresh = [p for p in module.parameters() if id(p) not in typed]
+        if not fresh:
+            return
+        with current().paused():
+            sections = fused_sections(module)
+        for param in fresh:  # Megatron's metadata wins over what setup code did to it
+            typed.add(id(param))
+            types = parameter_type(param, sections=sections.get(id(param))).placements
+            sc.annotate(param, **{a: p for a, p in types.items() if a in axes})
 
     handle = torch.nn.modules.module.register_module_forward_pre_hook(type_parameters)
     try:

@@ -19,6 +19,7 @@ from shardcheck.megatron.scenarios.gpt import GPTSetup, MoEGPTSetup, train_step
 from shardcheck.megatron.scenarios.moe_router import RouterSetup, router_step
 from shardcheck.megatron.scenarios.multimodal import MultimodalSetup, multimodal_step
 from shardcheck.megatron.scenarios.output_loss import OutputLossSetup, output_loss
+from shardcheck.megatron.scenarios.ssm import GDNSetup, MambaSetup, gdn_step, mamba_step
 from shardcheck.megatron.scenarios.t5 import T5Setup, t5_step
 
 
@@ -63,6 +64,8 @@ COMPONENTS: dict[str, Component] = {
     "moe_router": Component(router_step, RouterSetup, experts=True, explicit_groups=True),
     "t5": Component(t5_step, T5Setup, check_layout=t5.check_layout),
     "multimodal": Component(multimodal_step, MultimodalSetup, check_layout=multimodal.check_layout),
+    "gdn": Component(gdn_step, GDNSetup),
+    "mamba": Component(mamba_step, MambaSetup),
 }
 
 
@@ -100,6 +103,10 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     "multimodal/llava": ("multimodal", {}),
     "multimodal/text-only-sample": ("multimodal", {"text_only_sample": True, "loss_mask": True}),
     "multimodal/class-token": ("multimodal", {"keep_class_token": True}),
+    "ssm/gdn": ("gdn", {}),
+    "ssm/gdn-conv-bias": ("gdn", {"conv_bias": True, "bias": True}),
+    "ssm/mamba": ("mamba", {}),
+    "ssm/mamba-unfused-scan": ("mamba", {"config": {"use_mamba_mem_eff_path": False}}),
 }
 
 
