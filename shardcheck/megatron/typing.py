@@ -6,7 +6,8 @@
 * :func:`parameter_types`: each parameter's placement per axis, read from the attributes Megatron
   sets on it: ``tensor_model_parallel`` + ``partition_dim`` -> S(partition_dim) on tp (on etp for
   experts); ``sequence_parallel`` -> R, whose gradient must be reduced over tp; expert parameters
-  (``allreduce=False``) -> S(0) on ep; everything else R; every parameter R over dp.
+  (``allreduce=False``) -> S(0) on ep; everything else R; every parameter R over dp and V over
+  pp (each pipeline stage holds its own layers, so a stage's values are no replica of another's).
 * :func:`input_types`: tokens, labels, loss mask and position ids by role: V over dp, S(seq)
   over cp (Megatron's load-balanced chunk order: rank r holds chunks r and 2*cp-1-r), R over tp.
 * :func:`annotate_model` / :func:`annotate_batch` apply them in an active ``sc.typecheck``.
@@ -66,6 +67,8 @@ def parameter_type(param: torch.nn.Parameter, axes: tuple[str, ...] = AXES) -> P
     expert = is_expert(param)
     tp_axis = "etp" if expert else "tp"
     placements: dict[str, Placement] = dict.fromkeys(axes, R)
+    if "pp" in placements:  # each pipeline stage holds its own layers: no replica over pp
+        placements["pp"] = V
     reduced: tuple[str, ...] = ()
     if getattr(param, "tensor_model_parallel", False):
         placements[tp_axis] = S(int(getattr(param, "partition_dim", 0)))
