@@ -380,15 +380,10 @@ def _index_put_rule(ctx, args, kwargs, out):
 
 
 def _as_strided_rule(ctx, args, kwargs, out):
-    """as_strided: typed when it reproduces its input's layout, or reads a contiguous input
-    whole in contiguous order, which is a view (autograd does both for gradients of views)."""
+    """as_strided: typed only when it reproduces its input's layout (autograd does that)."""
     x = args[0]
-    if out.shape == x.shape and out.stride() == x.stride():
-        return ctx.types(x)
-    if (x.is_contiguous() and out.is_contiguous() and out.numel() == x.numel()
-            and out.storage_offset() == x.storage_offset()):
-        return _view_rule(ctx, args, kwargs, out)
-    return None
+    same = out.shape == x.shape and out.stride() == x.stride()
+    return ctx.types(x) if same else None
 
 
 def _copy_rule(ctx, args, kwargs, out):

@@ -158,9 +158,6 @@ SHAPES = [
     ("index along sharded dim", lambda: T(4, 6, tp=S(1))[torch.arange(4), torch.arange(4)], V),
     ("index before shard", lambda: T(4, 6, tp=S(1))[torch.tensor([0, 2])], S(1)),
     ("index of R", lambda: T(4, 6)[torch.tensor([0, 2])], R),
-    ("as_strided as a contiguous view", lambda: T(8, 3, tp=S(0)).as_strided((2, 4, 3), (12, 3, 1)),
-     S(0)),
-    ("as_strided that skips elements", lambda: T(8, 3, tp=S(0)).as_strided((2, 3), (12, 1)), None),
     ("row lookup in a row-sharded table: embedding", lambda: T(4, 6, tp=S(0))[
         torch.tensor([[0, 2]])], P),
     ("row lookup agrees with embedding", lambda: F.embedding(torch.tensor([[0, 2]]),
