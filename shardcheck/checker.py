@@ -250,8 +250,8 @@ class Checker(TorchDispatchMode):
         old = self.types(t)
         self.set_type(t, pl, flags)
         root = getattr(t, "_sc_root", None)
-        if root is None:
-            root = t
+        if root is None:  # a view made outside the region still shares its base's views
+            root = t if t._base is None else getattr(t._base, "_sc_root", t._base)
         views = getattr(root, "_sc_views", None)
         if not views and root is t:
             return

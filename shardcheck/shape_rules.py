@@ -29,7 +29,7 @@ from shardcheck.rules import (
     replicated,
     shift_shards,
 )
-from shardcheck.types import Placement, R, S, Shard, V
+from shardcheck.types import P, Placement, R, S, Shard, V
 
 
 def prod(xs) -> int:
@@ -331,7 +331,9 @@ def _scatter_rule(ctx, args, kwargs, out):
 
 def _index_rule(ctx, args, kwargs, out):
     """x[i0, i1, ...] with index tensors: indexing a sharded dim gives V (each rank picks from
-    its own shard); a shard after a leading block of indexed dims moves with the block."""
+    its own shard), except a lookup of rows in a row-sharded table by replicated indices,
+    which is an embedding lookup (P); a shard after a leading block of indexed dims moves
+    with the block."""
     x, indices = args[0], list(args[1])
     pl = ctx.types(x)
     if pl is None:
@@ -350,6 +352,11 @@ def _index_rule(ctx, args, kwargs, out):
             result.append(None)
         elif any(is_partial(i) for i in index_axis):
             raise Violation("non-linear on partial", a)
+        elif single_leading and type(p) is Shard and norm_dim(p.dim, x.dim()) == 0 \
+                and replicated(index_axis[0]):
+            # table[indices] is embedding(indices, table): a lookup in a row-sharded table
+            # is the masked partial lookup, typed as the embedding rule types it
+            result.append(P)
         elif isinstance(p, Shard) and norm_dim(p.dim, x.dim()) in picked:
             result.append(V)
         elif isinstance(p, Shard):

@@ -63,6 +63,7 @@ def test_tp2_sp_gpt_parameters_are_typed_from_megatron_metadata():
     norm, norm_reduced = types["decoder.layers.0.input_layernorm.weight"]
     assert _placements(norm)["tp"] == R and norm_reduced == ("tp",)
     assert all(_placements(text)["dp"] == R for text, _ in types.values())
+    assert all(_placements(text)["pp"] == V for text, _ in types.values())  # a stage's own layers
     assert axes["tp"] == (0, 1) and axes["dp"] == (0,)
 
 

@@ -201,6 +201,14 @@ SHAPES = [
     ("index along sharded dim", lambda: T(4, 6, tp=S(1))[torch.arange(4), torch.arange(4)], V),
     ("index before shard", lambda: T(4, 6, tp=S(1))[torch.tensor([0, 2])], S(1)),
     ("index of R", lambda: T(4, 6)[torch.tensor([0, 2])], R),
+    ("row lookup in a row-sharded table: embedding", lambda: T(4, 6, tp=S(0))[
+        torch.tensor([[0, 2]])], P),
+    ("row lookup agrees with embedding", lambda: F.embedding(torch.tensor([[0, 2]]),
+                                                            T(4, 6, tp=S(0))), P),
+    ("row lookup by varying indices", lambda: T(4, 6, tp=S(0))[
+        sc.annotate(torch.tensor([0, 2]), tp=V)], V),
+    ("row lookup by sharded indices", lambda: T(4, 6, tp=S(0))[
+        sc.annotate(torch.tensor([0, 2]), tp=S(0))], V),
     ("index_put into shard", lambda: T(4, 6, tp=S(1)).index_put_(
         (torch.arange(2),), T(2, 6, tp=V)), S(1)),
     ("index_put into V", lambda: T(4, tp=V).index_put_((torch.arange(2),), torch.tensor(0.0)),

@@ -8,7 +8,9 @@ Nothing in megatron-core is ported. Inside the region:
   its ``conv1d`` weights);
 * the batch Megatron cuts for context parallelism (``get_batch_on_this_cp_rank``) is typed by
   role (:func:`shardcheck.megatron.typing.annotate_batch`);
-* contracted functions check their arguments (:mod:`shardcheck.megatron.contracts`).
+* contracted functions check their arguments (:mod:`shardcheck.megatron.contracts`);
+* every parameter's gradient (``param.main_grad``, followed through DDP's buffer collectives)
+  is checked against the parameter's type before the optimizer step.
 
 Violations are collected (mode ``"collect"``), deduplicated by rule and location, and returned
 as dicts with ``rule``, ``location``, ``op`` and ``line`` (the ``checker:`` line).
@@ -119,7 +121,10 @@ def _context_parallel_cuts_typed(axes: tuple[str, ...]) -> Iterator[None]:
 @contextlib.contextmanager
 def _gradient_buffers_typed(axes: tuple[str, ...]) -> Iterator[None]:
     """After DDP zeroes its gradient buffer, each ``param.main_grad`` (a view of it) is a known
-    zero with its parameter's layout: gradients accumulate into it whatever their placement."""
+    zero with its parameter's layout: gradients accumulate into it whatever their placement.
+    Each is registered as a view of the buffer, so that DDP's collectives on the whole buffer
+    (the bucket all-reduce over dp x cp) retype it, and the gradient check at
+    ``optimizer.step`` sees the reduced gradient."""
     from megatron.core.distributed import DistributedDataParallel
 
     from shardcheck import checker as checker_module
@@ -138,6 +143,8 @@ def _gradient_buffers_typed(axes: tuple[str, ...]) -> Iterator[None]:
             if isinstance(main_grad, torch.Tensor):
                 placements = parameter_type(param).placements
                 checker.set_type(main_grad, tuple(placements.get(a) for a in checker.names), zero)
+                if main_grad._base is not None and getattr(main_grad, "_sc_root", None) is None:
+                    checker.register_view(main_grad, main_grad._base)  # DDP reduces the buffer
         return result
 
     DistributedDataParallel.zero_grad_buffer = typed_zero
@@ -335,10 +342,7 @@ def checked_region(ctx: Any) -> Iterator[list[dict]]:
         stack.enter_context(_gradient_buffers_typed(mesh.names))
         stack.enter_context(_viewless_tensors_typed())
         stack.enter_context(contextlib.redirect_stderr(io.StringIO()))  # the region's summary
-        checker = stack.enter_context(sc.typecheck(mesh, mode="collect"))
-        # Gradients are compared by parity after finalize_model_grads; the type check at
-        # optimizer.step does not yet follow Megatron's optimizer copies of main_grad.
-        checker.check_gradients_on_step = False
+        stack.enter_context(sc.typecheck(mesh, mode="collect"))
         yield found
     found.extend({**v.as_dict(), "location": _short(v.location),
                   "line": v.first_line.replace(v.location, _short(v.location))}

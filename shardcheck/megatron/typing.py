@@ -5,8 +5,10 @@
   ``ProcessGroupCollection``, which may differ from the global ones.
 * :func:`parameter_types`: each parameter's placement per axis, read from the attributes Megatron
   sets on it: ``tensor_model_parallel`` + ``partition_dim`` -> S(partition_dim) on tp (on etp for
-  experts; sectioned for fused weights, see :func:`fused_sections`); ``sequence_parallel`` -> R, whose gradient must be reduced over tp; expert parameters
-  (``allreduce=False``) -> S(0) on ep; everything else R; every parameter R over dp.
+  experts; sectioned for fused weights, see :func:`fused_sections`); ``sequence_parallel`` -> R,
+  whose gradient must be reduced over tp; expert parameters (``allreduce=False``) -> S(0) on ep;
+  everything else R; every parameter R over dp and V over pp (each pipeline stage holds its own
+  layers, so a stage's values are no replica of another's).
 * :func:`input_types`: tokens, labels, loss mask and position ids by role: V over dp, S(seq)
   over cp (Megatron's load-balanced chunk order: rank r holds chunks r and 2*cp-1-r), R over tp.
 * :func:`annotate_model` / :func:`annotate_batch` apply them in an active ``sc.typecheck``.
@@ -69,6 +71,8 @@ def parameter_type(param: torch.nn.Parameter, axes: tuple[str, ...] = AXES,
     expert = is_expert(param)
     tp_axis = "etp" if expert else "tp"
     placements: dict[str, Placement] = dict.fromkeys(axes, R)
+    if "pp" in placements:  # each pipeline stage holds its own layers: no replica over pp
+        placements["pp"] = V
     reduced: tuple[str, ...] = ()
     if getattr(param, "tensor_model_parallel", False):
         dim = int(getattr(param, "partition_dim", 0))
