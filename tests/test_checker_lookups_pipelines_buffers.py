@@ -111,13 +111,6 @@ def test_loss_summed_over_stages_after_its_broadcast_is_flagged():
         assert rank["rules"] == ["double count"]
 
 
-def test_stage_weights_declared_replicated_make_the_glu_chunk_a_stage_shard():
-    """Why each stage's weights are V over pp: declared R, the first stage's activation is R
-    too, and the rank-slice heuristic reads its first GLU chunk as stage 0's shard of it."""
-    first_stage, _ = spawn_ranks(_two_stage_pipeline, 2, "R", False)
-    assert "global shape mismatch" in first_stage["rules"]
-
-
 # ---- DDP-style gradients in views of a flat buffer ------------------------------------------
 
 def _flat_buffer_step(reduce: bool, coalesced: bool) -> list[str]:
