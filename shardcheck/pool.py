@@ -28,6 +28,7 @@ import importlib
 import io
 import multiprocessing as mp
 import os
+import pickle
 import signal
 import tempfile
 import time
@@ -137,10 +138,10 @@ def _worker_main(rank: int, world_size: int, port: int, conn: Connection, log_di
             reply = (True, run_on_rank(fn, layout, rank, "cpu", args))
         except BaseException as exc:  # noqa: BLE001 - every failure goes back to the parent
             reply = (False, _user_traceback(exc))
-        try:
-            conn.send(reply)
+        try:  # by value: torch's reducers would pass each tensor as a shared-memory descriptor
+            conn.send_bytes(pickle.dumps(reply))
         except Exception:  # the result does not pickle
-            conn.send((False, traceback.format_exc()))
+            conn.send_bytes(pickle.dumps((False, traceback.format_exc())))
 
 
 def warm_checker() -> None:
@@ -258,7 +259,7 @@ class RankPool:
             for conn in wait(list(pending), timeout=max(left, 0)):
                 rank = pending.pop(conn)
                 try:
-                    ok, payload = conn.recv()
+                    ok, payload = pickle.loads(conn.recv_bytes())
                 except EOFError:
                     ok, payload = False, f"rank {rank} died (exit code {self._procs[rank].exitcode})\n"
                 (results if ok else errors)[rank] = payload

@@ -34,6 +34,20 @@ def _tp_sum(ctx, value):
     return (ctx.rank, ctx.world_size, t.item())
 
 
+def _many_tensors(ctx, count):
+    return [torch.full((3,), float(i)) for i in range(count)]
+
+
+def test_results_with_thousands_of_tensors_come_back_by_value():
+    """Each tensor sent by torch's reducers would hold a file descriptor of its own."""
+    import resource
+
+    count = resource.getrlimit(resource.RLIMIT_NOFILE)[0] + 100
+    with RankPool(1, timeout=60, checker=False) as pool:
+        [result] = pool.run("tp1", _many_tensors, count)
+    assert len(result) == count and result[-1].tolist() == [count - 1.0] * 3
+
+
 def _rank_one_raises(ctx):
     if ctx.rank == 1:
         raise ValueError("boom on rank one")
