@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from shardcheck.broadcast import broadcast_dims
 from shardcheck.types import I, P, Placement, R, S, Shard, V
 
 aten = torch.ops.aten
@@ -204,12 +205,11 @@ class _Operand:
         self.const, self.tensor = const, tensor
 
     def broadcast_on(self, dim: int) -> bool:
-        """Whether the operand holds one value along ``dim``: size 1, or an expanded view
-        (stride 0), as the gradient of a sum over ``dim`` is."""
+        """Whether the operand holds one value along ``dim`` (see shardcheck.broadcast), as the
+        gradient of a sum over ``dim`` does."""
         if self.shape[dim] == 1:
             return True
-        t = self.tensor
-        return t is not None and t.layout is torch.strided and t.stride(dim) == 0
+        return self.tensor is not None and dim - len(self.shape) in broadcast_dims(self.tensor)
 
 
 def elementwise(ctx, items: list[tuple[Any, str]]) -> Pl | None:

@@ -16,10 +16,18 @@ from shardcheck.launch import spawn_ranks
 TOKENS, HIDDEN, EXPERTS, TOPK = 16, 8, 4, 2
 
 
-def _aux_loss(tokens: torch.Tensor, weight: torch.Tensor, group, token_weights=None):
+def _scores(logits: torch.Tensor, score_function: str) -> torch.Tensor:
+    if score_function == "softmax":
+        return torch.softmax(logits, dim=-1)
+    scores = torch.sigmoid(logits)
+    return scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
+
+
+def _aux_loss(tokens: torch.Tensor, weight: torch.Tensor, group, token_weights=None,
+              score_function: str = "softmax"):
     """Switch-style load-balancing loss of ``tokens`` (this rank's, or all of them)."""
     logits = tokens @ weight
-    scores = torch.softmax(logits, dim=-1)
+    scores = _scores(logits, score_function)
     if token_weights is not None:
         scores = scores * token_weights
     routed = torch.zeros_like(logits).scatter(1, logits.topk(TOPK, dim=-1).indices, 1.0)
@@ -36,7 +44,7 @@ def _global_inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
                                                                            generator=gen)
 
 
-def _router_step(with_wrong_token_weights: bool):
+def _router_step(with_wrong_token_weights: bool, score_function: str = "softmax"):
     """One aux-loss backward; returns the findings, the types and the gradient's error."""
     group = dist.new_group([0, 1])
     rank = dist.get_rank()
@@ -45,8 +53,8 @@ def _router_step(with_wrong_token_weights: bool):
     # The bug: every rank weights its tokens with the first rank's rows, not its own.
     wrong_weights = token_weights[:TOKENS] if with_wrong_token_weights else None
     reference = weight.clone().requires_grad_()
-    _aux_loss(tokens, reference, None,
-              token_weights if with_wrong_token_weights else None).backward()
+    _aux_loss(tokens, reference, None, token_weights if with_wrong_token_weights else None,
+              score_function).backward()
     local = weight.clone().requires_grad_()
     x = tokens[mine].clone().requires_grad_()
     with sc.typecheck(sc.Mesh(tp=group), mode="collect"):
@@ -54,7 +62,7 @@ def _router_step(with_wrong_token_weights: bool):
         sc.annotate(local, tp=sc.R)
         if wrong_weights is not None:
             sc.annotate(wrong_weights, tp=sc.R)
-        loss = _aux_loss(x, local, group, wrong_weights)
+        loss = _aux_loss(x, local, group, wrong_weights, score_function)
         loss.backward()
         types = {"loss": repr(sc.typeof(loss)["tp"]), "x.grad": repr(sc.typeof(x.grad)["tp"]),
                  "weight.grad": repr(sc.typeof(local.grad)["tp"])}
@@ -64,25 +72,35 @@ def _router_step(with_wrong_token_weights: bool):
     return rules, types, (grad - reference.grad).abs().max().item()
 
 
-def _expanded_row_times_shard():
-    """The gradient pattern alone: an expanded replicated row against a token shard."""
+def _router_steps_of_both_score_functions():
+    return {score: _router_step(False, score) for score in ("softmax", "sigmoid")}
+
+
+def _broadcast_rows_times_shard():
+    """The gradient pattern alone: replicated rows, one value along the token dim, against a
+    token shard; materialised with a full-size operand or written to, they are no broadcast."""
     group = dist.new_group([0, 1])
     with sc.typecheck(sc.Mesh(tp=group), mode="collect"):
         shard = sc.annotate(torch.randn(TOKENS, EXPERTS), tp=sc.S(0))
         row = sc.annotate(torch.randn(1, EXPERTS), tp=sc.R)
         expanded = row.expand(TOKENS, EXPERTS)
-        types = {"expanded * shard": repr(sc.typeof(expanded * shard)["tp"])}
-        full = expanded.contiguous() + sc.annotate(torch.randn(TOKENS, EXPERTS), tp=sc.R)
+        negated = -expanded
+        types = {"expanded * shard": repr(sc.typeof(expanded * shard)["tp"]),
+                 "negated * shard": repr(sc.typeof(negated * shard)["tp"])}
+        full = expanded + sc.annotate(torch.randn(TOKENS, EXPERTS), tp=sc.R)
         full * shard
+        negated[0] += 1.0
+        negated * shard
         rules = [v.rule for v in sc.violations()]
     return types, rules
 
 
-def test_aux_loss_gradient_through_the_router_softmax_is_clean():
-    for rules, types, error in spawn_ranks(_router_step, 2, False):
-        assert rules == []
-        assert types == {"loss": "P", "x.grad": "S(0)", "weight.grad": "P"}
-        assert error < 1e-6
+def test_aux_loss_gradient_through_the_router_scores_is_clean():
+    for per_score in spawn_ranks(_router_steps_of_both_score_functions, 2):
+        for rules, types, error in per_score.values():
+            assert rules == []
+            assert types == {"loss": "P", "x.grad": "S(0)", "weight.grad": "P"}
+            assert error < 1e-6
 
 
 def test_wrong_token_weights_are_still_flagged():
@@ -91,7 +109,7 @@ def test_wrong_token_weights_are_still_flagged():
         assert error > 1e-4
 
 
-def test_expanded_row_fits_a_shard_but_a_materialised_one_does_not():
-    for types, rules in spawn_ranks(_expanded_row_times_shard, 2):
-        assert types == {"expanded * shard": "S(0)"}
-        assert rules == ["global shape mismatch"]
+def test_broadcast_rows_fit_a_shard_until_materialised_or_written():
+    for types, rules in spawn_ranks(_broadcast_rows_times_shard, 2):
+        assert types == {"expanded * shard": "S(0)", "negated * shard": "S(0)"}
+        assert rules == ["global shape mismatch"] * 2
