@@ -133,18 +133,22 @@ def _expand_rule(ctx, args, kwargs, out):
     return shift_shards(pl, lambda d: norm_dim(d, x.dim()) + lead)
 
 
-def _cut_along(ctx, pl: Pl, ndim: int, dim: int, pieces: list[tuple[int, int]], total: int,
-               by_rank_slice: bool = False) -> list[Pl]:
-    """Placements of each piece (start, length) cut from a tensor along ``dim``.
+def _cut_along(ctx, x, pl: Pl, dim: int, pieces: list[tuple[int, int]],
+               total: int, by_rank_slice: bool = False) -> list[Pl]:
+    """Placements of each piece (start, length) cut from ``x`` (typed ``pl``) along ``dim``.
 
     Cutting along a sharded dim gives V. The rank-slice heuristic: a piece of an R tensor
     whose length is total / axis size and whose start is this rank's index on that axis
     times the length is S(dim) on that axis (Megatron's scatter-to-region idiom). A slice
-    (``by_rank_slice``) of a V tensor matching the pattern is a "split of varying".
+    (``by_rank_slice``) of a V tensor matching the pattern is a "split of varying". A constant
+    tensor (zeros, a fill) has equal pieces, so which one a rank takes says nothing: no guess.
     """
+    ndim = x.dim()
+    constant = ctx.const(x)
     results = []
     for start, length in pieces:
-        by_rank = rank_piece(ctx, pl, dim, total, start, length, by_rank_slice)
+        by_rank = {} if constant else rank_piece(ctx, pl, dim, total, start, length,
+                                                 by_rank_slice)
         per_axis = []
         for a, p in enumerate(pl):
             if a in by_rank:
@@ -205,7 +209,7 @@ def _slice_rule(ctx, args, kwargs, out):
     length = out.shape[dim]
     if step != 1:
         start = -1  # a strided slice is no rank's chunk
-    return _cut_along(ctx, pl, ndim, dim, [(start, length)], size, by_rank_slice=True)[0]
+    return _cut_along(ctx, x, pl, dim, [(start, length)], size, by_rank_slice=True)[0]
 
 
 def _select_rule(ctx, args, kwargs, out):
@@ -216,7 +220,7 @@ def _select_rule(ctx, args, kwargs, out):
     ndim = x.dim()
     dim = norm_dim(args[1], ndim)
     index = norm_dim(args[2], x.shape[dim])
-    (piece,) = _cut_along(ctx, pl, ndim, dim, [(index, 1)], x.shape[dim], by_rank_slice=True)
+    (piece,) = _cut_along(ctx, x, pl, dim, [(index, 1)], x.shape[dim], by_rank_slice=True)
     return shift_shards(piece, lambda d: None if d == dim else d - (d > dim))
 
 
@@ -231,7 +235,7 @@ def _split_rule(ctx, args, kwargs, out):
     for t in out:
         pieces.append((start, t.shape[dim]))
         start += t.shape[dim]
-    return _cut_along(ctx, pl, ndim, dim, pieces, x.shape[dim])
+    return _cut_along(ctx, x, pl, dim, pieces, x.shape[dim])
 
 
 def _unbind_rule(ctx, args, kwargs, out):
@@ -241,7 +245,7 @@ def _unbind_rule(ctx, args, kwargs, out):
         return None
     ndim = x.dim()
     dim = norm_dim(arg(args, kwargs, 1, "dim", 0), ndim)
-    pieces = _cut_along(ctx, pl, ndim, dim, [(k, 1) for k in range(len(out))], len(out))
+    pieces = _cut_along(ctx, x, pl, dim, [(k, 1) for k in range(len(out))], len(out))
     return [shift_shards(p, lambda d: None if d == dim else d - (d > dim)) for p in pieces]
 
 
