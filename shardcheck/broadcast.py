@@ -19,7 +19,7 @@ ELEMENTWISE = {
     "rsqrt", "pow", "reciprocal", "sigmoid", "tanh", "abs", "clone", "detach", "alias",
     "_to_copy", "contiguous", "positive", "sigmoid_backward", "tanh_backward",
 }
-_KINDS: dict[int, str | None] = {}
+_KINDS: dict[int, str] = {}  # id(OpOverload) -> "expand", "keep" or "" (nothing to record)
 
 
 def broadcast_dims(t: torch.Tensor) -> frozenset[int]:
@@ -31,13 +31,9 @@ def broadcast_dims(t: torch.Tensor) -> frozenset[int]:
     return frozenset(dims)
 
 
-def _kind(func) -> str | None:
-    kind = _KINDS.get(id(func))
-    if kind is None and id(func) not in _KINDS:
-        name = func.__name__.split(".")[0]
-        kind = "expand" if name == "expand" else ("keep" if name in ELEMENTWISE else None)
-        _KINDS[id(func)] = kind
-    return kind
+def _kind(func) -> str:
+    name = func.__name__.split(".")[0]
+    return "expand" if name == "expand" else ("keep" if name in ELEMENTWISE else "")
 
 
 def _of_operand(x: Any, ndim: int) -> frozenset[int] | None:
@@ -50,10 +46,18 @@ def _of_operand(x: Any, ndim: int) -> frozenset[int] | None:
 
 def record(func, args: tuple, out: Any) -> None:
     """Tag ``out`` with the dims it is a broadcast along, for expand and elementwise ops."""
-    kind = _kind(func)
-    if kind is None or not isinstance(out, torch.Tensor) or out.dim() == 0:
+    kind = _KINDS.get(id(func))  # OpOverloads live forever; id() hashes fastest
+    if kind is None:
+        kind = _KINDS[id(func)] = _kind(func)
+    if not kind or not isinstance(out, torch.Tensor):
         return
-    if kind == "keep" and not any(getattr(a, "_sc_broadcast", None) for a in args):
+    if kind == "keep":
+        for a in args:
+            if getattr(a, "_sc_broadcast", None) is not None:
+                break
+        else:
+            return
+    if out.dim() == 0:
         return
     found = [d for d in (_of_operand(a, out.dim()) for a in args) if d is not None]
     if not found:
