@@ -59,6 +59,7 @@ _KEEPS_ZERO = {
     "view", "_unsafe_view", "reshape", "permute", "transpose", "t", "unsqueeze", "squeeze",
     "expand", "slice", "select", "split", "split_with_sizes", "unbind", "clone", "detach",
     "alias", "_to_copy", "contiguous", "as_strided",
+    "index_select", "gather", "index", "take", "repeat", "flip", "roll",  # pick input elements
 }
 
 
@@ -132,6 +133,19 @@ class Coverage:
                  f"({100 * self.fraction:.1f}%)"]
         lines += [f"  unknown {name}: {count}" for name, count in self.top_unknown]
         return "\n".join(lines)
+
+
+@contextmanager
+def harness_code(*paths: str) -> Iterator[None]:
+    """Inside the block, violations are located past the code under ``paths`` (a harness that
+    drives the library under test), as they are past torch and shardcheck."""
+    global _SKIP_PREFIXES
+    saved = _SKIP_PREFIXES
+    _SKIP_PREFIXES = (*saved, *paths)
+    try:
+        yield
+    finally:
+        _SKIP_PREFIXES = saved
 
 
 def user_location() -> str:
@@ -237,8 +251,8 @@ class Checker(TorchDispatchMode):
         old = self.types(t)
         self.set_type(t, pl, flags)
         root = getattr(t, "_sc_root", None)
-        if root is None:
-            root = t
+        if root is None:  # a view made outside the region still shares its base's views
+            root = t if t._base is None else getattr(t._base, "_sc_root", t._base)
         views = getattr(root, "_sc_views", None)
         if not views and root is t:
             return
@@ -622,7 +636,7 @@ def rank_slice(x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
     length = x.shape[dim] // size
     with checker.paused():
         piece = x.narrow(dim, index * length, length)
-    checker.set_type(piece, pl[:a] + (_rules.S(dim % x.dim()),) + pl[a + 1:])
+    checker.set_type(piece, pl[:a] + (_rules.S(dim % x.dim()),) + pl[a + 1:], checker._flags(x))
     return piece
 
 

@@ -14,8 +14,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardcheck.rules import NO_TENSOR, PAVG, BlockShard, Gathered, Pl, Violation, as_pieces
-from shardcheck.types import I, P, Placement, R, S, Shard, V
+from shardcheck.rules import (
+    NO_TENSOR,
+    PAVG,
+    BlockShard,
+    Gathered,
+    Pl,
+    Violation,
+    as_pieces,
+    is_partial,
+    is_sum,
+)
+from shardcheck.types import I, Placement, R, S, Shard, V
 
 SUM, AVG, PRODUCT, MIN, MAX = "sum", "avg", "product", "min", "max"
 _C10D_OPS = {0: SUM, 1: AVG, 2: PRODUCT, 3: MIN, 4: MAX}  # c10d::ReduceOp::RedOpType
@@ -71,10 +81,10 @@ def _all_reduce_step(op: str) -> Callable[[Placement, int], Placement | None]:
                 raise Violation("double count", a)
             if p is PAVG:
                 raise Violation("mean over shard", a)
-            return R if p in (P, V) else V
+            return R if is_sum(p) or p is V else V
         if op == AVG:
-            return R if p in (P, V, PAVG, R, I) else V
-        if p is P or p is PAVG:
+            return R if is_partial(p) or p in (V, R, I) else V
+        if is_partial(p):
             raise Violation("mean over shard" if p is PAVG else "non-linear on partial", a)
         return R if p in (R, I, V) else V
     return step
@@ -100,7 +110,7 @@ def _scatter_step(op: str) -> Callable[[Placement, int], Placement | None]:
             raise Violation("scatter of replicated", a)
         if p is PAVG:
             raise Violation("mean over shard", a)
-        return S(0) if p in (P, V) else None
+        return S(0) if is_sum(p) or p is V else None
     return step
 
 
@@ -115,10 +125,15 @@ def _to_replicated(p: Placement, a: int) -> Placement:
 # --- c10d ops (torch.distributed's in-place API) --------------------------------------------
 
 def _typed_update(ctx, tensors, source_pl: Pl | None, axes, step) -> Any:
-    """Set every tensor in ``tensors`` (in place) to ``source_pl`` transformed on ``axes``."""
+    """Set every tensor in ``tensors`` (in place) to ``source_pl`` transformed on ``axes``.
+
+    An untyped tensor becomes unknown; its typed views (``param.main_grad`` in a flat
+    gradient buffer) are transformed on ``axes`` when ``step`` is given, else forgotten.
+    """
     if source_pl is None:
+        views = (lambda old: _on_axes(old, axes, step)) if step is not None else None
         for t in tensors:
-            ctx.update_inplace(t, None)
+            ctx.update_inplace(t, None, views)
         return None
     new = _on_axes(source_pl, axes, step)
     for t in tensors:
@@ -130,11 +145,21 @@ def _allreduce(ctx, args, kwargs, out):
     tensors, group, op = args[0], args[1], _reduce_op(args[2])
     pls = [ctx.types(t) for t in tensors]
     if any(pl is None for pl in pls):
-        return _typed_update(ctx, tensors, None, (), None)
+        return _buffer_update(ctx, tensors, group, _all_reduce_step(op))
     axes, step = _axes(ctx, group), _all_reduce_step(op)
     for t, pl in zip(tensors, pls, strict=True):
         _typed_update(ctx, [t], pl, axes, step)
     return NO_TENSOR
+
+
+def _buffer_update(ctx, tensors, group, step) -> Any:
+    """A collective on buffers without a type of their own (a flat gradient buffer holding
+    parameters of different layouts): each typed view of them takes the collective's step."""
+    try:
+        axes = _axes(ctx, group)
+    except UnknownAxis:
+        return _typed_update(ctx, tensors, None, (), None)
+    return _typed_update(ctx, tensors, None, axes, step)
 
 
 def _allgather(ctx, args, kwargs, out):
@@ -236,6 +261,7 @@ def _same_type(ctx, args, kwargs, out):
 
 C10D_RULES: dict[str, Callable] = {
     "allreduce_": _allreduce,
+    "allreduce_coalesced_": _allreduce,
     "allgather_": _allgather,
     "_allgather_base_": _allgather_base,
     "reduce_scatter_": _reduce_scatter,

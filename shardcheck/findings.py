@@ -39,6 +39,7 @@ class Finding:
     kind: str = "numeric-only"
     repro: str | None = None
     module: str | None = None  # importing it registers the target again, e.g. for `shardcheck repro`
+    origin: str = "fuzz"  # or "audit": its target is a Megatron component, its script a template's
     id: str = field(default="")
 
     def __post_init__(self) -> None:

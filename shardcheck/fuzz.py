@@ -12,6 +12,7 @@ contract: each distinct one is shrunk on its own.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import re
 import sys
@@ -28,7 +29,7 @@ from hypothesis import strategies as st
 from hypothesis.database import DirectoryBasedExampleDatabase
 
 from shardcheck.findings import DEFAULT_ROOT, Finding, FindingStore
-from shardcheck.repro import TYPE_ONLY, write_repro
+from shardcheck.repro import TYPE_ONLY, ReproError, write_repro
 from shardcheck.spaces import signature_space
 from shardcheck.trial import (
     Check,
@@ -262,7 +263,8 @@ def _store(findings: list[Finding], root: Path | str, target: FuzzTarget, write_
     store, new = FindingStore(root), []
     for finding in findings:
         if write_repros and target.repro is not None and finding.kind != TYPE_ONLY:
-            finding.repro = str(write_repro(finding, target, Path(root) / "repro" / f"{finding.id}.py"))
+            with contextlib.suppress(ReproError):  # e.g. a layout the target's template cannot script
+                finding.repro = str(write_repro(finding, target, Path(root) / "repro" / f"{finding.id}.py"))
         if store.save(finding):
             new.append(finding.id)
     return new

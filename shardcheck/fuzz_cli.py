@@ -6,6 +6,7 @@ import importlib
 import importlib.util
 import os
 import sys
+import warnings
 from pathlib import Path
 
 import click
@@ -105,13 +106,23 @@ def repro_command(finding_id: str, output: str | None, root: str) -> None:
     store = FindingStore(root)
     try:
         finding = store.load(finding_id)
-        path = write_repro(finding, _target(finding.target, module=finding.module), output or Path(root) / "repro" / f"{finding.id}.py")
+        path = _write_script(finding, output or Path(root) / "repro" / f"{finding.id}.py")
     except (KeyError, ReproError) as exc:
         raise click.ClickException(exc.args[0]) from None
     if output is None:
         finding.repro = str(path)
         store.save(finding)
     click.echo(f"wrote {path}\nrun:  torchrun --standalone --nproc-per-node={finding.world_size} {path}")
+
+
+def _write_script(finding: Finding, path: Path | str) -> Path:
+    """An audit finding's script from its component's template, a fuzz finding's from its target."""
+    if finding.origin == "audit":
+        warnings.filterwarnings("ignore", category=UserWarning)  # Megatron's "Apex is not installed"
+        from shardcheck.megatron.audit_repro import write_audit_script
+
+        return write_audit_script(finding, path)
+    return write_repro(finding, _target(finding.target, module=finding.module), path)
 
 
 @click.command("findings")

@@ -28,10 +28,9 @@ ParamsLike = nn.Module | Iterable[torch.Tensor] | Iterable[tuple[str, torch.Tens
 
 @dataclass(frozen=True)
 class GradientViolation(_checker.ViolationRecord):
-    """A recorded gradient or norm-accounting violation, with the parameter and axis it names."""
+    """A recorded gradient or norm-accounting violation, with the parameter (and axis) it names."""
 
     param: str = ""
-    axis: str = ""
 
 
 @dataclass
@@ -176,7 +175,7 @@ def report(checker: _checker.Checker, findings: list, op: str) -> None:
         if key not in seen:
             seen.add(key)
             checker.records.append(GradientViolation(
-                f.rule, location, op, _message(f, location, op), f.param, f.axis))
+                f.rule, location, op, _message(f, location, op), axis=f.axis, param=f.param))
 
 
 # --- automatic check before every optimizer step ----------------------------------------------

@@ -20,13 +20,18 @@ group with context parallelism), ``mp`` (tp x pp, "model parallel"), ``ep`` and 
 groups ``[[0, 2], [1, 3]]`` with data-parallel groups ``[[0, 1], [2, 3]]``; the base groups must
 still form a grid (every rank has a unique coordinate tuple, and a group's members share
 all their other coordinates).
+
+``tp2-dp2@dp-tp`` names a layout whose explicit groups are those of another rank order (here
+dp fastest, then tp; dimensions not named follow in the default order): what a model given
+its own process groups sees while Megatron's global groups keep the default order.
 """
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from math import prod
 
@@ -67,7 +72,14 @@ class Layout:
 
     @classmethod
     def parse(cls, text: str) -> Layout:
-        """Parse ``'tp2-dp2-sp'``-style strings: parts tp<N>, cp<N>, dp<N>, ep<N>, pp<N>, sp."""
+        """Parse ``'tp2-dp2-sp'``-style strings: parts tp<N>, cp<N>, dp<N>, ep<N>, pp<N>, sp;
+        a suffix ``@ORDER`` (e.g. ``'tp2-dp2@dp-tp'``) gives explicit groups, see :meth:`regrouped`."""
+        base, at, order = text.partition("@")
+        layout = cls._parse_sizes(base)
+        return layout.regrouped(order) if at else layout
+
+    @classmethod
+    def _parse_sizes(cls, text: str) -> Layout:
         sizes: dict[str, int] = {}
         sp = False
         parts = text.strip().lower().split("-") if text.strip() else []
@@ -90,11 +102,52 @@ class Layout:
         """A layout from a Layout or its string form."""
         return layout if isinstance(layout, Layout) else cls.parse(layout)
 
+    def regrouped(self, order: str) -> Layout:
+        """This layout with explicit groups: those it would have under rank order ``order``
+        (its dimensions of size > 1 from the fastest; the others follow in this layout's order)."""
+        named = order.strip().lower().split("-") if order.strip() else []
+        if not named or any(d not in BASE_DIMS for d in named) or len(set(named)) != len(named):
+            raise LayoutError(f"malformed group order {order!r}: expected distinct dims from "
+                              f"{', '.join(BASE_DIMS)}, e.g. 'dp-tp'")
+        rest = [d for d in self.order.split("-") if d not in named and d != "ep"]
+        other = replace(self, order="-".join(named + rest), explicit_groups=None)
+        groups = {d: [list(g) for g in other.partition(d)] for d in BASE_DIMS if getattr(self, d) > 1}
+        if all(other.partition(d) == self.partition(d) for d in groups):
+            raise LayoutError(f"order {order!r} gives {self} its default groups; "
+                              "name an order whose groups differ")
+        return replace(self, explicit_groups=groups)
+
+    @property
+    def global_layout(self) -> Layout:
+        """The layout without explicit groups: the groups of its rank order."""
+        return replace(self, explicit_groups=None)
+
     def __str__(self) -> str:
         parts = [f"{d}{getattr(self, d)}" for d in ("tp", "cp", "dp", "ep", "pp") if getattr(self, d) > 1]
         parts += ["sp"] if self.sp else []
-        explicit = f" (explicit {', '.join(sorted(self.explicit_groups))})" if self.explicit_groups else ""
-        return ("-".join(parts) or "tp1") + explicit
+        base = "-".join(parts) or "tp1"
+        if not self.explicit_groups:
+            return base
+        if self._explicit_order:
+            return f"{base}@{self._explicit_order}"
+        return f"{base} (explicit {', '.join(sorted(self.explicit_groups))})"
+
+    @cached_property
+    def _explicit_order(self) -> str | None:
+        """The shortest ``@ORDER`` whose groups are this layout's explicit groups, if any."""
+        dims = [d for d in BASE_DIMS if getattr(self, d) > 1]
+        for named in itertools.permutations(dims):
+            try:
+                candidate = self.global_layout.regrouped("-".join(named))
+            except LayoutError:
+                continue
+            if all(candidate.partition(d) == self.partition(d) for d in BASE_DIMS):
+                return "-".join(named)
+        return None
+
+    def spanning(self, dims: Sequence[str]) -> list[tuple[int, ...]]:
+        """The groups of ranks whose coordinates differ only on ``dims`` (each sorted by rank)."""
+        return _combine(self._grid.coords, keep=tuple(d for d in BASE_DIMS if d not in dims))
 
     @property
     def world_size(self) -> int:

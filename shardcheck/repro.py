@@ -10,12 +10,14 @@ generated script imports nothing from shardcheck.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pprint
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from string import Template
@@ -134,12 +136,18 @@ def write_repro(finding: Finding, target: FuzzTarget, path: Path | str) -> Path:
     if target.repro is None:
         raise ReproError(f"fuzz target {target.name!r} provides no repro script body "
                          "(register it with repro=...)")
+    return write_script(finding, target.repro, path)
+
+
+def write_script(finding: Finding, body: Callable[[Finding], ScriptBody], path: Path | str) -> Path:
+    """Write ``finding``'s script, around the code ``body(finding)`` gives, to ``path``."""
     if finding.kind == TYPE_ONLY:
         raise ReproError(f"finding {finding.id} is type-only: its numbers agree, so a script has "
                          "nothing to show; see its checker line")
+    text = render_script(finding, body(finding), filename=Path(path).name)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(render_script(finding, target.repro(finding), filename=path.name))
+    path.write_text(text)
     return path
 
 
@@ -153,8 +161,8 @@ class ReproRun:
 
 
 def run_repro(path: Path | str, nproc: int, env: dict[str, str] | None = None,
-              timeout: float = 300.0, launcher: str = "torchrun") -> ReproRun:
-    """Run a repro script on ``nproc`` ranks and tell whether it reproduces.
+              timeout: float = 300.0, launcher: str = "torchrun", args: tuple[str, ...] = ()) -> ReproRun:
+    """Run a repro script (with ``args``) on ``nproc`` ranks and tell whether it reproduces.
 
     ``launcher="torchrun"`` runs ``python -m torch.distributed.run --standalone``, as a user
     would; ``"direct"`` starts the ranks itself with the same environment variables, which skips
@@ -163,10 +171,10 @@ def run_repro(path: Path | str, nproc: int, env: dict[str, str] | None = None,
     base = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     if launcher == "torchrun":
         ranks = [([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   f"--nproc-per-node={nproc}", str(path)], base)]
+                   f"--nproc-per-node={nproc}", str(path), *args], base)]
     else:
         port = str(free_port())
-        ranks = [([sys.executable, str(path)],
+        ranks = [([sys.executable, str(path), *args],
                   {**base, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(nproc),
                    "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
                  for r in range(nproc)]
@@ -179,7 +187,8 @@ def run_repro(path: Path | str, nproc: int, env: dict[str, str] | None = None,
             outputs.append(process.communicate(timeout=max(deadline - time.monotonic(), 0.1)))
     except subprocess.TimeoutExpired:
         for process in processes:  # each rank (or torchrun and its ranks) has its own session
-            os.killpg(process.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):  # a rank that has exited already
+                os.killpg(process.pid, signal.SIGKILL)
             process.communicate()
         return ReproRun(BROKEN, -1, f"timed out after {timeout:.0f} s")
     returncode = next((p.returncode for p in processes if p.returncode), 0)

@@ -26,6 +26,15 @@ class _PartialAverage(Placement):
     symbol = "P(avg)"
 
 
+class _EvenPartial(Placement):
+    """A partial sum of which every rank holds the same share (a sum over equal shards of a
+    constant, e.g. the token count of an all-ones mask): the global value is n times the
+    local one. It is a P; :func:`elementwise` and the positively homogeneous ops know more."""
+
+    __slots__ = ()
+    symbol = "P(even)"
+
+
 class Gathered(Placement):
     """All-gathered along dim 0 from shards on ``dim``: rank blocks stacked on dim 0."""
 
@@ -71,13 +80,51 @@ class BlockShard(Shard):
         return hash(("S", self.dim, self.outer))
 
 
+class SectionShard(Shard):
+    """S(d) of a fused dim: the global dim concatenates sections (e.g. query, key, value), each
+    sharded over the axis, and every rank holds its piece of each section, in order;
+    ``sections`` are the local lengths. Megatron's fused column-parallel weights are laid out
+    so (their ``sharded_state_dict`` splits them per section); cutting such a dim at section
+    boundaries gives S(d) pieces."""
+
+    __slots__ = ("sections",)
+
+    def __init__(self, dim: int, sections: tuple[int, ...]) -> None:
+        super().__init__(dim)
+        self.sections = tuple(sections)
+
+    def __repr__(self) -> str:
+        return f"S({self.dim}, sections={list(self.sections)})"
+
+    def __eq__(self, other: object) -> bool:
+        return (isinstance(other, SectionShard) and other.dim == self.dim
+                and other.sections == self.sections)
+
+    def __hash__(self) -> int:
+        return hash(("S", self.dim, self.sections))
+
+    def piece(self, start: int, length: int) -> Shard | None:
+        """The shard of the local range [start, start+length) if it is whole sections."""
+        bounds = [0]
+        for size in self.sections:
+            bounds.append(bounds[-1] + size)
+        if start not in bounds or start + length not in bounds:
+            return None
+        inner = self.sections[bounds.index(start):bounds.index(start + length)]
+        return S(self.dim) if len(inner) == 1 else SectionShard(self.dim, inner)
+
+
 def outer_of(p: Shard) -> int:
     return p.outer if type(p) is BlockShard else 1
 
 
 def moved(p: Shard, dim: int) -> Shard:
     """The same kind of shard on another dim."""
-    return BlockShard(dim, p.outer) if type(p) is BlockShard else S(dim)
+    if type(p) is BlockShard:
+        return BlockShard(dim, p.outer)
+    if type(p) is RankChunk:
+        return RankChunk(dim)
+    return SectionShard(dim, p.sections) if type(p) is SectionShard else S(dim)
 
 
 def as_pieces(pl: tuple) -> tuple:
@@ -86,6 +133,7 @@ def as_pieces(pl: tuple) -> tuple:
 
 
 PAVG: Placement = _PartialAverage()
+PEVEN: Placement = _EvenPartial()
 NO_TENSOR = ()  # a typed result without tensor outputs (e.g. ``.item()``)
 
 Pl = tuple  # per-axis placements, None where unknown
@@ -161,7 +209,12 @@ def norm_dim(d: int, ndim: int) -> int:
 
 
 def is_partial(p: Placement | None) -> bool:
-    return p is P or p is PAVG
+    return p is P or p is PAVG or p is PEVEN
+
+
+def is_sum(p: Placement | None) -> bool:
+    """P, or its refinement P(even): the global value is the sum over the axis."""
+    return p is P or p is PEVEN
 
 
 def replicated(p: Placement | None) -> bool:
@@ -189,12 +242,13 @@ ADD, MUL, DIV, NL = "add", "mul", "div", "nl"
 
 
 class Typed:
-    """An operand that is no tensor yet: its placements and shape (e.g. addmm's product)."""
+    """An operand that is no tensor yet: its placements and shape (e.g. addmm's product), and
+    whether every element is known to be equal."""
 
-    __slots__ = ("pl", "shape")
+    __slots__ = ("pl", "shape", "const")
 
-    def __init__(self, pl: Pl, shape: tuple) -> None:
-        self.pl, self.shape = pl, shape
+    def __init__(self, pl: Pl, shape: tuple, const: bool = False) -> None:
+        self.pl, self.shape, self.const = pl, shape, const
 
 
 class _Operand:
@@ -233,7 +287,7 @@ def elementwise(ctx, items: list[tuple[Any, str]]) -> Pl | None:
                                 value))
         elif isinstance(value, Typed):
             out_ndim = max(out_ndim, len(value.shape))
-            ops.append(_Operand(value.pl, role, False, value.shape, False))
+            ops.append(_Operand(value.pl, role, False, value.shape, False, value.const))
         elif value is not None:
             ops.append(_Operand(None, role, value == 0, (), True))
     return tuple(_axis_elementwise(ops, a, out_ndim) for a in range(ctx.n))
@@ -274,20 +328,20 @@ def _axis_elementwise(ops: list[_Operand], a: int, out_ndim: int) -> Placement |
             return None
     partial = [o for o in tensors if is_partial(o.pl[a]) and not o.zero]
     if partial:
-        return _axis_partial(ops, partial, a)
+        return _axis_partial(ops, partial, a, out_ndim)
     return _axis_layout(tensors, a, out_ndim)
 
 
-def _axis_partial(ops: list[_Operand], partial: list[_Operand], a: int) -> Placement | None:
-    kind = partial[0].pl[a]
+def _axis_partial(ops: list[_Operand], partial: list[_Operand], a: int,
+                  out_ndim: int) -> Placement | None:
+    kind = _partial_kind(partial, a)
     avg = kind is PAVG
-    if any(o.pl[a] is not kind for o in partial):
-        raise Violation("mean over shard", a)
     for o in partial:
         if o.role == NL:
             raise Violation("mean over shard" if avg else "non-linear on partial", a)
-        if o.role == DIV:
-            raise Violation("mean over shard" if avg else "division by partial", a)
+    divisors = [o for o in partial if o.role == DIV]
+    if divisors:
+        return _even_quotient(ops, divisors, a, out_ndim)
     roles = {o.role for o in partial}
     varying = False
     for o in ops:
@@ -316,13 +370,76 @@ def _axis_partial(ops: list[_Operand], partial: list[_Operand], a: int) -> Place
     return V if varying else kind
 
 
+def _partial_kind(partial: list[_Operand], a: int) -> Placement:
+    """P(avg) when every partial operand is one (mixed with sums: a violation), P(even) when
+    every one is P(even), else P."""
+    kinds = {o.pl[a] for o in partial}
+    if PAVG in kinds:
+        if len(kinds) > 1:
+            raise Violation("mean over shard", a)
+        return PAVG
+    return PEVEN if kinds == {PEVEN} else P
+
+
+def _even_quotient(ops: list[_Operand], divisors: list[_Operand], a: int,
+                   out_ndim: int) -> Placement | None:
+    """Division by an even partial c = C/n: x_r / c = n x_r / C on every rank. A P numerator
+    gives a P(avg) (the mean over ranks is X/C: a mean over equal shards), a P(even) one gives
+    R (the n cancels). In a backward pass an R gradient gives R: gradients of a P(avg) loss
+    carry the factor n that the gradient average takes out (as in mean's backward, which
+    divides by the local count). Anything else divided by a partial is wrong on every rank.
+    An untyped numerator leaves the result unknown."""
+    divisor = divisors[0]
+    if len(divisors) > 1 or divisor.pl[a] is not PEVEN:
+        raise Violation("mean over shard" if divisor.pl[a] is PAVG else "division by partial", a)
+    if any(o.scalar and o.zero is None for o in ops):
+        return None
+    plain = _Operand(divisor.pl[:a] + (R,) + divisor.pl[a + 1:], MUL, divisor.zero,
+                     divisor.shape, divisor.scalar, divisor.const)
+    rest = [plain if o is divisor else o for o in ops]
+    numerator = _axis_elementwise(rest, a, out_ndim)
+    if numerator is P:
+        return PAVG
+    if numerator is PEVEN:
+        return R
+    if numerator is V or numerator is None:
+        return numerator
+    if replicated(numerator) and torch._C._current_graph_task_id() >= 0:  # in backward
+        return R
+    raise Violation("mean over shard" if numerator is PAVG else "division by partial", a)
+
+
 def _axis_layout(tensors: list[_Operand], a: int, out_ndim: int) -> Placement:
+    """The layout of an elementwise result. A rank chunk is a guess (this rank's piece of an R
+    tensor, e.g. one output of a split), and the shard of a constant is arbitrary (its pieces
+    are all equal); where they do not line up with the other operands, the program uses them
+    as the plain values they are on every rank, R."""
+    try:
+        return _shard_layout(tensors, a, out_ndim)
+    except Violation:
+        if not any(_loose_shard(o, a) for o in tensors):
+            raise
+    return _shard_layout([_as_piece(o, a) for o in tensors], a, out_ndim)
+
+
+def _loose_shard(o: _Operand, a: int) -> bool:
+    return type(o.pl[a]) is RankChunk or (o.const and isinstance(o.pl[a], Shard))
+
+
+def _as_piece(o: _Operand, a: int) -> _Operand:
+    if not _loose_shard(o, a):
+        return o
+    return _Operand(o.pl[:a] + (R,) + o.pl[a + 1:], o.role, o.zero, o.shape, o.scalar, o.const)
+
+
+def _shard_layout(tensors: list[_Operand], a: int, out_ndim: int) -> Placement:
     shard_dims = set()
-    varying, invariant_only = False, True
+    varying, invariant_only, guessed = False, True, True
     for o in tensors:
         p = o.pl[a]
         if isinstance(p, Shard):
             shard_dims.add((norm_dim(p.dim, len(o.shape)) + out_ndim - len(o.shape), outer_of(p)))
+            guessed = guessed and type(p) is RankChunk
         if p is V:
             varying = True
         if p is not I:
@@ -336,10 +453,23 @@ def _axis_layout(tensors: list[_Operand], a: int, out_ndim: int) -> Placement:
                 local = d - (out_ndim - len(o.shape))
                 if local >= 0 and not o.broadcast_on(local):
                     raise Violation("global shape mismatch", a)
-        return V if varying else (BlockShard(d, outer) if outer > 1 else S(d))
+        if varying:
+            return V
+        if outer > 1:
+            return BlockShard(d, outer)
+        return RankChunk(d) if guessed else _common_sections(tensors, a, d)
     if varying:
         return V
     return I if invariant_only and tensors else R
+
+
+def _common_sections(tensors: list[_Operand], a: int, d: int) -> Shard:
+    """S(d), keeping the sections when every sharded operand has the same ones."""
+    shards = {o.pl[a] for o in tensors if isinstance(o.pl[a], Shard)}
+    kinds = {(type(p), getattr(p, "sections", None)) for p in shards}
+    if len(kinds) == 1 and type(next(iter(shards))) is SectionShard:
+        return SectionShard(d, next(iter(kinds))[1])
+    return S(d)
 
 
 def _roles(*roles: str) -> Callable:
@@ -348,6 +478,21 @@ def _roles(*roles: str) -> Callable:
         items = [(args[i] if i < len(args) else None, role) for i, role in enumerate(roles)]
         return elementwise(ctx, items)
     return rule
+
+
+def _homogeneous_rule(ctx, args, kwargs, out):
+    """clamp, relu, abs: f(c*x; c*bounds) = c*f(x; bounds) for c > 0. On an even partial
+    every rank holds x = X/n, so the result is again an even share: of f of the total with
+    its bounds scaled by n. On any other partial they are non-linear."""
+    items = [(x, NL) for x in args[:3]]
+    pl = ctx.types(args[0])
+    if pl is None or PEVEN not in pl:
+        return elementwise(ctx, items)
+    share = Typed(tuple(R if p is PEVEN else p for p in pl), tuple(args[0].shape))
+    result = elementwise(ctx, [(share, NL), *items[1:]])
+    if result is None:
+        return None
+    return tuple(PEVEN if p is PEVEN and r is R else r for p, r in zip(pl, result, strict=True))
 
 
 def _add_rule(ctx, args, kwargs, out):
@@ -417,12 +562,13 @@ def reduction(kind: str, dim_pos: int = 1, keep_pos: int = 2) -> Callable:
         keep = bool(arg(args, kwargs, keep_pos, "keepdim", False))
         pl = tuple(moved(p, norm_dim(p.dim, max(ndim, 1))) if isinstance(p, Shard) and p.dim < 0
                    else p for p in pl)  # S(-1) and S(ndim-1) are the same shard
-        result = tuple(_reduce_axis(kind, p, a, dims, keep) for a, p in enumerate(pl))
-        return result
+        even = ctx.const(x)  # equal shards of a constant sum to equal shares
+        return tuple(_reduce_axis(kind, p, a, dims, keep, even) for a, p in enumerate(pl))
     return rule
 
 
-def _reduce_axis(kind: str, p: Placement | None, a: int, dims: set[int], keep: bool):
+def _reduce_axis(kind: str, p: Placement | None, a: int, dims: set[int], keep: bool,
+                 even: bool = False):
     if p is None or isinstance(p, Gathered):
         return None
     if is_partial(p):
@@ -433,7 +579,7 @@ def _reduce_axis(kind: str, p: Placement | None, a: int, dims: set[int], keep: b
         return p
     if p.dim in dims:
         if kind == "sum":
-            return P
+            return PEVEN if even else P
         if kind == "mean":
             return PAVG
         if kind == "max":
@@ -450,10 +596,8 @@ def _normalize_rule(ctx, args, kwargs, out):
         return None
     dim = norm_dim(args[1], x.dim())
     for a, p in enumerate(pl):
-        if p is P:
-            raise Violation("non-linear on partial", a)
-        if p is PAVG:
-            raise Violation("mean over shard", a)
+        if is_partial(p):
+            raise Violation("mean over shard" if p is PAVG else "non-linear on partial", a)
         if isinstance(p, Shard) and norm_dim(p.dim, x.dim()) == dim:
             raise Violation("normalization over shard", a)
     return pl
@@ -536,12 +680,12 @@ def _axis_contract(pls, a: int, out_spec: str) -> Placement | None:
     for p in ps:
         if p is None or type(p) is Gathered:
             return None
-        if p is P or p is PAVG:
+        if is_partial(p):
             partial = True
     if partial:
         if PAVG in ps:
             raise Violation("mean over shard", a)
-        if sum(1 for p in ps if p is P) > 1 or any(isinstance(p, Shard) for p in ps):
+        if sum(1 for p in ps if is_sum(p)) > 1 or any(isinstance(p, Shard) for p in ps):
             raise Violation("partial product", a)
         return V if V in ps else P
     letters, shard = set(), None
@@ -668,7 +812,7 @@ def _nll_backward_rule(ctx, args, kwargs, out):
         if g is None or x is None:
             result.append(None)
         else:
-            result.append(g if g is P or g is V else x)
+            result.append(g if is_sum(g) or g is V else x)
     return tuple(result)
 
 
@@ -687,14 +831,14 @@ def _scalar_rule(ctx, args, kwargs, out):
 # --- the table -----------------------------------------------------------------------------
 
 NONLINEAR_UNARY = [
-    "exp", "exp2", "expm1", "log", "log1p", "log2", "log10", "relu", "gelu", "silu", "sigmoid",
-    "tanh", "sqrt", "rsqrt", "abs", "erf", "erfinv", "sin", "cos", "reciprocal", "sign", "sgn",
+    "exp", "exp2", "expm1", "log", "log1p", "log2", "log10", "gelu", "silu", "sigmoid",
+    "tanh", "sqrt", "rsqrt", "erf", "erfinv", "sin", "cos", "reciprocal", "sign", "sgn",
     "floor", "ceil", "round", "trunc", "frac", "isnan", "isinf", "isfinite", "logical_not",
     "hardtanh", "leaky_relu", "elu", "softplus", "mish", "hardswish", "hardsigmoid",
-    "nan_to_num", "bitwise_not", "logit", "relu6", "square", "threshold",
-    "clamp", "clamp_min", "clamp_max", "pow", "tril", "triu", "any", "all", "sort", "topk",
-    "cumsum", "cumprod",
+    "nan_to_num", "bitwise_not", "logit", "relu6", "square", "threshold", "pow", "tril", "triu",
+    "any", "all", "sort", "topk", "cumsum", "cumprod",
 ]
+POSITIVELY_HOMOGENEOUS = ["clamp", "clamp_min", "clamp_max", "relu", "abs"]
 NONLINEAR_BINARY = [
     "maximum", "minimum", "eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or",
     "logical_xor", "bitwise_and", "bitwise_or", "bitwise_xor", "atan2", "fmod", "remainder",
@@ -745,6 +889,7 @@ def _base_table() -> dict[str, Callable]:
     table: dict[str, Callable] = {}
     table.update(dict.fromkeys(NONLINEAR_UNARY, _roles(NL, NL)))
     table.update(dict.fromkeys(NONLINEAR_BINARY, _roles(NL, NL)))
+    table.update(dict.fromkeys(POSITIVELY_HOMOGENEOUS, _homogeneous_rule))
     table.update(dict.fromkeys(LINEAR_UNARY, _unary_linear))
     table.update(dict.fromkeys(ACTIVATION_BACKWARD, _activation_backward))
     table.update(dict.fromkeys(FACTORIES, _replicated_rule))

@@ -13,6 +13,7 @@ from shardcheck.rules import (
     Gathered,
     Pl,
     RankChunk,
+    SectionShard,
     Typed,
     Violation,
     arg,
@@ -21,13 +22,14 @@ from shardcheck.rules import (
     is_partial,
     is_tensor,
     join,
+    moved,
     norm_dim,
     outer_of,
     reduced_dims,
     replicated,
     shift_shards,
 )
-from shardcheck.types import Placement, R, S, Shard, V
+from shardcheck.types import P, Placement, R, S, Shard, V
 
 
 def prod(xs) -> int:
@@ -55,12 +57,16 @@ def view_shard(in_shape, out_shape, p: Shard) -> Shard | None:
         elif start < pre < start * size:
             if candidates or pre % start or piece % prod(out_shape[j + 1:]):
                 break
-            return BlockShard(j, pre // start)
+            return BlockShard(j, pre // start) if type(p) is not SectionShard else None
         start *= size
     if not candidates:
         return None
-    return S(next((j for j in candidates if out_shape[j] == inner),
-                  next((j for j in candidates if out_shape[j] > 1), candidates[0])))
+    j = next((j for j in candidates if out_shape[j] == inner),
+             next((j for j in candidates if out_shape[j] > 1), candidates[0]))
+    if type(p) is SectionShard:  # sections survive only where the fused dim stays whole
+        whole = out_shape[j] == inner and prod(out_shape[j + 1:]) == prod(in_shape[d + 1:])
+        return moved(p, j) if whole else None
+    return S(j)
 
 
 def _view_rule(ctx, args, kwargs, out):
@@ -133,26 +139,25 @@ def _expand_rule(ctx, args, kwargs, out):
     return shift_shards(pl, lambda d: norm_dim(d, x.dim()) + lead)
 
 
-def _cut_along(ctx, x, pl: Pl, dim: int, pieces: list[tuple[int, int]],
-               total: int, by_rank_slice: bool = False) -> list[Pl]:
-    """Placements of each piece (start, length) cut from ``x`` (typed ``pl``) along ``dim``.
+def _cut_along(ctx, pl: Pl, ndim: int, dim: int, pieces: list[tuple[int, int]], total: int,
+               by_rank_slice: bool = False) -> list[Pl]:
+    """Placements of each piece (start, length) cut from a tensor along ``dim``.
 
     Cutting along a sharded dim gives V. The rank-slice heuristic: a piece of an R tensor
     whose length is total / axis size and whose start is this rank's index on that axis
     times the length is S(dim) on that axis (Megatron's scatter-to-region idiom). A slice
-    (``by_rank_slice``) of a V tensor matching the pattern is a "split of varying". A constant
-    tensor (zeros, a fill) has equal pieces, so which one a rank takes says nothing: no guess.
+    (``by_rank_slice``) of a V tensor matching the pattern is a "split of varying".
     """
-    ndim = x.dim()
-    constant = ctx.const(x)
     results = []
     for start, length in pieces:
-        by_rank = {} if constant else rank_piece(ctx, pl, dim, total, start, length,
-                                                 by_rank_slice)
+        by_rank = rank_piece(ctx, pl, dim, total, start, length, by_rank_slice)
         per_axis = []
         for a, p in enumerate(pl):
             if a in by_rank:
                 per_axis.append(by_rank[a])
+            elif isinstance(p, SectionShard) and norm_dim(p.dim, ndim) == dim:
+                section = p.piece(start, length)
+                per_axis.append(V if section is None else moved(section, dim))
             elif isinstance(p, Shard) and norm_dim(p.dim, ndim) == dim:
                 per_axis.append(V)
             elif isinstance(p, Gathered):
@@ -178,10 +183,13 @@ def rank_chunks(total: int, parts: int, index: int) -> set[tuple[int, int]]:
 
 def rank_piece(ctx, pl: Pl, dim: int, total: int, start: int, length: int,
                check_varying: bool) -> dict[int, Placement | None]:
-    """Axes on which the piece [start, start+length) is this rank's chunk of ``total``."""
+    """Axes on which the piece [start, start+length) is this rank's chunk of ``total``.
+
+    The whole dim is no rank's chunk: ``x[:, 0]`` of a dim of size 1 on rank 0 is the tensor.
+    """
     def matches(a: int) -> bool:
         size = ctx.sizes[a]
-        return size > 1 and (start, length) in rank_chunks(total, size, ctx.index[a])
+        return size > 1 and length < total and (start, length) in rank_chunks(total, size, ctx.index[a])
     by_rank = [a for a, p in enumerate(pl) if replicated(p) and matches(a)]
     if len(by_rank) == 1:
         return {by_rank[0]: S(dim) if check_varying else RankChunk(dim)}
@@ -209,7 +217,7 @@ def _slice_rule(ctx, args, kwargs, out):
     length = out.shape[dim]
     if step != 1:
         start = -1  # a strided slice is no rank's chunk
-    return _cut_along(ctx, x, pl, dim, [(start, length)], size, by_rank_slice=True)[0]
+    return _cut_along(ctx, pl, ndim, dim, [(start, length)], size, by_rank_slice=True)[0]
 
 
 def _select_rule(ctx, args, kwargs, out):
@@ -219,8 +227,9 @@ def _select_rule(ctx, args, kwargs, out):
         return None
     ndim = x.dim()
     dim = norm_dim(args[1], ndim)
-    index = norm_dim(args[2], x.shape[dim])
-    (piece,) = _cut_along(ctx, x, pl, dim, [(index, 1)], x.shape[dim], by_rank_slice=True)
+    # one index is no rank's chunk: it equals this rank's index by chance too often (a layer,
+    # a microbatch when there are as many as ranks)
+    (piece,) = _cut_along(ctx, pl, ndim, dim, [(-1, 1)], x.shape[dim])
     return shift_shards(piece, lambda d: None if d == dim else d - (d > dim))
 
 
@@ -235,7 +244,7 @@ def _split_rule(ctx, args, kwargs, out):
     for t in out:
         pieces.append((start, t.shape[dim]))
         start += t.shape[dim]
-    return _cut_along(ctx, x, pl, dim, pieces, x.shape[dim])
+    return _cut_along(ctx, pl, ndim, dim, pieces, x.shape[dim])
 
 
 def _unbind_rule(ctx, args, kwargs, out):
@@ -245,7 +254,11 @@ def _unbind_rule(ctx, args, kwargs, out):
         return None
     ndim = x.dim()
     dim = norm_dim(arg(args, kwargs, 1, "dim", 0), ndim)
-    pieces = _cut_along(ctx, x, pl, dim, [(k, 1) for k in range(len(out))], len(out))
+    pieces = _cut_along(ctx, pl, ndim, dim, [(k, 1) for k in range(len(out))], len(out))
+    # a rank-slice guess along the unbound dim has no dim left to shard: the piece of a
+    # replicated tensor is what every rank holds, R
+    pieces = [tuple(R if isinstance(p, RankChunk) and p.dim == dim else p for p in piece)
+              for piece in pieces]
     return [shift_shards(p, lambda d: None if d == dim else d - (d > dim)) for p in pieces]
 
 
@@ -256,7 +269,8 @@ def _pieces(ctx, tensors) -> list:
     items = []
     for t in tensors:
         pl = ctx.types(t)
-        items.append((Typed(as_pieces(pl), tuple(t.shape)) if pl is not None else t, ADD))
+        items.append((Typed(as_pieces(pl), tuple(t.shape), ctx.const(t)) if pl is not None else t,
+                      ADD))
     return items
 
 
@@ -317,7 +331,9 @@ def _scatter_rule(ctx, args, kwargs, out):
 
 def _index_rule(ctx, args, kwargs, out):
     """x[i0, i1, ...] with index tensors: indexing a sharded dim gives V (each rank picks from
-    its own shard); a shard after a leading block of indexed dims moves with the block."""
+    its own shard), except a lookup of rows in a row-sharded table by replicated indices,
+    which is an embedding lookup (P); a shard after a leading block of indexed dims moves
+    with the block."""
     x, indices = args[0], list(args[1])
     pl = ctx.types(x)
     if pl is None:
@@ -336,6 +352,11 @@ def _index_rule(ctx, args, kwargs, out):
             result.append(None)
         elif any(is_partial(i) for i in index_axis):
             raise Violation("non-linear on partial", a)
+        elif single_leading and type(p) is Shard and norm_dim(p.dim, x.dim()) == 0 \
+                and replicated(index_axis[0]):
+            # table[indices] is embedding(indices, table): a lookup in a row-sharded table
+            # is the masked partial lookup, typed as the embedding rule types it
+            result.append(P)
         elif isinstance(p, Shard) and norm_dim(p.dim, x.dim()) in picked:
             result.append(V)
         elif isinstance(p, Shard):
@@ -350,6 +371,17 @@ def _index_rule(ctx, args, kwargs, out):
         else:
             result.append(p)
     return tuple(result)
+
+
+def _nonzero_rule(ctx, args, kwargs, out):
+    """nonzero(x) (and ``torch.where(x)``): the positions of x's non-zero entries. The same on
+    every rank where x is replicated; a shard's (local positions) or a varying x's differ: V."""
+    pl = ctx.types(args[0])
+    if pl is None:
+        return None
+    if any(is_partial(p) for p in pl):
+        raise Violation("non-linear on partial", next(a for a, p in enumerate(pl) if is_partial(p)))
+    return tuple(None if p is None else R if replicated(p) else V for p in pl)
 
 
 def _index_put_rule(ctx, args, kwargs, out):
@@ -431,6 +463,27 @@ def _repeat_rule(ctx, args, kwargs, out):
     return tuple(result)
 
 
+def _constant_pad_rule(ctx, args, kwargs, out):
+    """Constant padding is local: S(d) stays S(d) if d is not padded (padding a sharded dim
+    pads every rank's piece, V); R and V stay; P stays P only when padding with zeros."""
+    x, pad = args[0], list(args[1])
+    pl = ctx.types(x)
+    if pl is None:
+        return None
+    value = arg(args, kwargs, 2, "value", 0)
+    padded = {x.dim() - 1 - i // 2 for i, amount in enumerate(pad) if amount}
+    result = []
+    for p in pl:
+        if isinstance(p, Shard) and not isinstance(p, BlockShard | RankChunk):
+            d = norm_dim(p.dim, x.dim())
+            result.append(V if d in padded else moved(p, d))
+        elif is_partial(p):
+            result.append(p if value == 0 or not padded else V)
+        else:
+            result.append(p if replicated(p) or p is V else None)
+    return tuple(result)
+
+
 RULES: dict[str, Callable] = {
     "view": _view_rule, "_unsafe_view": _view_rule, "reshape": _view_rule,
     "_reshape_alias": _view_rule,
@@ -441,8 +494,9 @@ RULES: dict[str, Callable] = {
     "cat": _cat_rule, "stack": _stack_rule,
     "index_select": _along_dim_rule(0, 1, 2), "gather": _along_dim_rule(0, 1, 2),
     "scatter": _scatter_rule, "scatter_add": _scatter_rule,
-    "index": _index_rule, "index_put": _index_put_rule,
+    "index": _index_rule, "index_put": _index_put_rule, "nonzero": _nonzero_rule,
     "flip": _flip_like(1), "roll": _flip_like(2), "repeat": _repeat_rule,
     "as_strided": _as_strided_rule, "fill": _fill_rule, "copy": _copy_rule,
+    "constant_pad_nd": _constant_pad_rule,
 }
 """Shape-op rules per op base name."""

@@ -199,13 +199,14 @@ def scatter_by_wrong_rank(index_group) -> torch.Tensor:
     return batch[:, r * width:(r + 1) * width]  # BUG: split of varying
 
 
-def varying_rows_by_layer(group) -> torch.Tensor:
-    """Each rank's own statistics, read row by row with a fixed index (no rank involved)."""
-    stats = sc.annotate(torch.randn(2, HIDDEN), dp=sc.V)
-    return sum(stats[layer] for layer in range(2))
+def varying_blocks_by_layer(group) -> torch.Tensor:
+    """Each rank's own statistics, read block by block with a fixed index (no rank involved)."""
+    stats, width = sc.annotate(torch.randn(4, HIDDEN), dp=sc.V), HIDDEN // 2
+    return sum(stats[:, layer * width:(layer + 1) * width] for layer in range(2))
 
 
-def varying_row_by_rank(group) -> torch.Tensor:
-    """Each rank's own data, then its row by rank as if it were replicated."""
-    stats = sc.annotate(torch.randn(2, HIDDEN), dp=sc.V)
-    return stats[dist.get_rank(group)]  # BUG: split of varying
+def varying_block_by_rank(group) -> torch.Tensor:
+    """Each rank's own data, then its block by rank as if it were replicated."""
+    stats, width = sc.annotate(torch.randn(4, HIDDEN), dp=sc.V), HIDDEN // 2
+    r = dist.get_rank(group)
+    return stats[:, r * width:(r + 1) * width]  # BUG: split of varying

@@ -8,6 +8,7 @@ from click.testing import CliRunner
 pytest.importorskip("megatron.core")
 
 from shardcheck.cli import main  # noqa: E402
+from shardcheck.findings import FindingStore  # noqa: E402
 
 
 @pytest.mark.parametrize(("args", "message"), [
@@ -28,7 +29,7 @@ def test_bad_input_gets_one_clear_line_and_a_nonzero_exit(args, message, tmp_pat
 @pytest.mark.slow
 def test_reproduce_command_reruns_one_finding_and_writes_the_report(tmp_path):
     args = ["audit", "--only", "output_loss", "--layouts", "tp2", "--set", "label_smoothing=0.1",
-            "--out", str(tmp_path)]
+            "--out", str(tmp_path), "--root", str(tmp_path / "store")]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     assert "1 finding(s) confirmed by parity, 0 type-only" in result.output
@@ -39,3 +40,8 @@ def test_reproduce_command_reruns_one_finding_and_writes_the_report(tmp_path):
                                   "layout": "tp2"}
     assert finding["reproduce"] == "shardcheck audit --only output_loss --layouts tp2 --set label_smoothing=0.1"
     assert "## Findings confirmed by parity (1)" in (tmp_path / "report.md").read_text()
+    script = tmp_path / "repro" / f"{finding['id']}.py"
+    assert finding["repro"] == str(script) and "vocab_parallel_cross_entropy(" in script.read_text()
+    assert f"torchrun --standalone --nproc-per-node=2 {script}" in (tmp_path / "report.md").read_text()
+    [stored] = FindingStore(tmp_path / "store").all()
+    assert (stored.id, stored.origin, stored.repro) == (finding["id"], "audit", str(script))

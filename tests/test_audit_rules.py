@@ -30,6 +30,11 @@ def _types_of_program():
         sc.annotate(weight, tp=sc.R)
         sc.annotate(tokens, tp=sc.S(1))
         found["replicated table indexed by sharded tokens"] = sc.typeof(weight[tokens])["tp"]
+        ids = sc.annotate(torch.tensor([[1, -200, 3], [4, 5, -200]]), tp=sc.R)
+        rows, cols = torch.where(ids != -200)
+        found["torch.where of a replicated mask"] = sc.typeof(rows)["tp"]
+        found["its second index (unbind of a [n, tp size] tensor)"] = sc.typeof(cols)["tp"]
+        found["nonzero of a shard"] = sc.typeof(torch.nonzero(x > 0))["tp"]
         mean_log = x.log_softmax(0).mean(dim=-1)
         (top - mean_log).sum()
     return {k: repr(v) for k, v in found.items()}, [v.rule for v in sc.violations()]
@@ -42,5 +47,7 @@ def test_rules_for_megatron_cross_entropy_and_router_patterns():
         "index along the sharded dim": "V", "index_put of a scalar keeps it": "V",
         "zeros_like of a shard": "S(-1)", "baddbmm with beta=0": "P",
         "replicated table indexed by sharded tokens": "S(1)",
+        "torch.where of a replicated mask": "R",
+        "its second index (unbind of a [n, tp size] tensor)": "R", "nonzero of a shard": "V",
     }
     assert rules == ["mean over shard"]  # R minus a mean over one rank's vocabulary shard

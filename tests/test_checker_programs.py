@@ -42,20 +42,20 @@ def _collected(program, group):
 def _rank_slices():
     world = dist.group.WORLD
     return {name: _collected(getattr(prog, name), world)
-            for name in ("varying_rows_by_layer", "varying_row_by_rank")}
+            for name in ("varying_blocks_by_layer", "varying_block_by_rank")}
 
 
-def test_a_fixed_index_into_varying_rows_is_not_a_rank_slice():
-    """Each rank's rank-slice heuristic fires once (rank 0 at row 0, rank 1 at row 1): told
+def test_a_fixed_index_into_varying_blocks_is_not_a_rank_slice():
+    """Each rank's rank-slice heuristic fires once (rank 0 at block 0, rank 1 at block 1): told
     apart from slicing by rank, where every rank cuts its own piece at the same op."""
     per_rank = spawn_ranks(_rank_slices, 2)
-    by_layer = [rank["varying_rows_by_layer"] for rank in per_rank]
+    by_layer = [rank["varying_blocks_by_layer"] for rank in per_rank]
     assert [len(rank) for rank in by_layer] == [1, 1]
     assert by_layer[0][0]["occurrence"] != by_layer[1][0]["occurrence"]
     assert sc.confirmed_across_ranks(by_layer) == []
-    [bug] = sc.confirmed_across_ranks(rank["varying_row_by_rank"] for rank in per_rank)
+    [bug] = sc.confirmed_across_ranks(rank["varying_block_by_rank"] for rank in per_rank)
     assert bug["rule"] == "split of varying" and bug["axis"] == "dp"
-    assert bug["location"].endswith("spmd_programs.py:" + str(_line_of(prog.varying_row_by_rank, "BUG")))
+    assert bug["location"].endswith("spmd_programs.py:" + str(_line_of(prog.varying_block_by_rank, "BUG")))
 
 
 def _line_of(function, marker: str) -> int:

@@ -48,7 +48,8 @@ def test_explicit_groups_replace_the_default_ones():
     layout = Layout(tp=2, dp=2, explicit_groups={"tp": [[0, 2], [1, 3]], "dp": [[0, 1], [2, 3]]})
     assert layout.group_ranks("tp", 2) == (0, 2)
     assert layout.coords(2) == {"tp": 1, "cp": 0, "dp": 0, "pp": 0}
-    assert layout != Layout(tp=2, dp=2) and str(layout) == "tp2-dp2 (explicit dp, tp)"
+    assert layout != Layout(tp=2, dp=2) and str(layout) == "tp2-dp2@dp-tp"
+    assert Layout.parse(str(layout)) == layout
 
 
 def test_explicit_groups_that_break_the_grid_are_refused():

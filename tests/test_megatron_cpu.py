@@ -136,3 +136,72 @@ def test_uneven_collectives_give_what_nccl_gives(rows_of_rank):
         assert torch.equal(result["gathered"], expected)
         own = torch.arange(rows_of_rank[rank] * 2, dtype=torch.float32).view(-1, 2)
         assert torch.equal(result["reduced"], own * 3)  # summed over ranks 1 and 2
+
+
+def test_llava_accepts_sequence_parallel_with_megatron_torch_attention(patched):
+    from megatron.core.models.multimodal import llava_model
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    assert llava_model.TEDotProductAttention is DotProductAttention and llava_model.HAVE_TE
+
+
+def test_clip_vit_default_norms_are_megatron_layernorm_with_equal_values(patched):
+    from megatron.core.models.vision.clip_vit_model import CLIPViTModel
+
+    passed = {}
+
+    def init(_self, *args, **kwargs):
+        passed.update(kwargs)
+
+    cpu._with_default_norms(init, WrappedTorchNorm)(None, "config", "spec")
+    assert passed == {"ln_pre_impl": WrappedTorchNorm, "ln_post_impl": WrappedTorchNorm}
+    passed.clear()
+    cpu._with_default_norms(init, WrappedTorchNorm)(None, "config", "spec", ln_post_impl=None)
+    assert passed["ln_post_impl"] is None  # a norm passed explicitly is kept
+    assert CLIPViTModel.__init__.__name__ == "init"  # the patch is in place
+    config = _config()
+    norm, plain = WrappedTorchNorm(config, 8), torch.nn.LayerNorm(8, eps=config.layernorm_epsilon)
+    x = torch.randn(3, 8)
+    assert torch.equal(norm(x), plain(x))
+
+
+def test_multimodal_patches_are_removed_with_the_others():
+    from megatron.core.models.multimodal import llava_model
+    from megatron.core.models.vision.clip_vit_model import CLIPViTModel
+
+    before = (llava_model.HAVE_TE, hasattr(llava_model, "TEDotProductAttention"), CLIPViTModel.__init__)
+    cpu.apply_cpu_patches()
+    cpu.remove_cpu_patches()
+    after = (llava_model.HAVE_TE, hasattr(llava_model, "TEDotProductAttention"), CLIPViTModel.__init__)
+    assert after == before == (False, False, before[2])
+def test_ssm_kernels_fill_the_failed_imports_and_are_removed_after():
+    from megatron.core.ssm import gated_delta_net, mamba_mixer
+
+    from shardcheck.megatron import kernels
+
+    cpu.apply_cpu_patches()
+    try:
+        assert gated_delta_net.chunk_gated_delta_rule is kernels.chunk_gated_delta_rule
+        assert gated_delta_net.l2norm is kernels.l2norm and gated_delta_net.HAVE_FLA
+        assert mamba_mixer.mamba_split_conv1d_scan_combined is kernels.mamba_split_conv1d_scan_combined
+        norm = mamba_mixer.ExtendedRMSNorm(8, group_size=4, norm_before_gate=False)
+        assert isinstance(norm, kernels.RMSNormGated)
+        assert "sharded_state_dict" in type(norm).__dict__  # Megatron's own method, kept
+    finally:
+        cpu.remove_cpu_patches()
+    assert gated_delta_net.chunk_gated_delta_rule is None and not gated_delta_net.HAVE_FLA
+    assert not hasattr(gated_delta_net, "l2norm") and not mamba_mixer.HAVE_MAMBA_SSM
+
+
+def test_gdn_gated_norm_runs_its_own_source_uncompiled(patched):
+    from types import SimpleNamespace
+
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet
+
+    norm = torch.nn.RMSNorm(4, eps=1e-6)
+    owner = SimpleNamespace(out_norm=norm, act_fn=torch.nn.functional.silu)
+    x, gate = torch.randn(2, 3, 4), torch.randn(2, 3, 4)
+    out = GatedDeltaNet._apply_gated_norm(owner, x, gate)
+    assert not hasattr(GatedDeltaNet._apply_gated_norm, "_torchdynamo_orig_callable")
+    expected = norm(x.reshape(-1, 4)) * torch.nn.functional.silu(gate.reshape(-1, 4))
+    assert torch.equal(out, expected)

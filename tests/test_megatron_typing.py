@@ -63,6 +63,7 @@ def test_tp2_sp_gpt_parameters_are_typed_from_megatron_metadata():
     norm, norm_reduced = types["decoder.layers.0.input_layernorm.weight"]
     assert _placements(norm)["tp"] == R and norm_reduced == ("tp",)
     assert all(_placements(text)["dp"] == R for text, _ in types.values())
+    assert all(_placements(text)["pp"] == V for text, _ in types.values())  # a stage's own layers
     assert axes["tp"] == (0, 1) and axes["dp"] == (0,)
 
 
@@ -104,3 +105,34 @@ def test_inputs_are_varying_over_dp_and_sequence_sharded_over_cp():
     assert input_types("attention_mask", seq_dim=2)["cp"] == S(2)
     with pytest.raises(ValueError, match="unknown input role"):
         input_types("weights")
+
+
+def _harness_types_on_rank() -> dict:
+    import torch
+    import torch.distributed as dist
+    from megatron.core.utils import make_viewless_tensor
+
+    import shardcheck as sc
+    from shardcheck.megatron import typecheck
+    from shardcheck.megatron.scenarios import training
+    from shardcheck.types import Mesh
+
+    found = {}
+    world = dist.group.WORLD
+    with megatron_parallel(RankContext(Layout(dp=2), dist.get_rank())), \
+            sc.typecheck(Mesh(rank=dist.get_rank(), tp=world, dp=world), mode="collect"):
+        view = sc.annotate(torch.randn(4, 6), tp=S(1), dp=R)[:3]  # a view, no rank chunk
+        found["viewless, unpatched"] = sc.typeof(make_viewless_tensor(view, True, True))
+        with typecheck._viewless_tensors_typed():
+            found["viewless"] = sc.typeof(make_viewless_tensor(view, True, True))
+        with typecheck._harness_values_typed(("tp", "dp")):
+            batches = training.data_parallel_share([{"ids": torch.zeros(3)} for _ in range(2)])
+            found["batch share"] = sc.typeof(batches[0]["ids"])
+    return {name: {axis: repr(p) for axis, p in types.items()} for name, types in found.items()}
+
+
+def test_harness_and_viewless_tensors_keep_their_types():
+    found = spawn_ranks(_harness_types_on_rank, 2)[0]
+    assert found["viewless"] == {"tp": "S(1)", "dp": "R"}
+    assert found["viewless, unpatched"] == {"tp": "R", "dp": "R"}  # what the fix is for
+    assert found["batch share"] == {"tp": "R", "dp": "V"}

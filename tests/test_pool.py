@@ -168,8 +168,9 @@ def test_parent_interrupt_kill_or_exception_leaves_no_process(how, tmp_path):
     parent = subprocess.Popen([sys.executable, str(script), how], stdout=subprocess.PIPE,
                               stderr=subprocess.DEVNULL, text=True, env=env)
     pids = [int(p) for p in parent.stdout.readline().split()]
-    assert len(pids) == 2 and all(alive(p) for p in pids)
-    if how != "raise":
+    assert len(pids) == 2
+    if how != "raise":  # a raising parent may already have stopped its ranks by now
+        assert all(alive(p) for p in pids)
         time.sleep(0.5)  # the parent is now waiting on the stuck job
         parent.send_signal(signal.SIGINT if how == "sigint" else signal.SIGKILL)
     assert parent.wait(timeout=30) != 0

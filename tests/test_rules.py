@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 import shardcheck as sc
-from shardcheck.rules import PAVG, BlockShard
+from shardcheck.rules import PAVG, PEVEN, BlockShard, SectionShard
 
 MESH = sc.Mesh(rank=0, tp=[0, 1])
 R, P, V, S = sc.R, sc.P, sc.V, sc.S
@@ -13,6 +13,15 @@ R, P, V, S = sc.R, sc.P, sc.V, sc.S
 
 def T(*shape, tp=R):  # noqa: N802 - a typed tensor factory, short on purpose
     return sc.annotate(torch.randn(*shape), tp=tp)
+
+
+def C(*shape, tp=R):  # noqa: N802 - a constant (all ones) typed tensor
+    return sc.annotate(torch.ones(*shape), tp=tp)
+
+
+def even(n=4):
+    """The token count of a sequence shard of an all-ones mask: P(even)."""
+    return C(n, tp=S(0)).sum()
 
 
 def outcome(program, mesh=MESH):
@@ -63,6 +72,40 @@ LINEAR_ON_PARTIAL = [
     ("P masked_fill 0", lambda: T(4, tp=P).masked_fill(T(4) > 0, 0.0), P),
     ("P masked_fill 1", lambda: T(4, tp=P).masked_fill(T(4) > 0, 1.0), "affine on partial"),
     ("where(R, P, 0)", lambda: torch.where(T(4) > 0, T(4, tp=P), 0.0), P),
+]
+
+EVEN_PARTIAL = [
+    ("sum of constant shard", even, PEVEN),
+    ("sum of shard", lambda: T(4, tp=S(0)).sum(), P),
+    ("P / P(even)", lambda: T(4, tp=S(0)).sum() / even(), PAVG),
+    ("P / clamp P(even)", lambda: T(4, tp=S(0)).sum() / torch.clamp(even(), min=1), PAVG),
+    ("P(even) / P(even)", lambda: (2 * even()) / even(), R),
+    ("R / P(even)", lambda: T(()) / even(), "division by partial"),
+    ("S / P(even)", lambda: T(4, tp=S(0)) / even(), "division by partial"),
+    ("P(avg) / P(even)", lambda: T(4, 3, tp=S(1)).mean(-1) / even(), "mean over shard"),
+    ("P / P", lambda: T(4, tp=S(0)).sum() / T(4, tp=S(0)).sum(), "division by partial"),
+    ("clamp P(even)", lambda: torch.clamp(even(), min=1), PEVEN),
+    ("relu P(even)", lambda: F.relu(even()), PEVEN),
+    ("abs P(even)", lambda: even().abs(), PEVEN),
+    ("clamp P", lambda: torch.clamp(T(4, tp=P), min=1), "non-linear on partial"),
+    ("exp P(even)", lambda: even().exp(), "non-linear on partial"),
+    ("P + P(even)", lambda: T((), tp=P) + even(), P),
+    ("P(even) * R", lambda: even() * T(()), PEVEN),
+    ("P(even) + R", lambda: even() + T(()), "affine on partial"),
+    ("select of a constant", lambda: C(2, 3)[0], R),  # rank 0's index: no chunk of a constant
+    ("index_select of a constant stays constant",
+     lambda: C(4, 2).index_select(0, torch.tensor([0, 3]))[0].sum(), R),
+]
+
+PIECES = [
+    ("split piece alone", lambda: torch.split(T(4, 3), 2)[0] * 2, S(0)),
+    ("split piece with R", lambda: torch.split(T(4, 3), 2)[0].log() - T(2, 3), R),
+    ("chunk piece with a shard", lambda: T(4, 3).chunk(2)[0] + T(2, 3, tp=S(1)),
+     "global shape mismatch"),
+    ("unsqueezed piece with a shard", lambda: T(2, 3, tp=S(1)) / T(4).chunk(2)[0].unsqueeze(-1), S(1)),
+    ("constant shard times R", lambda: C(4, 3, tp=S(0)) * T(4, 3), R),
+    ("cat with a constant", lambda: torch.cat([T(2, 3, tp=S(0)), C(2, 1).expand(2, 1)], 1), S(0)),
+    ("cat with a full R", lambda: torch.cat([T(2, 3, tp=S(0)), T(2, 1)], 1), "global shape mismatch"),
 ]
 
 NONLINEAR = {
@@ -158,6 +201,14 @@ SHAPES = [
     ("index along sharded dim", lambda: T(4, 6, tp=S(1))[torch.arange(4), torch.arange(4)], V),
     ("index before shard", lambda: T(4, 6, tp=S(1))[torch.tensor([0, 2])], S(1)),
     ("index of R", lambda: T(4, 6)[torch.tensor([0, 2])], R),
+    ("row lookup in a row-sharded table: embedding", lambda: T(4, 6, tp=S(0))[
+        torch.tensor([[0, 2]])], P),
+    ("row lookup agrees with embedding", lambda: F.embedding(torch.tensor([[0, 2]]),
+                                                            T(4, 6, tp=S(0))), P),
+    ("row lookup by varying indices", lambda: T(4, 6, tp=S(0))[
+        sc.annotate(torch.tensor([0, 2]), tp=V)], V),
+    ("row lookup by sharded indices", lambda: T(4, 6, tp=S(0))[
+        sc.annotate(torch.tensor([0, 2]), tp=S(0))], V),
     ("index_put into shard", lambda: T(4, 6, tp=S(1)).index_put_(
         (torch.arange(2),), T(2, 6, tp=V)), S(1)),
     ("index_put into V", lambda: T(4, tp=V).index_put_((torch.arange(2),), torch.tensor(0.0)),
@@ -168,6 +219,11 @@ SHAPES = [
         torch.empty(4, 2, 5), T(4, 2, 3, tp=S(0)), T(4, 3, 5, tp=S(0)), beta=0.0), S(0)),
     ("contiguous/clone/detach", lambda: T(4, 3, tp=S(1)).t().contiguous().clone().detach(), S(0)),
     ("type conversion", lambda: T(4, 3, tp=P).to(torch.float64).half(), P),
+    ("pad unsharded dim", lambda: F.pad(T(2, 4, 3, tp=S(1)), (0, 5)), S(1)),
+    ("pad sharded dim", lambda: F.pad(T(2, 4, 3, tp=S(1)), (0, 0, 1, 0)), V),
+    ("pad P with zeros", lambda: F.pad(T(4, 3, tp=P), (0, 2)), P),
+    ("pad P with ones", lambda: F.pad(T(4, 3, tp=P), (0, 2), value=1.0), V),
+    ("pad R", lambda: F.pad(T(4, 3), (2, 2), value=1.0), R),
     ("gather unsharded dim", lambda: torch.gather(T(4, 3, tp=S(0)), 1,
                                                   sc.annotate(torch.zeros(4, 1).long(), tp=S(0))),
      S(0)),
@@ -185,7 +241,8 @@ FACTORIES = [
     ("randint", lambda: torch.randint(0, 5, (3,)), V),
 ]
 
-ROWS = ELEMENTWISE + LINEAR_ON_PARTIAL + REDUCTIONS + MATMUL + SHAPES + FACTORIES
+ROWS = (ELEMENTWISE + LINEAR_ON_PARTIAL + EVEN_PARTIAL + PIECES + REDUCTIONS + MATMUL + SHAPES
+        + FACTORIES)
 
 
 @pytest.mark.parametrize(("program", "expected"), [r[1:] for r in ROWS], ids=[r[0] for r in ROWS])
@@ -199,6 +256,15 @@ def test_nonlinear_on_partial(name):
     assert outcome(lambda: op(T(4, 3, tp=P))) == "non-linear on partial"
     if name not in ("norm", "max"):  # these reduce every dim, the sharded one too
         assert not isinstance(outcome(lambda: op(T(4, 3, tp=S(0)))), str)
+
+
+def test_backward_through_a_division_by_an_even_count_is_replicated():
+    with sc.typecheck(MESH):
+        x = T(4, tp=S(0)).requires_grad_()
+        loss = x.sum() / torch.clamp(even(), min=1)
+        loss.backward()
+        assert sc.typeof(loss) == {"tp": PAVG} and sc.typeof(x.grad) == {"tp": R}  # a constant
+    assert outcome(lambda: torch.ones(()) / even()) == "division by partial"  # forward: n x too big
 
 
 def test_unknown_operand_gives_unknown_not_violation():
@@ -253,6 +319,30 @@ def test_rank_slice_heuristic_and_typed_helper():
         with pytest.raises(sc.SpmdTypeError) as info:
             sc.rank_slice(T(4, 6, tp=V), "tp", 0)
         assert info.value.rule == "split of varying"
+
+
+def test_the_whole_of_a_dim_is_no_ranks_chunk():
+    """x[:, 0] of a dim of size 1 on rank 0 is tp rank 0's 'chunk' of 1 in 2 only by accident."""
+    with sc.typecheck(MESH):
+        assert sc.typeof(T(4, 1, 3)[:, 0]) == {"tp": R}
+        assert sc.typeof(T(4, 1, 3, tp=V)[:, 0:1]) == {"tp": V}  # no split of varying either
+        assert sc.typeof(T(4, 2, 3)[:, 0:1]) == {"tp": S(1)}  # still this rank's chunk of 2
+
+
+def test_a_fused_dim_cut_at_its_sections_gives_shards():
+    """Megatron's fused column-parallel output: each rank holds its piece of q, k and v."""
+    fused = SectionShard(1, (2, 2, 4))
+    with sc.typecheck(MESH):
+        q, k, v = torch.split(T(3, 8, tp=fused), [2, 2, 4], dim=1)
+        assert sc.typeof(q) == sc.typeof(v) == {"tp": S(1)}
+        qk, _ = torch.split(T(3, 8, tp=fused), [4, 4], dim=1)
+        assert sc.typeof(qk) == {"tp": SectionShard(1, (2, 2))}
+        assert sc.typeof(torch.split(T(3, 8, tp=fused), [3, 5], dim=1)[0]) == {"tp": V}
+        assert sc.typeof(T(3, 8, tp=fused).t()) == {"tp": SectionShard(0, (2, 2, 4))}
+        assert sc.typeof(T(3, 8, tp=fused) * T(3, 8, tp=fused)) == {"tp": fused}
+        assert sc.typeof(T(3, 8, tp=fused) * T(3, 8, tp=S(1))) == {"tp": S(1)}
+        assert sc.typeof(T(3, 8, tp=fused).view(3, 2, 4)) == {}  # the fused dim is cut: unknown
+        assert sc.typeof(T(3, 8, tp=fused).view(3, 1, 8)) == {"tp": SectionShard(2, (2, 2, 4))}
 
 
 def test_item_and_tolist_are_typed_reads():

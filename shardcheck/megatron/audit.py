@@ -28,7 +28,7 @@ import torch
 
 from shardcheck.checker import confirmed_across_ranks
 from shardcheck.layout import Layout
-from shardcheck.megatron import audit_report, contracts
+from shardcheck.megatron import audit_report, contracts, explicit
 from shardcheck.megatron.audit_rank import run_case
 from shardcheck.megatron.audit_report import Finding
 from shardcheck.megatron.divergence import CallGap, Gap, first_call_gap, max_errors, output_gaps
@@ -39,7 +39,8 @@ from shardcheck.pool import PoolFailure, RankPool
 
 PRELOAD = ("megatron.core.pipeline_parallel.schedules", "megatron.core.optimizer",
            "megatron.core.transformer.moe.router", "megatron.core.models.gpt.gpt_model",
-           "shardcheck.megatron.scenarios")
+           "megatron.core.models.T5.t5_model", "megatron.core.models.multimodal.llava_model",
+           "shardcheck.megatron.scenarios", "megatron.core.ssm.gated_delta_net")
 RUN_TIMEOUT = 30.0
 INERT = "changes no output at one rank"
 
@@ -155,14 +156,25 @@ def _same_outputs(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> boo
     return a.keys() == b.keys() and all(a[k].shape == b[k].shape and torch.equal(a[k], b[k]) for k in a)
 
 
-def corrected_control(runner: Runner, minimal: Outcome) -> dict[str, Any] | None:
-    """Rerun the minimal trigger with its contract's fix patched in, compared with the reference."""
+def _fix_of(minimal: Outcome) -> tuple[str, str] | None:
+    """The fix to apply (name, note): explicit groups for a global-group use, else the contract's."""
+    if audit_report.global_group_use(minimal) is not None:
+        return explicit.FIX, explicit.FIX_NOTE
     if minimal.call_gap is None or contracts.BY_NAME[minimal.call_gap.contract].fix is None:
         return None
     contract = contracts.BY_NAME[minimal.call_gap.contract]
-    fixed = runner.run(minimal.case, fixes=(contract.name,))
+    return contract.name, contract.fix_note
+
+
+def corrected_control(runner: Runner, minimal: Outcome) -> dict[str, Any] | None:
+    """Rerun the minimal trigger with its fix patched in, compared with the reference."""
+    fix = _fix_of(minimal)
+    if fix is None:
+        return None
+    fix_name, note = fix
+    fixed = runner.run(minimal.case, fixes=(fix_name,))
     if fixed.error:
-        return {"fix": contract.fix_note, "result": f"the corrected run failed: {fixed.error}",
+        return {"fix": note, "result": f"the corrected run failed: {fixed.error}",
                 "equal_to_reference": False}
     names = [g.name for g in minimal.gaps]
     errors = {name: fixed.errors.get(name) for name in names}
@@ -170,7 +182,7 @@ def corrected_control(runner: Runner, minimal: Outcome) -> dict[str, Any] | None
     ok = not fixed.gaps and fixed.call_gap is None
     verdict = ("corrected == reference" if ok else
                f"still differs: {', '.join(g.name for g in fixed.gaps[:3])}")
-    return {"fix": contract.fix_note, "result": f"{verdict} (max abs error of the diverging outputs "
+    return {"fix": note, "result": f"{verdict} (max abs error of the diverging outputs "
             f"{worst:.3g} after the fix)", "equal_to_reference": ok, "max_abs_error": worst}
 
 

@@ -17,7 +17,7 @@ def _layouts(text: str | None):
     from shardcheck.megatron.sweep import layouts
 
     if not text:
-        return layouts()
+        return layouts(explicit=True)
     try:
         return [Layout.parse(part) for part in text.split(",") if part.strip()]
     except LayoutError as exc:
@@ -44,7 +44,7 @@ def _fixed_options(component_names: list[str], pairs: tuple[str, ...]) -> tuple:
 
 def _plan(only: tuple[str, ...], layouts_text: str | None, sets: tuple[str, ...], budget: int | None):
     from shardcheck.megatron.scenarios import COMPONENTS
-    from shardcheck.megatron.sweep import Case, component_options, plan
+    from shardcheck.megatron.sweep import Case, component_options, plan, runs_under
 
     unknown = [c for c in only if c not in COMPONENTS]
     if unknown:
@@ -54,7 +54,8 @@ def _plan(only: tuple[str, ...], layouts_text: str | None, sets: tuple[str, ...]
     layout_list = _layouts(layouts_text)
     if sets:
         options = _fixed_options(names, sets)
-        return [Case(c, options, layout) for layout in layout_list for c in names]
+        return [Case(c, options, layout) for layout in layout_list for c in names
+                if runs_under(c, layout)]
     return plan({c: component_options(c) for c in names}, layout_list, None)
 
 
@@ -65,18 +66,24 @@ def _plan(only: tuple[str, ...], layouts_text: str | None, sets: tuple[str, ...]
               help=f"Stop starting cases after MIN minutes (default {DEFAULT_TIME_LIMIT_MIN:g}).")
 @click.option("--only", multiple=True, metavar="COMPONENT", help="Audit only these components (repeatable).")
 @click.option("--layouts", "layouts_text", default=None, metavar="LIST",
-              help="Comma-separated layouts, e.g. tp2,tp2-sp,cp2 (default: every grid up to 4 ranks).")
+              help="Comma-separated layouts, e.g. tp2,tp2-sp,cp2; tp2-dp2@dp-tp gives the model "
+                   "explicit groups of another rank order (default: every grid up to 4 ranks).")
 @click.option("--set", "sets", multiple=True, metavar="NAME=VALUE",
               help="Run exactly these options (repeatable) instead of sweeping; used by reproduce commands.")
 @click.option("--out", "out_dir", default="audit-out", show_default=True, type=click.Path(file_okay=False),
               help="Where report.md and findings.json go.")
 @click.option("--json", "as_json", is_flag=True, help="Print findings.json to stdout instead of the summary.")
 @click.option("--no-typecheck", is_flag=True, help="Parity only, without the type checker.")
+@click.option("--root", default=".shardcheck", show_default=True, type=click.Path(file_okay=False),
+              help="The findings store shared with fuzz, repro and findings.")
 def audit_command(budget: int | None, time_limit: float | None, only: tuple[str, ...],
                   layouts_text: str | None, sets: tuple[str, ...], out_dir: str, as_json: bool,
-                  no_typecheck: bool) -> None:
+                  no_typecheck: bool, root: str) -> None:
     """Audit megatron-core: run its components over the generic sweep of options and layouts
-    on Gloo ranks, compare each with one rank, type-check it, and report deduplicated findings."""
+    on Gloo ranks, compare each with one rank, type-check it, and report deduplicated findings.
+
+    Each confirmed finding gets a torchrun script in OUT/repro/ and every finding is kept in
+    the store at ROOT, for `shardcheck repro` and `shardcheck findings`."""
     if budget is not None and time_limit is not None:
         raise click.UsageError("give --budget or --time-limit, not both")
     warnings.filterwarnings("ignore", category=UserWarning)  # Megatron's "Apex is not installed"
@@ -86,6 +93,7 @@ def audit_command(budget: int | None, time_limit: float | None, only: tuple[str,
         raise click.ClickException("megatron-core is not installed: pip install 'shardcheck[megatron]'") from None
     from shardcheck.megatron import audit_report
     from shardcheck.megatron.audit import audit
+    from shardcheck.megatron.audit_repro import save_with_scripts
 
     started = time.monotonic()
     cases = _plan(only, layouts_text, sets, budget)
@@ -95,6 +103,7 @@ def audit_command(budget: int | None, time_limit: float | None, only: tuple[str,
     with _progress(len(cases) if budget is None else min(budget, len(cases)), as_json) as show:
         result = audit(cases, budget=budget, time_limit=limit, typecheck=not no_typecheck, progress=show)
     summary = result.summary()
+    save_with_scripts(result.findings, Path(out_dir), root)
     summary["wall time (s)"] = round(time.monotonic() - started, 1)
     audit_report.write(Path(out_dir), result.findings, summary)
     if as_json:
@@ -135,7 +144,7 @@ class _progress:
 def _print_summary(result, summary: dict, out_dir: Path) -> None:
     from rich.console import Console
 
-    from shardcheck.megatron.audit_report import show_number
+    from shardcheck.megatron.audit_report import script_line, show_number
 
     console = Console(highlight=False, soft_wrap=True)
     console.print(f"audit: {summary['cases run']} cases run, {summary['cases failed to run']} failed to run, "
@@ -155,7 +164,7 @@ def _print_summary(result, summary: dict, out_dir: Path) -> None:
             console.print(f"    {f.checker}")
         if f.corrected:
             console.print(f"    corrected control: {f.corrected['result']}")
-        console.print(f"    reproduce: {f.reproduce}")
+        console.print(f"    reproduce: {f.reproduce}\n    script: {script_line(f)}")
     for n, f in enumerate(typed_only, len(confirmed) + 1):
         console.print(f"[{n}] {f.id} type-only  {f.checker}  ({f.trigger['component']} @ "
                       f"{f.trigger['layout']} {f.trigger['options'] or ''})")

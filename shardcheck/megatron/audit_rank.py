@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from shardcheck.megatron import contracts
+from shardcheck.megatron import contracts, explicit
 from shardcheck.megatron.sweep import setup_kwargs
 from shardcheck.megatron.typecheck import checked_region
 
@@ -25,6 +25,9 @@ def run_case(ctx: Any, component: str, options: tuple, fixes: tuple[str, ...], t
     """Run one component with its options on this rank; outputs, contracted calls, violations.
 
     ``rng_offset`` shifts the seed of Megatron's model-parallel RNG (screening for randomness).
+    Collectives issued on a global group that the layout's explicit groups replace are
+    violations too (:mod:`shardcheck.megatron.explicit`); the fix ``explicit.FIX`` reruns with
+    the global groups pointed at the explicit ones.
     """
     from shardcheck.megatron.scenarios import COMPONENTS, scenario
 
@@ -38,11 +41,14 @@ def run_case(ctx: Any, component: str, options: tuple, fixes: tuple[str, ...], t
         stack.enter_context(_seed_shifted(rng_offset))
         entries = stack.enter_context(_entry_points())
         calls = stack.enter_context(contracts.recording())
-        stack.enter_context(contracts.fixed(fixes))
+        stack.enter_context(contracts.fixed(tuple(f for f in fixes if f != explicit.FIX)))
+        stack.enter_context(explicit.routed(explicit.FIX in fixes))
+        misuses = stack.enter_context(explicit.recording())
         found = stack.enter_context(checked_region(ctx) if typecheck else nullcontext([]))
         outputs = run(ctx)
     return {"outputs": {k: torch.as_tensor(v).detach().double().clone() for k, v in outputs.items()},
-            "calls": calls, "violations": list(found), "entry": entries[0] if entries else None}
+            "calls": calls, "violations": [*misuses, *found],
+            "entry": entries[0] if entries else None}
 
 
 def _quiet_worker() -> None:

@@ -13,13 +13,14 @@ when only parity did, ``type-only`` when only the checker did.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from shardcheck.findings import finding_id
+from shardcheck.layout import Layout
 from shardcheck.megatron.contracts import BY_NAME
 from shardcheck.megatron.sweep import Case
 
@@ -40,9 +41,22 @@ class Finding:
     reproduce: str
     seen_in: list[str] = field(default_factory=list)
     id: str = ""
+    repro: str | None = None  # the torchrun script, or "no script: why"
 
     def __post_init__(self) -> None:
-        self.id = self.id or hashlib.sha1(f"{self.location}\0{self.contract}".encode()).hexdigest()[:10]
+        self.id = self.id or finding_id(self.location, self.contract)
+
+
+GLOBAL_GROUP_CONTRACT = ("collectives of a model given a pg_collection use its groups: a value "
+                         "laid out over pg_collection.X is reduced over pg_collection.X, not over "
+                         "parallel_state's global X group")
+
+
+def global_group_use(outcome) -> dict | None:
+    """The first collective the outcome issued on a global group its explicit groups replace."""
+    from shardcheck.megatron.explicit import RULE
+
+    return next((v for v in outcome.violations if v["rule"] == RULE), None)
 
 
 def violation_key(violation: dict) -> tuple[str, str]:
@@ -50,6 +64,9 @@ def violation_key(violation: dict) -> tuple[str, str]:
 
 
 def _key(outcome) -> tuple[str, str] | None:
+    misuse = global_group_use(outcome)
+    if misuse is not None:
+        return misuse["location"], GLOBAL_GROUP_CONTRACT
     if outcome.call_gap is not None:
         contract = BY_NAME[outcome.call_gap.contract]
         return contract.location(), contract.notation()
@@ -80,12 +97,20 @@ def group(failed: Sequence) -> dict[tuple[str, str], list]:
     for outcome in numeric:
         groups.setdefault(by_options[(outcome.case.component, outcome.case.options)], []).append(outcome)
     explained = {violation_key(v): key for key, members in groups.items()
-                 for o in members for v in o.violations}
+                 for o in members for v in o.violations if _explains(key, v)}
     for outcome in (o for o in failed if not o.gaps):
         for violation in outcome.violations:
             groups.setdefault(explained.get(violation_key(violation), violation_key(violation)),
                               []).append(outcome)
     return groups
+
+
+def _explains(key: tuple[str, str], violation: dict) -> bool:
+    """Whether a numeric finding explains a violation its cases have: a global-group finding
+    explains only global-group uses (its cases may break other rules for other reasons)."""
+    from shardcheck.megatron.explicit import RULE
+
+    return key[1] != GLOBAL_GROUP_CONTRACT or violation["rule"] == RULE
 
 
 def checker_line(location: str, members: Sequence, baseline_violations: set[tuple[str, str]]) -> str | None:
@@ -111,6 +136,9 @@ def trigger(case: Case) -> dict[str, Any]:
 def title(key: tuple[str, str], minimal) -> str:
     case = minimal.case
     opts = ", ".join(f"{k}={v}" for k, v in case.options) or "default options"
+    if (misuse := global_group_use(minimal)) is not None:
+        return (f"{misuse['op']} on parallel_state's global {misuse['group']} group instead of the "
+                f"model's pg_collection.{misuse['group']} under {case.layout} ({opts})")
     if minimal.call_gap is not None:
         what = minimal.call_gap.gap.name.split(".", 1)[1]
         return f"{minimal.call_gap.contract}: {what} differs from one rank under {case.layout} ({opts})"
@@ -174,7 +202,19 @@ def _finding_lines(n: int, f: Finding) -> list[str]:
                   f"(relative {e['max_rel_error']:.3g})" for e in f.effect]
         lines.append(f"- **corrected control**: {f.corrected['fix']} -> {f.corrected['result']}" if f.corrected
                      else "- **corrected control**: none (no evident fix for this contract)")
-    return lines + [f"- **seen in**: {', '.join(f.seen_in)}", f"- **reproduce**: `{f.reproduce}`", ""]
+    lines += [f"- **seen in**: {', '.join(f.seen_in)}", f"- **reproduce**: `{f.reproduce}`"]
+    if f.repro:
+        lines.append(f"- **repro script**: {script_line(f, quote='`')}")
+    return lines + [""]
+
+
+def script_line(f: Finding, quote: str = "") -> str:
+    """How to run a finding's script (the command between ``quote`` marks), or why it has none."""
+    if f.repro is None or f.repro.startswith("no script: "):
+        return "none" + (f": {f.repro.removeprefix('no script: ')}" if f.repro else "")
+    nproc = Layout.parse(f.trigger["layout"]).world_size
+    command = f"torchrun --standalone --nproc-per-node={nproc} {f.repro}"
+    return f"{quote}{command}{quote} (exits 0 while the bug reproduces)"
 
 
 def markdown(findings: Sequence[Finding], summary: dict[str, Any]) -> str:

@@ -345,3 +345,20 @@ def fixed(names: tuple[str, ...]) -> Iterator[None]:
         yield
     finally:
         _FIXED.difference_update(names)
+
+
+@contextmanager
+def probes_installed() -> Iterator[None]:
+    """:func:`install` for the block only: every megatron-core reference is restored after it."""
+    fresh = [c.name for c in CONTRACTS if c.name not in _ORIGINALS]
+    install()
+    try:
+        yield
+    finally:
+        for name in fresh:
+            original = _ORIGINALS.pop(name)
+            for module in list(sys.modules.values()):
+                probe = getattr(module, original.__name__, None)
+                if getattr(module, "__name__", "").startswith("megatron") and \
+                        getattr(probe, "__wrapped__", None) is original:
+                    setattr(module, original.__name__, original)

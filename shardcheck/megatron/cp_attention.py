@@ -2,7 +2,8 @@
 
 megatron-core's own ``DotProductAttention`` refuses ``context_parallel_size > 1``; CP attention
 exists only in Transformer Engine (GPU kernels). This stand-in keeps Megatron's torch attention
-and adds exactly what CP needs: keys and values are all-gathered over the CP group (their
+and adds exactly what CP needs: keys and values are all-gathered over the CP group (the
+model's ``pg_collection.cp`` when it was given one, else ``parallel_state``'s; their
 gradients summed back), and the causal mask is built from each token's global position in
 Megatron's load-balanced chunk order (rank r holds chunks r and 2*cp-1-r). Anything it finds
 is a finding about this module, not about Megatron; it is here so the rest of the model runs
@@ -59,7 +60,7 @@ class ContextParallelTorchAttention(DotProductAttention):
                 attention_bias=None, packed_seq_params=None):
         from megatron.core import parallel_state
 
-        group = parallel_state.get_context_parallel_group()
+        group = getattr(self.pg_collection, "cp", None) or parallel_state.get_context_parallel_group()
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         if attention_mask is not None:
             raise ValueError("an explicit attention mask with context parallelism is not supported")

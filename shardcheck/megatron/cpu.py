@@ -37,6 +37,27 @@ computes. Each patch below replaces one such place with its CPU equivalent and n
    and cut back (unseen by the type checker, which types the exchange as the uneven
    collective); even pieces go straight to torch.
 
+10. ``llava_te_attention``: ``LLaVAModel`` accepts sequence parallelism only when the language
+    model's core attention is Transformer Engine's ``TEDotProductAttention``; without Transformer
+    Engine that name is undefined in ``llava_model`` and the check cannot pass. There it names
+    megatron-core's torch ``DotProductAttention`` (the local spec's) and ``HAVE_TE`` is set,
+    which ``llava_model`` reads only in that check and in its context-parallel path (refused).
+
+11. ``clip_norm``: without Transformer Engine, ``CLIPViTModel``'s default ``ln_pre``/``ln_post``
+    is ``torch.nn.LayerNorm``, which cannot take the ``config`` Megatron builds it with; the
+    defaults become megatron-core's ``WrappedTorchNorm`` (the same LayerNorm, built from the
+    config), the CPU stand-in for ``TENorm``. Explicitly passed norms are left alone.
+12. ``ssm_kernels``: Gated DeltaNet and the Mamba mixer import their kernels from CUDA-only
+   packages (``fla``, ``causal_conv1d``, ``mamba_ssm``) and refuse to build without them. Where
+   the import failed, the plain-torch equivalents of :mod:`shardcheck.megatron.kernels` are set
+   as those module attributes, and the mixer's ``ExtendedRMSNorm`` (a MagicMock subclass
+   without ``mamba_ssm``) becomes the plain gated RMSNorm with Megatron's own
+   ``sharded_state_dict``. ``mamba_mixer`` also imports Triton inference helpers at module
+   level: when Triton is missing, a stand-in module whose functions refuse to run (they are
+   only used for inference) lets it import. Needs ``einops`` for Mamba. GatedDeltaNet's
+   ``_apply_gated_norm`` is wrapped in ``torch.compile`` (Megatron's ``jit_fuser``), which on a
+   CPU compiles C++ for seconds in every new rank process: it runs as the plain function.
+
 ``apply_cpu_patches()`` applies all of them (idempotent) and ``remove_cpu_patches()`` restores
 every original.
 """
@@ -279,6 +300,105 @@ def _patch_uneven_collectives() -> None:
     _set(dist, "reduce_scatter", _gloo_reduce_scatter(dist.reduce_scatter))
 
 
+def _patch_llava_te_attention() -> None:
+    from megatron.core.models.multimodal import llava_model
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    if llava_model.HAVE_TE:
+        return
+    _originals.append((llava_model, "TEDotProductAttention",
+                       getattr(llava_model, "TEDotProductAttention", _MISSING)))
+    llava_model.TEDotProductAttention = DotProductAttention
+    _set(llava_model, "HAVE_TE", True)
+
+
+def _with_default_norms(original_init: Callable[..., Any], norm: type) -> Callable[..., Any]:
+    def init(self, *args, **kwargs):
+        if len(args) <= 2:  # the norms were not passed positionally
+            kwargs.setdefault("ln_pre_impl", norm)
+            kwargs.setdefault("ln_post_impl", norm)
+        original_init(self, *args, **kwargs)
+
+    return init
+
+
+def _patch_clip_norm() -> None:
+    from megatron.core.models.vision import clip_vit_model
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    if clip_vit_model.NORM_IMPL is torch.nn.LayerNorm:
+        model = clip_vit_model.CLIPViTModel
+        _set(model, "__init__", _with_default_norms(model.__init__, WrappedTorchNorm))
+def _set_missing(owner: Any, name: str, value: Any) -> None:
+    """Set ``owner.name`` to ``value`` where the import that defines it failed (None or unset)."""
+    current = getattr(owner, name, _MISSING)
+    if current is None or current is _MISSING:
+        _originals.append((owner, name, current))
+        setattr(owner, name, value)
+
+
+_TRITON_TENSOR_OPS = "megatron.core.inference.contexts.attention_context.triton.tensor_ops"
+
+
+def _inference_only(name: str) -> Callable[..., Any]:
+    def refuse(*_args: Any, **_kwargs: Any) -> None:
+        raise NotImplementedError(f"{name} is a Triton kernel for inference; not on a CPU")
+    return refuse
+
+
+def _stub_triton_tensor_ops() -> None:
+    """Let ``mamba_mixer`` import without Triton (its tensor_ops serve inference only)."""
+    import importlib
+    import sys
+    import types
+
+    try:
+        importlib.import_module(_TRITON_TENSOR_OPS)
+    except ImportError:
+        stub = types.ModuleType(_TRITON_TENSOR_OPS)
+        for name in ("tensor_get_slice_after", "tensor_masked_update", "tensor_merge"):
+            setattr(stub, name, _inference_only(name))
+        sys.modules[_TRITON_TENSOR_OPS] = stub
+
+
+def _gated_norm_class(mock: Any, kernels: Any) -> type:
+    """``ExtendedRMSNorm`` on the plain gated norm, keeping Megatron's ``sharded_state_dict``.
+
+    Without ``mamba_ssm`` its base is a MagicMock, so the class statement called
+    ``MagicMock(name, bases, body)``: the body is the mock's ``return_value``.
+    """
+    body = mock.return_value
+    if not isinstance(body, dict) or "sharded_state_dict" not in body:
+        raise RuntimeError("unexpected mamba_mixer.ExtendedRMSNorm: cannot rebuild it")
+    return type("ExtendedRMSNorm", (kernels.RMSNormGated,),
+                {"sharded_state_dict": body["sharded_state_dict"], "__doc__": body.get("__doc__")})
+
+
+def _patch_ssm_kernels() -> None:
+    from megatron.core.ssm import gated_delta_net
+
+    from shardcheck.megatron import kernels
+
+    for name in ("l2norm", "chunk_gated_delta_rule", "causal_conv1d_fn"):
+        _set_missing(gated_delta_net, name, getattr(kernels, name))
+    if not gated_delta_net.HAVE_FLA:
+        _set(gated_delta_net, "HAVE_FLA", True)
+    layer = gated_delta_net.GatedDeltaNet
+    eager = getattr(layer.__dict__["_apply_gated_norm"], "_torchdynamo_orig_callable", None)
+    if eager is not None:
+        _set(layer, "_apply_gated_norm", eager)
+    _stub_triton_tensor_ops()
+    from megatron.core.ssm import mamba_mixer
+
+    if mamba_mixer.HAVE_MAMBA_SSM:
+        return
+    for name in ("causal_conv1d_fn", "mamba_chunk_scan_combined", "mamba_split_conv1d_scan_combined"):
+        _set_missing(mamba_mixer, name, getattr(kernels, name))
+    _set(mamba_mixer, "ExtendedRMSNorm", _gated_norm_class(mamba_mixer.ExtendedRMSNorm, kernels))
+    _set(mamba_mixer, "RMSNormGated", kernels.RMSNormGated)
+    _set(mamba_mixer, "HAVE_MAMBA_SSM", True)
+
+
 def apply_cpu_patches() -> None:
     """Make megatron-core run on the CPU of this process; a second call does nothing."""
     global _mode
@@ -292,6 +412,9 @@ def apply_cpu_patches() -> None:
     _patch_te_gemm_name()
     _patch_host_copy()
     _patch_uneven_collectives()
+    _patch_llava_te_attention()
+    _patch_clip_norm()
+    _patch_ssm_kernels()
     _mode = CudaToCpuMode()
     _mode.__enter__()
 

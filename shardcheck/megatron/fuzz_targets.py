@@ -29,6 +29,7 @@ from shardcheck.layout import Layout
 from shardcheck.megatron import audit_report
 from shardcheck.megatron.audit import INERT, Outcome, Pools, Runner
 from shardcheck.megatron.parallel import LayoutUnsupported
+from shardcheck.megatron.repro_templates import TEMPLATES, script_body
 from shardcheck.megatron.scenarios import COMPONENTS
 from shardcheck.megatron.sweep import Case, component_options, layouts, setup_options
 from shardcheck.megatron.typecheck import checker_available
@@ -145,10 +146,12 @@ def _located(outcome: Outcome) -> Outcome:
 
 
 def register_catalogue() -> None:
-    """Register every catalogue component as a fuzz target under its own name."""
+    """Register every catalogue component as a fuzz target under its own name, with the audit's
+    repro template of the component (when it has one) for its findings' scripts."""
     for component in COMPONENTS:
         register_fuzz_target(component, strategy=st.deferred(lambda c=component: component_space(c)),
-                             check=partial(check_example, component))
+                             check=partial(check_example, component),
+                             repro=script_body if component in TEMPLATES else None)
 
 
 register_catalogue()

@@ -11,6 +11,11 @@ groups it builds are checked against the layout's own groups when the context ha
 Groups are created once per layout and process: the state is saved after the first
 initialisation and restored on the next run of the same layout, so that a long sweep does not
 open Gloo groups without end. ``destroy_model_parallel`` runs after every scenario.
+
+A layout with explicit groups (``tp2-dp2@dp-tp``) initialises ``parallel_state`` with its
+global (default-order) groups, and :func:`megatron_parallel` yields the
+``ProcessGroupCollection`` of its explicit groups (:mod:`shardcheck.megatron.explicit`) for the
+scenario to pass to Megatron; without explicit groups it yields None.
 """
 
 from __future__ import annotations
@@ -41,8 +46,6 @@ def _check(layout: Any) -> None:
     if _world(layout) > dist.get_world_size():
         raise LayoutUnsupported(
             f"layout needs {_world(layout)} ranks; the process group has {dist.get_world_size()}")
-    if getattr(layout, "explicit_groups", None):
-        raise LayoutUnsupported("explicit_groups are not expressible in Megatron's parallel_state")
     if layout.sp and layout.tp == 1:
         raise LayoutUnsupported("sequence parallelism needs tp > 1")
 
@@ -100,6 +103,7 @@ def _layout_as_world(ctx: Any) -> Iterator[None]:
 def _initialise(layout: Any) -> None:
     from megatron.core import parallel_state
 
+    layout = getattr(layout, "global_layout", layout)
     key = (layout.tp, layout.cp, layout.dp, layout.ep, layout.pp,
            getattr(layout, "order", DEFAULT_ORDER), id(dist.distributed_c10d._world.default_pg))
     if key in _saved:
@@ -124,7 +128,10 @@ def _verify(ctx: Any) -> None:
 
     megatron = {"tp": ps.get_tensor_model_parallel_group(), "cp": ps.get_context_parallel_group(),
                 "dp": ps.get_data_parallel_group(), "pp": ps.get_pipeline_model_parallel_group()}
+    explicit = getattr(ctx.layout, "explicit_groups", None) or {}
     for axis, group in megatron.items():
+        if axis in explicit:  # the explicit collection is checked against these instead
+            continue
         ours = getattr(ctx, "groups", {}).get(axis)
         if ours is not None and dist.get_process_group_ranks(ours) != dist.get_process_group_ranks(group):
             raise LayoutUnsupported(
@@ -132,17 +139,61 @@ def _verify(ctx: Any) -> None:
                 f"layout's {dist.get_process_group_ranks(ours)}")
 
 
+def scenario_groups(pg: Any = None) -> Any:
+    """The groups a scenario computes with: the explicit collection ``megatron_parallel``
+    yielded, else a collection of ``parallel_state``'s tp, cp, dp and pp groups."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    return pg if pg is not None else ProcessGroupCollection.use_mpu_process_groups(
+        ["tp", "cp", "dp", "pp"])
+
+
+def explicit_kwargs(pg: Any, name: str = "pg_collection") -> dict[str, Any]:
+    """``{name: pg}`` for a Megatron entry point when the scenario has explicit groups, else
+    nothing (Megatron then reads ``parallel_state``)."""
+    return {name: pg} if pg is not None else {}
+
+
 def world_group(ctx: Any) -> dist.ProcessGroup | None:
     """The group of all the layout's ranks: ``ctx.groups['world']``, else the default group."""
     return getattr(ctx, "groups", {}).get("world")
 
 
+def _explicit(ctx: Any) -> Any:
+    """The explicit ``ProcessGroupCollection`` of ``ctx.layout``, or None without explicit groups."""
+    from shardcheck.megatron import explicit
+
+    if not getattr(ctx.layout, "explicit_groups", None):
+        return None
+    try:
+        with _local_groups():
+            pg = explicit.explicit_collection(ctx.layout, ctx.rank)
+        explicit.check_against(pg, getattr(ctx, "groups", {}))
+        explicit.check_mesh(pg)
+    except explicit.ExplicitGroupsUnsupported as exc:
+        raise LayoutUnsupported(str(exc)) from None
+    return pg
+
+
 @contextmanager
-def megatron_parallel(ctx: Any, seed: int = 1234) -> Iterator[None]:
+def _explicit_run(pg: Any) -> Iterator[None]:
+    """Record global-group uses in an explicit run (and route the globals when asked for)."""
+    from shardcheck.megatron import explicit
+
+    if pg is None:
+        yield
+        return
+    with explicit.globals_follow_explicit(pg), explicit.global_group_uses(pg):
+        yield
+
+
+@contextmanager
+def megatron_parallel(ctx: Any, seed: int = 1234) -> Iterator[Any]:
     """Initialise Megatron's model-parallel groups and RNG for ``ctx.layout``; destroy them after.
 
-    ``ctx`` needs ``.layout`` with ``tp, cp, dp, ep, pp, sp`` (and optionally ``order``); its
-    ``.groups`` (by axis name), when present, are checked against Megatron's.
+    ``ctx`` needs ``.layout`` with ``tp, cp, dp, ep, pp, sp`` (and optionally ``order`` and
+    ``explicit_groups``) and ``.rank``; its ``.groups`` (by axis name), when present, are
+    checked against Megatron's. Yields the explicit ``ProcessGroupCollection`` or None.
     """
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -155,7 +206,9 @@ def megatron_parallel(ctx: Any, seed: int = 1234) -> Iterator[None]:
         _initialise(ctx.layout)
         try:
             _verify(ctx)
+            pg = _explicit(ctx)
             model_parallel_cuda_manual_seed(seed)
-            yield
+            with _explicit_run(pg):
+                yield pg
         finally:
             parallel_state.destroy_model_parallel()

@@ -11,9 +11,12 @@ Options are found by introspection, never hand-picked:
   change nothing at one rank.
 
 Layouts: every grid of tp, cp, dp, pp in {1, 2} up to ``max_world`` ranks, each with and
-without sequence parallelism when tp > 1, and with ep=2 where dp*cp allows it. Cases are
-ordered so that a budget cut keeps the space covered evenly: first every component's defaults
-under every layout, then each option under each two-rank layout, then under the larger ones.
+without sequence parallelism when tp > 1, and with ep=2 where dp*cp allows it; and, for each
+grid over two or more of tp, cp, dp, the same grid with explicit groups (those of its reversed
+rank order, e.g. ``tp2-dp2@dp-tp``) while Megatron's global groups keep the default order.
+Cases are ordered so that a budget cut keeps the space covered evenly: first every component's
+defaults under every layout (explicit-group layouts only for the components that pass the
+groups to Megatron), then each option under each two-rank layout, then under the larger ones.
 """
 
 from __future__ import annotations
@@ -202,8 +205,9 @@ def component_options(component: str) -> list[tuple[str, Any]]:
     return found
 
 
-def layouts(max_world: int = 4) -> list[Layout]:
-    """Every tp/cp/dp/pp grid of sizes 1 or 2 within ``max_world`` ranks, with sp and ep variants."""
+def layouts(max_world: int = 4, explicit: bool = False) -> list[Layout]:
+    """Every tp/cp/dp/pp grid of sizes 1 or 2 within ``max_world`` ranks, with sp and ep
+    variants, and with ``explicit`` their explicit-group variants (:func:`explicit_layouts`)."""
     found: list[Layout] = []
     for tp, cp, dp, pp in itertools.product((1, 2), repeat=4):
         if tp * cp * dp * pp > max_world or tp * cp * dp * pp == 1:
@@ -212,7 +216,34 @@ def layouts(max_world: int = 4) -> list[Layout]:
             found.append(Layout(tp=tp, cp=cp, dp=dp, pp=pp, sp=sp))
             if (dp * cp) % 2 == 0 and dp > 1:
                 found.append(Layout(tp=tp, cp=cp, dp=dp, pp=pp, sp=sp, ep=2))
+    found += explicit_layouts(found) if explicit else []
     return sorted(found, key=lambda lay: (lay.world_size, str(lay)))
+
+
+def explicit_layouts(plain: list[Layout]) -> list[Layout]:
+    """For each layout over two or more of tp, cp, dp (without pp or ep): the same layout with
+    the groups of its reversed rank order as explicit groups.
+
+    Explicit pipeline groups are left out: where a collective ignores the explicit groups it
+    mixes ranks of different stages, which deadlocks instead of giving numbers.
+    """
+    found = []
+    for layout in plain:
+        dims = [d for d in ("tp", "cp", "dp") if layout.size(d) > 1]
+        if len(dims) >= 2 and layout.pp == 1 and layout.ep == 1:
+            found.append(layout.regrouped("-".join(reversed(dims))))
+    return found
+
+
+def runs_under(component: str, layout: Layout) -> bool:
+    """Whether the component runs under the layout: explicit groups need a component that
+    passes them to Megatron (``Component.explicit_groups``)."""
+    if not layout.explicit_groups:
+        return True
+    from shardcheck.megatron.scenarios import COMPONENTS
+
+    entry = COMPONENTS.get(component)
+    return bool(entry and entry.explicit_groups)
 
 
 def parse_value(text: str) -> Any:
@@ -235,12 +266,14 @@ def plan(components: Mapping[str, list[tuple[str, Any]]], layout_list: list[Layo
     def tier(option_sets: list[tuple[str, tuple]], tier_layouts: list[Layout]) -> Iterator[Case]:
         for layout in tier_layouts:
             for component, options in option_sets:
-                yield Case(component, options, layout)
+                if runs_under(component, layout):
+                    yield Case(component, options, layout)
 
     defaults = [(c, ()) for c in components]
     singles = [(c, (option,)) for c, options in components.items() for option in options]
-    small = [lay for lay in layout_list if lay.world_size <= 2]
-    large = [lay for lay in layout_list if lay.world_size > 2]
+    plain = [lay for lay in layout_list if not lay.explicit_groups]
+    small = [lay for lay in plain if lay.world_size <= 2]
+    large = [lay for lay in plain if lay.world_size > 2]
     ordered = itertools.chain(tier(defaults, layout_list), _interleave(singles, small),
                               _interleave(singles, large))
     return list(itertools.islice(ordered, budget))

@@ -2,11 +2,15 @@
 
 Nothing in megatron-core is ported. Inside the region:
 
-* every module's own parameters are typed from Megatron's metadata
-  (:func:`shardcheck.megatron.typing.parameter_type`) the first time the module runs;
+* every module's parameters, its submodules' included, are typed from Megatron's metadata
+  (:func:`shardcheck.megatron.typing.parameter_type`) the first time the module runs (a layer
+  may use a submodule's parameters without calling it: Mamba's context parallelism slices
+  its ``conv1d`` weights);
 * the batch Megatron cuts for context parallelism (``get_batch_on_this_cp_rank``) is typed by
   role (:func:`shardcheck.megatron.typing.annotate_batch`);
-* contracted functions check their arguments (:mod:`shardcheck.megatron.contracts`).
+* contracted functions check their arguments (:mod:`shardcheck.megatron.contracts`);
+* every parameter's gradient (``param.main_grad``, followed through DDP's buffer collectives)
+  is checked against the parameter's type before the optimizer step.
 
 Violations are collected (mode ``"collect"``), deduplicated by rule and location, and returned
 as dicts with ``rule``, ``location``, ``op`` and ``line`` (the ``checker:`` line).
@@ -46,16 +50,21 @@ def layout_mesh(ctx: Any):
 @contextlib.contextmanager
 def _parameters_typed_on_first_use(axes: tuple[str, ...]) -> Iterator[None]:
     import shardcheck as sc
-    from shardcheck.megatron.typing import parameter_type
+    from shardcheck.checker import current
+    from shardcheck.megatron.typing import fused_sections, parameter_type
 
     typed: set[int] = set()
 
     def type_parameters(module: torch.nn.Module, _args: Any) -> None:
-        for param in module.parameters(recurse=False):
-            if id(param) not in typed:  # Megatron's metadata wins over what setup code did to it
-                typed.add(id(param))
-                types = parameter_type(param).placements
-                sc.annotate(param, **{a: p for a, p in types.items() if a in axes})
+        fresh = [p for p in module.parameters() if id(p) not in typed]
+        if not fresh:
+            return
+        with current().paused():
+            sections = fused_sections(module)
+        for param in fresh:  # Megatron's metadata wins over what setup code did to it
+            typed.add(id(param))
+            types = parameter_type(param, sections=sections.get(id(param))).placements
+            sc.annotate(param, **{a: p for a, p in types.items() if a in axes})
 
     handle = torch.nn.modules.module.register_module_forward_pre_hook(type_parameters)
     try:
@@ -112,7 +121,10 @@ def _context_parallel_cuts_typed(axes: tuple[str, ...]) -> Iterator[None]:
 @contextlib.contextmanager
 def _gradient_buffers_typed(axes: tuple[str, ...]) -> Iterator[None]:
     """After DDP zeroes its gradient buffer, each ``param.main_grad`` (a view of it) is a known
-    zero with its parameter's layout: gradients accumulate into it whatever their placement."""
+    zero with its parameter's layout: gradients accumulate into it whatever their placement.
+    Each is registered as a view of the buffer, so that DDP's collectives on the whole buffer
+    (the bucket all-reduce over dp x cp) retype it, and the gradient check at
+    ``optimizer.step`` sees the reduced gradient."""
     from megatron.core.distributed import DistributedDataParallel
 
     from shardcheck import checker as checker_module
@@ -131,6 +143,8 @@ def _gradient_buffers_typed(axes: tuple[str, ...]) -> Iterator[None]:
             if isinstance(main_grad, torch.Tensor):
                 placements = parameter_type(param).placements
                 checker.set_type(main_grad, tuple(placements.get(a) for a in checker.names), zero)
+                if main_grad._base is not None and getattr(main_grad, "_sc_root", None) is None:
+                    checker.register_view(main_grad, main_grad._base)  # DDP reduces the buffer
         return result
 
     DistributedDataParallel.zero_grad_buffer = typed_zero
@@ -138,6 +152,31 @@ def _gradient_buffers_typed(axes: tuple[str, ...]) -> Iterator[None]:
         yield
     finally:
         DistributedDataParallel.zero_grad_buffer = original
+
+
+@contextlib.contextmanager
+def _viewless_tensors_typed() -> Iterator[None]:
+    """Megatron's ``make_viewless_tensor`` moves a view's data into a fresh tensor with
+    ``out.data = inp.data``, which no dispatched op shows the checker: the fresh tensor holds
+    the view's values, so it gets the view's type."""
+    from megatron.core import utils
+
+    from shardcheck.checker import current
+
+    original = utils._kernel_make_viewless_tensor
+
+    def typed(inp: torch.Tensor, requires_grad: bool) -> torch.Tensor:
+        out = original(inp, requires_grad)
+        checker = current()
+        if checker is not None and out is not inp:
+            checker.set_type(out, checker.types(inp))
+        return out
+
+    utils._kernel_make_viewless_tensor = typed
+    try:
+        yield
+    finally:
+        utils._kernel_make_viewless_tensor = original
 
 
 OBJECT_COLLECTIVES = ("all_gather_object", "broadcast_object_list", "gather_object",
@@ -220,7 +259,9 @@ def _harness_values_typed(axes: tuple[str, ...]) -> Iterator[None]:
     """Type the harness helpers whose results the checker cannot see through: ``seeded_global``
     (a global tensor drawn from a fixed seed: the same on every rank, R), ``_sequence_shard``
     (this TP rank's sequence chunk under sequence parallelism: S(0) over tp) and
-    ``load_balanced_positions`` (this CP rank's token positions: S(0) over cp)."""
+    ``load_balanced_positions`` (this CP rank's token positions: S(0) over cp) and
+    ``data_parallel_share`` (this DP rank's microbatches of a global batch built alike on every
+    rank: V over dp, R over the other axes)."""
     import sys
 
     import shardcheck as sc
@@ -233,6 +274,8 @@ def _harness_values_typed(axes: tuple[str, ...]) -> Iterator[None]:
         return run
 
     patches = [(reference.seeded_global, typed(reference.seeded_global, dict.fromkeys(axes, R)))]
+    share = importlib.import_module("shardcheck.megatron.scenarios.training").data_parallel_share
+    patches.append((share, _batches_typed(share, axes)))
     if "tp" in axes:
         output_loss = importlib.import_module("shardcheck.megatron.scenarios.output_loss")
         patches.append((output_loss._sequence_shard, _sequence_typed(output_loss._sequence_shard)))
@@ -251,12 +294,27 @@ def _harness_values_typed(axes: tuple[str, ...]) -> Iterator[None]:
             setattr(module, name, inspect_original(new, patches))
 
 
+def _batches_typed(original: Any, axes: tuple[str, ...]) -> Any:
+    import shardcheck as sc
+    from shardcheck.types import R, V
+
+    placements = {axis: V if axis == "dp" else R for axis in axes}
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        batches = original(*args, **kwargs)
+        for batch in batches:
+            for value in batch.values():
+                sc.annotate(value, **placements)
+        return batches
+    return run
+
+
 def _sequence_typed(original: Any) -> Any:
     import shardcheck as sc
     from shardcheck.types import S
 
-    def run(tensor: torch.Tensor, sp: bool) -> torch.Tensor:
-        local = original(tensor, sp)
+    def run(tensor: torch.Tensor, sp: bool, group: Any = None) -> torch.Tensor:
+        local = original(tensor, sp, group)
         return sc.annotate(local, tp=S(0)) if sp else local
     return run
 
@@ -282,11 +340,9 @@ def checked_region(ctx: Any) -> Iterator[list[dict]]:
         stack.enter_context(_harness_values_typed(mesh.names))
         stack.enter_context(_received_tensors_untyped())
         stack.enter_context(_gradient_buffers_typed(mesh.names))
+        stack.enter_context(_viewless_tensors_typed())
         stack.enter_context(contextlib.redirect_stderr(io.StringIO()))  # the region's summary
-        checker = stack.enter_context(sc.typecheck(mesh, mode="collect"))
-        # Gradients are compared by parity after finalize_model_grads; the type check at
-        # optimizer.step does not yet follow Megatron's optimizer copies of main_grad.
-        checker.check_gradients_on_step = False
+        stack.enter_context(sc.typecheck(mesh, mode="collect"))
         yield found
     found.extend({**v.as_dict(), "location": _short(v.location),
                   "line": v.first_line.replace(v.location, _short(v.location))}

@@ -5,8 +5,10 @@
   ``ProcessGroupCollection``, which may differ from the global ones.
 * :func:`parameter_types`: each parameter's placement per axis, read from the attributes Megatron
   sets on it: ``tensor_model_parallel`` + ``partition_dim`` -> S(partition_dim) on tp (on etp for
-  experts); ``sequence_parallel`` -> R, whose gradient must be reduced over tp; expert parameters
-  (``allreduce=False``) -> S(0) on ep; everything else R; every parameter R over dp.
+  experts; sectioned for fused weights, see :func:`fused_sections`); ``sequence_parallel`` -> R,
+  whose gradient must be reduced over tp; expert parameters (``allreduce=False``) -> S(0) on ep;
+  everything else R; every parameter R over dp and V over pp (each pipeline stage holds its own
+  layers, so a stage's values are no replica of another's).
 * :func:`input_types`: tokens, labels, loss mask and position ids by role: V over dp, S(seq)
   over cp (Megatron's load-balanced chunk order: rank r holds chunks r and 2*cp-1-r), R over tp.
 * :func:`annotate_model` / :func:`annotate_batch` apply them in an active ``sc.typecheck``.
@@ -20,6 +22,7 @@ from typing import Any
 
 import torch
 
+from shardcheck.rules import SectionShard
 from shardcheck.types import Mesh, Placement, R, S, V, parse_placement
 
 AXES = ("tp", "cp", "dp", "ep", "etp", "pp")
@@ -61,14 +64,19 @@ def is_expert(param: torch.nn.Parameter) -> bool:
     return getattr(param, "allreduce", True) is False
 
 
-def parameter_type(param: torch.nn.Parameter, axes: tuple[str, ...] = AXES) -> ParamType:
-    """The type of one Megatron parameter from its own attributes (see the module docstring)."""
+def parameter_type(param: torch.nn.Parameter, axes: tuple[str, ...] = AXES,
+                   sections: tuple[int, ...] | None = None) -> ParamType:
+    """The type of one Megatron parameter from its own attributes (see the module docstring);
+    ``sections`` (from :func:`fused_sections`) marks a fused weight's shard as sectioned."""
     expert = is_expert(param)
     tp_axis = "etp" if expert else "tp"
     placements: dict[str, Placement] = dict.fromkeys(axes, R)
+    if "pp" in placements:  # each pipeline stage holds its own layers: no replica over pp
+        placements["pp"] = V
     reduced: tuple[str, ...] = ()
     if getattr(param, "tensor_model_parallel", False):
-        placements[tp_axis] = S(int(getattr(param, "partition_dim", 0)))
+        dim = int(getattr(param, "partition_dim", 0))
+        placements[tp_axis] = SectionShard(dim, sections) if sections else S(dim)
         reason = f"tensor_model_parallel, partition_dim={getattr(param, 'partition_dim', 0)}"
     elif getattr(param, "sequence_parallel", False):
         reduced = ("tp",)
@@ -79,6 +87,28 @@ def parameter_type(param: torch.nn.Parameter, axes: tuple[str, ...] = AXES) -> P
         placements["ep"] = S(0)
         reason += "; expert (allreduce=False): S(0) on ep"
     return ParamType({axis: placements[axis] for axis in axes}, reduced, reason)
+
+
+def fused_sections(module: torch.nn.Module) -> dict[int, tuple[int, ...]]:
+    """By parameter id, the local section lengths of fused tensor-parallel weights: those that
+    Megatron's ``sharded_state_dict`` splits into several pieces along their partition dim
+    (GatedDeltaNet's and Mamba's ``in_proj`` and ``conv1d``, GLU ``fc1``). Empty for a module
+    without sharded-state-dict metadata."""
+    from shardcheck.megatron.reference import param_shards
+
+    try:
+        shards = param_shards(module)
+    except (AttributeError, ValueError):
+        return {}
+    found = {}
+    for entry in shards:
+        dim = int(getattr(entry.param, "partition_dim", 0))
+        pieces = entry.build(entry.param.data)
+        lengths = tuple(piece.local_shape[dim] for piece in pieces)
+        if (getattr(entry.param, "tensor_model_parallel", False) and len(pieces) > 1
+                and sum(lengths) == entry.param.shape[dim]):
+            found[id(entry.param)] = lengths
+    return found
 
 
 def parameter_types(module: torch.nn.Module, axes: tuple[str, ...] = AXES) -> dict[str, ParamType]:

@@ -13,9 +13,14 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+from shardcheck.megatron.parallel import LayoutUnsupported
+from shardcheck.megatron.scenarios import multimodal, t5
 from shardcheck.megatron.scenarios.gpt import GPTSetup, MoEGPTSetup, train_step
 from shardcheck.megatron.scenarios.moe_router import RouterSetup, router_step
+from shardcheck.megatron.scenarios.multimodal import MultimodalSetup, multimodal_step
 from shardcheck.megatron.scenarios.output_loss import OutputLossSetup, output_loss
+from shardcheck.megatron.scenarios.ssm import GDNSetup, MambaSetup, gdn_step, mamba_step
+from shardcheck.megatron.scenarios.t5 import T5Setup, t5_step
 
 
 @dataclass(frozen=True)
@@ -24,13 +29,18 @@ class Component:
 
     ``experts``: it has MoE experts, so expert-parallel layouts apply. ``config_prefix``: the
     sweep varies only the TransformerConfig fields with this prefix (the MoE GPT leaves the
-    fields it shares with the plain GPT to the ``gpt`` component).
+    fields it shares with the plain GPT to the ``gpt`` component). ``check_layout``: raises
+    ``LayoutUnsupported`` for the layouts the component's own scenario refuses.
+    ``explicit_groups``: it passes the explicit ``ProcessGroupCollection`` that
+    ``megatron_parallel`` yields to Megatron, so it runs under layouts with explicit groups.
     """
 
     run: Callable[[Any, Any], dict]
     setup: type
     experts: bool = False
     config_prefix: str = ""
+    check_layout: Callable[[Any], None] | None = None
+    explicit_groups: bool = False
 
     def refuses(self, layout: Any) -> str | None:
         """Why the component cannot run under ``layout`` (checked before any rank starts)."""
@@ -38,14 +48,24 @@ class Component:
             return "expert parallelism needs a component with experts"
         if self.experts and layout.tp > 1 and not layout.sp:
             return "MoE with tp > 1 needs sequence parallelism (Megatron refuses it)"
+        try:
+            if self.check_layout is not None:
+                self.check_layout(layout)
+        except LayoutUnsupported as why:
+            return str(why)
         return None
 
 
 COMPONENTS: dict[str, Component] = {
-    "gpt": Component(train_step, GPTSetup),
-    "output_loss": Component(output_loss, OutputLossSetup),
-    "moe": Component(train_step, MoEGPTSetup, experts=True, config_prefix="moe_"),
-    "moe_router": Component(router_step, RouterSetup, experts=True),
+    "gpt": Component(train_step, GPTSetup, explicit_groups=True),
+    "output_loss": Component(output_loss, OutputLossSetup, explicit_groups=True),
+    "moe": Component(train_step, MoEGPTSetup, experts=True, config_prefix="moe_",
+                     explicit_groups=True),
+    "moe_router": Component(router_step, RouterSetup, experts=True, explicit_groups=True),
+    "t5": Component(t5_step, T5Setup, check_layout=t5.check_layout),
+    "multimodal": Component(multimodal_step, MultimodalSetup, check_layout=multimodal.check_layout),
+    "gdn": Component(gdn_step, GDNSetup),
+    "mamba": Component(mamba_step, MambaSetup),
 }
 
 
@@ -77,6 +97,16 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     "router/plain": ("moe_router", {}),
     "router/padding": ("moe_router", {"padding": True}),
     "router/per-token-loss": ("moe_router", {"config": {"calculate_per_token_loss": True}}),
+    "t5/cross-attention": ("t5", {}),
+    "t5/encoder-padding": ("t5", {"encoder_padding": True, "loss_mask": True}),
+    "t5/rope-tied": ("t5", {"position_embedding": "rope", "share_embeddings": True}),
+    "multimodal/llava": ("multimodal", {}),
+    "multimodal/text-only-sample": ("multimodal", {"text_only_sample": True, "loss_mask": True}),
+    "multimodal/class-token": ("multimodal", {"keep_class_token": True}),
+    "ssm/gdn": ("gdn", {}),
+    "ssm/gdn-conv-bias": ("gdn", {"conv_bias": True, "bias": True}),
+    "ssm/mamba": ("mamba", {}),
+    "ssm/mamba-unfused-scan": ("mamba", {"config": {"use_mamba_mem_eff_path": False}}),
 }
 
 

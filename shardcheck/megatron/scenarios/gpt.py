@@ -4,6 +4,10 @@ Run under any layout, it returns global values only (assembled from Megatron's o
 metadata inside the scenario), so every output is replicated and comparable with the one-rank
 run as is: the loss, every gradient after ``finalize_model_grads``, the gradient norm, the
 clipping factor and every weight after one optimizer step.
+
+Under a layout with explicit groups the model, DDP, the schedule (and through it
+``finalize_model_grads``) and the optimizer get the explicit ``pg_collection``, and the
+harness cuts and reduces its data over the same groups.
 """
 
 from __future__ import annotations
@@ -14,7 +18,12 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from shardcheck.megatron.parallel import megatron_parallel, world_group
+from shardcheck.megatron.parallel import (
+    explicit_kwargs,
+    megatron_parallel,
+    scenario_groups,
+    world_group,
+)
 from shardcheck.megatron.reference import gather_global, gradient_of, load_global_weights
 
 
@@ -79,22 +88,22 @@ def global_batches(setup: GPTSetup) -> list[dict[str, torch.Tensor]]:
             for i in range(setup.microbatches)]
 
 
-def local_batches(setup: GPTSetup) -> list[dict[str, torch.Tensor]]:
+def local_batches(setup: GPTSetup, pg: Any = None) -> list[dict[str, torch.Tensor]]:
     """This rank's microbatches: a contiguous share per data-parallel rank, cut for its CP rank."""
-    from megatron.core import parallel_state as ps
     from megatron.core.utils import get_batch_on_this_cp_rank
 
-    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    used = scenario_groups(pg)
+    dp, dp_rank = used.dp.size(), used.dp.rank()
     if setup.microbatches % dp:
         raise ValueError(f"{setup.microbatches} microbatches do not split over dp={dp}")
     share = setup.microbatches // dp
     mine = global_batches(setup)[dp_rank * share:(dp_rank + 1) * share]
-    return [get_batch_on_this_cp_rank(dict(batch)) for batch in mine]
+    return [get_batch_on_this_cp_rank(dict(batch), **explicit_kwargs(pg and pg.cp, "cp_group"))
+            for batch in mine]
 
 
-def build_gpt(config, setup: GPTSetup):
+def build_gpt(config, setup: GPTSetup, pg: Any = None):
     """A GPTModel with the local (no Transformer Engine) spec for this pipeline stage."""
-    from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
 
@@ -103,12 +112,13 @@ def build_gpt(config, setup: GPTSetup):
     spec = local_spec_for(config, get_gpt_layer_local_spec(
         num_experts=config.num_moe_experts, qk_layernorm=config.qk_layernorm,
         normalization=config.normalization, qk_l2_norm=config.qk_l2_norm))
+    pp = scenario_groups(pg).pp
     return GPTModel(
         config=config, transformer_layer_spec=spec, vocab_size=setup.vocab,
-        max_sequence_length=setup.seq, pre_process=ps.is_pipeline_first_stage(),
-        post_process=ps.is_pipeline_last_stage(),
+        max_sequence_length=setup.seq, pre_process=pp.rank() == 0,
+        post_process=pp.rank() == pp.size() - 1,
         share_embeddings_and_output_weights=setup.share_embeddings,
-        position_embedding_type=setup.position_embedding,
+        position_embedding_type=setup.position_embedding, **explicit_kwargs(pg),
     )
 
 
@@ -132,30 +142,30 @@ def _forward_step(batches):
     return forward_step
 
 
-def reported_loss(reports: list[torch.Tensor], per_token: bool) -> torch.Tensor:
+def reported_loss(reports: list[torch.Tensor], per_token: bool, pg: Any = None) -> torch.Tensor:
     """The global loss: mean of microbatch means (or, per token, total sum / total count)."""
-    from megatron.core import parallel_state as ps
-
+    used = scenario_groups(pg)
     per_mb = torch.stack(reports) if reports else torch.zeros(0, 2)
-    dist.all_reduce(per_mb, group=ps.get_context_parallel_group())
+    dist.all_reduce(per_mb, group=used.cp)
     if per_token:
         total = per_mb.sum(0)
     else:
         total = torch.stack([(per_mb[:, 0] / per_mb[:, 1].clamp(min=1)).sum(),
                              torch.tensor(float(len(reports)))])
-    dist.all_reduce(total, group=ps.get_data_parallel_group())
-    dist.all_reduce(total, group=ps.get_pipeline_model_parallel_group())
+    dist.all_reduce(total, group=used.dp)
+    dist.all_reduce(total, group=used.pp)
     return (total[0] / total[1].clamp(min=1))
 
 
-def _optimizer(model, setup: GPTSetup):
+def _optimizer(model, setup: GPTSetup, pg: Any = None):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     # SGD: the step is linear in the gradients, so rounding in them stays rounding after it
     # (Adam divides tiny gradients by their own size and turns rounding into visible changes).
     config = OptimizerConfig(optimizer="sgd", lr=0.5, sgd_momentum=0.0, clip_grad=setup.clip_grad,
                              weight_decay=0.0, bf16=False, fp16=False)
-    return get_megatron_optimizer(config, [model], use_gloo_process_groups=False)
+    return get_megatron_optimizer(config, [model], use_gloo_process_groups=False,
+                                  **explicit_kwargs(pg))
 
 
 def train_step(ctx: Any, setup: GPTSetup) -> dict[str, torch.Tensor]:
@@ -164,28 +174,40 @@ def train_step(ctx: Any, setup: GPTSetup) -> dict[str, torch.Tensor]:
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
     from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 
-    with megatron_parallel(ctx):
+    with megatron_parallel(ctx) as pg:
         config = transformer_config(ctx.layout, setup)
-        model = build_gpt(config, setup)
+        model = build_gpt(config, setup, pg)
         load_global_weights(model, seed=setup.seed)
-        ddp = DistributedDataParallel(config, DistributedDataParallelConfig(), model)
+        ddp = DistributedDataParallel(config, DistributedDataParallelConfig(), model,
+                                      **explicit_kwargs(pg))
         config.finalize_model_grads_func = finalize_model_grads
         config.no_sync_func = ddp.no_sync
-        optimizer = _optimizer(ddp, setup) if setup.optimizer_step else None
+        optimizer = _optimizer(ddp, setup, pg) if setup.optimizer_step else None
         ddp.zero_grad_buffer()
-        batches = local_batches(setup)
+        batches = local_batches(setup, pg)
         reports = get_forward_backward_func()(
             forward_step_func=_forward_step(batches), data_iterator=None, model=[ddp],
             num_microbatches=len(batches), seq_length=setup.seq,
-            micro_batch_size=setup.micro_batch, forward_only=False)
+            micro_batch_size=setup.micro_batch, forward_only=False, **_schedule_groups(pg, config))
         outputs = {"loss": reported_loss([r["lm loss"] for r in reports],
-                                         config.calculate_per_token_loss)}
+                                         config.calculate_per_token_loss, pg)}
         grads, spread = gather_global(model, gradient_of, world_group(ctx))
         outputs.update({f"grad/{k}": v for k, v in grads.items()})
         outputs["grad_replica_spread"] = torch.tensor(max(spread.values()))
         if optimizer is not None:
             outputs.update(_step(ctx, model, optimizer))
         return outputs
+
+
+def _schedule_groups(pg: Any, config) -> dict[str, Any]:
+    """The schedule's explicit groups: the collection, and a P2P communicator over its pp group."""
+    if pg is None:
+        return {}
+    if pg.pp.size() == 1:
+        return {"pg_collection": pg}
+    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+    return {"pg_collection": pg, "p2p_communicator": P2PCommunicator(pp_group=pg.pp, config=config)}
 
 
 def _step(ctx: Any, model, optimizer) -> dict[str, torch.Tensor]:

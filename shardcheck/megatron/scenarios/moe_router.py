@@ -8,7 +8,8 @@ average over DP x CP of a loss that the schedules scale by the CP size) and all-
 sequence-parallel parameters over TP as ``finalize_model_grads`` does, and returns
 global values: routing probabilities and map, the router's gradients, and the sum over TP x CP
 of the ``local_num_tokens`` each rank's router computed (recorded as it is returned, unchanged),
-which must equal the one-rank count.
+which must equal the one-rank count. The router gets the explicit ``pg_collection`` under
+explicit groups (else ``parallel_state``'s), and the harness shards over its groups.
 """
 
 from __future__ import annotations
@@ -27,21 +28,18 @@ from shardcheck.megatron.scenarios.gpt import GPTSetup, transformer_config
 from shardcheck.megatron.scenarios.output_loss import _sequence_gather, _sequence_shard
 
 
-def _token_shard(tensor: torch.Tensor, layout: Any) -> torch.Tensor:
-    """This rank's tokens: its CP chunk of the sequence, then its sequence-parallel share."""
-    from megatron.core import parallel_state as ps
+def _token_shard(tensor: torch.Tensor, layout: Any, pg: Any) -> torch.Tensor:
+    """This rank's tokens: its CP chunk of the sequence, then its sequence-parallel share
+    (over the scenario's groups ``pg``)."""
+    chunk = tensor.chunk(layout.cp, dim=0)[pg.cp.rank()]
+    return _sequence_shard(chunk, layout.sp, pg.tp)
 
-    chunk = tensor.chunk(layout.cp, dim=0)[ps.get_context_parallel_rank()]
-    return _sequence_shard(chunk, layout.sp)
 
-
-def _token_gather(tensor: torch.Tensor, layout: Any) -> torch.Tensor:
+def _token_gather(tensor: torch.Tensor, layout: Any, pg: Any) -> torch.Tensor:
     """The global tokens back from every rank's share (the inverse of :func:`_token_shard`)."""
-    from megatron.core import parallel_state as ps
-
-    chunk = _sequence_gather(tensor, layout.sp)
+    chunk = _sequence_gather(tensor, layout.sp, pg.tp)
     parts = [torch.empty_like(chunk) for _ in range(layout.cp)]
-    dist.all_gather(parts, chunk.contiguous(), group=ps.get_context_parallel_group())
+    dist.all_gather(parts, chunk.contiguous(), group=pg.cp)
     return torch.cat(parts, dim=0)
 
 
@@ -69,15 +67,13 @@ def _padding_mask(setup: RouterSetup) -> torch.Tensor | None:
     return mask
 
 
-def _finalize_grads(module: torch.nn.Module) -> None:
-    from megatron.core import parallel_state as ps
-
+def _finalize_grads(module: torch.nn.Module, pg: Any) -> None:
     for param in module.parameters():
         if param.grad is None:
             continue
-        dist.all_reduce(param.grad, group=ps.get_context_parallel_group())
+        dist.all_reduce(param.grad, group=pg.cp)
         if getattr(param, "sequence_parallel", False):
-            dist.all_reduce(param.grad, group=ps.get_tensor_model_parallel_group())
+            dist.all_reduce(param.grad, group=pg.tp)
 
 
 @contextmanager
@@ -101,41 +97,41 @@ def _recording_token_counts(counts: list[torch.Tensor]) -> Iterator[None]:
 
 def router_step(ctx: Any, setup: RouterSetup) -> dict[str, torch.Tensor]:
     """Forward and backward of Megatron's TopKRouter under ``ctx``; global values by name."""
-    from megatron.core import parallel_state as ps
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.moe.router import TopKRouter
 
-    with megatron_parallel(ctx):
+    with megatron_parallel(ctx) as explicit:
+        pg = explicit or ProcessGroupCollection.use_mpu_process_groups()
         options = dict(num_moe_experts=setup.experts, moe_router_topk=setup.topk,
                        moe_aux_loss_coeff=1.0, moe_router_load_balancing_type="aux_loss",
                        add_bias_linear=False)
         options.update(setup.config)
         config = transformer_config(ctx.layout, GPTSetup(hidden=setup.hidden, heads=4, layers=1),
                                     **options)
-        router = TopKRouter(config, ProcessGroupCollection.use_mpu_process_groups())
+        router = TopKRouter(config, pg)
         router.train()
         load_global_weights(router, seed=setup.seed)
         layout = ctx.layout
         hidden = _token_shard(seeded_global("tokens", (setup.seq, setup.batch, setup.hidden),
-                                            setup.seed).float() * 20, layout).requires_grad_(True)
+                                            setup.seed).float() * 20, layout, pg).requires_grad_(True)
         mask = _padding_mask(setup)
         counts: list[torch.Tensor] = []
         with _recording_token_counts(counts):
             probs, routing_map = router(
-                hidden, padding_mask=None if mask is None else _token_shard(mask, layout))
+                hidden, padding_mask=None if mask is None else _token_shard(mask, layout, pg))
         # each rank's count of its own valid tokens: summed over TP x CP, the global count
         local_counts = torch.stack(counts) if counts else torch.zeros(0)
-        dist.all_reduce(local_counts, group=ps.get_tensor_and_context_parallel_group())
+        dist.all_reduce(local_counts, group=pg.tp_cp)
         upstream = _token_shard(seeded_global("upstream", (setup.seq * setup.batch, setup.experts),
-                                              setup.seed).float().view(setup.seq, -1), layout)
+                                              setup.seed).float().view(setup.seq, -1), layout, pg)
         (probs * upstream.reshape(probs.shape)).sum().backward()
-        _finalize_grads(router)
+        _finalize_grads(router, pg)
         grads, _ = gather_global(router, lambda p: p.grad, world_group(ctx))
         seq_major = (-1, setup.batch, setup.experts)
         return {
-            "probs": _token_gather(probs.detach().reshape(seq_major), layout),
-            "routing_map": _token_gather(routing_map.reshape(seq_major).float(), layout),
-            "hidden_grad": _token_gather(hidden.grad, layout),
+            "probs": _token_gather(probs.detach().reshape(seq_major), layout, pg),
+            "routing_map": _token_gather(routing_map.reshape(seq_major).float(), layout, pg),
+            "hidden_grad": _token_gather(hidden.grad, layout, pg),
             "local_num_tokens_summed": local_counts,
             **{f"grad/{k}": v for k, v in grads.items()},
         }

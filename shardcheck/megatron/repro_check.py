@@ -1,0 +1,71 @@
+"""The ``checker:`` line of an audit repro script: its run under the type checker, as in the audit.
+
+A script imports this only when shardcheck is installed (the import is guarded). The run is
+type-checked with Megatron's typing and contracts (:func:`shardcheck.megatron.typecheck.checked_region`)
+on the process groups the script built with ``initialize_model_parallel``, the script itself
+being harness code (violations are located in megatron-core, past its frames); the line
+returned is the violation the audit recorded, when the checker raises it again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from types import SimpleNamespace
+from typing import Any
+
+
+def megatron_groups() -> SimpleNamespace:
+    """A context for :func:`checked_region` over Megatron's current ``parallel_state`` groups."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    groups = {"tp": ps.get_tensor_model_parallel_group(), "cp": ps.get_context_parallel_group(),
+              "dp": ps.get_data_parallel_group(), "pp": ps.get_pipeline_model_parallel_group(),
+              "ep": ps.get_expert_model_parallel_group()}
+    return SimpleNamespace(rank=dist.get_rank(), groups=groups)
+
+
+def checked_run(run: Callable[[Any], Any], sizes: Any, recorded: str) -> tuple[Any, str | None]:
+    """``run(sizes)`` under the checker: its result, and ``recorded`` if the checker raised that
+    violation again (same rule and location), else None."""
+    from shardcheck.checker import harness_code
+    from shardcheck.megatron import contracts
+    from shardcheck.megatron.typecheck import checked_region, layout_mesh
+
+    ctx = megatron_groups()
+    with contracts.probes_installed(), checked_region(ctx) as found, \
+            harness_code(run.__code__.co_filename), _script_inputs_typed(run.__globals__, layout_mesh(ctx).names):
+        result = run(sizes)
+    again = [v["line"] for v in found if _rule_and_place(v["line"]) == _rule_and_place(recorded)]
+    return result, (recorded if again else None)
+
+
+@contextmanager
+def _script_inputs_typed(namespace: dict[str, Any], axes: tuple[str, ...]) -> Iterator[None]:
+    """Type what the script makes: ``seeded`` global tensors are R, ``shard`` gives S(0) over tp
+    under sequence parallelism, and its batch cut for CP is the region's typed cut."""
+    from megatron.core import utils
+
+    import shardcheck as sc
+    from shardcheck.types import R, S
+
+    saved = {name: namespace[name] for name in ("seeded", "shard", "get_batch_on_this_cp_rank")
+             if name in namespace}
+    if "seeded" in saved:
+        namespace["seeded"] = lambda key, *shape: sc.annotate(saved["seeded"](key, *shape),
+                                                              **dict.fromkeys(axes, R))
+    if "shard" in saved and "tp" in axes:
+        namespace["shard"] = lambda tensor, sizes: (sc.annotate(saved["shard"](tensor, sizes), tp=S(0))
+                                                    if sizes["sp"] else saved["shard"](tensor, sizes))
+    if "get_batch_on_this_cp_rank" in saved:
+        namespace["get_batch_on_this_cp_rank"] = utils.get_batch_on_this_cp_rank
+    try:
+        yield
+    finally:
+        namespace.update(saved)
+
+
+def _rule_and_place(line: str) -> str:
+    """``checker: RULE at FILE:LINE`` of a checker line (the types after it may differ)."""
+    return line.removeprefix("checker: ").split(" in ", 1)[0]

@@ -1,0 +1,248 @@
+"""State-space layers: Megatron's Gated DeltaNet and Mamba-2 mixer, one training step each.
+
+The CUDA kernels they call are replaced by the plain-torch ones of
+:mod:`shardcheck.megatron.kernels` (CPU patch ``ssm_kernels``). The layer runs wrapped in
+Megatron's DistributedDataParallel on a [seq, batch, hidden] input (the batch split over data
+parallelism; the sequence over context parallelism in Megatron's load-balanced chunk order,
+then over tensor parallelism under sequence parallelism), with the loss
+``sum(output * upstream) / batch`` (times the cp size for the backward, as Megatron's schedules
+do, since the gradient all-reduce averages over dp x cp); then ``finalize_model_grads`` and,
+as outputs, global values only: the loss, the layer's output, the input's gradient, every
+parameter's gradient and the largest disagreement between replicas of a gradient (0 on one
+rank).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shardcheck.megatron.parallel import LayoutUnsupported, megatron_parallel, world_group
+from shardcheck.megatron.reference import (
+    gather_global,
+    gradient_of,
+    load_global_weights,
+    seeded_global,
+)
+from shardcheck.megatron.scenarios.gpt import GPTSetup, transformer_config
+
+
+@dataclass(frozen=True)
+class GDNSetup:
+    """Sizes and options of the Gated DeltaNet scenario; ``config`` overrides TransformerConfig."""
+
+    hidden: int = 16
+    seq: int = 8
+    batch: int = 2
+    key_heads: int = 4
+    value_heads: int = 8
+    head_dim: int = 4
+    conv_kernel: int = 4
+    use_qk_l2norm: bool = True
+    bias: bool = False
+    conv_bias: bool = False
+    seed: int = 0
+    config: dict[str, Any] = field(default_factory=dict)
+
+
+def _gdn_config(layout: Any, setup: GDNSetup):
+    return transformer_config(
+        layout, GPTSetup(hidden=setup.hidden, heads=4, layers=1, config=setup.config),
+        experimental_attention_variant="gated_delta_net", linear_attention_freq=1,
+        linear_conv_kernel_dim=setup.conv_kernel, linear_key_head_dim=setup.head_dim,
+        linear_value_head_dim=setup.head_dim, linear_num_key_heads=setup.key_heads,
+        linear_num_value_heads=setup.value_heads, activation_func=torch.nn.functional.silu,
+        normalization="RMSNorm")
+
+
+def _build_gdn(config, setup: GDNSetup):
+    """GatedDeltaNet with Megatron's local (no Transformer Engine) linear and norm modules."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    submodules = GatedDeltaNetSubmodules(in_proj=ColumnParallelLinear, out_norm=WrappedTorchNorm,
+                                         out_proj=RowParallelLinear)
+    return GatedDeltaNet(config, submodules, layer_number=1, bias=setup.bias,
+                         conv_bias=setup.conv_bias, use_qk_l2norm=setup.use_qk_l2norm,
+                         pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+
+
+def gdn_step(ctx: Any, setup: GDNSetup) -> dict[str, torch.Tensor]:
+    """One training step of Megatron's GatedDeltaNet under ``ctx``'s layout; global values."""
+    return _train_step(ctx, setup, lambda: _gdn_config(ctx.layout, setup), _build_gdn,
+                       attention_mask=None)
+
+
+@dataclass(frozen=True)
+class MambaSetup:
+    """Sizes and options of the Mamba-2 mixer scenario; ``config`` overrides TransformerConfig."""
+
+    hidden: int = 16
+    seq: int = 8
+    batch: int = 2
+    expand: int = 2
+    head_dim: int = 4
+    state_dim: int = 4
+    groups: int = 8
+    conv_kernel: int = 4
+    rmsnorm: bool = True
+    d_has_hdim: bool = False
+    conv_bias: bool = True
+    seed: int = 0
+    config: dict[str, Any] = field(default_factory=dict)
+
+
+def _mamba_config(layout: Any, setup: MambaSetup):
+    return transformer_config(
+        layout, GPTSetup(hidden=setup.hidden, heads=4, layers=1, config=setup.config),
+        mamba_state_dim=setup.state_dim, mamba_head_dim=setup.head_dim,
+        mamba_num_groups=setup.groups)
+
+
+def _build_mamba(config, setup: MambaSetup):
+    """MambaMixer with Megatron's local (no Transformer Engine) linear modules."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.ssm.mamba_mixer import MambaMixer, MambaMixerSubmodules
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    submodules = MambaMixerSubmodules(in_proj=ColumnParallelLinear, out_proj=RowParallelLinear)
+    return MambaMixer(config, submodules, d_model=setup.hidden, d_conv=setup.conv_kernel,
+                      expand=setup.expand, D_has_hdim=setup.d_has_hdim, rmsnorm=setup.rmsnorm,
+                      conv_bias=setup.conv_bias, layer_number=1,
+                      pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+
+
+def mamba_step(ctx: Any, setup: MambaSetup) -> dict[str, torch.Tensor]:
+    """One training step of Megatron's Mamba-2 mixer under ``ctx``'s layout; global values."""
+    return _train_step(ctx, setup, lambda: _mamba_config(ctx.layout, setup), _build_mamba)
+
+
+# ---- shared by the SSM layers ----------------------------------------------------------------
+
+def _check_layout(layout: Any) -> None:
+    if layout.pp > 1:
+        raise LayoutUnsupported("a single SSM layer has no pipeline stages")
+
+
+def _split(tensor: torch.Tensor, dim: int, size: int, rank: int) -> torch.Tensor:
+    return tensor.chunk(size, dim=dim)[rank]
+
+
+def _gather(tensor: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+    size = dist.get_world_size(group)
+    if size == 1:
+        return tensor
+    parts = [torch.empty_like(tensor) for _ in range(size)]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def _cp_positions(seq: int) -> torch.Tensor | None:
+    """The global sequence positions of this CP rank (None without context parallelism)."""
+    from megatron.core import parallel_state as ps
+
+    from shardcheck.megatron.cp_attention import load_balanced_positions
+
+    cp = ps.get_context_parallel_world_size()
+    if cp == 1:
+        return None
+    return load_balanced_positions(seq // cp, ps.get_context_parallel_rank(), cp)
+
+
+def _local_input(name: str, setup: Any, sp: bool) -> torch.Tensor:
+    """This rank's part of a global [seq, batch, hidden] tensor: batch over dp, seq over cp
+    (load-balanced chunks), then over tp under SP."""
+    from megatron.core import parallel_state as ps
+
+    full = seeded_global(name, (setup.seq, setup.batch, setup.hidden), setup.seed).float() * 20
+    local = _split(full, 1, ps.get_data_parallel_world_size(), ps.get_data_parallel_rank())
+    positions = _cp_positions(setup.seq)
+    if positions is not None:
+        local = local[positions]
+    if sp:
+        local = _split(local, 0, ps.get_tensor_model_parallel_world_size(),
+                       ps.get_tensor_model_parallel_rank())
+    return _typed_input(local.contiguous(), sp)
+
+
+def _typed_input(local: torch.Tensor, sp: bool) -> torch.Tensor:
+    """Tell an active type checker how the input was cut: V over dp (each data-parallel rank
+    has its own samples, as Megatron's batches), S(0) over cp (load-balanced order) and over
+    tp under sequence parallelism."""
+    import shardcheck as sc
+    from shardcheck.checker import current
+    from shardcheck.types import S, V
+
+    checker = current()
+    if checker is None:
+        return local
+    placements = {"dp": V, "cp": S(0), **({"tp": S(0)} if sp else {})}
+    return sc.annotate(local, **{a: p for a, p in placements.items() if a in checker.names})
+
+
+def _global(tensor: torch.Tensor, sp: bool, seq: int) -> torch.Tensor:
+    """The global [seq, batch, ...] tensor from this rank's part (inverse of :func:`_local_input`)."""
+    from megatron.core import parallel_state as ps
+
+    if sp:
+        tensor = _gather(tensor, 0, ps.get_tensor_model_parallel_group())
+    positions = _cp_positions(seq)
+    if positions is not None:
+        group = ps.get_context_parallel_group()
+        parts = _gather(tensor, 0, group).chunk(dist.get_world_size(group))
+        every = _gather(positions, 0, group).chunk(dist.get_world_size(group))
+        tensor = torch.empty(seq, *tensor.shape[1:], dtype=tensor.dtype)
+        for where, part in zip(every, parts, strict=True):
+            tensor[where] = part
+    return _gather(tensor, 1, ps.get_data_parallel_group())
+
+
+def _reported_loss(loss: torch.Tensor, sp: bool) -> torch.Tensor:
+    """The global loss: the sum over the sequence's holders, the mean over dp's batch means."""
+    from megatron.core import parallel_state as ps
+
+    total = loss.detach().clone()
+    dist.all_reduce(total, group=ps.get_tensor_and_context_parallel_group() if sp
+                    else ps.get_context_parallel_group())
+    dist.all_reduce(total, group=ps.get_data_parallel_group())
+    return total / ps.get_data_parallel_world_size()
+
+
+def _train_step(ctx: Any, setup: Any, make_config: Callable[[], Any],
+                build: Callable[[Any, Any], torch.nn.Module], **forward_kwargs: Any,
+                ) -> dict[str, torch.Tensor]:
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+
+    _check_layout(ctx.layout)
+    with megatron_parallel(ctx):
+        config = make_config()
+        layer = build(config, setup)
+        load_global_weights(layer, seed=setup.seed)
+        ddp = DistributedDataParallel(config, DistributedDataParallelConfig(), layer)
+        ddp.zero_grad_buffer()
+        sp = ctx.layout.sp
+        hidden = _local_input("hidden", setup, sp).requires_grad_(True)
+        output, bias = layer(hidden, **forward_kwargs)  # DDP's forward only calls it
+        if bias is not None:
+            output = output + bias
+        upstream = _local_input("upstream", setup, sp)
+        loss = (output * upstream).sum() / hidden.shape[1]
+        cp = ps.get_context_parallel_world_size()
+        (loss * cp).backward()
+        finalize_model_grads([ddp])
+        grads, spread = gather_global(layer, gradient_of, world_group(ctx))
+        # each rank's backward ran on its batch mean times the cp size: undo both
+        input_grad = hidden.grad / (ps.get_data_parallel_world_size() * cp)
+        return {"loss": _reported_loss(loss, sp), "output": _global(output.detach(), sp, setup.seq),
+                "input_grad": _global(input_grad, sp, setup.seq),
+                "grad_replica_spread": torch.tensor(max(spread.values())),
+                **{f"grad/{k}": v for k, v in grads.items()}}
+

@@ -1,0 +1,88 @@
+"""One training step of a whole Megatron model through its schedules, shared by the model scenarios.
+
+``DistributedDataParallel``, ``get_forward_backward_func()`` over this data-parallel rank's
+microbatches and ``finalize_model_grads``; then the global results: the reported loss, every
+parameter's gradient (from Megatron's shard metadata) and recorded module outputs gathered
+over sequence and data parallelism.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shardcheck.megatron.parallel import LayoutUnsupported, world_group
+from shardcheck.megatron.reference import gather_global, gradient_of
+from shardcheck.megatron.scenarios.gpt import reported_loss
+from shardcheck.megatron.scenarios.output_loss import _sequence_gather
+
+
+def data_parallel_share(batches: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
+    """This data-parallel rank's contiguous share of the global microbatches."""
+    from megatron.core import parallel_state as ps
+
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    if len(batches) % dp:
+        raise LayoutUnsupported(f"{len(batches)} microbatches do not split over dp={dp}")
+    share = len(batches) // dp
+    return batches[dp_rank * share:(dp_rank + 1) * share]
+
+
+def schedule_step(config, model: torch.nn.Module, forward_step: Callable[..., Any],
+               batches: list[dict[str, torch.Tensor]], seq_length: int,
+               micro_batch: int) -> list[dict[str, torch.Tensor]]:
+    """Forward and backward of ``batches`` under DDP and Megatron's schedule; the loss reports."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+    from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
+
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(), model)
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = ddp.no_sync
+    ddp.zero_grad_buffer()
+    return get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=None, model=[ddp],
+        num_microbatches=len(batches), seq_length=seq_length, micro_batch_size=micro_batch,
+        forward_only=False)
+
+
+@contextmanager
+def recorded(module: torch.nn.Module, pick: Callable[..., torch.Tensor],
+             before: bool = False) -> Iterator[list[torch.Tensor]]:
+    """Record ``pick(args, kwargs)`` of every call of ``module`` (``before``) or
+    ``pick(output)`` after it, detached."""
+    seen: list[torch.Tensor] = []
+    if before:
+        handle = module.register_forward_pre_hook(
+            lambda _m, args, kwargs: seen.append(pick(args, kwargs).detach().clone()),
+            with_kwargs=True)
+    else:
+        handle = module.register_forward_hook(lambda _m, _a, out: seen.append(pick(out).detach().clone()))
+    try:
+        yield seen
+    finally:
+        handle.remove()
+
+
+def gathered_microbatches(seen: list[torch.Tensor], sp: bool) -> torch.Tensor:
+    """Every microbatch's [s, b, ...] tensor, gathered over tp (under sp) and dp: [mb, s, b, ...]."""
+    from megatron.core import parallel_state as ps
+
+    mine = torch.stack([_sequence_gather(value, sp) for value in seen])
+    group = ps.get_data_parallel_group()
+    parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, mine.contiguous(), group=group)
+    return torch.cat(parts)
+
+
+def global_results(ctx: Any, model: torch.nn.Module, config,
+                   reports: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The reported loss, every gradient and the largest disagreement between gradient replicas."""
+    grads, spread = gather_global(model, gradient_of, world_group(ctx))
+    return {"loss": reported_loss([r["lm loss"] for r in reports], config.calculate_per_token_loss),
+            "grad_replica_spread": torch.tensor(max(spread.values())),
+            **{f"grad/{k}": v for k, v in grads.items()}}

@@ -1,0 +1,153 @@
+"""Audit findings' torchrun scripts: generated per component, reproduce the bug, exit 1 once fixed."""
+
+import re
+
+import pytest
+from click.testing import CliRunner
+
+pytest.importorskip("megatron.core")
+
+from shardcheck.cli import main  # noqa: E402
+from shardcheck.findings import Finding, FindingStore  # noqa: E402
+from shardcheck.megatron import audit_report  # noqa: E402
+from shardcheck.megatron.audit_repro import AUDIT, save_with_scripts, write_audit_script  # noqa: E402
+from shardcheck.megatron.contracts import BY_NAME  # noqa: E402
+from shardcheck.repro import FIXED, REPRODUCES, ReproError, run_repro  # noqa: E402
+
+NO_CONTRACT = "outputs match the one-rank run"
+# the default audit's confirmed findings in megatron-core 0.16.1: component, options, layout,
+# contract, kind and the checker line the audit recorded
+KNOWN = {
+    "label smoothing": ("output_loss", {"label_smoothing": 0.1}, "tp2", "vocab_parallel_cross_entropy",
+                        "type+numeric", "checker: mean over shard at megatron/core/tensor_parallel/"
+                        "cross_entropy.py:182 in aten.sub.Tensor: {tp:R}, {tp:P(avg)}"),
+    "cp loss": ("gpt", {"loss_mask": True}, "cp2", "forward_step_calc_loss", "type+numeric",
+                "checker: non-linear on partial at megatron/core/pipeline_parallel/schedules.py:262 in "
+                "aten.clamp.default: {cp:P}, 1"),
+    "router count": ("moe_router", {"padding": True}, "tp2-sp", "get_tokens_per_expert_and_token_count",
+                     "type+numeric", "checker: contract at megatron/core/transformer/moe/router.py:288 in "
+                     "contract: {tp:R}"),
+    "router per-token aux loss": ("moe_router", {"calculate_per_token_loss": True}, "tp2-sp"),
+}
+
+
+def _finding(component, options, layout, contract=None, kind="numeric-only", checker=None):
+    return Finding(title=f"{component} differs under {layout}", target=component, location="megatron/core/x.py:1",
+                   contract=BY_NAME[contract].notation() if contract else NO_CONTRACT, layout=layout,
+                   config=options, observed=None, reference=None, kind=kind, checker=checker, origin=AUDIT)
+
+
+@pytest.fixture(scope="module")
+def no_shardcheck(tmp_path_factory):
+    """An environment whose scripts cannot import shardcheck (a package that refuses to import)."""
+    hidden = tmp_path_factory.mktemp("hidden") / "shardcheck"
+    hidden.mkdir()
+    (hidden / "__init__.py").write_text("raise ImportError('shardcheck is not installed here')\n")
+    return {"PYTHONPATH": str(hidden.parent)}
+
+
+def _values(output: str, label: str) -> list[float]:
+    line = next(line for line in output.splitlines() if line.startswith(f"{label}:"))
+    return [float(x) for x in line.split(":", 1)[1].replace("...", "").split(",") if x.strip()]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(KNOWN))
+def test_known_finding_script_reproduces_then_exits_1_with_the_fix(name, tmp_path, no_shardcheck):
+    finding = _finding(*KNOWN[name])
+    path = write_audit_script(finding, tmp_path / f"{finding.id}.py")
+    script = path.read_text()
+    # shardcheck only in the guarded import for the checker: line
+    assert re.findall(r"^\s*(?:import|from)\s+shardcheck.*", script, re.M) == [
+        "            from shardcheck.megatron.repro_check import checked_run"]
+    assert "except ImportError:" in script
+    assert len(script.splitlines()) <= 260
+
+    launcher = "torchrun" if name == "cp loss" else "direct"
+    buggy = run_repro(path, 2, launcher=launcher, timeout=600)
+    assert (buggy.status, buggy.returncode) == (REPRODUCES, 0), buggy.output
+    assert f"REPRODUCED {finding.id}" in buggy.output
+    observed, reference = _values(buggy.output, "observed"), _values(buggy.output, "reference")
+    assert observed != pytest.approx(reference, rel=1e-4, abs=1e-6)
+    checker_lines = [line for line in buggy.output.splitlines() if line.startswith("checker:")]
+    assert checker_lines == ([finding.checker] if finding.checker else [])  # the checker raised it again
+    if finding.contract == NO_CONTRACT:  # no fix control: no corrected line, no --fixed
+        assert "corrected:" not in buggy.output and "--fixed" not in script
+        return
+    assert _values(buggy.output, "corrected") == pytest.approx(reference, rel=1e-4, abs=1e-6)
+    # the fix patched in by the script itself; and the script runs where shardcheck is absent
+    fixed = run_repro(path, 2, launcher="direct", timeout=600, args=("--fixed",), env=no_shardcheck)
+    assert (fixed.status, fixed.returncode) == (FIXED, 1), fixed.output
+    assert "REPRODUCED" not in fixed.output and "checker:" not in fixed.output
+
+
+@pytest.mark.parametrize(("component", "options", "layout"), [
+    ("output_loss", {"parallel_output": False}, "tp2-sp"),
+    ("gpt", {"normalization": "RMSNorm", "share_embeddings": True}, "cp2-dp2"),
+    ("moe_router", {"moe_router_score_function": "sigmoid"}, "ep2-dp2"),
+])
+def test_any_finding_of_a_templated_component_gets_a_script(component, options, layout, tmp_path):
+    text = write_audit_script(_finding(component, options, layout), tmp_path / "x.py").read_text()
+    compile(text, "x.py", "exec")
+    assert f"LAYOUT = {layout!r}".replace("'", '"') in text and "def run(sizes):" in text
+    assert "corrected()" not in text  # no contract, no fix control
+    for name, value in options.items():
+        assert f"{name!r}: {value!r}" in text
+
+
+@pytest.mark.parametrize(("finding", "message"), [
+    (_finding("t5", {}, "tp2"), "no repro template for component 't5'"),
+    (_finding("gpt", {}, "tp2"), "tp = pp = ep = 1"),
+    (_finding("moe_router", {}, "tp2"), "needs sequence parallelism"),
+    (_finding("gpt", {}, "cp2", kind="type-only"), "type-only"),
+])
+def test_finding_without_a_script_says_why(finding, message, tmp_path):
+    with pytest.raises(ReproError, match=re.escape(message)):
+        write_audit_script(finding, tmp_path / "x.py")
+    assert not (tmp_path / "x.py").exists()
+
+
+def _audit_finding(component, layout, kind="numeric-only"):
+    return audit_report.Finding(
+        title="t", kind=kind, location=f"megatron/core/{component}.py:1", contract=NO_CONTRACT,
+        trigger={"component": component, "options": {}, "layout": layout},
+        effect=[{"value": "loss", "observed": 1.0, "reference": 2.0, "max_abs_error": 1.0,
+                 "max_rel_error": 0.5}], first_divergence=None, checker=None, corrected=None,
+        reproduce=f"shardcheck audit --only {component} --layouts {layout}")
+
+
+def test_audit_findings_join_the_store_with_their_scripts_and_repro_reads_them(tmp_path):
+    found = [_audit_finding("output_loss", "tp2"), _audit_finding("t5", "tp2"),
+             _audit_finding("gpt", "tp2", kind="type-only")]
+    save_with_scripts(found, tmp_path / "out", tmp_path / "store")
+    scripted, untemplated, typed = found
+    assert scripted.repro == str(tmp_path / "out" / "repro" / f"{scripted.id}.py")
+    assert untemplated.repro.startswith("no script: no repro template for component 't5'")
+    assert typed.repro is None
+    stored = {f.id: f for f in FindingStore(tmp_path / "store").all()}
+    assert set(stored) == {f.id for f in found} and {f.origin for f in stored.values()} == {AUDIT}
+    assert stored[scripted.id].repro == scripted.repro and stored[scripted.id].config == {}
+    assert f"**repro script**: `torchrun --standalone --nproc-per-node=2 {scripted.repro}`" in \
+        audit_report.markdown(found, {})
+
+    out = tmp_path / "again.py"
+    result = CliRunner().invoke(main, ["repro", scripted.id[:6], "-o", str(out), "--root", str(tmp_path / "store")])
+    assert result.exit_code == 0, result.output
+    assert out.read_text() == (tmp_path / "out" / "repro" / f"{scripted.id}.py").read_text().replace(
+        f"{scripted.id}.py", "again.py")
+    result = CliRunner().invoke(main, ["repro", untemplated.id, "--root", str(tmp_path / "store")])
+    assert result.exit_code == 1 and "no repro template for component 't5'" in result.output
+    listed = CliRunner().invoke(main, ["findings", "--no-run", "--root", str(tmp_path / "store")])
+    assert listed.exit_code == 0 and scripted.id in listed.output and untemplated.id in listed.output
+
+
+def test_megatron_fuzz_findings_get_their_scripts_from_the_same_templates(tmp_path):
+    from shardcheck.fuzz import resolve_target
+    from shardcheck.megatron import fuzz_targets  # noqa: F401  (registers the catalogue)
+    from shardcheck.repro import write_repro
+
+    finding = _finding("output_loss", {"label_smoothing": 0.1, "seq": 4}, "tp2-sp", "vocab_parallel_cross_entropy")
+    finding.origin = "fuzz"
+    text = write_repro(finding, resolve_target("output_loss"), tmp_path / "f.py").read_text()
+    assert "'seq': 4" in text and "vocab_parallel_cross_entropy(" in text and "def corrected():" in text
+    assert resolve_target("moe").repro is None  # no template for the MoE GPT yet

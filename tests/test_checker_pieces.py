@@ -1,0 +1,124 @@
+"""Pieces put back together on real Gloo ranks: the halves of a split used as the plain values
+they are (Megatron's fused vocab-parallel cross-entropy), a constant softmax sink concatenated to
+head-sharded scores (softmax off-by-one), each with a buggy variant that is still flagged."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import shardcheck as sc
+from shardcheck.launch import spawn_ranks
+
+TOKENS, VOCAB, HEADS, SEQ = 4, 6, 4, 3
+
+
+def _global(seed: int, *shape: int) -> torch.Tensor:
+    value = torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+    return sc.annotate(value, tp=sc.R)
+
+
+def _logits_and_target() -> tuple[torch.Tensor, torch.Tensor]:
+    return _global(0, TOKENS, VOCAB), torch.arange(TOKENS) % VOCAB
+
+
+def fused_cross_entropy(reduce: bool) -> torch.Tensor:
+    """Both vocab-parallel partial sums in one all-reduce, split back into halves (``reduce=False``
+    forgets the all-reduce: log of a partial sum)."""
+    logits, target = _logits_and_target()
+    local = sc.rank_slice(logits, "tp", 1)
+    hits = sc.rank_slice(F.one_hot(target, VOCAB).float(), "tp", 1)
+    both = torch.cat(((local * hits).sum(-1), local.exp().sum(-1)))
+    if reduce:
+        dist.all_reduce(both)
+    predicted, sum_exp = torch.split(both, TOKENS)
+    return torch.log(sum_exp) - predicted
+
+
+def chunk_by_rank_added(dim: int) -> torch.Tensor:
+    """This rank's chunk of a replicated bias added to a column-parallel output: chunked on the
+    output's sharded dim (right) or on another dim (wrong: it is no piece of the output)."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    column = sc.rank_slice(_global(1, TOKENS, 2 * n), "tp", 1)
+    bias = _global(2, TOKENS * (n if dim == 0 else 1), 2 * n // (n if dim == 0 else 1))
+    return column + bias.chunk(n, dim=dim)[r]
+
+
+def _scores() -> torch.Tensor:
+    return sc.rank_slice(_global(3, 1, HEADS, SEQ, SEQ), "tp", 1)
+
+
+def _softmax_with_sink(scores: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
+    column = sink.reshape(1, -1, 1, 1).expand(scores.size(0), -1, scores.size(2), -1)
+    return torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1]
+
+
+def softmax_with_sink(kind: str) -> torch.Tensor:
+    """Softmax off-by-one over head-sharded scores: a zero sink per local head (constant), each
+    rank's own heads' offsets, or the first heads' offsets on every rank (wrong on rank 1)."""
+    local_heads = HEADS // dist.get_world_size()
+    offsets = _global(4, HEADS)
+    sink = {"zeros": lambda: torch.zeros(local_heads),
+            "own heads": lambda: sc.rank_slice(offsets, "tp", 0),
+            "first heads": lambda: offsets[:local_heads] * 1}[kind]()
+    return _softmax_with_sink(_scores(), sink)
+
+
+def _run(program, variant) -> dict:
+    with sc.typecheck(sc.Mesh(tp=dist.group.WORLD), mode="collect"):
+        value = program(variant)
+        types = {axis: repr(p) for axis, p in sc.typeof(value).items()}
+    return {"value": value.tolist(), "types": types,
+            "rules": [v.rule for v in sc.violations()]}
+
+
+VARIANTS = [(fused_cross_entropy, True), (fused_cross_entropy, False), (chunk_by_rank_added, 1),
+            (chunk_by_rank_added, 0), (softmax_with_sink, "zeros"),
+            (softmax_with_sink, "own heads"), (softmax_with_sink, "first heads")]
+
+
+def _ranks() -> dict:
+    return {(program.__name__, variant): _run(program, variant) for program, variant in VARIANTS}
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    return spawn_ranks(_ranks, 2)
+
+
+def test_halves_of_a_reduced_split_are_replicated_and_give_the_one_rank_loss(ranks):
+    logits, target = torch.randn(TOKENS, VOCAB, generator=torch.Generator().manual_seed(0)), \
+        torch.arange(TOKENS) % VOCAB
+    reference = F.cross_entropy(logits, target, reduction="none")
+    for rank in ranks:
+        result = rank[("fused_cross_entropy", True)]
+        assert (result["types"], result["rules"]) == ({"tp": "R"}, [])
+        assert torch.tensor(result["value"]) == pytest.approx(reference, abs=1e-5)
+
+
+def test_halves_of_an_unreduced_split_are_flagged(ranks):
+    for rank in ranks:
+        assert rank[("fused_cross_entropy", False)]["rules"] == ["non-linear on partial"]
+
+
+def test_a_chunk_by_rank_lines_up_only_on_the_sharded_dim(ranks):
+    for rank in ranks:
+        right = rank[("chunk_by_rank_added", 1)]
+        assert (right["types"], right["rules"]) == ({"tp": "S(1)"}, [])
+        assert rank[("chunk_by_rank_added", 0)]["rules"] == ["global shape mismatch"]
+
+
+def test_a_constant_sink_or_each_ranks_own_offsets_fit_head_sharded_scores(ranks):
+    for rank in ranks:
+        for variant in ("zeros", "own heads"):
+            result = rank[("softmax_with_sink", variant)]
+            assert (result["types"], result["rules"]) == ({"tp": "S(1)"}, []), variant
+
+
+def test_the_first_heads_offsets_on_every_rank_are_flagged_where_they_are_wrong(ranks):
+    # on rank 0 the first heads are its own (the slice reads as its shard), as in the bias test
+    assert [rank[("softmax_with_sink", "first heads")]["rules"] for rank in ranks] == [
+        [], ["global shape mismatch"]]
+    own = [rank[("softmax_with_sink", "own heads")]["value"] for rank in ranks]
+    first = [rank[("softmax_with_sink", "first heads")]["value"] for rank in ranks]
+    assert own[0] == first[0] and own[1] != first[1]  # rank 1 really uses the wrong offsets

@@ -1,0 +1,149 @@
+"""Megatron's SSM layers on real Gloo ranks against one rank, with the plain-torch kernels."""
+
+from contextlib import contextmanager
+from functools import partial
+
+import pytest
+
+pytest.importorskip("megatron.core")
+
+from shardcheck.layout import Layout  # noqa: E402
+from shardcheck.megatron.runner import relative_errors, run_layout, run_ranks  # noqa: E402
+from shardcheck.megatron.scenarios import ssm  # noqa: E402
+
+pytestmark = [pytest.mark.megatron, pytest.mark.slow]
+
+GDN = partial(ssm.gdn_step, setup=ssm.GDNSetup())
+
+
+@pytest.fixture(scope="module")
+def gdn_reference():
+    return run_layout(GDN, Layout())
+
+
+def _within(errors, tolerance=1e-5, skip=()):
+    return {name: e for name, e in errors.items() if e > tolerance and name not in skip}
+
+
+def test_gdn_under_tp2_with_sequence_parallelism_matches_one_rank(gdn_reference):
+    errors = relative_errors(run_layout(GDN, Layout.parse("tp2-sp")), gdn_reference)
+    assert not _within(errors)
+    assert gdn_reference["grad_replica_spread"] == 0
+
+
+@contextmanager
+def _out_norm_grads_summed_over_tp():
+    """The fix: sum GatedDeltaNet's ``out_norm`` gradients over tp, as Megatron does for
+    q/k layernorms (each TP rank normalises only its own heads with the shared weight)."""
+    import importlib
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    finalize = importlib.import_module("megatron.core.distributed.finalize_model_grads")
+
+    original = finalize._allreduce_non_tensor_model_parallel_grads
+
+    def fixed(model, config, tp_group=None):
+        original(model, config, tp_group)
+        if config.sequence_parallel:
+            return
+        for chunk in model:
+            for name, param in chunk.named_parameters():
+                if "out_norm" in name and param.main_grad is not None:
+                    dist.all_reduce(param.main_grad, group=ps.get_tensor_model_parallel_group())
+
+    finalize._allreduce_non_tensor_model_parallel_grads = fixed
+    try:
+        yield
+    finally:
+        finalize._allreduce_non_tensor_model_parallel_grads = original
+
+
+def gdn_with_out_norm_fix(ctx):
+    with _out_norm_grads_summed_over_tp():
+        return GDN(ctx)
+
+
+def test_gdn_out_norm_gradient_is_not_reduced_over_tp_without_sequence_parallelism(gdn_reference):
+    """A Megatron bug: finalize_model_grads sums norm gradients over tp only for sequence-parallel
+    norms and q/k layernorms, so without SP each TP rank keeps its own heads' share."""
+    ranks = run_ranks(GDN, Layout.parse("tp2"))
+    errors = relative_errors(ranks[0], gdn_reference)
+    assert errors["grad/out_norm.weight"] > 0.1
+    assert ranks[0]["grad_replica_spread"] > 1e-3  # the TP replicas of the weight drift apart
+    assert not _within(errors, skip=("grad/out_norm.weight", "grad_replica_spread"))
+    corrected = relative_errors(run_layout(gdn_with_out_norm_fix, Layout.parse("tp2")), gdn_reference)
+    assert not _within(corrected)
+
+
+GDN_BIASED = partial(ssm.gdn_step, setup=ssm.GDNSetup(bias=True))
+
+
+@contextmanager
+def _in_proj_bias_split_like_its_weight():
+    """The fix: describe in_proj.bias in the checkpoint as in_proj.weight is, per section
+    (each TP rank holds its share of query, key, value, z, beta and alpha, not a contiguous
+    slice of their concatenation)."""
+    from megatron.core.ssm import gated_delta_net as gdn
+
+    original = gdn.GatedDeltaNet.sharded_state_dict
+
+    def fixed(self, prefix="", sharded_offsets=(), metadata=None, tp_group=None):
+        state = original(self, prefix, sharded_offsets, metadata, tp_group)
+        tp = self.tp_size
+        sections = [self.qk_dim // tp, self.qk_dim // tp, self.v_dim // tp, self.v_dim // tp,
+                    self.num_value_heads // tp, self.num_value_heads // tp]
+        names = ["query", "key", "value", "z", "beta", "alpha"]
+        state[f"{prefix}in_proj.bias"] = gdn._split_tensor_factory(
+            state[f"{prefix}in_proj.bias"], sections, names, 0)
+        return state
+
+    gdn.GatedDeltaNet.sharded_state_dict = fixed
+    try:
+        yield
+    finally:
+        gdn.GatedDeltaNet.sharded_state_dict = original
+
+
+def gdn_biased_with_bias_metadata_fix(ctx):
+    with _in_proj_bias_split_like_its_weight():
+        return GDN_BIASED(ctx)
+
+
+def test_gdn_in_proj_bias_checkpoint_metadata_is_a_contiguous_slice_not_per_section():
+    """A Megatron bug: GatedDeltaNet.sharded_state_dict splits in_proj.weight per section but
+    leaves in_proj.bias as a plain TP slice, so a checkpoint resharded across TP sizes (here:
+    global weights loaded through that metadata) gives each rank the wrong bias entries."""
+    reference = run_layout(GDN_BIASED, Layout())
+    broken = relative_errors(run_layout(GDN_BIASED, Layout.parse("tp2-sp")), reference)
+    assert broken["output"] > 0.05 and broken["grad/in_proj.weight.query"] > 0.05
+    fixed_reference = run_layout(gdn_biased_with_bias_metadata_fix, Layout())
+    assert "grad/in_proj.bias.query" in fixed_reference and "grad/in_proj.bias" in reference
+    fixed = relative_errors(run_layout(gdn_biased_with_bias_metadata_fix, Layout.parse("tp2-sp")),
+                            fixed_reference)
+    assert not _within(fixed)
+
+
+MAMBA = partial(ssm.mamba_step, setup=ssm.MambaSetup())
+
+
+@pytest.mark.parametrize("layout", ["tp2-sp", "cp2", "tp2"])
+def test_mamba_mixer_matches_one_rank(layout, mamba_reference):
+    errors = relative_errors(run_layout(MAMBA, Layout.parse(layout)), mamba_reference)
+    assert not _within(errors)
+
+
+@pytest.fixture(scope="module")
+def mamba_reference():
+    return run_layout(MAMBA, Layout())
+
+
+MAMBA_UNFUSED = partial(ssm.mamba_step, setup=ssm.MambaSetup(config={"use_mamba_mem_eff_path": False}))
+
+
+def test_mamba_fused_kernel_equals_megatrons_unfused_path(mamba_reference):
+    """The split-conv-scan kernel against Megatron's own unfused code path (its split, the conv,
+    the scan and the gated norm called one by one)."""
+    errors = relative_errors(run_layout(MAMBA_UNFUSED, Layout()), mamba_reference)
+    assert not _within(errors)
