@@ -2,8 +2,8 @@
 
 ``values = zeros(num_layers); values[layer] += loss`` with the loss P over tp, then a SUM
 all-reduce over tp. With as many layers as tp ranks, ``values[layer]`` picks, on one rank, the
-element whose index is that rank's: the rank-slice heuristic must not read a piece of a
-constant (zero) tensor as this rank's chunk.
+element whose index is that rank's: the rank-slice heuristic must not read it as this rank's
+chunk.
 """
 
 import torch
