@@ -26,6 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardcheck import rules as _rules
 from shardcheck import shape_rules
+from shardcheck.broadcast import record as record_broadcast
 from shardcheck.collectives import collective_rule
 from shardcheck.rules import HELP, NO_TENSOR, Violation
 from shardcheck.types import Mesh, Placement, Shard, V, parse_placement
@@ -310,6 +311,7 @@ class Checker(TorchDispatchMode):
         out = func(*args, **kwargs)
         if self._paused:
             return out
+        record_broadcast(func, args, out)
         entry = self._entries.get(id(func))  # OpOverloads live forever; id() hashes fastest
         if entry is None:
             entry = self._entries[id(func)] = _resolve(func)

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from shardcheck.broadcast import broadcast_dims
 from shardcheck.types import I, P, Placement, R, S, Shard, V
 
 aten = torch.ops.aten
@@ -251,11 +252,18 @@ class Typed:
 
 
 class _Operand:
-    __slots__ = ("pl", "role", "zero", "shape", "scalar", "const")
+    __slots__ = ("pl", "role", "zero", "shape", "scalar", "const", "tensor")
 
-    def __init__(self, pl, role, zero, shape, scalar, const=False):
+    def __init__(self, pl, role, zero, shape, scalar, const=False, tensor=None):
         self.pl, self.role, self.zero, self.shape, self.scalar = pl, role, zero, shape, scalar
-        self.const = const
+        self.const, self.tensor = const, tensor
+
+    def broadcast_on(self, dim: int) -> bool:
+        """Whether the operand holds one value along ``dim`` (see shardcheck.broadcast), as the
+        gradient of a sum over ``dim`` does."""
+        if self.shape[dim] == 1:
+            return True
+        return self.tensor is not None and dim - len(self.shape) in broadcast_dims(self.tensor)
 
 
 def elementwise(ctx, items: list[tuple[Any, str]]) -> Pl | None:
@@ -275,7 +283,8 @@ def elementwise(ctx, items: list[tuple[Any, str]]) -> Pl | None:
                 continue
             shape = value.shape
             out_ndim = max(out_ndim, len(shape))
-            ops.append(_Operand(pl, role, ctx.zero(value), shape, False, ctx.const(value)))
+            ops.append(_Operand(pl, role, ctx.zero(value), shape, False, ctx.const(value),
+                                value))
         elif isinstance(value, Typed):
             out_ndim = max(out_ndim, len(value.shape))
             ops.append(_Operand(value.pl, role, False, value.shape, False, value.const))
@@ -442,7 +451,7 @@ def _shard_layout(tensors: list[_Operand], a: int, out_ndim: int) -> Placement:
         for o in tensors:
             if (replicated(o.pl[a]) or is_partial(o.pl[a])) and not o.const:
                 local = d - (out_ndim - len(o.shape))
-                if local >= 0 and o.shape[local] != 1:
+                if local >= 0 and not o.broadcast_on(local):
                     raise Violation("global shape mismatch", a)
         if varying:
             return V
