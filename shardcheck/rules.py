@@ -290,6 +290,8 @@ def elementwise(ctx, items: list[tuple[Any, str]]) -> Pl | None:
             ops.append(_Operand(value.pl, role, False, value.shape, False, value.const))
         elif value is not None:
             ops.append(_Operand(None, role, value == 0, (), True))
+    if all(o.pl is None for o in ops) and any(is_tensor(v) for v, _ in items):
+        return None  # only untyped 0-dim tensors and numbers: nothing is known of the result
     return tuple(_axis_elementwise(ops, a, out_ndim) for a in range(ctx.n))
 
 

@@ -37,6 +37,24 @@ def _tracked_losses(second_loss_reduced_first: bool):
     return types, rules, (values - expected).abs().max().item()
 
 
+def _untyped_loss_tracked():
+    """A layer whose loss the checker could not type (its input came in untyped)."""
+    group = dist.new_group([0, 1])
+    untyped_input = torch.rand(4)
+    with sc.typecheck(sc.Mesh(tp=group), mode="collect"):
+        values = torch.zeros(LAYERS)
+        values[0] += sc.annotate(torch.tensor(1.0 + dist.get_rank()), tp=sc.P)
+        scaled = untyped_input.sum() * 1e-2
+        values[1] += scaled
+        return repr(sc.typeof(scaled)), [v.rule for v in sc.violations()]
+
+
+def test_an_untyped_loss_times_a_number_stays_unknown():
+    for scaled, rules in spawn_ranks(_untyped_loss_tracked, 2):
+        assert scaled == "{}"
+        assert rules == []
+
+
 def test_tracker_of_partial_losses_is_partial_then_replicated():
     for types, rules, error in spawn_ranks(_tracked_losses, 2, False):
         assert types == ["{'tp': P}", "{'tp': P}", "{'tp': R}"]
