@@ -147,3 +147,13 @@ def test_mamba_fused_kernel_equals_megatrons_unfused_path(mamba_reference):
     the scan and the gated norm called one by one)."""
     errors = relative_errors(run_layout(MAMBA_UNFUSED, Layout()), mamba_reference)
     assert not _within(errors)
+
+
+@pytest.mark.parametrize("layout", [Layout(cp=2), Layout(dp=2)], ids=str)
+def test_mamba_with_per_token_loss_matches_one_rank(layout):
+    """Per-token loss: Megatron neither scales by the cp size nor averages over dp x cp."""
+    from shardcheck.megatron.scenarios import scenario
+
+    per_token = scenario("mamba", config={"calculate_per_token_loss": True})
+    errors = relative_errors(run_layout(per_token, layout), run_layout(per_token, Layout()))
+    assert max(errors.values()) < 1e-5, errors

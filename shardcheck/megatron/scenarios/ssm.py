@@ -6,7 +6,8 @@ Megatron's DistributedDataParallel on a [seq, batch, hidden] input (the batch sp
 parallelism; the sequence over context parallelism in Megatron's load-balanced chunk order,
 then over tensor parallelism under sequence parallelism), with the loss
 ``sum(output * upstream) / batch`` (times the cp size for the backward, as Megatron's schedules
-do, since the gradient all-reduce averages over dp x cp); then ``finalize_model_grads`` and,
+do, since the gradient all-reduce averages over dp x cp; with ``calculate_per_token_loss``
+divided by the dp size instead, since DDP then sums); then ``finalize_model_grads`` and,
 as outputs, global values only: the loss, the layer's output, the input's gradient, every
 parameter's gradient and the largest disagreement between replicas of a gradient (0 on one
 rank).
@@ -235,12 +236,15 @@ def _train_step(ctx: Any, setup: Any, make_config: Callable[[], Any],
             output = output + bias
         upstream = _local_input("upstream", setup, sp)
         loss = (output * upstream).sum() / hidden.shape[1]
-        cp = ps.get_context_parallel_world_size()
-        (loss * cp).backward()
+        dp, cp = ps.get_data_parallel_world_size(), ps.get_context_parallel_world_size()
+        # As Megatron's schedules and DDP: a per-token loss is normalised by the global count
+        # and summed over dp x cp; otherwise each rank's mean is scaled by the cp size and the
+        # gradients averaged over dp x cp.
+        scale = 1 / dp if config.calculate_per_token_loss else cp
+        (loss * scale).backward()
         finalize_model_grads([ddp])
         grads, spread = gather_global(layer, gradient_of, world_group(ctx))
-        # each rank's backward ran on its batch mean times the cp size: undo both
-        input_grad = hidden.grad / (ps.get_data_parallel_world_size() * cp)
+        input_grad = hidden.grad / (dp * scale)  # the gradient of the global batch mean
         return {"loss": _reported_loss(loss, sp), "output": _global(output.detach(), sp, setup.seq),
                 "input_grad": _global(input_grad, sp, setup.seq),
                 "grad_replica_spread": torch.tensor(max(spread.values())),
