@@ -93,6 +93,13 @@ class Outcome:
     def failed(self) -> bool:
         return bool(self.gaps or self.violations)
 
+    @property
+    def refusal(self) -> str | None:
+        """Why the scenario refused the layout on its ranks (``LayoutUnsupported``), else None."""
+        if self.error and self.error.split(":")[0].endswith(LayoutUnsupported.__name__):
+            return self.error.split(":", 1)[1].strip()
+        return None
+
 
 def _first_line(failure: PoolFailure) -> str:
     lines = [ln.strip() for ln in str(failure).splitlines() if ln.strip() and not ln.startswith(" ")]
@@ -311,8 +318,7 @@ def _runnable(runner: Runner, swept: _Swept, case: Case, defer_inert: bool) -> b
 def _record(swept: _Swept, outcome: Outcome) -> None:
     """Keep an outcome; a layout the component refuses is noted as such, not as an error."""
     case = outcome.case
-    if outcome.error and outcome.error.split(":")[0].endswith(LayoutUnsupported.__name__):
-        why = outcome.error.split(":", 1)[1].strip()
+    if why := outcome.refusal:
         swept.not_applicable[(case.component, str(case.layout))] = f"{case.component} @ {case.layout}: {why}"
         return
     swept.outcomes.append(outcome)

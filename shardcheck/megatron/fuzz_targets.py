@@ -28,7 +28,6 @@ from shardcheck.fuzz import register_fuzz_target
 from shardcheck.layout import Layout
 from shardcheck.megatron import audit_report
 from shardcheck.megatron.audit import INERT, Outcome, Pools, Runner
-from shardcheck.megatron.parallel import LayoutUnsupported
 from shardcheck.megatron.repro_templates import TEMPLATES, script_body
 from shardcheck.megatron.scenarios import COMPONENTS
 from shardcheck.megatron.sweep import Case, component_options, layouts, setup_options
@@ -109,7 +108,7 @@ def check_example(component: str, example: dict[str, Any]) -> Verdict:
 
 
 def _error_verdict(outcome: Outcome) -> Verdict:
-    if outcome.error.split(":")[0].endswith(LayoutUnsupported.__name__):
+    if outcome.refusal:
         reject()
     where = outcome.entry or outcome.case.component
     return Verdict(Failure(f"{outcome.case.component} under {outcome.case.layout}: {outcome.error}",
