@@ -87,7 +87,7 @@ def differs(got: torch.Tensor, want: torch.Tensor) -> bool:
 
 def main() -> int:
     dist.init_process_group("gloo")
-    got, want = observed(), reference()
+    want, got = reference(), observed()
 $corrected_call
     reproduces = differs(got, want)
     if dist.get_rank() == 0:

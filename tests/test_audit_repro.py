@@ -10,6 +10,7 @@ pytest.importorskip("megatron.core")
 from shardcheck.cli import main  # noqa: E402
 from shardcheck.findings import Finding, FindingStore  # noqa: E402
 from shardcheck.megatron import audit_report  # noqa: E402
+from shardcheck.megatron.audit_report import GLOBAL_GROUP_CONTRACT  # noqa: E402
 from shardcheck.megatron.audit_repro import AUDIT, save_with_scripts, write_audit_script  # noqa: E402
 from shardcheck.megatron.contracts import BY_NAME  # noqa: E402
 from shardcheck.repro import FIXED, REPRODUCES, ReproError, run_repro  # noqa: E402
@@ -28,13 +29,25 @@ KNOWN = {
                      "type+numeric", "checker: contract at megatron/core/transformer/moe/router.py:288 in "
                      "contract: {tp:R}"),
     "router per-token aux loss": ("moe_router", {"calculate_per_token_loss": True}, "tp2-sp"),
+    "grad norm without tp metadata": ("gpt", {"perform_initialization": False}, "tp2", "get_grad_norm_fp32",
+                                      "type+numeric", "checker: contract at megatron/core/tensor_parallel/"
+                                      "layers.py:300 in contract: {tp:R}"),
+    "global tp group": ("gpt", {}, "tp2-cp2-sp@cp-tp", GLOBAL_GROUP_CONTRACT, "type+numeric",
+                        "checker: megatron/core/tensor_parallel/cross_entropy.py:130: all_reduce on "
+                        "parallel_state's global tp group [0, 1], but the model's pg_collection.tp is [0, 2]"),
+    "gdn out_norm grad": ("gdn", {}, "tp2"),
 }
 
 
 def _finding(component, options, layout, contract=None, kind="numeric-only", checker=None):
+    notation = BY_NAME[contract].notation() if contract in BY_NAME else contract or NO_CONTRACT
     return Finding(title=f"{component} differs under {layout}", target=component, location="megatron/core/x.py:1",
-                   contract=BY_NAME[contract].notation() if contract else NO_CONTRACT, layout=layout,
-                   config=options, observed=None, reference=None, kind=kind, checker=checker, origin=AUDIT)
+                   contract=notation, layout=layout, config=options, observed=None, reference=None,
+                   kind=kind, checker=checker, origin=AUDIT)
+
+
+def _has_fix(contract):
+    return contract == GLOBAL_GROUP_CONTRACT or (contract in BY_NAME and BY_NAME[contract].fix is not None)
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +68,7 @@ def _values(output: str, label: str) -> list[float]:
 @pytest.mark.parametrize("name", list(KNOWN))
 def test_known_finding_script_reproduces_then_exits_1_with_the_fix(name, tmp_path, no_shardcheck):
     finding = _finding(*KNOWN[name])
+    has_fix = _has_fix(KNOWN[name][3] if len(KNOWN[name]) > 3 else None)
     path = write_audit_script(finding, tmp_path / f"{finding.id}.py")
     script = path.read_text()
     # shardcheck only in the guarded import for the checker: line
@@ -64,19 +78,19 @@ def test_known_finding_script_reproduces_then_exits_1_with_the_fix(name, tmp_pat
     assert len(script.splitlines()) <= 260
 
     launcher = "torchrun" if name == "cp loss" else "direct"
-    buggy = run_repro(path, 2, launcher=launcher, timeout=600)
+    buggy = run_repro(path, finding.world_size, launcher=launcher, timeout=600)
     assert (buggy.status, buggy.returncode) == (REPRODUCES, 0), buggy.output
     assert f"REPRODUCED {finding.id}" in buggy.output
     observed, reference = _values(buggy.output, "observed"), _values(buggy.output, "reference")
     assert observed != pytest.approx(reference, rel=1e-4, abs=1e-6)
     checker_lines = [line for line in buggy.output.splitlines() if line.startswith("checker:")]
     assert checker_lines == ([finding.checker] if finding.checker else [])  # the checker raised it again
-    if finding.contract == NO_CONTRACT:  # no fix control: no corrected line, no --fixed
+    if not has_fix:  # no fix control: no corrected line, no --fixed
         assert "corrected:" not in buggy.output and "--fixed" not in script
         return
     assert _values(buggy.output, "corrected") == pytest.approx(reference, rel=1e-4, abs=1e-6)
     # the fix patched in by the script itself; and the script runs where shardcheck is absent
-    fixed = run_repro(path, 2, launcher="direct", timeout=600, args=("--fixed",), env=no_shardcheck)
+    fixed = run_repro(path, finding.world_size, launcher="direct", timeout=600, args=("--fixed",), env=no_shardcheck)
     assert (fixed.status, fixed.returncode) == (FIXED, 1), fixed.output
     assert "REPRODUCED" not in fixed.output and "checker:" not in fixed.output
 
@@ -85,19 +99,34 @@ def test_known_finding_script_reproduces_then_exits_1_with_the_fix(name, tmp_pat
     ("output_loss", {"parallel_output": False}, "tp2-sp"),
     ("gpt", {"normalization": "RMSNorm", "share_embeddings": True}, "cp2-dp2"),
     ("moe_router", {"moe_router_score_function": "sigmoid"}, "ep2-dp2"),
+    ("gdn", {"use_qk_l2norm": False}, "tp2-dp2@dp-tp"),
 ])
 def test_any_finding_of_a_templated_component_gets_a_script(component, options, layout, tmp_path):
     text = write_audit_script(_finding(component, options, layout), tmp_path / "x.py").read_text()
     compile(text, "x.py", "exec")
-    assert f"LAYOUT = {layout!r}".replace("'", '"') in text and "def run(sizes):" in text
+    assert f"LAYOUT = {layout!r}".replace("'", '"') in text and "def run(sizes, pg):" in text
     assert "corrected()" not in text  # no contract, no fix control
     for name, value in options.items():
         assert f"{name!r}: {value!r}" in text
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(("component", "options", "layout"), [
+    ("gpt", {"gated_linear_unit": True}, "tp2-dp2"),  # fused fc1: each section cut over tp
+    ("gdn", {}, "tp2-sp"),  # fused in_proj and conv1d; out_norm summed over tp under SP
+])
+def test_script_of_correct_megatron_code_finds_observed_equal_to_reference(component, options, layout, tmp_path):
+    finding = _finding(component, options, layout)
+    result = run_repro(write_audit_script(finding, tmp_path / "x.py"), finding.world_size,
+                       launcher="direct", timeout=600)
+    assert (result.status, result.returncode) == (FIXED, 1), result.output
+    assert _values(result.output, "observed") == pytest.approx(_values(result.output, "reference"), rel=1e-4)
+
+
 @pytest.mark.parametrize(("finding", "message"), [
     (_finding("t5", {}, "tp2"), "no repro template for component 't5'"),
-    (_finding("gpt", {}, "tp2"), "tp = pp = ep = 1"),
+    (_finding("gpt", {}, "pp2"), "pp = ep = 1"),
+    (_finding("gdn", {}, "cp2"), "without context parallelism"),
     (_finding("moe_router", {}, "tp2"), "needs sequence parallelism"),
     (_finding("gpt", {}, "cp2", kind="type-only"), "type-only"),
 ])

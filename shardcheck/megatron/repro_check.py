@@ -14,30 +14,29 @@ from contextlib import contextmanager
 from types import SimpleNamespace
 from typing import Any
 
+AXES = ("tp", "cp", "dp", "pp", "ep")
 
-def megatron_groups() -> SimpleNamespace:
-    """A context for :func:`checked_region` over Megatron's current ``parallel_state`` groups."""
+
+def model_groups(pg: Any) -> SimpleNamespace:
+    """A context for :func:`checked_region` over the groups the script's model is given."""
     import torch.distributed as dist
-    from megatron.core import parallel_state as ps
 
-    groups = {"tp": ps.get_tensor_model_parallel_group(), "cp": ps.get_context_parallel_group(),
-              "dp": ps.get_data_parallel_group(), "pp": ps.get_pipeline_model_parallel_group(),
-              "ep": ps.get_expert_model_parallel_group()}
-    return SimpleNamespace(rank=dist.get_rank(), groups=groups)
+    return SimpleNamespace(rank=dist.get_rank(), groups={axis: getattr(pg, axis) for axis in AXES})
 
 
-def checked_run(run: Callable[[Any], Any], sizes: Any, recorded: str) -> tuple[Any, str | None]:
-    """``run(sizes)`` under the checker: its result, and ``recorded`` if the checker raised that
-    violation again (same rule and location), else None."""
+def checked_run(run: Callable[[Any, Any], Any], sizes: Any, pg: Any, recorded: str) -> tuple[Any, str | None]:
+    """``run(sizes, pg)`` under the checker (and the probe of collectives on parallel_state's
+    global groups where ``pg`` differs from them): its result, and ``recorded`` if the checker
+    raised that violation again (same rule and location), else None."""
     from shardcheck.checker import harness_code
-    from shardcheck.megatron import contracts
+    from shardcheck.megatron import contracts, explicit
     from shardcheck.megatron.typecheck import checked_region, layout_mesh
 
-    ctx = megatron_groups()
-    with contracts.probes_installed(), checked_region(ctx) as found, \
+    ctx = model_groups(pg)
+    with contracts.probes_installed(), checked_region(ctx) as found, explicit.global_group_uses(pg) as misused, \
             harness_code(run.__code__.co_filename), _script_inputs_typed(run.__globals__, layout_mesh(ctx).names):
-        result = run(sizes)
-    again = [v["line"] for v in found if _rule_and_place(v["line"]) == _rule_and_place(recorded)]
+        result = run(sizes, pg)
+    again = [v["line"] for v in [*found, *misused] if _rule_and_place(v["line"]) == _rule_and_place(recorded)]
     return result, (recorded if again else None)
 
 
@@ -56,8 +55,9 @@ def _script_inputs_typed(namespace: dict[str, Any], axes: tuple[str, ...]) -> It
         namespace["seeded"] = lambda key, *shape: sc.annotate(saved["seeded"](key, *shape),
                                                               **dict.fromkeys(axes, R))
     if "shard" in saved and "tp" in axes:
-        namespace["shard"] = lambda tensor, sizes: (sc.annotate(saved["shard"](tensor, sizes), tp=S(0))
-                                                    if sizes["sp"] else saved["shard"](tensor, sizes))
+        namespace["shard"] = lambda tensor, sizes, group: (
+            sc.annotate(saved["shard"](tensor, sizes, group), tp=S(0)) if sizes["sp"]
+            else saved["shard"](tensor, sizes, group))
     if "get_batch_on_this_cp_rank" in saved:
         namespace["get_batch_on_this_cp_rank"] = utils.get_batch_on_this_cp_rank
     try:

@@ -1,0 +1,368 @@
+"""The code of the audit's repro scripts, as text: shared helpers, CPU patches, components.
+
+:mod:`shardcheck.megatron.repro_templates` picks the pieces a finding needs and puts them
+together; each piece here is plain script code, run by ``torchrun`` without shardcheck.
+Every component's ``run(sizes, pg)`` gets the process groups its model is given (``pg``, a
+``ProcessGroupCollection``) and returns the same global values in every layout.
+"""
+
+BASE = '''
+def run_on(sizes, check=False):
+    """``run`` on megatron's process groups for ``sizes`` (data parallelism takes the rest of the
+    world); with ``check``, under shardcheck's type checker when it is installed."""
+    global CHECKER
+    pg = process_groups(sizes)
+    if check and CHECKER:
+        try:  # optional, only for the checker: line
+            from shardcheck.megatron.repro_check import checked_run
+        except ImportError:
+            CHECKER = None  # no checker here to confirm the line the audit recorded
+        else:
+            result, CHECKER = checked_run(run, sizes, pg, CHECKER)
+            return result
+    return run(sizes, pg)
+
+
+def process_groups(sizes):
+    """parallel_state's global groups in rank order ``order``; returns the model's groups: those
+    of ``model_order`` (the same, unless the layout gives the model groups of its own)."""
+    def initialize(order):
+        ps.destroy_model_parallel()
+        ps.initialize_model_parallel(sizes["tp"], sizes["pp"], context_parallel_size=sizes["cp"],
+                                     expert_model_parallel_size=sizes["ep"], order=order,
+                                     create_gloo_process_groups=False)
+        return ProcessGroupCollection.use_mpu_process_groups()
+    model_groups = initialize(sizes["model_order"])
+    if sizes["order"] != sizes["model_order"]:
+        initialize(sizes["order"])
+    return model_groups
+
+
+def config_for(sizes, **options):
+    """A CPU-runnable TransformerConfig for ``sizes`` with the component's and finding's options."""
+    return TransformerConfig(**{
+        "num_layers": 1, "hidden_size": SETUP["hidden"], "num_attention_heads": 4,
+        "use_cpu_initialization": True, "hidden_dropout": 0.0, "attention_dropout": 0.0,
+        "tensor_model_parallel_size": sizes["tp"], "context_parallel_size": sizes["cp"],
+        "sequence_parallel": sizes["sp"], "pipeline_dtype": torch.float32,
+        "gradient_accumulation_fusion": False, "bias_activation_fusion": False,
+        "masked_softmax_fusion": False, "apply_rope_fusion": False, **options, **OVERRIDES})
+'''
+
+TENSORS = '''
+def gather(tensor, dim, group):
+    """The global tensor from each rank's piece along ``dim`` over ``group``."""
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def shard(tensor, sizes, group):
+    """This rank's sequence chunk (dim 0) under sequence parallelism, else the whole tensor."""
+    return tensor.chunk(group.size())[group.rank()] if sizes["sp"] else tensor
+
+
+def seeded(key, *shape):
+    """A global tensor that depends only on ``key`` and its shape: the same in every layout."""
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(zlib.crc32(key.encode())))
+'''
+
+WEIGHTS = '''
+def load_weights(model, group):
+    """Seeded global weights, the same in every layout; a tp-sharded one gives each rank its
+    piece, cut on the dim where its shape is smaller, section by section when it is fused."""
+    for name, param in model.named_parameters():
+        full = seeded(name, *FULL.setdefault(name, param.shape)) * 0.2
+        dim = next((d for d, (a, b) in enumerate(zip(full.shape, param.shape)) if a != b), None)
+        if dim is not None:
+            sections = next((s for key, s in SECTIONS.items() if name.endswith(key)), [full.shape[dim]])
+            full = torch.cat([s.chunk(group.size(), dim)[group.rank()] for s in full.split(sections, dim)], dim)
+        param.data.copy_(full)
+
+
+def grad_norms(model, group):
+    """The norm of every parameter's global gradient (the squares of tp pieces summed)."""
+    norms = []
+    for name, param in model.named_parameters():
+        square = param.main_grad.float().pow(2).sum()
+        if param.shape != FULL[name]:
+            dist.all_reduce(square, group=group)
+        norms.append(square.sqrt())
+    return torch.stack(norms)
+
+
+FULL = {}  # each parameter's global shape, from the reference run (it runs first)
+'''
+
+OUTPUT_LOSS = '''
+def run(sizes, pg):
+    """ColumnParallelLinear logits into vocab_parallel_cross_entropy: [loss, weight grad, input grad]."""
+    config = config_for(sizes)
+    layer = tensor_parallel.ColumnParallelLinear(
+        SETUP["hidden"], SETUP["vocab"], config=config, init_method=config.init_method, bias=False,
+        gather_output=not SETUP["parallel_output"], tp_group=pg.tp)
+    layer.weight.data.copy_(seeded("weight", SETUP["vocab"], SETUP["hidden"]).chunk(pg.tp.size())[pg.tp.rank()] * 0.05)
+    hidden = seeded("hidden", SETUP["seq"], SETUP["batch"], SETUP["hidden"])
+    labels = torch.randint(0, SETUP["vocab"], (SETUP["seq"], SETUP["batch"]),
+                           generator=torch.Generator().manual_seed(0))
+    local = shard(hidden, sizes, pg.tp).requires_grad_(True)
+    logits, _ = layer(local, runtime_gather_output=SETUP["runtime_gather_output"])
+    loss = tensor_parallel.vocab_parallel_cross_entropy(
+        logits.float().clone(), labels, label_smoothing=SETUP["label_smoothing"]).mean()
+    loss.backward()
+    grad_in = gather(local.grad, 0, pg.tp) if sizes["sp"] else local.grad
+    return torch.cat([loss.detach().view(1), gather(layer.weight.grad, 0, pg.tp).flatten(),
+                      grad_in.flatten()])
+'''
+
+ROUTER = '''
+def run(sizes, pg):
+    """TopKRouter forward and backward: [summed local_num_tokens, weight grad, input grad]."""
+    def tokens(tensor):  # this rank's tokens: its CP chunk of the sequence, then its SP share
+        return shard(tensor.chunk(pg.cp.size())[pg.cp.rank()], sizes, pg.tp)
+    config = config_for(sizes, num_moe_experts=SETUP["experts"], moe_router_topk=SETUP["topk"],
+                        moe_aux_loss_coeff=1.0, moe_router_load_balancing_type="aux_loss",
+                        add_bias_linear=False, expert_model_parallel_size=sizes["ep"])
+    router = TopKRouter(config, pg)
+    router.weight.data.copy_(seeded("router", SETUP["experts"], SETUP["hidden"]) * 0.05)
+    seq, batch = SETUP["seq"], SETUP["batch"]
+    local = tokens(seeded("tokens", seq, batch, SETUP["hidden"])).requires_grad_(True)
+    padding = torch.zeros(seq, batch, dtype=torch.bool)  # True marks padding, uneven over ranks
+    padding[seq * 5 // 8:, 0] = padding[seq - 1:, 1] = SETUP["padding"]
+    counts = []  # the local token count megatron's router computes, recorded as it is returned
+
+    def recorded(*args, **kwargs):
+        result = counting(*args, **kwargs)
+        counts.append(torch.as_tensor(result[1], dtype=torch.float32).clone())
+        return result
+    counting, router_module.get_tokens_per_expert_and_token_count = (
+        router_module.get_tokens_per_expert_and_token_count, recorded)
+    try:
+        probs, _ = router(local, padding_mask=tokens(padding) if SETUP["padding"] else None)
+    finally:
+        router_module.get_tokens_per_expert_and_token_count = counting
+    upstream = seeded("upstream", seq, batch, SETUP["experts"]).reshape(seq, -1)
+    (probs * tokens(upstream).reshape(probs.shape)).sum().backward()
+    dist.all_reduce(router.weight.grad, group=pg.cp)  # DDP's average over CP of a loss scaled by cp
+    dist.all_reduce(router.weight.grad, group=pg.tp)  # finalize_model_grads' sequence-parallel sum
+    count = torch.stack(counts).sum().view(1) if counts else torch.zeros(1)
+    dist.all_reduce(count, group=pg.tp_cp)
+    grad_in = gather(gather(local.grad, 0, pg.tp) if sizes["sp"] else local.grad, 0, pg.cp)
+    return torch.cat([count, router.weight.grad.flatten(), grad_in.flatten()])
+'''
+
+GPT = '''
+def masked_loss(mask, output):
+    """Megatron's training loss function: (sum of masked losses, token count, report)."""
+    mask = mask.reshape(-1).float()
+    loss_sum = (output.float().reshape(-1) * mask).sum()
+    return loss_sum, mask.sum().to(torch.int), {"lm loss": loss_sum.detach()}
+
+
+def batches(sizes, pg):
+    """This rank's microbatches, cut for its CP rank by megatron: its data-parallel share, or
+    all of them in the reference (whose data-parallel replicas each compute the whole batch)."""
+    gen = torch.Generator().manual_seed(1000)
+    shape = (SETUP["microbatches"], SETUP["micro_batch"], SETUP["seq"])
+    tokens, labels = (torch.randint(0, SETUP["vocab"], shape, generator=gen) for _ in range(2))
+    mask = (torch.rand(shape, generator=gen) < 0.6).float() if SETUP["loss_mask"] else torch.ones(shape)
+    dp, dp_rank = (1, 0) if sizes["whole_batch"] else (pg.dp.size(), pg.dp.rank())
+    share = range(dp_rank * len(tokens) // dp, (dp_rank + 1) * len(tokens) // dp)
+    positions = torch.arange(SETUP["seq"]).expand(shape[1:]).contiguous()
+    return [get_batch_on_this_cp_rank(dict(tokens=tokens[i], labels=labels[i], loss_mask=mask[i],
+                                           position_ids=positions), cp_group=pg.cp) for i in share]
+
+
+def run(sizes, pg):
+    """One GPT training step through the schedules: [the optimizer's gradient norm, the norm of
+    every gradient after finalize_model_grads]."""
+    tensor_parallel.model_parallel_cuda_manual_seed(0)
+    config = config_for(sizes, num_layers=SETUP["layers"], num_attention_heads=SETUP["heads"])
+    spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, qk_layernorm=config.qk_layernorm,
+                                    normalization=config.normalization, qk_l2_norm=config.qk_l2_norm)
+    if sizes["cp"] > 1:
+        spec.submodules.self_attention.submodules.core_attention = ContextParallelAttention
+    model = GPTModel(config, spec, SETUP["vocab"], SETUP["seq"], pg_collection=pg,
+                     position_embedding_type=SETUP["position_embedding"],
+                     share_embeddings_and_output_weights=SETUP["share_embeddings"])
+    load_weights(model, pg.tp)
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(), model, pg_collection=pg)
+    config.finalize_model_grads_func, config.no_sync_func = finalize_model_grads, ddp.no_sync
+    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="sgd", lr=0.5, clip_grad=SETUP["clip_grad"]),
+                                       [ddp], use_gloo_process_groups=False, pg_collection=pg)
+    mine = batches(sizes, pg)
+    get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iter(mine), model=[ddp], num_microbatches=len(mine),
+        seq_length=SETUP["seq"], micro_batch_size=SETUP["micro_batch"], forward_only=False, pg_collection=pg)
+    norms = grad_norms(model, pg.tp)
+    _, grad_norm, _ = optimizer.step()
+    return torch.cat([torch.tensor([float(grad_norm)]), norms])
+
+
+def forward_step(data, model):
+    batch = next(data)
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    return output, lambda out: masked_loss(batch["loss_mask"], out)
+'''
+
+CP_ATTENTION = '''
+class ContextParallelAttention(DotProductAttention):
+    """Megatron's torch attention over keys and values gathered across CP (upstream it is TE only)."""
+
+    def __init__(self, config, *args, **kwargs):
+        plain = copy.copy(config)
+        plain.context_parallel_size = 1
+        super().__init__(plain, *args, **kwargs)
+
+    def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, *args, **kwargs):
+        group = self.pg_collection.cp
+        size, rank, n = group.size(), group.rank(), query.size(0)
+        key, value = (gather_from_sequence_parallel_region(t, group=group) for t in (key, value))
+
+        def positions(r):  # megatron's load-balanced order: rank r holds chunks r and 2*cp-1-r
+            return torch.cat([torch.arange(r * n // 2, (r + 1) * n // 2),
+                              torch.arange((2 * size - 1 - r) * n // 2, (2 * size - r) * n // 2)])
+        mask = torch.cat([positions(r) for r in range(size)])[None, :] > positions(rank)[:, None]
+        return super().forward(query, key, value, mask[None, None], attn_mask_type, *args, **kwargs)
+'''
+
+GDN = '''
+def run(sizes, pg):
+    """A GatedDeltaNet layer's forward and backward, then finalize_model_grads: the norm of every
+    gradient (a replicated one on each rank: replicas must agree)."""
+    tensor_parallel.model_parallel_cuda_manual_seed(0)
+    config = config_for(sizes, experimental_attention_variant="gated_delta_net", linear_attention_freq=1,
+                        linear_conv_kernel_dim=SETUP["conv_kernel"], linear_key_head_dim=SETUP["head_dim"],
+                        linear_value_head_dim=SETUP["head_dim"], linear_num_key_heads=SETUP["key_heads"],
+                        linear_num_value_heads=SETUP["value_heads"], normalization="RMSNorm",
+                        activation_func=torch.nn.functional.silu)
+    layer = GatedDeltaNet(config, GatedDeltaNetSubmodules(
+        in_proj=tensor_parallel.ColumnParallelLinear, out_norm=WrappedTorchNorm,
+        out_proj=tensor_parallel.RowParallelLinear), layer_number=1, bias=SETUP["bias"],
+        conv_bias=SETUP["conv_bias"], use_qk_l2norm=SETUP["use_qk_l2norm"], pg_collection=pg)
+    load_weights(layer, pg.tp)
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(), layer, pg_collection=pg)
+    shape = (SETUP["seq"], SETUP["batch"], SETUP["hidden"])
+    hidden = shard(seeded("hidden", *shape), sizes, pg.tp).requires_grad_(True)
+    output, _ = layer(hidden, attention_mask=None)
+    (output * shard(seeded("upstream", *shape), sizes, pg.tp)).sum().backward()
+    finalize_model_grads([ddp], pg_collection=pg)
+    return grad_norms(layer, pg.tp)
+'''
+
+GDN_KERNELS = '''
+def causal_conv1d_fn(x, weight, bias=None, activation=None):
+    """causal_conv1d's depthwise causal convolution of [batch, dim, seq] (then SiLU), in torch."""
+    width, steps = weight.shape[-1], x.shape[-1]
+    padded = torch.nn.functional.pad(x, (width - 1, 0))
+    out = sum(weight[:, j, None] * padded[..., j:j + steps] for j in range(width))
+    out = out + bias[:, None] if bias is not None else out
+    return torch.nn.functional.silu(out) if activation else out
+
+
+# CUDA-only (FLA and causal_conv1d kernels): megatron's own torch delta rule, torch equivalents
+gdn_module.chunk_gated_delta_rule = gdn_module.torch_chunk_gated_delta_rule
+gdn_module.causal_conv1d_fn, gdn_module.HAVE_FLA = causal_conv1d_fn, True
+gdn_module.l2norm = lambda x, dim=-1, eps=1e-6: x * torch.rsqrt(x.pow(2).sum(dim, keepdim=True) + eps)
+torch._dynamo.config.disable = True  # megatron's jit_fuser would build C++ kernels on each rank
+'''
+
+NORM_UNDER_SP = '''
+def norm_under_sp(cls, config, *args, **kwargs):
+    """Transformer Engine only: megatron's torch norm refuses sequence parallelism; build it
+    without, and mark its parameters for finalize_model_grads' tp sum, as TE's norms are."""
+    plain = copy.copy(config)
+    plain.sequence_parallel = False
+    norm = torch_norm(cls, plain, *args, **kwargs)
+    for param in norm.parameters():
+        param.sequence_parallel = config.sequence_parallel
+    return norm
+
+
+torch_norm, WrappedTorchNorm.__new__ = WrappedTorchNorm.__new__, norm_under_sp
+'''
+
+PATCH_RNG = '''
+# CUDA-only: megatron's RNG tracker keeps CUDA generator states; point it at the CPU generator
+torch.cuda.get_rng_state = tensor_parallel.random._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+torch.cuda.set_rng_state = tensor_parallel.random._set_cuda_rng_state = lambda s, *a, **k: torch.set_rng_state(s)
+torch.cuda.manual_seed = torch.manual_seed
+'''
+
+PATCH_DEVICE = '''
+torch.cuda.current_device = lambda: "cpu"  # CUDA-only: megatron puts tensors on the current device
+'''
+
+PATCH_CUDA_TENSORS = '''
+class CudaToCpu(TorchFunctionMode):
+    """CUDA-only: tensors the schedules, DDP and the optimizer make on "cuda" are made on the CPU
+    (and a tensor's type() reads as the CUDA type that gradient clipping asserts)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            return func(*args).replace("torch.", "torch.cuda.")
+        if str(kwargs.get("device", "")).startswith("cuda"):
+            kwargs["device"] = "cpu"
+        return func(*args, **kwargs)
+
+
+CudaToCpu().__enter__()
+'''
+
+PATCH_TE_GEMM = '''
+# CUDA-only: the router tests Transformer Engine's gemm for None, but it is unset without TE
+moe_utils.te_general_gemm = getattr(moe_utils, "te_general_gemm", None)
+'''
+
+CONTRACT_FIX = '''
+FIXED = "--fixed" in sys.argv[1:]  # run everything with the corrected function below
+_ORIGINALS = {{{name!r}: importlib.import_module({module!r}).{attribute}}}
+
+
+{source}
+
+
+def with_fix(sizes, on):
+    """``sizes``; every megatron-core reference to {attribute} calls {fix} when ``on``."""
+    original = _ORIGINALS[{name!r}]
+    for module in list(sys.modules.values()):
+        if getattr(module, "__name__", "").startswith("megatron") and \\
+                getattr(module, {attribute!r}, None) in (original, {fix}):
+            setattr(module, {attribute!r}, {fix} if on else original)
+    return sizes
+'''
+
+GROUPS_FIX = '''
+FIXED = "--fixed" in sys.argv[1:]  # run everything with the fix: parallel_state on the model's groups
+
+
+def with_fix(sizes, on):
+    """``sizes``; when ``on``, with parallel_state's global groups those the model is given, so
+    code that reads the globals instead of the model's pg_collection gets the right ones."""
+    return {**sizes, "order": sizes["model_order"]} if on else sizes
+'''
+
+ENTRY_POINTS = '''
+def observed():
+    return run_on(SIZES, check=True)
+
+
+def reference():
+    return run_on(ONE_RANK)
+'''
+
+FIXED_ENTRY_POINTS = '''
+def observed():
+    return run_on(with_fix(SIZES, FIXED), check=True)
+
+
+def reference():
+    return run_on(with_fix(ONE_RANK, FIXED))
+
+
+def corrected():
+    return run_on(with_fix(SIZES, True))
+'''
