@@ -40,6 +40,7 @@ class ScriptBody:
     code: str
     imports: str = ""
     has_corrected: bool = False
+    support: str = ""  # code the finding does not change (helpers, CPU stand-ins), after its own
     sys_path: tuple[str, ...] = field(default=())
 
 
@@ -55,29 +56,26 @@ Exits 0 while the bug reproduces, 1 once it is fixed.
 
 from __future__ import annotations
 
-import sys
-$sys_path
+$stdlib_imports$sys_path
 import torch
 import torch.distributed as dist
 $imports
 
 NAME = "$name"
-LAYOUT = "$layout"
 CONFIG = $config
 RTOL, ATOL = 1e-4, 1e-6
 CHECKER = $checker
 
 
 $code
+$support
 
-
-def show(value: torch.Tensor) -> str:
+def show(value):
     flat = value.detach().double().flatten()
-    text = ", ".join(f"{x:.7g}" for x in flat[:8].tolist())
-    return text + (", ..." if flat.numel() > 8 else "")
+    return ", ".join(f"{x:.7g}" for x in flat[:8].tolist()) + (", ..." if flat.numel() > 8 else "")
 
 
-def differs(got: torch.Tensor, want: torch.Tensor) -> bool:
+def differs(got, want):
     """Whether observed and reference differ on any rank (the answer is the same on all ranks)."""
     bad = got.shape != want.shape or not torch.allclose(got.double(), want.double(), RTOL, ATOL)
     flag = torch.tensor([float(bad)])
@@ -85,7 +83,7 @@ def differs(got: torch.Tensor, want: torch.Tensor) -> bool:
     return bool(flag.item())
 
 
-def main() -> int:
+def main():
     dist.init_process_group("gloo")
     want, got = reference(), observed()
 $corrected_call
@@ -109,12 +107,17 @@ if __name__ == "__main__":
 def render_script(finding: Finding, body: ScriptBody, filename: str = "repro.py") -> str:
     """The full script for ``finding`` around the target's ``body``."""
     sys_path = "".join(f"sys.path.insert(0, {p!r})  # the library under test\n" for p in body.sys_path)
+    lines = [line for line in body.imports.strip().splitlines() if line.strip()]
+    stdlib = [line for line in lines if line.startswith("import ") and "." not in line and line != "import torch"]
+    library = [line for line in lines if line not in stdlib]
     return _TEMPLATE.substitute(
         title=finding.title, id=finding.id, contract=finding.contract, location=finding.location,
         layout=finding.layout, config_inline=finding.config, world=finding.world_size,
-        filename=filename, sys_path=sys_path.rstrip("\n"), imports=body.imports.strip(),
+        filename=filename, sys_path=sys_path.rstrip("\n"), imports="\n".join(library),
+        stdlib_imports="".join(f"{line}\n" for line in sorted({"import sys", *stdlib})),
         name=finding.id, config=pprint.pformat(finding.config, width=90, sort_dicts=False),
         checker=repr(_checker_line(finding.checker)), code=body.code.strip() + "\n",
+        support=f"\n{SUPPORT_HEADER}\n\n\n{body.support.strip()}\n\n" if body.support else "",
         corrected_call="    fixed = corrected()" if body.has_corrected else "",
         corrected_print='        print(f"corrected: {show(fixed)}")' if body.has_corrected else "",
     ).replace("\n\n\n\n", "\n\n\n")
@@ -125,6 +128,9 @@ def _checker_line(line: str | None) -> str | None:
     if not line:
         return None
     return line if line.startswith("checker:") else f"checker: {line}"
+
+
+SUPPORT_HEADER = "# ---- the same for every finding of this component: helpers, CPU stand-ins, the verdict ----"
 
 
 class ReproError(ValueError):

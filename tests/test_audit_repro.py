@@ -13,7 +13,7 @@ from shardcheck.megatron import audit_report  # noqa: E402
 from shardcheck.megatron.audit_report import GLOBAL_GROUP_CONTRACT  # noqa: E402
 from shardcheck.megatron.audit_repro import AUDIT, save_with_scripts, write_audit_script  # noqa: E402
 from shardcheck.megatron.contracts import BY_NAME  # noqa: E402
-from shardcheck.repro import FIXED, REPRODUCES, ReproError, run_repro  # noqa: E402
+from shardcheck.repro import FIXED, REPRODUCES, SUPPORT_HEADER, ReproError, run_repro  # noqa: E402
 
 NO_CONTRACT = "outputs match the one-rank run"
 # the default audit's confirmed findings in megatron-core 0.16.1: component, options, layout,
@@ -75,7 +75,8 @@ def test_known_finding_script_reproduces_then_exits_1_with_the_fix(name, tmp_pat
     assert re.findall(r"^\s*(?:import|from)\s+shardcheck.*", script, re.M) == [
         "            from shardcheck.megatron.repro_check import checked_run"]
     assert "except ImportError:" in script
-    assert len(script.splitlines()) <= 260
+    own, support = script.split(SUPPORT_HEADER)  # the finding's code first, the shared helpers after
+    assert len(own.splitlines()) <= 150 and len(script.splitlines()) <= 300
 
     launcher = "torchrun" if name == "cp loss" else "direct"
     buggy = run_repro(path, finding.world_size, launcher=launcher, timeout=600)
@@ -104,7 +105,7 @@ def test_known_finding_script_reproduces_then_exits_1_with_the_fix(name, tmp_pat
 def test_any_finding_of_a_templated_component_gets_a_script(component, options, layout, tmp_path):
     text = write_audit_script(_finding(component, options, layout), tmp_path / "x.py").read_text()
     compile(text, "x.py", "exec")
-    assert f"LAYOUT = {layout!r}".replace("'", '"') in text and "def run(sizes, pg):" in text
+    assert f"Trigger: layout {layout}," in text and "def run(sizes, pg):" in text
     assert "corrected()" not in text  # no contract, no fix control
     for name, value in options.items():
         assert f"{name!r}: {value!r}" in text

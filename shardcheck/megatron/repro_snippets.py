@@ -24,18 +24,15 @@ def run_on(sizes, check=False):
 
 
 def process_groups(sizes):
-    """parallel_state's global groups in rank order ``order``; returns the model's groups: those
-    of ``model_order`` (the same, unless the layout gives the model groups of its own)."""
-    def initialize(order):
+    """parallel_state's groups in rank order ``order``; returns the model's: those of ``model_order``."""
+    collections = []
+    for order in dict.fromkeys([sizes["model_order"], sizes["order"]]):  # the globals' order last
         ps.destroy_model_parallel()
         ps.initialize_model_parallel(sizes["tp"], sizes["pp"], context_parallel_size=sizes["cp"],
                                      expert_model_parallel_size=sizes["ep"], order=order,
                                      create_gloo_process_groups=False)
-        return ProcessGroupCollection.use_mpu_process_groups()
-    model_groups = initialize(sizes["model_order"])
-    if sizes["order"] != sizes["model_order"]:
-        initialize(sizes["order"])
-    return model_groups
+        collections.append(ProcessGroupCollection.use_mpu_process_groups())
+    return collections[0]
 
 
 def config_for(sizes, **options):
@@ -49,22 +46,24 @@ def config_for(sizes, **options):
         "masked_softmax_fusion": False, "apply_rope_fusion": False, **options, **OVERRIDES})
 '''
 
-TENSORS = '''
+SEEDED = '''
+def seeded(key, *shape):
+    """A global tensor that depends only on ``key`` and its shape: the same in every layout."""
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(zlib.crc32(key.encode())))
+'''
+
+PIECES = '''
 def gather(tensor, dim, group):
     """The global tensor from each rank's piece along ``dim`` over ``group``."""
     parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, tensor.contiguous(), group=group)
     return torch.cat(parts, dim=dim)
+'''
 
-
+SHARD = '''
 def shard(tensor, sizes, group):
     """This rank's sequence chunk (dim 0) under sequence parallelism, else the whole tensor."""
     return tensor.chunk(group.size())[group.rank()] if sizes["sp"] else tensor
-
-
-def seeded(key, *shape):
-    """A global tensor that depends only on ``key`` and its shape: the same in every layout."""
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(zlib.crc32(key.encode())))
 '''
 
 WEIGHTS = '''
@@ -152,13 +151,6 @@ def run(sizes, pg):
 '''
 
 GPT = '''
-def masked_loss(mask, output):
-    """Megatron's training loss function: (sum of masked losses, token count, report)."""
-    mask = mask.reshape(-1).float()
-    loss_sum = (output.float().reshape(-1) * mask).sum()
-    return loss_sum, mask.sum().to(torch.int), {"lm loss": loss_sum.detach()}
-
-
 def batches(sizes, pg):
     """This rank's microbatches, cut for its CP rank by megatron: its data-parallel share, or
     all of them in the reference (whose data-parallel replicas each compute the whole batch)."""
@@ -200,9 +192,16 @@ def run(sizes, pg):
 
 
 def forward_step(data, model):
+    """Megatron's training step function: the model's per-token losses, and the loss function
+    giving their masked sum, the token count and the report."""
     batch = next(data)
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-    return output, lambda out: masked_loss(batch["loss_mask"], out)
+    mask = batch["loss_mask"].reshape(-1).float()
+
+    def masked_loss(out):
+        loss_sum = (out.float().reshape(-1) * mask).sum()
+        return loss_sum, mask.sum().to(torch.int), {"lm loss": loss_sum.detach()}
+    return output, masked_loss
 '''
 
 CP_ATTENTION = '''

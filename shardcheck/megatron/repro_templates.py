@@ -46,7 +46,9 @@ from megatron.core import parallel_state as ps
 from megatron.core import tensor_parallel
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.transformer_config import TransformerConfig""")
-TENSORS = Snippet(code.TENSORS, "import zlib")
+SEEDED = Snippet(code.SEEDED, "import zlib")
+PIECES = Snippet(code.PIECES)
+SHARD = Snippet(code.SHARD)
 WEIGHTS = Snippet(code.WEIGHTS)
 DDP = "from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig"
 RNG_ON_CPU = Snippet(code.PATCH_RNG)
@@ -129,15 +131,15 @@ class Template:
 
 TEMPLATES: dict[str, Template] = {
     "output_loss": Template("shardcheck.megatron.scenarios.output_loss:OutputLossSetup",
-                            Snippet(code.OUTPUT_LOSS), (DEVICE_ON_CPU, BASE, TENSORS)),
+                            Snippet(code.OUTPUT_LOSS), (DEVICE_ON_CPU, BASE, SEEDED, PIECES, SHARD)),
     "moe_router": Template("shardcheck.megatron.scenarios.moe_router:RouterSetup", ROUTER_CODE,
-                           (DEVICE_ON_CPU, TE_GEMM_UNSET, BASE, TENSORS), _router_refuses),
+                           (DEVICE_ON_CPU, TE_GEMM_UNSET, BASE, SEEDED, PIECES, SHARD), _router_refuses),
     "gpt": Template("shardcheck.megatron.scenarios.gpt:GPTSetup", GPT_CODE,
-                    (RNG_ON_CPU, DEVICE_ON_CPU, CUDA_TENSORS_ON_CPU, BASE, TENSORS, WEIGHTS),
+                    (RNG_ON_CPU, DEVICE_ON_CPU, CUDA_TENSORS_ON_CPU, BASE, SEEDED, WEIGHTS),
                     _gpt_refuses, sections=_gpt_sections, extras=(
                         (lambda layout: layout.sp, NORM_UNDER_SP), (lambda layout: layout.cp > 1, CP_ATTENTION))),
     "gdn": Template("shardcheck.megatron.scenarios.ssm:GDNSetup", GDN_CODE,
-                    (RNG_ON_CPU, DEVICE_ON_CPU, CUDA_TENSORS_ON_CPU, GDN_KERNELS, BASE, TENSORS, WEIGHTS),
+                    (RNG_ON_CPU, DEVICE_ON_CPU, CUDA_TENSORS_ON_CPU, GDN_KERNELS, BASE, SEEDED, SHARD, WEIGHTS),
                     _gdn_refuses, sections=_gdn_sections, extras=((lambda layout: layout.sp, NORM_UNDER_SP),)),
 }
 
@@ -163,13 +165,16 @@ def script_body(finding: Finding) -> ScriptBody:
         constants += f"SECTIONS = {template.sections(setup, overrides)!r}  # of fused weights, cut over tp\n"
     constants += f"SIZES = {_sizes(finding.layout)!r}\nONE_RANK = {_sizes('')!r}\n"
     extras = [snippet for needed, snippet in template.extras if needed(layout)]
-    snippets = [Snippet(constants), *template.before, *extras, template.code]
-    if fix is not None:
-        snippets.append(fix)
-    snippets.append(Snippet(code.FIXED_ENTRY_POINTS if fix is not None else code.ENTRY_POINTS))
-    return ScriptBody(code="\n\n\n".join(s.code.strip("\n") for s in snippets),
-                      imports=_sorted_imports(s.imports for s in snippets),
+    own = [Snippet(constants), template.code, *([fix] if fix is not None else []),
+           Snippet(code.FIXED_ENTRY_POINTS if fix is not None else code.ENTRY_POINTS)]
+    support = [*template.before, *extras]
+    return ScriptBody(code=_joined(own), support=_joined(support),
+                      imports=_sorted_imports(s.imports for s in own + support),
                       has_corrected=fix is not None)
+
+
+def _joined(snippets: list[Snippet]) -> str:
+    return "\n\n\n".join(s.code.strip("\n") for s in snippets)
 
 
 def _fix(finding: Finding) -> Snippet | None:
