@@ -1,11 +1,14 @@
 """Audit findings' torchrun scripts: generated per component, reproduce the bug, exit 1 once fixed."""
 
 import re
+from dataclasses import dataclass
 
 import pytest
 from click.testing import CliRunner
 
 pytest.importorskip("megatron.core")
+
+from planted.megatron_site import GDN_OUT_NORM_FIX, planted_env  # noqa: E402
 
 from shardcheck.cli import main  # noqa: E402
 from shardcheck.findings import Finding, FindingStore  # noqa: E402
@@ -16,26 +19,44 @@ from shardcheck.megatron.contracts import BY_NAME  # noqa: E402
 from shardcheck.repro import FIXED, REPRODUCES, SUPPORT_HEADER, ReproError, run_repro  # noqa: E402
 
 NO_CONTRACT = "outputs match the one-rank run"
-# the default audit's confirmed findings in megatron-core 0.16.1: component, options, layout,
-# contract, kind and the checker line the audit recorded
+
+
+@dataclass(frozen=True)
+class Known:
+    """A confirmed finding of the default audit in megatron-core 0.16.1: its trigger, contract,
+    kind, the checker line the audit recorded, and for a finding without a fix control, a fix
+    planted in megatron-core (see tests/planted/megatron_site.py)."""
+
+    component: str
+    options: dict
+    layout: str
+    contract: str | None = None
+    kind: str = "numeric-only"
+    checker: str | None = None
+    planted_fix: str | None = None
+
+    def finding(self):
+        return _finding(self.component, self.options, self.layout, self.contract, self.kind, self.checker)
+
+
 KNOWN = {
-    "label smoothing": ("output_loss", {"label_smoothing": 0.1}, "tp2", "vocab_parallel_cross_entropy",
-                        "type+numeric", "checker: mean over shard at megatron/core/tensor_parallel/"
-                        "cross_entropy.py:182 in aten.sub.Tensor: {tp:R}, {tp:P(avg)}"),
-    "cp loss": ("gpt", {"loss_mask": True}, "cp2", "forward_step_calc_loss", "type+numeric",
-                "checker: non-linear on partial at megatron/core/pipeline_parallel/schedules.py:262 in "
-                "aten.clamp.default: {cp:P}, 1"),
-    "router count": ("moe_router", {"padding": True}, "tp2-sp", "get_tokens_per_expert_and_token_count",
-                     "type+numeric", "checker: contract at megatron/core/transformer/moe/router.py:288 in "
-                     "contract: {tp:R}"),
-    "router per-token aux loss": ("moe_router", {"calculate_per_token_loss": True}, "tp2-sp"),
-    "grad norm without tp metadata": ("gpt", {"perform_initialization": False}, "tp2", "get_grad_norm_fp32",
-                                      "type+numeric", "checker: contract at megatron/core/tensor_parallel/"
-                                      "layers.py:300 in contract: {tp:R}"),
-    "global tp group": ("gpt", {}, "tp2-cp2-sp@cp-tp", GLOBAL_GROUP_CONTRACT, "type+numeric",
-                        "checker: megatron/core/tensor_parallel/cross_entropy.py:130: all_reduce on "
-                        "parallel_state's global tp group [0, 1], but the model's pg_collection.tp is [0, 2]"),
-    "gdn out_norm grad": ("gdn", {}, "tp2"),
+    "label smoothing": Known("output_loss", {"label_smoothing": 0.1}, "tp2", "vocab_parallel_cross_entropy",
+                             "type+numeric", "checker: mean over shard at megatron/core/tensor_parallel/"
+                             "cross_entropy.py:182 in aten.sub.Tensor: {tp:R}, {tp:P(avg)}"),
+    "cp loss": Known("gpt", {"loss_mask": True}, "cp2", "forward_step_calc_loss", "type+numeric",
+                     "checker: non-linear on partial at megatron/core/pipeline_parallel/schedules.py:262 in "
+                     "aten.clamp.default: {cp:P}, 1"),
+    "router count": Known("moe_router", {"padding": True}, "tp2-sp", "get_tokens_per_expert_and_token_count",
+                          "type+numeric", "checker: contract at megatron/core/transformer/moe/router.py:288 in "
+                          "contract: {tp:R}"),
+    "router per-token aux loss": Known("moe_router", {"calculate_per_token_loss": True}, "tp2-sp"),
+    "grad norm without tp metadata": Known("gpt", {"perform_initialization": False}, "tp2", "get_grad_norm_fp32",
+                                           "type+numeric", "checker: contract at megatron/core/tensor_parallel/"
+                                           "layers.py:300 in contract: {tp:R}"),
+    "global tp group": Known("gpt", {}, "tp2-cp2-sp@cp-tp", GLOBAL_GROUP_CONTRACT, "type+numeric",
+                             "checker: megatron/core/tensor_parallel/cross_entropy.py:130: all_reduce on "
+                             "parallel_state's global tp group [0, 1], but the model's pg_collection.tp is [0, 2]"),
+    "gdn out_norm grad": Known("gdn", {}, "tp2", planted_fix=GDN_OUT_NORM_FIX),
 }
 
 
@@ -67,8 +88,8 @@ def _values(output: str, label: str) -> list[float]:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(KNOWN))
 def test_known_finding_script_reproduces_then_exits_1_with_the_fix(name, tmp_path, no_shardcheck):
-    finding = _finding(*KNOWN[name])
-    has_fix = _has_fix(KNOWN[name][3] if len(KNOWN[name]) > 3 else None)
+    known = KNOWN[name]
+    finding = known.finding()
     path = write_audit_script(finding, tmp_path / f"{finding.id}.py")
     script = path.read_text()
     # shardcheck only in the guarded import for the checker: line
@@ -86,8 +107,12 @@ def test_known_finding_script_reproduces_then_exits_1_with_the_fix(name, tmp_pat
     assert observed != pytest.approx(reference, rel=1e-4, abs=1e-6)
     checker_lines = [line for line in buggy.output.splitlines() if line.startswith("checker:")]
     assert checker_lines == ([finding.checker] if finding.checker else [])  # the checker raised it again
-    if not has_fix:  # no fix control: no corrected line, no --fixed
+    if not _has_fix(known.contract):  # no fix control: no corrected line, no --fixed
         assert "corrected:" not in buggy.output and "--fixed" not in script
+        if known.planted_fix:  # the unchanged script against a megatron-core with the fix planted
+            fixed = run_repro(path, finding.world_size, launcher="direct", timeout=600,
+                              env=planted_env(tmp_path / "site", known.planted_fix))
+            assert (fixed.status, fixed.returncode) == (FIXED, 1), fixed.output
         return
     assert _values(buggy.output, "corrected") == pytest.approx(reference, rel=1e-4, abs=1e-6)
     # the fix patched in by the script itself; and the script runs where shardcheck is absent

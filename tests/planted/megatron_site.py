@@ -1,0 +1,41 @@
+"""Changes planted in megatron-core for the processes of a repro script: a bug, or a fix.
+
+``planted_env(directory, code)`` writes ``code`` as a ``sitecustomize`` module, which Python
+runs at the start of every process whose path holds ``directory``; the returned environment
+puts it there. So a test runs an emitted script, unchanged, against a megatron-core with one
+function replaced, as a user would run it against a patched release.
+"""
+
+from __future__ import annotations
+
+import os
+import textwrap
+from pathlib import Path
+
+# The GDN out_norm fix: its gradient (partial over tp, since each rank normalises its own
+# heads) summed over tp by finalize_model_grads when sequence parallelism does not do it.
+GDN_OUT_NORM_FIX = """
+import importlib
+
+finalize = importlib.import_module("megatron.core.distributed.finalize_model_grads")
+
+broken = finalize._allreduce_non_tensor_model_parallel_grads
+
+def with_out_norm(model, config, tp_group=None):
+    broken(model, config, tp_group)
+    group = finalize.get_tensor_model_parallel_group_if_none(tp_group)
+    for chunk in model:
+        for name, param in chunk.named_parameters():
+            if "out_norm" in name and not config.sequence_parallel and group.size() > 1:
+                finalize.torch.distributed.all_reduce(param.main_grad, group=group)
+
+finalize._allreduce_non_tensor_model_parallel_grads = with_out_norm
+"""
+
+
+def planted_env(directory: Path, code: str, base: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment (over ``base``) whose Python processes run ``code`` first."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "sitecustomize.py").write_text(textwrap.dedent(code))
+    paths = [str(directory), (base or {}).get("PYTHONPATH", ""), os.environ.get("PYTHONPATH", "")]
+    return {**(base or {}), "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
