@@ -8,7 +8,7 @@ from click.testing import CliRunner
 
 pytest.importorskip("megatron.core")
 
-from planted.megatron_site import GDN_OUT_NORM_FIX, planted_env  # noqa: E402
+from planted.megatron_site import EXPERTS_REDUCED_OVER_DP, GDN_OUT_NORM_FIX, planted_env  # noqa: E402
 
 from shardcheck.cli import main  # noqa: E402
 from shardcheck.findings import Finding, FindingStore  # noqa: E402
@@ -97,7 +97,7 @@ def test_known_finding_script_reproduces_then_exits_1_with_the_fix(name, tmp_pat
         "            from shardcheck.megatron.repro_check import checked_run"]
     assert "except ImportError:" in script
     own, support = script.split(SUPPORT_HEADER)  # the finding's code first, the shared helpers after
-    assert len(own.splitlines()) <= 150 and len(script.splitlines()) <= 300
+    assert len(own.splitlines()) <= 150 and len(script.splitlines()) <= 330
 
     launcher = "torchrun" if name == "cp loss" else "direct"
     buggy = run_repro(path, finding.world_size, launcher=launcher, timeout=600)
@@ -140,6 +140,8 @@ def test_any_finding_of_a_templated_component_gets_a_script(component, options, 
 @pytest.mark.parametrize(("component", "options", "layout"), [
     ("gpt", {"gated_linear_unit": True}, "tp2-dp2"),  # fused fc1: each section cut over tp
     ("gdn", {}, "tp2-sp"),  # fused in_proj and conv1d; out_norm summed over tp under SP
+    ("moe", {}, "ep2-dp2"),  # experts by global index
+    ("moe", {"moe_token_dispatcher_type": "alltoall"}, "ep2-dp2"),
 ])
 def test_script_of_correct_megatron_code_finds_observed_equal_to_reference(component, options, layout, tmp_path):
     finding = _finding(component, options, layout)
@@ -149,10 +151,20 @@ def test_script_of_correct_megatron_code_finds_observed_equal_to_reference(compo
     assert _values(result.output, "observed") == pytest.approx(_values(result.output, "reference"), rel=1e-4)
 
 
+@pytest.mark.slow
+def test_moe_script_reproduces_a_bug_planted_in_megatron_core(tmp_path):
+    finding = _finding("moe", {}, "ep2-dp2")
+    planted = planted_env(tmp_path / "site", EXPERTS_REDUCED_OVER_DP)
+    result = run_repro(write_audit_script(finding, tmp_path / "x.py"), 2, launcher="direct", timeout=600, env=planted)
+    assert (result.status, result.returncode) == (REPRODUCES, 0), result.output
+    assert _values(result.output, "observed") != pytest.approx(_values(result.output, "reference"), rel=1e-4)
+
+
 @pytest.mark.parametrize(("finding", "message"), [
     (_finding("t5", {}, "tp2"), "no repro template for component 't5'"),
-    (_finding("gpt", {}, "pp2"), "pp = ep = 1"),
+    (_finding("gpt", {}, "pp2"), "one pipeline stage (pp = 1)"),
     (_finding("gdn", {}, "cp2"), "without context parallelism"),
+    (_finding("moe", {"moe_token_dispatcher_type": "alltoall"}, "tp2-dp2-ep2-sp"), "Gloo refuses"),
     (_finding("moe_router", {}, "tp2"), "needs sequence parallelism"),
     (_finding("gpt", {}, "cp2", kind="type-only"), "type-only"),
 ])
@@ -205,4 +217,4 @@ def test_megatron_fuzz_findings_get_their_scripts_from_the_same_templates(tmp_pa
     finding.origin = "fuzz"
     text = write_repro(finding, resolve_target("output_loss"), tmp_path / "f.py").read_text()
     assert "'seq': 4" in text and "vocab_parallel_cross_entropy(" in text and "def corrected():" in text
-    assert resolve_target("moe").repro is None  # no template for the MoE GPT yet
+    assert resolve_target("multimodal").repro is None  # no template for LLaVA yet
