@@ -8,7 +8,12 @@ from click.testing import CliRunner
 
 pytest.importorskip("megatron.core")
 
-from planted.megatron_site import EXPERTS_REDUCED_OVER_DP, GDN_OUT_NORM_FIX, planted_env  # noqa: E402
+from planted.megatron_site import (  # noqa: E402
+    EXPERTS_REDUCED_OVER_DP,
+    GDN_OUT_NORM_FIX,
+    TIED_EMBEDDINGS_NOT_SUMMED,
+    planted_env,
+)  # noqa: E402
 
 from shardcheck.cli import main  # noqa: E402
 from shardcheck.findings import Finding, FindingStore  # noqa: E402
@@ -140,6 +145,7 @@ def test_any_finding_of_a_templated_component_gets_a_script(component, options, 
 @pytest.mark.parametrize(("component", "options", "layout"), [
     ("gpt", {"gated_linear_unit": True}, "tp2-dp2"),  # fused fc1: each section cut over tp
     ("gdn", {}, "tp2-sp"),  # fused in_proj and conv1d; out_norm summed over tp under SP
+    ("gpt", {"share_embeddings": True}, "pp2"),  # layers by global index, the tied copy on the last stage
     ("moe", {}, "ep2-dp2"),  # experts by global index
     ("moe", {"moe_token_dispatcher_type": "alltoall"}, "ep2-dp2"),
 ])
@@ -152,9 +158,13 @@ def test_script_of_correct_megatron_code_finds_observed_equal_to_reference(compo
 
 
 @pytest.mark.slow
-def test_moe_script_reproduces_a_bug_planted_in_megatron_core(tmp_path):
-    finding = _finding("moe", {}, "ep2-dp2")
-    planted = planted_env(tmp_path / "site", EXPERTS_REDUCED_OVER_DP)
+@pytest.mark.parametrize(("component", "options", "layout", "bug"), [
+    ("moe", {}, "ep2-dp2", EXPERTS_REDUCED_OVER_DP),
+    ("gpt", {"share_embeddings": True}, "pp2", TIED_EMBEDDINGS_NOT_SUMMED),
+])
+def test_script_reproduces_a_bug_planted_in_megatron_core(component, options, layout, bug, tmp_path):
+    finding = _finding(component, options, layout)
+    planted = planted_env(tmp_path / "site", bug)
     result = run_repro(write_audit_script(finding, tmp_path / "x.py"), 2, launcher="direct", timeout=600, env=planted)
     assert (result.status, result.returncode) == (REPRODUCES, 0), result.output
     assert _values(result.output, "observed") != pytest.approx(_values(result.output, "reference"), rel=1e-4)
@@ -162,7 +172,6 @@ def test_moe_script_reproduces_a_bug_planted_in_megatron_core(tmp_path):
 
 @pytest.mark.parametrize(("finding", "message"), [
     (_finding("t5", {}, "tp2"), "no repro template for component 't5'"),
-    (_finding("gpt", {}, "pp2"), "one pipeline stage (pp = 1)"),
     (_finding("gdn", {}, "cp2"), "without context parallelism"),
     (_finding("moe", {"moe_token_dispatcher_type": "alltoall"}, "tp2-dp2-ep2-sp"), "Gloo refuses"),
     (_finding("moe_router", {}, "tp2"), "needs sequence parallelism"),

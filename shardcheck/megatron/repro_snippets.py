@@ -41,7 +41,8 @@ def config_for(sizes, **options):
         "num_layers": 1, "hidden_size": SETUP["hidden"], "num_attention_heads": 4,
         "use_cpu_initialization": True, "hidden_dropout": 0.0, "attention_dropout": 0.0,
         "tensor_model_parallel_size": sizes["tp"], "context_parallel_size": sizes["cp"],
-        "expert_model_parallel_size": sizes["ep"], "sequence_parallel": sizes["sp"],
+        "pipeline_model_parallel_size": sizes["pp"], "expert_model_parallel_size": sizes["ep"],
+        "sequence_parallel": sizes["sp"],
         "pipeline_dtype": torch.float32, "gradient_accumulation_fusion": False,
         "bias_activation_fusion": False, "masked_softmax_fusion": False, "apply_rope_fusion": False,
         **options, **OVERRIDES})
@@ -83,18 +84,20 @@ def load_weights(model, pg):
 
 
 def global_name(name, pg):
-    """A parameter's name in the one-rank model (an expert's index counts the experts of the ep
-    ranks before), and the group it is sharded over: tp, or expert tp for an expert."""
-    found = re.search(r"local_experts\\.(\\d+)\\.", name)
-    if found is None:
-        return name, pg.tp
-    index = pg.ep.rank() * OVERRIDES["num_moe_experts"] // pg.ep.size() + int(found[1])
-    return name.replace(found[0], f"local_experts.{index}."), pg.expt_tp
+    """A parameter's name in the one-rank model (layer and expert indices count those of the pp
+    and ep ranks before), and the group it is sharded over: tp, or expert tp for an expert."""
+    for word, group, total in (("layers", pg.pp, SETUP.get("layers")),
+                               ("local_experts", pg.ep, OVERRIDES.get("num_moe_experts"))):
+        name = re.sub(rf"\\b{word}\\.(\\d+)\\.",
+                      lambda m: f"{word}.{group.rank() * total // group.size() + int(m[1])}.", name)
+    if SETUP.get("share_embeddings") and name == "output_layer.weight":  # the last stage's copy
+        name = "embedding.word_embeddings.weight"
+    return name, pg.expt_tp if "local_experts." in name else pg.tp
 
 
 def grad_norms(model, pg):
     """The norm of every parameter's global gradient, in the one-rank model's order: the squares
-    of its shards summed; an expert's from the ep rank that holds it."""
+    of its shards summed, from the stage (and for an expert the ep rank) that holds it."""
     squares = dict.fromkeys(FULL, torch.zeros(()))
     for local_name, param in model.named_parameters():
         name, group = global_name(local_name, pg)
@@ -104,8 +107,10 @@ def grad_norms(model, pg):
     squares = torch.stack(list(squares.values()))
     expert = torch.tensor(["local_experts." in name for name in FULL])
     experts = squares * expert
-    dist.all_reduce(experts, group=pg.ep)
-    return torch.where(expert, experts, squares).sqrt()
+    dist.all_reduce(experts, op=dist.ReduceOp.MAX, group=pg.ep)  # the other ep ranks hold 0
+    squares = torch.where(expert, experts, squares)
+    dist.all_reduce(squares, op=dist.ReduceOp.MAX, group=pg.pp)  # the other stages hold 0
+    return squares.sqrt()
 
 
 FULL = {}  # each parameter's global shape, from the reference run (it runs first)
@@ -193,6 +198,7 @@ def run(sizes, pg):
     if sizes["cp"] > 1:
         spec.submodules.self_attention.submodules.core_attention = ContextParallelAttention
     model = GPTModel(config, spec, SETUP["vocab"], SETUP["seq"], pg_collection=pg,
+                     pre_process=pg.pp.rank() == 0, post_process=pg.pp.rank() == pg.pp.size() - 1,
                      position_embedding_type=SETUP["position_embedding"],
                      share_embeddings_and_output_weights=SETUP["share_embeddings"])
     load_weights(model, pg)
@@ -203,7 +209,8 @@ def run(sizes, pg):
     mine = batches(sizes, pg)
     get_forward_backward_func()(
         forward_step_func=forward_step, data_iterator=iter(mine), model=[ddp], num_microbatches=len(mine),
-        seq_length=SETUP["seq"], micro_batch_size=SETUP["micro_batch"], forward_only=False, pg_collection=pg)
+        seq_length=SETUP["seq"], micro_batch_size=SETUP["micro_batch"], forward_only=False, pg_collection=pg,
+        p2p_communicator=P2PCommunicator(pp_group=pg.pp, config=config))
     norms = grad_norms(model, pg)
     _, grad_norm, _ = optimizer.step()
     return torch.cat([torch.tensor([float(grad_norm)]), norms])
@@ -307,6 +314,10 @@ torch.cuda.manual_seed = torch.manual_seed
 
 PATCH_DEVICE = '''
 torch.cuda.current_device = lambda: "cpu"  # CUDA-only: megatron puts tensors on the current device
+'''
+
+PATCH_SYNCHRONIZE = '''
+torch.cuda.synchronize = lambda *a, **k: None  # CUDA-only: pipeline send/recv waits for the device
 '''
 
 PATCH_CUDA_TENSORS = '''

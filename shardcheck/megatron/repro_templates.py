@@ -53,6 +53,7 @@ WEIGHTS = Snippet(code.WEIGHTS, "import re")
 DDP = "from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig"
 RNG_ON_CPU = Snippet(code.PATCH_RNG)
 DEVICE_ON_CPU = Snippet(code.PATCH_DEVICE)
+NO_SYNCHRONIZE = Snippet(code.PATCH_SYNCHRONIZE)
 CUDA_TENSORS_ON_CPU = Snippet(code.PATCH_CUDA_TENSORS, "from torch.overrides import TorchFunctionMode")
 TE_GEMM_UNSET = Snippet(code.PATCH_TE_GEMM, "from megatron.core.transformer.moe import moe_utils")
 GDN_KERNELS = Snippet(code.GDN_KERNELS, "import torch._dynamo\nfrom megatron.core.ssm import gated_delta_net as gdn_module")
@@ -66,6 +67,7 @@ from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 from megatron.core.utils import get_batch_on_this_cp_rank""")
 GDN_CODE = Snippet(code.GDN, f"""\
@@ -100,17 +102,11 @@ def _gdn_sections(setup: dict[str, Any], overrides: dict[str, Any]) -> dict[str,
             "conv1d.bias": [qk, qk, v]}
 
 
-def _gpt_refuses(layout: Layout, options: dict[str, Any]) -> str | None:
-    if layout.pp > 1:
-        return "the gpt template runs one pipeline stage (pp = 1)"
-    return None
-
-
 def _moe_refuses(layout: Layout, options: dict[str, Any]) -> str | None:
     if layout.tp > 1 and _alltoall(options):
         return ("the alltoall dispatcher under tp > 1 gathers uneven pieces, which Gloo refuses "
                 "(the audit pads them: cpu.py uneven_collectives)")
-    return _gpt_refuses(layout, options) or _router_refuses(layout, options)
+    return _router_refuses(layout, options)
 
 
 def _alltoall(options: dict[str, Any]) -> bool:
@@ -146,13 +142,14 @@ class Template:
 
 GPT_SUPPORT = (RNG_ON_CPU, DEVICE_ON_CPU, CUDA_TENSORS_ON_CPU, BASE, SEEDED, WEIGHTS)
 GPT_EXTRAS = ((lambda layout, options: layout.sp, NORM_UNDER_SP),
-              (lambda layout, options: layout.cp > 1, CP_ATTENTION))
+              (lambda layout, options: layout.cp > 1, CP_ATTENTION),
+              (lambda layout, options: layout.pp > 1, NO_SYNCHRONIZE))
 TEMPLATES: dict[str, Template] = {
     "output_loss": Template("shardcheck.megatron.scenarios.output_loss:OutputLossSetup",
                             Snippet(code.OUTPUT_LOSS), (DEVICE_ON_CPU, BASE, SEEDED, PIECES, SHARD)),
     "moe_router": Template("shardcheck.megatron.scenarios.moe_router:RouterSetup", ROUTER_CODE,
                            (DEVICE_ON_CPU, TE_GEMM_UNSET, BASE, SEEDED, PIECES, SHARD), _router_refuses),
-    "gpt": Template("shardcheck.megatron.scenarios.gpt:GPTSetup", GPT_CODE, GPT_SUPPORT, _gpt_refuses,
+    "gpt": Template("shardcheck.megatron.scenarios.gpt:GPTSetup", GPT_CODE, GPT_SUPPORT,
                     sections=_gpt_sections, extras=GPT_EXTRAS),
     "moe": Template("shardcheck.megatron.scenarios.gpt:MoEGPTSetup", GPT_CODE, (*GPT_SUPPORT, TE_GEMM_UNSET),
                     _moe_refuses, sections=_gpt_sections,

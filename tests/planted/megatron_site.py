@@ -55,3 +55,13 @@ def marked_dense(self, *args, **kwargs):
 
 experts.SequentialMLP.__init__ = marked_dense
 """
+
+
+# A planted pipeline bug: the tied word-embedding gradients of the first and last stages are
+# not summed, so each stage steps its copy with half of the gradient.
+TIED_EMBEDDINGS_NOT_SUMMED = """
+import importlib
+
+finalize = importlib.import_module("megatron.core.distributed.finalize_model_grads")
+finalize._allreduce_word_embedding_grads = lambda *args, **kwargs: None
+"""
