@@ -172,6 +172,10 @@ HELP: dict[str, tuple[str, str]] = {
     "mixed shards": (
         "the operands are split along different dims, so their local pieces do not line up",
         "redistribute one operand over {axis} so both are sharded on the same dim"),
+    "shard counted as replica": (
+        "the value is cut over the axis, but the code takes it for a replica and counts only "
+        "one rank's piece (e.g. in a norm over parameters)",
+        "count every rank's piece: mark the value as sharded over {axis}"),
     "double count": (
         "a SUM all-reduce of a replicated value adds n copies of the same value",
         "drop this all_reduce, or reduce the partial value instead"),

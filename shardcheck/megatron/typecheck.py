@@ -97,6 +97,37 @@ def _replaced_everywhere(original: Any, replacement: Any) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def _tp_duplicates_checked() -> Iterator[None]:
+    """Megatron counts a parameter in the gradient norm on every TP rank, or on tp rank 0 only
+    when ``param_is_not_tensor_parallel_duplicate`` takes it for a replica. That test reads the
+    ``tensor_model_parallel`` attribute, which the parallel linear layers and the embedding set
+    only when they initialise their weights: a parameter typed S on tp (cut, by its
+    sharded_state_dict) that the test calls a replica is reported where Megatron asks."""
+    from megatron.core.tensor_parallel import layers
+
+    from shardcheck.checker import current
+    from shardcheck.rules import Violation
+    from shardcheck.types import Shard
+
+    original = layers.param_is_not_tensor_parallel_duplicate
+
+    def checked(param: torch.Tensor, *args: Any, **kwargs: Any) -> bool:
+        counted = original(param, *args, **kwargs)
+        checker = current()
+        if not counted and checker is not None and "tp" in checker.names:
+            axis = checker.names.index("tp")
+            if isinstance((checker.types(param) or (None,) * checker.n)[axis], Shard):
+                checker._report(Violation("shard counted as replica", axis,
+                                          "no tensor_model_parallel attribute: only tp rank 0's "
+                                          "piece of this parameter is counted"),
+                                original.__name__, (param,))
+        return counted
+
+    with _replaced_everywhere(original, checked):
+        yield
+
+
+@contextlib.contextmanager
 def _context_parallel_cuts_typed(axes: tuple[str, ...]) -> Iterator[None]:
     """Type what Megatron cuts for this CP rank with a rank-dependent index (which the checker
     reads as replicated data): the batch by role, and the rotary position embedding as
@@ -348,6 +379,7 @@ def checked_region(ctx: Any) -> Iterator[list[dict]]:
         stack.enter_context(_harness_values_typed(mesh.names))
         stack.enter_context(_received_tensors_untyped())
         stack.enter_context(_gradient_buffers_typed(mesh.names))
+        stack.enter_context(_tp_duplicates_checked())
         stack.enter_context(_viewless_tensors_typed())
         stack.enter_context(contextlib.redirect_stderr(io.StringIO()))  # the region's summary
         stack.enter_context(sc.typecheck(mesh, mode="collect"))
