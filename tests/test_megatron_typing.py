@@ -12,6 +12,7 @@ from shardcheck.megatron.parallel import megatron_parallel  # noqa: E402
 from shardcheck.megatron.runner import RankContext  # noqa: E402
 from shardcheck.megatron.scenarios.gpt import GPTSetup, build_gpt, transformer_config  # noqa: E402
 from shardcheck.megatron.typing import (  # noqa: E402
+    annotate_model,
     input_types,
     mesh_from_parallel_state,
     mesh_from_pg_collection,
@@ -72,21 +73,31 @@ def test_tp2_sp_gpt_parameters_are_typed_from_megatron_metadata():
     assert axes["tp"] == (0, 1) and axes["dp"] == (0,)
 
 
-def _tp_attributes(layout: Layout, config: dict) -> dict[str, bool]:
+def _tp_attributes(layout: Layout, config: dict) -> tuple[dict[str, bool], dict, list]:
+    """Which parameters carry ``tensor_model_parallel``; the tp type ``annotate_model`` gives
+    the qkv weight in a typecheck, and the violations that annotating left."""
     import torch.distributed as dist
+
+    import shardcheck as sc
 
     with megatron_parallel(RankContext(layout, dist.get_rank())):
         setup = GPTSetup(config=config)
         model = _build(transformer_config(layout, setup), setup)
-        return {name: hasattr(param, "tensor_model_parallel")
-                for name, param in model.named_parameters()}
+        qkv = model.decoder.layers[0].self_attention.linear_qkv.weight
+        with sc.typecheck(mesh_from_parallel_state(), mode="collect"):
+            annotate_model(model, ("tp",))
+            annotated = sc.typeof(qkv)
+            violations = [v.first_line for v in sc.violations()]
+        return ({name: hasattr(param, "tensor_model_parallel")
+                 for name, param in model.named_parameters()}, annotated, violations)
 
 
 def test_weights_left_without_tp_attributes_are_typed_from_their_checkpoint_cut():
     """Without ``perform_initialization`` Megatron's parallel linear layers and embedding never
     set ``tensor_model_parallel`` on their weights; their sharded_state_dict still cuts them."""
     config = {"perform_initialization": False, "gated_linear_unit": True}
-    has_attribute = spawn_ranks(_tp_attributes, 2, Layout(tp=2), config)[0]
+    has_attribute, annotated, violations = spawn_ranks(_tp_attributes, 2, Layout(tp=2), config)[0]
+    assert annotated == {"tp": S(0)} and violations == []
     (types, _), _ = _run(Layout(tp=2), config)
     layer = "decoder.layers.0."
     for name, expected in [(f"{layer}self_attention.linear_qkv.weight", S(0)),
