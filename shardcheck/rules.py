@@ -172,6 +172,10 @@ HELP: dict[str, tuple[str, str]] = {
     "mixed shards": (
         "the operands are split along different dims, so their local pieces do not line up",
         "redistribute one operand over {axis} so both are sharded on the same dim"),
+    "shard counted as replica": (
+        "the value is cut over the axis, but the code takes it for a replica and counts only "
+        "one rank's piece (e.g. in a norm over parameters)",
+        "count every rank's piece: mark the value as sharded over {axis}"),
     "double count": (
         "a SUM all-reduce of a replicated value adds n copies of the same value",
         "drop this all_reduce, or reduce the partial value instead"),
@@ -466,12 +470,21 @@ def _shard_layout(tensors: list[_Operand], a: int, out_ndim: int) -> Placement:
 
 
 def _common_sections(tensors: list[_Operand], a: int, d: int) -> Shard:
-    """S(d), keeping the sections when every sharded operand has the same ones."""
-    shards = {o.pl[a] for o in tensors if isinstance(o.pl[a], Shard)}
-    kinds = {(type(p), getattr(p, "sections", None)) for p in shards}
-    if len(kinds) == 1 and type(next(iter(shards))) is SectionShard:
-        return SectionShard(d, next(iter(kinds))[1])
-    return S(d)
+    """S(d), keeping the sections of its sharded operands. Operands cut into different sections
+    (a plain shard is one section) hold their global values in different orders, so their
+    local elements do not line up: a fused weight's output plus a bias cut as one slice."""
+    layouts = {_sections_of(o, a) for o in tensors if isinstance(o.pl[a], Shard)}
+    sectioned = any(type(o.pl[a]) is SectionShard for o in tensors)
+    if sectioned and len(layouts) > 1:
+        shown = " vs ".join(str(list(s)) for s in sorted(layouts))
+        raise Violation("mixed shards", a, f"local sections {shown} along the sharded dim")
+    return SectionShard(d, next(iter(layouts))) if sectioned else S(d)
+
+
+def _sections_of(o: _Operand, a: int) -> tuple[int, ...]:
+    """The local section lengths of a sharded operand (one section for a plain shard)."""
+    p = o.pl[a]
+    return p.sections if type(p) is SectionShard else (o.shape[norm_dim(p.dim, len(o.shape))],)
 
 
 def _roles(*roles: str) -> Callable:

@@ -1,7 +1,8 @@
 """The learnable softmax offset under TP: each rank holds its own heads' offsets, yet Megatron's
 metadata calls the parameter a TP duplicate, so its gradient norm counts tp rank 0's heads only.
-The checker types the parameter as that metadata says (R over tp) and flags where the offsets
-meet head-sharded scores (fusions/fused_softmax.py, ``cat``): a true positive, not a rule bug."""
+The checker types the parameter from its sharded_state_dict cut (S over tp) and flags where the
+gradient norm's duplicate test takes it for a replica (``shard counted as replica``, see
+tests/test_megatron_step_and_stage_types.py): a true positive, not a rule bug."""
 
 import pytest
 import torch

@@ -1,12 +1,14 @@
 """Megatron's SSM layers on real Gloo ranks against one rank, with the plain-torch kernels."""
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from functools import partial
 
 import pytest
 
 pytest.importorskip("megatron.core")
 
+from shardcheck.checker import confirmed_across_ranks  # noqa: E402
+from shardcheck.launch import spawn_ranks  # noqa: E402
 from shardcheck.layout import Layout  # noqa: E402
 from shardcheck.megatron.runner import relative_errors, run_layout, run_ranks  # noqa: E402
 from shardcheck.megatron.scenarios import ssm  # noqa: E402
@@ -123,6 +125,55 @@ def test_gdn_in_proj_bias_checkpoint_metadata_is_a_contiguous_slice_not_per_sect
     fixed = relative_errors(run_layout(gdn_biased_with_bias_metadata_fix, Layout.parse("tp2-sp")),
                             fixed_reference)
     assert not _within(fixed)
+
+
+def _checker_lines(ctx_layout: Layout, steps: list, bias_metadata_fixed: bool = False) -> list:
+    """Per step, the type checker's violations in megatron-core on this rank."""
+    import torch.distributed as dist
+
+    from shardcheck.megatron import contracts
+    from shardcheck.megatron.runner import RankContext
+    from shardcheck.megatron.typecheck import checked_region
+    from shardcheck.scenario import build_groups
+
+    contracts.install()
+    ctx = RankContext(ctx_layout, dist.get_rank(), build_groups(ctx_layout, dist.get_rank()))
+    found = []
+    for step in steps:
+        with _in_proj_bias_split_like_its_weight() if bias_metadata_fixed else nullcontext(), \
+                checked_region(ctx) as violations:
+            step(ctx)
+        found.append(violations)
+    return found
+
+
+def _confirmed(layout: str, steps: list, bias_metadata_fixed: bool = False) -> list[list[str]]:
+    """Per step, the checker lines every rank agrees on (as the audit confirms them)."""
+    per_rank = spawn_ranks(_checker_lines, 2, Layout.parse(layout), steps, bias_metadata_fixed)
+    return [[v["line"] for v in confirmed_across_ranks(ranks)] for ranks in zip(*per_rank, strict=True)]
+
+
+UNINITIALISED = {"perform_initialization": False}  # Megatron leaves the TP attributes unset
+
+
+@pytest.mark.parametrize("layout", ["tp2", "tp2-sp"])
+def test_gdn_and_mamba_conv_paths_type_clean_with_or_without_weight_initialisation(layout):
+    """GatedDeltaNet's conv1d multiplies its sectioned weight by the qkv cut from in_proj's
+    fused output: no violation, also when in_proj's weight lacks tensor_model_parallel (the
+    checker used to take it for replicated and blame the conv: a false positive)."""
+    steps = [GDN, partial(ssm.gdn_step, setup=ssm.GDNSetup(config=UNINITIALISED)),
+             partial(ssm.mamba_step, setup=ssm.MambaSetup(config=UNINITIALISED))]
+    assert _confirmed(layout, steps) == [[], [], []]
+
+
+def test_checker_flags_gdn_in_proj_bias_cut_as_one_slice_and_not_its_fix():
+    """The in_proj bias metadata bug in types: the fused output (per-section pieces) plus a bias
+    cut as one slice of the concatenation do not line up; with the bias split per section
+    they do."""
+    (broken,) = _confirmed("tp2", [GDN_BIASED])
+    assert broken and broken[0].startswith("checker: mixed shards at megatron/core/tensor_parallel/")
+    assert "aten.add.Tensor: {tp:S(2, sections=[8, 8, 16, 16, 4, 4])}, {tp:S(0)}" in broken[0]
+    assert _confirmed("tp2", [GDN_BIASED], bias_metadata_fixed=True) == [[]]
 
 
 MAMBA = partial(ssm.mamba_step, setup=ssm.MambaSetup())

@@ -1,7 +1,9 @@
 """Real megatron-core under the checker: options that used to give type-only false positives
 (``deterministic_mode``'s ``weight[indices]`` lookup under tp2, a GLU under pp2) are clean,
 and the gradient check at ``optimizer.step`` follows ``main_grad`` through DDP's buffer
-all-reduce: clean on the correct run, flagged when the all-reduce is skipped."""
+all-reduce: clean on the correct run, flagged when the all-reduce is skipped; weights that
+Megatron leaves without tensor-parallel attributes are flagged where the gradient norm counts
+only one rank's piece."""
 
 import pytest
 
@@ -24,6 +26,22 @@ def test_deterministic_lookup_under_tp2_and_glu_under_pp2_give_no_finding():
         result = audit(cases, run_pools=warm)
     assert not result.errors, [o.error for o in result.errors]
     assert len(result.outcomes) == 2 and result.findings == []
+
+
+def test_weights_left_without_tp_attributes_are_flagged_where_the_grad_norm_skips_them():
+    """Without ``perform_initialization`` the parallel linear weights lack
+    ``tensor_model_parallel``: typed by their checkpoint cut, they are S(0) on tp, and the
+    gradient norm's duplicate test keeps only tp rank 0's piece. Initialised: no finding."""
+    cases = [Case("gpt", (("perform_initialization", False),), Layout(tp=2)),
+             Case("gpt", (), Layout(tp=2))]
+    with pools() as warm:
+        result = audit(cases, run_pools=warm)
+    assert not result.errors, [o.error for o in result.errors]
+    (finding,) = result.findings
+    assert finding.trigger["options"] == {"perform_initialization": False}
+    assert finding.kind == "type+numeric" and finding.location.endswith("clip_grads.py:51")
+    assert finding.checker.startswith("checker: shard counted as replica at megatron/core/optimizer/")
+    assert "param_is_not_tensor_parallel_duplicate: {tp:S(0)}" in finding.checker
 
 
 def _step_violations(layout: Layout, skip_dp_all_reduce: bool) -> list[str]:

@@ -12,11 +12,13 @@ from shardcheck.megatron.parallel import megatron_parallel  # noqa: E402
 from shardcheck.megatron.runner import RankContext  # noqa: E402
 from shardcheck.megatron.scenarios.gpt import GPTSetup, build_gpt, transformer_config  # noqa: E402
 from shardcheck.megatron.typing import (  # noqa: E402
+    annotate_model,
     input_types,
     mesh_from_parallel_state,
     mesh_from_pg_collection,
     parameter_types,
 )
+from shardcheck.rules import SectionShard  # noqa: E402
 from shardcheck.types import R, S, V  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -51,7 +53,11 @@ def _run(layout: Layout, config: dict | None = None):
 
 
 def _placements(text: str) -> dict:
-    return eval(text, {"R": R, "V": V, "S": S})  # repr of {axis: placement}
+    return eval(text, {"R": R, "V": V, "S": _shard})  # repr of {axis: placement}
+
+
+def _shard(dim: int, sections: list[int] | None = None):
+    return SectionShard(dim, tuple(sections)) if sections else S(dim)
 
 
 def test_tp2_sp_gpt_parameters_are_typed_from_megatron_metadata():
@@ -65,6 +71,43 @@ def test_tp2_sp_gpt_parameters_are_typed_from_megatron_metadata():
     assert all(_placements(text)["dp"] == R for text, _ in types.values())
     assert all(_placements(text)["pp"] == V for text, _ in types.values())  # a stage's own layers
     assert axes["tp"] == (0, 1) and axes["dp"] == (0,)
+
+
+def _tp_attributes(layout: Layout, config: dict) -> tuple[dict[str, bool], dict, list]:
+    """Which parameters carry ``tensor_model_parallel``; the tp type ``annotate_model`` gives
+    the qkv weight in a typecheck, and the violations that annotating left."""
+    import torch.distributed as dist
+
+    import shardcheck as sc
+
+    with megatron_parallel(RankContext(layout, dist.get_rank())):
+        setup = GPTSetup(config=config)
+        model = _build(transformer_config(layout, setup), setup)
+        qkv = model.decoder.layers[0].self_attention.linear_qkv.weight
+        with sc.typecheck(mesh_from_parallel_state(), mode="collect"):
+            annotate_model(model, ("tp",))
+            annotated = sc.typeof(qkv)
+            violations = [v.first_line for v in sc.violations()]
+        return ({name: hasattr(param, "tensor_model_parallel")
+                 for name, param in model.named_parameters()}, annotated, violations)
+
+
+def test_weights_left_without_tp_attributes_are_typed_from_their_checkpoint_cut():
+    """Without ``perform_initialization`` Megatron's parallel linear layers and embedding never
+    set ``tensor_model_parallel`` on their weights; their sharded_state_dict still cuts them."""
+    config = {"perform_initialization": False, "gated_linear_unit": True}
+    has_attribute, annotated, violations = spawn_ranks(_tp_attributes, 2, Layout(tp=2), config)[0]
+    assert annotated == {"tp": S(0)} and violations == []
+    (types, _), _ = _run(Layout(tp=2), config)
+    layer = "decoder.layers.0."
+    for name, expected in [(f"{layer}self_attention.linear_qkv.weight", S(0)),
+                           (f"{layer}self_attention.linear_proj.weight", S(1)),
+                           (f"{layer}mlp.linear_fc1.weight", SectionShard(0, (64, 64))),
+                           ("embedding.word_embeddings.weight", S(0)),
+                           (f"{layer}input_layernorm.weight", R),  # not cut: replicated
+                           ("embedding.position_embeddings.weight", R)]:
+        assert not has_attribute[name]
+        assert _placements(types[name][0])["tp"] == expected, name
 
 
 def test_without_sequence_parallelism_norms_need_no_tp_reduction():

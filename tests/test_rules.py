@@ -340,9 +340,35 @@ def test_a_fused_dim_cut_at_its_sections_gives_shards():
         assert sc.typeof(torch.split(T(3, 8, tp=fused), [3, 5], dim=1)[0]) == {"tp": V}
         assert sc.typeof(T(3, 8, tp=fused).t()) == {"tp": SectionShard(0, (2, 2, 4))}
         assert sc.typeof(T(3, 8, tp=fused) * T(3, 8, tp=fused)) == {"tp": fused}
-        assert sc.typeof(T(3, 8, tp=fused) * T(3, 8, tp=S(1))) == {"tp": S(1)}
+        with pytest.raises(sc.SpmdTypeError, match="mixed shards.*sections"):
+            T(3, 8, tp=fused) * T(3, 8, tp=S(1))  # its pieces of q, k, v vs one slice
+        with pytest.raises(sc.SpmdTypeError, match="mixed shards.*sections"):
+            T(3, 8, tp=fused) + T(3, 8, tp=SectionShard(1, (4, 4)))
         assert sc.typeof(T(3, 8, tp=fused).view(3, 2, 4)) == {}  # the fused dim is cut: unknown
         assert sc.typeof(T(3, 8, tp=fused).view(3, 1, 8)) == {"tp": SectionShard(2, (2, 2, 4))}
+
+
+def _conv_of_fused_projection(weight_tp, cut=(8, 4, 1, 1), projection_tp=None):
+    """GatedDeltaNet's path to its conv: a fused column-parallel output [b, q k v z beta alpha,
+    s] cut by torch.split into qkv, z, beta, alpha, then the depthwise causal conv of qkv."""
+    from shardcheck.megatron.kernels import causal_conv1d_fn
+
+    fused = SectionShard(1, (2, 2, 4, 4, 1, 1))
+    projection = T(2, 14, 5, tp=fused if projection_tp is None else projection_tp)
+    qkv = torch.split(projection, list(cut), dim=1)[0]
+    return causal_conv1d_fn(qkv, T(qkv.shape[1], 4, tp=weight_tp), activation="silu")
+
+
+def test_a_sectioned_conv_weight_fits_its_input_cut_from_the_fused_projection():
+    conv_weight = SectionShard(0, (2, 2, 4))  # the conv's channels are q, k, v too
+    with sc.typecheck(MESH):
+        assert sc.typeof(_conv_of_fused_projection(conv_weight)) == {"tp": SectionShard(1, (2, 2, 4))}
+    assert outcome(lambda: _conv_of_fused_projection(SectionShard(0, (4, 2, 2)))) == "mixed shards"
+    assert outcome(lambda: _conv_of_fused_projection(S(0))) == "mixed shards"  # one slice
+    assert outcome(lambda: _conv_of_fused_projection(conv_weight, projection_tp=R)) == \
+        "global shape mismatch"  # an input the checker took for replicated: the old false alarm
+    with sc.typecheck(MESH):  # cut off the sections' boundaries: pieces of no global tensor
+        assert sc.typeof(_conv_of_fused_projection(S(0), cut=(6, 6, 1, 1))) == {"tp": V}
 
 
 def test_item_and_tolist_are_typed_reads():

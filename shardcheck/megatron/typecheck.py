@@ -47,12 +47,18 @@ def layout_mesh(ctx: Any):
     return Mesh(rank=ctx.rank, **groups)
 
 
+def _types_by_id(module: torch.nn.Module) -> dict[int, Any]:
+    """Each parameter's :class:`~shardcheck.megatron.typing.ParamType`, by parameter id."""
+    from shardcheck.megatron.typing import parameter_types
+
+    types = parameter_types(module)
+    return {id(param): types[name] for name, param in module.named_parameters()}
+
+
 @contextlib.contextmanager
 def _parameters_typed_on_first_use(axes: tuple[str, ...]) -> Iterator[None]:
     import shardcheck as sc
     from shardcheck.checker import current
-    from shardcheck.megatron.typing import fused_sections, parameter_type
-
     typed: set[int] = set()
 
     def type_parameters(module: torch.nn.Module, _args: Any) -> None:
@@ -60,11 +66,11 @@ def _parameters_typed_on_first_use(axes: tuple[str, ...]) -> Iterator[None]:
         if not fresh:
             return
         with current().paused():
-            sections = fused_sections(module)
+            types = _types_by_id(module)
         for param in fresh:  # Megatron's metadata wins over what setup code did to it
             typed.add(id(param))
-            types = parameter_type(param, sections=sections.get(id(param))).placements
-            sc.annotate(param, **{a: p for a, p in types.items() if a in axes})
+            placements = types[id(param)].placements
+            sc.annotate(param, **{a: p for a, p in placements.items() if a in axes})
 
     handle = torch.nn.modules.module.register_module_forward_pre_hook(type_parameters)
     try:
@@ -88,6 +94,37 @@ def _replaced_everywhere(original: Any, replacement: Any) -> Iterator[None]:
     finally:
         for module in sites:
             setattr(module, original.__name__, original)
+
+
+@contextlib.contextmanager
+def _tp_duplicates_checked() -> Iterator[None]:
+    """Megatron counts a parameter in the gradient norm on every TP rank, or on tp rank 0 only
+    when ``param_is_not_tensor_parallel_duplicate`` takes it for a replica. That test reads the
+    ``tensor_model_parallel`` attribute, which the parallel linear layers and the embedding set
+    only when they initialise their weights: a parameter typed S on tp (cut, by its
+    sharded_state_dict) that the test calls a replica is reported where Megatron asks."""
+    from megatron.core.tensor_parallel import layers
+
+    from shardcheck.checker import current
+    from shardcheck.rules import Violation
+    from shardcheck.types import Shard
+
+    original = layers.param_is_not_tensor_parallel_duplicate
+
+    def checked(param: torch.Tensor, *args: Any, **kwargs: Any) -> bool:
+        counted = original(param, *args, **kwargs)
+        checker = current()
+        if not counted and checker is not None and "tp" in checker.names:
+            axis = checker.names.index("tp")
+            if isinstance((checker.types(param) or (None,) * checker.n)[axis], Shard):
+                checker._report(Violation("shard counted as replica", axis,
+                                          "no tensor_model_parallel attribute: only tp rank 0's "
+                                          "piece of this parameter is counted"),
+                                original.__name__, (param,))
+        return counted
+
+    with _replaced_everywhere(original, checked):
+        yield
 
 
 @contextlib.contextmanager
@@ -129,8 +166,6 @@ def _gradient_buffers_typed(axes: tuple[str, ...]) -> Iterator[None]:
 
     from shardcheck import checker as checker_module
     from shardcheck.checker import current
-    from shardcheck.megatron.typing import parameter_type
-
     zero = getattr(checker_module, "ZERO", True)  # the zero flag (an int in newer checkers)
 
     original = DistributedDataParallel.zero_grad_buffer
@@ -138,10 +173,14 @@ def _gradient_buffers_typed(axes: tuple[str, ...]) -> Iterator[None]:
     def typed_zero(self, *args: Any, **kwargs: Any) -> Any:
         result = original(self, *args, **kwargs)
         checker = current()
-        for param in self.module.parameters() if checker else ():
+        if checker is None:
+            return result
+        with checker.paused():
+            types = _types_by_id(self.module)
+        for param in self.module.parameters():
             main_grad = getattr(param, "main_grad", None)
             if isinstance(main_grad, torch.Tensor):
-                placements = parameter_type(param).placements
+                placements = types[id(param)].placements
                 checker.set_type(main_grad, tuple(placements.get(a) for a in checker.names), zero)
                 if main_grad._base is not None and getattr(main_grad, "_sc_root", None) is None:
                     checker.register_view(main_grad, main_grad._base)  # DDP reduces the buffer
@@ -340,6 +379,7 @@ def checked_region(ctx: Any) -> Iterator[list[dict]]:
         stack.enter_context(_harness_values_typed(mesh.names))
         stack.enter_context(_received_tensors_untyped())
         stack.enter_context(_gradient_buffers_typed(mesh.names))
+        stack.enter_context(_tp_duplicates_checked())
         stack.enter_context(_viewless_tensors_typed())
         stack.enter_context(contextlib.redirect_stderr(io.StringIO()))  # the region's summary
         stack.enter_context(sc.typecheck(mesh, mode="collect"))

@@ -5,10 +5,11 @@
   ``ProcessGroupCollection``, which may differ from the global ones.
 * :func:`parameter_types`: each parameter's placement per axis, read from the attributes Megatron
   sets on it: ``tensor_model_parallel`` + ``partition_dim`` -> S(partition_dim) on tp (on etp for
-  experts; sectioned for fused weights, see :func:`fused_sections`); ``sequence_parallel`` -> R,
-  whose gradient must be reduced over tp; expert parameters (``allreduce=False``) -> S(0) on ep;
-  everything else R; every parameter R over dp and V over pp (each pipeline stage holds its own
-  layers, so a stage's values are no replica of another's).
+  experts; sectioned for fused weights, and from the ``sharded_state_dict`` cut where the
+  attribute is missing, see :func:`tp_layouts`); ``sequence_parallel`` -> R, whose gradient
+  must be reduced over tp; expert parameters (``allreduce=False``) -> S(0) on ep; everything
+  else R; every parameter R over dp and V over pp (each pipeline stage holds its own layers,
+  so a stage's values are no replica of another's).
 * :func:`input_types`: tokens, labels, loss mask and position ids by role: V over dp, S(seq)
   over cp (Megatron's load-balanced chunk order: rank r holds chunks r and 2*cp-1-r), R over tp.
 * :func:`annotate_model` / :func:`annotate_batch` apply them in an active ``sc.typecheck``.
@@ -17,6 +18,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,10 +66,24 @@ def is_expert(param: torch.nn.Parameter) -> bool:
     return getattr(param, "allreduce", True) is False
 
 
+@dataclass(frozen=True)
+class TpLayout:
+    """Where Megatron's ``sharded_state_dict`` puts a parameter's tensor-parallel cut: the local
+    dim it is cut along, and for a fused weight the local lengths of its sections."""
+
+    dim: int
+    sections: tuple[int, ...] | None = None
+
+
 def parameter_type(param: torch.nn.Parameter, axes: tuple[str, ...] = AXES,
-                   sections: tuple[int, ...] | None = None) -> ParamType:
-    """The type of one Megatron parameter from its own attributes (see the module docstring);
-    ``sections`` (from :func:`fused_sections`) marks a fused weight's shard as sectioned."""
+                   layout: TpLayout | None = None) -> ParamType:
+    """The type of one Megatron parameter from its own attributes (see the module docstring).
+
+    ``layout`` (from :func:`tp_layouts`) marks a fused weight's shard as sectioned, and types a
+    parameter that lacks the ``tensor_model_parallel`` attribute: Megatron's parallel linear
+    layers set it only when they initialise the weight (``perform_initialization``), yet the
+    weight is cut all the same.
+    """
     expert = is_expert(param)
     tp_axis = "etp" if expert else "tp"
     placements: dict[str, Placement] = dict.fromkeys(axes, R)
@@ -76,8 +92,13 @@ def parameter_type(param: torch.nn.Parameter, axes: tuple[str, ...] = AXES,
     reduced: tuple[str, ...] = ()
     if getattr(param, "tensor_model_parallel", False):
         dim = int(getattr(param, "partition_dim", 0))
+        sections = layout.sections if layout is not None and layout.dim == dim else None
         placements[tp_axis] = SectionShard(dim, sections) if sections else S(dim)
         reason = f"tensor_model_parallel, partition_dim={getattr(param, 'partition_dim', 0)}"
+    elif not hasattr(param, "tensor_model_parallel") and layout is not None:
+        placements[tp_axis] = SectionShard(layout.dim, layout.sections) if layout.sections \
+            else S(layout.dim)
+        reason = f"no tensor_model_parallel attribute; sharded_state_dict cuts dim {layout.dim}"
     elif getattr(param, "sequence_parallel", False):
         reduced = ("tp",)
         reason = "sequence_parallel: replicated, gradient reduced over tp"
@@ -89,11 +110,12 @@ def parameter_type(param: torch.nn.Parameter, axes: tuple[str, ...] = AXES,
     return ParamType({axis: placements[axis] for axis in axes}, reduced, reason)
 
 
-def fused_sections(module: torch.nn.Module) -> dict[int, tuple[int, ...]]:
-    """By parameter id, the local section lengths of fused tensor-parallel weights: those that
-    Megatron's ``sharded_state_dict`` splits into several pieces along their partition dim
-    (GatedDeltaNet's and Mamba's ``in_proj`` and ``conv1d``, GLU ``fc1``). Empty for a module
-    without sharded-state-dict metadata."""
+def tp_layouts(module: torch.nn.Module) -> dict[int, TpLayout]:
+    """By parameter id, the :class:`TpLayout` of every parameter that Megatron's
+    ``sharded_state_dict`` cuts along one dim: local pieces shorter than the global tensor.
+    Several pieces along that dim are the sections of a fused weight (GatedDeltaNet's and
+    Mamba's ``in_proj`` and ``conv1d``, GLU ``fc1``). Empty for a module without
+    sharded-state-dict metadata."""
     from shardcheck.megatron.reference import param_shards
 
     try:
@@ -102,18 +124,28 @@ def fused_sections(module: torch.nn.Module) -> dict[int, tuple[int, ...]]:
         return {}
     found = {}
     for entry in shards:
-        dim = int(getattr(entry.param, "partition_dim", 0))
         pieces = entry.build(entry.param.data)
+        dims = {d for piece in pieces for d in _cut_dims(piece)}
+        if len(dims) != 1:
+            continue
+        (dim,) = dims
         lengths = tuple(piece.local_shape[dim] for piece in pieces)
-        if (getattr(entry.param, "tensor_model_parallel", False) and len(pieces) > 1
-                and sum(lengths) == entry.param.shape[dim]):
-            found[id(entry.param)] = lengths
+        fused = len(pieces) > 1 and sum(lengths) == entry.param.shape[dim]
+        found[id(entry.param)] = TpLayout(dim, lengths if fused else None)
     return found
 
 
+def _cut_dims(piece: Any) -> list[int]:
+    """The local dims of a sharded-tensor piece that are shorter than its global tensor's."""
+    lead = piece.prepend_axis_num
+    return [d for d, size in enumerate(piece.local_shape) if size != piece.global_shape[lead + d]]
+
+
 def parameter_types(module: torch.nn.Module, axes: tuple[str, ...] = AXES) -> dict[str, ParamType]:
-    """Every named parameter's :class:`ParamType`."""
-    return {name: parameter_type(param, axes) for name, param in module.named_parameters()}
+    """Every named parameter's :class:`ParamType`, with the layouts of :func:`tp_layouts`."""
+    layouts = tp_layouts(module)
+    return {name: parameter_type(param, axes, layouts.get(id(param)))
+            for name, param in module.named_parameters()}
 
 
 def input_types(role: str, axes: tuple[str, ...] = AXES, seq_dim: int = 1) -> dict[str, Placement]:
@@ -136,12 +168,14 @@ def _known(mesh_axes: tuple[str, ...], types: Mapping[str, Placement]) -> dict[s
 def annotate_model(module: torch.nn.Module, mesh_axes: tuple[str, ...]) -> int:
     """Annotate every parameter of ``module`` in the active typecheck; returns how many."""
     import shardcheck as sc
+    from shardcheck.checker import current
 
-    count = 0
-    for _, param in module.named_parameters():
-        sc.annotate(param, **_known(mesh_axes, parameter_type(param).placements))
-        count += 1
-    return count
+    checker = current()
+    with checker.paused() if checker is not None else nullcontext():  # metadata is no program
+        types = parameter_types(module)
+    for name, param in module.named_parameters():
+        sc.annotate(param, **_known(mesh_axes, types[name].placements))
+    return len(types)
 
 
 def annotate_batch(batch: Mapping[str, Any], mesh_axes: tuple[str, ...]) -> None:
