@@ -56,8 +56,8 @@ KNOWN = {
                           "contract: {tp:R}"),
     "router per-token aux loss": Known("moe_router", {"calculate_per_token_loss": True}, "tp2-sp"),
     "grad norm without tp metadata": Known("gpt", {"perform_initialization": False}, "tp2", "get_grad_norm_fp32",
-                                           "type+numeric", "checker: contract at megatron/core/tensor_parallel/"
-                                           "layers.py:300 in contract: {tp:R}"),
+                                           "type+numeric", "checker: shard counted as replica at megatron/core/optimizer/"
+                                           "optimizer.py:156 in param_is_not_tensor_parallel_duplicate: {tp:S(0)}"),
     "global tp group": Known("gpt", {}, "tp2-cp2-sp@cp-tp", GLOBAL_GROUP_CONTRACT, "type+numeric",
                              "checker: megatron/core/tensor_parallel/cross_entropy.py:130: all_reduce on "
                              "parallel_state's global tp group [0, 1], but the model's pg_collection.tp is [0, 2]"),

@@ -341,7 +341,7 @@ def _findings(runner: Runner, outcomes: list[Outcome]) -> list[Finding]:
     for key, members in audit_report.group([o for o in outcomes if o.failed]).items():
         minimal = min(members, key=lambda o: (not o.gaps, audit_report.case_size(o.case)))
         seen = baseline.get((minimal.case.component, minimal.case.layout), set())
-        checker = audit_report.checker_line(key[0], members, seen if minimal.case.options else set())
+        checker = audit_report.checker_line(key[0], [minimal, *members], seen if minimal.case.options else set())
         findings.append(Finding(
             title=audit_report.title(key, minimal), kind=audit_report.kind(members, checker),
             location=key[0], contract=key[1], trigger=audit_report.trigger(minimal.case),

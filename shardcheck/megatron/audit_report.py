@@ -114,12 +114,13 @@ def _explains(key: tuple[str, str], violation: dict) -> bool:
 
 
 def checker_line(location: str, members: Sequence, baseline_violations: set[tuple[str, str]]) -> str | None:
-    """The ``checker:`` line explaining a finding: a violation in the finding's own file, else
-    one its cases have and the same component's default run under that layout has not."""
-    violations = [v for o in members for v in o.violations]
+    """The ``checker:`` line explaining a finding: a violation of any of its cases in the
+    finding's own file, else one that its trigger case (the first member) has and the same
+    component's default run under that layout has not (another case's violation elsewhere may
+    be another bug's)."""
     file = location.rsplit(":", 1)[0]
-    same_file = [v for v in violations if v["location"].rsplit(":", 1)[0] == file]
-    new = [v for v in violations if violation_key(v) not in baseline_violations]
+    same_file = [v for o in members for v in o.violations if v["location"].rsplit(":", 1)[0] == file]
+    new = [v for v in members[0].violations if violation_key(v) not in baseline_violations]
     chosen = (same_file or new or [None])[0]
     return chosen["line"] if chosen else None
 

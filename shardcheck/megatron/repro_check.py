@@ -36,8 +36,18 @@ def checked_run(run: Callable[[Any, Any], Any], sizes: Any, pg: Any, recorded: s
     with contracts.probes_installed(), checked_region(ctx) as found, explicit.global_group_uses(pg) as misused, \
             harness_code(run.__code__.co_filename), _script_inputs_typed(run.__globals__, layout_mesh(ctx).names):
         result = run(sizes, pg)
-    again = [v["line"] for v in [*found, *misused] if _rule_and_place(v["line"]) == _rule_and_place(recorded)]
-    return result, (recorded if again else None)
+    again = any(_rule_and_place(v["line"]) == _rule_and_place(recorded) for v in [*found, *misused])
+    return result, (recorded if _on_any_rank(again) else None)
+
+
+def _on_any_rank(flag: bool) -> bool:
+    """Whether ``flag`` holds on some rank (a violation may be raised on one rank only)."""
+    import torch
+    import torch.distributed as dist
+
+    raised = torch.tensor([float(flag)])
+    dist.all_reduce(raised, op=dist.ReduceOp.MAX)
+    return bool(raised.item())
 
 
 @contextmanager
