@@ -8,7 +8,12 @@ from click.testing import CliRunner
 
 pytest.importorskip("megatron.core")
 
-from planted.megatron_site import GDN_OUT_NORM_FIX, planted_env  # noqa: E402
+from planted.megatron_site import (  # noqa: E402
+    GDN_OUT_NORM_FIX,
+    LLAVA_SP_SLICE,
+    T5_CROSS_NORM_NOT_SUMMED,
+    planted_env,
+)
 
 from shardcheck.cli import main  # noqa: E402
 from shardcheck.findings import Finding, FindingStore  # noqa: E402
@@ -140,6 +145,8 @@ def test_any_finding_of_a_templated_component_gets_a_script(component, options, 
 @pytest.mark.parametrize(("component", "options", "layout"), [
     ("gpt", {"gated_linear_unit": True}, "tp2-dp2"),  # fused fc1: each section cut over tp
     ("gdn", {}, "tp2-sp"),  # fused in_proj and conv1d; out_norm summed over tp under SP
+    ("t5", {"encoder_padding": True, "loss_mask": True}, "tp2-sp"),  # cross attention over padded encoder output
+    ("multimodal", {"keep_class_token": True, "text_only_sample": True}, "tp2-sp"),  # LLaVA's SP scatter
 ])
 def test_script_of_correct_megatron_code_finds_observed_equal_to_reference(component, options, layout, tmp_path):
     finding = _finding(component, options, layout)
@@ -149,8 +156,28 @@ def test_script_of_correct_megatron_code_finds_observed_equal_to_reference(compo
     assert _values(result.output, "observed") == pytest.approx(_values(result.output, "reference"), rel=1e-4)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(("component", "planted"), [
+    ("t5", T5_CROSS_NORM_NOT_SUMMED),  # the cross-attention norm's gradient not summed over tp
+    ("multimodal", LLAVA_SP_SLICE),  # the SP cut of the combined embeddings without its backward gather
+])
+def test_script_reproduces_a_bug_planted_in_the_component_path(component, planted, tmp_path):
+    finding = _finding(component, {}, "tp2-sp")
+    path = write_audit_script(finding, tmp_path / "x.py")
+    own = path.read_text().split(SUPPORT_HEADER)[0]
+    assert len(own.splitlines()) <= 150 and len(path.read_text().splitlines()) <= 300
+    result = run_repro(path, finding.world_size, launcher="direct", timeout=600,
+                       env=planted_env(tmp_path / "site", planted))
+    assert (result.status, result.returncode) == (REPRODUCES, 0), result.output
+    assert f"REPRODUCED {finding.id}" in result.output
+
+
 @pytest.mark.parametrize(("finding", "message"), [
-    (_finding("t5", {}, "tp2"), "no repro template for component 't5'"),
+    (_finding("retro", {}, "tp2"), "no repro template for component 'retro'"),
+    (_finding("t5", {}, "pp2"), "T5 under pipeline parallelism puts encoder and decoder on separate stages"),
+    (_finding("t5", {}, "cp2"), "cross attention under context parallelism needs Transformer Engine"),
+    (_finding("multimodal", {}, "cp2-dp2"), "LLaVA's context-parallel path imports megatron.training"),
+    (_finding("multimodal", {}, "ep2-dp2"), "expert parallelism needs a component with experts"),
     (_finding("gpt", {}, "pp2"), "pp = ep = 1"),
     (_finding("gdn", {}, "cp2"), "without context parallelism"),
     (_finding("moe_router", {}, "tp2"), "needs sequence parallelism"),
@@ -172,12 +199,12 @@ def _audit_finding(component, layout, kind="numeric-only"):
 
 
 def test_audit_findings_join_the_store_with_their_scripts_and_repro_reads_them(tmp_path):
-    found = [_audit_finding("output_loss", "tp2"), _audit_finding("t5", "tp2"),
+    found = [_audit_finding("output_loss", "tp2"), _audit_finding("retro", "tp2"),
              _audit_finding("gpt", "tp2", kind="type-only")]
     save_with_scripts(found, tmp_path / "out", tmp_path / "store")
     scripted, untemplated, typed = found
     assert scripted.repro == str(tmp_path / "out" / "repro" / f"{scripted.id}.py")
-    assert untemplated.repro.startswith("no script: no repro template for component 't5'")
+    assert untemplated.repro.startswith("no script: no repro template for component 'retro'")
     assert typed.repro is None
     stored = {f.id: f for f in FindingStore(tmp_path / "store").all()}
     assert set(stored) == {f.id for f in found} and {f.origin for f in stored.values()} == {AUDIT}
@@ -191,7 +218,7 @@ def test_audit_findings_join_the_store_with_their_scripts_and_repro_reads_them(t
     assert out.read_text() == (tmp_path / "out" / "repro" / f"{scripted.id}.py").read_text().replace(
         f"{scripted.id}.py", "again.py")
     result = CliRunner().invoke(main, ["repro", untemplated.id, "--root", str(tmp_path / "store")])
-    assert result.exit_code == 1 and "no repro template for component 't5'" in result.output
+    assert result.exit_code == 1 and "no repro template for component 'retro'" in result.output
     listed = CliRunner().invoke(main, ["findings", "--no-run", "--root", str(tmp_path / "store")])
     assert listed.exit_code == 0 and scripted.id in listed.output and untemplated.id in listed.output
 

@@ -30,6 +30,7 @@ from shardcheck.layout import DEFAULT_ORDER, Layout
 from shardcheck.megatron import repro_snippets as code
 from shardcheck.megatron.audit_report import GLOBAL_GROUP_CONTRACT
 from shardcheck.megatron.contracts import BY_NAME, Contract
+from shardcheck.megatron.scenarios import COMPONENTS
 from shardcheck.repro import ReproError, ScriptBody
 
 
@@ -60,14 +61,31 @@ CP_ATTENTION = Snippet(code.CP_ATTENTION, """\
 import copy
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 from megatron.core.transformer.dot_product_attention import DotProductAttention""")
-GPT_CODE = Snippet(code.GPT, f"""\
+TRAINING = Snippet(code.TRAINING, f"""\
 {DDP}
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.pipeline_parallel.schedules import get_forward_backward_func""")
+GPT_CODE = Snippet(code.GPT, """\
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.models.gpt.gpt_model import GPTModel
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 from megatron.core.utils import get_batch_on_this_cp_rank""")
+T5_CODE = Snippet(code.T5, """\
+from megatron.core.models.T5.t5_model import T5Model
+from megatron.core.models.T5.t5_spec import decoder_model_with_local_spec, encoder_model_with_local_spec""")
+MULTIMODAL_CODE = Snippet(code.MULTIMODAL, """\
+from megatron.core.enums import ModelType
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.multimodal.llava_model import DEFAULT_IMAGE_TOKEN_INDEX, LLaVAModel
+from megatron.core.models.vision.vit_layer_specs import get_vit_layer_with_local_spec
+from megatron.core.transformer.mlp import MLPSubmodules""")
+CLIP_NORM = Snippet(code.CLIP_NORM, """\
+import functools
+from megatron.core.models.vision.clip_vit_model import CLIPViTModel
+from megatron.core.transformer.torch_norm import WrappedTorchNorm""")
+LLAVA_SP_ATTENTION = Snippet(code.LLAVA_SP_ATTENTION, """\
+from megatron.core.models.multimodal import llava_model
+from megatron.core.transformer.dot_product_attention import DotProductAttention""")
 GDN_CODE = Snippet(code.GDN, f"""\
 {DDP}
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
@@ -135,12 +153,20 @@ TEMPLATES: dict[str, Template] = {
     "moe_router": Template("shardcheck.megatron.scenarios.moe_router:RouterSetup", ROUTER_CODE,
                            (DEVICE_ON_CPU, TE_GEMM_UNSET, BASE, SEEDED, PIECES, SHARD), _router_refuses),
     "gpt": Template("shardcheck.megatron.scenarios.gpt:GPTSetup", GPT_CODE,
-                    (RNG_ON_CPU, DEVICE_ON_CPU, CUDA_TENSORS_ON_CPU, BASE, SEEDED, WEIGHTS),
+                    (RNG_ON_CPU, DEVICE_ON_CPU, CUDA_TENSORS_ON_CPU, BASE, SEEDED, WEIGHTS, TRAINING),
                     _gpt_refuses, sections=_gpt_sections, extras=(
                         (lambda layout: layout.sp, NORM_UNDER_SP), (lambda layout: layout.cp > 1, CP_ATTENTION))),
     "gdn": Template("shardcheck.megatron.scenarios.ssm:GDNSetup", GDN_CODE,
                     (RNG_ON_CPU, DEVICE_ON_CPU, CUDA_TENSORS_ON_CPU, GDN_KERNELS, BASE, SEEDED, SHARD, WEIGHTS),
                     _gdn_refuses, sections=_gdn_sections, extras=((lambda layout: layout.sp, NORM_UNDER_SP),)),
+    "t5": Template("shardcheck.megatron.scenarios.t5:T5Setup", T5_CODE,
+                   (RNG_ON_CPU, DEVICE_ON_CPU, CUDA_TENSORS_ON_CPU, BASE, SEEDED, WEIGHTS, TRAINING),
+                   COMPONENTS["t5"].refuses, sections=_gpt_sections, extras=((lambda layout: layout.sp, NORM_UNDER_SP),)),
+    "multimodal": Template("shardcheck.megatron.scenarios.multimodal:MultimodalSetup", MULTIMODAL_CODE,
+                           (RNG_ON_CPU, DEVICE_ON_CPU, CUDA_TENSORS_ON_CPU, CLIP_NORM, BASE, SEEDED, WEIGHTS,
+                            TRAINING), COMPONENTS["multimodal"].refuses, sections=_gpt_sections,
+                           extras=((lambda layout: layout.sp, NORM_UNDER_SP),
+                                   (lambda layout: layout.sp, LLAVA_SP_ATTENTION))),
 }
 
 
