@@ -235,9 +235,9 @@ def run(sizes, pg):
 
 MULTIMODAL = '''
 def batches():
-    """The microbatches: token ids with one image token per sample (none in the last
-    one with text_only_sample), the images, labels, the loss mask and positions; the text is as
-    long as makes ``combined_seq`` tokens with the image's embeddings."""
+    """The microbatches: token ids with one image token per sample (none in the last one with
+    text_only_sample), images, labels, loss mask and positions; text and image's embeddings
+    make ``combined_seq`` tokens."""
     gen = torch.Generator().manual_seed(3000)
     b, size = SETUP["micro_batch"], SETUP["image_size"]
     text = SETUP["combined_seq"] + 1 - (size // SETUP["patch"]) ** 2 - SETUP["keep_class_token"]

@@ -141,7 +141,7 @@ class Template:
     code: Snippet
     before: tuple[Snippet, ...] = ()
     refuses: Callable[[Layout], str | None] = lambda layout: None
-    # snippets a layout needs: the CP attention stand-in, the torch norm under sequence parallelism
+    # snippets a layout needs: the CP attention stand-in, the torch norm (and LLaVA's attention) under SP
     extras: tuple[tuple[Callable[[Layout], bool], Snippet], ...] = ()
     # global section lengths of fused tp-sharded weights, by parameter name suffix
     sections: Callable[[dict[str, Any], dict[str, Any]], dict[str, list[int]]] | None = None
