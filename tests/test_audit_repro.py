@@ -131,6 +131,8 @@ def test_known_finding_script_reproduces_then_exits_1_with_the_fix(name, tmp_pat
     ("gpt", {"normalization": "RMSNorm", "share_embeddings": True}, "cp2-dp2"),
     ("moe_router", {"moe_router_score_function": "sigmoid"}, "ep2-dp2"),
     ("gdn", {"use_qk_l2norm": False}, "tp2-dp2@dp-tp"),
+    ("t5", {"share_embeddings": True, "position_embedding": "rope"}, "tp2-dp2"),
+    ("multimodal", {"projection": "affine", "keep_class_token": True}, "dp2"),
 ])
 def test_any_finding_of_a_templated_component_gets_a_script(component, options, layout, tmp_path):
     text = write_audit_script(_finding(component, options, layout), tmp_path / "x.py").read_text()
