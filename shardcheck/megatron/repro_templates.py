@@ -30,6 +30,7 @@ from shardcheck.layout import DEFAULT_ORDER, Layout
 from shardcheck.megatron import repro_snippets as code
 from shardcheck.megatron.audit_report import GLOBAL_GROUP_CONTRACT
 from shardcheck.megatron.contracts import BY_NAME, Contract
+from shardcheck.megatron.scenarios import COMPONENTS
 from shardcheck.repro import ReproError, ScriptBody
 
 
@@ -61,15 +62,32 @@ CP_ATTENTION = Snippet(code.CP_ATTENTION, """\
 import copy
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 from megatron.core.transformer.dot_product_attention import DotProductAttention""")
-GPT_CODE = Snippet(code.GPT, f"""\
+TRAINING = Snippet(code.TRAINING, f"""\
 {DDP}
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
-from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
+from megatron.core.pipeline_parallel.schedules import get_forward_backward_func""")
+GPT_CODE = Snippet(code.GPT, """\
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.utils import get_batch_on_this_cp_rank""")
+T5_CODE = Snippet(code.T5, """\
+from megatron.core.models.T5.t5_model import T5Model
+from megatron.core.models.T5.t5_spec import decoder_model_with_local_spec, encoder_model_with_local_spec""")
+MULTIMODAL_CODE = Snippet(code.MULTIMODAL, """\
+from megatron.core.enums import ModelType
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.multimodal.llava_model import DEFAULT_IMAGE_TOKEN_INDEX, LLaVAModel
+from megatron.core.models.vision.vit_layer_specs import get_vit_layer_with_local_spec
+from megatron.core.transformer.mlp import MLPSubmodules""")
+CLIP_NORM = Snippet(code.CLIP_NORM, """\
+import functools
+from megatron.core.models.vision.clip_vit_model import CLIPViTModel
+from megatron.core.transformer.torch_norm import WrappedTorchNorm""")
+LLAVA_SP_ATTENTION = Snippet(code.LLAVA_SP_ATTENTION, """\
+from megatron.core.models.multimodal import llava_model
+from megatron.core.transformer.dot_product_attention import DotProductAttention""")
 GDN_CODE = Snippet(code.GDN, f"""\
 {DDP}
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
@@ -119,6 +137,11 @@ def _router_refuses(layout: Layout, options: dict[str, Any]) -> str | None:
     return None
 
 
+def _refused_by(component: str) -> Callable[[Layout, dict[str, Any]], str | None]:
+    """The layouts the component's own scenario refuses, with its reason."""
+    return lambda layout, options: COMPONENTS[component].refuses(layout)
+
+
 def _gdn_refuses(layout: Layout, options: dict[str, Any]) -> str | None:
     if layout.cp > 1 or layout.pp > 1:
         return "GatedDeltaNet runs without context parallelism (Megatron refuses it) in one stage"
@@ -133,14 +156,14 @@ class Template:
     code: Snippet
     before: tuple[Snippet, ...] = ()
     refuses: Callable[[Layout, dict[str, Any]], str | None] = lambda layout, options: None
-    # snippets some layouts or options need (the CP attention stand-in, the torch norm under
-    # sequence parallelism, the alltoall dispatcher's stand-ins), each with its test
+    # snippets some layouts or options need (the CP attention stand-in, the torch norm and
+    # LLaVA's attention under sequence parallelism, the alltoall dispatcher's stand-ins)
     extras: tuple[tuple[Callable[[Layout, dict[str, Any]], bool], Snippet], ...] = ()
     # global section lengths of fused tp-sharded weights, by parameter name suffix
     sections: Callable[[dict[str, Any], dict[str, Any]], dict[str, list[int]]] | None = None
 
 
-GPT_SUPPORT = (RNG_ON_CPU, DEVICE_ON_CPU, CUDA_TENSORS_ON_CPU, BASE, SEEDED, WEIGHTS)
+GPT_SUPPORT = (RNG_ON_CPU, DEVICE_ON_CPU, CUDA_TENSORS_ON_CPU, BASE, SEEDED, WEIGHTS, TRAINING)
 GPT_EXTRAS = ((lambda layout, options: layout.sp, NORM_UNDER_SP),
               (lambda layout, options: layout.cp > 1, CP_ATTENTION),
               (lambda layout, options: layout.pp > 1, NO_SYNCHRONIZE))
@@ -157,6 +180,12 @@ TEMPLATES: dict[str, Template] = {
     "gdn": Template("shardcheck.megatron.scenarios.ssm:GDNSetup", GDN_CODE,
                     (RNG_ON_CPU, DEVICE_ON_CPU, CUDA_TENSORS_ON_CPU, GDN_KERNELS, BASE, SEEDED, SHARD, WEIGHTS),
                     _gdn_refuses, sections=_gdn_sections, extras=((lambda layout, options: layout.sp, NORM_UNDER_SP),)),
+    "t5": Template("shardcheck.megatron.scenarios.t5:T5Setup", T5_CODE, GPT_SUPPORT, _refused_by("t5"),
+                   sections=_gpt_sections, extras=((lambda layout, options: layout.sp, NORM_UNDER_SP),)),
+    "multimodal": Template("shardcheck.megatron.scenarios.multimodal:MultimodalSetup", MULTIMODAL_CODE,
+                           (*GPT_SUPPORT, CLIP_NORM), _refused_by("multimodal"), sections=_gpt_sections,
+                           extras=((lambda layout, options: layout.sp, NORM_UNDER_SP),
+                                   (lambda layout, options: layout.sp, LLAVA_SP_ATTENTION))),
 }
 
 
