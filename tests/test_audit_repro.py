@@ -8,7 +8,7 @@ from click.testing import CliRunner
 
 pytest.importorskip("megatron.core")
 
-from planted.megatron_site import GDN_OUT_NORM_FIX, planted_env  # noqa: E402
+from planted.megatron_site import GDN_OUT_NORM_FIX, MAMBA_CP_ORDER_BUG, planted_env  # noqa: E402
 
 from shardcheck.cli import main  # noqa: E402
 from shardcheck.findings import Finding, FindingStore  # noqa: E402
@@ -126,6 +126,7 @@ def test_known_finding_script_reproduces_then_exits_1_with_the_fix(name, tmp_pat
     ("gpt", {"normalization": "RMSNorm", "share_embeddings": True}, "cp2-dp2"),
     ("moe_router", {"moe_router_score_function": "sigmoid"}, "ep2-dp2"),
     ("gdn", {"use_qk_l2norm": False}, "tp2-dp2@dp-tp"),
+    ("mamba", {"use_mamba_mem_eff_path": False, "d_has_hdim": True}, "tp2-cp2-sp"),
 ])
 def test_any_finding_of_a_templated_component_gets_a_script(component, options, layout, tmp_path):
     text = write_audit_script(_finding(component, options, layout), tmp_path / "x.py").read_text()
@@ -140,6 +141,8 @@ def test_any_finding_of_a_templated_component_gets_a_script(component, options, 
 @pytest.mark.parametrize(("component", "options", "layout"), [
     ("gpt", {"gated_linear_unit": True}, "tp2-dp2"),  # fused fc1: each section cut over tp
     ("gdn", {}, "tp2-sp"),  # fused in_proj and conv1d; out_norm summed over tp under SP
+    ("mamba", {}, "tp2-sp"),  # fused in_proj (z, x, B, C, dt) and conv1d (x, B, C), plain-torch SSD scan
+    ("mamba", {}, "cp2"),  # the sequence in attention's load-balanced order, heads over cp inside the mixer
 ])
 def test_script_of_correct_megatron_code_finds_observed_equal_to_reference(component, options, layout, tmp_path):
     finding = _finding(component, options, layout)
@@ -149,11 +152,23 @@ def test_script_of_correct_megatron_code_finds_observed_equal_to_reference(compo
     assert _values(result.output, "observed") == pytest.approx(_values(result.output, "reference"), rel=1e-4)
 
 
+@pytest.mark.slow
+def test_mamba_script_reproduces_a_planted_context_parallel_bug(tmp_path):
+    """The unchanged cp2 script against a megatron-core whose mixer ignores the load-balanced
+    sequence order (the same script exits 1 on correct code: the test above)."""
+    finding = _finding("mamba", {}, "cp2")
+    result = run_repro(write_audit_script(finding, tmp_path / "x.py"), finding.world_size, launcher="direct",
+                       timeout=600, env=planted_env(tmp_path / "site", MAMBA_CP_ORDER_BUG))
+    assert (result.status, result.returncode) == (REPRODUCES, 0), result.output
+    assert _values(result.output, "observed") != pytest.approx(_values(result.output, "reference"), rel=1e-4)
+
+
 @pytest.mark.parametrize(("finding", "message"), [
     (_finding("t5", {}, "tp2"), "no repro template for component 't5'"),
     (_finding("gpt", {}, "pp2"), "pp = ep = 1"),
     (_finding("gdn", {}, "cp2"), "without context parallelism"),
     (_finding("moe_router", {}, "tp2"), "needs sequence parallelism"),
+    (_finding("mamba", {}, "tp2-pp2"), "no pipeline stages"),
     (_finding("gpt", {}, "cp2", kind="type-only"), "type-only"),
 ])
 def test_finding_without_a_script_says_why(finding, message, tmp_path):
