@@ -8,7 +8,12 @@ from click.testing import CliRunner
 
 pytest.importorskip("megatron.core")
 
-from planted.megatron_site import GDN_OUT_NORM_FIX, MAMBA_CP_ORDER_BUG, planted_env  # noqa: E402
+from planted.megatron_site import (  # noqa: E402
+    EXPERTS_REDUCED_OVER_DP,
+    GDN_OUT_NORM_FIX,
+    MAMBA_CP_ORDER_BUG,
+    planted_env,
+)
 
 from shardcheck.cli import main  # noqa: E402
 from shardcheck.findings import Finding, FindingStore  # noqa: E402
@@ -97,7 +102,7 @@ def test_known_finding_script_reproduces_then_exits_1_with_the_fix(name, tmp_pat
         "            from shardcheck.megatron.repro_check import checked_run"]
     assert "except ImportError:" in script
     own, support = script.split(SUPPORT_HEADER)  # the finding's code first, the shared helpers after
-    assert len(own.splitlines()) <= 150 and len(script.splitlines()) <= 300
+    assert len(own.splitlines()) <= 150 and len(script.splitlines()) <= 330
 
     launcher = "torchrun" if name == "cp loss" else "direct"
     buggy = run_repro(path, finding.world_size, launcher=launcher, timeout=600)
@@ -141,6 +146,8 @@ def test_any_finding_of_a_templated_component_gets_a_script(component, options, 
 @pytest.mark.parametrize(("component", "options", "layout"), [
     ("gpt", {"gated_linear_unit": True}, "tp2-dp2"),  # fused fc1: each section cut over tp
     ("gdn", {}, "tp2-sp"),  # fused in_proj and conv1d; out_norm summed over tp under SP
+    ("moe", {}, "ep2-dp2"),  # experts by global index
+    ("moe", {"moe_token_dispatcher_type": "alltoall"}, "ep2-dp2"),
     ("mamba", {}, "tp2-sp"),  # fused in_proj (z, x, B, C, dt) and conv1d (x, B, C), plain-torch SSD scan
     ("mamba", {}, "cp2"),  # the sequence in attention's load-balanced order, heads over cp inside the mixer
 ])
@@ -153,20 +160,24 @@ def test_script_of_correct_megatron_code_finds_observed_equal_to_reference(compo
 
 
 @pytest.mark.slow
-def test_mamba_script_reproduces_a_planted_context_parallel_bug(tmp_path):
-    """The unchanged cp2 script against a megatron-core whose mixer ignores the load-balanced
-    sequence order (the same script exits 1 on correct code: the test above)."""
-    finding = _finding("mamba", {}, "cp2")
+@pytest.mark.parametrize(("component", "layout", "bug"), [
+    ("moe", "ep2-dp2", EXPERTS_REDUCED_OVER_DP),
+    ("mamba", "cp2", MAMBA_CP_ORDER_BUG),  # the mixer ignores the load-balanced sequence order
+])
+def test_script_reproduces_a_bug_planted_in_megatron_core(component, layout, bug, tmp_path):
+    """The unchanged script of a layout whose script exits 1 on correct code (the test above)."""
+    finding = _finding(component, {}, layout)
     result = run_repro(write_audit_script(finding, tmp_path / "x.py"), finding.world_size, launcher="direct",
-                       timeout=600, env=planted_env(tmp_path / "site", MAMBA_CP_ORDER_BUG))
+                       timeout=600, env=planted_env(tmp_path / "site", bug))
     assert (result.status, result.returncode) == (REPRODUCES, 0), result.output
     assert _values(result.output, "observed") != pytest.approx(_values(result.output, "reference"), rel=1e-4)
 
 
 @pytest.mark.parametrize(("finding", "message"), [
     (_finding("t5", {}, "tp2"), "no repro template for component 't5'"),
-    (_finding("gpt", {}, "pp2"), "pp = ep = 1"),
+    (_finding("gpt", {}, "pp2"), "one pipeline stage (pp = 1)"),
     (_finding("gdn", {}, "cp2"), "without context parallelism"),
+    (_finding("moe", {"moe_token_dispatcher_type": "alltoall"}, "tp2-dp2-ep2-sp"), "Gloo refuses"),
     (_finding("moe_router", {}, "tp2"), "needs sequence parallelism"),
     (_finding("mamba", {}, "tp2-pp2"), "no pipeline stages"),
     (_finding("gpt", {}, "cp2", kind="type-only"), "type-only"),
@@ -220,4 +231,4 @@ def test_megatron_fuzz_findings_get_their_scripts_from_the_same_templates(tmp_pa
     finding.origin = "fuzz"
     text = write_repro(finding, resolve_target("output_loss"), tmp_path / "f.py").read_text()
     assert "'seq': 4" in text and "vocab_parallel_cross_entropy(" in text and "def corrected():" in text
-    assert resolve_target("moe").repro is None  # no template for the MoE GPT yet
+    assert resolve_target("multimodal").repro is None  # no template for LLaVA yet

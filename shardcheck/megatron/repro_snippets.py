@@ -41,9 +41,10 @@ def config_for(sizes, **options):
         "num_layers": 1, "hidden_size": SETUP["hidden"], "num_attention_heads": 4,
         "use_cpu_initialization": True, "hidden_dropout": 0.0, "attention_dropout": 0.0,
         "tensor_model_parallel_size": sizes["tp"], "context_parallel_size": sizes["cp"],
-        "sequence_parallel": sizes["sp"], "pipeline_dtype": torch.float32,
-        "gradient_accumulation_fusion": False, "bias_activation_fusion": False,
-        "masked_softmax_fusion": False, "apply_rope_fusion": False, **options, **OVERRIDES})
+        "expert_model_parallel_size": sizes["ep"], "sequence_parallel": sizes["sp"],
+        "pipeline_dtype": torch.float32, "gradient_accumulation_fusion": False,
+        "bias_activation_fusion": False, "masked_softmax_fusion": False, "apply_rope_fusion": False,
+        **options, **OVERRIDES})
 '''
 
 SEEDED = '''
@@ -67,10 +68,12 @@ def shard(tensor, sizes, group):
 '''
 
 WEIGHTS = '''
-def load_weights(model, group):
-    """Seeded global weights, the same in every layout; a tp-sharded one gives each rank its
-    piece, cut on the dim where its shape is smaller, section by section when it is fused."""
-    for name, param in model.named_parameters():
+def load_weights(model, pg):
+    """Seeded global weights, the same in every layout (an expert's by its global index); a
+    sharded weight gives each rank its piece, cut on the dim where its shape is smaller, section
+    by section when it is fused."""
+    for local_name, param in model.named_parameters():
+        name, group = global_name(local_name, pg)
         full = seeded(name, *FULL.setdefault(name, param.shape)) * 0.2
         dim = next((d for d, (a, b) in enumerate(zip(full.shape, param.shape)) if a != b), None)
         if dim is not None:
@@ -79,15 +82,30 @@ def load_weights(model, group):
         param.data.copy_(full)
 
 
-def grad_norms(model, group):
-    """The norm of every parameter's global gradient (the squares of tp pieces summed)."""
-    norms = []
-    for name, param in model.named_parameters():
-        square = param.main_grad.float().pow(2).sum()
+def global_name(name, pg):
+    """A parameter's name in the one-rank model (an expert's index counts the experts of the ep
+    ranks before), and the group it is sharded over: tp, or expert tp for an expert."""
+    found = re.search(r"local_experts\\.(\\d+)\\.", name)
+    if found is None:
+        return name, pg.tp
+    index = pg.ep.rank() * OVERRIDES["num_moe_experts"] // pg.ep.size() + int(found[1])
+    return name.replace(found[0], f"local_experts.{index}."), pg.expt_tp
+
+
+def grad_norms(model, pg):
+    """The norm of every parameter's global gradient, in the one-rank model's order: the squares
+    of its shards summed; an expert's from the ep rank that holds it."""
+    squares = dict.fromkeys(FULL, torch.zeros(()))
+    for local_name, param in model.named_parameters():
+        name, group = global_name(local_name, pg)
+        squares[name] = param.main_grad.float().pow(2).sum()
         if param.shape != FULL[name]:
-            dist.all_reduce(square, group=group)
-        norms.append(square.sqrt())
-    return torch.stack(norms)
+            dist.all_reduce(squares[name], group=group)
+    squares = torch.stack(list(squares.values()))
+    expert = torch.tensor(["local_experts." in name for name in FULL])
+    experts = squares * expert
+    dist.all_reduce(experts, group=pg.ep)
+    return torch.where(expert, experts, squares).sqrt()
 
 
 FULL = {}  # each parameter's global shape, from the reference run (it runs first)
@@ -121,7 +139,7 @@ def run(sizes, pg):
         return shard(tensor.chunk(pg.cp.size())[pg.cp.rank()], sizes, pg.tp)
     config = config_for(sizes, num_moe_experts=SETUP["experts"], moe_router_topk=SETUP["topk"],
                         moe_aux_loss_coeff=1.0, moe_router_load_balancing_type="aux_loss",
-                        add_bias_linear=False, expert_model_parallel_size=sizes["ep"])
+                        add_bias_linear=False)
     router = TopKRouter(config, pg)
     router.weight.data.copy_(seeded("router", SETUP["experts"], SETUP["hidden"]) * 0.05)
     seq, batch = SETUP["seq"], SETUP["batch"]
@@ -177,7 +195,7 @@ def run(sizes, pg):
     model = GPTModel(config, spec, SETUP["vocab"], SETUP["seq"], pg_collection=pg,
                      position_embedding_type=SETUP["position_embedding"],
                      share_embeddings_and_output_weights=SETUP["share_embeddings"])
-    load_weights(model, pg.tp)
+    load_weights(model, pg)
     ddp = DistributedDataParallel(config, DistributedDataParallelConfig(), model, pg_collection=pg)
     config.finalize_model_grads_func, config.no_sync_func = finalize_model_grads, ddp.no_sync
     optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="sgd", lr=0.5, clip_grad=SETUP["clip_grad"]),
@@ -186,14 +204,13 @@ def run(sizes, pg):
     get_forward_backward_func()(
         forward_step_func=forward_step, data_iterator=iter(mine), model=[ddp], num_microbatches=len(mine),
         seq_length=SETUP["seq"], micro_batch_size=SETUP["micro_batch"], forward_only=False, pg_collection=pg)
-    norms = grad_norms(model, pg.tp)
+    norms = grad_norms(model, pg)
     _, grad_norm, _ = optimizer.step()
     return torch.cat([torch.tensor([float(grad_norm)]), norms])
 
 
 def forward_step(data, model):
-    """Megatron's training step function: the model's per-token losses, and the loss function
-    giving their masked sum, the token count and the report."""
+    """The model's per-token losses, and a loss function giving their masked sum and token count."""
     batch = next(data)
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
     mask = batch["loss_mask"].reshape(-1).float()
@@ -239,14 +256,14 @@ def run(sizes, pg):
         in_proj=tensor_parallel.ColumnParallelLinear, out_norm=WrappedTorchNorm,
         out_proj=tensor_parallel.RowParallelLinear), layer_number=1, bias=SETUP["bias"],
         conv_bias=SETUP["conv_bias"], use_qk_l2norm=SETUP["use_qk_l2norm"], pg_collection=pg)
-    load_weights(layer, pg.tp)
+    load_weights(layer, pg)
     ddp = DistributedDataParallel(config, DistributedDataParallelConfig(), layer, pg_collection=pg)
     shape = (SETUP["seq"], SETUP["batch"], SETUP["hidden"])
     hidden = shard(seeded("hidden", *shape), sizes, pg.tp).requires_grad_(True)
     output, _ = layer(hidden, attention_mask=None)
     (output * shard(seeded("upstream", *shape), sizes, pg.tp)).sum().backward()
     finalize_model_grads([ddp], pg_collection=pg)
-    return grad_norms(layer, pg.tp)
+    return grad_norms(layer, pg)
 '''
 
 CAUSAL_CONV1D = '''
@@ -271,17 +288,16 @@ def run(sizes, pg):
         d_model=SETUP["hidden"], d_conv=SETUP["conv_kernel"], expand=SETUP["expand"],
         D_has_hdim=SETUP["d_has_hdim"], rmsnorm=SETUP["rmsnorm"], conv_bias=SETUP["conv_bias"],
         layer_number=1, pg_collection=pg)
-    load_weights(layer, pg.tp)
+    load_weights(layer, pg)
     ddp = DistributedDataParallel(config, DistributedDataParallelConfig(), layer, pg_collection=pg)
     shape = (SETUP["seq"], SETUP["batch"], SETUP["hidden"])
     hidden = tokens(seeded("hidden", *shape), sizes, pg).requires_grad_(True)
     output, _ = layer(hidden)
-    # as megatron's schedules: a per-token loss is summed over dp x cp by DDP, else each rank's
-    # loss is scaled by cp for DDP's mean over dp x cp
+    # as megatron's schedules: DDP sums a per-token loss over dp x cp, else averages it (scaled by cp)
     scale = 1 / pg.dp.size() if config.calculate_per_token_loss else pg.cp.size()
     ((output * tokens(seeded("upstream", *shape), sizes, pg)).sum() * scale).backward()
     finalize_model_grads([ddp], pg_collection=pg)
-    return grad_norms(layer, pg.tp)
+    return grad_norms(layer, pg)
 
 
 def tokens(tensor, sizes, pg):
@@ -339,17 +355,14 @@ class GatedRMSNorm(torch.nn.Module):
 
 
 TENSOR_OPS = "megatron.core.inference.contexts.attention_context.triton.tensor_ops"
-try:
-    importlib.import_module(TENSOR_OPS)
-except ImportError:  # Triton-only inference helpers, imported by mamba_mixer; training never calls them
-    sys.modules[TENSOR_OPS] = stub = types.ModuleType(TENSOR_OPS)
-    stub.tensor_get_slice_after = stub.tensor_masked_update = stub.tensor_merge = None
+# Triton-only: inference helpers that mamba_mixer imports at module level (training never calls them)
+sys.modules[TENSOR_OPS] = types.SimpleNamespace(tensor_get_slice_after=None, tensor_masked_update=None,
+                                                tensor_merge=None)
 mamba_module = importlib.import_module("megatron.core.ssm.mamba_mixer")
 # CUDA-only (mamba_ssm and causal_conv1d kernels): the torch equivalents above
-mamba_module.causal_conv1d_fn, mamba_module.ExtendedRMSNorm = causal_conv1d_fn, GatedRMSNorm
-mamba_module.mamba_chunk_scan_combined = mamba_chunk_scan_combined
-mamba_module.mamba_split_conv1d_scan_combined = mamba_split_conv1d_scan_combined
-mamba_module.HAVE_MAMBA_SSM = True
+vars(mamba_module).update(causal_conv1d_fn=causal_conv1d_fn, mamba_chunk_scan_combined=mamba_chunk_scan_combined,
+                          mamba_split_conv1d_scan_combined=mamba_split_conv1d_scan_combined,
+                          ExtendedRMSNorm=GatedRMSNorm, HAVE_MAMBA_SSM=True)
 '''
 
 GDN_KERNELS = '''
@@ -403,6 +416,33 @@ class CudaToCpu(TorchFunctionMode):
 
 
 CudaToCpu().__enter__()
+'''
+
+ALLTOALL_ON_CPU = '''
+class CpuStream:
+    """CUDA-only: the alltoall dispatcher's side streams and events; CPU ops are synchronous, so
+    every wait, record and synchronize does nothing."""
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: self
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+
+def to_host(tensor, as_numpy=False, record_stream=False):
+    """CUDA-only: split sizes read on the host, as numpy like a device tensor's copy."""
+    if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+        return tensor.numpy()
+    return device_to_host(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+
+torch.cuda.Stream = torch.cuda.Event = torch.cuda.stream = torch.cuda.current_stream = lambda *a, **k: CpuStream()
+device_to_host = moe_utils.maybe_move_tensor_to_cpu
+moe_utils.maybe_move_tensor_to_cpu = token_dispatcher.maybe_move_tensor_to_cpu = to_host
 '''
 
 PATCH_TE_GEMM = '''

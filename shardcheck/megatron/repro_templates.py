@@ -49,7 +49,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig""")
 SEEDED = Snippet(code.SEEDED, "import zlib")
 PIECES = Snippet(code.PIECES)
 SHARD = Snippet(code.SHARD)
-WEIGHTS = Snippet(code.WEIGHTS)
+WEIGHTS = Snippet(code.WEIGHTS, "import re")
 DDP = "from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig"
 RNG_ON_CPU = Snippet(code.PATCH_RNG)
 DEVICE_ON_CPU = Snippet(code.PATCH_DEVICE)
@@ -81,6 +81,9 @@ from megatron.core.distributed.finalize_model_grads import finalize_model_grads"
 NORM_UNDER_SP = Snippet(code.NORM_UNDER_SP, """\
 import copy
 from megatron.core.transformer.torch_norm import WrappedTorchNorm""")
+ALLTOALL_ON_CPU = Snippet(code.ALLTOALL_ON_CPU, """\
+from megatron.core.transformer.moe import moe_utils
+from megatron.core.transformer.moe import token_dispatcher""")
 ROUTER_CODE = Snippet(code.ROUTER, """\
 from megatron.core.transformer.moe import router as router_module
 from megatron.core.transformer.moe.router import TopKRouter""")
@@ -110,25 +113,36 @@ def _mamba_sections(setup: dict[str, Any], overrides: dict[str, Any]) -> dict[st
             "conv1d.bias": [inner, state, state]}
 
 
-def _gpt_refuses(layout: Layout) -> str | None:
-    if layout.pp > 1 or layout.ep > 1:
-        return "the gpt template runs one pipeline stage without experts (pp = ep = 1)"
+def _gpt_refuses(layout: Layout, options: dict[str, Any]) -> str | None:
+    if layout.pp > 1:
+        return "the gpt template runs one pipeline stage (pp = 1)"
     return None
 
 
-def _router_refuses(layout: Layout) -> str | None:
+def _moe_refuses(layout: Layout, options: dict[str, Any]) -> str | None:
+    if layout.tp > 1 and _alltoall(options):
+        return ("the alltoall dispatcher under tp > 1 gathers uneven pieces, which Gloo refuses "
+                "(the audit pads them: cpu.py uneven_collectives)")
+    return _gpt_refuses(layout, options) or _router_refuses(layout, options)
+
+
+def _alltoall(options: dict[str, Any]) -> bool:
+    return options.get("moe_token_dispatcher_type") == "alltoall"
+
+
+def _router_refuses(layout: Layout, options: dict[str, Any]) -> str | None:
     if layout.tp > 1 and not layout.sp:
         return "MoE with tp > 1 needs sequence parallelism (Megatron refuses it)"
     return None
 
 
-def _gdn_refuses(layout: Layout) -> str | None:
+def _gdn_refuses(layout: Layout, options: dict[str, Any]) -> str | None:
     if layout.cp > 1 or layout.pp > 1:
         return "GatedDeltaNet runs without context parallelism (Megatron refuses it) in one stage"
     return None
 
 
-def _mamba_refuses(layout: Layout) -> str | None:
+def _mamba_refuses(layout: Layout, options: dict[str, Any]) -> str | None:
     if layout.pp > 1:
         return "a single Mamba mixer has no pipeline stages (pp = 1)"
     return None
@@ -141,25 +155,31 @@ class Template:
     setup: str  # "module:Class" of the component's setup dataclass
     code: Snippet
     before: tuple[Snippet, ...] = ()
-    refuses: Callable[[Layout], str | None] = lambda layout: None
-    # snippets a layout needs: the CP attention stand-in, the torch norm under sequence parallelism
-    extras: tuple[tuple[Callable[[Layout], bool], Snippet], ...] = ()
+    refuses: Callable[[Layout, dict[str, Any]], str | None] = lambda layout, options: None
+    # snippets some layouts or options need (the CP attention stand-in, the torch norm under
+    # sequence parallelism, the alltoall dispatcher's stand-ins), each with its test
+    extras: tuple[tuple[Callable[[Layout, dict[str, Any]], bool], Snippet], ...] = ()
     # global section lengths of fused tp-sharded weights, by parameter name suffix
     sections: Callable[[dict[str, Any], dict[str, Any]], dict[str, list[int]]] | None = None
 
 
+GPT_SUPPORT = (RNG_ON_CPU, DEVICE_ON_CPU, CUDA_TENSORS_ON_CPU, BASE, SEEDED, WEIGHTS)
+GPT_EXTRAS = ((lambda layout, options: layout.sp, NORM_UNDER_SP),
+              (lambda layout, options: layout.cp > 1, CP_ATTENTION))
 TEMPLATES: dict[str, Template] = {
     "output_loss": Template("shardcheck.megatron.scenarios.output_loss:OutputLossSetup",
                             Snippet(code.OUTPUT_LOSS), (DEVICE_ON_CPU, BASE, SEEDED, PIECES, SHARD)),
     "moe_router": Template("shardcheck.megatron.scenarios.moe_router:RouterSetup", ROUTER_CODE,
                            (DEVICE_ON_CPU, TE_GEMM_UNSET, BASE, SEEDED, PIECES, SHARD), _router_refuses),
-    "gpt": Template("shardcheck.megatron.scenarios.gpt:GPTSetup", GPT_CODE,
-                    (RNG_ON_CPU, DEVICE_ON_CPU, CUDA_TENSORS_ON_CPU, BASE, SEEDED, WEIGHTS),
-                    _gpt_refuses, sections=_gpt_sections, extras=(
-                        (lambda layout: layout.sp, NORM_UNDER_SP), (lambda layout: layout.cp > 1, CP_ATTENTION))),
+    "gpt": Template("shardcheck.megatron.scenarios.gpt:GPTSetup", GPT_CODE, GPT_SUPPORT, _gpt_refuses,
+                    sections=_gpt_sections, extras=GPT_EXTRAS),
+    "moe": Template("shardcheck.megatron.scenarios.gpt:MoEGPTSetup", GPT_CODE, (*GPT_SUPPORT, TE_GEMM_UNSET),
+                    _moe_refuses, sections=_gpt_sections,
+                    extras=(*GPT_EXTRAS, (lambda layout, options: _alltoall(options), ALLTOALL_ON_CPU))),
     "gdn": Template("shardcheck.megatron.scenarios.ssm:GDNSetup", GDN_CODE,
                     (RNG_ON_CPU, DEVICE_ON_CPU, CUDA_TENSORS_ON_CPU, CAUSAL_CONV1D, GDN_KERNELS, BASE, SEEDED, SHARD,
-                     WEIGHTS), _gdn_refuses, sections=_gdn_sections, extras=((lambda layout: layout.sp, NORM_UNDER_SP),)),
+                     WEIGHTS), _gdn_refuses, sections=_gdn_sections,
+                    extras=((lambda layout, options: layout.sp, NORM_UNDER_SP),)),
     "mamba": Template("shardcheck.megatron.scenarios.ssm:MambaSetup", MAMBA_CODE,
                       (RNG_ON_CPU, DEVICE_ON_CPU, CUDA_TENSORS_ON_CPU, CAUSAL_CONV1D, MAMBA_KERNELS, BASE, SEEDED,
                        SHARD, WEIGHTS), _mamba_refuses, sections=_mamba_sections),
@@ -178,7 +198,7 @@ def script_body(finding: Finding) -> ScriptBody:
         raise ReproError(f"no repro template for component {finding.target!r} yet "
                          f"(templates: {', '.join(sorted(TEMPLATES))})")
     layout = Layout.parse(finding.layout)
-    if why := template.refuses(layout):
+    if why := template.refuses(layout, finding.config):
         raise ReproError(f"{why}; finding {finding.id} needs {finding.layout}")
     setup, overrides = _split_options(template.setup, finding.config)
     fix = _fix(finding)
@@ -186,7 +206,7 @@ def script_body(finding: Finding) -> ScriptBody:
     if template.sections is not None:
         constants += f"SECTIONS = {template.sections(setup, overrides)!r}  # of fused weights, cut over tp\n"
     constants += f"SIZES = {_sizes(finding.layout)!r}\nONE_RANK = {_sizes('')!r}\n"
-    extras = [snippet for needed, snippet in template.extras if needed(layout)]
+    extras = [snippet for needed, snippet in template.extras if needed(layout, finding.config)]
     own = [Snippet(constants), template.code, *([fix] if fix is not None else []),
            Snippet(code.FIXED_ENTRY_POINTS if fix is not None else code.ENTRY_POINTS)]
     support = [*template.before, *extras]
@@ -242,7 +262,7 @@ def _split_options(setup_path: str, options: dict[str, Any]) -> tuple[dict[str, 
     fields = {f.name: f.default for f in dataclasses.fields(setup_cls)
               if f.name != "config" and f.default is not dataclasses.MISSING}
     setup = {**fields, **{k: v for k, v in options.items() if k in fields}}
-    overrides = {k: v for k, v in options.items() if k not in fields}
+    overrides = {**getattr(setup_cls, "base_config", {}), **{k: v for k, v in options.items() if k not in fields}}
     if overrides and not any(f.name == "config" for f in dataclasses.fields(setup_cls)):
         raise ReproError(f"{name} has no options {sorted(overrides)}")
     return setup, overrides

@@ -53,3 +53,19 @@ def planted_env(directory: Path, code: str, base: dict[str, str] | None = None) 
     (directory / "sitecustomize.py").write_text(textwrap.dedent(code))
     paths = [str(directory), (base or {}).get("PYTHONPATH", ""), os.environ.get("PYTHONPATH", "")]
     return {**(base or {}), "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
+
+
+# A planted MoE bug: expert weights not marked ``allreduce=False``, so DDP averages their
+# gradients over the whole data-parallel group, whose ranks hold different experts under ep.
+EXPERTS_REDUCED_OVER_DP = """
+from megatron.core.transformer.moe import experts
+
+built = experts.SequentialMLP.__init__
+
+def marked_dense(self, *args, **kwargs):
+    built(self, *args, **kwargs)
+    for param in self.parameters():
+        param.allreduce = True
+
+experts.SequentialMLP.__init__ = marked_dense
+"""
