@@ -12,6 +12,7 @@ from planted.megatron_site import (  # noqa: E402
     EXPERTS_REDUCED_OVER_DP,
     GDN_OUT_NORM_FIX,
     LLAVA_SP_SLICE,
+    MAMBA_CP_ORDER_BUG,
     T5_CROSS_NORM_NOT_SUMMED,
     TIED_EMBEDDINGS_NOT_SUMMED,
     planted_env,
@@ -135,6 +136,7 @@ def test_known_finding_script_reproduces_then_exits_1_with_the_fix(name, tmp_pat
     ("gdn", {"use_qk_l2norm": False}, "tp2-dp2@dp-tp"),
     ("t5", {"share_embeddings": True, "position_embedding": "rope"}, "tp2-dp2"),
     ("multimodal", {"projection": "affine", "keep_class_token": True}, "dp2"),
+    ("mamba", {"use_mamba_mem_eff_path": False, "d_has_hdim": True}, "tp2-cp2-sp"),
 ])
 def test_any_finding_of_a_templated_component_gets_a_script(component, options, layout, tmp_path):
     text = write_audit_script(_finding(component, options, layout), tmp_path / "x.py").read_text()
@@ -154,6 +156,8 @@ def test_any_finding_of_a_templated_component_gets_a_script(component, options, 
     ("moe", {"moe_token_dispatcher_type": "alltoall"}, "ep2-dp2"),
     ("t5", {"encoder_padding": True, "loss_mask": True}, "tp2-sp"),  # cross attention over padded encoder output
     ("multimodal", {"keep_class_token": True, "text_only_sample": True}, "tp2-sp"),  # LLaVA's SP scatter
+    ("mamba", {}, "tp2-sp"),  # fused in_proj (z, x, B, C, dt) and conv1d (x, B, C), plain-torch SSD scan
+    ("mamba", {}, "cp2"),  # the sequence in attention's load-balanced order, heads over cp inside the mixer
 ])
 def test_script_of_correct_megatron_code_finds_observed_equal_to_reference(component, options, layout, tmp_path):
     finding = _finding(component, options, layout)
@@ -169,6 +173,7 @@ def test_script_of_correct_megatron_code_finds_observed_equal_to_reference(compo
     ("gpt", {"share_embeddings": True}, "pp2", TIED_EMBEDDINGS_NOT_SUMMED),  # tied copies not summed
     ("t5", {}, "tp2-sp", T5_CROSS_NORM_NOT_SUMMED),  # the cross-attention norm's gradient not summed over tp
     ("multimodal", {}, "tp2-sp", LLAVA_SP_SLICE),  # the SP cut of the combined embeddings without its gather
+    ("mamba", {}, "cp2", MAMBA_CP_ORDER_BUG),  # the mixer ignores the load-balanced sequence order
 ])
 def test_script_reproduces_a_bug_planted_in_megatron_core(component, options, layout, bug, tmp_path):
     finding = _finding(component, options, layout)
@@ -190,6 +195,7 @@ def test_script_reproduces_a_bug_planted_in_megatron_core(component, options, la
     (_finding("gdn", {}, "cp2"), "without context parallelism"),
     (_finding("moe", {"moe_token_dispatcher_type": "alltoall"}, "tp2-dp2-ep2-sp"), "Gloo refuses"),
     (_finding("moe_router", {}, "tp2"), "needs sequence parallelism"),
+    (_finding("mamba", {}, "tp2-pp2"), "no pipeline stages"),
     (_finding("gpt", {}, "cp2", kind="type-only"), "type-only"),
 ])
 def test_finding_without_a_script_says_why(finding, message, tmp_path):

@@ -361,16 +361,106 @@ def run(sizes, pg):
     return grad_norms(layer, pg)
 '''
 
-GDN_KERNELS = '''
-def causal_conv1d_fn(x, weight, bias=None, activation=None):
-    """causal_conv1d's depthwise causal convolution of [batch, dim, seq] (then SiLU), in torch."""
+CAUSAL_CONV1D = '''
+def causal_conv1d_fn(x, weight, bias=None, activation=None, **_):
+    """causal_conv1d's depthwise causal convolution of [batch, dim, seq] (then SiLU), in torch
+    (training passes it no sequence index or initial state)."""
     width, steps = weight.shape[-1], x.shape[-1]
     padded = torch.nn.functional.pad(x, (width - 1, 0))
     out = sum(weight[:, j, None] * padded[..., j:j + steps] for j in range(width))
     out = out + bias[:, None] if bias is not None else out
     return torch.nn.functional.silu(out) if activation else out
+'''
+
+MAMBA = '''
+def run(sizes, pg):
+    """A Mamba-2 mixer's forward and backward, then finalize_model_grads: the norm of every gradient."""
+    tensor_parallel.model_parallel_cuda_manual_seed(0)
+    config = config_for(sizes, mamba_state_dim=SETUP["state_dim"], mamba_head_dim=SETUP["head_dim"],
+                        mamba_num_groups=SETUP["groups"])
+    layer = mamba_module.MambaMixer(config, mamba_module.MambaMixerSubmodules(
+        in_proj=tensor_parallel.ColumnParallelLinear, out_proj=tensor_parallel.RowParallelLinear),
+        d_model=SETUP["hidden"], d_conv=SETUP["conv_kernel"], expand=SETUP["expand"],
+        D_has_hdim=SETUP["d_has_hdim"], rmsnorm=SETUP["rmsnorm"], conv_bias=SETUP["conv_bias"],
+        layer_number=1, pg_collection=pg)
+    load_weights(layer, pg)
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(), layer, pg_collection=pg)
+    shape = (SETUP["seq"], SETUP["batch"], SETUP["hidden"])
+    hidden = tokens(seeded("hidden", *shape), sizes, pg).requires_grad_(True)
+    output, _ = layer(hidden)
+    # as megatron's schedules: DDP sums a per-token loss over dp x cp, else averages it (scaled by cp)
+    scale = 1 / pg.dp.size() if config.calculate_per_token_loss else pg.cp.size()
+    ((output * tokens(seeded("upstream", *shape), sizes, pg)).sum() * scale).backward()
+    finalize_model_grads([ddp], pg_collection=pg)
+    return grad_norms(layer, pg)
 
 
+def tokens(tensor, sizes, pg):
+    """This rank's part of a global [seq, ...] tensor: its CP chunks in megatron's load-balanced
+    order (r and 2*cp-1-r of 2*cp), then its share under sequence parallelism."""
+    chunks = tensor.chunk(2 * pg.cp.size())
+    return shard(torch.cat([chunks[pg.cp.rank()], chunks[-1 - pg.cp.rank()]]), sizes, pg.tp)
+'''
+
+MAMBA_KERNELS = '''
+def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D, z=None, dt_bias=None, dt_softplus=False, **_):
+    """mamba_ssm's SSD scan of x [batch, seq, heads, headdim], step by step (training passes it no
+    states): state = exp(dt A) state + dt x B^T, y = state C + D x, gated by silu(z) if given."""
+    dt = dt.float() + (0 if dt_bias is None else dt_bias)
+    dt = torch.nn.functional.softplus(dt) if dt_softplus else dt
+    B, C = (t.repeat_interleave(x.shape[2] // t.shape[2], dim=2) for t in (B, C))  # a group's heads share it
+    state, ys = x.new_zeros(x.shape[0], x.shape[2], x.shape[3], B.shape[3]), []
+    for t in range(x.shape[1]):
+        write = torch.einsum("bhp,bh,bhn->bhpn", x[:, t], dt[:, t], B[:, t])
+        state = torch.exp(dt[:, t] * A)[..., None, None] * state + write
+        ys.append(torch.einsum("bhpn,bhn->bhp", state, C[:, t]))
+    y = torch.stack(ys, 1) + x * (D[:, None] if D.dim() == 1 else D)
+    return y * torch.nn.functional.silu(z) if z is not None else y
+
+
+def mamba_split_conv1d_scan_combined(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size,
+                                     activation="silu", headdim=None, ngroups=1, **_):
+    """mamba_ssm's fused training step: split z, xBC, dt; the causal convolution of xBC; split x,
+    B, C; the scan gated by z. Returns [batch, seq, heads * headdim]."""
+    heads, headdim = dt_bias.shape[0], headdim or D.shape[-1]
+    inner, (batch, steps, width) = heads * headdim, zxbcdt.shape
+    bc = (width - 2 * inner - heads) // 2  # the width of B (and of C): ngroups * d_state
+    z, xbc, dt = zxbcdt.split([inner, inner + 2 * bc, heads], dim=-1)
+    xbc = causal_conv1d_fn(xbc.transpose(1, 2), conv1d_weight, conv1d_bias, activation).transpose(1, 2)
+    x, B, C = (t.reshape(batch, steps, n, -1) for t, n in zip(
+        xbc.split([inner, bc, bc], dim=-1), (heads, ngroups, ngroups)))
+    y = mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=D, z=z.reshape(x.shape), dt_bias=dt_bias,
+                                  dt_softplus=True)
+    return y.reshape(batch, steps, inner)
+
+
+class GatedRMSNorm(torch.nn.Module):
+    """mamba_ssm's gated RMSNorm, gate first (megatron asserts norm_before_gate=False), over each
+    group of ``group_size`` channels."""
+
+    def __init__(self, hidden, eps=1e-5, group_size=None, norm_before_gate=False, device=None, dtype=None):
+        super().__init__()
+        self.eps, self.group_size = eps, group_size or hidden
+        self.weight = torch.nn.Parameter(torch.ones(hidden, device=device, dtype=dtype))
+
+    def forward(self, x, z=None):
+        x = x * torch.nn.functional.silu(z) if z is not None else x
+        groups = x.unflatten(-1, (-1, self.group_size))
+        return (groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + self.eps)).flatten(-2) * self.weight
+
+
+TENSOR_OPS = "megatron.core.inference.contexts.attention_context.triton.tensor_ops"
+# Triton-only: inference helpers that mamba_mixer imports at module level (training never calls them)
+sys.modules[TENSOR_OPS] = types.SimpleNamespace(tensor_get_slice_after=None, tensor_masked_update=None,
+                                                tensor_merge=None)
+mamba_module = importlib.import_module("megatron.core.ssm.mamba_mixer")
+# CUDA-only (mamba_ssm and causal_conv1d kernels): the torch equivalents above
+vars(mamba_module).update(causal_conv1d_fn=causal_conv1d_fn, mamba_chunk_scan_combined=mamba_chunk_scan_combined,
+                          mamba_split_conv1d_scan_combined=mamba_split_conv1d_scan_combined,
+                          ExtendedRMSNorm=GatedRMSNorm, HAVE_MAMBA_SSM=True)
+'''
+
+GDN_KERNELS = '''
 # CUDA-only (FLA and causal_conv1d kernels): megatron's own torch delta rule, torch equivalents
 gdn_module.chunk_gated_delta_rule = gdn_module.torch_chunk_gated_delta_rule
 gdn_module.causal_conv1d_fn, gdn_module.HAVE_FLA = causal_conv1d_fn, True

@@ -57,6 +57,8 @@ DEVICE_ON_CPU = Snippet(code.PATCH_DEVICE)
 NO_SYNCHRONIZE = Snippet(code.PATCH_SYNCHRONIZE)
 CUDA_TENSORS_ON_CPU = Snippet(code.PATCH_CUDA_TENSORS, "from torch.overrides import TorchFunctionMode")
 TE_GEMM_UNSET = Snippet(code.PATCH_TE_GEMM, "from megatron.core.transformer.moe import moe_utils")
+CAUSAL_CONV1D = Snippet(code.CAUSAL_CONV1D)
+MAMBA_KERNELS = Snippet(code.MAMBA_KERNELS, "import importlib\nimport types")
 GDN_KERNELS = Snippet(code.GDN_KERNELS, "import torch._dynamo\nfrom megatron.core.ssm import gated_delta_net as gdn_module")
 CP_ATTENTION = Snippet(code.CP_ATTENTION, """\
 import copy
@@ -93,6 +95,9 @@ GDN_CODE = Snippet(code.GDN, f"""\
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
 from megatron.core.transformer.torch_norm import WrappedTorchNorm""")
+MAMBA_CODE = Snippet(code.MAMBA, f"""\
+{DDP}
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads""")
 NORM_UNDER_SP = Snippet(code.NORM_UNDER_SP, """\
 import copy
 from megatron.core.transformer.torch_norm import WrappedTorchNorm""")
@@ -120,6 +125,14 @@ def _gdn_sections(setup: dict[str, Any], overrides: dict[str, Any]) -> dict[str,
             "conv1d.bias": [qk, qk, v]}
 
 
+def _mamba_sections(setup: dict[str, Any], overrides: dict[str, Any]) -> dict[str, list[int]]:
+    """in_proj holds z, x, B, C and dt; conv1d x, B and C."""
+    heads = overrides.get("mamba_num_heads") or setup["expand"] * setup["hidden"] // setup["head_dim"]
+    inner, state = heads * setup["head_dim"], setup["groups"] * setup["state_dim"]
+    return {"in_proj.weight": [inner, inner, state, state, heads], "conv1d.weight": [inner, state, state],
+            "conv1d.bias": [inner, state, state]}
+
+
 def _moe_refuses(layout: Layout, options: dict[str, Any]) -> str | None:
     if layout.tp > 1 and _alltoall(options):
         return ("the alltoall dispatcher under tp > 1 gathers uneven pieces, which Gloo refuses "
@@ -145,6 +158,12 @@ def _refused_by(component: str) -> Callable[[Layout, dict[str, Any]], str | None
 def _gdn_refuses(layout: Layout, options: dict[str, Any]) -> str | None:
     if layout.cp > 1 or layout.pp > 1:
         return "GatedDeltaNet runs without context parallelism (Megatron refuses it) in one stage"
+    return None
+
+
+def _mamba_refuses(layout: Layout, options: dict[str, Any]) -> str | None:
+    if layout.pp > 1:
+        return "a single Mamba mixer has no pipeline stages (pp = 1)"
     return None
 
 
@@ -178,8 +197,12 @@ TEMPLATES: dict[str, Template] = {
                     _moe_refuses, sections=_gpt_sections,
                     extras=(*GPT_EXTRAS, (lambda layout, options: _alltoall(options), ALLTOALL_ON_CPU))),
     "gdn": Template("shardcheck.megatron.scenarios.ssm:GDNSetup", GDN_CODE,
-                    (RNG_ON_CPU, DEVICE_ON_CPU, CUDA_TENSORS_ON_CPU, GDN_KERNELS, BASE, SEEDED, SHARD, WEIGHTS),
-                    _gdn_refuses, sections=_gdn_sections, extras=((lambda layout, options: layout.sp, NORM_UNDER_SP),)),
+                    (RNG_ON_CPU, DEVICE_ON_CPU, CUDA_TENSORS_ON_CPU, CAUSAL_CONV1D, GDN_KERNELS, BASE, SEEDED, SHARD,
+                     WEIGHTS), _gdn_refuses, sections=_gdn_sections,
+                    extras=((lambda layout, options: layout.sp, NORM_UNDER_SP),)),
+    "mamba": Template("shardcheck.megatron.scenarios.ssm:MambaSetup", MAMBA_CODE,
+                      (RNG_ON_CPU, DEVICE_ON_CPU, CUDA_TENSORS_ON_CPU, CAUSAL_CONV1D, MAMBA_KERNELS, BASE, SEEDED,
+                       SHARD, WEIGHTS), _mamba_refuses, sections=_mamba_sections),
     "t5": Template("shardcheck.megatron.scenarios.t5:T5Setup", T5_CODE, GPT_SUPPORT, _refused_by("t5"),
                    sections=_gpt_sections, extras=((lambda layout, options: layout.sp, NORM_UNDER_SP),)),
     "multimodal": Template("shardcheck.megatron.scenarios.multimodal:MultimodalSetup", MULTIMODAL_CODE,

@@ -32,6 +32,20 @@ def with_out_norm(model, config, tp_group=None):
 finalize._allreduce_non_tensor_model_parallel_grads = with_out_norm
 """
 
+# A Mamba context-parallel bug: the mixer forgets that the sequence reaches it in attention's
+# load-balanced order (CP rank r holds chunks r and 2*cp-1-r), so after its all-to-all the
+# convolution and the scan run over the chunks out of order.
+MAMBA_CP_ORDER_BUG = """
+import importlib
+
+cp = importlib.import_module("megatron.core.ssm.mamba_context_parallel")
+
+def in_given_order(input_, cp_size, packed_seq_params=None):
+    return input_
+
+cp._undo_attention_load_balancing = cp._redo_attention_load_balancing = in_given_order
+"""
+
 
 def planted_env(directory: Path, code: str, base: dict[str, str] | None = None) -> dict[str, str]:
     """Environment (over ``base``) whose Python processes run ``code`` first."""
