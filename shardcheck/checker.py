@@ -29,7 +29,7 @@ from shardcheck import shape_rules
 from shardcheck.broadcast import record as record_broadcast
 from shardcheck.collectives import collective_rule
 from shardcheck.rules import HELP, NO_TENSOR, Violation
-from shardcheck.types import Mesh, Placement, Shard, V, parse_placement
+from shardcheck.types import Mesh, Placement, Shard, V, parse_alternatives, parse_placement
 
 _HERE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _DISTRIBUTED = os.path.join(os.path.dirname(torch.__file__), "distributed") + os.sep
@@ -652,7 +652,9 @@ def contract(args: Mapping[int | str, Mapping[str, Placement | str]] | None = No
              trusted: bool = True) -> Callable[[Callable], Callable]:
     """Decorate a function with argument types checked on entry and result types set on exit.
 
-    ``args`` maps a positional index or keyword name to {axis: placement}. With ``trusted``,
+    ``args`` maps a positional index or keyword name to {axis: placement}; a placement
+    "A|B" accepts either, and a required V also a partial count (its pieces stacked, as a
+    gather of per-rank values does: see :func:`rules.stacks_as_pieces`). With ``trusted``,
     the body runs untyped (its ops are not checked); ``returns`` types the result (a list
     types each element of a tuple result).
     """
@@ -684,10 +686,21 @@ def _check_args(checker: Checker, spec, call_args, call_kwargs) -> None:
         actual = typeof(value)
         for axis, want in expected.items():
             got = actual.get(axis)
-            if got is not None and not _same(got, _placement(want), value.dim()):
+            accepted = _alternatives(want)
+            if got is not None and not any(_admits(alt, got, value) for alt in accepted):
+                wanted = "|".join(map(repr, accepted))
                 checker._report(Violation("contract", checker.names.index(axis),
-                                          f"argument {key} must be {axis}={_placement(want)}"),
+                                          f"argument {key} must be {axis}={wanted}"),
                                 "contract", (value,))
+
+
+def _alternatives(want: Placement | str) -> tuple[Placement, ...]:
+    return (want,) if isinstance(want, Placement) else parse_alternatives(str(want))
+
+
+def _admits(want: Placement, got: Placement, value: torch.Tensor) -> bool:
+    """``got`` meets ``want``; a required V (per-rank values) also admits a partial count."""
+    return _same(got, want, value.dim()) or (want is V and _rules.stacks_as_pieces(got, value))
 
 
 def _type_result(result: Any, returns) -> None:

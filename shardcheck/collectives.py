@@ -24,6 +24,7 @@ from shardcheck.rules import (
     as_pieces,
     is_partial,
     is_sum,
+    stacks_as_pieces,
 )
 from shardcheck.types import I, Placement, R, S, Shard, V
 
@@ -90,10 +91,12 @@ def _all_reduce_step(op: str) -> Callable[[Placement, int], Placement | None]:
     return step
 
 
-def _gather_step(into_tensor: bool) -> Callable[[Placement, int], Placement | None]:
+def _gather_step(into_tensor: bool, source: torch.Tensor) -> Callable[[Placement, int], Placement | None]:
     def step(p: Placement, a: int) -> Placement | None:
         if p is R or p is I:
             raise Violation("gather of replicated", a)
+        if stacks_as_pieces(p, source):
+            return R
         if isinstance(p, BlockShard):
             return None
         if isinstance(p, Shard) and p.dim != 0 and into_tensor:
@@ -168,7 +171,7 @@ def _allgather(ctx, args, kwargs, out):
     pl = ctx.types(inputs[0])
     if pl is None:
         return _typed_update(ctx, flat, None, (), None)
-    return _typed_update(ctx, flat, pl, _axes(ctx, group), _gather_step(False))
+    return _typed_update(ctx, flat, pl, _axes(ctx, group), _gather_step(False, inputs[0]))
 
 
 def _allgather_base(ctx, args, kwargs, out):
@@ -176,7 +179,7 @@ def _allgather_base(ctx, args, kwargs, out):
     pl = ctx.types(inp)
     if pl is None:
         return _typed_update(ctx, [output], None, (), None)
-    return _typed_update(ctx, [output], pl, _axes(ctx, group), _gather_step(True))
+    return _typed_update(ctx, [output], pl, _axes(ctx, group), _gather_step(True, inp))
 
 
 def _reduce_scatter(ctx, args, kwargs, out):
@@ -279,7 +282,7 @@ C10D_RULES: dict[str, Callable] = {
 FUNCTIONAL_RULES: dict[str, Callable] = {
     "all_reduce": _functional(lambda a, k: _all_reduce_step(_reduce_op(a[1])), 2),
     "all_reduce_": _functional_all_reduce_,
-    "all_gather_into_tensor": _functional(lambda a, k: _gather_step(True), 2),
+    "all_gather_into_tensor": _functional(lambda a, k: _gather_step(True, a[0]), 2),
     "reduce_scatter_tensor": _functional(lambda a, k: _scatter_step(_reduce_op(a[1])), 3),
     "all_to_all_single": _functional(lambda a, k: _to_varying, 3),
     "broadcast": _functional(lambda a, k: _to_replicated, 2),

@@ -221,6 +221,17 @@ def is_sum(p: Placement | None) -> bool:
     return p is P or p is PEVEN
 
 
+def stacks_as_pieces(p: Placement | None, x: torch.Tensor) -> bool:
+    """A partial count whose ranks' pieces a gather may stack (collect), read as V.
+
+    Reading P as V forgets the pending sum; for a value with a gradient that breaks the
+    backward (the gradient of P is R, of V is V), so only integer and bool tensors (counts,
+    indices, which have no gradient) qualify. The stacked result holds every rank's piece;
+    summing over the stacked dim gives the total.
+    """
+    return is_sum(p) and not (x.is_floating_point() or x.is_complex())
+
+
 def replicated(p: Placement | None) -> bool:
     return p is R or p is I
 

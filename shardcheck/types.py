@@ -89,6 +89,11 @@ def parse_placement(text: str) -> Placement:
     raise ValueError(f"unknown placement {text!r}: expected R, P, V, I or S(d)")
 
 
+def parse_alternatives(text: str) -> tuple[Placement, ...]:
+    """Parse 'A|B|...': placements any one of which is accepted (e.g. 'S(0)|V')."""
+    return tuple(parse_placement(part) for part in text.split("|"))
+
+
 @dataclass(frozen=True)
 class Axis:
     """One mesh axis: a name and the ordered global ranks of this rank's group on it."""

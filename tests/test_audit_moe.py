@@ -5,6 +5,9 @@ their softmax / sigmoid backward, and the aux-loss tracker adds each layer's P l
 zero tensor indexed by layer: none of it is a finding.
 """
 
+import inspect
+import re
+
 import pytest
 
 pytest.importorskip("megatron.core")
@@ -21,6 +24,7 @@ CASES = [
     Case("moe", (), Layout.parse("tp2-sp")),
     Case("moe", (("moe_router_score_function", "sigmoid"),), Layout.parse("tp2-sp")),
     Case("moe", (), Layout.parse("tp2-dp2-ep2-sp")),
+    Case("moe", (("moe_token_dispatcher_type", "alltoall"),), Layout.parse("tp2-sp")),
 ]
 
 
@@ -30,3 +34,21 @@ def test_moe_gpt_under_sp_and_expert_parallelism_gives_no_finding():
     assert not result.errors, [o.error for o in result.errors]
     assert len(result.outcomes) == len(CASES)
     assert [(f.kind, f.checker) for f in result.findings] == []
+
+
+def _preprocess_lines() -> range:
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    lines, start = inspect.getsourcelines(MoEAlltoAllTokenDispatcher.preprocess)
+    return range(start, start + len(lines))
+
+
+def test_alltoall_token_counts_gathered_over_tp_and_ep_give_no_finding():
+    """The alltoall dispatcher gathers every rank's partial token counts over tp x ep."""
+    case = Case("moe", (("moe_token_dispatcher_type", "alltoall"),), Layout.parse("tp2-dp2-ep2-sp"))
+    with pools() as warm:
+        result = audit([case], run_pools=warm)
+    assert not result.errors, [o.error for o in result.errors]
+    places = [place for f in result.findings for place in (f.location, f.checker or "")]
+    lines = [int(m[1]) for place in places if (m := re.search(r"token_dispatcher\.py:(\d+)", place))]
+    assert not set(lines) & set(_preprocess_lines())

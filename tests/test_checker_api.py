@@ -90,6 +90,44 @@ def test_contract_checks_arguments_and_types_the_result():
     assert vocab_parallel_loss.__wrapped__(torch.ones(1, 1)) == torch.e
 
 
+def _routing_count(dtype=torch.long):
+    """Tokens per expert on this rank: a sum over the rank's rows (S(0)) of a routing map."""
+    return sc.annotate(torch.eye(4, dtype=torch.bool), tp=S(0)).sum(dim=0).to(dtype)
+
+
+def _contract_messages(make_argument) -> list[str]:
+    @sc.contract(args={0: {"tp": "S(0)|V"}})
+    def gather(x):
+        return x
+
+    with sc.typecheck(MESH, mode="collect"):
+        gather(make_argument())
+        return [v.message for v in sc.violations() if v.rule == "contract"]
+
+
+@pytest.mark.parametrize("make_argument", [
+    lambda: sc.annotate(torch.randn(4, 2), tp=S(0)),
+    lambda: sc.annotate(torch.randn(4, 2), tp=V),
+    _routing_count,
+    lambda: _routing_count(torch.bool),
+], ids=["shard", "per-rank values", "partial count", "partial bool count"])
+def test_contract_alternative_accepts_shards_values_and_partial_counts(make_argument):
+    """"S(0)|V": a shard (concatenated) or per-rank values (stacked), which a partial count is:
+    it has no gradient, so its pieces can be collected rather than summed."""
+    assert _contract_messages(make_argument) == []
+
+
+@pytest.mark.parametrize("make_argument", [
+    lambda: sc.annotate(torch.randn(4, 2), tp=P),
+    lambda: sc.annotate(torch.randn(4, 2), tp=S(1)),
+    lambda: _routing_count(torch.float),
+    lambda: sc.annotate(torch.ones(4, dtype=torch.long), tp=R),
+], ids=["float partial", "shard on dim 1", "float count", "replicated count"])
+def test_contract_alternative_rejects_partials_with_gradients_and_other_layouts(make_argument):
+    [message] = _contract_messages(make_argument)
+    assert "argument 0 must be tp=S(0)|V" in message
+
+
 def test_register_rule_types_an_op():
     op = torch.ops.aten._neg_view.default
     sc.register_rule(op, lambda ctx, args, kwargs, out: ctx.types(args[0]))

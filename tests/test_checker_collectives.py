@@ -43,6 +43,12 @@ def keep(x, action):
     return x
 
 
+def count():
+    """Tokens per expert on this rank: a sum over the rank's rows of a routing map."""
+    routing = sc.annotate(torch.eye(4, dtype=torch.bool).repeat(2, 1), tp=S(0), dp=R)
+    return routing.sum(dim=0).long()
+
+
 def all_reduce(x, g, op=SUM):
     dist.all_reduce(x, op=op, group=g["tp"])
     return x
@@ -112,6 +118,14 @@ ROWS = [
     ("all_gather_into_tensor of S(0)", lambda g: gather_into(T(4, 3, tp=S(0)), g), R),
     ("all_gather_into_tensor of V", lambda g: gather_into(T(4, tp=V), g), R),
     ("all_gather_into_tensor of R", lambda g: gather_into(T(4), g), "gather of replicated"),
+    # a partial count's pieces, stacked: every rank's count, summed over the blocks = the total
+    ("all_gather list of a partial count", lambda g: gather_list(count(), g), R),
+    ("all_gather_into_tensor of a partial count", lambda g: gather_into(count(), g), R),
+    ("functional all_gather of a partial count",
+     lambda g: fc.all_gather_tensor(count(), 0, g["tp"]) * 1, R),
+    ("all_gather_into_tensor of a count summed over tp first",
+     lambda g: gather_into(all_reduce(count(), g), g), "gather of replicated"),
+    ("all_gather_into_tensor of a float partial", lambda g: gather_into(T(4, tp=P), g), None),
     ("gather along the last dim", lambda g: gather_last_dim(T(4, 3, tp=S(1)), g), R),
     ("reduce_scatter_tensor of P", lambda g: reduce_scatter(T(4, 3, tp=P), g), S(0)),
     ("reduce_scatter_tensor of V", lambda g: reduce_scatter(T(4, 3, tp=V), g), S(0)),

@@ -16,7 +16,8 @@ An ``ensures`` axis is a mesh axis (``tp``, ``cp``) or ``group:ARG``, the ranks 
 group passed as argument ``ARG``. Placements: ``R`` (every rank holds the value), ``P`` (the
 value is the sum over the axis), ``P(avg)`` (the mean over the axis: what the gradient
 all-reduce averages), ``S(d)`` (concatenated along d; on ``cp`` in Megatron's load-balanced
-chunk order).
+chunk order). ``A|B`` in ``requires`` accepts either; a required ``V`` (per-rank values,
+which a gather stacks) also accepts a partial count, whose pieces are collected, not summed.
 """
 
 from __future__ import annotations
@@ -179,7 +180,9 @@ CONTRACTS: tuple[Contract, ...] = (
     Contract(
         "gather_from_sequence_parallel_region",
         "megatron.core.tensor_parallel.mappings:gather_from_sequence_parallel_region",
-        requires={"input_": {"tp": "S(0)"}}),
+        # S(0): a sequence shard, concatenated; V: per-rank values stacked in rank blocks,
+        # e.g. the alltoall dispatcher collecting every rank's (partial) token counts
+        requires={"input_": {"tp": "S(0)|V"}}),
     Contract(
         "reduce_scatter_to_sequence_parallel_region",
         "megatron.core.tensor_parallel.mappings:reduce_scatter_to_sequence_parallel_region",

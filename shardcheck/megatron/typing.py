@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from shardcheck.rules import SectionShard
-from shardcheck.types import Mesh, Placement, R, S, V, parse_placement
+from shardcheck.types import Mesh, Placement, R, S, V, parse_alternatives
 
 AXES = ("tp", "cp", "dp", "ep", "etp", "pp")
 INPUT_ROLES = ("tokens", "input_ids", "labels", "loss_mask", "position_ids", "attention_mask")
@@ -214,7 +214,7 @@ def assume_required(fn: Any, requires: Mapping[str, Mapping[str, str]], args: tu
         if not isinstance(value, torch.Tensor):
             continue
         known = sc.typeof(value)
-        missing = {axis: parse_placement(p) for axis, p in types.items()
+        missing = {axis: parse_alternatives(p)[0] for axis, p in types.items()
                    if axis in checker.names and axis not in known}
         if missing:
             sc.annotate(value, **missing)
