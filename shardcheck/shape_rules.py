@@ -262,15 +262,21 @@ def _unbind_rule(ctx, args, kwargs, out):
     return [shift_shards(p, lambda d: None if d == dim else d - (d > dim)) for p in pieces]
 
 
-def _pieces(ctx, tensors) -> list:
-    """Operands put back together: rank chunks read as R when other pieces are there."""
+def _pieces(ctx, tensors, joined_dim: int | None = None) -> list:
+    """Operands put back together: rank chunks read as R when other pieces are there. Along
+    ``joined_dim`` (cat's) sections are left out: pieces cut differently still line up there."""
     if len(tensors) < 2:
         return [(t, ADD) for t in tensors]
     items = []
     for t in tensors:
         pl = ctx.types(t)
-        items.append((Typed(as_pieces(pl), tuple(t.shape), ctx.const(t)) if pl is not None else t,
-                      ADD))
+        if pl is not None:
+            pl = as_pieces(pl)
+            if joined_dim is not None:
+                pl = tuple(S(p.dim) if type(p) is SectionShard
+                           and norm_dim(p.dim, t.dim()) == joined_dim else p for p in pl)
+            t = Typed(pl, tuple(t.shape), ctx.const(t))
+        items.append((t, ADD))
     return items
 
 
@@ -280,11 +286,28 @@ def _cat_rule(ctx, args, kwargs, out):
         return None
     ndim = out.dim()
     dim = norm_dim(arg(args, kwargs, 1, "dim", 0), ndim)
-    pl = elementwise(ctx, _pieces(ctx, tensors))
-    if pl is None:
-        return None
-    return tuple(V if isinstance(p, Shard) and p.dim == dim and len(tensors) > 1 else p
-                 for p in pl)
+    pl = elementwise(ctx, _pieces(ctx, tensors, dim))
+    if pl is None or len(tensors) == 1:
+        return pl
+    return tuple(_joined_sections(ctx, tensors, a, dim)
+                 if isinstance(p, Shard) and norm_dim(p.dim, ndim) == dim else p
+                 for a, p in enumerate(pl))
+
+
+def _joined_sections(ctx, tensors, a: int, dim: int) -> Placement:
+    """cat along a dim the pieces are cut along on axis ``a``: every rank holds its part of
+    each piece, in order, so the result is a fused dim with the pieces as its sections (GLU's
+    backward joins the gradients of its two halves so). A piece cut otherwise does not line
+    up with the others: V."""
+    sections: list[int] = []
+    for t in tensors:
+        if t.shape[dim] == 0:
+            continue
+        p = ctx.types(t)[a]
+        if type(p) not in (Shard, SectionShard) or norm_dim(p.dim, t.dim()) != dim:
+            return V
+        sections += p.sections if type(p) is SectionShard else [t.shape[dim]]
+    return SectionShard(dim, tuple(sections)) if len(sections) > 1 else S(dim)
 
 
 def _stack_rule(ctx, args, kwargs, out):
