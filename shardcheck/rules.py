@@ -785,28 +785,28 @@ def _embedding_backward_rule(ctx, args, kwargs, out):
         return None
     last = grad.dim() - 1
     tokens = set(range(last))
-    table = _looked_up_table(ctx) or (None,) * len(pl)
-    return tuple(_row_gradient(t, p) if _cut_into_rows(t)
+    table = ctx.types(looked_up_table("EmbeddingBackward0")) or (None,) * len(pl)
+    return tuple(row_gradient(t, p) if cut_into_rows(t, 2)
                  else S(1) if isinstance(p, Shard) and norm_dim(p.dim, grad.dim()) == last
                  else _reduce_axis("sum", p, a, tokens, False)
                  for a, (p, t) in enumerate(zip(pl, table, strict=True)))
 
 
-def _looked_up_table(ctx) -> Pl | None:
-    """The types of the table an embedding's backward computes the gradient of: the leaf
-    tensor the running ``EmbeddingBackward0`` node feeds. None for a table made by other ops."""
+def looked_up_table(node_name: str) -> torch.Tensor | None:
+    """The table a lookup's backward computes the gradient of: the leaf tensor the running
+    autograd node ``node_name`` feeds. None elsewhere, or for a table made by other ops."""
     node = torch._C._current_autograd_node()
-    if node is None or node.name() != "EmbeddingBackward0" or not node.next_functions:
+    if node is None or node.name() != node_name or not node.next_functions:
         return None
     table = getattr(node.next_functions[0][0], "variable", None)
-    return ctx.types(table) if isinstance(table, torch.Tensor) else None
+    return table if isinstance(table, torch.Tensor) else None
 
 
-def _cut_into_rows(p: Placement | None) -> bool:
-    return isinstance(p, Shard) and norm_dim(p.dim, 2) == 0
+def cut_into_rows(p: Placement | None, ndim: int) -> bool:
+    return isinstance(p, Shard) and norm_dim(p.dim, ndim) == 0
 
 
-def _row_gradient(table: Shard, grad: Placement | None) -> Placement | None:
+def row_gradient(table: Shard, grad: Placement | None) -> Placement | None:
     """A row-cut table's gradient from an output gradient that every rank holds whole: the
     table's own shard. Any other output gradient gives rows with no global meaning: V."""
     if grad is None:

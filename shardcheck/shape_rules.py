@@ -18,15 +18,18 @@ from shardcheck.rules import (
     Violation,
     arg,
     as_pieces,
+    cut_into_rows,
     elementwise,
     is_partial,
     is_tensor,
     join,
+    looked_up_table,
     moved,
     norm_dim,
     outer_of,
     reduced_dims,
     replicated,
+    row_gradient,
     shift_shards,
 )
 from shardcheck.types import P, Placement, R, S, Shard, V
@@ -410,6 +413,30 @@ def _nonzero_rule(ctx, args, kwargs, out):
 def _index_put_rule(ctx, args, kwargs, out):
     """x[idx] = values: a shard stays a shard (each rank writes its own elements); otherwise
     the stored values must have x's placement (zeros fit a partial)."""
+    written = _written_rule(ctx, args)
+    rows = _rows_of_lookup(ctx, args, kwargs)
+    if written is None or not rows:
+        return written
+    return tuple(rows.get(a, p) for a, p in enumerate(written))
+
+
+def _rows_of_lookup(ctx, args, kwargs) -> dict[int, Placement | None]:
+    """In the backward of ``table[indices]``, the gradient summed into zeros shaped like the
+    table. Where the table is cut into rows and the indices are replicated (the masked partial
+    lookup, see :func:`_index_rule`), each rank sums into its own rows: by axis, those rows."""
+    indices = list(args[1])
+    table = looked_up_table("IndexBackward0")
+    if table is None or len(indices) != 1 or indices[0] is None or not ctx.zero(args[0]) \
+            or not arg(args, kwargs, 3, "accumulate", False):
+        return {}
+    tl, il, gl = ctx.types(table), ctx.types(indices[0]), ctx.types(args[2])
+    if tl is None or il is None or gl is None:
+        return {}
+    return {a: row_gradient(t, g) for a, (t, i, g) in enumerate(zip(tl, il, gl, strict=True))
+            if cut_into_rows(t, table.dim()) and replicated(i)}
+
+
+def _written_rule(ctx, args):
     xl, values = ctx.types(args[0]), args[2]
     if xl is None:
         return None

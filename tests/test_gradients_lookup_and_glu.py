@@ -1,7 +1,7 @@
 """Gradients of a vocab-parallel embedding table and of GLU's fused fc1, checked at the step.
 
 Both used to be false alarms at Megatron's ``optimizer.step`` under tp2: the row-cut table's
-gradient came out R (the embedding backward did not know the table was cut), and GLU's fused
+gradient came out R (the lookup's backward did not know the table was cut), and GLU's fused
 weight's gradient came out V (cat along the cut dim lost the sections). Each program runs
 correct and with a planted bug on the same path, on one rank of a fake 4-rank group
 (tp = [0, 1], dp = [0, 2]): the fake backend types collectives without moving data.
@@ -46,7 +46,11 @@ def _checked(groups, params: dict[str, nn.Parameter], loss_of, bug: str | None):
         return findings, {name: sc.typeof(p.grad) for name, p in params.items()}
 
 
-def _vocab_parallel_lookup(groups, bug: str | None = None):
+LOOKUPS = {"embedding": lambda ids, table: F.embedding(ids, table),
+           "index (deterministic_mode)": lambda ids, table: table[ids]}
+
+
+def _vocab_parallel_lookup(groups, lookup="embedding", bug: str | None = None):
     """Megatron's VocabParallelEmbedding: shift the token ids into this rank's rows, look them
     up, zero the tokens another rank owns, all-reduce over tp. The batch is this dp rank's own."""
     params = {"table": nn.Parameter(torch.randn(ROWS, HIDDEN)),
@@ -57,14 +61,15 @@ def _vocab_parallel_lookup(groups, bug: str | None = None):
         tokens = sc.annotate(torch.randint(0, VOCAB, (2, 5)), tp=R, dp=V)
         start = ROWS * dist.get_rank(groups["tp"])
         outside = (tokens < start) | (tokens >= start + ROWS)
-        rows = F.embedding((tokens - start).masked_fill(outside, 0), params["table"])
+        rows = LOOKUPS[lookup]((tokens - start).masked_fill(outside, 0), params["table"])
         words = ReduceFromRegion.apply(rows.masked_fill(outside.unsqueeze(-1), 0.0), groups["tp"])
         return (words + F.embedding(torch.arange(5), params["positions"])).pow(2).sum()
     return _checked(groups, params, loss, bug)
 
 
-def test_a_row_cut_table_gets_its_own_row_shard_as_gradient(groups):
-    findings, grads = _vocab_parallel_lookup(groups)
+@pytest.mark.parametrize("lookup", LOOKUPS)
+def test_a_row_cut_table_gets_its_own_row_shard_as_gradient(groups, lookup):
+    findings, grads = _vocab_parallel_lookup(groups, lookup)
     assert findings == []
     assert grads == {"table": {"tp": S(0), "dp": R}, "positions": {"tp": R, "dp": R}}
 
@@ -74,8 +79,10 @@ def test_a_row_cut_table_gets_its_own_row_shard_as_gradient(groups):
                                ("unreduced gradient", "positions", "dp")}),
     ("tp-cut gradient all-reduced over tp", {("gradient type mismatch", "table", "tp")}),
 ])
-def test_a_row_cut_table_left_unreduced_or_summed_over_its_cut_is_flagged(groups, bug, expected):
-    findings, _ = _vocab_parallel_lookup(groups, bug)
+@pytest.mark.parametrize("lookup", LOOKUPS)
+def test_a_row_cut_table_left_unreduced_or_summed_over_its_cut_is_flagged(groups, lookup, bug,
+                                                                         expected):
+    findings, _ = _vocab_parallel_lookup(groups, lookup, bug)
     assert expected <= set(findings) and all(f[1] == "table" or f[2] == "dp" for f in findings)
 
 
