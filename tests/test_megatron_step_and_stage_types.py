@@ -21,12 +21,16 @@ for module in PRELOAD:
 
 
 def test_deterministic_lookup_under_tp2_and_glu_under_pp2_give_no_finding():
+    """With query-key layer scaling the backward is typed back to the embedding, so the
+    ``weight[indices]`` lookup's gradient reaches the step typed (it used to come out R)."""
     cases = [Case("gpt", (("deterministic_mode", True),), Layout(tp=2)),
+             Case("gpt", (("deterministic_mode", True), ("apply_query_key_layer_scaling", True)),
+                  Layout(tp=2)),
              Case("gpt", (("gated_linear_unit", True),), Layout(pp=2))]
     with pools() as warm:
         result = audit(cases, run_pools=warm)
     assert not result.errors, [o.error for o in result.errors]
-    assert len(result.outcomes) == 2 and result.findings == []
+    assert len(result.outcomes) == 3 and result.findings == []
 
 
 def test_weights_left_without_tp_attributes_are_flagged_where_the_grad_norm_skips_them():
