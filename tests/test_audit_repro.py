@@ -11,6 +11,9 @@ pytest.importorskip("megatron.core")
 from planted.megatron_site import (  # noqa: E402
     EXPERTS_REDUCED_OVER_DP,
     GDN_OUT_NORM_FIX,
+    LLAVA_SP_SLICE,
+    MAMBA_CP_ORDER_BUG,
+    T5_CROSS_NORM_NOT_SUMMED,
     TIED_EMBEDDINGS_NOT_SUMMED,
     planted_env,
 )  # noqa: E402
@@ -131,6 +134,9 @@ def test_known_finding_script_reproduces_then_exits_1_with_the_fix(name, tmp_pat
     ("gpt", {"normalization": "RMSNorm", "share_embeddings": True}, "cp2-dp2"),
     ("moe_router", {"moe_router_score_function": "sigmoid"}, "ep2-dp2"),
     ("gdn", {"use_qk_l2norm": False}, "tp2-dp2@dp-tp"),
+    ("t5", {"share_embeddings": True, "position_embedding": "rope"}, "tp2-dp2"),
+    ("multimodal", {"projection": "affine", "keep_class_token": True}, "dp2"),
+    ("mamba", {"use_mamba_mem_eff_path": False, "d_has_hdim": True}, "tp2-cp2-sp"),
 ])
 def test_any_finding_of_a_templated_component_gets_a_script(component, options, layout, tmp_path):
     text = write_audit_script(_finding(component, options, layout), tmp_path / "x.py").read_text()
@@ -148,6 +154,10 @@ def test_any_finding_of_a_templated_component_gets_a_script(component, options, 
     ("gpt", {"share_embeddings": True}, "pp2"),  # layers by global index, the tied copy on the last stage
     ("moe", {}, "ep2-dp2"),  # experts by global index
     ("moe", {"moe_token_dispatcher_type": "alltoall"}, "ep2-dp2"),
+    ("t5", {"encoder_padding": True, "loss_mask": True}, "tp2-sp"),  # cross attention over padded encoder output
+    ("multimodal", {"keep_class_token": True, "text_only_sample": True}, "tp2-sp"),  # LLaVA's SP scatter
+    ("mamba", {}, "tp2-sp"),  # fused in_proj (z, x, B, C, dt) and conv1d (x, B, C), plain-torch SSD scan
+    ("mamba", {}, "cp2"),  # the sequence in attention's load-balanced order, heads over cp inside the mixer
 ])
 def test_script_of_correct_megatron_code_finds_observed_equal_to_reference(component, options, layout, tmp_path):
     finding = _finding(component, options, layout)
@@ -159,22 +169,33 @@ def test_script_of_correct_megatron_code_finds_observed_equal_to_reference(compo
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("component", "options", "layout", "bug"), [
-    ("moe", {}, "ep2-dp2", EXPERTS_REDUCED_OVER_DP),
-    ("gpt", {"share_embeddings": True}, "pp2", TIED_EMBEDDINGS_NOT_SUMMED),
+    ("moe", {}, "ep2-dp2", EXPERTS_REDUCED_OVER_DP),  # expert gradients averaged over dp
+    ("gpt", {"share_embeddings": True}, "pp2", TIED_EMBEDDINGS_NOT_SUMMED),  # tied copies not summed
+    ("t5", {}, "tp2-sp", T5_CROSS_NORM_NOT_SUMMED),  # the cross-attention norm's gradient not summed over tp
+    ("multimodal", {}, "tp2-sp", LLAVA_SP_SLICE),  # the SP cut of the combined embeddings without its gather
+    ("mamba", {}, "cp2", MAMBA_CP_ORDER_BUG),  # the mixer ignores the load-balanced sequence order
 ])
 def test_script_reproduces_a_bug_planted_in_megatron_core(component, options, layout, bug, tmp_path):
     finding = _finding(component, options, layout)
-    planted = planted_env(tmp_path / "site", bug)
-    result = run_repro(write_audit_script(finding, tmp_path / "x.py"), 2, launcher="direct", timeout=600, env=planted)
+    path = write_audit_script(finding, tmp_path / "x.py")
+    own = path.read_text().split(SUPPORT_HEADER)[0]
+    assert len(own.splitlines()) <= 150 and len(path.read_text().splitlines()) <= 330
+    result = run_repro(path, finding.world_size, launcher="direct", timeout=600,
+                       env=planted_env(tmp_path / "site", bug))
     assert (result.status, result.returncode) == (REPRODUCES, 0), result.output
-    assert _values(result.output, "observed") != pytest.approx(_values(result.output, "reference"), rel=1e-4)
+    assert f"REPRODUCED {finding.id}" in result.output
 
 
 @pytest.mark.parametrize(("finding", "message"), [
-    (_finding("t5", {}, "tp2"), "no repro template for component 't5'"),
+    (_finding("retro", {}, "tp2"), "no repro template for component 'retro'"),
+    (_finding("t5", {}, "pp2"), "T5 under pipeline parallelism puts encoder and decoder on separate stages"),
+    (_finding("t5", {}, "cp2"), "cross attention under context parallelism needs Transformer Engine"),
+    (_finding("multimodal", {}, "cp2-dp2"), "LLaVA's context-parallel path imports megatron.training"),
+    (_finding("multimodal", {}, "ep2-dp2"), "expert parallelism needs a component with experts"),
     (_finding("gdn", {}, "cp2"), "without context parallelism"),
     (_finding("moe", {"moe_token_dispatcher_type": "alltoall"}, "tp2-dp2-ep2-sp"), "Gloo refuses"),
     (_finding("moe_router", {}, "tp2"), "needs sequence parallelism"),
+    (_finding("mamba", {}, "tp2-pp2"), "no pipeline stages"),
     (_finding("gpt", {}, "cp2", kind="type-only"), "type-only"),
 ])
 def test_finding_without_a_script_says_why(finding, message, tmp_path):
@@ -193,12 +214,12 @@ def _audit_finding(component, layout, kind="numeric-only"):
 
 
 def test_audit_findings_join_the_store_with_their_scripts_and_repro_reads_them(tmp_path):
-    found = [_audit_finding("output_loss", "tp2"), _audit_finding("t5", "tp2"),
+    found = [_audit_finding("output_loss", "tp2"), _audit_finding("retro", "tp2"),
              _audit_finding("gpt", "tp2", kind="type-only")]
     save_with_scripts(found, tmp_path / "out", tmp_path / "store")
     scripted, untemplated, typed = found
     assert scripted.repro == str(tmp_path / "out" / "repro" / f"{scripted.id}.py")
-    assert untemplated.repro.startswith("no script: no repro template for component 't5'")
+    assert untemplated.repro.startswith("no script: no repro template for component 'retro'")
     assert typed.repro is None
     stored = {f.id: f for f in FindingStore(tmp_path / "store").all()}
     assert set(stored) == {f.id for f in found} and {f.origin for f in stored.values()} == {AUDIT}
@@ -212,7 +233,7 @@ def test_audit_findings_join_the_store_with_their_scripts_and_repro_reads_them(t
     assert out.read_text() == (tmp_path / "out" / "repro" / f"{scripted.id}.py").read_text().replace(
         f"{scripted.id}.py", "again.py")
     result = CliRunner().invoke(main, ["repro", untemplated.id, "--root", str(tmp_path / "store")])
-    assert result.exit_code == 1 and "no repro template for component 't5'" in result.output
+    assert result.exit_code == 1 and "no repro template for component 'retro'" in result.output
     listed = CliRunner().invoke(main, ["findings", "--no-run", "--root", str(tmp_path / "store")])
     assert listed.exit_code == 0 and scripted.id in listed.output and untemplated.id in listed.output
 
@@ -226,4 +247,7 @@ def test_megatron_fuzz_findings_get_their_scripts_from_the_same_templates(tmp_pa
     finding.origin = "fuzz"
     text = write_repro(finding, resolve_target("output_loss"), tmp_path / "f.py").read_text()
     assert "'seq': 4" in text and "vocab_parallel_cross_entropy(" in text and "def corrected():" in text
-    assert resolve_target("multimodal").repro is None  # no template for LLaVA yet
+    from shardcheck.megatron.repro_templates import TEMPLATES
+    from shardcheck.megatron.scenarios import COMPONENTS
+
+    assert {c for c in COMPONENTS if resolve_target(c).repro is not None} == set(COMPONENTS) & set(TEMPLATES)

@@ -173,25 +173,50 @@ def run(sizes, pg):
     return torch.cat([count, router.weight.grad.flatten(), grad_in.flatten()])
 '''
 
+TRAINING = '''
+def train(sizes, pg, config, model, microbatches, seq, losses):
+    """A training step on this rank's data-parallel share of the microbatches (all in the reference), ``losses(model,
+    batch)`` giving per-token losses and mask: [the optimizer's gradient norm, the loss sum, every gradient's norm]."""
+    tensor_parallel.model_parallel_cuda_manual_seed(0)
+    load_weights(model, pg)
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(), model, pg_collection=pg)
+    config.finalize_model_grads_func, config.no_sync_func = finalize_model_grads, ddp.no_sync
+    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="sgd", lr=0.5, clip_grad=SETUP.get("clip_grad", 1.0)),
+                                       [ddp], use_gloo_process_groups=False, pg_collection=pg)
+    def forward_step(data, model):  # megatron's: its loss function gives the masked sum, the count, a report
+        output, mask = losses(model, next(data))
+        def loss_function(out):
+            loss_sum = (out.float().reshape(-1) * mask.reshape(-1).float()).sum()
+            return loss_sum, mask.sum().to(torch.int), {"lm loss": loss_sum.detach().clone()}  # megatron divides loss_sum in place
+        return output, loss_function
+    mine = microbatches if sizes["whole_batch"] else microbatches[pg.dp.rank()::pg.dp.size()]
+    reports = get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iter(mine), model=[ddp], num_microbatches=len(mine),
+        seq_length=seq, micro_batch_size=SETUP["micro_batch"], forward_only=False, pg_collection=pg,
+        p2p_communicator=P2PCommunicator(pp_group=pg.pp, config=config))
+    loss = torch.stack([report["lm loss"] for report in reports]).sum().view(1) if reports else torch.zeros(1)
+    if not sizes["whole_batch"]:  # each data-parallel (and CP) rank holds its part of the batch
+        dist.all_reduce(loss, group=pg.dp_cp)
+    dist.all_reduce(loss, group=pg.pp)  # the last stage's
+    norms = grad_norms(model, pg)
+    _, grad_norm, _ = optimizer.step()
+    return torch.cat([torch.tensor([float(grad_norm)]), loss, norms])
+'''
+
 GPT = '''
-def batches(sizes, pg):
-    """This rank's microbatches, cut for its CP rank by megatron: its data-parallel share, or
-    all of them in the reference (whose data-parallel replicas each compute the whole batch)."""
+def batches(pg):
+    """The microbatches, each cut for this rank's CP rank by megatron."""
     gen = torch.Generator().manual_seed(1000)
     shape = (SETUP["microbatches"], SETUP["micro_batch"], SETUP["seq"])
     tokens, labels = (torch.randint(0, SETUP["vocab"], shape, generator=gen) for _ in range(2))
     mask = (torch.rand(shape, generator=gen) < 0.6).float() if SETUP["loss_mask"] else torch.ones(shape)
-    dp, dp_rank = (1, 0) if sizes["whole_batch"] else (pg.dp.size(), pg.dp.rank())
-    share = range(dp_rank * len(tokens) // dp, (dp_rank + 1) * len(tokens) // dp)
     positions = torch.arange(SETUP["seq"]).expand(shape[1:]).contiguous()
     return [get_batch_on_this_cp_rank(dict(tokens=tokens[i], labels=labels[i], loss_mask=mask[i],
-                                           position_ids=positions), cp_group=pg.cp) for i in share]
+                                           position_ids=positions), cp_group=pg.cp) for i in range(len(tokens))]
 
 
 def run(sizes, pg):
-    """One GPT training step through the schedules: [the optimizer's gradient norm, the norm of
-    every gradient after finalize_model_grads]."""
-    tensor_parallel.model_parallel_cuda_manual_seed(0)
+    """One GPT training step through the schedules."""
     config = config_for(sizes, num_layers=SETUP["layers"], num_attention_heads=SETUP["heads"])
     spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, qk_layernorm=config.qk_layernorm,
                                     normalization=config.normalization, qk_l2_norm=config.qk_l2_norm)
@@ -201,31 +226,94 @@ def run(sizes, pg):
                      pre_process=pg.pp.rank() == 0, post_process=pg.pp.rank() == pg.pp.size() - 1,
                      position_embedding_type=SETUP["position_embedding"],
                      share_embeddings_and_output_weights=SETUP["share_embeddings"])
-    load_weights(model, pg)
-    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(), model, pg_collection=pg)
-    config.finalize_model_grads_func, config.no_sync_func = finalize_model_grads, ddp.no_sync
-    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="sgd", lr=0.5, clip_grad=SETUP["clip_grad"]),
-                                       [ddp], use_gloo_process_groups=False, pg_collection=pg)
-    mine = batches(sizes, pg)
-    get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iter(mine), model=[ddp], num_microbatches=len(mine),
-        seq_length=SETUP["seq"], micro_batch_size=SETUP["micro_batch"], forward_only=False, pg_collection=pg,
-        p2p_communicator=P2PCommunicator(pp_group=pg.pp, config=config))
-    norms = grad_norms(model, pg)
-    _, grad_norm, _ = optimizer.step()
-    return torch.cat([torch.tensor([float(grad_norm)]), norms])
+    return train(sizes, pg, config, model, batches(pg), SETUP["seq"], lambda model, batch: (
+        model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"]), batch["loss_mask"]))
+'''
+
+T5 = '''
+def batches():
+    """The microbatches: encoder and decoder tokens, labels, the loss mask and megatron's
+    attention masks (True = masked out; padded encoder positions masked for both attentions)."""
+    gen = torch.Generator().manual_seed(2000)
+    mb, b, enc, dec = SETUP["microbatches"], SETUP["micro_batch"], SETUP["encoder_seq"], SETUP["decoder_seq"]
+    encoder_ids = torch.randint(0, SETUP["vocab"], (mb, b, enc), generator=gen)
+    decoder_ids, labels = (torch.randint(0, SETUP["vocab"], (mb, b, dec), generator=gen) for _ in range(2))
+    lengths = torch.randint(enc // 2, enc + 1, (mb, b), generator=gen) if SETUP["encoder_padding"] else torch.full((mb, b), enc)
+    padded = (torch.arange(enc) >= lengths[..., None])[:, :, None, None, :]  # [mb, b, 1, 1, enc]
+    causal = torch.ones(dec, dec, dtype=torch.bool).triu(1).expand(b, 1, dec, dec)
+    mask = (torch.rand(mb, b, dec, generator=gen) < 0.6).float() if SETUP["loss_mask"] else torch.ones(mb, b, dec)
+    return [dict(encoder_input_ids=encoder_ids[i], decoder_input_ids=decoder_ids[i], lm_labels=labels[i],
+                 loss_mask=mask[i], encoder_attn_mask=padded[i].expand(b, 1, enc, enc), decoder_attn_mask=causal,
+                 encoder_decoder_attn_mask=padded[i].expand(b, 1, dec, enc)) for i in range(mb)]
 
 
-def forward_step(data, model):
-    """The model's per-token losses, and a loss function giving their masked sum and token count."""
-    batch = next(data)
-    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-    mask = batch["loss_mask"].reshape(-1).float()
+def run(sizes, pg):
+    """One training step of a T5Model (local specs; the decoder cross-attends to the encoder
+    output) through the schedules."""
+    config = config_for(sizes, num_layers=SETUP["layers"], num_attention_heads=SETUP["heads"])
+    model = T5Model(config=config, encoder_config=config, transformer_encoder_layer_spec=encoder_model_with_local_spec(),
+                    transformer_decoder_layer_spec=decoder_model_with_local_spec(), vocab_size=SETUP["vocab"],
+                    max_sequence_length=max(SETUP["encoder_seq"], SETUP["decoder_seq"]), pg_collection=pg,
+                    share_embeddings_and_output_weights=SETUP["share_embeddings"],
+                    position_embedding_type=SETUP["position_embedding"])
+    return train(sizes, pg, config, model, batches(), SETUP["decoder_seq"], lambda model, batch: (
+        model(**{name: value for name, value in batch.items() if name != "loss_mask"}), batch["loss_mask"]))
+'''
 
-    def masked_loss(out):
-        loss_sum = (out.float().reshape(-1) * mask).sum()
-        return loss_sum, mask.sum().to(torch.int), {"lm loss": loss_sum.detach()}
-    return output, masked_loss
+MULTIMODAL = '''
+def batches():
+    """The microbatches: token ids with one image token per sample (none in the last one with
+    text_only_sample), images, labels, loss mask and positions; text and image's embeddings
+    make ``combined_seq`` tokens."""
+    gen = torch.Generator().manual_seed(3000)
+    b, size = SETUP["micro_batch"], SETUP["image_size"]
+    text = SETUP["combined_seq"] + 1 - (size // SETUP["patch"]) ** 2 - SETUP["keep_class_token"]
+    with_image = b - SETUP["text_only_sample"]
+    microbatches = []
+    for _ in range(SETUP["microbatches"]):
+        ids, labels = (torch.randint(0, SETUP["vocab"], (b, text), generator=gen) for _ in range(2))
+        ids[torch.arange(with_image), torch.randint(0, text, (with_image,), generator=gen)] = DEFAULT_IMAGE_TOKEN_INDEX
+        mask = (torch.rand(b, text, generator=gen) < 0.6).float() if SETUP["loss_mask"] else torch.ones(b, text)
+        microbatches.append(dict(input_ids=ids, labels=labels, loss_mask=mask,
+                                 images=torch.randn(with_image, 3, size, size, generator=gen),
+                                 position_ids=torch.arange(text).expand(b, text).contiguous()))
+    return microbatches
+
+
+def run(sizes, pg):
+    """One training step of a LLaVAModel (a CLIP ViT, its projection, the image embeddings
+    scattered into the text's) through the schedules; vision and projection run without SP."""
+    language, vision, projection = (config_for({**sizes, "sp": sp}, num_layers=SETUP["layers"],
+                                               num_attention_heads=SETUP["heads"])
+                                    for sp in (sizes["sp"], False, False))
+    vision.vision_model_type = "clip"
+    model = LLaVAModel(
+        language_transformer_config=language, language_transformer_layer_spec=get_gpt_layer_local_spec(),
+        language_vocab_size=SETUP["vocab"], language_max_sequence_length=SETUP["combined_seq"],
+        vision_transformer_config=vision, vision_transformer_layer_spec=get_vit_layer_with_local_spec(),
+        drop_vision_class_token=not SETUP["keep_class_token"], vision_projection_config=projection,
+        vision_projection_layer_spec=MLPSubmodules(linear_fc1=tensor_parallel.ColumnParallelLinear,
+                                                   linear_fc2=tensor_parallel.RowParallelLinear),
+        vision_projection_type=SETUP["projection"], img_h=SETUP["image_size"], img_w=SETUP["image_size"],
+        patch_dim=SETUP["patch"], pg_collection=pg)
+    model.model_type = ModelType.encoder_or_decoder  # as Megatron-LM's get_model sets it
+    # LLaVA returns the per-token losses and the loss mask, shifted with the image's positions
+    return train(sizes, pg, language, model, batches(), SETUP["combined_seq"], lambda model, batch: model(
+        batch["images"], batch["input_ids"], batch["position_ids"], None, labels=batch["labels"],
+        loss_mask=batch["loss_mask"]))
+'''
+
+CLIP_NORM = '''
+# Transformer Engine only: without TE, CLIP's default norms are torch LayerNorms, which cannot be
+# built from a config; megatron's torch norm built from the config stands in for TE's norm
+CLIPViTModel.__init__ = functools.partialmethod(CLIPViTModel.__init__, ln_pre_impl=WrappedTorchNorm,
+                                                ln_post_impl=WrappedTorchNorm)
+'''
+
+LLAVA_SP_ATTENTION = '''
+# Transformer Engine only: LLaVA allows sequence parallelism with TE's attention only; here it is
+# megatron's torch attention of the local spec (HAVE_TE is read only there and under cp)
+llava_model.TEDotProductAttention, llava_model.HAVE_TE = DotProductAttention, True
 '''
 
 CP_ATTENTION = '''
@@ -273,16 +361,106 @@ def run(sizes, pg):
     return grad_norms(layer, pg)
 '''
 
-GDN_KERNELS = '''
-def causal_conv1d_fn(x, weight, bias=None, activation=None):
-    """causal_conv1d's depthwise causal convolution of [batch, dim, seq] (then SiLU), in torch."""
+CAUSAL_CONV1D = '''
+def causal_conv1d_fn(x, weight, bias=None, activation=None, **_):
+    """causal_conv1d's depthwise causal convolution of [batch, dim, seq] (then SiLU), in torch
+    (training passes it no sequence index or initial state)."""
     width, steps = weight.shape[-1], x.shape[-1]
     padded = torch.nn.functional.pad(x, (width - 1, 0))
     out = sum(weight[:, j, None] * padded[..., j:j + steps] for j in range(width))
     out = out + bias[:, None] if bias is not None else out
     return torch.nn.functional.silu(out) if activation else out
+'''
+
+MAMBA = '''
+def run(sizes, pg):
+    """A Mamba-2 mixer's forward and backward, then finalize_model_grads: the norm of every gradient."""
+    tensor_parallel.model_parallel_cuda_manual_seed(0)
+    config = config_for(sizes, mamba_state_dim=SETUP["state_dim"], mamba_head_dim=SETUP["head_dim"],
+                        mamba_num_groups=SETUP["groups"])
+    layer = mamba_module.MambaMixer(config, mamba_module.MambaMixerSubmodules(
+        in_proj=tensor_parallel.ColumnParallelLinear, out_proj=tensor_parallel.RowParallelLinear),
+        d_model=SETUP["hidden"], d_conv=SETUP["conv_kernel"], expand=SETUP["expand"],
+        D_has_hdim=SETUP["d_has_hdim"], rmsnorm=SETUP["rmsnorm"], conv_bias=SETUP["conv_bias"],
+        layer_number=1, pg_collection=pg)
+    load_weights(layer, pg)
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(), layer, pg_collection=pg)
+    shape = (SETUP["seq"], SETUP["batch"], SETUP["hidden"])
+    hidden = tokens(seeded("hidden", *shape), sizes, pg).requires_grad_(True)
+    output, _ = layer(hidden)
+    # as megatron's schedules: DDP sums a per-token loss over dp x cp, else averages it (scaled by cp)
+    scale = 1 / pg.dp.size() if config.calculate_per_token_loss else pg.cp.size()
+    ((output * tokens(seeded("upstream", *shape), sizes, pg)).sum() * scale).backward()
+    finalize_model_grads([ddp], pg_collection=pg)
+    return grad_norms(layer, pg)
 
 
+def tokens(tensor, sizes, pg):
+    """This rank's part of a global [seq, ...] tensor: its CP chunks in megatron's load-balanced
+    order (r and 2*cp-1-r of 2*cp), then its share under sequence parallelism."""
+    chunks = tensor.chunk(2 * pg.cp.size())
+    return shard(torch.cat([chunks[pg.cp.rank()], chunks[-1 - pg.cp.rank()]]), sizes, pg.tp)
+'''
+
+MAMBA_KERNELS = '''
+def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D, z=None, dt_bias=None, dt_softplus=False, **_):
+    """mamba_ssm's SSD scan of x [batch, seq, heads, headdim], step by step (training passes it no
+    states): state = exp(dt A) state + dt x B^T, y = state C + D x, gated by silu(z) if given."""
+    dt = dt.float() + (0 if dt_bias is None else dt_bias)
+    dt = torch.nn.functional.softplus(dt) if dt_softplus else dt
+    B, C = (t.repeat_interleave(x.shape[2] // t.shape[2], dim=2) for t in (B, C))  # a group's heads share it
+    state, ys = x.new_zeros(x.shape[0], x.shape[2], x.shape[3], B.shape[3]), []
+    for t in range(x.shape[1]):
+        write = torch.einsum("bhp,bh,bhn->bhpn", x[:, t], dt[:, t], B[:, t])
+        state = torch.exp(dt[:, t] * A)[..., None, None] * state + write
+        ys.append(torch.einsum("bhpn,bhn->bhp", state, C[:, t]))
+    y = torch.stack(ys, 1) + x * (D[:, None] if D.dim() == 1 else D)
+    return y * torch.nn.functional.silu(z) if z is not None else y
+
+
+def mamba_split_conv1d_scan_combined(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size,
+                                     activation="silu", headdim=None, ngroups=1, **_):
+    """mamba_ssm's fused training step: split z, xBC, dt; the causal convolution of xBC; split x,
+    B, C; the scan gated by z. Returns [batch, seq, heads * headdim]."""
+    heads, headdim = dt_bias.shape[0], headdim or D.shape[-1]
+    inner, (batch, steps, width) = heads * headdim, zxbcdt.shape
+    bc = (width - 2 * inner - heads) // 2  # the width of B (and of C): ngroups * d_state
+    z, xbc, dt = zxbcdt.split([inner, inner + 2 * bc, heads], dim=-1)
+    xbc = causal_conv1d_fn(xbc.transpose(1, 2), conv1d_weight, conv1d_bias, activation).transpose(1, 2)
+    x, B, C = (t.reshape(batch, steps, n, -1) for t, n in zip(
+        xbc.split([inner, bc, bc], dim=-1), (heads, ngroups, ngroups)))
+    y = mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=D, z=z.reshape(x.shape), dt_bias=dt_bias,
+                                  dt_softplus=True)
+    return y.reshape(batch, steps, inner)
+
+
+class GatedRMSNorm(torch.nn.Module):
+    """mamba_ssm's gated RMSNorm, gate first (megatron asserts norm_before_gate=False), over each
+    group of ``group_size`` channels."""
+
+    def __init__(self, hidden, eps=1e-5, group_size=None, norm_before_gate=False, device=None, dtype=None):
+        super().__init__()
+        self.eps, self.group_size = eps, group_size or hidden
+        self.weight = torch.nn.Parameter(torch.ones(hidden, device=device, dtype=dtype))
+
+    def forward(self, x, z=None):
+        x = x * torch.nn.functional.silu(z) if z is not None else x
+        groups = x.unflatten(-1, (-1, self.group_size))
+        return (groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + self.eps)).flatten(-2) * self.weight
+
+
+TENSOR_OPS = "megatron.core.inference.contexts.attention_context.triton.tensor_ops"
+# Triton-only: inference helpers that mamba_mixer imports at module level (training never calls them)
+sys.modules[TENSOR_OPS] = types.SimpleNamespace(tensor_get_slice_after=None, tensor_masked_update=None,
+                                                tensor_merge=None)
+mamba_module = importlib.import_module("megatron.core.ssm.mamba_mixer")
+# CUDA-only (mamba_ssm and causal_conv1d kernels): the torch equivalents above
+vars(mamba_module).update(causal_conv1d_fn=causal_conv1d_fn, mamba_chunk_scan_combined=mamba_chunk_scan_combined,
+                          mamba_split_conv1d_scan_combined=mamba_split_conv1d_scan_combined,
+                          ExtendedRMSNorm=GatedRMSNorm, HAVE_MAMBA_SSM=True)
+'''
+
+GDN_KERNELS = '''
 # CUDA-only (FLA and causal_conv1d kernels): megatron's own torch delta rule, torch equivalents
 gdn_module.chunk_gated_delta_rule = gdn_module.torch_chunk_gated_delta_rule
 gdn_module.causal_conv1d_fn, gdn_module.HAVE_FLA = causal_conv1d_fn, True

@@ -30,6 +30,7 @@ from shardcheck.layout import DEFAULT_ORDER, Layout
 from shardcheck.megatron import repro_snippets as code
 from shardcheck.megatron.audit_report import GLOBAL_GROUP_CONTRACT
 from shardcheck.megatron.contracts import BY_NAME, Contract
+from shardcheck.megatron.scenarios import COMPONENTS
 from shardcheck.repro import ReproError, ScriptBody
 
 
@@ -56,25 +57,47 @@ DEVICE_ON_CPU = Snippet(code.PATCH_DEVICE)
 NO_SYNCHRONIZE = Snippet(code.PATCH_SYNCHRONIZE)
 CUDA_TENSORS_ON_CPU = Snippet(code.PATCH_CUDA_TENSORS, "from torch.overrides import TorchFunctionMode")
 TE_GEMM_UNSET = Snippet(code.PATCH_TE_GEMM, "from megatron.core.transformer.moe import moe_utils")
+CAUSAL_CONV1D = Snippet(code.CAUSAL_CONV1D)
+MAMBA_KERNELS = Snippet(code.MAMBA_KERNELS, "import importlib\nimport types")
 GDN_KERNELS = Snippet(code.GDN_KERNELS, "import torch._dynamo\nfrom megatron.core.ssm import gated_delta_net as gdn_module")
 CP_ATTENTION = Snippet(code.CP_ATTENTION, """\
 import copy
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 from megatron.core.transformer.dot_product_attention import DotProductAttention""")
-GPT_CODE = Snippet(code.GPT, f"""\
+TRAINING = Snippet(code.TRAINING, f"""\
 {DDP}
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
-from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
+from megatron.core.pipeline_parallel.schedules import get_forward_backward_func""")
+GPT_CODE = Snippet(code.GPT, """\
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.utils import get_batch_on_this_cp_rank""")
+T5_CODE = Snippet(code.T5, """\
+from megatron.core.models.T5.t5_model import T5Model
+from megatron.core.models.T5.t5_spec import decoder_model_with_local_spec, encoder_model_with_local_spec""")
+MULTIMODAL_CODE = Snippet(code.MULTIMODAL, """\
+from megatron.core.enums import ModelType
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.multimodal.llava_model import DEFAULT_IMAGE_TOKEN_INDEX, LLaVAModel
+from megatron.core.models.vision.vit_layer_specs import get_vit_layer_with_local_spec
+from megatron.core.transformer.mlp import MLPSubmodules""")
+CLIP_NORM = Snippet(code.CLIP_NORM, """\
+import functools
+from megatron.core.models.vision.clip_vit_model import CLIPViTModel
+from megatron.core.transformer.torch_norm import WrappedTorchNorm""")
+LLAVA_SP_ATTENTION = Snippet(code.LLAVA_SP_ATTENTION, """\
+from megatron.core.models.multimodal import llava_model
+from megatron.core.transformer.dot_product_attention import DotProductAttention""")
 GDN_CODE = Snippet(code.GDN, f"""\
 {DDP}
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
 from megatron.core.transformer.torch_norm import WrappedTorchNorm""")
+MAMBA_CODE = Snippet(code.MAMBA, f"""\
+{DDP}
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads""")
 NORM_UNDER_SP = Snippet(code.NORM_UNDER_SP, """\
 import copy
 from megatron.core.transformer.torch_norm import WrappedTorchNorm""")
@@ -102,6 +125,14 @@ def _gdn_sections(setup: dict[str, Any], overrides: dict[str, Any]) -> dict[str,
             "conv1d.bias": [qk, qk, v]}
 
 
+def _mamba_sections(setup: dict[str, Any], overrides: dict[str, Any]) -> dict[str, list[int]]:
+    """in_proj holds z, x, B, C and dt; conv1d x, B and C."""
+    heads = overrides.get("mamba_num_heads") or setup["expand"] * setup["hidden"] // setup["head_dim"]
+    inner, state = heads * setup["head_dim"], setup["groups"] * setup["state_dim"]
+    return {"in_proj.weight": [inner, inner, state, state, heads], "conv1d.weight": [inner, state, state],
+            "conv1d.bias": [inner, state, state]}
+
+
 def _moe_refuses(layout: Layout, options: dict[str, Any]) -> str | None:
     if layout.tp > 1 and _alltoall(options):
         return ("the alltoall dispatcher under tp > 1 gathers uneven pieces, which Gloo refuses "
@@ -119,9 +150,20 @@ def _router_refuses(layout: Layout, options: dict[str, Any]) -> str | None:
     return None
 
 
+def _refused_by(component: str) -> Callable[[Layout, dict[str, Any]], str | None]:
+    """The layouts the component's own scenario refuses, with its reason."""
+    return lambda layout, options: COMPONENTS[component].refuses(layout)
+
+
 def _gdn_refuses(layout: Layout, options: dict[str, Any]) -> str | None:
     if layout.cp > 1 or layout.pp > 1:
         return "GatedDeltaNet runs without context parallelism (Megatron refuses it) in one stage"
+    return None
+
+
+def _mamba_refuses(layout: Layout, options: dict[str, Any]) -> str | None:
+    if layout.pp > 1:
+        return "a single Mamba mixer has no pipeline stages (pp = 1)"
     return None
 
 
@@ -133,14 +175,14 @@ class Template:
     code: Snippet
     before: tuple[Snippet, ...] = ()
     refuses: Callable[[Layout, dict[str, Any]], str | None] = lambda layout, options: None
-    # snippets some layouts or options need (the CP attention stand-in, the torch norm under
-    # sequence parallelism, the alltoall dispatcher's stand-ins), each with its test
+    # snippets some layouts or options need (the CP attention stand-in, the torch norm and
+    # LLaVA's attention under sequence parallelism, the alltoall dispatcher's stand-ins)
     extras: tuple[tuple[Callable[[Layout, dict[str, Any]], bool], Snippet], ...] = ()
     # global section lengths of fused tp-sharded weights, by parameter name suffix
     sections: Callable[[dict[str, Any], dict[str, Any]], dict[str, list[int]]] | None = None
 
 
-GPT_SUPPORT = (RNG_ON_CPU, DEVICE_ON_CPU, CUDA_TENSORS_ON_CPU, BASE, SEEDED, WEIGHTS)
+GPT_SUPPORT = (RNG_ON_CPU, DEVICE_ON_CPU, CUDA_TENSORS_ON_CPU, BASE, SEEDED, WEIGHTS, TRAINING)
 GPT_EXTRAS = ((lambda layout, options: layout.sp, NORM_UNDER_SP),
               (lambda layout, options: layout.cp > 1, CP_ATTENTION),
               (lambda layout, options: layout.pp > 1, NO_SYNCHRONIZE))
@@ -155,8 +197,18 @@ TEMPLATES: dict[str, Template] = {
                     _moe_refuses, sections=_gpt_sections,
                     extras=(*GPT_EXTRAS, (lambda layout, options: _alltoall(options), ALLTOALL_ON_CPU))),
     "gdn": Template("shardcheck.megatron.scenarios.ssm:GDNSetup", GDN_CODE,
-                    (RNG_ON_CPU, DEVICE_ON_CPU, CUDA_TENSORS_ON_CPU, GDN_KERNELS, BASE, SEEDED, SHARD, WEIGHTS),
-                    _gdn_refuses, sections=_gdn_sections, extras=((lambda layout, options: layout.sp, NORM_UNDER_SP),)),
+                    (RNG_ON_CPU, DEVICE_ON_CPU, CUDA_TENSORS_ON_CPU, CAUSAL_CONV1D, GDN_KERNELS, BASE, SEEDED, SHARD,
+                     WEIGHTS), _gdn_refuses, sections=_gdn_sections,
+                    extras=((lambda layout, options: layout.sp, NORM_UNDER_SP),)),
+    "mamba": Template("shardcheck.megatron.scenarios.ssm:MambaSetup", MAMBA_CODE,
+                      (RNG_ON_CPU, DEVICE_ON_CPU, CUDA_TENSORS_ON_CPU, CAUSAL_CONV1D, MAMBA_KERNELS, BASE, SEEDED,
+                       SHARD, WEIGHTS), _mamba_refuses, sections=_mamba_sections),
+    "t5": Template("shardcheck.megatron.scenarios.t5:T5Setup", T5_CODE, GPT_SUPPORT, _refused_by("t5"),
+                   sections=_gpt_sections, extras=((lambda layout, options: layout.sp, NORM_UNDER_SP),)),
+    "multimodal": Template("shardcheck.megatron.scenarios.multimodal:MultimodalSetup", MULTIMODAL_CODE,
+                           (*GPT_SUPPORT, CLIP_NORM), _refused_by("multimodal"), sections=_gpt_sections,
+                           extras=((lambda layout, options: layout.sp, NORM_UNDER_SP),
+                                   (lambda layout, options: layout.sp, LLAVA_SP_ATTENTION))),
 }
 
 

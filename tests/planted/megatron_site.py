@@ -32,6 +32,20 @@ def with_out_norm(model, config, tp_group=None):
 finalize._allreduce_non_tensor_model_parallel_grads = with_out_norm
 """
 
+# A Mamba context-parallel bug: the mixer forgets that the sequence reaches it in attention's
+# load-balanced order (CP rank r holds chunks r and 2*cp-1-r), so after its all-to-all the
+# convolution and the scan run over the chunks out of order.
+MAMBA_CP_ORDER_BUG = """
+import importlib
+
+cp = importlib.import_module("megatron.core.ssm.mamba_context_parallel")
+
+def in_given_order(input_, cp_size, packed_seq_params=None):
+    return input_
+
+cp._undo_attention_load_balancing = cp._redo_attention_load_balancing = in_given_order
+"""
+
 
 def planted_env(directory: Path, code: str, base: dict[str, str] | None = None) -> dict[str, str]:
     """Environment (over ``base``) whose Python processes run ``code`` first."""
@@ -64,4 +78,36 @@ import importlib
 
 finalize = importlib.import_module("megatron.core.distributed.finalize_model_grads")
 finalize._allreduce_word_embedding_grads = lambda *args, **kwargs: None
+"""
+
+
+# A T5 bug: the decoder's pre-cross-attention norm left unmarked for sequence parallelism, so
+# finalize_model_grads does not sum its gradient (partial over tp under SP) over tp.
+T5_CROSS_NORM_NOT_SUMMED = """
+import importlib
+
+layer_module = importlib.import_module("megatron.core.transformer.transformer_layer")
+built = layer_module.TransformerLayer.__init__
+
+def unmarked_cross_norm(self, *args, **kwargs):
+    built(self, *args, **kwargs)
+    for param in self.pre_cross_attn_layernorm.parameters():
+        param.sequence_parallel = False
+
+layer_module.TransformerLayer.__init__ = unmarked_cross_norm
+"""
+
+# A LLaVA bug: the combined embeddings cut for sequence parallelism with a plain slice, not
+# megatron's scatter, so the backward gives each rank only its chunk's gradient (no all-gather).
+LLAVA_SP_SLICE = """
+import importlib
+
+tensor_parallel = importlib.import_module("megatron.core.tensor_parallel")
+parallel_state = importlib.import_module("megatron.core.parallel_state")
+
+def sliced(tensor, *args, **kwargs):
+    group = parallel_state.get_tensor_model_parallel_group()
+    return tensor.chunk(group.size())[group.rank()]
+
+tensor_parallel.scatter_to_sequence_parallel_region = sliced
 """
