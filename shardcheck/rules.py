@@ -785,15 +785,44 @@ def _embedding_rule(ctx, args, kwargs, out):
 
 
 def _embedding_backward_rule(ctx, args, kwargs, out):
-    """embedding_dense_backward(grad, indices, num_weights, padding_idx, scale)."""
+    """embedding_dense_backward(grad, indices, num_weights, padding_idx, scale).
+
+    Where the table is cut into rows (the lookup was the masked partial one), each rank sums
+    the gradient into its own rows: a replicated gradient gives the table's own row shard.
+    """
     grad = args[0]
     pl = ctx.types(grad)
     if pl is None:
         return None
     last = grad.dim() - 1
     tokens = set(range(last))
-    return tuple(S(1) if isinstance(p, Shard) and norm_dim(p.dim, grad.dim()) == last
-                 else _reduce_axis("sum", p, a, tokens, False) for a, p in enumerate(pl))
+    table = ctx.types(looked_up_table("EmbeddingBackward0")) or (None,) * len(pl)
+    return tuple(row_gradient(t, p) if cut_into_rows(t, 2)
+                 else S(1) if isinstance(p, Shard) and norm_dim(p.dim, grad.dim()) == last
+                 else _reduce_axis("sum", p, a, tokens, False)
+                 for a, (p, t) in enumerate(zip(pl, table, strict=True)))
+
+
+def looked_up_table(node_name: str) -> torch.Tensor | None:
+    """The table a lookup's backward computes the gradient of: the leaf tensor the running
+    autograd node ``node_name`` feeds. None elsewhere, or for a table made by other ops."""
+    node = torch._C._current_autograd_node()
+    if node is None or node.name() != node_name or not node.next_functions:
+        return None
+    table = getattr(node.next_functions[0][0], "variable", None)
+    return table if isinstance(table, torch.Tensor) else None
+
+
+def cut_into_rows(p: Placement | None, ndim: int) -> bool:
+    return isinstance(p, Shard) and norm_dim(p.dim, ndim) == 0
+
+
+def row_gradient(table: Shard, grad: Placement | None) -> Placement | None:
+    """A row-cut table's gradient from an output gradient that every rank holds whole: the
+    table's own shard. Any other output gradient gives rows with no global meaning: V."""
+    if grad is None:
+        return None
+    return table if replicated(grad) else V
 
 
 def _nll_rule(ctx, args, kwargs, out):

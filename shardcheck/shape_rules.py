@@ -18,15 +18,18 @@ from shardcheck.rules import (
     Violation,
     arg,
     as_pieces,
+    cut_into_rows,
     elementwise,
     is_partial,
     is_tensor,
     join,
+    looked_up_table,
     moved,
     norm_dim,
     outer_of,
     reduced_dims,
     replicated,
+    row_gradient,
     shift_shards,
 )
 from shardcheck.types import P, Placement, R, S, Shard, V
@@ -262,15 +265,21 @@ def _unbind_rule(ctx, args, kwargs, out):
     return [shift_shards(p, lambda d: None if d == dim else d - (d > dim)) for p in pieces]
 
 
-def _pieces(ctx, tensors) -> list:
-    """Operands put back together: rank chunks read as R when other pieces are there."""
+def _pieces(ctx, tensors, joined_dim: int | None = None) -> list:
+    """Operands put back together: rank chunks read as R when other pieces are there. Along
+    ``joined_dim`` (cat's) sections are left out: pieces cut differently still line up there."""
     if len(tensors) < 2:
         return [(t, ADD) for t in tensors]
     items = []
     for t in tensors:
         pl = ctx.types(t)
-        items.append((Typed(as_pieces(pl), tuple(t.shape), ctx.const(t)) if pl is not None else t,
-                      ADD))
+        if pl is not None:
+            pl = as_pieces(pl)
+            if joined_dim is not None:
+                pl = tuple(S(p.dim) if type(p) is SectionShard
+                           and norm_dim(p.dim, t.dim()) == joined_dim else p for p in pl)
+            t = Typed(pl, tuple(t.shape), ctx.const(t))
+        items.append((t, ADD))
     return items
 
 
@@ -280,11 +289,28 @@ def _cat_rule(ctx, args, kwargs, out):
         return None
     ndim = out.dim()
     dim = norm_dim(arg(args, kwargs, 1, "dim", 0), ndim)
-    pl = elementwise(ctx, _pieces(ctx, tensors))
-    if pl is None:
-        return None
-    return tuple(V if isinstance(p, Shard) and p.dim == dim and len(tensors) > 1 else p
-                 for p in pl)
+    pl = elementwise(ctx, _pieces(ctx, tensors, dim))
+    if pl is None or len(tensors) == 1:
+        return pl
+    return tuple(_joined_sections(ctx, tensors, a, dim)
+                 if isinstance(p, Shard) and norm_dim(p.dim, ndim) == dim else p
+                 for a, p in enumerate(pl))
+
+
+def _joined_sections(ctx, tensors, a: int, dim: int) -> Placement:
+    """cat along a dim the pieces are cut along on axis ``a``: every rank holds its part of
+    each piece, in order, so the result is a fused dim with the pieces as its sections (GLU's
+    backward joins the gradients of its two halves so). A piece cut otherwise does not line
+    up with the others: V."""
+    sections: list[int] = []
+    for t in tensors:
+        if t.shape[dim] == 0:
+            continue
+        p = ctx.types(t)[a]
+        if type(p) not in (Shard, SectionShard) or norm_dim(p.dim, t.dim()) != dim:
+            return V
+        sections += p.sections if type(p) is SectionShard else [t.shape[dim]]
+    return SectionShard(dim, tuple(sections)) if len(sections) > 1 else S(dim)
 
 
 def _stack_rule(ctx, args, kwargs, out):
@@ -387,6 +413,30 @@ def _nonzero_rule(ctx, args, kwargs, out):
 def _index_put_rule(ctx, args, kwargs, out):
     """x[idx] = values: a shard stays a shard (each rank writes its own elements); otherwise
     the stored values must have x's placement (zeros fit a partial)."""
+    written = _written_rule(ctx, args)
+    rows = _rows_of_lookup(ctx, args, kwargs)
+    if written is None or not rows:
+        return written
+    return tuple(rows.get(a, p) for a, p in enumerate(written))
+
+
+def _rows_of_lookup(ctx, args, kwargs) -> dict[int, Placement | None]:
+    """In the backward of ``table[indices]``, the gradient summed into zeros shaped like the
+    table. Where the table is cut into rows and the indices are replicated (the masked partial
+    lookup, see :func:`_index_rule`), each rank sums into its own rows: by axis, those rows."""
+    indices = list(args[1])
+    table = looked_up_table("IndexBackward0")
+    if table is None or len(indices) != 1 or indices[0] is None or not ctx.zero(args[0]) \
+            or not arg(args, kwargs, 3, "accumulate", False):
+        return {}
+    tl, il, gl = ctx.types(table), ctx.types(indices[0]), ctx.types(args[2])
+    if tl is None or il is None or gl is None:
+        return {}
+    return {a: row_gradient(t, g) for a, (t, i, g) in enumerate(zip(tl, il, gl, strict=True))
+            if cut_into_rows(t, table.dim()) and replicated(i)}
+
+
+def _written_rule(ctx, args):
     xl, values = ctx.types(args[0]), args[2]
     if xl is None:
         return None

@@ -3,7 +3,8 @@
 and the gradient check at ``optimizer.step`` follows ``main_grad`` through DDP's buffer
 all-reduce: clean on the correct run, flagged when the all-reduce is skipped; weights that
 Megatron leaves without tensor-parallel attributes are flagged where the gradient norm counts
-only one rank's piece."""
+only one rank's piece; the vocab-parallel embedding's and GLU's fused fc1's gradients fit their
+tp cut (query-key layer scaling and GLU under tp used to be false alarms at the step)."""
 
 import pytest
 
@@ -20,12 +21,16 @@ for module in PRELOAD:
 
 
 def test_deterministic_lookup_under_tp2_and_glu_under_pp2_give_no_finding():
+    """With query-key layer scaling the backward is typed back to the embedding, so the
+    ``weight[indices]`` lookup's gradient reaches the step typed (it used to come out R)."""
     cases = [Case("gpt", (("deterministic_mode", True),), Layout(tp=2)),
+             Case("gpt", (("deterministic_mode", True), ("apply_query_key_layer_scaling", True)),
+                  Layout(tp=2)),
              Case("gpt", (("gated_linear_unit", True),), Layout(pp=2))]
     with pools() as warm:
         result = audit(cases, run_pools=warm)
     assert not result.errors, [o.error for o in result.errors]
-    assert len(result.outcomes) == 2 and result.findings == []
+    assert len(result.outcomes) == 3 and result.findings == []
 
 
 def test_weights_left_without_tp_attributes_are_flagged_where_the_grad_norm_skips_them():
@@ -44,7 +49,7 @@ def test_weights_left_without_tp_attributes_are_flagged_where_the_grad_norm_skip
     assert "param_is_not_tensor_parallel_duplicate: {tp:S(0)}" in finding.checker
 
 
-def _step_violations(layout: Layout, skip_dp_all_reduce: bool) -> list[str]:
+def _step_violations(layout: Layout, skip_dp_all_reduce: bool, config: dict | None = None) -> list[str]:
     """One GPT training step in the checker; the violations located in megatron-core."""
     import torch.distributed as dist
 
@@ -59,7 +64,7 @@ def _step_violations(layout: Layout, skip_dp_all_reduce: bool) -> list[str]:
     contracts.install()
     ctx = RankContext(layout, dist.get_rank(), build_groups(layout, dist.get_rank()))
     with checked_region(ctx) as found:
-        scenario("gpt")(ctx)
+        scenario("gpt", config=config or {})(ctx)
     return [v["line"] for v in found]
 
 
@@ -86,3 +91,20 @@ def test_gradient_check_at_the_step_follows_main_grad_through_ddp(layout):
         assert len(unreduced) >= 10, flagged  # of 29: the others' gradients are still untyped
         assert all(f"parameter R on {axis}, gradient V" in line and "optimizer" in line
                    for line in unreduced)
+
+
+def test_embedding_and_glu_gradients_fit_their_tp_cut_and_stay_unreduced_when_dp_skips():
+    """Under tp2-dp2, query-key layer scaling (which types the path back to the vocab-parallel
+    embedding) and a GLU (whose fc1 holds gate and up in sections) used to make their tp-cut
+    weights' gradients R and V at the step. Correct: no finding. With DDP's all-reduce skipped,
+    every gradient is unreduced over dp, these included, and none breaks its tp cut."""
+    config = {"apply_query_key_layer_scaling": True, "gated_linear_unit": True}
+    layout = Layout.parse("tp2-dp2")
+    correct = spawn_ranks(_step_violations, 4, layout, False, config)
+    planted = spawn_ranks(_step_violations, 4, layout, True, config)
+    for clean, flagged in zip(correct, planted, strict=True):
+        assert clean == []
+        assert not [line for line in flagged if "on tp" in line], flagged
+        unreduced = [line for line in flagged if line.startswith("checker: unreduced gradient")]
+        for weight in ("parameter 0 (32, 32)", "parameter 4 (128, 32)", "parameter 8 (128, 32)"):
+            assert any(f"{weight}: parameter R on dp, gradient V" in line for line in unreduced)

@@ -196,7 +196,9 @@ SHAPES = [
     ("chunk sharded", lambda: torch.chunk(T(4, 6, tp=S(1)), 3, 1)[1], V),
     ("chunk of P", lambda: torch.chunk(T(4, 6, tp=P), 2, 1)[1], P),
     ("cat along other dim", lambda: torch.cat([T(4, 3, tp=S(0)), T(4, 3, tp=S(0))], 1), S(0)),
-    ("cat along sharded dim", lambda: torch.cat([T(4, 3, tp=S(0)), T(4, 3, tp=S(0))], 0), V),
+    ("cat along sharded dim: sections", lambda: torch.cat([T(4, 3, tp=S(0)), T(2, 3, tp=S(0))], 0),
+     SectionShard(0, (4, 2))),
+    ("cat of a shard and a varying piece", lambda: torch.cat([T(4, 3, tp=S(0)), T(4, 3, tp=V)], 0), V),
     ("stack", lambda: torch.stack([T(4, 3, tp=S(1)), T(4, 3, tp=S(1))]), S(2)),
     ("index along sharded dim", lambda: T(4, 6, tp=S(1))[torch.arange(4), torch.arange(4)], V),
     ("index before shard", lambda: T(4, 6, tp=S(1))[torch.tensor([0, 2])], S(1)),
@@ -346,6 +348,24 @@ def test_a_fused_dim_cut_at_its_sections_gives_shards():
             T(3, 8, tp=fused) + T(3, 8, tp=SectionShard(1, (4, 4)))
         assert sc.typeof(T(3, 8, tp=fused).view(3, 2, 4)) == {}  # the fused dim is cut: unknown
         assert sc.typeof(T(3, 8, tp=fused).view(3, 1, 8)) == {"tp": SectionShard(2, (2, 2, 4))}
+
+
+def test_cat_along_the_cut_dim_joins_sections_that_a_later_cut_takes_apart():
+    """GLU's backward: the gradients of its two halves (each cut over tp) joined by cat are the
+    fused dim of fc1's output, in sections; cut again at those boundaries they are shards."""
+    fused = SectionShard(1, (2, 2, 4))
+    with sc.typecheck(MESH):
+        joined = torch.cat([T(3, 4, tp=S(1)), T(3, 4, tp=S(1))], dim=-1)
+        assert sc.typeof(joined) == {"tp": SectionShard(1, (4, 4))}
+        assert sc.typeof(torch.chunk(joined, 2, dim=1)[1]) == {"tp": S(1)}
+        nested = torch.cat([T(3, 4, tp=SectionShard(1, (2, 2))), T(3, 4, tp=S(1))], dim=1)
+        assert sc.typeof(nested) == {"tp": fused}
+        assert sc.typeof(nested * T(3, 8, tp=fused)) == {"tp": fused}
+        assert sc.typeof(torch.cat([T(3, 4, tp=S(1)), T(3, 4, tp=S(1))], dim=0)) == {"tp": S(1)}
+    # the halves joined in the wrong sections, or a piece that is no shard, still break
+    assert outcome(lambda: torch.cat([T(3, 4, tp=S(1)), T(3, 4, tp=S(1))], 1) * T(3, 8, tp=fused)) \
+        == "mixed shards"
+    assert outcome(lambda: torch.cat([T(3, 4, tp=S(1)), T(3, 4)], 1)) == "global shape mismatch"
 
 
 def _conv_of_fused_projection(weight_tp, cut=(8, 4, 1, 1), projection_tp=None):

@@ -39,7 +39,13 @@ class _GatherSequence(torch.autograd.Function):
 
 
 def load_balanced_positions(local_len: int, cp_rank: int, cp_size: int) -> torch.Tensor:
-    """Global positions of a CP rank's tokens: chunks ``cp_rank`` and ``2*cp_size-1-cp_rank``."""
+    """Global positions of this CP rank's tokens: chunks ``cp_rank`` and ``2*cp_size-1-cp_rank``
+    (the type-checking harness types its result as this rank's shard)."""
+    return _positions_of(local_len, cp_rank, cp_size)
+
+
+def _positions_of(local_len: int, cp_rank: int, cp_size: int) -> torch.Tensor:
+    """Global positions of any CP rank's tokens, the same on every rank."""
     chunk = local_len // 2
     first = torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk)
     second = torch.arange((2 * cp_size - 1 - cp_rank) * chunk, (2 * cp_size - cp_rank) * chunk)
@@ -67,7 +73,7 @@ class ContextParallelTorchAttention(DotProductAttention):
         key = _GatherSequence.apply(key, group)
         value = _GatherSequence.apply(value, group)
         q_pos = load_balanced_positions(query.size(0), rank, size)
-        k_pos = torch.cat([load_balanced_positions(query.size(0), r, size) for r in range(size)])
+        k_pos = torch.cat([_positions_of(query.size(0), r, size) for r in range(size)])
         mask = (k_pos[None, :] > q_pos[:, None])[None, None]
         return super().forward(query, key, value, mask, attn_mask_type, attention_bias,
                                packed_seq_params)
