@@ -21,6 +21,12 @@ def alive(pid: int) -> bool:
         return False
 
 
+def interruptible() -> None:
+    """In a child before exec: Ctrl-C (SIGINT) handled as a terminal gives it, even when this
+    test runs in the background of a non-interactive shell, which starts it ignored."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def wait_gone(pids, seconds=10.0) -> list[int]:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline and any(alive(p) for p in pids):
@@ -180,7 +186,7 @@ def test_parent_interrupt_kill_or_exception_leaves_no_process(how, tmp_path):
     script.write_text(_PARENT)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     parent = subprocess.Popen([sys.executable, str(script), how], stdout=subprocess.PIPE,
-                              stderr=subprocess.DEVNULL, text=True, env=env)
+                              stderr=subprocess.DEVNULL, text=True, env=env, preexec_fn=interruptible)
     pids = [int(p) for p in parent.stdout.readline().split()]
     assert len(pids) == 2
     if how != "raise":  # a raising parent may already have stopped its ranks by now

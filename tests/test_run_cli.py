@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from test_pool import alive, wait_gone
+from test_pool import alive, interruptible, wait_gone
 
 import shardcheck
 from shardcheck.cli import main
@@ -112,7 +112,7 @@ def test_ctrl_c_leaves_no_process_behind(tmp_path):
     env = {**os.environ, "PID_DIR": str(pid_dir),
            "PYTHONPATH": os.path.dirname(os.path.dirname(shardcheck.__file__))}
     launcher = subprocess.Popen([sys.executable, "-m", "shardcheck", "run", "-n", "2",
-                                 _script(tmp_path, "hangs")], env=env,
+                                 _script(tmp_path, "hangs")], env=env, preexec_fn=interruptible,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     pids = _pids(pid_dir, 2)
     assert len(pids) == 4 and all(alive(p) for p in pids)
