@@ -183,7 +183,8 @@ class Template:
 
 
 GPT_SUPPORT = (RNG_ON_CPU, DEVICE_ON_CPU, CUDA_TENSORS_ON_CPU, BASE, SEEDED, WEIGHTS, TRAINING)
-GPT_EXTRAS = ((lambda layout, options: layout.sp, NORM_UNDER_SP),
+SP_NORM = (lambda layout, options: layout.sp, NORM_UNDER_SP)
+GPT_EXTRAS = (SP_NORM,
               (lambda layout, options: layout.cp > 1, CP_ATTENTION),
               (lambda layout, options: layout.pp > 1, NO_SYNCHRONIZE))
 TEMPLATES: dict[str, Template] = {
@@ -199,16 +200,15 @@ TEMPLATES: dict[str, Template] = {
     "gdn": Template("shardcheck.megatron.scenarios.ssm:GDNSetup", GDN_CODE,
                     (RNG_ON_CPU, DEVICE_ON_CPU, CUDA_TENSORS_ON_CPU, CAUSAL_CONV1D, GDN_KERNELS, BASE, SEEDED, SHARD,
                      WEIGHTS), _gdn_refuses, sections=_gdn_sections,
-                    extras=((lambda layout, options: layout.sp, NORM_UNDER_SP),)),
+                    extras=(SP_NORM,)),
     "mamba": Template("shardcheck.megatron.scenarios.ssm:MambaSetup", MAMBA_CODE,
                       (RNG_ON_CPU, DEVICE_ON_CPU, CUDA_TENSORS_ON_CPU, CAUSAL_CONV1D, MAMBA_KERNELS, BASE, SEEDED,
                        SHARD, WEIGHTS), _mamba_refuses, sections=_mamba_sections),
     "t5": Template("shardcheck.megatron.scenarios.t5:T5Setup", T5_CODE, GPT_SUPPORT, _refused_by("t5"),
-                   sections=_gpt_sections, extras=((lambda layout, options: layout.sp, NORM_UNDER_SP),)),
+                   sections=_gpt_sections, extras=(SP_NORM,)),
     "multimodal": Template("shardcheck.megatron.scenarios.multimodal:MultimodalSetup", MULTIMODAL_CODE,
                            (*GPT_SUPPORT, CLIP_NORM), _refused_by("multimodal"), sections=_gpt_sections,
-                           extras=((lambda layout, options: layout.sp, NORM_UNDER_SP),
-                                   (lambda layout, options: layout.sp, LLAVA_SP_ATTENTION))),
+                           extras=(SP_NORM, (lambda layout, options: layout.sp, LLAVA_SP_ATTENTION))),
 }
 
 
