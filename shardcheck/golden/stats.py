@@ -94,22 +94,9 @@ def compare_metric(old: MetricSeries, new: MetricSeries, top: int = 5) -> Metric
     """All statistics of one metric; see the module docstring."""
     pair = paired_steps(old, new)
     if len(pair.steps) == 0:
-        nan = math.nan
+        no_numbers = (math.nan,) * 6  # signed mean, the two means and the three ratios
         return MetricComparison(
-            old.name,
-            0,
-            pair.skipped_zero_old,
-            nan,
-            nan,
-            nan,
-            nan,
-            nan,
-            nan,
-            {},
-            {},
-            (),
-            NO_DATA,
-            "",
+            old.name, 0, pair.skipped_zero_old, *no_numbers, {}, {}, (), NO_DATA, ""
         )
     n = len(pair.steps)
     ratio = pair.new / pair.old
