@@ -186,6 +186,13 @@ def _filtered(comparisons: list[FileComparison], metrics) -> list[FileComparison
     if not metrics:
         return comparisons
     wanted = set(metrics)
+    known = {m.metric for fc in comparisons for m in fc.metrics}
+    unknown = sorted(wanted - known)
+    if unknown:
+        raise GoldenInputError(
+            f"no metric {', '.join(map(repr, unknown))} in the compared files; "
+            f"they have: {', '.join(sorted(known)) or 'none'}"
+        )
     return [
         FileComparison(
             fc.label,
