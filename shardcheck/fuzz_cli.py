@@ -31,7 +31,9 @@ def _target(spec: str, typecheck: bool = True, module: str | None = None) -> Fuz
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # module:function scenarios next to the user
     if ":" not in spec and spec not in registered_targets() and not module and _exists(CATALOGUE_MODULE):
-        importlib.import_module(CATALOGUE_MODULE)
+        with warnings.catch_warnings():  # Megatron's "Apex is not installed" and deprecation notes
+            warnings.simplefilter("ignore")
+            importlib.import_module(CATALOGUE_MODULE)
     try:
         return resolve_target(spec, typecheck, module)
     except (FuzzError, LayoutError) as exc:

@@ -17,7 +17,8 @@ checkout's), where ``shardcheck`` and ``python`` are this interpreter. Outputs a
 before comparison: paths of the checkout and the scratch folder are dropped, durations become
 ``<t>``; a line ``...`` in the shown output stands for any lines.
 
-``python tests/docs_check.py [--update] FILE...`` prints (or writes back) the real outputs.
+``python tests/docs_check.py [--update] [--slow] FILE...`` prints the differences (or writes the
+real outputs back into the files).
 """
 
 from __future__ import annotations
@@ -211,14 +212,18 @@ def _joined(block: Block) -> Block:
     return Block(block.doc, block.line, block.args, lines, block.start)
 
 
-def update(doc: Path) -> None:
-    """Write the real outputs of the document's checked transcripts back into it."""
+def _runnable(block: Block, slow: bool) -> bool:
+    return block.is_transcript and block.args is not None and block.skipped is None and (slow or not block.slow)
+
+
+def update(doc: Path, slow: bool = False) -> None:
+    """Write the real outputs of the document's checked transcripts (``slow`` ones too) back into it."""
     lines = doc.read_text().splitlines()
     doc_blocks = blocks(doc)
     workspace = Workspace()
     replacements = []
     try:
-        for block in [b for b in doc_blocks if b.is_transcript and b.args is not None and b.skipped is None]:
+        for block in [b for b in doc_blocks if _runnable(b, slow)]:
             workspace.write_files(doc_blocks, block)
             outputs = workspace.run(_joined(block))
             new = []
@@ -245,14 +250,16 @@ def _shown(actual: list[str], roots: tuple[str, ...]) -> list[str]:
 
 if __name__ == "__main__":
     args = sys.argv[1:]
+    slow = "--slow" in args
+    args = [a for a in args if a != "--slow"]
     if args[:1] == ["--update"]:
         for name in args[1:]:
-            update(Path(name).resolve())
+            update(Path(name).resolve(), slow)
     else:
         for name in args:
             space = Workspace()
             for b in blocks(Path(name).resolve()):
-                if b.is_transcript and b.args is not None and b.skipped is None:
+                if _runnable(b, slow):
                     space.write_files(blocks(b.doc), b)
                     print(f"== {b.name}", *check(b, space), sep="\n")
             space.close()
