@@ -15,7 +15,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from shardcheck.cli_errors import InputError, reference_failure
-from shardcheck.findings import DEFAULT_ROOT, Finding, FindingStore
+from shardcheck.findings import DEFAULT_ROOT, Finding, FindingStore, package_location
 from shardcheck.fuzz import FuzzError, FuzzTarget, fuzz, registered_targets, resolve_target
 from shardcheck.layout import LayoutError
 from shardcheck.pool import PoolFailure
@@ -62,12 +62,8 @@ def _show_findings(findings: list[Finding], statuses: dict[str, str] | None = No
 
 
 def _short(location: str) -> str:
-    """A location with its file shown relative to here when it is below here."""
-    path, sep, rest = location.partition(":")
-    try:
-        return str(Path(path).resolve().relative_to(Path.cwd())) + sep + rest
-    except ValueError:
-        return location
+    """A location with its file shown relative to its package or project (as its id hashes it)."""
+    return package_location(location)
 
 
 @click.command("fuzz")

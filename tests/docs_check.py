@@ -23,8 +23,10 @@ real outputs back into the files).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -157,13 +159,14 @@ class Workspace:
                 (self.root / entry.name).symlink_to(entry)
         bin_dir = Path(self._tmp.name) / "bin"
         bin_dir.mkdir()
-        (bin_dir / "shardcheck").write_text(f'#!/bin/sh\nexec "{sys.executable}" -m shardcheck "$@"\n')
-        (bin_dir / "shardcheck").chmod(0o755)
-        (bin_dir / "python").symlink_to(sys.executable)
+        for name, command in (("shardcheck", f'"{sys.executable}" -m shardcheck'), ("python", f'"{sys.executable}"')):
+            (bin_dir / name).write_text(f'#!/bin/sh\nexec {command} "$@"\n')  # a link would lose the venv
+            (bin_dir / name).chmod(0o755)
         self.env = {**os.environ, "PATH": os.pathsep.join([str(bin_dir), str(Path(sys.executable).parent),
                                                            os.environ.get("PATH", "")]),
                     "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]),
                     "COLUMNS": "160", "TERM": "dumb", "NO_COLOR": "1", "PYTHONHASHSEED": "0",
+                    "OMP_NUM_THREADS": "1",  # else torchrun prints a timestamped notice about it
                     "GOLDEN": str(golden_data() or "")}
         self.env.pop("FORCE_COLOR", None)
 
@@ -180,8 +183,14 @@ class Workspace:
     def run(self, block: Block) -> list[list[str]]:
         """Each command's output lines, in one bash session (stdout and stderr together)."""
         script = "".join(f"{c.text}\n__rc=$?; echo {SEPARATOR}; (exit $__rc)\n" for c in block.commands())
-        done = subprocess.run(["bash", "-c", script], cwd=self.root, env=self.env, capture_output=True,
-                              text=True, stdin=subprocess.DEVNULL, timeout=COMMAND_TIMEOUT_S)
+        proc = subprocess.Popen(["bash", "-c", script], cwd=self.root, env=self.env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, start_new_session=True)
+        try:
+            stdout, stderr = proc.communicate(timeout=COMMAND_TIMEOUT_S)
+        finally:  # nothing a transcript started outlives it
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        done = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
         outputs = [part.splitlines() for part in done.stdout.split(SEPARATOR + "\n")[:len(block.commands())]]
         if done.stderr.strip() and outputs:  # bash's own complaints, e.g. a syntax error
             outputs[-1] += done.stderr.splitlines()
