@@ -29,11 +29,13 @@ os.write(1, (line + "\\n").encode())  # one write: the two ranks share stdout
 dist.destroy_process_group()
 """,
     "checker": """
-class SpmdTypeError(RuntimeError):
-    pass
-if rank == 1:  # a collect-mode summary line, then the same error as rank 0
-    print("  checker: double count at mlp.py:9 in all_reduce: R", file=sys.stderr)
-raise SpmdTypeError("checker: non-linear on partial at mlp.py:7 in gelu: P\\n  operand 0: P")
+import torch.nn.functional as F
+import shardcheck as sc
+with sc.typecheck(sc.Mesh(tp=dist.group.WORLD), mode="collect"):  # every violation, then go on
+    partial = sc.annotate(torch.randn(2), tp=sc.P)
+    F.gelu(partial)  # on both ranks
+    if rank == 1:
+        torch.exp(partial)  # on rank 1 only
 """,
     "fails": """
 if rank == 1:
@@ -88,11 +90,17 @@ def test_clean_ranks_get_the_torchrun_environment_and_exit_0(tmp_path, capfd):
 
 @pytest.mark.slow
 def test_each_distinct_checker_line_is_printed_once_with_its_ranks(tmp_path):
-    result = CliRunner().invoke(main, ["run", "-n", "2", _script(tmp_path, "checker")])
-    assert result.exit_code == 1
+    script = _script(tmp_path, "checker")
+    lines = Path(script).read_text().splitlines()
+
+    def line(code: str) -> int:
+        return next(n for n, text in enumerate(lines, 1) if code + "(" in text)
+
+    result = CliRunner().invoke(main, ["run", "-n", "2", script])
+    assert result.exit_code == 1, result.output
     assert result.output.splitlines() == [
-        "checker: non-linear on partial at mlp.py:7 in gelu: P  [ranks 0, 1]",
-        "checker: double count at mlp.py:9 in all_reduce: R  [ranks 1]",
+        f"checker: non-linear on partial at {script}:{line('F.gelu')} in aten.gelu.default: {{tp:P}}  [ranks 0, 1]",
+        f"checker: non-linear on partial at {script}:{line('torch.exp')} in aten.exp.default: {{tp:P}}  [ranks 1]",
     ]
 
 
