@@ -159,7 +159,7 @@ def test_git_bad_revision_is_one_line_exit_2(history_repo):
     repo, _ = history_repo
     result = invoke("compare", "--repo", repo, "--rev", "nope", "--rev", "HEAD")
     assert result.exit_code == 2 and len(result.stderr.strip().splitlines()) == 1
-    assert result.stderr.startswith("error: git rev-parse")
+    assert result.stderr.startswith("Error: git rev-parse")
 
 
 def test_check_exit_codes_and_failing_steps():

@@ -55,7 +55,7 @@ def check_every_file(head_dir):
         assert result.exit_code == 2, (path, result.output)
         assert isinstance(result.exception, SystemExit)
         lines = result.stderr.strip().splitlines()
-        assert len(lines) == 1 and lines[0].startswith(f"error: {path}: "), lines
+        assert len(lines) == 1 and lines[0].startswith(f"Error: {path}: "), lines
         assert "Traceback" not in result.output
     return kinds
 
@@ -154,4 +154,4 @@ def test_real_process_exits_2_without_traceback(tmp_path):
         timeout=120,
     )
     assert done.returncode == 2
-    assert done.stderr.strip() == f"error: {empty}: empty file, no golden values in it"
+    assert done.stderr.strip() == f"Error: {empty}: empty file, no golden values in it"
