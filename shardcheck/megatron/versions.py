@@ -5,6 +5,8 @@ Everything else follows the code by what it does (:mod:`shardcheck.megatron.cpu`
 
 * ``get_batch_on_this_cp_rank``: 0.19 added a required ``is_hybrid_cp`` (hybrid context
   parallelism, which the catalogue does not run): :func:`cp_batch_kwargs` passes ``False``.
+  Its ``cp_group=None`` means parallel_state's CP group in 0.16 and the whole world in 0.19:
+  the scenarios always pass the group.
 """
 
 from __future__ import annotations
