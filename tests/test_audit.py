@@ -18,7 +18,7 @@ KNOWN = {  # trigger, location, checker line (None: numeric-only)
                         "checker: mean over shard at megatron/core/tensor_parallel/cross_entropy.py:"),
     "cp loss": (Case("gpt", (("loss_mask", True), ("optimizer_step", False)), Layout(cp=2)),
                 "pipeline_parallel/schedules.py",
-                "checker: non-linear on partial at megatron/core/pipeline_parallel/schedules.py:262"),
+                "checker: non-linear on partial at megatron/core/pipeline_parallel/schedules.py:"),
     "router count": (Case("moe_router", (("padding", True),), Layout(tp=2, sp=True)),
                      "transformer/moe/moe_utils.py",
                      "checker: contract at megatron/core/transformer/moe/router.py:"),
