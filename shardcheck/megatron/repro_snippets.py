@@ -129,8 +129,9 @@ def run(sizes, pg):
                            generator=torch.Generator().manual_seed(0))
     local = shard(hidden, sizes, pg.tp).requires_grad_(True)
     logits, _ = layer(local, runtime_gather_output=SETUP["runtime_gather_output"])
+    group = {"tp_group": pg.tp} if "tp_group" in inspect.signature(tensor_parallel.vocab_parallel_cross_entropy).parameters else {}
     loss = tensor_parallel.vocab_parallel_cross_entropy(
-        logits.float().clone(), labels, label_smoothing=SETUP["label_smoothing"]).mean()
+        logits.float().clone(), labels, label_smoothing=SETUP["label_smoothing"], **group).mean()
     loss.backward()
     grad_in = gather(local.grad, 0, pg.tp) if sizes["sp"] else local.grad
     return torch.cat([loss.detach().view(1), gather(layer.weight.grad, 0, pg.tp).flatten(),

@@ -190,7 +190,7 @@ GPT_EXTRAS = (SP_NORM,
               (lambda layout, options: layout.pp > 1, NO_SYNCHRONIZE))
 TEMPLATES: dict[str, Template] = {
     "output_loss": Template("shardcheck.megatron.scenarios.output_loss:OutputLossSetup",
-                            Snippet(code.OUTPUT_LOSS), (DEVICE_ON_CPU, BASE, SEEDED, PIECES, SHARD)),
+                            Snippet(code.OUTPUT_LOSS, "import inspect"), (DEVICE_ON_CPU, BASE, SEEDED, PIECES, SHARD)),
     "moe_router": Template("shardcheck.megatron.scenarios.moe_router:RouterSetup", ROUTER_CODE,
                            (DEVICE_ON_CPU, TE_GEMM_UNSET, BASE, SEEDED, PIECES, SHARD), _router_refuses),
     "gpt": Template("shardcheck.megatron.scenarios.gpt:GPTSetup", GPT_CODE, GPT_SUPPORT,
