@@ -83,6 +83,7 @@ class Finding:
     module: str | None = None  # importing it registers the target again, e.g. for `shardcheck repro`
     origin: str = "fuzz"  # or "audit": its target is a Megatron component, its script a template's
     options: list[str] = field(default_factory=list)  # the trigger's option names, part of the cause
+    sys_path: list[str] = field(default_factory=list)  # where its script imports the code under test
     id: str = field(default="")
 
     def __post_init__(self) -> None:
