@@ -76,7 +76,7 @@ def test_a_bug_planted_in_one_line_of_the_checkout_is_found_at_that_line(checkou
         done = _audit(checkout, tmp_path, *AUDIT)
     finally:
         _git(checkout, "checkout", "--", str(MAPPINGS))
-    assert done.returncode == 0, done.stdout + done.stderr  # it ran (docs/audit.md: exit status)
+    assert done.returncode == 1, done.stdout + done.stderr  # it found something (exit status 1)
     data = json.loads((tmp_path / "findings.json").read_text())
     assert data["audited"]["git_dirty"] is True
     [finding] = data["findings"]
