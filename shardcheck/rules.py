@@ -57,6 +57,14 @@ class RankChunk(Shard):
     __slots__ = ()
 
 
+class GatheredPiece(RankChunk):
+    """Element j of a list all_gather of S(d): rank j's piece, the same on every rank. Put
+    back together along d (cat) the pieces are R; along another dim they line up with nothing
+    of the global value (V)."""
+
+    __slots__ = ()
+
+
 class BlockShard(Shard):
     """S(d) of a merged dim whose sharded factor is inner: dim d holds ``outer`` blocks, and
     in each block the ranks' pieces are concatenated in rank order. Megatron's attention
@@ -129,7 +137,52 @@ def moved(p: Shard, dim: int) -> Shard:
 
 def as_pieces(pl: tuple) -> tuple:
     """Read rank chunks as the replicated pieces they are (for cat and list collectives)."""
-    return tuple(R if type(p) is RankChunk else p for p in pl)
+    return tuple(R if isinstance(p, RankChunk) else p for p in pl)
+
+
+def chunk_dim(pieces) -> int | None:
+    """The dim along which ``pieces`` are consecutive equal chunks of one tensor, in order."""
+    if len(pieces) < 2:
+        return 0 if pieces else None
+    first = pieces[0]
+    storage = first.untyped_storage().data_ptr()
+    if any(t.shape != first.shape or t.stride() != first.stride()
+           or t.untyped_storage().data_ptr() != storage for t in pieces):
+        return None
+    step = pieces[1].storage_offset() - first.storage_offset()
+    if step <= 0 or any(t.storage_offset() - first.storage_offset() != k * step for k, t in enumerate(pieces)):
+        return None
+    return next((d for d in range(first.dim()) if first.shape[d] * first.stride(d) == step), None)
+
+
+def mark_stacked(ctx, out: torch.Tensor, tensors, dim: int) -> None:
+    """cat along dim 0 of the consecutive chunks of one tensor along another dim (Megatron's
+    split-the-last-dim-and-stack before a reduce-scatter or all-to-all): remember the dim, so
+    the collective that takes the blocks apart knows where they came from."""
+    if dim == 0 and len(tensors) > 1:
+        c = chunk_dim(tensors)
+        if c not in (None, 0):
+            out._sc_stacked = (ctx.key, c, len(tensors))
+
+
+def mark_gathered_rows(ctx, out: torch.Tensor, pl: tuple, axes: list[int], count: int) -> None:
+    """A tensor all-gather of a dim-0 shard: remember that dim 0 of ``out`` stacks the
+    ranks' rows, so putting its chunks side by side along another dim can be told a bug."""
+    rows = [a for a in axes if isinstance(pl[a], Shard) and pl[a].dim == 0]
+    if rows:
+        out._sc_gathered = (ctx.key, tuple(rows), count)
+
+
+def rows_side_by_side(ctx, tensors, dim: int) -> tuple[int, ...]:
+    """Axes on which ``tensors``, joined along ``dim`` != 0, are the row blocks of an all-gather
+    of a dim-0 shard (see :func:`mark_gathered_rows`): Megatron's gather-along-the-last-dim
+    applied to a sequence shard."""
+    base = tensors[0]._base
+    mark = getattr(base, "_sc_gathered", None) if base is not None else None
+    if (dim == 0 or mark is None or mark[0] is not ctx.key or mark[2] != len(tensors)
+            or any(t._base is not base for t in tensors) or chunk_dim(tensors) != 0):
+        return ()
+    return mark[1]
 
 
 PAVG: Placement = _PartialAverage()
@@ -189,6 +242,12 @@ HELP: dict[str, tuple[str, str]] = {
         "the tensor already differs per rank, so taking this rank's chunk of it keeps only a "
         "fraction of each rank's data",
         "split the replicated value, or check which group's rank indexes the split"),
+    "broadcast of partial": (
+        "a broadcast sends one rank's partial sum to every rank: the other ranks' parts are lost",
+        "all_reduce over {axis} instead of broadcasting"),
+    "mean of partial": (
+        "an AVG reduction of partial sums divides their sum by the axis size",
+        "reduce with SUM over {axis}"),
     "unknown axis": (
         "the collective runs on a group whose ranks match no axis of the mesh",
         "use the process group of the axis the data is laid out on"),

@@ -11,6 +11,7 @@ from shardcheck.rules import (
     ADD,
     BlockShard,
     Gathered,
+    GatheredPiece,
     Pl,
     RankChunk,
     SectionShard,
@@ -24,12 +25,14 @@ from shardcheck.rules import (
     is_tensor,
     join,
     looked_up_table,
+    mark_stacked,
     moved,
     norm_dim,
     outer_of,
     reduced_dims,
     replicated,
     row_gradient,
+    rows_side_by_side,
     shift_shards,
 )
 from shardcheck.types import P, Placement, R, S, Shard, V
@@ -274,6 +277,9 @@ def _pieces(ctx, tensors, joined_dim: int | None = None) -> list:
     for t in tensors:
         pl = ctx.types(t)
         if pl is not None:
+            if joined_dim is not None:
+                pl = tuple(V if type(p) is GatheredPiece and norm_dim(p.dim, t.dim()) != joined_dim
+                           else p for p in pl)
             pl = as_pieces(pl)
             if joined_dim is not None:
                 pl = tuple(S(p.dim) if type(p) is SectionShard
@@ -292,6 +298,10 @@ def _cat_rule(ctx, args, kwargs, out):
     pl = elementwise(ctx, _pieces(ctx, tensors, dim))
     if pl is None or len(tensors) == 1:
         return pl
+    for a in rows_side_by_side(ctx, tensors, dim):
+        raise Violation("mixed shards", a, f"the pieces are the rows of a gathered dim-0 shard, "
+                                           f"joined along dim {dim}")
+    mark_stacked(ctx, out, tensors, dim)
     return tuple(_joined_sections(ctx, tensors, a, dim)
                  if isinstance(p, Shard) and norm_dim(p.dim, ndim) == dim else p
                  for a, p in enumerate(pl))
