@@ -212,6 +212,29 @@ class Checker(TorchDispatchMode):
         self._ops: dict[int, Any] = {}
         self._paused = False
         self.varying_cuts = 0
+        self.rank_scalars: dict[int | float, tuple[int, ...]] = {}
+
+    def remember_rank_scalar(self, value: int | float, axes: tuple[int, ...]) -> None:
+        """A Python number read (``.item()``) from a value that differs per rank on ``axes``."""
+        if len(self.rank_scalars) >= 256:
+            self.rank_scalars.pop(next(iter(self.rank_scalars)))
+        self.rank_scalars[value] = axes
+
+    def _rank_scalar_axes(self, args, kwargs) -> set[int]:
+        axes: set[int] = set()
+        for x in (*args, *kwargs.values()):
+            if isinstance(x, int | float) and not isinstance(x, bool) and x in self.rank_scalars:
+                axes.update(self.rank_scalars[x])
+        return axes
+
+    def _varied_by_scalars(self, pl, args, kwargs):
+        """An op given a Python number that differs per rank on some axes: V there."""
+        axes = self._rank_scalar_axes(args, kwargs)
+        if not axes:
+            return pl
+        def vary(one):
+            return None if one is None else tuple(V if a in axes else p for a, p in enumerate(one))
+        return [vary(one) for one in pl] if isinstance(pl, list) else vary(pl)
 
     def count_varying_cut(self) -> int:
         """Number this by-rank cut of a varying tensor (the same on every rank of an SPMD run)."""
@@ -283,7 +306,9 @@ class Checker(TorchDispatchMode):
         alias_zero = self.zero(alias)
         merged = []
         for a, (mine, new) in enumerate(zip(alias_pl, pl, strict=True)):
-            if mine == new or (old is not None and old[a] == new):
+            if new is V and mine is not V:  # values of each rank's own written into it
+                merged.append(V)
+            elif mine == new or (old is not None and old[a] == new):
                 merged.append(mine)
             elif alias_zero and not isinstance(new, Shard):
                 merged.append(new)
@@ -331,6 +356,8 @@ class Checker(TorchDispatchMode):
         if pl is NO_TENSOR:
             self.typed += 1
             return out
+        if self.rank_scalars and pl is not None:
+            pl = self._varied_by_scalars(pl, args, kwargs)
         if pl is None:
             self.unknown[id(func)] += 1
         else:

@@ -9,7 +9,7 @@ collect mode and sends back every value, its checked type and the first step the
 flagged. The one-rank run executes the same steps with groups of size 1 on the global inputs.
 
 Truth, per step: the step's per-rank values are *representable* when some placement per axis
-(R, P, a partial mean, S(d)) rebuilds the one-rank value. The program is *wrong* at its first
+(R, P, S(d)) or the checker's own type rebuilds the one-rank value. The program is *wrong* at its first
 step that is not. A step that depends on a V input, or on a step the checker typed V without
 a report, has no global value to compare with (the checker made no claim): it is *undecided*.
 The checker agrees with the numbers when
@@ -25,6 +25,7 @@ wrong step, or a wrong type, not reported).
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import itertools
 from collections.abc import Callable, Sequence
@@ -85,7 +86,7 @@ class Env:
     """What a step sees of the ranks: size, rank and process group of each group name.
 
     ``mode`` is "dist" (real Gloo ranks), "single" (the one-rank run: every size 1) or "meta"
-    (shapes only: collectives allocate their outputs and move nothing).
+    (shapes only: collectives allocate their outputs and move nothing; the values are junk).
     """
 
     def __init__(self, mode: str, sizes: dict[str, int], ranks: dict[str, int],
@@ -114,26 +115,34 @@ class Env:
 
 def rank_env(layout: str, rank: int, mode: str, groups: dict[str, Any] | None = None) -> Env:
     """The environment of global ``rank`` on ``layout`` (sizes and indices per group name)."""
+    sizes, ranks = _group_positions(layout, rank)
+    return Env(mode, sizes, ranks, groups)
+
+
+@functools.cache
+def _group_positions(layout: str, rank: int) -> tuple[dict[str, int], dict[str, int]]:
     grid = Layout.parse(layout)
     sizes, ranks = {}, {}
     for name in ("tp", "dp", "world"):
         members = grid.group_ranks(name, rank)
         sizes[name], ranks[name] = len(members), members.index(rank)
-    return Env(mode, sizes, ranks, groups)
+    return sizes, ranks
 
 
-def single_env() -> Env:
-    return Env("single", dict.fromkeys(("tp", "dp", "world"), 1), dict.fromkeys(("tp", "dp", "world"), 0))
+def single_env(mode: str = "single") -> Env:
+    return Env(mode, dict.fromkeys(("tp", "dp", "world"), 1), dict.fromkeys(("tp", "dp", "world"), 0))
 
 
 # --- inputs ---------------------------------------------------------------------------------
 
+@functools.cache
 def coords(layout: str, rank: int) -> tuple[int, ...]:
     """``rank``'s coordinate on each axis of ``layout`` (fastest first)."""
     grid = Layout.parse(layout)
     return tuple(grid.coords(rank)[axis] for axis in LAYOUTS[layout])
 
 
+@functools.cache
 def _sizes(layout: str) -> tuple[int, ...]:
     grid = Layout.parse(layout)
     return tuple(grid.size(axis) for axis in LAYOUTS[layout])
@@ -203,16 +212,24 @@ def valid(program: Program) -> bool:
     """Whether every rank can run the program (shapes, divisibility) with equal local shapes
     at every step, and the one-rank run gives finite values; checked without any rank."""
     try:
-        world = len(local_inputs(program))
         shapes = []
-        for rank in range(world):
-            metas = [t.to("meta") for t in local_inputs(program)[rank]]
-            shapes.append([tuple(v.shape) for v in execute(program, rank_env(program.layout, rank, "meta"), metas)])
+        for rank, pieces in enumerate(local_inputs(program)):
+            shapes.append([tuple(v.shape) for v in execute(program, rank_env(program.layout, rank, "meta"), pieces)])
         if any(s != shapes[0] for s in shapes):
             return False
         return all(bool(torch.isfinite(v).all()) for v in reference(program))
     except (RuntimeError, ValueError, IndexError, TypeError, ZeroDivisionError):
         return False
+
+
+def runs(op: str, envs: Sequence[Env], args: Sequence[Sequence[torch.Tensor]], params: dict) -> list | None:
+    """One step's meta results in each environment, or None when it cannot run there."""
+    from shardcheck.oracle_ops import OPS
+
+    try:
+        return [OPS[op](env, *values, **params) for env, values in zip(envs, args, strict=True)]
+    except (RuntimeError, ValueError, IndexError, TypeError, ZeroDivisionError):
+        return None
 
 
 def encode(p: Placement | None) -> tuple | None:
@@ -266,7 +283,7 @@ def _types_of(checker, out: Any) -> tuple | None:
 
 def tolerance(reference: torch.Tensor) -> float:
     scale = reference.abs().max().item() if reference.numel() else 0.0
-    return 1e-9 * max(1.0, scale)
+    return 1e-6 * max(1.0, scale)  # float64 values; a cast to float32 and back stays within
 
 
 def rebuild(layout: str, values: Sequence[torch.Tensor], types: Sequence[tuple | None]) -> torch.Tensor | None:
@@ -342,15 +359,17 @@ def matches(layout: str, values: Sequence[torch.Tensor], types: Sequence[tuple |
 
 
 def representable(layout: str, values: Sequence[torch.Tensor], truth: torch.Tensor) -> bool:
-    """Whether some placement per axis (R, P, a partial mean, S(d)) rebuilds ``truth``. P and
-    the partial mean are tried only on axes whose ranks hold different values: equal values
-    read as a sum would let a value off by the axis size pass (another axis of that size)."""
+    """Whether some placement per axis (R, P, S(d)) rebuilds ``truth``. P is tried only on
+    axes whose ranks hold different values: equal values read as a sum would let a value off
+    by the axis size pass (another axis of that size). A partial mean is not tried: with a sum
+    on another axis of the same size it would let a value off by that size pass; a partial
+    mean the checker claims is compared as claimed."""
     ndim = values[0].dim()
     per_axis = []
     for a in range(len(_sizes(layout))):
         kinds = [("R",), *(("S", d) for d in range(ndim))]
         if not _replicas_agree(layout, values, a):
-            kinds += [("P",), ("PAVG",)]
+            kinds.append(("P",))
         per_axis.append(kinds)
     return any(matches(layout, values, choice, truth) for choice in itertools.product(*per_axis))
 
@@ -367,7 +386,7 @@ def _replicas_agree(layout: str, values: Sequence[torch.Tensor], axis: int) -> b
 class Verdict:
     """The oracle's verdict on one program."""
 
-    outcome: str  # "right", "wrong", "false alarm", "miss", "undecided"
+    outcome: str  # "right", "wrong", "false alarm", "miss", "undecided", "error"
     first_wrong: int | None = None
     flagged: tuple[int, str] | None = None
     why: str = ""
@@ -473,6 +492,11 @@ def _show(typed: tuple | None) -> str:
 
 
 def check(pool, program: Program) -> Verdict:
-    """Run ``program`` on the pool's ranks and judge it."""
-    results = pool.run(program.layout, on_rank, program, local_inputs(program))
+    """Run ``program`` on the pool's ranks and judge it (outcome "error" when a rank failed)."""
+    from shardcheck.pool import PoolFailure
+
+    try:
+        results = pool.run(program.layout, on_rank, program, local_inputs(program), timeout=30)
+    except PoolFailure as failure:
+        return Verdict("error", why=str(failure).splitlines()[-1])
     return judge(program, results)

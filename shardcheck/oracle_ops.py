@@ -24,6 +24,11 @@ _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.R
                "min": dist.ReduceOp.MIN, "product": dist.ReduceOp.PRODUCT}
 
 
+def _buffer(x: torch.Tensor) -> torch.Tensor:
+    """A contiguous receive buffer shaped like ``x`` (Gloo needs contiguous ones)."""
+    return x.new_empty(x.shape)
+
+
 def _moves(env: Env, g: str) -> bool:
     return env.moves_data and env.size(g) > 1
 
@@ -38,7 +43,7 @@ def all_reduce(env: Env, x, g: str, op: str = "sum"):
 
 
 def all_gather_list(env: Env, x, g: str, dim: int = 0):
-    outs = [torch.empty_like(x) for _ in range(env.size(g))]
+    outs = [_buffer(x) for _ in range(env.size(g))]
     if _moves(env, g):
         dist.all_gather(outs, x.contiguous(), group=env.group(g))
     elif env.mode == "single":
@@ -75,7 +80,7 @@ def reduce_scatter_list(env: Env, x, g: str, dim: int = 0):
     pieces = list(x.chunk(env.size(g), dim))
     if len(pieces) != env.size(g) or x.shape[dim] % env.size(g):
         raise ValueError("dim does not split")
-    out = torch.empty_like(pieces[0])
+    out = _buffer(pieces[0])
     if _moves(env, g):
         dist.reduce_scatter(out, pieces, group=env.group(g))
     elif env.mode == "single":
@@ -106,7 +111,7 @@ def scatter(env: Env, x, g: str, dim: int = 0):
     if x.shape[dim] % n:
         raise ValueError("dim does not split")
     pieces = [c.contiguous() for c in x.chunk(n, dim)]
-    out = torch.empty_like(pieces[0])
+    out = _buffer(pieces[0])
     if _moves(env, g):
         dist.scatter(out, pieces if env.rank(g) == 0 else None, src=env.global_rank(g, 0), group=env.group(g))
     elif env.mode == "single":
@@ -121,7 +126,7 @@ def gather(env: Env, x, g: str):
     if not _moves(env, g):
         return torch.cat([x.clone()] * n) if env.mode == "meta" else x.clone()
     first = env.rank(g) == 0
-    outs = [torch.empty_like(x) for _ in range(n)] if first else None
+    outs = [_buffer(x) for _ in range(n)] if first else None
     dist.gather(x.contiguous(), outs, dst=env.global_rank(g, 0), group=env.group(g))
     return torch.cat(outs) if first else x.new_zeros((x.shape[0] * n, *x.shape[1:]))
 
@@ -134,7 +139,7 @@ def reduce(env: Env, x, g: str):
 
 
 def all_to_all_single(env: Env, x, g: str):
-    out = torch.empty_like(x)
+    out = _buffer(x)
     if x.shape[0] % env.size(g):
         raise ValueError("dim 0 does not split")
     if _moves(env, g):
@@ -150,7 +155,7 @@ def all_to_all_list(env: Env, x, g: str, dim: int = 0):
     if x.shape[dim] % n:
         raise ValueError("dim does not split")
     pieces = [c.contiguous() for c in x.chunk(n, dim)]
-    outs = [torch.empty_like(p) for p in pieces]
+    outs = [_buffer(p) for p in pieces]
     if _moves(env, g):
         dist.all_to_all(outs, pieces, group=env.group(g))
     elif env.mode == "single":
@@ -174,7 +179,7 @@ def hp_to_sp(env: Env, x, g: str):
 
 def exchange(env: Env, x, g: str):
     """Batched P2P: send to the next rank of the group, receive from the previous one."""
-    y = torch.empty_like(x)
+    y = _buffer(x)
     if not _moves(env, g):
         return y.copy_(x)
     n, r = env.size(g), env.rank(g)
@@ -272,7 +277,7 @@ def add_into_view(env: Env, x, y, dim: int = 0):
 
 def copy_into(env: Env, x, y):
     """``out.copy_(y)`` into a fresh buffer shaped like ``x``."""
-    return torch.empty_like(x).copy_(y)
+    return _buffer(x).copy_(y)
 
 
 # --- aten ops --------------------------------------------------------------------------------

@@ -685,7 +685,12 @@ def _normalize_rule(ctx, args, kwargs, out):
             raise Violation("mean over shard" if p is PAVG else "non-linear on partial", a)
         if isinstance(p, Shard) and norm_dim(p.dim, x.dim()) == dim:
             raise Violation("normalization over shard", a)
-    return pl
+    return _no_gathered(pl)
+
+
+def _no_gathered(pl: Pl) -> Pl:
+    """A normalisation of gathered blocks (stacked on dim 0, not joined) mixes the blocks."""
+    return tuple(None if isinstance(p, Gathered) else p for p in pl)
 
 
 def _normalize_backward_rule(ctx, args, kwargs, out):
@@ -707,7 +712,8 @@ def _layer_norm_rule(ctx, args, kwargs, out):
         if isinstance(p, Shard) and norm_dim(p.dim, x.dim()) >= first:
             raise Violation("normalization over shard", a)
     weight, bias = arg(args, kwargs, 2, "weight"), arg(args, kwargs, 3, "bias")
-    return [elementwise(ctx, [(x, NL), (weight, NL), (bias, NL)]), pl, pl]
+    y = elementwise(ctx, [(x, NL), (weight, NL), (bias, NL)])
+    return [None if y is None else _no_gathered(y), _no_gathered(pl), _no_gathered(pl)]
 
 
 def join(a: Pl | None, b: Pl | None) -> Pl | None:
@@ -939,6 +945,14 @@ def _varying_rule(ctx, args, kwargs, out):
 
 
 def _scalar_rule(ctx, args, kwargs, out):
+    """``.item()``: a Python number read from a tensor. Read from a value that is not the same
+    on every rank of some axis, it differs per rank there: remembered (by value) so that the
+    ops it later enters are V on those axes (see ``Checker.rank_scalars``)."""
+    pl = ctx.types(args[0]) if is_tensor(args[0]) else None
+    if pl is not None and isinstance(out, int | float) and not isinstance(out, bool):
+        axes = tuple(a for a, p in enumerate(pl) if p is not None and not replicated(p))
+        if axes:
+            ctx.remember_rank_scalar(out, axes)
     return NO_TENSOR
 
 
