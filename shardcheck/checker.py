@@ -50,6 +50,9 @@ _LAST: list[Checker] = []
 # What is known of a value: nothing, every element equal (a slice of a constant global tensor
 # fits any layout), or all zero (also fits a partial sum).
 CONST, ZERO = 1, 2
+# Replicated zeros that one value was added into (``acc = zeros; if rank == 0: acc += x``): a
+# rank cannot tell whether the others added too (a sum over the axis, P) or hold zeros.
+ACC = 4
 # How an op's result relates to its inputs' known values: made zero; constant, zero when its
 # value arg is 0; as its input; as its source (copy_); constant when all tensor inputs are;
 # a Python number made a tensor (torch.tensor(0.0)).
@@ -268,7 +271,11 @@ class Checker(TorchDispatchMode):
 
     def const(self, t: Any) -> bool:
         st = getattr(t, "_sc", None)
-        return st is not None and st[0] is self.key and st[2] > 0
+        return st is not None and st[0] is self.key and st[2] in (CONST, ZERO)
+
+    def accumulated(self, t: Any) -> bool:
+        """Whether ``t`` is zeros that one value was added into (see ACC)."""
+        return self._flags(t) == ACC
 
     def _flags(self, t: Any) -> int:
         st = getattr(t, "_sc", None)
@@ -383,6 +390,8 @@ class Checker(TorchDispatchMode):
         if self.sites is not None:
             self._count_site(func, args, out, typed=pl is not None)
         flags = self._value_flags(zero_kind, func, args) if zero_kind and pl is not None else 0
+        if zero_kind == _ARITH and pl is not None and _base_name(func) == "add":
+            flags = self._accumulation(args, flags)
         if mutated:
             if pl is None:
                 self._forget(mutated, args, kwargs)
@@ -431,6 +440,13 @@ class Checker(TorchDispatchMode):
                 if base is not None and p is not None:
                     self.register_view(t, base)
 
+    def _accumulation(self, args, flags: int) -> int:
+        """zeros + x (in place or not), x a value of its own: ACC."""
+        if (len(args) >= 2 and isinstance(args[1], torch.Tensor) and self.zero(args[0])
+                and not self.zero(args[1])):
+            return ACC
+        return flags
+
     def _value_flags(self, kind: int, func, args) -> int:
         if kind == _ARITH:
             for a in args:
@@ -455,7 +471,7 @@ class Checker(TorchDispatchMode):
     def _report(self, violation: Violation, func, args) -> None:
         location = user_location()
         message = self.describe(violation, location, func, args)
-        if self.mode == "raise":
+        if self.mode == "raise" and not violation.unconfirmed:
             raise SpmdTypeError(message, violation.rule, location, str(func))
         if (location, violation.rule) not in self._seen:
             self._seen.add((location, violation.rule))
@@ -490,7 +506,7 @@ class Checker(TorchDispatchMode):
         pl = self.types(x)
         if pl is None:
             return "?"
-        known = {CONST: " const", ZERO: " zero"}.get(self._flags(x), "")
+        known = {CONST: " const", ZERO: " zero", ACC: " accumulated"}.get(self._flags(x), "")
         inner = ", ".join(f"{n}:{'?' if p is None else p}"
                           for n, p in zip(self.names, pl, strict=True))
         return "{" + inner + "}" + known

@@ -181,8 +181,27 @@ def _allreduce(ctx, args, kwargs, out):
         return _buffer_update(ctx, tensors, group, _all_reduce_step(op))
     axes, step = _axes(ctx, group), _all_reduce_step(op)
     for t, pl in zip(tensors, pls, strict=True):
-        _typed_update(ctx, [t], pl, axes, step)
+        if op == SUM and (ctx.zero(t) or ctx.accumulated(t)):
+            _sum_of_contributions(ctx, t, pl, axes)
+        else:
+            _typed_update(ctx, [t], pl, axes, step)
     return NO_TENSOR
+
+
+def _sum_of_contributions(ctx, t: torch.Tensor, pl: Pl, axes: list[int]) -> None:
+    """A SUM all-reduce of replicated zeros, or of zeros one value was added into: zeros sum
+    to zeros, and a value added on some ranks only is their contribution (Megatron adds the
+    loss on the last pipeline stage only). Added on every rank it is a double count: each
+    rank reports it, and the report stands when ranks at two coordinates make it."""
+    for a in axes:
+        if pl[a] is R or pl[a] is I:
+            occurrence = ctx.count_varying_cut()  # on every rank, zeros or not: numbered alike
+            if ctx.accumulated(t):
+                ctx._report(Violation("double count", a, "zeros this rank added a replicated value "
+                                      "into: a double count if every rank added it", occurrence,
+                                      unconfirmed=True), torch.ops.c10d.allreduce_.default, (t,))
+    step = _all_reduce_step(SUM)
+    _typed_update(ctx, [t], pl, axes, lambda p, a: R if p is R or p is I else step(p, a))
 
 
 def _buffer_update(ctx, tensors, group, step) -> Any:

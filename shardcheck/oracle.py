@@ -196,11 +196,19 @@ def execute(program: Program, env: Env, inputs: Sequence[torch.Tensor],
 
     values = list(inputs)
     for i, step in enumerate(program.steps):
-        out = OPS[step.op](env, *(values[j] for j in step.args), **dict(step.params))
+        scope = {"op": OPS[step.op], "env": env, "args": [values[j] for j in step.args],
+                 "params": dict(step.params)}
+        exec(_step_code(i), scope)  # the checker locates what it reports at "<step i>"
+        out = scope["out"]
         values.append(out)
         if on_step is not None:
             on_step(i, out)
     return values
+
+
+@functools.cache
+def _step_code(i: int):
+    return compile("out = op(env, *args, **params)", f"<step {i}>", "exec")
 
 
 def reference(program: Program) -> list[torch.Tensor]:
@@ -256,7 +264,7 @@ def on_rank(ctx, program: Program, per_rank: list[list[torch.Tensor]]) -> dict[s
     env = rank_env(program.layout, ctx.rank, "dist", {name: ctx.groups[name] for name in ("tp", "dp", "world")})
     mesh = Mesh(rank=ctx.rank, **{axis: ctx.groups[axis] for axis in program.axes})
     types: list[tuple | None] = []
-    flag: list[tuple[int, str]] = []
+    records: list[dict[str, Any]] = []
     with contextlib.redirect_stderr(io.StringIO()), typecheck(mesh, mode="collect") as checker:
         from shardcheck.checker import annotate
 
@@ -266,17 +274,58 @@ def on_rank(ctx, program: Program, per_rank: list[list[torch.Tensor]]) -> dict[s
 
         def record(i: int, out: Any) -> None:
             types.append(_types_of(checker, out))
-            if not flag and checker.records:
-                flag.append((i, checker.records[0].rule))
+            records.extend(r.as_dict() for r in checker.records[len(records):])
 
         values = execute(program, env, inputs, record)
     return {"values": [v.detach().clone() for v in values[len(inputs):]], "types": types,
-            "flag": flag[0] if flag else None}
+            "records": records}
 
 
 def _types_of(checker, out: Any) -> tuple | None:
     pl = checker.types(out) if isinstance(out, torch.Tensor) else None
-    return None if pl is None else tuple(encode(p) for p in pl)
+    if pl is None:
+        return None
+    if checker.accumulated(out):  # see _read_accumulated
+        return tuple(("ACC",) if p in (rules.R, rules.I) else encode(p) for p in pl)
+    if checker.zero(out):
+        return tuple(("ZERO",) if p in (rules.R, rules.I) else encode(p) for p in pl)
+    return tuple(encode(p) for p in pl)
+
+
+def _read_accumulated(layout: str, types: Sequence[tuple | None]) -> tuple | None:
+    """The ranks' types as one claim. On an axis, zeros a value was added into (ACC) are R
+    where every rank of the axis' groups added, and the contributions of a sum (P) where the
+    others hold zeros; zeros alone are R."""
+    if any(t is None for t in types) or len({len(t) for t in types}) != 1:
+        return None
+    claim = []
+    for a in range(len(types[0])):
+        kinds = {t[a] for t in types}
+        if kinds <= {("ACC",), ("ZERO",)}:
+            groups: dict[tuple, set] = {}
+            for r, t in enumerate(types):
+                key = coords(layout, r)
+                groups.setdefault(key[:a] + key[a + 1:], set()).add(t[a])
+            mixed = {len(g) > 1 for g in groups.values()}
+            if mixed == {True}:
+                claim.append(("P",))
+            elif mixed == {False}:
+                claim.append(("R",))
+            else:
+                return None
+        elif len(kinds) == 1:
+            claim.append(types[0][a])
+        else:
+            return None
+    return tuple(claim)
+
+
+def first_report(results: Sequence[dict[str, Any]]) -> tuple[int, str] | None:
+    """The first step the checker reported, by the reports the ranks confirm together."""
+    from shardcheck.checker import confirmed_across_ranks
+
+    confirmed = confirmed_across_ranks(r["records"] for r in results)
+    return min(((int(v["location"].split()[1].split(">")[0]), v["rule"]) for v in confirmed), default=None)
 
 
 # --- judging --------------------------------------------------------------------------------
@@ -400,8 +449,7 @@ class Verdict:
 def judge(program: Program, results: Sequence[dict[str, Any]]) -> Verdict:
     """Compare the checker's report and types (``results``, one per rank) with the numbers."""
     truth = reference(program)[len(program.inputs):]
-    flags = [r["flag"] for r in results if r["flag"] is not None]
-    flagged = min(flags) if flags else None
+    flagged = first_report(results)
     base = len(program.inputs)
     tainted = {i for i, inp in enumerate(program.inputs) if "V" in dict(inp.placements).values()}
     notes: list[str] = []
@@ -409,7 +457,7 @@ def judge(program: Program, results: Sequence[dict[str, Any]]) -> Verdict:
     for i, step in enumerate(program.steps[:last + 1]):
         values = [r["values"][i] for r in results]
         types = [r["types"][i] for r in results]
-        typed = types[0] if all(t == types[0] for t in types) else None
+        typed = _read_accumulated(program.layout, types)
         claims = typed is not None and _claims(typed)
         reported = flagged is not None and i == flagged[0]
         if any(a in tainted for a in step.args) or _reads_varying(program, step, results[0]["types"]):

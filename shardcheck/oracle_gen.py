@@ -32,8 +32,8 @@ ATEN = tuple(name for name in SPECS if name not in COLLECTIVES)
 # Ops whose disagreements with the numbers are open checker gaps (docs/oracle.md): the
 # benchmark draws them, the CI share leaves them out and tests that they still disagree.
 KNOWN_GAPS = {
-    "accumulate_on_first_rank": "zeros accumulated into on one rank only: each rank types its own "
-                                "value (R on the adding rank, zero elsewhere), not the sum (P)",
+    "add_on_first_rank": "a branch on the rank: each rank types the branch it took, so a replicated "
+                         "value changed on one rank only still reads R there and elsewhere",
     "slice_by_rank": "a by-rank slice of a partial sum keeps P; one rank's chunk of each partial is "
                      "no layout of the sum",
 }

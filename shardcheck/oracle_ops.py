@@ -262,6 +262,13 @@ def accumulate_on_first_rank(env: Env, x, g: str):
     return acc
 
 
+def zeros_plus(env: Env, x):
+    """``acc = zeros; acc += x`` on every rank."""
+    acc = torch.zeros_like(x)
+    acc += x
+    return acc
+
+
 def scale_by_item(env: Env, x, s):
     """A Python number read from a tensor scales another (``x * loss_scale.item()``)."""
     return x * env.item(s.sum())
@@ -364,6 +371,7 @@ SPECS: dict[str, OpSpec] = {
     "slice_by_rank": OpSpec(slice_by_rank, 1, (("g", GROUPS), ("dim", DIMS))),
     "add_on_first_rank": OpSpec(add_on_first_rank, 2, (("g", GROUPS),)),
     "accumulate_on_first_rank": OpSpec(accumulate_on_first_rank, 1, (("g", GROUPS),)),
+    "zeros_plus": OpSpec(zeros_plus, 1),
     "scale_by_item": OpSpec(scale_by_item, 2),
 }
 

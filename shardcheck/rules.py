@@ -195,9 +195,13 @@ Pl = tuple  # per-axis placements, None where unknown
 class Violation(Exception):
     """A rule's verdict: ``rule`` broken on mesh axis ``axis`` (an index)."""
 
-    def __init__(self, rule: str, axis: int, why: str = "", occurrence: int | None = None) -> None:
+    def __init__(self, rule: str, axis: int, why: str = "", occurrence: int | None = None,
+                 unconfirmed: bool = False) -> None:
         super().__init__(rule)
         self.rule, self.axis, self.why, self.occurrence = rule, axis, why, occurrence
+        # a report that stands only when ranks at two or more coordinates make it (see
+        # checker.confirmed_across_ranks): recorded, never raised by one rank alone
+        self.unconfirmed = unconfirmed
 
 
 HELP: dict[str, tuple[str, str]] = {

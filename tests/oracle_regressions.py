@@ -50,3 +50,11 @@ REGRESSIONS = [
                                                   ("f_all_gather", (0,), (("g", "world"), ("dim", 0)))),
      "right", None),
 ]
+
+# the loss added on one rank only, then summed: its contribution, no double count
+REGRESSIONS += [
+    ("zeros added into on one rank, then summed",
+     one("tp2", (("tp", "R"),), ("accumulate_on_first_rank", (0,), G), ("all_reduce", (1,), G)), "right", None),
+    ("zeros added into on every rank, then summed", one("tp2", (("tp", "R"),), ("zeros_plus", (0,), ()),
+                                                        ("all_reduce", (1,), G)), "wrong", 1),
+]

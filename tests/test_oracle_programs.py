@@ -31,8 +31,8 @@ def test_generated_programs_agree_with_the_numbers(pool, program):
 
 
 GAP_PROGRAMS = {
-    "accumulate_on_first_rank": Program("tp2", (Input((8, 8), (("tp", "R"),)),),
-                                        (Step("accumulate_on_first_rank", (0,), (("g", "tp"),)),)),
+    "add_on_first_rank": Program("tp2", (Input((8, 8), (("tp", "R"),)),),
+                                 (Step("add_on_first_rank", (0, 0), (("g", "tp"),)),)),
     "slice_by_rank": Program("tp2", (Input((8, 8), (("tp", "P"),)),),
                              (Step("slice_by_rank", (0,), (("g", "tp"), ("dim", 0))),)),
 }
@@ -58,7 +58,7 @@ def test_a_false_alarm_and_a_miss_are_told(pool):
     assert valid(program)
     results = pool.run("tp2", on_rank, program, local_inputs(program))
     assert judge(program, results).outcome == "right"
-    alarmed = [{**r, "flag": (0, "double count")} for r in results]
+    alarmed = [{**r, "records": [{"rule": "double count", "location": "<step 0>:1"}]} for r in results]
     assert judge(program, alarmed).outcome == "false alarm"
     mistyped = [{**r, "types": [(("P",),)]} for r in results]
     assert judge(program, mistyped).outcome == "miss"
