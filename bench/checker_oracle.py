@@ -26,7 +26,7 @@ from shardcheck.oracle_gen import programs
 from shardcheck.pool import RankPool
 
 
-def run(count: int, at_seed: int) -> tuple[collections.Counter, list, float]:
+def run(count: int, at_seed: int, progress: bool = True) -> tuple[collections.Counter, list, float]:
     outcomes: collections.Counter = collections.Counter()
     disagreements = []
     with RankPool(4) as pool:
@@ -37,6 +37,9 @@ def run(count: int, at_seed: int) -> tuple[collections.Counter, list, float]:
         def judge(program):
             verdict = check(pool, program)
             outcomes[verdict.outcome] += 1
+            done = sum(outcomes.values())
+            if progress and done % 500 == 0:
+                print(f"{done} programs: {dict(outcomes)}", file=sys.stderr, flush=True)
             if not verdict.agrees:
                 disagreements.append((program, verdict))
 
@@ -57,10 +60,11 @@ def main() -> int:
     outcomes, disagreements, elapsed = run(args.programs, args.seed)
     total = sum(outcomes.values())
     table = Table(title=f"checker vs numbers: {total} generated programs, seed {args.seed}")
-    for column in ("programs", "right", "wrong", "false alarms", "misses", "undecided", "programs/s"):
+    for column in ("programs", "right", "wrong", "false alarms", "misses", "undecided", "errors", "programs/s"):
         table.add_column(column, justify="right")
     table.add_row(str(total), str(outcomes["right"]), str(outcomes["wrong"]), str(outcomes["false alarm"]),
-                  str(outcomes["miss"]), str(outcomes["undecided"]), f"{total / elapsed:.1f}")
+                  str(outcomes["miss"]), str(outcomes["undecided"]), str(outcomes["error"]),
+                  f"{total / elapsed:.1f}")
     Console().print(table)
     for program, verdict in disagreements[:20]:
         print(f"{verdict.outcome}: {verdict.why}\n  {program!r}")

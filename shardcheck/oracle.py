@@ -344,7 +344,10 @@ def rebuild(layout: str, values: Sequence[torch.Tensor], types: Sequence[tuple |
     if stacked:  # gathered blocks: replicas on those axes, then unstacked over all of them
         if len({types[a][1] for a in stacked}) > 1:
             return None
-        items = _unstack(items, stacked, sizes, types[stacked[0]][1])
+        try:
+            items = _unstack(items, stacked, sizes, types[stacked[0]][1])
+        except RuntimeError:
+            return None
         if items is None:
             return None
         types = [("R",) if a in stacked else t for a, t in enumerate(types)]
@@ -374,6 +377,13 @@ def _unstack(items: dict, axes: list[int], sizes: tuple[int, ...], dim: int) -> 
 
 
 def _combine(p: tuple | None, parts: list[torch.Tensor]) -> torch.Tensor | None:
+    try:
+        return _combined(p, parts)
+    except (RuntimeError, IndexError, ValueError):  # the type does not fit these local shapes
+        return None
+
+
+def _combined(p: tuple | None, parts: list[torch.Tensor]) -> torch.Tensor | None:
     kind = None if p is None else p[0]
     if kind in ("R", "I"):
         tol = tolerance(parts[0])
