@@ -286,9 +286,9 @@ def _types_of(checker, out: Any) -> tuple | None:
     if pl is None:
         return None
     if checker.accumulated(out):  # see _read_accumulated
-        return tuple(("ACC",) if p in (rules.R, rules.I) else encode(p) for p in pl)
+        return tuple(("ACC", encode(p)) for p in pl)
     if checker.zero(out):
-        return tuple(("ZERO",) if p in (rules.R, rules.I) else encode(p) for p in pl)
+        return tuple(("ZERO", encode(p)) for p in pl)
     return tuple(encode(p) for p in pl)
 
 
@@ -301,18 +301,21 @@ def _read_accumulated(layout: str, types: Sequence[tuple | None]) -> tuple | Non
     claim = []
     for a in range(len(types[0])):
         kinds = {t[a] for t in types}
-        if kinds <= {("ACC",), ("ZERO",)}:
+        if all(k is not None and k[0] in ("ACC", "ZERO") for k in kinds):
+            inner = {k[1] for k in kinds}
             groups: dict[tuple, set] = {}
             for r, t in enumerate(types):
                 key = coords(layout, r)
-                groups.setdefault(key[:a] + key[a + 1:], set()).add(t[a])
+                groups.setdefault(key[:a] + key[a + 1:], set()).add(t[a][0])
             mixed = {len(g) > 1 for g in groups.values()}
-            if mixed == {True}:
-                claim.append(("P",))
-            elif mixed == {False}:
-                claim.append(("R",))
-            else:
+            if len(inner) != 1 or len(mixed) != 1:
                 return None
+            if mixed == {True}:  # added on some ranks of the axis only: their contributions
+                if inner not in ({("R",)}, {("I",)}):
+                    return None
+                claim.append(("P",))
+            else:
+                claim.append(inner.pop())
         elif len(kinds) == 1:
             claim.append(types[0][a])
         else:
@@ -480,6 +483,12 @@ def judge(program: Program, results: Sequence[dict[str, Any]]) -> Verdict:
             notes.append(f"{i} {step.op}: undecided, typed {_show(typed)}")
             continue
         fits = claims and matches(program.layout, values, typed, truth[i])
+        if _constant(values, truth[i]):  # every placement fits a constant: nothing to judge
+            tainted.add(base + i)
+            notes.append(f"{i} {step.op}: constant, typed {_show(typed)}")
+            if reported:
+                return Verdict("undecided", None, flagged, f"step {i} ({step.op}) reported on a constant", notes)
+            continue
         ok = fits or representable(program.layout, values, truth[i])
         notes.append(f"{i} {step.op}: {'fits' if ok else 'WRONG'}, typed {_show(typed)}")
         if reported:
@@ -531,6 +540,17 @@ def _reads_varying(program: Program, step: Step, step_types: Sequence[tuple | No
 
 def _same_dim(d: int, cut: int, step: Step) -> bool:
     return d == cut or (cut < 0 and d >= 0 and d == 1) or (d < 0 and cut == 1)
+
+
+def _constant(values: Sequence[torch.Tensor], truth: torch.Tensor) -> bool:
+    """Every element of every rank's value and of the one-rank value equal (``x - x``, a
+    softmax over a dim of size 1): R, P and every shard rebuild it alike."""
+    if not truth.numel():
+        return True
+    c = truth.flatten()[0]
+    tol = tolerance(truth)
+    return (truth - c).abs().max().item() <= tol and all(
+        v.numel() and (v - c).abs().max().item() <= tol for v in values)
 
 
 def _claims(typed: tuple) -> bool:

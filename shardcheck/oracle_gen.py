@@ -34,8 +34,12 @@ ATEN = tuple(name for name in SPECS if name not in COLLECTIVES)
 KNOWN_GAPS = {
     "add_on_first_rank": "a branch on the rank: each rank types the branch it took, so a replicated "
                          "value changed on one rank only still reads R there and elsewhere",
-    "slice_by_rank": "a by-rank slice of a partial sum keeps P; one rank's chunk of each partial is "
-                     "no layout of the sum",
+    "accumulate_on_first_rank": "zeros one rank added a value into are that rank's contribution: "
+                                "summed over the axis they are typed right, but an op on them (neg, "
+                                "matmul) reads them as the value itself (R) on every rank",
+    "slice_by_rank": "a by-rank slice of a value that is not replicated (a partial sum, a shard "
+                     "along another dim) keeps its type; each rank's chunk of its own part is no "
+                     "layout of the global value",
 }
 
 
