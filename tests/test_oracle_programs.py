@@ -22,7 +22,7 @@ def test_regression(pool, program, outcome, step):
     assert (verdict.outcome, verdict.first_wrong) == (outcome, step), verdict.why
 
 
-@settings(max_examples=40, derandomize=True, database=None, deadline=None,
+@settings(max_examples=30, derandomize=True, database=None, deadline=None,
           suppress_health_check=list(HealthCheck))
 @given(program=programs(gaps=False))
 def test_generated_programs_agree_with_the_numbers(pool, program):
