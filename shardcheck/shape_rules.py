@@ -19,6 +19,7 @@ from shardcheck.rules import (
     Violation,
     arg,
     as_pieces,
+    chunk_dim,
     cut_into_rows,
     elementwise,
     is_partial,
@@ -302,9 +303,40 @@ def _cat_rule(ctx, args, kwargs, out):
         raise Violation("mixed shards", a, f"the pieces are the rows of a gathered dim-0 shard, "
                                            f"joined along dim {dim}")
     mark_stacked(ctx, out, tensors, dim)
+    ungathered = _ungathered(ctx, tensors, dim)
+    if ungathered is not None:
+        return ungathered
     return tuple(_joined_sections(ctx, tensors, a, dim)
                  if isinstance(p, Shard) and norm_dim(p.dim, ndim) == dim else p
                  for a, p in enumerate(pl))
+
+
+def _ungathered(ctx, tensors, dim: int) -> Pl | None:
+    """The dim-0 chunks of gathered blocks (all-gathered from S(dim) on some axes) joined
+    along ``dim`` again, in order: the gathered axes are R, and the others keep the gathered
+    tensor's placement. A shard of ``dim`` on an axis outside (slower than) the gathered ones
+    is whole again; on an axis inside them its pieces are sections (see _joined_sections)."""
+    base = tensors[0]._base
+    pl = ctx.types(base) if base is not None else None
+    if (pl is None or any(t._base is not base for t in tensors) or chunk_dim(tensors) != 0
+            or tensors[0].storage_offset() != base.storage_offset()):
+        return None
+    gathered = [a for a, p in enumerate(pl) if isinstance(p, Gathered)]
+    if not gathered or any(norm_dim(pl[a].dim, base.dim()) != dim for a in gathered):
+        return None
+    if len(tensors) != prod(ctx.sizes[a] for a in gathered):
+        return None
+    inner = max(_stride(ctx, a) for a in gathered)
+    if any(isinstance(p, Shard) and norm_dim(p.dim, base.dim()) == dim and _stride(ctx, a) < inner
+           for a, p in enumerate(pl) if a not in gathered):
+        return None  # a shard of an axis inside the gathered ones: its pieces are sections
+    return tuple(R if a in gathered else p for a, p in enumerate(pl))
+
+
+def _stride(ctx, a: int) -> int:
+    """How far apart in rank neighbours on axis ``a`` are: the inner (faster) axis is nearer."""
+    ranks = ctx.mesh.axes[ctx.names[a]].ranks
+    return abs(ranks[1] - ranks[0]) if len(ranks) > 1 else 0
 
 
 def _joined_sections(ctx, tensors, a: int, dim: int) -> Placement:

@@ -58,3 +58,14 @@ REGRESSIONS += [
     ("zeros added into on every rank, then summed", one("tp2", (("tp", "R"),), ("zeros_plus", (0,), ()),
                                                         ("all_reduce", (1,), G)), "wrong", 1),
 ]
+
+# a dim sharded on both axes (dp outside tp): gathering the inner axis leaves the outer one's
+# shard whole (was typed sections), gathering the outer one leaves the inner one's pieces as
+# sections
+S1_BOTH = (("tp", "S(1)"), ("dp", "S(1)"))
+REGRESSIONS += [
+    ("gather the inner axis of a dim sharded twice",
+     one("tp2-dp2", S1_BOTH, ("f_all_gather", (0,), (("g", "tp"), ("dim", 1)))), "right", None),
+    ("gather the outer axis of a dim sharded twice",
+     one("tp2-dp2", S1_BOTH, ("gather_last_dim", (0,), (("g", "dp"),))), "right", None),
+]
