@@ -22,8 +22,10 @@ from shardcheck.rules import (
     Gathered,
     GatheredPiece,
     Pl,
+    SectionShard,
     Violation,
     as_pieces,
+    axis_stride,
     chunk_dim,
     is_partial,
     is_sum,
@@ -230,7 +232,22 @@ def _allgather_base(ctx, args, kwargs, out):
         return _typed_update(ctx, [output], None, (), None)
     axes = _axes(ctx, group)
     mark_gathered_rows(ctx, output, pl, axes, len(group_ranks(group)))
-    return _typed_update(ctx, [output], pl, axes, _gather_step(True, inp))
+    return _typed_update(ctx, [output], _inner_rows_as_sections(ctx, pl, axes, inp), axes,
+                         _gather_step(True, inp))
+
+
+def _inner_rows_as_sections(ctx, pl: Pl, axes: list[int], inp: torch.Tensor) -> Pl:
+    """Gathering dim-0 shards over ``axes``: an axis inside them (faster) that shards dim 0
+    too now holds its piece of each gathered block, in order: sections of dim 0."""
+    if not any(isinstance(pl[a], Shard) and pl[a].dim % max(inp.dim(), 1) == 0 for a in axes):
+        return pl
+    outer = min(axis_stride(ctx, a) for a in axes)
+    count = 1
+    for a in axes:
+        count *= ctx.sizes[a]
+    return tuple(SectionShard(0, (inp.shape[0],) * count)
+                 if a not in axes and type(p) is Shard and p.dim % max(inp.dim(), 1) == 0
+                 and ctx.sizes[a] > 1 and axis_stride(ctx, a) < outer else p for a, p in enumerate(pl))
 
 
 def _functional_gather(ctx, args, kwargs, out):

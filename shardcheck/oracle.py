@@ -344,6 +344,9 @@ def rebuild(layout: str, values: Sequence[torch.Tensor], types: Sequence[tuple |
     sizes = _sizes(layout)
     items = {coords(layout, r): v for r, v in enumerate(values)}
     stacked = [a for a, t in enumerate(types) if t is not None and t[0] == "G"]
+    sharded = [a for a, t in enumerate(types) if t is not None and t[0] in ("S", "SEC", "B")]
+    if stacked and sharded and any(types[a][1] == types[stacked[0]][1] for a in sharded):
+        return _rebuild_in_order(items, types, sizes)  # blocks of a dim sharded on other axes
     if stacked:  # gathered blocks: replicas on those axes, then unstacked over all of them
         if len({types[a][1] for a in stacked}) > 1:
             return None
@@ -359,6 +362,26 @@ def rebuild(layout: str, values: Sequence[torch.Tensor], types: Sequence[tuple |
         for key in {k[:a] + (None,) + k[a + 1:] for k in items}:
             parts = [items[key[:a] + (c,) + key[a + 1:]] for c in range(size)]
             whole = _combine(types[a], parts)
+            if whole is None:
+                return None
+            merged[key] = whole
+        items = merged
+    return next(iter(items.values()))
+
+
+def _rebuild_in_order(items: dict, types, sizes) -> torch.Tensor | None:
+    """Axes combined fastest first, a gathered axis unstacking its blocks at its turn: the
+    inner axes' pieces join inside each block first."""
+    for a, size in enumerate(sizes):
+        merged = {}
+        for key in {k[:a] + (None,) + k[a + 1:] for k in items}:
+            parts = [items[key[:a] + (c,) + key[a + 1:]] for c in range(size)]
+            if types[a][0] == "G":
+                whole = _combine(("R",), parts)
+                whole = None if whole is None else _unstack({(): whole}, [a], sizes, types[a][1])
+                whole = None if whole is None else whole[()]
+            else:
+                whole = _combine(types[a], parts)
             if whole is None:
                 return None
             merged[key] = whole

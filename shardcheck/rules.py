@@ -165,6 +165,13 @@ def mark_stacked(ctx, out: torch.Tensor, tensors, dim: int) -> None:
             out._sc_stacked = (ctx.key, c, len(tensors))
 
 
+def axis_stride(ctx, a: int) -> int:
+    """How far apart in rank neighbours on mesh axis ``a`` are: an inner (faster) axis is nearer.
+    Of two axes sharding one dim, the inner one's pieces sit inside the outer one's."""
+    ranks = ctx.mesh.axes[ctx.names[a]].ranks
+    return abs(ranks[1] - ranks[0]) if len(ranks) > 1 else 0
+
+
 def mark_gathered_rows(ctx, out: torch.Tensor, pl: tuple, axes: list[int], count: int) -> None:
     """A tensor all-gather of a dim-0 shard: remember that dim 0 of ``out`` stacks the
     ranks' rows, so putting its chunks side by side along another dim can be told a bug."""

@@ -19,6 +19,7 @@ from shardcheck.rules import (
     Violation,
     arg,
     as_pieces,
+    axis_stride,
     chunk_dim,
     cut_into_rows,
     elementwise,
@@ -326,17 +327,11 @@ def _ungathered(ctx, tensors, dim: int) -> Pl | None:
         return None
     if len(tensors) != prod(ctx.sizes[a] for a in gathered):
         return None
-    inner = max(_stride(ctx, a) for a in gathered)
-    if any(isinstance(p, Shard) and norm_dim(p.dim, base.dim()) == dim and _stride(ctx, a) < inner
-           for a, p in enumerate(pl) if a not in gathered):
+    inner = max(axis_stride(ctx, a) for a in gathered)
+    if any(isinstance(p, Shard) and norm_dim(p.dim, base.dim()) == dim and ctx.sizes[a] > 1
+           and axis_stride(ctx, a) < inner for a, p in enumerate(pl) if a not in gathered):
         return None  # a shard of an axis inside the gathered ones: its pieces are sections
     return tuple(R if a in gathered else p for a, p in enumerate(pl))
-
-
-def _stride(ctx, a: int) -> int:
-    """How far apart in rank neighbours on axis ``a`` are: the inner (faster) axis is nearer."""
-    ranks = ctx.mesh.axes[ctx.names[a]].ranks
-    return abs(ranks[1] - ranks[0]) if len(ranks) > 1 else 0
 
 
 def _joined_sections(ctx, tensors, a: int, dim: int) -> Placement:

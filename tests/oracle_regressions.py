@@ -69,3 +69,9 @@ REGRESSIONS += [
     ("gather the outer axis of a dim sharded twice",
      one("tp2-dp2", S1_BOTH, ("gather_last_dim", (0,), (("g", "dp"),))), "right", None),
 ]
+REGRESSIONS += [
+    # gathering the outer axis of rows sharded twice: the inner axis' rows are sections
+    ("gather the outer axis of rows sharded twice",
+     one("tp2-dp2", (("tp", "S(0)"), ("dp", "S(0)")), ("all_gather_into_tensor", (0,), (("g", "dp"),))),
+     "right", None),
+]
