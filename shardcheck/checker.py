@@ -56,7 +56,7 @@ ACC = 4
 # How an op's result relates to its inputs' known values: made zero; constant, zero when its
 # value arg is 0; as its input; as its source (copy_); constant when all tensor inputs are;
 # a Python number made a tensor (torch.tensor(0.0)).
-_ZERO, _FILL, _KEEP, _COPY, _ARITH, _LIFT = 1, 2, 3, 4, 5, 6
+_ZERO, _FILL, _KEEP, _COPY, _ARITH, _LIFT, _ADD = 1, 2, 3, 4, 5, 6, 7  # _ADD: _ARITH, and see ACC
 _FILL_VALUE_POS = {"full": 1, "full_like": 1, "fill": 1, "new_full": 2, "scalar_tensor": 0}
 _KEEPS_ZERO = {
     "view", "_unsafe_view", "reshape", "permute", "transpose", "t", "unsqueeze", "squeeze",
@@ -390,7 +390,7 @@ class Checker(TorchDispatchMode):
         if self.sites is not None:
             self._count_site(func, args, out, typed=pl is not None)
         flags = self._value_flags(zero_kind, func, args) if zero_kind and pl is not None else 0
-        if zero_kind == _ARITH and pl is not None and _base_name(func) == "add":
+        if zero_kind == _ADD and pl is not None:
             flags = self._accumulation(args, flags)
         if mutated:
             if pl is None:
@@ -448,7 +448,7 @@ class Checker(TorchDispatchMode):
         return flags
 
     def _value_flags(self, kind: int, func, args) -> int:
-        if kind == _ARITH:
+        if kind == _ARITH or kind == _ADD:
             for a in args:
                 if isinstance(a, torch.Tensor) and not self.const(a):
                     return 0
@@ -610,7 +610,7 @@ def _resolve(func) -> tuple:
     elif name == "copy":
         zero_kind = _COPY
     elif name in _rules.CONST_PRESERVING:
-        zero_kind = _ARITH
+        zero_kind = _ADD if name == "add" else _ARITH
     elif name in ("lift_fresh", "lift_fresh_copy"):
         zero_kind = _LIFT
     return rule, zero_kind, mutated, is_view
