@@ -50,10 +50,13 @@ _LAST: list[Checker] = []
 # What is known of a value: nothing, every element equal (a slice of a constant global tensor
 # fits any layout), or all zero (also fits a partial sum).
 CONST, ZERO = 1, 2
+# Replicated zeros that one value was added into (``acc = zeros; if rank == 0: acc += x``): a
+# rank cannot tell whether the others added too (a sum over the axis, P) or hold zeros.
+ACC = 4
 # How an op's result relates to its inputs' known values: made zero; constant, zero when its
 # value arg is 0; as its input; as its source (copy_); constant when all tensor inputs are;
 # a Python number made a tensor (torch.tensor(0.0)).
-_ZERO, _FILL, _KEEP, _COPY, _ARITH, _LIFT = 1, 2, 3, 4, 5, 6
+_ZERO, _FILL, _KEEP, _COPY, _ARITH, _LIFT, _ADD = 1, 2, 3, 4, 5, 6, 7  # _ADD: _ARITH, and see ACC
 _FILL_VALUE_POS = {"full": 1, "full_like": 1, "fill": 1, "new_full": 2, "scalar_tensor": 0}
 _KEEPS_ZERO = {
     "view", "_unsafe_view", "reshape", "permute", "transpose", "t", "unsqueeze", "squeeze",
@@ -122,16 +125,27 @@ class Coverage:
     typed: int = 0
     unknown: int = 0
     top_unknown: list[tuple[str, int]] = field(default_factory=list)
+    # with typecheck(..., sites=True): (file:line, typed, unknown) per call site, most unknown
+    # first, and the sites where unknown values began ("file:line op", op calls they reached)
+    by_site: list[tuple[str, int, int]] = field(default_factory=list)
+    origins: list[tuple[str, int]] = field(default_factory=list)
 
     @property
     def fraction(self) -> float:
         total = self.typed + self.unknown
         return self.typed / total if total else 1.0
 
+    def within(self, prefix: str) -> Coverage:
+        """The share of op calls made from files under ``prefix`` (e.g. megatron-core's)."""
+        sites = [s for s in self.by_site if s[0].startswith(prefix)]
+        origins = [o for o in self.origins if o[0].startswith(prefix)]
+        return Coverage(sum(s[1] for s in sites), sum(s[2] for s in sites), [], sites, origins)
+
     def __str__(self) -> str:
         lines = [f"typed {self.typed} of {self.typed + self.unknown} op calls "
                  f"({100 * self.fraction:.1f}%)"]
         lines += [f"  unknown {name}: {count}" for name, count in self.top_unknown]
+        lines += [f"  unknown from {origin}: {count}" for origin, count in self.origins]
         return "\n".join(lines)
 
 
@@ -192,7 +206,7 @@ def _same_region(a: torch.Tensor, b: torch.Tensor) -> bool:
 class Checker(TorchDispatchMode):
     """Types every dispatched op on ``mesh``; ``mode`` is "raise" or "collect"."""
 
-    def __init__(self, mesh: Mesh, mode: str = "raise") -> None:
+    def __init__(self, mesh: Mesh, mode: str = "raise", sites: bool = False) -> None:
         super().__init__()
         if mode not in ("raise", "collect"):
             raise ValueError(f"mode must be 'raise' or 'collect', not {mode!r}")
@@ -212,6 +226,32 @@ class Checker(TorchDispatchMode):
         self._ops: dict[int, Any] = {}
         self._paused = False
         self.varying_cuts = 0
+        self.rank_scalars: dict[int | float, tuple[int, ...]] = {}
+        # with ``sites``: op calls per source location [typed, unknown], and where unknowns began
+        self.sites: dict[str, list[int]] | None = {} if sites else None
+        self.origins: Counter = Counter()
+
+    def remember_rank_scalar(self, value: int | float, axes: tuple[int, ...]) -> None:
+        """A Python number read (``.item()``) from a value that differs per rank on ``axes``."""
+        if len(self.rank_scalars) >= 256:
+            self.rank_scalars.pop(next(iter(self.rank_scalars)))
+        self.rank_scalars[value] = axes
+
+    def _rank_scalar_axes(self, args, kwargs) -> set[int]:
+        axes: set[int] = set()
+        for x in (*args, *kwargs.values()):
+            if isinstance(x, int | float) and not isinstance(x, bool) and x in self.rank_scalars:
+                axes.update(self.rank_scalars[x])
+        return axes
+
+    def _varied_by_scalars(self, pl, args, kwargs):
+        """An op given a Python number that differs per rank on some axes: V there."""
+        axes = self._rank_scalar_axes(args, kwargs)
+        if not axes:
+            return pl
+        def vary(one):
+            return None if one is None else tuple(V if a in axes else p for a, p in enumerate(one))
+        return [vary(one) for one in pl] if isinstance(pl, list) else vary(pl)
 
     def count_varying_cut(self) -> int:
         """Number this by-rank cut of a varying tensor (the same on every rank of an SPMD run)."""
@@ -231,7 +271,11 @@ class Checker(TorchDispatchMode):
 
     def const(self, t: Any) -> bool:
         st = getattr(t, "_sc", None)
-        return st is not None and st[0] is self.key and st[2] > 0
+        return st is not None and st[0] is self.key and st[2] in (CONST, ZERO)
+
+    def accumulated(self, t: Any) -> bool:
+        """Whether ``t`` is zeros that one value was added into (see ACC)."""
+        return self._flags(t) == ACC
 
     def _flags(self, t: Any) -> int:
         st = getattr(t, "_sc", None)
@@ -283,7 +327,9 @@ class Checker(TorchDispatchMode):
         alias_zero = self.zero(alias)
         merged = []
         for a, (mine, new) in enumerate(zip(alias_pl, pl, strict=True)):
-            if mine == new or (old is not None and old[a] == new):
+            if new is V and mine is not V:  # values of each rank's own written into it
+                merged.append(V)
+            elif mine == new or (old is not None and old[a] == new):
                 merged.append(mine)
             elif alias_zero and not isinstance(new, Shard):
                 merged.append(new)
@@ -319,6 +365,8 @@ class Checker(TorchDispatchMode):
         rule, zero_kind, mutated, is_view = entry
         if rule is None:
             self.unknown[id(func)] += 1
+            if self.sites is not None:
+                self._count_site(func, args, out, typed=False)
             self._forget(mutated, args, kwargs)
             return out
         try:
@@ -330,12 +378,20 @@ class Checker(TorchDispatchMode):
             pl = _retyped_after(self, violation, rule, args, kwargs, out)
         if pl is NO_TENSOR:
             self.typed += 1
+            if self.sites is not None:
+                self._count_site(func, args, out, typed=True)
             return out
+        if self.rank_scalars and pl is not None:
+            pl = self._varied_by_scalars(pl, args, kwargs)
         if pl is None:
             self.unknown[id(func)] += 1
         else:
             self.typed += 1
+        if self.sites is not None:
+            self._count_site(func, args, out, typed=pl is not None)
         flags = self._value_flags(zero_kind, func, args) if zero_kind and pl is not None else 0
+        if zero_kind == _ADD and pl is not None:
+            flags = self._accumulation(args, flags)
         if mutated:
             if pl is None:
                 self._forget(mutated, args, kwargs)
@@ -344,6 +400,24 @@ class Checker(TorchDispatchMode):
             return out
         self._type_outputs(out, pl, flags, args[0] if is_view else None)
         return out
+
+    def _count_site(self, func, args, out, typed: bool) -> None:
+        """Per source location: op calls typed and unknown. An unknown result remembers where
+        its unknown was made: the first op that gave no type from typed inputs (or none at all),
+        found by following unknown inputs back (``origins``)."""
+        site = self.sites.setdefault(user_location(), [0, 0])
+        site[0 if typed else 1] += 1
+        if typed:
+            return
+        origin = next((getattr(t, "_sc_origin", None) for t in _flat(args)
+                       if isinstance(t, torch.Tensor) and self.types(t) is None
+                       and getattr(t, "_sc_origin", None) is not None), None)
+        if origin is None:
+            origin = f"{user_location()} {_base_name(func)}"
+        self.origins[origin] += 1
+        for t in (out if isinstance(out, (tuple, list)) else (out,)):
+            if isinstance(t, torch.Tensor):
+                t._sc_origin = origin
 
     def _forget(self, mutated, args, kwargs) -> None:
         """An untyped write makes its target unknown, except a collective's own copies."""
@@ -366,8 +440,15 @@ class Checker(TorchDispatchMode):
                 if base is not None and p is not None:
                     self.register_view(t, base)
 
+    def _accumulation(self, args, flags: int) -> int:
+        """zeros + x (in place or not), x a value of its own: ACC."""
+        if (len(args) >= 2 and isinstance(args[1], torch.Tensor) and self.zero(args[0])
+                and not self.zero(args[1])):
+            return ACC
+        return flags
+
     def _value_flags(self, kind: int, func, args) -> int:
-        if kind == _ARITH:
+        if kind == _ARITH or kind == _ADD:
             for a in args:
                 if isinstance(a, torch.Tensor) and not self.const(a):
                     return 0
@@ -390,7 +471,7 @@ class Checker(TorchDispatchMode):
     def _report(self, violation: Violation, func, args) -> None:
         location = user_location()
         message = self.describe(violation, location, func, args)
-        if self.mode == "raise":
+        if self.mode == "raise" and not violation.unconfirmed:
             raise SpmdTypeError(message, violation.rule, location, str(func))
         if (location, violation.rule) not in self._seen:
             self._seen.add((location, violation.rule))
@@ -425,7 +506,7 @@ class Checker(TorchDispatchMode):
         pl = self.types(x)
         if pl is None:
             return "?"
-        known = {CONST: " const", ZERO: " zero"}.get(self._flags(x), "")
+        known = {CONST: " const", ZERO: " zero", ACC: " accumulated"}.get(self._flags(x), "")
         inner = ", ".join(f"{n}:{'?' if p is None else p}"
                           for n, p in zip(self.names, pl, strict=True))
         return "{" + inner + "}" + known
@@ -444,7 +525,9 @@ class Checker(TorchDispatchMode):
         names = Counter()
         for key, count in self.unknown.items():
             names[str(self._ops[key])] += count
-        return Coverage(self.typed, sum(self.unknown.values()), names.most_common(top))
+        by_site = sorted(((loc, t, u) for loc, (t, u) in (self.sites or {}).items()), key=lambda x: -x[2])
+        return Coverage(self.typed, sum(self.unknown.values()), names.most_common(top),
+                        by_site, self.origins.most_common(top))
 
     def summary(self) -> str:
         if not self.records:
@@ -527,7 +610,7 @@ def _resolve(func) -> tuple:
     elif name == "copy":
         zero_kind = _COPY
     elif name in _rules.CONST_PRESERVING:
-        zero_kind = _ARITH
+        zero_kind = _ADD if name == "add" else _ARITH
     elif name in ("lift_fresh", "lift_fresh_copy"):
         zero_kind = _LIFT
     return rule, zero_kind, mutated, is_view
@@ -541,9 +624,13 @@ def current() -> Checker | None:
 
 
 @contextmanager
-def typecheck(mesh: Mesh, mode: str = "raise") -> Iterator[Checker]:
-    """Type-check every op in the region on ``mesh``; mode "raise" (default) or "collect"."""
-    checker = Checker(mesh, mode)
+def typecheck(mesh: Mesh, mode: str = "raise", sites: bool = False) -> Iterator[Checker]:
+    """Type-check every op in the region on ``mesh``; mode "raise" (default) or "collect".
+
+    With ``sites``, :func:`coverage` also counts op calls per source location and traces each
+    unknown value back to the op that made it (a few µs more per op).
+    """
+    checker = Checker(mesh, mode, sites)
     _ACTIVE.append(checker)
     try:
         with checker:

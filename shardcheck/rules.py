@@ -57,6 +57,14 @@ class RankChunk(Shard):
     __slots__ = ()
 
 
+class GatheredPiece(RankChunk):
+    """Element j of a list all_gather of S(d): rank j's piece, the same on every rank. Put
+    back together along d (cat) the pieces are R; along another dim they line up with nothing
+    of the global value (V)."""
+
+    __slots__ = ()
+
+
 class BlockShard(Shard):
     """S(d) of a merged dim whose sharded factor is inner: dim d holds ``outer`` blocks, and
     in each block the ranks' pieces are concatenated in rank order. Megatron's attention
@@ -129,7 +137,59 @@ def moved(p: Shard, dim: int) -> Shard:
 
 def as_pieces(pl: tuple) -> tuple:
     """Read rank chunks as the replicated pieces they are (for cat and list collectives)."""
-    return tuple(R if type(p) is RankChunk else p for p in pl)
+    return tuple(R if isinstance(p, RankChunk) else p for p in pl)
+
+
+def chunk_dim(pieces) -> int | None:
+    """The dim along which ``pieces`` are consecutive equal chunks of one tensor, in order."""
+    if len(pieces) < 2:
+        return 0 if pieces else None
+    first = pieces[0]
+    storage = first.untyped_storage().data_ptr()
+    if any(t.shape != first.shape or t.stride() != first.stride()
+           or t.untyped_storage().data_ptr() != storage for t in pieces):
+        return None
+    step = pieces[1].storage_offset() - first.storage_offset()
+    if step <= 0 or any(t.storage_offset() - first.storage_offset() != k * step for k, t in enumerate(pieces)):
+        return None
+    return next((d for d in range(first.dim()) if first.shape[d] * first.stride(d) == step), None)
+
+
+def mark_stacked(ctx, out: torch.Tensor, tensors, dim: int) -> None:
+    """cat along dim 0 of the consecutive chunks of one tensor along another dim (Megatron's
+    split-the-last-dim-and-stack before a reduce-scatter or all-to-all): remember the dim, so
+    the collective that takes the blocks apart knows where they came from."""
+    if dim == 0 and len(tensors) > 1:
+        c = chunk_dim(tensors)
+        if c not in (None, 0):
+            out._sc_stacked = (ctx.key, c, len(tensors))
+
+
+def axis_stride(ctx, a: int) -> int:
+    """How far apart in rank neighbours on mesh axis ``a`` are: an inner (faster) axis is nearer.
+    Of two axes sharding one dim, the inner one's pieces sit inside the outer one's."""
+    ranks = ctx.mesh.axes[ctx.names[a]].ranks
+    return abs(ranks[1] - ranks[0]) if len(ranks) > 1 else 0
+
+
+def mark_gathered_rows(ctx, out: torch.Tensor, pl: tuple, axes: list[int], count: int) -> None:
+    """A tensor all-gather of a dim-0 shard: remember that dim 0 of ``out`` stacks the
+    ranks' rows, so putting its chunks side by side along another dim can be told a bug."""
+    rows = [a for a in axes if isinstance(pl[a], Shard) and pl[a].dim == 0]
+    if rows:
+        out._sc_gathered = (ctx.key, tuple(rows), count)
+
+
+def rows_side_by_side(ctx, tensors, dim: int) -> tuple[int, ...]:
+    """Axes on which ``tensors``, joined along ``dim`` != 0, are the row blocks of an all-gather
+    of a dim-0 shard (see :func:`mark_gathered_rows`): Megatron's gather-along-the-last-dim
+    applied to a sequence shard."""
+    base = tensors[0]._base
+    mark = getattr(base, "_sc_gathered", None) if base is not None else None
+    if (dim == 0 or mark is None or mark[0] is not ctx.key or mark[2] != len(tensors)
+            or any(t._base is not base for t in tensors) or chunk_dim(tensors) != 0):
+        return ()
+    return mark[1]
 
 
 PAVG: Placement = _PartialAverage()
@@ -142,9 +202,13 @@ Pl = tuple  # per-axis placements, None where unknown
 class Violation(Exception):
     """A rule's verdict: ``rule`` broken on mesh axis ``axis`` (an index)."""
 
-    def __init__(self, rule: str, axis: int, why: str = "", occurrence: int | None = None) -> None:
+    def __init__(self, rule: str, axis: int, why: str = "", occurrence: int | None = None,
+                 unconfirmed: bool = False) -> None:
         super().__init__(rule)
         self.rule, self.axis, self.why, self.occurrence = rule, axis, why, occurrence
+        # a report that stands only when ranks at two or more coordinates make it (see
+        # checker.confirmed_across_ranks): recorded, never raised by one rank alone
+        self.unconfirmed = unconfirmed
 
 
 HELP: dict[str, tuple[str, str]] = {
@@ -189,6 +253,12 @@ HELP: dict[str, tuple[str, str]] = {
         "the tensor already differs per rank, so taking this rank's chunk of it keeps only a "
         "fraction of each rank's data",
         "split the replicated value, or check which group's rank indexes the split"),
+    "broadcast of partial": (
+        "a broadcast sends one rank's partial sum to every rank: the other ranks' parts are lost",
+        "all_reduce over {axis} instead of broadcasting"),
+    "mean of partial": (
+        "an AVG reduction of partial sums divides their sum by the axis size",
+        "reduce with SUM over {axis}"),
     "unknown axis": (
         "the collective runs on a group whose ranks match no axis of the mesh",
         "use the process group of the axis the data is laid out on"),
@@ -626,7 +696,12 @@ def _normalize_rule(ctx, args, kwargs, out):
             raise Violation("mean over shard" if p is PAVG else "non-linear on partial", a)
         if isinstance(p, Shard) and norm_dim(p.dim, x.dim()) == dim:
             raise Violation("normalization over shard", a)
-    return pl
+    return _no_gathered(pl)
+
+
+def _no_gathered(pl: Pl) -> Pl:
+    """A normalisation of gathered blocks (stacked on dim 0, not joined) mixes the blocks."""
+    return tuple(None if isinstance(p, Gathered) else p for p in pl)
 
 
 def _normalize_backward_rule(ctx, args, kwargs, out):
@@ -648,7 +723,8 @@ def _layer_norm_rule(ctx, args, kwargs, out):
         if isinstance(p, Shard) and norm_dim(p.dim, x.dim()) >= first:
             raise Violation("normalization over shard", a)
     weight, bias = arg(args, kwargs, 2, "weight"), arg(args, kwargs, 3, "bias")
-    return [elementwise(ctx, [(x, NL), (weight, NL), (bias, NL)]), pl, pl]
+    y = elementwise(ctx, [(x, NL), (weight, NL), (bias, NL)])
+    return [None if y is None else _no_gathered(y), _no_gathered(pl), _no_gathered(pl)]
 
 
 def join(a: Pl | None, b: Pl | None) -> Pl | None:
@@ -880,6 +956,14 @@ def _varying_rule(ctx, args, kwargs, out):
 
 
 def _scalar_rule(ctx, args, kwargs, out):
+    """``.item()``: a Python number read from a tensor. Read from a value that is not the same
+    on every rank of some axis, it differs per rank there: remembered (by value) so that the
+    ops it later enters are V on those axes (see ``Checker.rank_scalars``)."""
+    pl = ctx.types(args[0]) if is_tensor(args[0]) else None
+    if pl is not None and isinstance(out, int | float) and not isinstance(out, bool):
+        axes = tuple(a for a, p in enumerate(pl) if p is not None and not replicated(p))
+        if axes:
+            ctx.remember_rank_scalar(out, axes)
     return NO_TENSOR
 
 

@@ -11,6 +11,7 @@ from shardcheck.rules import (
     ADD,
     BlockShard,
     Gathered,
+    GatheredPiece,
     Pl,
     RankChunk,
     SectionShard,
@@ -18,18 +19,22 @@ from shardcheck.rules import (
     Violation,
     arg,
     as_pieces,
+    axis_stride,
+    chunk_dim,
     cut_into_rows,
     elementwise,
     is_partial,
     is_tensor,
     join,
     looked_up_table,
+    mark_stacked,
     moved,
     norm_dim,
     outer_of,
     reduced_dims,
     replicated,
     row_gradient,
+    rows_side_by_side,
     shift_shards,
 )
 from shardcheck.types import P, Placement, R, S, Shard, V
@@ -274,6 +279,9 @@ def _pieces(ctx, tensors, joined_dim: int | None = None) -> list:
     for t in tensors:
         pl = ctx.types(t)
         if pl is not None:
+            if joined_dim is not None:
+                pl = tuple(V if type(p) is GatheredPiece and norm_dim(p.dim, t.dim()) != joined_dim
+                           else p for p in pl)
             pl = as_pieces(pl)
             if joined_dim is not None:
                 pl = tuple(S(p.dim) if type(p) is SectionShard
@@ -292,9 +300,38 @@ def _cat_rule(ctx, args, kwargs, out):
     pl = elementwise(ctx, _pieces(ctx, tensors, dim))
     if pl is None or len(tensors) == 1:
         return pl
+    for a in rows_side_by_side(ctx, tensors, dim):
+        raise Violation("mixed shards", a, f"the pieces are the rows of a gathered dim-0 shard, "
+                                           f"joined along dim {dim}")
+    mark_stacked(ctx, out, tensors, dim)
+    ungathered = _ungathered(ctx, tensors, dim)
+    if ungathered is not None:
+        return ungathered
     return tuple(_joined_sections(ctx, tensors, a, dim)
                  if isinstance(p, Shard) and norm_dim(p.dim, ndim) == dim else p
                  for a, p in enumerate(pl))
+
+
+def _ungathered(ctx, tensors, dim: int) -> Pl | None:
+    """The dim-0 chunks of gathered blocks (all-gathered from S(dim) on some axes) joined
+    along ``dim`` again, in order: the gathered axes are R, and the others keep the gathered
+    tensor's placement. A shard of ``dim`` on an axis outside (slower than) the gathered ones
+    is whole again; on an axis inside them its pieces are sections (see _joined_sections)."""
+    base = tensors[0]._base
+    pl = ctx.types(base) if base is not None else None
+    if (pl is None or any(t._base is not base for t in tensors) or chunk_dim(tensors) != 0
+            or tensors[0].storage_offset() != base.storage_offset()):
+        return None
+    gathered = [a for a, p in enumerate(pl) if isinstance(p, Gathered)]
+    if not gathered or any(norm_dim(pl[a].dim, base.dim()) != dim for a in gathered):
+        return None
+    if len(tensors) != prod(ctx.sizes[a] for a in gathered):
+        return None
+    inner = max(axis_stride(ctx, a) for a in gathered)
+    if any(isinstance(p, Shard) and norm_dim(p.dim, base.dim()) == dim and ctx.sizes[a] > 1
+           and axis_stride(ctx, a) < inner for a, p in enumerate(pl) if a not in gathered):
+        return None  # a shard of an axis inside the gathered ones: its pieces are sections
+    return tuple(R if a in gathered else p for a, p in enumerate(pl))
 
 
 def _joined_sections(ctx, tensors, a: int, dim: int) -> Placement:

@@ -190,3 +190,24 @@ def test_megatron_style_attention_types_end_to_end():
         assert sc.typeof(w_qkv.grad) == {"tp": S(0)} and sc.typeof(w_proj.grad) == {"tp": S(1)}
         assert sc.typeof(x.grad) == {"tp": P}
     assert sc.coverage().unknown == 0, sc.coverage()
+
+
+def test_coverage_by_site_traces_unknowns_to_the_op_that_made_them():
+    """Op calls per source line; an unknown value's descendants count at its origin."""
+    import inspect
+
+    line = inspect.currentframe().f_lineno
+    with sc.typecheck(sc.Mesh(rank=0, tp=[0, 1]), sites=True):
+        x = sc.annotate(torch.randn(4, 4), tp=sc.S(0))
+        y = x.detach().view(16).double() * 2  # views, casts and copies carry the type
+        u = torch.linalg.inv(x)  # no rule: unknown here
+        z = torch.nn.functional.silu(u).reshape(16) * 2  # unknown, inherited
+        assert sc.typeof(y) == {"tp": sc.S(0)} and sc.typeof(z) == {}
+    cov = sc.coverage()
+    here = f"{__file__}:"
+    sites = {loc[len(here):]: (t, u) for loc, t, u in cov.by_site if loc.startswith(here)}
+    assert sites[str(line + 3)] == (4, 0)
+    assert sites[str(line + 4)][0] == 0 and sites[str(line + 5)] == (0, 4)
+    [(origin, count)] = cov.origins
+    assert origin.startswith(f"{here}{line + 4} linalg_inv") and count == cov.unknown
+    assert cov.within(here).unknown == cov.unknown and cov.within("/nowhere").typed == 0

@@ -7,7 +7,7 @@ import torch.distributed._functional_collectives as fc
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import shardcheck as sc
-from shardcheck.rules import PAVG
+from shardcheck.rules import PAVG, PEVEN
 
 R, P, V, S = sc.R, sc.P, sc.V, sc.S
 SUM, AVG, MAX = dist.ReduceOp.SUM, dist.ReduceOp.AVG, dist.ReduceOp.MAX
@@ -83,6 +83,19 @@ def reduce_scatter_list(x, g):
     return out
 
 
+def reduce_scatter_cols(x, g):
+    out = torch.empty(x.shape[0], x.shape[1] // 2)
+    dist.reduce_scatter(out, list(x.chunk(2, dim=1)), group=g["tp"])
+    return out
+
+
+def reduce_scatter_copies(x, g):
+    """Contiguous copies of the chunks: where they came from is not known (untyped)."""
+    out = torch.empty(x.shape[0], x.shape[1] // 2)
+    dist.reduce_scatter(out, [c.contiguous() for c in x.chunk(2, dim=1)], group=g["tp"])
+    return out
+
+
 def all_to_all(x, g):
     out = torch.empty_like(x)
     dist.all_to_all_single(out, x, group=g["tp"])
@@ -104,7 +117,8 @@ ROWS = [
     ("all_reduce SUM of P", lambda g: all_reduce(T(4, tp=P), g), R),
     ("all_reduce SUM of V", lambda g: all_reduce(T(4, tp=V), g), R),
     ("all_reduce SUM of R", lambda g: all_reduce(T(4), g), "double count"),
-    ("all_reduce AVG of P", lambda g: all_reduce(T(4, tp=P), g, AVG), R),
+    # each rank holds the sum over n: a partial sum of equal shares (numbers: test_collective_table)
+    ("all_reduce AVG of P", lambda g: all_reduce(T(4, tp=P), g, AVG), PEVEN),
     ("all_reduce AVG of V", lambda g: all_reduce(T(4, tp=V), g, AVG), R),
     ("all_reduce AVG of a shard mean", lambda g: all_reduce(T(4, 2, tp=S(1)).mean(1), g, AVG), R),
     ("all_reduce SUM of a shard mean", lambda g: all_reduce(T(4, 2, tp=S(1)).mean(1), g),
@@ -134,6 +148,11 @@ ROWS = [
     ("reduce_scatter list of R", lambda g: reduce_scatter_list(T(4, dp=V), g),
      "scatter of replicated"),
     ("all_to_all_single", lambda g: all_to_all(T(4, tp=S(0)), g), V),
+    ("broadcast of P", lambda g: broadcast(T(4, tp=P), g), "broadcast of partial"),
+    ("broadcast of S(0)", lambda g: broadcast(T(4, tp=S(0)), g), V),
+    ("all_reduce PRODUCT of R", lambda g: all_reduce(T(4), g, dist.ReduceOp.PRODUCT), "double count"),
+    ("reduce_scatter list along dim 1", lambda g: reduce_scatter_cols(T(4, 4, tp=P), g), S(1)),
+    ("reduce_scatter list of copies", lambda g: reduce_scatter_copies(T(4, 4, tp=P), g), None),
     ("all_to_all list", lambda g: all_to_all_list(T(4, tp=V), g), V),
     ("broadcast", lambda g: broadcast(T(4, tp=V), g), R),
     ("functional broadcast", lambda g: fc.broadcast(T(4, tp=V), 0, g["tp"]) * 1, R),

@@ -1,0 +1,77 @@
+"""Programs on which the checker once disagreed with the numbers, shrunk, with their ground
+truth: the oracle's outcome by the one-rank run ("right", "wrong" at a step, or "undecided"
+where the checker makes no claim the numbers could test)."""
+
+from shardcheck.oracle import Input, Program, Step
+
+
+def one(layout, placements, *steps, inputs=1):
+    ins = tuple(Input((8, 8), placements) for _ in range(inputs))
+    return Program(layout, ins, tuple(Step(op, args, params) for op, args, params in steps), seed=3)
+
+
+TP = (("tp", "P"),)
+TS0, TS1 = (("tp", "S(0)"),), (("tp", "S(1)"),)
+G = (("g", "tp"),)
+
+# (name, program, outcome, first wrong step)
+REGRESSIONS = [
+    # typed R: every rank got rank 0's partial
+    ("broadcast of a partial sum", one("tp2", TP, ("broadcast", (0,), G)), "wrong", 0),
+    # typed R: the mean of partial sums is the sum over n on every rank, a P(even)
+    ("all_reduce AVG of a partial sum", one("tp2", TP, ("all_reduce", (0,), (*G, ("op", "avg")))), "right", None),
+    ("reduce_scatter AVG of a partial sum",
+     one("tp2", TP, ("reduce_scatter_tensor", (0,), (*G, ("op", "avg")))), "wrong", 0),
+    # typed R: x ** n
+    ("all_reduce PRODUCT of R", one("tp2", (("tp", "R"),), ("all_reduce", (0,), (*G, ("op", "product")))),
+     "wrong", 0),
+    # typed S(0): the pieces were cut along dim 1
+    ("list reduce_scatter along dim 1", one("tp2", TP, ("reduce_scatter_list", (0,), (*G, ("dim", 1)))),
+     "right", None),
+    ("Megatron's reduce-scatter along the last dim", one("tp2-dp2", (("tp", "P"), ("dp", "R")),
+                                                         ("reduce_scatter_last_dim", (0,), G)), "right", None),
+    ("functional reduce-scatter along dim 1", one("tp4", TP, ("f_reduce_scatter", (0,), (*G, ("dim", 1)))),
+     "right", None),
+    # typed V: the all-to-all of stacked column blocks of a sequence shard is the column shard
+    ("Megatron's sp2hp all-to-all", one("tp2", TS0, ("sp_to_hp", (0,), G)), "right", None),
+    # typed R: a gather of a sequence shard joined along the last dim
+    ("gather along the last dim of a dim-0 shard", one("tp2", TS0, ("gather_last_dim", (0,), G)), "wrong", 0),
+    ("reduce of R to one rank", one("tp2", (("tp", "R"),), ("reduce", (0,), G)), "wrong", 0),
+    # typed S(1): a Python number read from a shard differs per rank
+    ("x * shard.sum().item()", one("tp4", TS1, ("scale_by_item", (0, 0), ())), "undecided", 0),
+    # typed S(0): each rank wrote into the first half of its own rows
+    ("in place into a view cut along the shard dim", one("tp2", TS0, ("add_into_view", (0, 0), (("dim", 0),))),
+     "undecided", 0),
+    # typed G(1): a softmax of gathered blocks mixes them
+    ("softmax of gathered blocks", one("tp2", TS1, ("all_gather_into_tensor", (0,), G),
+                                       ("log_softmax", (1,), (("dim", 0),))), "undecided", 1),
+    # gathered over both axes of a 2x2 mesh: blocks in world-rank order
+    ("gather over a group spanning two axes", one("tp2-dp2", (("tp", "S(1)"), ("dp", "S(1)")),
+                                                  ("f_all_gather", (0,), (("g", "world"), ("dim", 0)))),
+     "right", None),
+]
+
+# the loss added on one rank only, then summed: its contribution, no double count
+REGRESSIONS += [
+    ("zeros added into on one rank, then summed",
+     one("tp2", (("tp", "R"),), ("accumulate_on_first_rank", (0,), G), ("all_reduce", (1,), G)), "right", None),
+    ("zeros added into on every rank, then summed", one("tp2", (("tp", "R"),), ("zeros_plus", (0,), ()),
+                                                        ("all_reduce", (1,), G)), "wrong", 1),
+]
+
+# a dim sharded on both axes (dp outside tp): gathering the inner axis leaves the outer one's
+# shard whole (was typed sections), gathering the outer one leaves the inner one's pieces as
+# sections
+S1_BOTH = (("tp", "S(1)"), ("dp", "S(1)"))
+REGRESSIONS += [
+    ("gather the inner axis of a dim sharded twice",
+     one("tp2-dp2", S1_BOTH, ("f_all_gather", (0,), (("g", "tp"), ("dim", 1)))), "right", None),
+    ("gather the outer axis of a dim sharded twice",
+     one("tp2-dp2", S1_BOTH, ("gather_last_dim", (0,), (("g", "dp"),))), "right", None),
+]
+REGRESSIONS += [
+    # gathering the outer axis of rows sharded twice: the inner axis' rows are sections
+    ("gather the outer axis of rows sharded twice",
+     one("tp2-dp2", (("tp", "S(0)"), ("dp", "S(0)")), ("all_gather_into_tensor", (0,), (("g", "dp"),))),
+     "right", None),
+]
