@@ -56,6 +56,11 @@ class Contract:
     observe: Callable[..., tuple[Any, Any]] | None = None
     downstream: bool = False  # every upstream bug reaches it: a location of last resort
 
+    @property
+    def attribute(self) -> str:
+        """The name megatron-core modules refer to the function by."""
+        return self.function.split(":")[1]
+
     def present(self) -> bool:
         """Whether this megatron-core has the function."""
         module, attribute = self.function.split(":")
@@ -219,17 +224,19 @@ def _mtp_losses(call: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[An
     return result, (torch.stack(seen) if seen else None,)
 
 
-def _position_embedding_grad(call: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[Any, Any]:
-    """Run the position-embedding all-reduce; record the gradient it leaves on this rank."""
-    result = call(*args, **kwargs)
-    bound = inspect.signature(_ORIGINALS["_allreduce_position_embedding_grads"]).bind(
-        *args, **kwargs).arguments
-    params = [p for chunk in bound["model"] for name, p in chunk.named_parameters()
-              if name.endswith("position_embeddings.weight")]
-    grad = getattr(params[0], "main_grad", None) if params else None
-    if params and grad is None:
-        grad = params[0].grad
-    return result, (grad,)
+def _embedding_grad(contract: str, table: str) -> Callable[..., tuple[Any, Any]]:
+    """An observer of a finalize all-reduce: the gradient it leaves in this rank's ``table``
+    (``word_embeddings``, ``position_embeddings``), None on a stage without one."""
+    def observe(call: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[Any, Any]:
+        result = call(*args, **kwargs)
+        bound = inspect.signature(_ORIGINALS[contract]).bind(*args, **kwargs).arguments
+        params = [p for chunk in bound["model"] for name, p in chunk.named_parameters()
+                  if name.endswith(f"{table}.weight")]
+        grad = getattr(params[0], "main_grad", None) if params else None
+        if params and grad is None:
+            grad = params[0].grad
+        return result, (grad,)
+    return observe
 
 
 def _position_embedding_grads_with_mtp_stage(model, config, pos_emb_group, pp_group):
@@ -288,10 +295,15 @@ CONTRACTS: tuple[Contract, ...] = (
         fix_note="normalise each MTP loss by the token count summed over cp (the rolled-out "
                  "tokens all sit on CP rank 0), not by this CP rank's own count"),
     Contract(
+        "_allreduce_word_embedding_grads",
+        "megatron.core.distributed.finalize_model_grads:_allreduce_word_embedding_grads",
+        ensures=(("word_embeddings_grad", {"tp": "S(0)", "cp": "R", "dp": "R", "pp": "R"}),),
+        observe=_embedding_grad("_allreduce_word_embedding_grads", "word_embeddings")),
+    Contract(
         "_allreduce_position_embedding_grads",
         "megatron.core.distributed.finalize_model_grads:_allreduce_position_embedding_grads",
         ensures=(("position_embeddings_grad", {"tp": "R", "cp": "R", "dp": "R", "pp": "R"}),),
-        observe=_position_embedding_grad,
+        observe=_embedding_grad("_allreduce_position_embedding_grads", "position_embeddings"),
         fix=_position_embedding_grads_with_mtp_stage,
         fix_note="treat the MTP stage's position-embedding table as Megatron treats its word "
                  "embeddings: all-reduce its gradient with the first stage's and mark it shared "
@@ -461,8 +473,8 @@ def install() -> None:
         probed = _wrapper(contract, original)
         for module in list(sys.modules.values()):
             if getattr(module, "__name__", "").startswith("megatron") and \
-                    getattr(module, original.__name__, None) is original:
-                setattr(module, original.__name__, probed)
+                    getattr(module, contract.attribute, None) is original:
+                setattr(module, contract.attribute, probed)
 
 
 @contextmanager
@@ -498,9 +510,9 @@ def probes_installed() -> Iterator[None]:
         yield
     finally:
         for name in fresh:
-            original = _ORIGINALS.pop(name)
+            original, attribute = _ORIGINALS.pop(name), BY_NAME[name].attribute
             for module in list(sys.modules.values()):
-                probe = getattr(module, original.__name__, None)
+                probe = getattr(module, attribute, None)
                 if getattr(module, "__name__", "").startswith("megatron") and \
                         getattr(probe, "__wrapped__", None) is original:
-                    setattr(module, original.__name__, original)
+                    setattr(module, attribute, original)
