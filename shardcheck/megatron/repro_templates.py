@@ -55,6 +55,7 @@ DDP = "from megatron.core.distributed import DistributedDataParallel, Distribute
 RNG_ON_CPU = Snippet(code.PATCH_RNG)
 DEVICE_ON_CPU = Snippet(code.PATCH_DEVICE)
 NO_SYNCHRONIZE = Snippet(code.PATCH_SYNCHRONIZE)
+NO_STREAM = Snippet(code.PATCH_STREAM)
 CUDA_TENSORS_ON_CPU = Snippet(code.PATCH_CUDA_TENSORS, "from torch.overrides import TorchFunctionMode")
 TE_GEMM_UNSET = Snippet(code.PATCH_TE_GEMM, "from megatron.core.transformer.moe import moe_utils")
 CAUSAL_CONV1D = Snippet(code.CAUSAL_CONV1D)
@@ -71,7 +72,8 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func""")
 GPT_CODE = Snippet(code.GPT, """\
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+import inspect
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.utils import get_batch_on_this_cp_rank""")
 T5_CODE = Snippet(code.T5, """\
@@ -182,7 +184,7 @@ class Template:
     sections: Callable[[dict[str, Any], dict[str, Any]], dict[str, list[int]]] | None = None
 
 
-GPT_SUPPORT = (RNG_ON_CPU, DEVICE_ON_CPU, CUDA_TENSORS_ON_CPU, BASE, SEEDED, WEIGHTS, TRAINING)
+GPT_SUPPORT = (RNG_ON_CPU, DEVICE_ON_CPU, NO_STREAM, CUDA_TENSORS_ON_CPU, BASE, SEEDED, WEIGHTS, TRAINING)
 SP_NORM = (lambda layout, options: layout.sp, NORM_UNDER_SP)
 GPT_EXTRAS = (SP_NORM,
               (lambda layout, options: layout.cp > 1, CP_ATTENTION),
@@ -197,6 +199,8 @@ TEMPLATES: dict[str, Template] = {
     "moe": Template("shardcheck.megatron.scenarios.gpt:MoEGPTSetup", GPT_CODE, (*GPT_SUPPORT, TE_GEMM_UNSET),
                     _moe_refuses, sections=_gpt_sections,
                     extras=(*GPT_EXTRAS, (lambda layout, options: _alltoall(options), ALLTOALL_ON_CPU))),
+    "mtp": Template("shardcheck.megatron.scenarios.gpt:MTPGPTSetup", GPT_CODE, GPT_SUPPORT,
+                    sections=_gpt_sections, extras=GPT_EXTRAS),
     "gdn": Template("shardcheck.megatron.scenarios.ssm:GDNSetup", GDN_CODE,
                     (RNG_ON_CPU, DEVICE_ON_CPU, CUDA_TENSORS_ON_CPU, CAUSAL_CONV1D, GDN_KERNELS, BASE, SEEDED, SHARD,
                      WEIGHTS), _gdn_refuses, sections=_gdn_sections,
