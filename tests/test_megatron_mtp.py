@@ -4,7 +4,8 @@ Correct where Megatron gets MTP right (tp, tp with sp, dp, pp with rotary positi
 of any kind there; two bugs of megatron-core found, each at its own function with a corrected
 control equal to the one-rank run (the CP token count of the MTP loss, on releases that have
 ``process_mtp_loss``; the position-embedding table of the MTP stage under pp); and a reduction
-planted out of the MTP path found at the planted function.
+planted out of the MTP path found at the planted function. The component's repro scripts
+agree with one rank on correct code, and reproduce the planted bug and megatron-core's.
 """
 
 import importlib
@@ -14,12 +15,17 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
+from planted.megatron_site import MTP_WORD_EMBEDDINGS_NOT_SUMMED, planted_env  # noqa: E402
+
+from shardcheck.findings import Finding  # noqa: E402
 from shardcheck.layout import Layout  # noqa: E402
 from shardcheck.megatron import contracts  # noqa: E402
 from shardcheck.megatron.audit import PRELOAD, audit, pools  # noqa: E402
+from shardcheck.megatron.audit_repro import AUDIT, write_audit_script  # noqa: E402
 from shardcheck.megatron.runner import relative_errors, run_layout, worst  # noqa: E402
 from shardcheck.megatron.scenarios import scenario  # noqa: E402
 from shardcheck.megatron.sweep import Case  # noqa: E402
+from shardcheck.repro import FIXED, REPRODUCES, run_repro  # noqa: E402
 
 pytestmark = pytest.mark.slow
 for module in PRELOAD:
@@ -112,3 +118,48 @@ def test_a_reduction_dropped_from_the_mtp_path_is_found_at_the_planted_function(
     assert finding.location == f"{inspect.getsourcefile(_word_embeddings_synced_without_mtp)}:{start}"
     assert finding.trigger["layout"] == "pp2" and finding.seen_in == ["pp2 {'position_embedding': 'rope'}"]
     assert any("word_embeddings" in e["value"] for e in finding.effect)
+
+
+def _finding(options, layout, contract=None):
+    notation = contracts.BY_NAME[contract].notation() if contract else "outputs match the one-rank run"
+    return Finding(title=f"mtp differs under {layout}", target="mtp", location="megatron/core/x.py:1",
+                   contract=notation, layout=layout, config=options, observed=None, reference=None,
+                   kind="numeric-only", checker=None, origin=AUDIT)
+
+
+def _values(output, label):
+    line = next(line for line in output.splitlines() if line.startswith(f"{label}:"))
+    return [float(x) for x in line.split(":", 1)[1].replace("...", "").split(",") if x.strip()]
+
+
+def test_mtp_script_of_correct_code_finds_observed_equal_to_reference(tmp_path):
+    finding = _finding({}, "tp2-sp")
+    result = run_repro(write_audit_script(finding, tmp_path / "x.py"), 2, launcher="direct", timeout=600)
+    assert (result.status, result.returncode) == (FIXED, 1), result.output
+    assert _values(result.output, "observed") == pytest.approx(_values(result.output, "reference"), rel=1e-4)
+
+
+def test_mtp_script_reproduces_the_planted_word_embedding_bug(tmp_path):
+    finding = _finding(dict(ROPE), "pp2")
+    result = run_repro(write_audit_script(finding, tmp_path / "x.py"), 2, launcher="direct", timeout=600,
+                       env=planted_env(tmp_path / "site", MTP_WORD_EMBEDDINGS_NOT_SUMMED))
+    assert (result.status, result.returncode) == (REPRODUCES, 0), result.output
+    assert f"REPRODUCED {finding.id}" in result.output
+
+
+MEGATRON_BUGS = [pytest.param("cp2", "process_mtp_loss", marks=pytest.mark.skipif(
+                     not HAS_PROCESS_MTP_LOSS, reason="process_mtp_loss came with megatron-core 0.17")),
+                 pytest.param("pp2", "_allreduce_position_embedding_grads")]
+
+
+@pytest.mark.parametrize(("layout", "contract"), MEGATRON_BUGS)
+def test_mtp_script_reproduces_megatron_core_bug_then_exits_1_with_the_fix(layout, contract, tmp_path):
+    finding = _finding({}, layout, contract)
+    path = write_audit_script(finding, tmp_path / "x.py")
+    buggy = run_repro(path, 2, launcher="direct", timeout=600)
+    assert (buggy.status, buggy.returncode) == (REPRODUCES, 0), buggy.output
+    reference = _values(buggy.output, "reference")
+    assert _values(buggy.output, "observed") != pytest.approx(reference, rel=1e-4, abs=1e-6)
+    assert _values(buggy.output, "corrected") == pytest.approx(reference, rel=1e-4, abs=1e-6)
+    fixed = run_repro(path, 2, launcher="direct", timeout=600, args=("--fixed",))
+    assert (fixed.status, fixed.returncode) == (FIXED, 1), fixed.output
