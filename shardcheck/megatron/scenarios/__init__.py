@@ -30,7 +30,8 @@ class Component:
     ``experts``: it has MoE experts, so expert-parallel layouts apply. ``config_prefix``: the
     sweep varies only the TransformerConfig fields with this prefix (the MoE GPT leaves the
     fields it shares with the plain GPT to the ``gpt`` component; the MTP GPT varies its own
-    ``mtp_`` fields and the per-token loss, whose MTP scaling is its own code). ``check_layout``: raises
+    ``mtp_`` fields, the per-token loss and muP, whose MTP scaling is its own code).
+    ``check_layout``: raises
     ``LayoutUnsupported`` for the layouts the component's own scenario refuses.
     ``explicit_groups``: it passes the explicit ``ProcessGroupCollection`` that
     ``megatron_parallel`` yields to Megatron, so it runs under layouts with explicit groups.
@@ -62,7 +63,7 @@ COMPONENTS: dict[str, Component] = {
     "output_loss": Component(output_loss, OutputLossSetup, explicit_groups=True),
     "moe": Component(train_step, MoEGPTSetup, experts=True, config_prefix="moe_",
                      explicit_groups=True),
-    "mtp": Component(train_step, MTPGPTSetup, config_prefix=("mtp_", "calculate_per_token_loss"),
+    "mtp": Component(train_step, MTPGPTSetup, config_prefix=("mtp_", "calculate_per_token_loss", "use_mup"),
                      explicit_groups=True),
     "moe_router": Component(router_step, RouterSetup, experts=True, explicit_groups=True),
     "t5": Component(t5_step, T5Setup, check_layout=t5.check_layout),
