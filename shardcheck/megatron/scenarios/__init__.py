@@ -31,8 +31,8 @@ class Component:
     sweep varies only the TransformerConfig fields with this prefix (the MoE GPT leaves the
     fields it shares with the plain GPT to the ``gpt`` component; the MTP GPT varies its own
     ``mtp_`` fields, the per-token loss and muP, whose MTP scaling is its own code).
-    ``check_layout``: raises
-    ``LayoutUnsupported`` for the layouts the component's own scenario refuses.
+    ``check_layout``: raises ``LayoutUnsupported`` for the layouts the component's own
+    scenario refuses.
     ``explicit_groups``: it passes the explicit ``ProcessGroupCollection`` that
     ``megatron_parallel`` yields to Megatron, so it runs under layouts with explicit groups.
     """
