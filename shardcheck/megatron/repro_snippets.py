@@ -212,9 +212,9 @@ def batches(pg):
     tokens, labels = (torch.randint(0, SETUP["vocab"], shape, generator=gen) for _ in range(2))
     mask = (torch.rand(shape, generator=gen) < 0.6).float() if SETUP["loss_mask"] else torch.ones(shape)
     positions = torch.arange(SETUP["seq"]).expand(shape[1:]).contiguous()
-    hybrid = {"is_hybrid_cp": False} if "is_hybrid_cp" in inspect.signature(get_batch_on_this_cp_rank).parameters else {}
+    release = {"is_hybrid_cp": False} if "is_hybrid_cp" in inspect.signature(get_batch_on_this_cp_rank).parameters else {}
     return [get_batch_on_this_cp_rank(dict(tokens=tokens[i], labels=labels[i], loss_mask=mask[i],
-                                           position_ids=positions), cp_group=pg.cp, **hybrid)
+                                           position_ids=positions), cp_group=pg.cp, **release)
             for i in range(len(tokens))]
 
 

@@ -12,7 +12,6 @@ harness cuts and reduces its data over the same groups.
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -100,25 +99,19 @@ def global_batches(setup: GPTSetup) -> list[dict[str, torch.Tensor]]:
 
 def local_batches(setup: GPTSetup, pg: Any = None) -> list[dict[str, torch.Tensor]]:
     """This rank's microbatches: a contiguous share per data-parallel rank, cut for its CP rank."""
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    from shardcheck.megatron.versions import cp_batch_kwargs
+
     used = scenario_groups(pg)
     dp, dp_rank = used.dp.size(), used.dp.rank()
     if setup.microbatches % dp:
         raise ValueError(f"{setup.microbatches} microbatches do not split over dp={dp}")
     share = setup.microbatches // dp
     mine = global_batches(setup)[dp_rank * share:(dp_rank + 1) * share]
-    return [cut_for_cp_rank(batch, pg) for batch in mine]
-
-
-def cut_for_cp_rank(batch: dict[str, torch.Tensor], pg: Any = None) -> dict[str, torch.Tensor]:
-    """Megatron's cut of a batch for this CP rank, always given the CP group: from 0.19 on,
-    ``get_batch_on_this_cp_rank`` takes ``is_hybrid_cp`` and, without a group, cuts over the
-    default group (all ranks) where earlier releases used parallel_state's CP group."""
-    from megatron.core.utils import get_batch_on_this_cp_rank
-
-    kwargs: dict[str, Any] = {"cp_group": scenario_groups(pg).cp}
-    if "is_hybrid_cp" in inspect.signature(get_batch_on_this_cp_rank).parameters:
-        kwargs["is_hybrid_cp"] = False
-    return get_batch_on_this_cp_rank(dict(batch), **kwargs)
+    # always the CP group: without one, 0.19 cuts the batch over the default group (all ranks)
+    release = cp_batch_kwargs(get_batch_on_this_cp_rank)
+    return [get_batch_on_this_cp_rank(dict(batch), cp_group=used.cp, **release) for batch in mine]
 
 
 def build_gpt(config, setup: GPTSetup, pg: Any = None):
