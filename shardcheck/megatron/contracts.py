@@ -97,16 +97,18 @@ def _short(path: str | None) -> str:
 
 # ---- fixes: corrected functions (used only for the audit's corrected controls) -------------
 
-def _cross_entropy_with_global_smoothing(vocab_parallel_logits, target, label_smoothing=0.0):
-    """Vocab-parallel cross-entropy whose smoothing term averages over the whole vocabulary."""
+def _cross_entropy_with_global_smoothing(vocab_parallel_logits, target, label_smoothing=0.0, tp_group=None):
+    """Vocab-parallel cross-entropy whose smoothing term averages over the whole vocabulary
+    (``tp_group``: the model's group, which 0.19's callers pass)."""
     from megatron.core.tensor_parallel import mappings
     from megatron.core.tensor_parallel.cross_entropy import _VocabParallelCrossEntropy
 
-    loss = _VocabParallelCrossEntropy.apply(vocab_parallel_logits.clone(), target, 0.0)
+    given = (tp_group,) if tp_group is not None else ()
+    loss = _VocabParallelCrossEntropy.apply(vocab_parallel_logits.clone(), target, 0.0, *given)
     if label_smoothing <= 0:
         return loss
     logits = vocab_parallel_logits.float()
-    group = mappings.get_tensor_model_parallel_group_if_none(None)
+    group = mappings.get_tensor_model_parallel_group_if_none(tp_group)
     top = logits.max(dim=-1, keepdim=True)[0].detach()
     dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
     sum_exp = mappings.reduce_from_tensor_model_parallel_region((logits - top).exp().sum(-1), group)
