@@ -79,13 +79,16 @@ def test_mtp_loss_over_each_cp_ranks_own_token_count_is_found_with_a_corrected_c
 
 
 def test_the_mtp_stages_position_embeddings_left_out_of_the_pp_sync_is_its_own_finding(megatron_bugs):
-    [finding] = [f for f in megatron_bugs.findings if f.trigger["layout"] == "pp2"]
     where = contracts.BY_NAME["_allreduce_position_embedding_grads"].location()
-    assert finding.location == where and "finalize_model_grads.py:" in where
+    [finding] = [f for f in megatron_bugs.findings if f.location == where]
+    assert "finalize_model_grads.py:" in where and "pp2" in finding.seen_in
+    assert len({f.id for f in megatron_bugs.findings}) == len(megatron_bugs.findings)
+    if not HAS_PROCESS_MTP_LOSS:  # 0.16.1: no contract locates the CP bug, which joins this one
+        assert len(megatron_bugs.findings) == 1 and "cp2" in finding.seen_in
+        return
+    assert len(megatron_bugs.findings) == 2 and finding.seen_in == ["pp2"]
     assert any("position_embeddings" in e["value"] for e in finding.effect)
     assert finding.corrected["equal_to_reference"], finding.corrected
-    assert len({f.id for f in megatron_bugs.findings}) == len(megatron_bugs.findings) == (
-        2 if HAS_PROCESS_MTP_LOSS else 1)
 
 
 def test_rotary_positions_under_pp_leave_no_table_to_sync(warm):
