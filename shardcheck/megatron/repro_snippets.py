@@ -497,15 +497,8 @@ torch.cuda.manual_seed = torch.manual_seed
 
 PATCH_DEVICE = '''
 torch.cuda.current_device = lambda: "cpu"  # CUDA-only: megatron puts tensors on the current device
-'''
-
-PATCH_STREAM = '''
-class NoStream:  # CUDA-only: DDP's gradient sync (0.19) waits on the current stream's events
-    def __getattr__(self, name):
-        return lambda *a, **k: None
-
-
-torch.cuda.current_stream = lambda *a, **k: NoStream()
+NO_STREAM = type("NoStream", (), {"__getattr__": lambda self, name: lambda *a, **k: None})()
+torch.cuda.current_stream = lambda *a, **k: NO_STREAM  # CUDA-only: DDP's gradient sync (0.19) waits on it
 '''
 
 PATCH_SYNCHRONIZE = '''

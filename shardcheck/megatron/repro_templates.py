@@ -55,7 +55,6 @@ DDP = "from megatron.core.distributed import DistributedDataParallel, Distribute
 RNG_ON_CPU = Snippet(code.PATCH_RNG)
 DEVICE_ON_CPU = Snippet(code.PATCH_DEVICE)
 NO_SYNCHRONIZE = Snippet(code.PATCH_SYNCHRONIZE)
-NO_STREAM = Snippet(code.PATCH_STREAM)
 CUDA_TENSORS_ON_CPU = Snippet(code.PATCH_CUDA_TENSORS, "from torch.overrides import TorchFunctionMode")
 TE_GEMM_UNSET = Snippet(code.PATCH_TE_GEMM, "from megatron.core.transformer.moe import moe_utils")
 CAUSAL_CONV1D = Snippet(code.CAUSAL_CONV1D)
@@ -184,7 +183,7 @@ class Template:
     sections: Callable[[dict[str, Any], dict[str, Any]], dict[str, list[int]]] | None = None
 
 
-GPT_SUPPORT = (RNG_ON_CPU, DEVICE_ON_CPU, NO_STREAM, CUDA_TENSORS_ON_CPU, BASE, SEEDED, WEIGHTS, TRAINING)
+GPT_SUPPORT = (RNG_ON_CPU, DEVICE_ON_CPU, CUDA_TENSORS_ON_CPU, BASE, SEEDED, WEIGHTS, TRAINING)
 SP_NORM = (lambda layout, options: layout.sp, NORM_UNDER_SP)
 GPT_EXTRAS = (SP_NORM,
               (lambda layout, options: layout.cp > 1, CP_ATTENTION),
