@@ -130,8 +130,9 @@ def run(sizes, pg):
                            generator=torch.Generator().manual_seed(0))
     local = shard(hidden, sizes, pg.tp).requires_grad_(True)
     logits, _ = layer(local, runtime_gather_output=SETUP["runtime_gather_output"])
+    group = {"tp_group": pg.tp} if "tp_group" in inspect.signature(tensor_parallel.vocab_parallel_cross_entropy).parameters else {}
     loss = tensor_parallel.vocab_parallel_cross_entropy(
-        logits.float().clone(), labels, label_smoothing=SETUP["label_smoothing"]).mean()
+        logits.float().clone(), labels, label_smoothing=SETUP["label_smoothing"], **group).mean()
     loss.backward()
     grad_in = gather(local.grad, 0, pg.tp) if sizes["sp"] else local.grad
     return torch.cat([loss.detach().view(1), gather(layer.weight.grad, 0, pg.tp).flatten(),
@@ -214,14 +215,12 @@ def batches(pg):
     positions = torch.arange(SETUP["seq"]).expand(shape[1:]).contiguous()
     release = {"is_hybrid_cp": False} if "is_hybrid_cp" in inspect.signature(get_batch_on_this_cp_rank).parameters else {}
     return [get_batch_on_this_cp_rank(dict(tokens=tokens[i], labels=labels[i], loss_mask=mask[i],
-                                           position_ids=positions), cp_group=pg.cp, **release)
-            for i in range(len(tokens))]
+                                           position_ids=positions), cp_group=pg.cp, **release) for i in range(len(tokens))]
 
 
 def run(sizes, pg):
     """One GPT training step through the schedules."""
-    config = config_for(sizes, num_layers=SETUP["layers"], num_attention_heads=SETUP["heads"],
-                        mtp_num_layers=SETUP.get("mtp_layers"))  # multi-token prediction layers, if any
+    config = config_for(sizes, num_layers=SETUP["layers"], num_attention_heads=SETUP["heads"], mtp_num_layers=SETUP.get("mtp_layers"))
     spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, qk_layernorm=config.qk_layernorm,
                                     normalization=config.normalization, qk_l2_norm=config.qk_l2_norm)
     if sizes["cp"] > 1:
@@ -466,10 +465,17 @@ vars(mamba_module).update(causal_conv1d_fn=causal_conv1d_fn, mamba_chunk_scan_co
 '''
 
 GDN_KERNELS = '''
-# CUDA-only (FLA and causal_conv1d kernels): megatron's own torch delta rule, torch equivalents
-gdn_module.chunk_gated_delta_rule = gdn_module.torch_chunk_gated_delta_rule
-gdn_module.causal_conv1d_fn, gdn_module.HAVE_FLA = causal_conv1d_fn, True
-gdn_module.l2norm = lambda x, dim=-1, eps=1e-6: x * torch.rsqrt(x.pow(2).sum(dim, keepdim=True) + eps)
+# CUDA-only (FLA and causal_conv1d kernels): megatron's own torch delta rule, torch equivalents,
+# set where GatedDeltaNet's code reads them (gated_delta_net.py; 0.19: gated_delta_net/*.py)
+def fla_causal_conv1d(x, weight, bias=None, activation=None, **_):
+    """FLA's calling convention of the convolution (megatron 0.19): [batch, seq, dim], no state."""
+    return causal_conv1d_fn(x.transpose(1, 2), weight, bias, activation).transpose(1, 2), None
+
+
+for gdn_home in {sys.modules[c.__module__] for c in gdn_module.GatedDeltaNet.__mro__ if "ssm" in c.__module__}:
+    vars(gdn_home).update(chunk_gated_delta_rule=gdn_module.torch_chunk_gated_delta_rule, HAVE_FLA=True,
+                          causal_conv1d_fn=causal_conv1d_fn, causal_conv1d=fla_causal_conv1d,
+                          l2norm=lambda x, dim=-1, eps=1e-6: x * torch.rsqrt(x.pow(2).sum(dim, keepdim=True) + eps))
 torch._dynamo.config.disable = True  # megatron's jit_fuser would build C++ kernels on each rank
 '''
 
@@ -497,8 +503,6 @@ torch.cuda.manual_seed = torch.manual_seed
 
 PATCH_DEVICE = '''
 torch.cuda.current_device = lambda: "cpu"  # CUDA-only: megatron puts tensors on the current device
-NO_STREAM = type("NoStream", (), {"__getattr__": lambda self, name: lambda *a, **k: None})()
-torch.cuda.current_stream = lambda *a, **k: NO_STREAM  # CUDA-only: DDP's gradient sync (0.19) waits on it
 '''
 
 PATCH_SYNCHRONIZE = '''
@@ -508,7 +512,8 @@ torch.cuda.synchronize = lambda *a, **k: None  # CUDA-only: pipeline send/recv w
 PATCH_CUDA_TENSORS = '''
 class CudaToCpu(TorchFunctionMode):
     """CUDA-only: tensors the schedules, DDP and the optimizer make on "cuda" are made on the CPU
-    (and a tensor's type() reads as the CUDA type that gradient clipping asserts)."""
+    (and a tensor's type() reads as the CUDA type that gradient clipping asserts); the streams
+    and events DDP's gradient sync (0.19) and the MoE dispatcher wait on do nothing below."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
@@ -522,23 +527,11 @@ class CudaToCpu(TorchFunctionMode):
 
 
 CudaToCpu().__enter__()
+CpuStream = type("CpuStream", (contextlib.nullcontext,), {"__getattr__": lambda self, name: lambda *a, **k: self})
+torch.cuda.Stream = torch.cuda.Event = torch.cuda.stream = torch.cuda.current_stream = lambda *a, **k: CpuStream()
 '''
 
 ALLTOALL_ON_CPU = '''
-class CpuStream:
-    """CUDA-only: the alltoall dispatcher's side streams and events; CPU ops are synchronous, so
-    every wait, record and synchronize does nothing."""
-
-    def __getattr__(self, name):
-        return lambda *args, **kwargs: self
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return None
-
-
 def to_host(tensor, as_numpy=False, record_stream=False):
     """CUDA-only: split sizes read on the host, as numpy like a device tensor's copy."""
     if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
@@ -546,7 +539,6 @@ def to_host(tensor, as_numpy=False, record_stream=False):
     return device_to_host(tensor, as_numpy=as_numpy, record_stream=record_stream)
 
 
-torch.cuda.Stream = torch.cuda.Event = torch.cuda.stream = torch.cuda.current_stream = lambda *a, **k: CpuStream()
 device_to_host = moe_utils.maybe_move_tensor_to_cpu
 moe_utils.maybe_move_tensor_to_cpu = token_dispatcher.maybe_move_tensor_to_cpu = to_host
 '''

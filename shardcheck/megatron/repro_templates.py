@@ -55,7 +55,7 @@ DDP = "from megatron.core.distributed import DistributedDataParallel, Distribute
 RNG_ON_CPU = Snippet(code.PATCH_RNG)
 DEVICE_ON_CPU = Snippet(code.PATCH_DEVICE)
 NO_SYNCHRONIZE = Snippet(code.PATCH_SYNCHRONIZE)
-CUDA_TENSORS_ON_CPU = Snippet(code.PATCH_CUDA_TENSORS, "from torch.overrides import TorchFunctionMode")
+CUDA_TENSORS_ON_CPU = Snippet(code.PATCH_CUDA_TENSORS, "import contextlib\nfrom torch.overrides import TorchFunctionMode")
 TE_GEMM_UNSET = Snippet(code.PATCH_TE_GEMM, "from megatron.core.transformer.moe import moe_utils")
 CAUSAL_CONV1D = Snippet(code.CAUSAL_CONV1D)
 MAMBA_KERNELS = Snippet(code.MAMBA_KERNELS, "import importlib\nimport types")
@@ -190,7 +190,7 @@ GPT_EXTRAS = (SP_NORM,
               (lambda layout, options: layout.pp > 1, NO_SYNCHRONIZE))
 TEMPLATES: dict[str, Template] = {
     "output_loss": Template("shardcheck.megatron.scenarios.output_loss:OutputLossSetup",
-                            Snippet(code.OUTPUT_LOSS), (DEVICE_ON_CPU, BASE, SEEDED, PIECES, SHARD)),
+                            Snippet(code.OUTPUT_LOSS, "import inspect"), (DEVICE_ON_CPU, BASE, SEEDED, PIECES, SHARD)),
     "moe_router": Template("shardcheck.megatron.scenarios.moe_router:RouterSetup", ROUTER_CODE,
                            (DEVICE_ON_CPU, TE_GEMM_UNSET, BASE, SEEDED, PIECES, SHARD), _router_refuses),
     "gpt": Template("shardcheck.megatron.scenarios.gpt:GPTSetup", GPT_CODE, GPT_SUPPORT,
@@ -201,12 +201,12 @@ TEMPLATES: dict[str, Template] = {
     "mtp": Template("shardcheck.megatron.scenarios.gpt:MTPGPTSetup", GPT_CODE, GPT_SUPPORT,
                     sections=_gpt_sections, extras=GPT_EXTRAS),
     "gdn": Template("shardcheck.megatron.scenarios.ssm:GDNSetup", GDN_CODE,
-                    (RNG_ON_CPU, DEVICE_ON_CPU, CUDA_TENSORS_ON_CPU, CAUSAL_CONV1D, GDN_KERNELS, BASE, SEEDED, SHARD,
-                     WEIGHTS), _gdn_refuses, sections=_gdn_sections,
+                    (RNG_ON_CPU, DEVICE_ON_CPU, CUDA_TENSORS_ON_CPU, CAUSAL_CONV1D, GDN_KERNELS, BASE,
+                     SEEDED, SHARD, WEIGHTS), _gdn_refuses, sections=_gdn_sections,
                     extras=(SP_NORM,)),
     "mamba": Template("shardcheck.megatron.scenarios.ssm:MambaSetup", MAMBA_CODE,
-                      (RNG_ON_CPU, DEVICE_ON_CPU, CUDA_TENSORS_ON_CPU, CAUSAL_CONV1D, MAMBA_KERNELS, BASE, SEEDED,
-                       SHARD, WEIGHTS), _mamba_refuses, sections=_mamba_sections),
+                      (RNG_ON_CPU, DEVICE_ON_CPU, CUDA_TENSORS_ON_CPU, CAUSAL_CONV1D, MAMBA_KERNELS,
+                       BASE, SEEDED, SHARD, WEIGHTS), _mamba_refuses, sections=_mamba_sections),
     "t5": Template("shardcheck.megatron.scenarios.t5:T5Setup", T5_CODE, GPT_SUPPORT, _refused_by("t5"),
                    sections=_gpt_sections, extras=(SP_NORM,)),
     "multimodal": Template("shardcheck.megatron.scenarios.multimodal:MultimodalSetup", MULTIMODAL_CODE,

@@ -109,7 +109,7 @@ def local_batches(setup: GPTSetup, pg: Any = None) -> list[dict[str, torch.Tenso
         raise ValueError(f"{setup.microbatches} microbatches do not split over dp={dp}")
     share = setup.microbatches // dp
     mine = global_batches(setup)[dp_rank * share:(dp_rank + 1) * share]
-    # always the CP group: without one, 0.19 cuts the batch over the default group (all ranks)
+    # the CP group always given: without one, 0.19 cuts over the whole world, not parallel_state's cp
     release = cp_batch_kwargs(get_batch_on_this_cp_rank)
     return [get_batch_on_this_cp_rank(dict(batch), cp_group=used.cp, **release) for batch in mine]
 

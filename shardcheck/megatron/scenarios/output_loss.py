@@ -4,7 +4,8 @@ Mirrors ``LanguageModule.compute_language_model_loss`` (the unfused path) with t
 does not expose: label smoothing, ``parallel_output`` (``gather_output``) and
 ``runtime_gather_output``. Outputs are global: the mean loss, the output weight's gradient and
 the hidden states' gradient. Under explicit groups the layer gets the explicit ``tp_group``
-(the cross-entropy takes no group: it reads ``parallel_state``'s).
+(the cross-entropy gets it too where the release takes it, as ``LanguageModule`` gives it in
+0.19; 0.16's reads ``parallel_state``'s).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch.distributed as dist
 from shardcheck.megatron.parallel import explicit_kwargs, megatron_parallel, world_group
 from shardcheck.megatron.reference import gather_global, load_global_weights, seeded_global
 from shardcheck.megatron.scenarios.gpt import GPTSetup, transformer_config
+from shardcheck.megatron.versions import tp_group_kwargs
 
 
 @dataclass(frozen=True)
@@ -75,7 +77,8 @@ def output_loss(ctx: Any, setup: OutputLossSetup) -> dict[str, torch.Tensor]:
         local_hidden = _sequence_shard(hidden.float(), ctx.layout.sp, tp).requires_grad_(True)
         logits, _ = layer(local_hidden, runtime_gather_output=setup.runtime_gather_output)
         losses = tensor_parallel.vocab_parallel_cross_entropy(
-            logits.float().clone(), labels, label_smoothing=setup.label_smoothing)
+            logits.float().clone(), labels, label_smoothing=setup.label_smoothing,
+            **tp_group_kwargs(tensor_parallel.vocab_parallel_cross_entropy, tp))
         loss = losses.mean()
         loss.backward()
         grads, _ = gather_global(layer, lambda p: p.grad, world_group(ctx))
