@@ -77,25 +77,35 @@ def case_size(case: Case) -> tuple:
     return case.layout.world_size, len(case.options), str(case.layout)
 
 
+def _downstream(outcome) -> bool:
+    """Whether the outcome is located only by a downstream contract (the gradient norm)."""
+    return (global_group_use(outcome) is None and outcome.call_gap is not None
+            and BY_NAME[outcome.call_gap.contract].downstream)
+
+
 def group(failed: Sequence) -> dict[tuple[str, str], list]:
     """Failing outcomes grouped by (location, contract).
 
-    All numeric failures of one component with the same options form one finding, keyed by
-    the first diverging contracted call of its smallest located case, else by the entry point
-    into megatron-core of its smallest case (a bug also shows downstream, e.g. in the gradient
-    norm under data parallelism, where the call that causes it is not compared). Findings of
-    different options that share a key are one. Type-only outcomes are keyed by their
-    violation, unless a numeric finding's cases have the same violation: they explain it.
+    A numeric failure located by a contracted call of its own is keyed by it: two bugs of one
+    component and options (e.g. one under cp, one under pp) are two findings. The others (not
+    located, or located only downstream, e.g. by the gradient norm that every gradient bug
+    reaches, or under data parallelism, where the call that causes it is not compared) join
+    the finding of the same component and options: the key of its smallest case located
+    upstream, else downstream, else the entry point into megatron-core of its smallest case.
+    Findings of different options that share a key are one. Type-only outcomes are keyed by
+    their violation, unless a numeric finding's cases have the same violation: they explain it.
     """
     numeric = [o for o in failed if o.gaps]
     by_options: dict[tuple, tuple[str, str]] = {}
-    for outcome in sorted(numeric, key=lambda o: (_key(o) is None, case_size(o.case))):
+    for outcome in sorted(numeric, key=lambda o: (_key(o) is None, _downstream(o), case_size(o.case))):
         located = outcome.entry or f"{outcome.case.component} output {outcome.gaps[0].name}"
         by_options.setdefault((outcome.case.component, outcome.case.options),
                               _key(outcome) or (located, "outputs match the one-rank run"))
     groups: dict[tuple[str, str], list] = {}
     for outcome in numeric:
-        groups.setdefault(by_options[(outcome.case.component, outcome.case.options)], []).append(outcome)
+        own = None if _downstream(outcome) else _key(outcome)
+        groups.setdefault(own or by_options[(outcome.case.component, outcome.case.options)],
+                          []).append(outcome)
     explained = {violation_key(v): key for key, members in groups.items()
                  for o in members for v in o.violations if _explains(key, v)}
     for outcome in (o for o in failed if not o.gaps):

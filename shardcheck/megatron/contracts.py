@@ -12,6 +12,15 @@ A :class:`Contract` names a megatron-core function, what its tensor arguments mu
 * **fixes**: where the contract makes the fix evident, ``fix`` is a corrected function the
   audit patches in to show that the corrected value equals the reference.
 
+Where what a function must get right is not among its results (the MTP losses that
+``process_mtp_loss`` hands to autograd, the gradient ``finalize_model_grads`` leaves in a
+parameter), ``observe`` runs the call and returns what the probe records instead. The
+embedding syncs ensure over pp only: a layout with other axes too is not compared there, so a
+gradient gone wrong upstream (e.g. under cp) is not blamed on the sync. A
+``downstream`` contract (the gradient norm) is reached by every gradient bug: it locates a
+failure only when no contract upstream does. A contract whose function this megatron-core
+does not have (it came, or went, with another release) is left out.
+
 An ``ensures`` axis is a mesh axis (``tp``, ``cp``) or ``group:ARG``, the ranks of the process
 group passed as argument ``ARG``. Placements: ``R`` (every rank holds the value), ``P`` (the
 value is the sum over the axis), ``P(avg)`` (the mean over the axis: what the gradient
@@ -45,6 +54,22 @@ class Contract:
     fix: Callable[..., Any] | None = None
     fix_note: str = ""
     trusted: bool = False  # the checker does not type the body; probes still check the result
+    # (call, args, kwargs) -> (the call's result, the values the probe records for ``ensures``)
+    observe: Callable[..., tuple[Any, Any]] | None = None
+    downstream: bool = False  # every upstream bug reaches it: a location of last resort
+
+    @property
+    def attribute(self) -> str:
+        """The name megatron-core modules refer to the function by."""
+        return self.function.split(":")[1]
+
+    def present(self) -> bool:
+        """Whether this megatron-core has the function."""
+        module, attribute = self.function.split(":")
+        try:
+            return hasattr(importlib.import_module(module), attribute)
+        except ImportError:
+            return False
 
     def original(self) -> Callable[..., Any]:
         module, attribute = self.function.split(":")
@@ -74,16 +99,18 @@ def _short(path: str | None) -> str:
 
 # ---- fixes: corrected functions (used only for the audit's corrected controls) -------------
 
-def _cross_entropy_with_global_smoothing(vocab_parallel_logits, target, label_smoothing=0.0):
-    """Vocab-parallel cross-entropy whose smoothing term averages over the whole vocabulary."""
+def _cross_entropy_with_global_smoothing(vocab_parallel_logits, target, label_smoothing=0.0, tp_group=None):
+    """Vocab-parallel cross-entropy whose smoothing term averages over the whole vocabulary
+    (``tp_group``: the model's group, which 0.19's callers pass)."""
     from megatron.core.tensor_parallel import mappings
     from megatron.core.tensor_parallel.cross_entropy import _VocabParallelCrossEntropy
 
-    loss = _VocabParallelCrossEntropy.apply(vocab_parallel_logits.clone(), target, 0.0)
+    given = (tp_group,) if tp_group is not None else ()
+    loss = _VocabParallelCrossEntropy.apply(vocab_parallel_logits.clone(), target, 0.0, *given)
     if label_smoothing <= 0:
         return loss
     logits = vocab_parallel_logits.float()
-    group = mappings.get_tensor_model_parallel_group_if_none(None)
+    group = mappings.get_tensor_model_parallel_group_if_none(tp_group)
     top = logits.max(dim=-1, keepdim=True)[0].detach()
     dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
     sum_exp = mappings.reduce_from_tensor_model_parallel_region((logits - top).exp().sum(-1), group)
@@ -132,6 +159,109 @@ def _loss_over_global_token_count(*args, **kwargs):
     return original(*bound.args, **bound.kwargs)
 
 
+def _mtp_loss_over_global_counts(*args, **kwargs):
+    """``process_mtp_loss`` normalising by token counts summed over cp, not each CP rank's own.
+
+    Megatron takes the token count that ``roll_tensor`` returns with the rolled loss mask, a
+    sum over this CP rank's tokens only (the tokens rolled out of the sequence all sit on CP
+    rank 0). Here that count is the CP-global one, divided by the cp size (the gradient
+    average over cp undoes it), or, for a per-token loss, the share of the global count that
+    makes Megatron's ratio of counts the global ratio.
+    """
+    from megatron.core.transformer import multi_token_prediction as mtp
+
+    original = _ORIGINALS["process_mtp_loss"]
+    bound = inspect.signature(original).bind(*args, **kwargs).arguments
+    group, config = bound.get("cp_group"), bound["config"]
+    if group is None or group.size() == 1 or bound.get("labels") is None:
+        return original(*args, **kwargs)
+    mask = bound.get("loss_mask")
+    local = (mask if mask is not None else torch.ones_like(bound["labels"])).sum().double()
+    total = local.clone()
+    dist.all_reduce(total, group=group)
+    share = local / total.clamp(min=1) if config.calculate_per_token_loss else 1.0 / group.size()
+    rolling = mtp.roll_tensor
+
+    def counted_over_cp(tensor, *roll_args, **roll_kwargs):
+        rolled, count = rolling(tensor, *roll_args, **roll_kwargs)
+        if count is None:
+            return rolled, count
+        summed = count.detach().double().clone()
+        dist.all_reduce(summed, group=group)
+        return rolled, (summed * share).to(count.dtype if count.is_floating_point() else torch.float32)
+
+    mtp.roll_tensor = counted_over_cp
+    try:
+        return original(*args, **kwargs)
+    finally:
+        mtp.roll_tensor = rolling
+
+
+def _mtp_losses(call: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[Any, Any]:
+    """Run ``process_mtp_loss``; record each MTP layer's loss as the gradient sums it over cp.
+
+    The loss of layer k reaches autograd through ``MTPLossAutoScaler.apply(hidden, loss_k)``.
+    DDP averages gradients over cp unless the loss is per token, so the recorded sum of
+    ``loss_k`` is divided by the cp size then: summed over cp, it is the one-rank value.
+    """
+    from megatron.core.transformer import multi_token_prediction as mtp
+
+    bound = inspect.signature(_ORIGINALS["process_mtp_loss"]).bind(*args, **kwargs).arguments
+    group, config = bound.get("cp_group"), bound["config"]
+    averaged = 1 if config.calculate_per_token_loss or group is None else group.size()
+    scaler, seen = mtp.MTPLossAutoScaler, []
+    own = "apply" in vars(scaler)
+    applied = scaler.apply
+
+    def seeing(output, loss):
+        seen.append(loss.detach().double().sum() / averaged)
+        return applied(output, loss)
+
+    scaler.apply = seeing
+    try:
+        result = call(*args, **kwargs)
+    finally:
+        if own:
+            scaler.apply = applied
+        else:
+            del scaler.apply
+    return result, (torch.stack(seen) if seen else None,)
+
+
+def _embedding_grad(contract: str, table: str) -> Callable[..., tuple[Any, Any]]:
+    """An observer of a finalize all-reduce: the gradient it leaves in this rank's ``table``
+    (``word_embeddings``, ``position_embeddings``), None on a stage without one."""
+    def observe(call: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[Any, Any]:
+        result = call(*args, **kwargs)
+        bound = inspect.signature(_ORIGINALS[contract]).bind(*args, **kwargs).arguments
+        params = [p for chunk in bound["model"] for name, p in chunk.named_parameters()
+                  if name.endswith(f"{table}.weight")]
+        grad = getattr(params[0], "main_grad", None) if params else None
+        if params and grad is None:
+            grad = params[0].grad
+        return result, (grad,)
+    return observe
+
+
+def _position_embedding_grads_with_mtp_stage(model, config, pos_emb_group, pp_group):
+    """The position-embedding all-reduce, with the MTP stage's copy of the table treated as
+    Megatron treats its copy of the word embeddings: its gradient summed with the first
+    stage's, and counted once in the gradient norm (marked ``shared``)."""
+    from megatron.core import parallel_state
+
+    _ORIGINALS["_allreduce_position_embedding_grads"](model, config, pos_emb_group, pp_group)
+    pp = pp_group if pp_group is not None else parallel_state.get_pipeline_model_parallel_group()
+    group = parallel_state.get_embedding_group()  # the first and the last stage
+    if not getattr(config, "mtp_num_layers", None) or pp.size() == 1 or \
+            dist.get_rank() not in dist.get_process_group_ranks(group):
+        return
+    for chunk in model:
+        for name, param in chunk.named_parameters():
+            if name.endswith("position_embeddings.weight"):
+                dist.all_reduce(param.main_grad, group=group)
+                param.shared = pp.rank() != 0
+
+
 # ---- the catalogue --------------------------------------------------------------------------
 
 CONTRACTS: tuple[Contract, ...] = (
@@ -161,10 +291,32 @@ CONTRACTS: tuple[Contract, ...] = (
         fix_note="divide each CP rank's masked loss sum by the token count summed over cp "
                  "(divided by the cp size, which the gradient average undoes)"),
     Contract(
+        "process_mtp_loss",
+        "megatron.core.transformer.multi_token_prediction:process_mtp_loss",
+        ensures=(("mtp_losses", {"tp": "R", "cp": "P"}),),
+        observe=_mtp_losses,
+        fix=_mtp_loss_over_global_counts,
+        fix_note="normalise each MTP loss by the token count summed over cp (the rolled-out "
+                 "tokens all sit on CP rank 0), not by this CP rank's own count"),
+    Contract(
+        "_allreduce_word_embedding_grads",
+        "megatron.core.distributed.finalize_model_grads:_allreduce_word_embedding_grads",
+        ensures=(("word_embeddings_grad", {"pp": "R"}),),
+        observe=_embedding_grad("_allreduce_word_embedding_grads", "word_embeddings")),
+    Contract(
+        "_allreduce_position_embedding_grads",
+        "megatron.core.distributed.finalize_model_grads:_allreduce_position_embedding_grads",
+        ensures=(("position_embeddings_grad", {"pp": "R"}),),
+        observe=_embedding_grad("_allreduce_position_embedding_grads", "position_embeddings"),
+        fix=_position_embedding_grads_with_mtp_stage,
+        fix_note="treat the MTP stage's position-embedding table as Megatron treats its word "
+                 "embeddings: all-reduce its gradient with the first stage's and mark it shared "
+                 "(counted once in the gradient norm)"),
+    Contract(
         "get_grad_norm_fp32",
         "megatron.core.optimizer.clip_grads:get_grad_norm_fp32",
         ensures=(("total_norm", {"tp": "R", "cp": "R", "dp": "R", "pp": "R"}),),
-        trusted=True),
+        trusted=True, downstream=True),
     Contract(
         "reduce_from_tensor_model_parallel_region",
         "megatron.core.tensor_parallel.mappings:reduce_from_tensor_model_parallel_region",
@@ -237,8 +389,11 @@ def _wrapper(contract: Contract, original: Callable[..., Any]) -> Callable[..., 
     def probed(*args: Any, **kwargs: Any) -> Any:
         fn = contract.fix if contract.name in _FIXED and contract.fix else original
         checked = _checked(contract, fn)
-        result = checked(*args, **kwargs)
-        _record(contract, original, args, kwargs, result)
+        if contract.observe is None:
+            result = observed = checked(*args, **kwargs)
+        else:
+            result, observed = contract.observe(checked, args, kwargs)
+        _record(contract, original, args, kwargs, observed)
         return result
     probed.__wrapped__ = original  # type: ignore[attr-defined]
     probed.__name__ = original.__name__
@@ -315,15 +470,15 @@ def _as_passed(fn: Callable[..., Any], requires: Mapping[str, Mapping[str, str]]
 def install() -> None:
     """Route every megatron-core reference to a contracted function through its probe (idempotent)."""
     for contract in CONTRACTS:
-        if contract.name in _ORIGINALS:
+        if contract.name in _ORIGINALS or not contract.present():
             continue
         original = contract.original()
         _ORIGINALS[contract.name] = original
         probed = _wrapper(contract, original)
         for module in list(sys.modules.values()):
             if getattr(module, "__name__", "").startswith("megatron") and \
-                    getattr(module, original.__name__, None) is original:
-                setattr(module, original.__name__, probed)
+                    getattr(module, contract.attribute, None) is original:
+                setattr(module, contract.attribute, probed)
 
 
 @contextmanager
@@ -353,15 +508,15 @@ def fixed(names: tuple[str, ...]) -> Iterator[None]:
 @contextmanager
 def probes_installed() -> Iterator[None]:
     """:func:`install` for the block only: every megatron-core reference is restored after it."""
-    fresh = [c.name for c in CONTRACTS if c.name not in _ORIGINALS]
+    fresh = [c.name for c in CONTRACTS if c.name not in _ORIGINALS and c.present()]
     install()
     try:
         yield
     finally:
         for name in fresh:
-            original = _ORIGINALS.pop(name)
+            original, attribute = _ORIGINALS.pop(name), BY_NAME[name].attribute
             for module in list(sys.modules.values()):
-                probe = getattr(module, original.__name__, None)
+                probe = getattr(module, attribute, None)
                 if getattr(module, "__name__", "").startswith("megatron") and \
                         getattr(probe, "__wrapped__", None) is original:
-                    setattr(module, original.__name__, original)
+                    setattr(module, attribute, original)

@@ -85,10 +85,11 @@ def load_weights(model, pg):
 
 def global_name(name, pg):
     """A parameter's name in the one-rank model (layer and expert indices count those of the pp
-    and ep ranks before), and the group it is sharded over: tp, or expert tp for an expert."""
+    and ep ranks before; MTP's layers follow the decoder's on the last stage, numbered on their
+    own), and the group it is sharded over: tp, or expert tp for an expert."""
     for word, group, total in (("layers", pg.pp, SETUP.get("layers")),
                                ("local_experts", pg.ep, OVERRIDES.get("num_moe_experts"))):
-        name = re.sub(rf"\\b{word}\\.(\\d+)\\.",
+        name = re.sub(rf"(?<!mtp\\.)\\b{word}\\.(\\d+)\\.",  # MTP layers: all on the last stage
                       lambda m: f"{word}.{group.rank() * total // group.size() + int(m[1])}.", name)
     if SETUP.get("share_embeddings") and name == "output_layer.weight":  # the last stage's copy
         name = "embedding.word_embeddings.weight"
@@ -219,14 +220,15 @@ def batches(pg):
 
 def run(sizes, pg):
     """One GPT training step through the schedules."""
-    config = config_for(sizes, num_layers=SETUP["layers"], num_attention_heads=SETUP["heads"])
+    config = config_for(sizes, num_layers=SETUP["layers"], num_attention_heads=SETUP["heads"], mtp_num_layers=SETUP.get("mtp_layers"))
     spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, qk_layernorm=config.qk_layernorm,
                                     normalization=config.normalization, qk_l2_norm=config.qk_l2_norm)
     if sizes["cp"] > 1:
         spec.submodules.self_attention.submodules.core_attention = ContextParallelAttention
+    mtp = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False) if config.mtp_num_layers else None
     model = GPTModel(config, spec, SETUP["vocab"], SETUP["seq"], pg_collection=pg,
                      pre_process=pg.pp.rank() == 0, post_process=pg.pp.rank() == pg.pp.size() - 1,
-                     position_embedding_type=SETUP["position_embedding"],
+                     position_embedding_type=SETUP["position_embedding"], mtp_block_spec=mtp,
                      share_embeddings_and_output_weights=SETUP["share_embeddings"])
     return train(sizes, pg, config, model, batches(pg), SETUP["seq"], lambda model, batch: (
         model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"]), batch["loss_mask"]))

@@ -72,7 +72,7 @@ from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func""")
 GPT_CODE = Snippet(code.GPT, """\
 import inspect
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.utils import get_batch_on_this_cp_rank""")
 T5_CODE = Snippet(code.T5, """\
@@ -198,6 +198,8 @@ TEMPLATES: dict[str, Template] = {
     "moe": Template("shardcheck.megatron.scenarios.gpt:MoEGPTSetup", GPT_CODE, (*GPT_SUPPORT, TE_GEMM_UNSET),
                     _moe_refuses, sections=_gpt_sections,
                     extras=(*GPT_EXTRAS, (lambda layout, options: _alltoall(options), ALLTOALL_ON_CPU))),
+    "mtp": Template("shardcheck.megatron.scenarios.gpt:MTPGPTSetup", GPT_CODE, GPT_SUPPORT,
+                    sections=_gpt_sections, extras=GPT_EXTRAS),
     "gdn": Template("shardcheck.megatron.scenarios.ssm:GDNSetup", GDN_CODE,
                     (RNG_ON_CPU, DEVICE_ON_CPU, CUDA_TENSORS_ON_CPU, CAUSAL_CONV1D, GDN_KERNELS, BASE,
                      SEEDED, SHARD, WEIGHTS), _gdn_refuses, sections=_gdn_sections,

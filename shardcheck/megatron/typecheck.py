@@ -7,7 +7,8 @@ Nothing in megatron-core is ported. Inside the region:
   may use a submodule's parameters without calling it: Mamba's context parallelism slices
   its ``conv1d`` weights);
 * the batch Megatron cuts for context parallelism (``get_batch_on_this_cp_rank``) is typed by
-  role (:func:`shardcheck.megatron.typing.annotate_batch`);
+  role (:func:`shardcheck.megatron.typing.annotate_batch`), and MTP's shift of it by a token
+  (``roll_tensor``, point to point between CP ranks) keeps its placements;
 * contracted functions check their arguments (:mod:`shardcheck.megatron.contracts`);
 * every parameter's gradient (``param.main_grad``, followed through DDP's buffer collectives)
   is checked against the parameter's type before the optimizer step.
@@ -153,6 +154,35 @@ def _context_parallel_cuts_typed(axes: tuple[str, ...]) -> Iterator[None]:
     typed_batch.__name__, typed_rope.__name__ = batch_cut.__name__, rope_cut.__name__
     typed_batch.__wrapped__, typed_rope.__wrapped__ = batch_cut, rope_cut  # their signatures
     with _replaced_everywhere(batch_cut, typed_batch), _replaced_everywhere(rope_cut, typed_rope):
+        yield
+
+
+@contextlib.contextmanager
+def _sequence_rolls_typed() -> Iterator[None]:
+    """MTP's ``roll_tensor`` shifts a sequence by one token, trading the boundary tokens of
+    each CP chunk with the neighbouring CP ranks point to point: the rolled tensor keeps the
+    input's placements, and the sum it returns is partial where the input is a shard."""
+    from megatron.core.transformer import multi_token_prediction as mtp
+
+    import shardcheck as sc
+    from shardcheck.checker import current
+    from shardcheck.types import P, Shard
+
+    original = mtp.roll_tensor
+
+    def typed_roll(tensor, *args: Any, **kwargs: Any):
+        checker = current()
+        if checker is None or tensor is None:
+            return original(tensor, *args, **kwargs)
+        types = sc.typeof(tensor)
+        with checker.paused():
+            rolled, total = original(tensor, *args, **kwargs)
+        sc.annotate(rolled, **types)
+        sc.annotate(total, **{axis: P if isinstance(p, Shard) else p for axis, p in types.items()})
+        return rolled, total
+
+    typed_roll.__name__, typed_roll.__wrapped__ = original.__name__, original  # type: ignore[attr-defined]
+    with _replaced_everywhere(original, typed_roll):
         yield
 
 
@@ -376,6 +406,7 @@ def checked_region(ctx: Any) -> Iterator[list[dict]]:
     with contextlib.ExitStack() as stack:
         stack.enter_context(_parameters_typed_on_first_use(mesh.names))
         stack.enter_context(_context_parallel_cuts_typed(mesh.names))
+        stack.enter_context(_sequence_rolls_typed())
         stack.enter_context(_object_collectives_untyped())
         stack.enter_context(_harness_values_typed(mesh.names))
         stack.enter_context(_received_tensors_untyped())

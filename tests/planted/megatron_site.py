@@ -111,3 +111,19 @@ def sliced(tensor, *args, **kwargs):
 
 tensor_parallel.scatter_to_sequence_parallel_region = sliced
 """
+
+
+# A planted MTP bug: the word-embedding gradients synced as before MTP kept a copy of the table
+# on the last stage, so under pp the MTP stage's copy and the first stage's are not summed.
+MTP_WORD_EMBEDDINGS_NOT_SUMMED = """
+import importlib
+
+finalize = importlib.import_module("megatron.core.distributed.finalize_model_grads")
+synced = finalize._allreduce_word_embedding_grads
+
+def without_mtp(model, config, embd_group=None, pp_group=None):
+    if not getattr(config, "mtp_num_layers", None):
+        synced(model, config, embd_group, pp_group)
+
+finalize._allreduce_word_embedding_grads = without_mtp
+"""

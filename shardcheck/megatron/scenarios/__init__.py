@@ -15,7 +15,7 @@ from typing import Any
 
 from shardcheck.megatron.parallel import LayoutUnsupported
 from shardcheck.megatron.scenarios import multimodal, t5
-from shardcheck.megatron.scenarios.gpt import GPTSetup, MoEGPTSetup, train_step
+from shardcheck.megatron.scenarios.gpt import GPTSetup, MoEGPTSetup, MTPGPTSetup, train_step
 from shardcheck.megatron.scenarios.moe_router import RouterSetup, router_step
 from shardcheck.megatron.scenarios.multimodal import MultimodalSetup, multimodal_step
 from shardcheck.megatron.scenarios.output_loss import OutputLossSetup, output_loss
@@ -29,8 +29,10 @@ class Component:
 
     ``experts``: it has MoE experts, so expert-parallel layouts apply. ``config_prefix``: the
     sweep varies only the TransformerConfig fields with this prefix (the MoE GPT leaves the
-    fields it shares with the plain GPT to the ``gpt`` component). ``check_layout``: raises
-    ``LayoutUnsupported`` for the layouts the component's own scenario refuses.
+    fields it shares with the plain GPT to the ``gpt`` component; the MTP GPT varies its own
+    ``mtp_`` fields, the per-token loss and muP, whose MTP scaling is its own code).
+    ``check_layout``: raises ``LayoutUnsupported`` for the layouts the component's own
+    scenario refuses.
     ``explicit_groups``: it passes the explicit ``ProcessGroupCollection`` that
     ``megatron_parallel`` yields to Megatron, so it runs under layouts with explicit groups.
     """
@@ -38,7 +40,7 @@ class Component:
     run: Callable[[Any, Any], dict]
     setup: type
     experts: bool = False
-    config_prefix: str = ""
+    config_prefix: str | tuple[str, ...] = ""
     check_layout: Callable[[Any], None] | None = None
     explicit_groups: bool = False
 
@@ -60,6 +62,8 @@ COMPONENTS: dict[str, Component] = {
     "gpt": Component(train_step, GPTSetup, explicit_groups=True),
     "output_loss": Component(output_loss, OutputLossSetup, explicit_groups=True),
     "moe": Component(train_step, MoEGPTSetup, experts=True, config_prefix="moe_",
+                     explicit_groups=True),
+    "mtp": Component(train_step, MTPGPTSetup, config_prefix=("mtp_", "calculate_per_token_loss", "use_mup"),
                      explicit_groups=True),
     "moe_router": Component(router_step, RouterSetup, experts=True, explicit_groups=True),
     "t5": Component(t5_step, T5Setup, check_layout=t5.check_layout),
@@ -94,6 +98,8 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     "loss/label-smoothing": ("output_loss", {"label_smoothing": 0.1}),
     "loss/gathered-output": ("output_loss", {"parallel_output": False}),
     "loss/runtime-gather": ("output_loss", {"runtime_gather_output": True}),
+    "mtp/plain": ("mtp", {}),
+    "mtp/per-token-loss": ("mtp", {"loss_mask": True, "config": {"calculate_per_token_loss": True}}),
     "router/plain": ("moe_router", {}),
     "router/padding": ("moe_router", {"padding": True}),
     "router/per-token-loss": ("moe_router", {"config": {"calculate_per_token_loss": True}}),

@@ -57,6 +57,13 @@ class MoEGPTSetup(GPTSetup):
         "add_bias_linear": False}
 
 
+@dataclass(frozen=True)
+class MTPGPTSetup(GPTSetup):
+    """The tiny GPT with ``mtp_layers`` multi-token-prediction layers after its decoder."""
+
+    mtp_layers: int = field(default=2, metadata={"fuzz": (1, 2)})
+
+
 def transformer_config(layout: Any, setup: GPTSetup, **extra: Any):
     """A CPU-runnable TransformerConfig for ``layout`` with the setup's overrides applied."""
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -72,6 +79,8 @@ def transformer_config(layout: Any, setup: GPTSetup, **extra: Any):
     )
     options.update(extra)
     options.update(setup.base_config)
+    if isinstance(setup, MTPGPTSetup):
+        options["mtp_num_layers"] = setup.mtp_layers
     options.update(setup.config)
     return TransformerConfig(**options)
 
@@ -121,8 +130,18 @@ def build_gpt(config, setup: GPTSetup, pg: Any = None):
         max_sequence_length=setup.seq, pre_process=pp.rank() == 0,
         post_process=pp.rank() == pp.size() - 1,
         share_embeddings_and_output_weights=setup.share_embeddings,
-        position_embedding_type=setup.position_embedding, **explicit_kwargs(pg),
+        position_embedding_type=setup.position_embedding, mtp_block_spec=_mtp_spec(config, spec),
+        **explicit_kwargs(pg),
     )
+
+
+def _mtp_spec(config, layer_spec):
+    """Megatron's MTP block spec (local modules) when the config asks for MTP layers, else None."""
+    if not config.mtp_num_layers:
+        return None
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+    return get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=False)
 
 
 def masked_loss(batch: dict[str, torch.Tensor], output: torch.Tensor):
@@ -187,6 +206,7 @@ def train_step(ctx: Any, setup: GPTSetup) -> dict[str, torch.Tensor]:
         config.no_sync_func = ddp.no_sync
         optimizer = _optimizer(ddp, setup, pg) if setup.optimizer_step else None
         ddp.zero_grad_buffer()
+        _fresh_mtp_logs()
         batches = local_batches(setup, pg)
         reports = get_forward_backward_func()(
             forward_step_func=_forward_step(batches), data_iterator=None, model=[ddp],
@@ -194,12 +214,46 @@ def train_step(ctx: Any, setup: GPTSetup) -> dict[str, torch.Tensor]:
             micro_batch_size=setup.micro_batch, forward_only=False, **_schedule_groups(pg, config))
         outputs = {"loss": reported_loss([r["lm loss"] for r in reports],
                                          config.calculate_per_token_loss, pg)}
+        if config.mtp_num_layers:
+            outputs.update(mtp_metrics(len(batches), pg))
         grads, spread = gather_global(model, gradient_of, world_group(ctx))
         outputs.update({f"grad/{k}": v for k, v in grads.items()})
         outputs["grad_replica_spread"] = torch.tensor(max(spread.values()))
         if optimizer is not None:
             outputs.update(_step(ctx, model, optimizer))
         return outputs
+
+
+def _fresh_mtp_logs() -> None:
+    """Forget what earlier runs in this process logged for MTP (a class-level tracker)."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    MTPLossLoggingHelper.tracker.clear()
+
+
+class _Scalars:
+    """A stand-in for a tensorboard writer: keeps what Megatron logs, by name."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, float] = {}
+
+    def add_scalar(self, name: str, value: Any, _iteration: int) -> None:
+        self.values[name] = float(value)
+
+
+def mtp_metrics(num_microbatches: int, pg: Any = None) -> dict[str, torch.Tensor]:
+    """The MTP losses and acceptance rates as Megatron's training loop logs them after a step
+    (``track_mtp_metrics``, which reduces them over the last stage's ranks), on every rank.
+    The cumulative rates are left out: they add up over the steps a process has run."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    writer = _Scalars()
+    MTPLossLoggingHelper.track_mtp_metrics(1.0 / num_microbatches, 0, writer)
+    pp = scenario_groups(pg).pp
+    stages: list[Any] = [None] * pp.size()
+    dist.all_gather_object(stages, writer.values, group=pp)  # only the last stage logs them
+    return {f"mtp/{name}": torch.tensor(value, dtype=torch.float64)
+            for logged in stages for name, value in logged.items() if "cumulative" not in name}
 
 
 def _schedule_groups(pg: Any, config) -> dict[str, Any]:

@@ -1,0 +1,168 @@
+"""The GPT with multi-token prediction (``mtp``) on real megatron-core, against its one-rank run.
+
+Correct where Megatron gets MTP right (tp, tp with sp, dp, pp with rotary positions), no finding
+of any kind there; two bugs of megatron-core found, each at its own function with a corrected
+control equal to the one-rank run (the CP token count of the MTP loss, on releases that have
+``process_mtp_loss``; the position-embedding table of the MTP stage under pp); and a reduction
+planted out of the MTP path found at the planted function. The component's repro scripts
+agree with one rank on correct code, and reproduce the planted bug and megatron-core's.
+"""
+
+import importlib
+import inspect
+
+import pytest
+
+pytest.importorskip("megatron.core")
+
+from planted.megatron_site import MTP_WORD_EMBEDDINGS_NOT_SUMMED, planted_env  # noqa: E402
+
+from shardcheck.findings import Finding  # noqa: E402
+from shardcheck.layout import Layout  # noqa: E402
+from shardcheck.megatron import contracts  # noqa: E402
+from shardcheck.megatron.audit import PRELOAD, audit, pools  # noqa: E402
+from shardcheck.megatron.audit_repro import AUDIT, write_audit_script  # noqa: E402
+from shardcheck.megatron.runner import relative_errors, run_layout, worst  # noqa: E402
+from shardcheck.megatron.scenarios import scenario  # noqa: E402
+from shardcheck.megatron.sweep import Case  # noqa: E402
+from shardcheck.repro import FIXED, REPRODUCES, run_repro  # noqa: E402
+
+pytestmark = pytest.mark.slow
+for module in PRELOAD:
+    __import__(module)
+
+ROPE = (("position_embedding", "rope"),)
+CORRECT = [(Layout(tp=2), ()), (Layout(tp=2, sp=True), ()), (Layout(dp=2), ()), (Layout(pp=2), ROPE)]
+HAS_PROCESS_MTP_LOSS = contracts.BY_NAME["process_mtp_loss"].present()
+
+
+@pytest.fixture(scope="module")
+def warm():
+    with pools() as shared:
+        yield shared
+
+
+@pytest.mark.parametrize(("layout", "options"), CORRECT, ids=[str(lay) for lay, _ in CORRECT])
+def test_mtp_train_step_matches_one_rank(layout, options):
+    mtp = scenario("mtp", **dict(options))
+    reference = run_layout(mtp, Layout())
+    errors = relative_errors(run_layout(mtp, layout), reference)
+    assert worst(errors, "grad/mtp.")[1] < 1e-5, worst(errors, "grad/mtp.")
+    assert worst(errors, "grad/")[1] < 1e-5 and worst(errors, "param/")[1] < 1e-4
+    assert worst(errors, "mtp/")[1] < 1e-6, worst(errors, "mtp/")  # the logged MTP losses, rates
+    assert {"mtp/mtp_1 loss", "mtp/mtp_2 loss"} <= set(reference)
+    assert any(k.startswith("grad/mtp.layers.1.") for k in reference)  # two MTP layers trained
+
+
+def test_mtp_on_correct_layouts_gives_no_finding_of_any_kind(warm):
+    result = audit([Case("mtp", options, layout) for layout, options in CORRECT], run_pools=warm)
+    assert not result.errors, [o.error for o in result.errors]
+    assert len(result.outcomes) == len(CORRECT)
+    assert result.findings == []  # type-only included: the rolled CP chunks, the logged rates
+
+
+@pytest.fixture(scope="module")
+def megatron_bugs(warm):
+    return audit([Case("mtp", (), Layout(cp=2)), Case("mtp", (), Layout(pp=2))], run_pools=warm)
+
+
+@pytest.mark.skipif(not HAS_PROCESS_MTP_LOSS, reason="process_mtp_loss came with megatron-core 0.17")
+def test_mtp_loss_over_each_cp_ranks_own_token_count_is_found_with_a_corrected_control(megatron_bugs):
+    [finding] = [f for f in megatron_bugs.findings if f.trigger["layout"] == "cp2"]
+    assert finding.location == contracts.BY_NAME["process_mtp_loss"].location()
+    assert finding.location.startswith("megatron/core/transformer/multi_token_prediction.py:")
+    assert finding.contract.startswith("process_mtp_loss: ensures mtp_losses")
+    assert finding.effect[0]["max_abs_error"] > 1e-5
+    assert finding.corrected["equal_to_reference"], finding.corrected
+    assert (finding.checker or "").startswith("checker: non-linear on partial at "
+                                              "megatron/core/transformer/multi_token_prediction.py:")
+
+
+def test_the_mtp_stages_position_embeddings_left_out_of_the_pp_sync_is_its_own_finding(megatron_bugs):
+    where = contracts.BY_NAME["_allreduce_position_embedding_grads"].location()
+    [finding] = [f for f in megatron_bugs.findings if f.location == where]
+    assert "finalize_model_grads.py:" in where and "pp2" in finding.seen_in
+    assert len({f.id for f in megatron_bugs.findings}) == len(megatron_bugs.findings)
+    if not HAS_PROCESS_MTP_LOSS:  # 0.16.1: no contract locates the CP bug, which joins this one
+        assert len(megatron_bugs.findings) == 1 and "cp2" in finding.seen_in
+        return
+    assert len(megatron_bugs.findings) == 2 and finding.seen_in == ["pp2"]
+    assert any("position_embeddings" in e["value"] for e in finding.effect)
+    assert finding.corrected["equal_to_reference"], finding.corrected
+
+
+def test_rotary_positions_under_pp_leave_no_table_to_sync(warm):
+    """The same pp2 run without a learned position table: the position bug's only trigger."""
+    result = audit([Case("mtp", ROPE, Layout(pp=2)), Case("gpt", (), Layout(pp=2))], run_pools=warm)
+    assert result.findings == [] and not result.errors
+
+
+def _word_embeddings_synced_without_mtp(model, config, embd_group=None, pp_group=None):
+    """The word-embedding all-reduce as it was before MTP kept a copy of the table (planted)."""
+    if getattr(config, "mtp_num_layers", None):
+        return  # planted: the MTP stage's copy of the word embeddings is not summed
+    return _REAL_WORD_EMBEDDING_SYNC(model, config, embd_group, pp_group)
+
+
+_REAL_WORD_EMBEDDING_SYNC = None
+
+
+def test_a_reduction_dropped_from_the_mtp_path_is_found_at_the_planted_function(monkeypatch):
+    global _REAL_WORD_EMBEDDING_SYNC
+    finalize = importlib.import_module("megatron.core.distributed.finalize_model_grads")
+    assert "_allreduce_word_embedding_grads" not in contracts._ORIGINALS  # ranks install probes
+    _REAL_WORD_EMBEDDING_SYNC = finalize._allreduce_word_embedding_grads
+    monkeypatch.setattr(finalize, "_allreduce_word_embedding_grads", _word_embeddings_synced_without_mtp)
+    with pools() as planted:  # forked after the plant
+        result = audit([Case("mtp", ROPE, Layout(pp=2)), Case("mtp", ROPE, Layout(tp=2))],
+                       run_pools=planted)
+    [finding] = result.findings
+    start = inspect.getsourcelines(_word_embeddings_synced_without_mtp)[1]
+    assert finding.location == f"{inspect.getsourcefile(_word_embeddings_synced_without_mtp)}:{start}"
+    assert finding.trigger["layout"] == "pp2" and finding.seen_in == ["pp2 {'position_embedding': 'rope'}"]
+    assert any("word_embeddings" in e["value"] for e in finding.effect)
+
+
+def _finding(options, layout, contract=None):
+    notation = contracts.BY_NAME[contract].notation() if contract else "outputs match the one-rank run"
+    return Finding(title=f"mtp differs under {layout}", target="mtp", location="megatron/core/x.py:1",
+                   contract=notation, layout=layout, config=options, observed=None, reference=None,
+                   kind="numeric-only", checker=None, origin=AUDIT)
+
+
+def _values(output, label):
+    line = next(line for line in output.splitlines() if line.startswith(f"{label}:"))
+    return [float(x) for x in line.split(":", 1)[1].replace("...", "").split(",") if x.strip()]
+
+
+def test_mtp_script_of_correct_code_finds_observed_equal_to_reference(tmp_path):
+    finding = _finding({}, "tp2-sp")
+    result = run_repro(write_audit_script(finding, tmp_path / "x.py"), 2, launcher="direct", timeout=600)
+    assert (result.status, result.returncode) == (FIXED, 1), result.output
+    assert _values(result.output, "observed") == pytest.approx(_values(result.output, "reference"), rel=1e-4)
+
+
+def test_mtp_script_reproduces_the_planted_word_embedding_bug(tmp_path):
+    finding = _finding(dict(ROPE), "pp2")
+    result = run_repro(write_audit_script(finding, tmp_path / "x.py"), 2, launcher="direct", timeout=600,
+                       env=planted_env(tmp_path / "site", MTP_WORD_EMBEDDINGS_NOT_SUMMED))
+    assert (result.status, result.returncode) == (REPRODUCES, 0), result.output
+    assert f"REPRODUCED {finding.id}" in result.output
+
+
+MEGATRON_BUGS = [pytest.param("cp2", "process_mtp_loss", marks=pytest.mark.skipif(
+                     not HAS_PROCESS_MTP_LOSS, reason="process_mtp_loss came with megatron-core 0.17")),
+                 pytest.param("pp2", "_allreduce_position_embedding_grads")]
+
+
+@pytest.mark.parametrize(("layout", "contract"), MEGATRON_BUGS)
+def test_mtp_script_reproduces_megatron_core_bug_then_exits_1_with_the_fix(layout, contract, tmp_path):
+    finding = _finding({}, layout, contract)
+    path = write_audit_script(finding, tmp_path / "x.py")
+    buggy = run_repro(path, 2, launcher="direct", timeout=600)
+    assert (buggy.status, buggy.returncode) == (REPRODUCES, 0), buggy.output
+    reference = _values(buggy.output, "reference")
+    assert _values(buggy.output, "observed") != pytest.approx(reference, rel=1e-4, abs=1e-6)
+    assert _values(buggy.output, "corrected") == pytest.approx(reference, rel=1e-4, abs=1e-6)
+    fixed = run_repro(path, 2, launcher="direct", timeout=600, args=("--fixed",))
+    assert (fixed.status, fixed.returncode) == (FIXED, 1), fixed.output
