@@ -18,6 +18,8 @@ to larger layouts, within the same budget.
 
 from __future__ import annotations
 
+import hashlib
+import re
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, nullcontext
@@ -88,6 +90,13 @@ class Outcome:
     error_kind: str | None = None
     entry: str | None = None
     errors: dict[str, float] = field(default_factory=dict)
+    reference_digest: str | None = None  # the one-rank outputs' hash: which options change them
+    frame: str | None = None  # an error's innermost megatron-core frame
+
+    @property
+    def crashed(self) -> bool:
+        """It raised (or hung) under its layout while its one-rank reference ran."""
+        return bool(self.error) and self.refusal is None
 
     @property
     def failed(self) -> bool:
@@ -99,6 +108,26 @@ class Outcome:
         if self.error and self.error.split(":")[0].endswith(LayoutUnsupported.__name__):
             return self.error.split(":", 1)[1].strip()
         return None
+
+
+def _megatron_frame(failure: PoolFailure) -> str | None:
+    """``file:line in function`` of the innermost megatron-core frame of the first traceback."""
+    for text in (failure.tracebacks[rank] for rank in sorted(failure.tracebacks)):
+        frames = re.findall(r'File "([^"]*/megatron/core/[^"]*)", line (\d+), in (\S+)', text)
+        if frames:
+            path, line, function = frames[-1]
+            return f"{contracts._short(path)}:{line} in {function}"
+    return None
+
+
+def digest(outputs: dict[str, torch.Tensor]) -> str:
+    """A hash of a run's outputs (names, shapes and values)."""
+    h = hashlib.sha1()
+    for name in sorted(outputs):
+        value = outputs[name].contiguous()
+        h.update(f"{name}{tuple(value.shape)}".encode())
+        h.update(value.numpy().tobytes())
+    return h.hexdigest()[:16]
 
 
 def _first_line(failure: PoolFailure) -> str:
@@ -141,6 +170,15 @@ class Runner:
             return "random: its outputs depend on the RNG seed, so no one-rank reference exists"
         return None
 
+    def digest(self, case: Case) -> str | None:
+        """The hash of the case's one-rank outputs (cached with the reference)."""
+        ref = self.reference(case.component, case.options)
+        if not isinstance(ref, dict):
+            return None
+        if "digest" not in ref:
+            ref["digest"] = digest(ref["outputs"])
+        return ref["digest"]
+
     def run(self, case: Case, fixes: tuple[str, ...] = ()) -> Outcome:
         started = time.monotonic()
         ref = self.reference(case.component, case.options)
@@ -149,12 +187,13 @@ class Runner:
             ranks = self.pools.run(case.layout, run_case, case.component, case.options, fixes, self.typecheck)
         except PoolFailure as failure:
             return Outcome(case, error=_first_line(failure), seconds=time.monotonic() - started,
-                           error_kind=failure.kind)
+                           error_kind=failure.kind, reference_digest=self.digest(case),
+                           frame=_megatron_frame(failure), entry=ref.get("entry"))
         outcome = Outcome(case, output_gaps([r["outputs"] for r in ranks], ref["outputs"]),
                           first_call_gap(case.layout, [r["calls"] for r in ranks], ref["calls"]),
                           confirmed_across_ranks(r["violations"] for r in ranks),
                           errors=max_errors([r["outputs"] for r in ranks], ref["outputs"]),
-                          entry=ranks[0]["entry"])
+                          entry=ranks[0]["entry"], reference_digest=self.digest(case))
         outcome.seconds = time.monotonic() - started
         return outcome
 
@@ -203,6 +242,8 @@ class AuditResult:
     seconds: float
     stopped_early: bool
     not_applicable: list[str] = field(default_factory=list)
+    left_out: dict[tuple, str] = field(default_factory=dict)  # (component, options) -> why
+    not_read: dict[str, list[str]] = field(default_factory=dict)  # component -> fields pruned
 
     @property
     def errors(self) -> list[Outcome]:
@@ -220,7 +261,27 @@ class AuditResult:
             "not_swept": self.not_swept,
             "not_applicable": self.not_applicable,
             "errors": sorted({f"{o.case.label}: {o.error}" for o in self.errors}),
+            "coverage": self.coverage(),
         }
+
+    def coverage(self) -> dict[str, dict[str, Any]]:
+        """Per component: the layouts it ran under (plain, explicit groups), the option sets
+        run and left out, the options pruned as never read, and the cases."""
+        table: dict[str, dict[str, Any]] = {}
+        components = sorted({o.case.component for o in self.outcomes} | {c for c, _ in self.left_out}
+                            | set(self.not_read))
+        for component in components:
+            ran = [o for o in self.outcomes if o.case.component == component]
+            layouts = sorted({o.case.layout for o in ran if not o.error},
+                             key=lambda lay: (lay.world_size, str(lay)))
+            table[component] = {
+                "plain_layouts": [str(lay) for lay in layouts if not lay.explicit_groups],
+                "explicit_layouts": [str(lay) for lay in layouts if lay.explicit_groups],
+                "option_sets_run": len({o.case.options for o in ran}),
+                "option_sets_left_out": sum(1 for c, _ in self.left_out if c == component),
+                "options_not_read": len(self.not_read.get(component, [])),
+                "cases": len(ran)}
+        return table
 
 
 Progress = Callable[[Case, int], None]
@@ -236,7 +297,8 @@ def audit(cases: Iterable[Case], *, budget: int | None = None, time_limit: float
         swept = _sweep(runner, cases, budget, time_limit, progress, started)
         findings = _findings(runner, swept.outcomes)
     return AuditResult(findings, swept.outcomes, _listed(swept.not_swept), time.monotonic() - started,
-                       swept.stopped_early, sorted(swept.not_applicable.values()))
+                       swept.stopped_early, sorted(swept.not_applicable.values()),
+                       dict(swept.not_swept))
 
 
 @dataclass
@@ -335,19 +397,94 @@ def _listed(not_swept: dict[tuple, str]) -> list[str]:
 
 
 def _findings(runner: Runner, outcomes: list[Outcome]) -> list[Finding]:
+    """One finding per root cause: failing cases grouped by place, split by trigger
+    (:func:`audit_report.causes`); independent triggers that one fix repairs are one cause."""
     baseline = {(o.case.component, o.case.layout): {audit_report.violation_key(v) for v in o.violations}
                 for o in outcomes if not o.case.options}
     findings = []
     for key, members in audit_report.group([o for o in outcomes if o.failed]).items():
-        minimal = min(members, key=lambda o: (not o.gaps, audit_report.case_size(o.case)))
-        seen = baseline.get((minimal.case.component, minimal.case.layout), set())
-        checker = audit_report.checker_line(key[0], [minimal, *members], seen if minimal.case.options else set())
-        findings.append(Finding(
-            title=audit_report.title(key, minimal), kind=audit_report.kind(members, checker),
-            location=key[0], contract=key[1], trigger=audit_report.trigger(minimal.case),
-            effect=audit_report.effect(minimal),
-            first_divergence=minimal.call_gap.gap.summary() if minimal.call_gap else None,
-            checker=checker, corrected=corrected_control(runner, minimal),
-            reproduce=audit_report.reproduce_command(minimal.case),
-            seen_in=sorted({f"{o.case.layout} {dict(o.case.options) or ''}".strip() for o in members})))
-    return sorted(findings, key=lambda f: (f.kind, f.location))
+        built = [_finding(runner, key, cause, baseline, first=n == 0)
+                 for n, cause in enumerate(audit_report.causes(members))]
+        findings += _merged_by_fix(built)
+    findings += [_crash_finding(key, cause, first=n == 0)
+                 for key, members in _crashes(outcomes).items()
+                 for n, cause in enumerate(audit_report.causes(members))]
+    return sorted(findings, key=lambda f: (f.kind, f.location, f.id))
+
+
+def _finding(runner: Runner, key: tuple[str, str], members: list[Outcome],
+             baseline: dict, first: bool) -> Finding:
+    minimal = audit_report.minimal_case(members)
+    seen = baseline.get((minimal.case.component, minimal.case.layout), set())
+    checker = audit_report.checker_line(key[0], [minimal, *members], seen if minimal.case.options else set())
+    return Finding(
+        title=audit_report.title(key, minimal), kind=audit_report.kind(members, checker),
+        location=key[0], contract=key[1], trigger=audit_report.trigger(minimal.case),
+        effect=audit_report.effect(minimal),
+        first_divergence=minimal.call_gap.gap.summary() if minimal.call_gap else None,
+        checker=checker, corrected=corrected_control(runner, minimal),
+        reproduce=audit_report.reproduce_command(minimal.case),
+        seen_in=audit_report.seen_in(members, minimal),
+        cases=[audit_report.case_entry(o.case) for o in members],
+        id="" if first else _trigger_id(key, minimal.case))
+
+
+def _trigger_id(key: tuple[str, str], case: Case) -> str:
+    """The id of a second cause at one place: its trigger's option names join the hash."""
+    from shardcheck.findings import finding_id
+
+    return finding_id(key[0], "\0".join([key[1], *sorted(name for name, _ in case.options)]))
+
+
+def _merged_by_fix(found: list[Finding]) -> list[Finding]:
+    """Causes at one place whose triggers are independent but which the same corrected function
+    repairs (each corrected control equals the reference) are one: the first keeps the others'
+    triggers and cases under ``same_fix``."""
+    host: Finding | None = None
+    kept = []
+    for finding in found:
+        repaired = bool(finding.corrected and finding.corrected["equal_to_reference"])
+        if repaired and host is not None and finding.corrected["fix"] == host.corrected["fix"]:
+            host.same_fix.append({**finding.trigger, "cases": finding.cases,
+                                  "corrected": finding.corrected["result"]})
+            layouts = sorted({c["layout"] for c in finding.cases})
+            host.seen_in.append(f"the same fix repairs the independent trigger "
+                                f"{_options_text(finding.trigger)} (under {', '.join(layouts)})")
+            continue
+        if repaired and host is None:
+            host = finding
+        kept.append(finding)
+    return kept
+
+
+def _options_text(trigger: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in trigger["options"].items()) or "defaults"
+
+
+CRASH_CONTRACT = "runs under the layout as it runs on one rank"
+
+
+def _crashes(outcomes: list[Outcome]) -> dict[tuple[str, str], list[Outcome]]:
+    """Cases that raised or hung under their layout while one rank runs them, by place: their
+    innermost megatron-core frame and exception type (else the component's entry point)."""
+    found: dict[tuple[str, str], list[Outcome]] = {}
+    for outcome in (o for o in outcomes if o.crashed and o.reference_digest is not None):
+        where = outcome.frame or outcome.entry or f"{outcome.case.component} (no megatron-core frame)"
+        what = outcome.error.split(":", 1)[0] if outcome.error_kind == "error" else outcome.error_kind
+        found.setdefault((where.split(" in ")[0], f"{CRASH_CONTRACT} ({what})"), []).append(outcome)
+    return found
+
+
+def _crash_finding(key: tuple[str, str], members: list[Outcome], first: bool) -> Finding:
+    minimal = audit_report.minimal_case(members)
+    case = minimal.case
+    return Finding(
+        title=f"{case.component} {minimal.error_kind} under {case.layout} "
+              f"({_options_text(audit_report.trigger(case))}): {minimal.error}"[:240],
+        kind="crash", location=key[0], contract=key[1], trigger=audit_report.trigger(case),
+        effect=[], first_divergence=None, checker=None, corrected=None,
+        reproduce=audit_report.reproduce_command(case), seen_in=audit_report.seen_in(members, minimal),
+        cases=[audit_report.case_entry(o.case) for o in members],
+        id="" if first else _trigger_id(key, case),
+        one_rank=f"{minimal.error} (frame {minimal.frame or 'outside megatron-core'}); "
+                 f"the same component and options run on one rank")

@@ -150,9 +150,11 @@ def _print_summary(result, summary: dict, out_dir: Path) -> None:
     console.print(f"audit: {summary['cases run']} cases run, {summary['cases failed to run']} failed to run, "
                   f"{summary['options not swept']} options not swept, {summary['wall time (s)']} s"
                   + (" (stopped at the limit)" if result.stopped_early else ""))
-    confirmed = [f for f in result.findings if f.kind != "type-only"]
+    confirmed = [f for f in result.findings if f.kind not in ("type-only", "crash")]
+    crashes = [f for f in result.findings if f.kind == "crash"]
     typed_only = [f for f in result.findings if f.kind == "type-only"]
-    console.print(f"{len(confirmed)} finding(s) confirmed by parity, {len(typed_only)} type-only")
+    console.print(f"{len(confirmed)} finding(s) confirmed by parity, {len(typed_only)} type-only"
+                  + (f", {len(crashes)} crash(es) only a layout causes" if crashes else ""))
     for n, f in enumerate(confirmed, 1):
         options = ", ".join(f"{k}={v}" for k, v in f.trigger["options"].items()) or "defaults"
         console.print(f"[{n}] {f.id} {f.kind}  {f.location}\n    {f.title}\n"
@@ -165,7 +167,9 @@ def _print_summary(result, summary: dict, out_dir: Path) -> None:
         if f.corrected:
             console.print(f"    corrected control: {f.corrected['result']}")
         console.print(f"    reproduce: {f.reproduce}\n    script: {script_line(f)}")
-    for n, f in enumerate(typed_only, len(confirmed) + 1):
+    for n, f in enumerate(crashes, len(confirmed) + 1):
+        console.print(f"[{n}] {f.id} crash  {f.location}\n    {f.title}\n    reproduce: {f.reproduce}")
+    for n, f in enumerate(typed_only, len(confirmed) + len(crashes) + 1):
         console.print(f"[{n}] {f.id} type-only  {f.checker}  ({f.trigger['component']} @ "
                       f"{f.trigger['layout']} {f.trigger['options'] or ''})")
     console.print(f"report: {out_dir / 'report.md'}, {out_dir / 'findings.json'}")
