@@ -40,6 +40,7 @@ class Finding:
     repro: str | None = None
     module: str | None = None  # importing it registers the target again, e.g. for `shardcheck repro`
     origin: str = "fuzz"  # or "audit": its target is a Megatron component, its script a template's
+    sys_path: list[str] = field(default_factory=list)  # where its script imports the code under test
     id: str = field(default="")
 
     def __post_init__(self) -> None:

@@ -1,8 +1,10 @@
 """The generic sweep and the rebuilding of contracted results: pure functions, no ranks."""
 
 import enum
+import typing
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal, Optional
 
 import pytest
 import torch
@@ -26,6 +28,14 @@ class Color(enum.Enum):
     (float, 0.0, [0.1]),
     (float, 0.5, []),
     (int, 3, []),
+    (Optional[bool], True, [False, None]),  # noqa: UP045 - Megatron writes Optional
+    (Annotated[bool, "doc"], False, [True]),
+    (Optional[Literal["x", "y"]], "x", ["y"]),  # noqa: UP045 - Megatron writes Optional
+    (Literal[("a", "b"), ["c"]], ("a", "b"), [["c"]]),
+    (Literal["a", Literal["b"]], "a", ["b"]),
+    (Callable[[torch.Tensor], torch.Tensor], None, []),
+    (Annotated[Color | None, "doc"], Color.RED, [Color.BLUE]),
+    (typing.ForwardRef("NotImported"), None, []),
 ])
 def test_values_to_try_are_every_other_value_of_the_type(annotation, default, expected):
     assert values_to_try(annotation, default) == expected

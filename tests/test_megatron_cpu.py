@@ -169,28 +169,61 @@ def test_multimodal_patches_are_removed_with_the_others():
     from megatron.core.models.multimodal import llava_model
     from megatron.core.models.vision.clip_vit_model import CLIPViTModel
 
-    before = (llava_model.HAVE_TE, hasattr(llava_model, "TEDotProductAttention"), CLIPViTModel.__init__)
+    def state():  # 0.16 leaves TEDotProductAttention undefined without TE, 0.19 sets it None
+        return (llava_model.HAVE_TE, getattr(llava_model, "TEDotProductAttention", "unset"),
+                CLIPViTModel.__init__)
+
+    before = state()
     cpu.apply_cpu_patches()
+    assert llava_model.HAVE_TE and llava_model.TEDotProductAttention is not before[1]
     cpu.remove_cpu_patches()
-    after = (llava_model.HAVE_TE, hasattr(llava_model, "TEDotProductAttention"), CLIPViTModel.__init__)
-    assert after == before == (False, False, before[2])
+    assert state() == before and before[0] is False
 def test_ssm_kernels_fill_the_failed_imports_and_are_removed_after():
-    from megatron.core.ssm import gated_delta_net, mamba_mixer
+    import sys
+
+    from megatron.core.ssm import mamba_mixer
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet
 
     from shardcheck.megatron import kernels
 
+    home = sys.modules[GatedDeltaNet.__module__]  # where its forward reads its kernels
     cpu.apply_cpu_patches()
     try:
-        assert gated_delta_net.chunk_gated_delta_rule is kernels.chunk_gated_delta_rule
-        assert gated_delta_net.l2norm is kernels.l2norm and gated_delta_net.HAVE_FLA
+        assert home.chunk_gated_delta_rule is kernels.chunk_gated_delta_rule
+        assert cpu.patch_status()["gdn_kernels"] == cpu.APPLIED
         assert mamba_mixer.mamba_split_conv1d_scan_combined is kernels.mamba_split_conv1d_scan_combined
         norm = mamba_mixer.ExtendedRMSNorm(8, group_size=4, norm_before_gate=False)
         assert isinstance(norm, kernels.RMSNormGated)
         assert "sharded_state_dict" in type(norm).__dict__  # Megatron's own method, kept
     finally:
         cpu.remove_cpu_patches()
-    assert gated_delta_net.chunk_gated_delta_rule is None and not gated_delta_net.HAVE_FLA
-    assert not hasattr(gated_delta_net, "l2norm") and not mamba_mixer.HAVE_MAMBA_SSM
+    assert home.chunk_gated_delta_rule is None and not mamba_mixer.HAVE_MAMBA_SSM
+
+
+def test_fla_causal_conv1d_is_the_plain_convolution_in_fla_layout():
+    from shardcheck.megatron import kernels
+
+    x, weight, bias = torch.randn(2, 5, 3), torch.randn(3, 4), torch.randn(3)
+    out, state = kernels.causal_conv1d(x, weight, bias, activation="silu", cu_seqlens=None)
+    expected = kernels.causal_conv1d_fn(x.transpose(1, 2), weight, bias, "silu").transpose(1, 2)
+    assert state is None and torch.equal(out, expected)
+    with pytest.raises(NotImplementedError):
+        kernels.causal_conv1d(x, weight, initial_state=torch.zeros(2, 3, 4))
+
+
+def test_a_patch_whose_target_is_gone_is_listed_as_not_needed(monkeypatch):
+    def gone() -> None:
+        cpu._module("megatron.core.no_such_module_in_any_release")
+
+    monkeypatch.setattr(cpu, "PATCHES", (*cpu.PATCHES, ("gone", gone)))
+    cpu.apply_cpu_patches()
+    try:
+        status = cpu.patch_status()
+    finally:
+        cpu.remove_cpu_patches()
+    assert status["gone"].startswith(cpu.NOT_NEEDED)
+    assert "no_such_module_in_any_release" in status["gone"]
+    assert status["rng"] == cpu.APPLIED
 
 
 def test_gdn_gated_norm_runs_its_own_source_uncompiled(patched):
@@ -198,6 +231,7 @@ def test_gdn_gated_norm_runs_its_own_source_uncompiled(patched):
 
     from megatron.core.ssm.gated_delta_net import GatedDeltaNet
 
+    assert "_apply_gated_norm" in dir(GatedDeltaNet)
     norm = torch.nn.RMSNorm(4, eps=1e-6)
     owner = SimpleNamespace(out_norm=norm, act_fn=torch.nn.functional.silu)
     x, gate = torch.randn(2, 3, 4), torch.randn(2, 3, 4)

@@ -45,6 +45,7 @@ PRELOAD = ("megatron.core.pipeline_parallel.schedules", "megatron.core.optimizer
            "shardcheck.megatron.scenarios", "megatron.core.ssm.gated_delta_net")
 RUN_TIMEOUT = 30.0
 INERT = "changes no output at one rank"
+FAILS = "fails on one rank"
 
 
 # ---- in the parent ------------------------------------------------------------------------
@@ -59,13 +60,35 @@ class Pools:
     def run(self, layout: Layout, fn: Callable[..., Any], *args: Any) -> list[Any]:
         if layout.world_size not in self._pools:
             self._pools[layout.world_size] = RankPool(layout.world_size, timeout=self.timeout,
-                                                      preload=PRELOAD)
+                                                      preload=_importable(PRELOAD))
         return self._pools[layout.world_size].run(layout, fn, *args)
 
     def close(self) -> None:
         for pool in self._pools.values():
             pool.__exit__(None, None, None)
         self._pools.clear()
+
+
+def _importable(modules: Iterable[str]) -> list[str]:
+    """The modules of ``modules`` that this megatron-core has (a release may lack one)."""
+    import importlib
+
+    found = []
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            continue
+        found.append(name)
+    return found
+
+
+def cpu_patch_status(_ctx: Any) -> dict[str, str]:
+    """On a rank: each CPU patch, applied or why this version does not need it."""
+    from shardcheck.megatron import cpu
+
+    cpu.apply_cpu_patches()
+    return cpu.patch_status()
 
 
 @contextmanager
@@ -161,7 +184,7 @@ class Runner:
         so such outputs have no one-rank reference)."""
         ref = self.reference(component, options)
         if isinstance(ref, str):
-            return f"fails on one rank: {ref}"
+            return f"{FAILS}: {ref}"
         base = self.reference(component, ())
         if options and isinstance(base, dict) and _same_outputs(ref["outputs"], base["outputs"]):
             return INERT
@@ -242,6 +265,8 @@ class AuditResult:
     seconds: float
     stopped_early: bool
     not_applicable: list[str] = field(default_factory=list)
+    patches: dict[str, str] = field(default_factory=dict)  # CPU patch: applied / not needed
+    unavailable: dict[str, str] = field(default_factory=dict)  # component: why it cannot run
     left_out: dict[tuple, str] = field(default_factory=dict)  # (component, options) -> why
     not_read: dict[str, list[str]] = field(default_factory=dict)  # component -> fields pruned
 
@@ -260,6 +285,8 @@ class AuditResult:
             "stopped at the budget or time limit": self.stopped_early,
             "not_swept": self.not_swept,
             "not_applicable": self.not_applicable,
+            "cannot run on this version": self.unavailable,
+            "cpu patches": self.patches,
             "errors": sorted({f"{o.case.label}: {o.error}" for o in self.errors}),
             "coverage": self.coverage(),
         }
@@ -293,12 +320,15 @@ def audit(cases: Iterable[Case], *, budget: int | None = None, time_limit: float
     """Run the cases (screening options on one rank first), then build the findings."""
     started = time.monotonic()
     with nullcontext(run_pools) if run_pools else pools() as owned:
+        patches = owned.run(Layout(), cpu_patch_status)[0]
         runner = Runner(owned, typecheck and checker_available())
         swept = _sweep(runner, cases, budget, time_limit, progress, started)
         findings = _findings(runner, swept.outcomes)
+    unavailable = {component: why for (component, options), why in swept.not_swept.items()
+                   if not options and why.startswith(FAILS)}
     return AuditResult(findings, swept.outcomes, _listed(swept.not_swept), time.monotonic() - started,
-                       swept.stopped_early, sorted(swept.not_applicable.values()),
-                       dict(swept.not_swept))
+                       swept.stopped_early, sorted(swept.not_applicable.values()), patches,
+                       unavailable, dict(swept.not_swept))
 
 
 @dataclass

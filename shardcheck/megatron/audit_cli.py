@@ -9,6 +9,8 @@ from pathlib import Path
 
 import click
 
+from shardcheck.cli_run import InputError
+
 DEFAULT_TIME_LIMIT_MIN = 12.0
 
 
@@ -74,11 +76,14 @@ def _plan(only: tuple[str, ...], layouts_text: str | None, sets: tuple[str, ...]
               help="Where report.md and findings.json go.")
 @click.option("--json", "as_json", is_flag=True, help="Print findings.json to stdout instead of the summary.")
 @click.option("--no-typecheck", is_flag=True, help="Parity only, without the type checker.")
+@click.option("--megatron", "megatron_path", default=None, metavar="PATH",
+              help="Audit the megatron-core under PATH (a Megatron-LM checkout or any folder holding "
+                   "megatron/core) instead of the one `import megatron.core` finds.")
 @click.option("--root", default=".shardcheck", show_default=True, type=click.Path(file_okay=False),
               help="The findings store shared with fuzz, repro and findings.")
 def audit_command(budget: int | None, time_limit: float | None, only: tuple[str, ...],
                   layouts_text: str | None, sets: tuple[str, ...], out_dir: str, as_json: bool,
-                  no_typecheck: bool, root: str) -> None:
+                  no_typecheck: bool, megatron_path: str | None, root: str) -> None:
     """Audit megatron-core: run its components over the generic sweep of options and layouts
     on Gloo ranks, compare each with one rank, type-check it, and report deduplicated findings.
 
@@ -87,10 +92,7 @@ def audit_command(budget: int | None, time_limit: float | None, only: tuple[str,
     if budget is not None and time_limit is not None:
         raise click.UsageError("give --budget or --time-limit, not both")
     warnings.filterwarnings("ignore", category=UserWarning)  # Megatron's "Apex is not installed"
-    try:
-        import megatron.core  # noqa: F401
-    except ImportError:
-        raise click.ClickException("megatron-core is not installed: pip install 'shardcheck[megatron]'") from None
+    source = _audited(megatron_path)
     from shardcheck.megatron import audit_report
     from shardcheck.megatron.audit import audit
     from shardcheck.megatron.audit_repro import save_with_scripts
@@ -103,13 +105,35 @@ def audit_command(budget: int | None, time_limit: float | None, only: tuple[str,
     with _progress(len(cases) if budget is None else min(budget, len(cases)), as_json) as show:
         result = audit(cases, budget=budget, time_limit=limit, typecheck=not no_typecheck, progress=show)
     summary = result.summary()
-    save_with_scripts(result.findings, Path(out_dir), root)
+    save_with_scripts(result.findings, Path(out_dir), root, source)
     summary["wall time (s)"] = round(time.monotonic() - started, 1)
-    audit_report.write(Path(out_dir), result.findings, summary)
+    audit_report.write(Path(out_dir), result.findings, summary, source)
     if as_json:
         click.echo((Path(out_dir) / "findings.json").read_text())
     else:
-        _print_summary(result, summary, Path(out_dir))
+        _print_summary(result, summary, Path(out_dir), source)
+
+
+def _audited(megatron_path: str | None):
+    """The megatron-core to audit (``--megatron`` tree or the installed one), imported here so
+    that the forked ranks run it; one line and exit 2 when there is none."""
+    from shardcheck.megatron.source import SourceError, describe, use_tree
+
+    try:
+        if megatron_path is not None:
+            use_tree(megatron_path)
+        import megatron.core  # noqa: F401
+    except SourceError as exc:
+        raise InputError(str(exc)) from None
+    except ImportError as exc:
+        where = f"under {megatron_path}" if megatron_path else "installed"
+        raise InputError(f"no importable megatron-core {where} ({exc}): "
+                         "pip install 'shardcheck[megatron]' or give --megatron PATH") from None
+    try:
+        import shardcheck.megatron.scenarios  # noqa: F401 - the catalogue imports megatron modules
+    except ImportError as exc:
+        raise InputError(f"this megatron-core lacks what the catalogue needs: {exc}") from None
+    return describe(tree=megatron_path is not None)
 
 
 class _progress:
@@ -141,12 +165,15 @@ class _progress:
         self.bar.stop()
 
 
-def _print_summary(result, summary: dict, out_dir: Path) -> None:
+def _print_summary(result, summary: dict, out_dir: Path, source) -> None:
     from rich.console import Console
 
     from shardcheck.megatron.audit_report import script_line, show_number
 
     console = Console(highlight=False, soft_wrap=True)
+    console.print(f"audited: {source.line()}")
+    for component, why in result.unavailable.items():
+        console.print(f"cannot run on this version: {component}: {why}")
     console.print(f"audit: {summary['cases run']} cases run, {summary['cases failed to run']} failed to run, "
                   f"{summary['options not swept']} options not swept, {summary['wall time (s)']} s"
                   + (" (stopped at the limit)" if result.stopped_early else ""))

@@ -234,13 +234,15 @@ def effect(outcome, limit: int = 3) -> list[dict[str, Any]]:
              "max_abs_error": g.max_error, "max_rel_error": g.relative} for g in gaps[:limit + 1]]
 
 
-def write(out_dir: Path, findings: Sequence[Finding], summary: dict[str, Any]) -> None:
-    """``out_dir/findings.json`` and ``out_dir/report.md``."""
+def write(out_dir: Path, findings: Sequence[Finding], summary: dict[str, Any], source=None) -> None:
+    """``out_dir/findings.json`` and ``out_dir/report.md``, each opening with what was audited
+    (a :class:`~shardcheck.megatron.source.MegatronSource`)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    data = {"summary": {k: v for k, v in summary.items() if k != "coverage"},
+    data = {"audited": source.as_dict() if source else None,
+            "summary": {k: v for k, v in summary.items() if k != "coverage"},
             "coverage": summary.get("coverage", {}), "findings": [asdict(f) for f in findings]}
     (out_dir / "findings.json").write_text(json.dumps(data, indent=2, default=str) + "\n")
-    (out_dir / "report.md").write_text(markdown(findings, summary))
+    (out_dir / "report.md").write_text(markdown(findings, summary, source))
 
 
 def show_number(value: Any) -> str:
@@ -308,14 +310,18 @@ def coverage_table(coverage: dict[str, dict[str, Any]]) -> list[str]:
     return lines + [""]
 
 
-def markdown(findings: Sequence[Finding], summary: dict[str, Any]) -> str:
+def markdown(findings: Sequence[Finding], summary: dict[str, Any], source=None) -> str:
     confirmed = [f for f in findings if f.kind not in ("type-only", CRASH)]
     crashes = [f for f in findings if f.kind == CRASH]
     typed_only = [f for f in findings if f.kind == "type-only"]
     lines = ["# shardcheck audit of megatron-core", ""]
+    if source is not None:
+        lines += [f"Audited: {source.line()}", ""]
     if summary.get("coverage"):
         lines += ["## Coverage", ""] + coverage_table(summary["coverage"])
     lines += [f"- {k}: {v}" for k, v in summary.items() if not isinstance(v, list | dict)]
+    for component, why in (summary.get("cannot run on this version") or {}).items():
+        lines.append(f"- cannot run on this version: {component}: {why}")
     lines += ["", f"## Findings confirmed by parity ({len(confirmed)})", ""]
     for n, f in enumerate(confirmed, 1):
         lines += _finding_lines(n, f)
@@ -332,4 +338,8 @@ def markdown(findings: Sequence[Finding], summary: dict[str, Any]) -> str:
         if entries:
             lines += [f"## {section.replace('_', ' ').capitalize()} ({len(entries)})", ""]
             lines += [f"- {entry}" for entry in entries] + [""]
+    patches = summary.get("cpu patches") or {}
+    if patches:
+        lines += [f"## CPU patches ({len(patches)})", ""]
+        lines += [f"- {name}: {status}" for name, status in patches.items()] + [""]
     return "\n".join(lines)

@@ -21,8 +21,9 @@ AUDIT = "audit"
 CRASH = "crash"
 
 
-def as_stored(finding: audit_report.Finding) -> Finding:
-    """The store's record of an audit finding (same id)."""
+def as_stored(finding: audit_report.Finding, source=None) -> Finding:
+    """The store's record of an audit finding (same id); a finding of a ``--megatron`` tree
+    (``source``) imports that tree in its script."""
     first = finding.effect[0] if finding.effect else {}
     return Finding(
         title=finding.title, target=finding.trigger["component"], location=finding.location,
@@ -31,7 +32,7 @@ def as_stored(finding: audit_report.Finding) -> Finding:
         reference=audit_report.show_number(first["reference"]) if first else None,
         corrected=finding.corrected["result"] if finding.corrected else None,
         max_error=first.get("max_abs_error"), checker=finding.checker, kind=finding.kind,
-        origin=AUDIT, id=finding.id)
+        origin=AUDIT, id=finding.id, sys_path=[source.path] if source and source.tree else [])
 
 
 def write_audit_script(finding: Finding, path: Path | str) -> Path:
@@ -39,12 +40,13 @@ def write_audit_script(finding: Finding, path: Path | str) -> Path:
     return write_script(finding, script_body, path)
 
 
-def save_with_scripts(findings: Sequence[audit_report.Finding], out_dir: Path, root: Path | str) -> None:
+def save_with_scripts(findings: Sequence[audit_report.Finding], out_dir: Path, root: Path | str,
+                      source=None) -> None:
     """Write ``out_dir/repro/<id>.py`` for each confirmed finding, noting on each finding its
     script or why it has none, and save every finding to the store at ``root``."""
     store = FindingStore(root)
     for finding in findings:
-        stored = as_stored(finding)
+        stored = as_stored(finding, source)
         if finding.kind == CRASH:
             finding.repro = "no script: a crash shows without comparing numbers; rerun its reproduce command"
         elif finding.kind != TYPE_ONLY:

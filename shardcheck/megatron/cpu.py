@@ -47,16 +47,25 @@ computes. Each patch below replaces one such place with its CPU equivalent and n
     is ``torch.nn.LayerNorm``, which cannot take the ``config`` Megatron builds it with; the
     defaults become megatron-core's ``WrappedTorchNorm`` (the same LayerNorm, built from the
     config), the CPU stand-in for ``TENorm``. Explicitly passed norms are left alone.
-12. ``ssm_kernels``: Gated DeltaNet and the Mamba mixer import their kernels from CUDA-only
-   packages (``fla``, ``causal_conv1d``, ``mamba_ssm``) and refuse to build without them. Where
-   the import failed, the plain-torch equivalents of :mod:`shardcheck.megatron.kernels` are set
-   as those module attributes, and the mixer's ``ExtendedRMSNorm`` (a MagicMock subclass
-   without ``mamba_ssm``) becomes the plain gated RMSNorm with Megatron's own
-   ``sharded_state_dict``. ``mamba_mixer`` also imports Triton inference helpers at module
-   level: when Triton is missing, a stand-in module whose functions refuse to run (they are
-   only used for inference) lets it import. Needs ``einops`` for Mamba. GatedDeltaNet's
-   ``_apply_gated_norm`` is wrapped in ``torch.compile`` (Megatron's ``jit_fuser``), which on a
-   CPU compiles C++ for seconds in every new rank process: it runs as the plain function.
+12. ``gdn_kernels``: Gated DeltaNet imports its kernels from CUDA-only packages (``fla``,
+    ``causal_conv1d``) and refuses to build without them. In the modules its code reads (a
+    single module in 0.16, ``gated_delta_net/common.py`` in 0.19), each kernel that failed to
+    import becomes its plain-torch equivalent from :mod:`shardcheck.megatron.kernels`, in the
+    calling convention of the name (``causal_conv1d_fn`` or FLA's ``causal_conv1d``), and
+    ``HAVE_FLA`` is set. Its methods wrapped in ``torch.compile`` (Megatron's ``jit_fuser``),
+    which on a CPU compile C++ for seconds in every new rank process, run as plain functions.
+13. ``mamba_kernels``: the same for the Mamba mixer (``mamba_ssm``, ``causal_conv1d``); its
+    ``ExtendedRMSNorm`` (a MagicMock subclass without ``mamba_ssm``) becomes the plain gated
+    RMSNorm with Megatron's own ``sharded_state_dict``. ``mamba_mixer`` also imports Triton
+    inference helpers at module level: when Triton is missing, a stand-in module whose
+    functions refuse to run (they are only used for inference) lets it import. Needs
+    ``einops``.
+
+Each patch finds its target by what the code does, not by where one release kept it: a kernel
+is set in the module whose globals the layer's code reads, a replaced function in every loaded
+megatron-core module that holds it, a compiled method is recognised by its compiled wrapper. A
+patch whose target this megatron-core does not have is not applied, and
+:func:`patch_status` says so ("not needed for this version: ..."), never an error.
 
 ``apply_cpu_patches()`` applies all of them (idempotent) and ``remove_cpu_patches()`` restores
 every original.
@@ -65,6 +74,9 @@ every original.
 from __future__ import annotations
 
 import copy
+import importlib
+import inspect
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from typing import Any
@@ -76,6 +88,63 @@ _CPU = torch.device("cpu")
 _originals: list[tuple[Any, str, Any]] = []
 _mode: TorchFunctionMode | None = None
 _MISSING = object()
+APPLIED = "applied"
+NOT_NEEDED = "not needed for this version"
+_status: dict[str, str] = {}
+
+
+class NotNeeded(Exception):
+    """The patch's target is absent from this megatron-core: there is nothing to patch."""
+
+
+def _module(name: str) -> Any:
+    """The megatron-core module ``name``; NotNeeded when this version has none."""
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        if exc.name and name.startswith(exc.name) and exc.name.startswith("megatron"):
+            raise NotNeeded(f"{name} is not in this megatron-core") from None
+        raise
+
+
+def _attribute(owner: Any, name: str) -> Any:
+    """``owner.name``; NotNeeded when this version does not define it."""
+    try:
+        return getattr(owner, name)
+    except AttributeError:
+        raise NotNeeded(f"{getattr(owner, '__name__', owner)}.{name} is not in this megatron-core") from None
+
+
+def _holders(original: Any) -> list[Any]:
+    """Every loaded megatron-core module whose namespace holds ``original`` (its home and the
+    modules that imported it by name)."""
+    return [module for name, module in list(sys.modules.items())
+            if name.startswith("megatron.core") and module is not None
+            and any(value is original for value in list(vars(module).values()))]
+
+
+def _rebind(original: Any, replacement: Any) -> None:
+    """Replace ``original`` wherever megatron-core holds it by name."""
+    for module in _holders(original):
+        for name, value in list(vars(module).items()):
+            if value is original:
+                _set(module, name, replacement)
+
+
+def _globals_read(cls: type) -> dict[Any, set[str]]:
+    """The global names the methods of ``cls`` and its megatron bases read, by the module
+    whose namespace they are read from."""
+    found: dict[Any, set[str]] = {}
+    for klass in cls.__mro__:
+        module = sys.modules.get(klass.__module__)
+        if module is None or not klass.__module__.startswith("megatron.core"):
+            continue
+        for value in vars(klass).values():
+            function = inspect.unwrap(getattr(value, "_torchdynamo_orig_callable", value))
+            code = getattr(function, "__code__", None)
+            if code is not None:
+                found.setdefault(module, set()).update(code.co_names)
+    return found
 
 
 def _is_cuda(device: Any) -> bool:
@@ -163,13 +232,14 @@ def _cpu_manual_seed(seed: int) -> None:
 
 
 def _patch_rng() -> None:
-    from megatron.core.tensor_parallel import random as mrandom
-
-    _set(mrandom, "_get_cuda_rng_state", _cpu_get_rng_state)
-    _set(mrandom, "_set_cuda_rng_state", _cpu_set_rng_state)
+    mrandom = _module("megatron.core.tensor_parallel.random")
     _set(torch.cuda, "get_rng_state", _cpu_get_rng_state)
     _set(torch.cuda, "set_rng_state", _cpu_set_rng_state)
     _set(torch.cuda, "manual_seed", _cpu_manual_seed)
+    for name, cpu_version in (("_get_cuda_rng_state", _cpu_get_rng_state),
+                              ("_set_cuda_rng_state", _cpu_set_rng_state)):
+        if hasattr(mrandom, name):
+            _rebind(getattr(mrandom, name), cpu_version)
 
 
 def _patch_current_device() -> None:
@@ -191,8 +261,7 @@ def _norm_with_sequence_parallel(original_new: Callable[..., Any]) -> Callable[.
 
 
 def _patch_torch_norm() -> None:
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
-
+    WrappedTorchNorm = _attribute(_module("megatron.core.transformer.torch_norm"), "WrappedTorchNorm")  # noqa: N806
     _set(WrappedTorchNorm, "__new__", _norm_with_sequence_parallel(WrappedTorchNorm.__new__))
 
 
@@ -210,11 +279,11 @@ def _patch_streams() -> None:
 
 
 def _patch_te_gemm_name() -> None:
-    from megatron.core.transformer.moe import moe_utils
-
-    if not hasattr(moe_utils, "te_general_gemm"):
-        _originals.append((moe_utils, "te_general_gemm", _MISSING))
-        moe_utils.te_general_gemm = None
+    moe_utils = _module("megatron.core.transformer.moe.moe_utils")
+    if hasattr(moe_utils, "te_general_gemm"):
+        raise NotNeeded("moe_utils.te_general_gemm is defined without Transformer Engine")
+    _originals.append((moe_utils, "te_general_gemm", _MISSING))
+    moe_utils.te_general_gemm = None
 
 
 def _to_host(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -227,11 +296,10 @@ def _to_host(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _patch_host_copy() -> None:
-    from megatron.core.transformer.moe import moe_utils, token_dispatcher
-
-    move = _to_host(moe_utils.maybe_move_tensor_to_cpu)
-    _set(moe_utils, "maybe_move_tensor_to_cpu", move)
-    _set(token_dispatcher, "maybe_move_tensor_to_cpu", move)
+    moe_utils = _module("megatron.core.transformer.moe.moe_utils")
+    _module("megatron.core.transformer.moe.token_dispatcher")
+    original = _attribute(moe_utils, "maybe_move_tensor_to_cpu")
+    _rebind(original, _to_host(original))
 
 
 def _uneven(tensors: list[torch.Tensor]) -> bool:
@@ -301,11 +369,11 @@ def _patch_uneven_collectives() -> None:
 
 
 def _patch_llava_te_attention() -> None:
-    from megatron.core.models.multimodal import llava_model
+    llava_model = _module("megatron.core.models.multimodal.llava_model")
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-    if llava_model.HAVE_TE:
-        return
+    if _attribute(llava_model, "HAVE_TE"):
+        raise NotNeeded("Transformer Engine is installed")
     _originals.append((llava_model, "TEDotProductAttention",
                        getattr(llava_model, "TEDotProductAttention", _MISSING)))
     llava_model.TEDotProductAttention = DotProductAttention
@@ -323,12 +391,15 @@ def _with_default_norms(original_init: Callable[..., Any], norm: type) -> Callab
 
 
 def _patch_clip_norm() -> None:
-    from megatron.core.models.vision import clip_vit_model
+    clip_vit_model = _module("megatron.core.models.vision.clip_vit_model")
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    if clip_vit_model.NORM_IMPL is torch.nn.LayerNorm:
-        model = clip_vit_model.CLIPViTModel
-        _set(model, "__init__", _with_default_norms(model.__init__, WrappedTorchNorm))
+    if getattr(clip_vit_model, "NORM_IMPL", None) is not torch.nn.LayerNorm:
+        raise NotNeeded("CLIPViTModel's default norm takes a config")
+    model = clip_vit_model.CLIPViTModel
+    _set(model, "__init__", _with_default_norms(model.__init__, WrappedTorchNorm))
+
+
 def _set_missing(owner: Any, name: str, value: Any) -> None:
     """Set ``owner.name`` to ``value`` where the import that defines it failed (None or unset)."""
     current = getattr(owner, name, _MISSING)
@@ -374,24 +445,37 @@ def _gated_norm_class(mock: Any, kernels: Any) -> type:
                 {"sharded_state_dict": body["sharded_state_dict"], "__doc__": body.get("__doc__")})
 
 
-def _patch_ssm_kernels() -> None:
-    from megatron.core.ssm import gated_delta_net
+def _eager_methods(cls: type) -> None:
+    """Run the methods Megatron's ``jit_fuser`` compiled (``torch.compile``) as plain functions."""
+    for klass in cls.__mro__:
+        for name, value in list(vars(klass).items()):
+            eager = getattr(value, "_torchdynamo_orig_callable", None)
+            if eager is not None:
+                _set(klass, name, eager)
 
+
+_GDN_KERNELS = frozenset({"l2norm", "chunk_gated_delta_rule", "causal_conv1d_fn", "causal_conv1d"})
+
+
+def _patch_gdn_kernels() -> None:
+    layer = _attribute(_module("megatron.core.ssm.gated_delta_net"), "GatedDeltaNet")
     from shardcheck.megatron import kernels
 
-    for name in ("l2norm", "chunk_gated_delta_rule", "causal_conv1d_fn"):
-        _set_missing(gated_delta_net, name, getattr(kernels, name))
-    if not gated_delta_net.HAVE_FLA:
-        _set(gated_delta_net, "HAVE_FLA", True)
-    layer = gated_delta_net.GatedDeltaNet
-    eager = getattr(layer.__dict__["_apply_gated_norm"], "_torchdynamo_orig_callable", None)
-    if eager is not None:
-        _set(layer, "_apply_gated_norm", eager)
-    _stub_triton_tensor_ops()
-    from megatron.core.ssm import mamba_mixer
+    for home, names in _globals_read(layer).items():
+        for name in _GDN_KERNELS & names:
+            _set_missing(home, name, getattr(kernels, name))
+        if vars(home).get("HAVE_FLA") is False:
+            _set(home, "HAVE_FLA", True)
+    _eager_methods(layer)
 
-    if mamba_mixer.HAVE_MAMBA_SSM:
-        return
+
+def _patch_mamba_kernels() -> None:
+    from shardcheck.megatron import kernels
+
+    _stub_triton_tensor_ops()
+    mamba_mixer = _module("megatron.core.ssm.mamba_mixer")
+    if _attribute(mamba_mixer, "HAVE_MAMBA_SSM"):
+        raise NotNeeded("mamba_ssm is installed")
     for name in ("causal_conv1d_fn", "mamba_chunk_scan_combined", "mamba_split_conv1d_scan_combined"):
         _set_missing(mamba_mixer, name, getattr(kernels, name))
     _set(mamba_mixer, "ExtendedRMSNorm", _gated_norm_class(mamba_mixer.ExtendedRMSNorm, kernels))
@@ -399,22 +483,33 @@ def _patch_ssm_kernels() -> None:
     _set(mamba_mixer, "HAVE_MAMBA_SSM", True)
 
 
+PATCHES: tuple[tuple[str, Callable[[], None]], ...] = (
+    ("rng", _patch_rng), ("current_device", _patch_current_device),
+    ("torch_norm_sp", _patch_torch_norm), ("synchronize", _patch_synchronize),
+    ("streams", _patch_streams), ("te_gemm_name", _patch_te_gemm_name),
+    ("host_copy", _patch_host_copy), ("uneven_collectives", _patch_uneven_collectives),
+    ("llava_te_attention", _patch_llava_te_attention), ("clip_norm", _patch_clip_norm),
+    ("gdn_kernels", _patch_gdn_kernels), ("mamba_kernels", _patch_mamba_kernels),
+)
+
+
+def patch_status() -> dict[str, str]:
+    """Each patch of the last :func:`apply_cpu_patches`: ``"applied"`` or why it was not needed."""
+    return dict(_status)
+
+
 def apply_cpu_patches() -> None:
     """Make megatron-core run on the CPU of this process; a second call does nothing."""
     global _mode
     if _mode is not None:
         return
-    _patch_rng()
-    _patch_current_device()
-    _patch_torch_norm()
-    _patch_synchronize()
-    _patch_streams()
-    _patch_te_gemm_name()
-    _patch_host_copy()
-    _patch_uneven_collectives()
-    _patch_llava_te_attention()
-    _patch_clip_norm()
-    _patch_ssm_kernels()
+    _status.clear()
+    for name, patch in PATCHES:
+        try:
+            patch()
+            _status[name] = APPLIED
+        except NotNeeded as why:
+            _status[name] = f"{NOT_NEEDED}: {why}"
     _mode = CudaToCpuMode()
     _mode.__enter__()
 

@@ -19,10 +19,11 @@ import enum
 import os
 import re
 import sys
-import types
 import typing
 from dataclasses import dataclass
 from typing import Any, Literal
+
+from shardcheck.megatron.annotations import literal_values, members, type_hints, unique
 
 # Field-name patterns whose non-default values need a GPU-only implementation.
 KNOWN_CPU_BLOCKERS: dict[str, str] = {
@@ -58,20 +59,22 @@ class FieldChoice:
 
 
 def _finite_values(hint: Any) -> tuple | None:
-    if hint is bool:
-        return (False, True)
-    if isinstance(hint, type) and issubclass(hint, enum.Enum):
-        return tuple(hint)
-    origin = typing.get_origin(hint)
-    if origin is Literal:
-        return typing.get_args(hint)
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(hint)
-        inner = [a for a in args if a is not type(None)]
-        if len(inner) == 1:
-            values = _finite_values(inner[0])
-            return None if values is None else (*values, None) if type(None) in args else values
-    return None
+    """Every value of a bool, enum or Literal annotation (``None`` too when optional), else None."""
+    values: list[Any] = []
+    for member in members(hint):
+        if member is type(None):
+            continue
+        if member is bool:
+            values += [False, True]
+        elif isinstance(member, type) and issubclass(member, enum.Enum):
+            values += list(member)
+        elif typing.get_origin(member) is Literal:
+            values += literal_values(member)
+        else:
+            return None
+    if not values:
+        return None
+    return (*unique(values), *([None] if type(None) in members(hint) else []))
 
 
 def config_choices() -> list[FieldChoice]:
@@ -79,7 +82,7 @@ def config_choices() -> list[FieldChoice]:
     from megatron.core.model_parallel_config import ModelParallelConfig
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    hints = typing.get_type_hints(TransformerConfig)
+    hints = type_hints(TransformerConfig)
     parallel = {f.name for f in dataclasses.fields(ModelParallelConfig)}
     choices = []
     for f in dataclasses.fields(TransformerConfig):

@@ -8,6 +8,9 @@ recurrences, explicit sums) rather than the fast chunked algorithm: the sizes we
 and a definition is what a parity check should be measured against.
 
 * :func:`causal_conv1d_fn` (``causal_conv1d``): depthwise causal convolution + optional SiLU.
+* :func:`causal_conv1d` (``fla.modules.convolution``): the same convolution in FLA's
+  convention ([batch, seq, dim] in, ``(out, final_state)`` back), which megatron-core 0.19
+  calls.
 * :func:`l2norm` (``fla.modules.l2norm``): ``x / sqrt(sum(x**2) + eps)`` on the last dim.
 * :func:`chunk_gated_delta_rule` (``fla.ops.gated_delta_rule``): the gated delta rule.
 * :func:`mamba_chunk_scan_combined` (``mamba_ssm``): the Mamba-2 SSD scan.
@@ -42,6 +45,14 @@ def causal_conv1d_fn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     if bias is not None:
         out = out + bias[:, None]
     return F.silu(out) if activation is not None else out
+
+
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  activation: str | None = None, **unsupported) -> tuple[torch.Tensor, None]:
+    """:func:`causal_conv1d_fn` in FLA's convention: ``x`` is [batch, seq, dim]; returns the
+    output in the same layout and no final state."""
+    _refuse(unsupported)
+    return causal_conv1d_fn(x.transpose(1, 2), weight, bias, activation).transpose(1, 2), None
 
 
 def l2norm(x: torch.Tensor, dim: int = -1, eps: float = 1e-6, **_options) -> torch.Tensor:

@@ -238,7 +238,7 @@ def script_body(finding: Finding) -> ScriptBody:
     support = [*template.before, *extras]
     return ScriptBody(code=_joined(own), support=_joined(support),
                       imports=_sorted_imports(s.imports for s in own + support),
-                      has_corrected=fix is not None)
+                      has_corrected=fix is not None, sys_path=tuple(finding.sys_path))
 
 
 def _joined(snippets: list[Snippet]) -> str:

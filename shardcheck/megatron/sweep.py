@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardcheck.layout import Layout
+from shardcheck.megatron.annotations import literal_values, members, type_hints, unique
 
 LAYOUT_FIELDS = frozenset({
     "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
@@ -76,39 +77,34 @@ def setup_kwargs(setup_cls: type, options: Iterable[tuple[str, Any]]) -> dict[st
 
 
 def _literal_choices(annotation: Any) -> tuple | None:
-    if typing.get_origin(annotation) is typing.Literal:
-        return typing.get_args(annotation)
-    for arg in typing.get_args(annotation):
-        if typing.get_origin(arg) is typing.Literal:
-            return typing.get_args(arg)
-    return None
+    """The values of the ``Literal`` alternatives of an annotation, else None."""
+    literals = [m for m in members(annotation) if typing.get_origin(m) is typing.Literal]
+    return tuple(unique([v for m in literals for v in literal_values(m)])) if literals else None
 
 
 def _enum_type(annotation: Any) -> type[enum.Enum] | None:
-    for candidate in (annotation, *typing.get_args(annotation)):
-        if isinstance(candidate, type) and issubclass(candidate, enum.Enum):
-            return candidate
-    return None
+    return next((m for m in members(annotation)
+                 if isinstance(m, type) and issubclass(m, enum.Enum)), None)
 
 
 def _is_bool(annotation: Any) -> bool:
-    args = set(typing.get_args(annotation))
-    return annotation is bool or (bool in args and args <= {bool, type(None)})
+    alternatives = members(annotation)
+    return bool in alternatives and all(m in (bool, type(None)) for m in alternatives)
 
 
 def values_to_try(annotation: Any, default: Any) -> list[Any]:
     """The values other than ``default`` that a field of this type can take (empty: not swept)."""
     if _is_bool(annotation):
-        options = [True, False] + ([None] if type(None) in typing.get_args(annotation) else [])
+        options = [True, False] + ([None] if type(None) in members(annotation) else [])
     elif (choices := _literal_choices(annotation)) is not None:
         options = list(choices)
     elif (kind := _enum_type(annotation)) is not None:
         options = list(kind)
-    elif annotation is float and default == 0.0:
+    elif members(annotation) == [float] and default == 0.0:
         options = [FLOAT_TRY]
     else:
         options = []
-    return [value for value in options if value != default]
+    return [value for value in options if not (value == default and type(value) is type(default))]
 
 
 def _megatron_literals() -> dict[str, tuple]:
@@ -117,7 +113,7 @@ def _megatron_literals() -> dict[str, tuple]:
 
     found: dict[str, tuple] = {}
     for cls in (GPTModel,):
-        for name, annotation in typing.get_type_hints(cls.__init__).items():
+        for name, annotation in type_hints(cls.__init__).items():
             if (choices := _literal_choices(annotation)) is not None:
                 found[name] = choices
     return found
@@ -125,7 +121,7 @@ def _megatron_literals() -> dict[str, tuple]:
 
 def setup_options(setup_cls: type) -> list[tuple[str, Any]]:
     """Every non-default value of the setup dataclass's sweepable fields."""
-    hints = typing.get_type_hints(setup_cls)
+    hints = type_hints(setup_cls)
     literals = _megatron_literals()
     found: list[tuple[str, Any]] = []
     for f in dataclasses.fields(setup_cls):
@@ -169,7 +165,7 @@ def config_options(component: str) -> list[tuple[str, Any]]:
 
     from shardcheck.megatron.scenarios import COMPONENTS
 
-    hints = typing.get_type_hints(TransformerConfig)
+    hints = type_hints(TransformerConfig)
     skip = LAYOUT_FIELDS | pinned_config_fields(component)
     prefix = COMPONENTS[component].config_prefix
     found: list[tuple[str, Any]] = []
