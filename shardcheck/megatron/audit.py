@@ -35,7 +35,7 @@ from shardcheck.megatron.audit_rank import run_case
 from shardcheck.megatron.audit_report import Finding
 from shardcheck.megatron.divergence import CallGap, Gap, first_call_gap, max_errors, output_gaps
 from shardcheck.megatron.parallel import LayoutUnsupported
-from shardcheck.megatron.sweep import Case
+from shardcheck.megatron.sweep import Case, changed_config_fields
 from shardcheck.megatron.typecheck import checker_available
 from shardcheck.pool import PoolFailure, RankPool
 
@@ -166,6 +166,22 @@ class Runner:
         self.pools = runner_pools
         self.typecheck = typecheck
         self.references: dict[tuple[str, tuple, int], dict | str] = {}
+        self.read_sets: dict[tuple[str, str], frozenset[str]] = {}  # defaults' reads per layout
+        self.prune = True
+        self._changed: dict[tuple, frozenset[str] | None] = {}
+
+    def not_read(self, case: Case) -> frozenset[str] | None:
+        """The config fields the case's options change when the component's default run under
+        the same layout read none of them (so the case would run exactly as the defaults):
+        the case is pruned. None: run it."""
+        reads = self.read_sets.get((case.component, str(case.layout)))
+        if not self.prune or reads is None or not case.options:
+            return None
+        key = (case.component, case.options, str(case.layout))
+        if key not in self._changed:
+            self._changed[key] = changed_config_fields(case.component, case.options, case.layout)
+        changed = self._changed[key]
+        return changed if changed is not None and not changed & reads else None
 
     def reference(self, component: str, options: tuple, rng_offset: int = 0) -> dict | str:
         """The one-rank result of a component with options, or the error line when it fails."""
@@ -217,6 +233,9 @@ class Runner:
                           confirmed_across_ranks(r["violations"] for r in ranks),
                           errors=max_errors([r["outputs"] for r in ranks], ref["outputs"]),
                           entry=ranks[0]["entry"], reference_digest=self.digest(case))
+        if not case.options and not fixes:
+            self.read_sets[(case.component, str(case.layout))] = frozenset(
+                name for r in ranks for name in r["reads"])
         outcome.seconds = time.monotonic() - started
         return outcome
 
@@ -268,7 +287,8 @@ class AuditResult:
     patches: dict[str, str] = field(default_factory=dict)  # CPU patch: applied / not needed
     unavailable: dict[str, str] = field(default_factory=dict)  # component: why it cannot run
     left_out: dict[tuple, str] = field(default_factory=dict)  # (component, options) -> why
-    not_read: dict[str, list[str]] = field(default_factory=dict)  # component -> fields pruned
+    not_read: dict[str, list[str]] = field(default_factory=dict)  # component -> option sets pruned
+    pruned: dict[tuple, list[str]] = field(default_factory=dict)  # (component, options) -> layouts
 
     @property
     def errors(self) -> list[Outcome]:
@@ -280,11 +300,15 @@ class AuditResult:
             "cases run": len(ran), "cases failed to run": len(self.errors),
             "options not swept": len(self.not_swept),
             "layouts a component does not support": len(self.not_applicable),
+            "cases pruned (options the component's default run never read there)":
+                sum(len(lays) for lays in self.pruned.values()),
             "findings": len(self.findings),
             "wall time (s)": round(self.seconds, 1),
             "stopped at the budget or time limit": self.stopped_early,
             "not_swept": self.not_swept,
             "not_applicable": self.not_applicable,
+            "not_read": [f"{c}: {len(sets)} option set(s) never read: {'; '.join(sets)}"
+                         for c, sets in self.not_read.items()],
             "cannot run on this version": self.unavailable,
             "cpu patches": self.patches,
             "errors": sorted({f"{o.case.label}: {o.error}" for o in self.errors}),
@@ -307,6 +331,7 @@ class AuditResult:
                 "option_sets_run": len({o.case.options for o in ran}),
                 "option_sets_left_out": sum(1 for c, _ in self.left_out if c == component),
                 "options_not_read": len(self.not_read.get(component, [])),
+                "cases_pruned": sum(len(lays) for (c, _), lays in self.pruned.items() if c == component),
                 "cases": len(ran)}
         return table
 
@@ -316,19 +341,31 @@ Progress = Callable[[Case, int], None]
 
 def audit(cases: Iterable[Case], *, budget: int | None = None, time_limit: float | None = None,
           typecheck: bool = True, progress: Progress | None = None,
-          run_pools: Pools | None = None) -> AuditResult:
-    """Run the cases (screening options on one rank first), then build the findings."""
+          run_pools: Pools | None = None, prune: bool = True) -> AuditResult:
+    """Run the cases (screening options on one rank first, pruning the cases whose options
+    the component's default run under the layout never read), then build the findings."""
     started = time.monotonic()
     with nullcontext(run_pools) if run_pools else pools() as owned:
         patches = owned.run(Layout(), cpu_patch_status)[0]
         runner = Runner(owned, typecheck and checker_available())
+        runner.prune = prune
         swept = _sweep(runner, cases, budget, time_limit, progress, started)
         findings = _findings(runner, swept.outcomes)
     unavailable = {component: why for (component, options), why in swept.not_swept.items()
                    if not options and why.startswith(FAILS)}
     return AuditResult(findings, swept.outcomes, _listed(swept.not_swept), time.monotonic() - started,
                        swept.stopped_early, sorted(swept.not_applicable.values()), patches,
-                       unavailable, dict(swept.not_swept))
+                       unavailable, dict(swept.not_swept), _never_read(swept), dict(swept.pruned))
+
+
+def _never_read(swept: _Swept) -> dict[str, list[str]]:
+    """Per component, the option sets pruned under every layout they came up under."""
+    ran = {(o.case.component, o.case.options) for o in swept.outcomes}
+    found: dict[str, list[str]] = {}
+    for component, options in swept.pruned:
+        if (component, options) not in ran and (component, options) not in swept.not_swept:
+            found.setdefault(component, []).append(", ".join(f"{k}={v}" for k, v in options))
+    return found
 
 
 @dataclass
@@ -340,6 +377,7 @@ class _Swept:
     inert: list[Case] = field(default_factory=list)
     done_inert: list[Case] = field(default_factory=list)
     stopped_early: bool = False
+    pruned: dict[tuple, list[str]] = field(default_factory=dict)  # (component, options) -> layouts
 
 
 def _refusal(case: Case) -> str | None:
@@ -396,6 +434,9 @@ def _runnable(runner: Runner, swept: _Swept, case: Case, defer_inert: bool) -> b
         swept.not_applicable[where] = f"{case.component} @ {case.layout}: {why}"
         return False
     if key in swept.not_swept:
+        return False
+    if runner.not_read(case) is not None:
+        swept.pruned.setdefault(key, []).append(str(case.layout))
         return False
     why = runner.screen(*key)
     if why and why != INERT:

@@ -333,7 +333,7 @@ def markdown(findings: Sequence[Finding], summary: dict[str, Any], source=None) 
               "a layout the checker cannot express yet: report it to the checker if parity keeps agreeing).", ""]
     for n, f in enumerate(typed_only, len(confirmed) + len(crashes) + 1):
         lines += _finding_lines(n, f)
-    for section in ("not_swept", "not_applicable", "errors"):
+    for section in ("not_swept", "not_read", "not_applicable", "errors"):
         entries = summary.get(section) or []
         if entries:
             lines += [f"## {section.replace('_', ' ').capitalize()} ({len(entries)})", ""]

@@ -190,6 +190,40 @@ def accepted_by_config(component: str, option: tuple[str, Any]) -> bool:
     return True
 
 
+def _same_value(a: Any, b: Any) -> bool:
+    """Config values equal, init functions by name (``__post_init__`` builds new closures)."""
+    if callable(a) and callable(b):
+        return getattr(a, "__qualname__", type(a)) == getattr(b, "__qualname__", type(b))
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - values that do not compare are taken as changed
+        return False
+
+
+def changed_config_fields(component: str, options: tuple, layout: Layout) -> frozenset[str] | None:
+    """The config fields whose built value under ``layout`` differs from the defaults': the
+    options' own fields and what TransformerConfig's ``__post_init__`` derives from them.
+    None when the options set a field of the setup itself, or the config does not build."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from shardcheck.megatron.scenarios import COMPONENTS
+    from shardcheck.megatron.scenarios.gpt import transformer_config
+
+    setup_cls = COMPONENTS[component].setup
+    own = {f.name for f in dataclasses.fields(setup_cls)} - {"config"}
+    if not options or any(name in own for name, _ in options):
+        return None
+    config = setup_kwargs(setup_cls, options).get("config", {})
+    gpt_setup = _gpt_setup_class(component)
+    try:
+        built = transformer_config(layout, gpt_setup(config=config))
+        base = transformer_config(layout, gpt_setup())
+    except Exception:  # noqa: BLE001 - a config that does not build is not pruned here
+        return None
+    return frozenset(f.name for f in dataclasses.fields(TransformerConfig)
+                     if not _same_value(getattr(built, f.name), getattr(base, f.name)))
+
+
 def component_options(component: str) -> list[tuple[str, Any]]:
     """All candidate single options of a component, setup fields first."""
     from shardcheck.megatron.scenarios import COMPONENTS
