@@ -351,19 +351,39 @@ def audit(cases: Iterable[Case], *, budget: int | None = None, time_limit: float
         runner.prune = prune
         swept = _sweep(runner, cases, budget, time_limit, progress, started)
         findings = _findings(runner, swept.outcomes)
-    unavailable = {component: why for (component, options), why in swept.not_swept.items()
+    return _result(findings, swept.outcomes, swept.not_swept, swept.not_applicable.values(), swept.pruned,
+                   time.monotonic() - started, swept.stopped_early, patches)
+
+
+def _result(findings: list[Finding], outcomes: list[Outcome], not_swept: dict[tuple, str],
+            not_applicable: Iterable[str], pruned: dict[tuple, list[str]], seconds: float,
+            stopped_early: bool, patches: dict[str, str]) -> AuditResult:
+    unavailable = {component: why for (component, options), why in not_swept.items()
                    if not options and why.startswith(FAILS)}
-    return AuditResult(findings, swept.outcomes, _listed(swept.not_swept), time.monotonic() - started,
-                       swept.stopped_early, sorted(swept.not_applicable.values()), patches,
-                       unavailable, dict(swept.not_swept), _never_read(swept), dict(swept.pruned))
+    return AuditResult(findings, outcomes, _listed(not_swept), seconds, stopped_early,
+                       sorted(not_applicable), patches, unavailable, dict(not_swept),
+                       _never_read(outcomes, not_swept, pruned), dict(pruned))
 
 
-def _never_read(swept: _Swept) -> dict[str, list[str]]:
+def merge_shares(dirs: Iterable[Any], *, typecheck: bool = True, run_pools: Pools | None = None) -> AuditResult:
+    """The audit the shares in ``dirs`` make together (:mod:`shardcheck.megatron.audit_shards`):
+    the same findings one run of the whole plan gives; each corrected control is rerun here."""
+    from shardcheck.megatron.audit_shards import load_shares, merged
+
+    share = merged(load_shares(list(dirs)))
+    with nullcontext(run_pools) if run_pools else pools() as owned:
+        findings = _findings(Runner(owned, typecheck and checker_available()), share.outcomes)
+    return _result(findings, share.outcomes, share.not_swept, share.not_applicable, share.pruned,
+                   share.seconds, share.stopped_early, share.patches)
+
+
+def _never_read(outcomes: list[Outcome], not_swept: dict[tuple, str],
+                pruned: dict[tuple, list[str]]) -> dict[str, list[str]]:
     """Per component, the option sets pruned under every layout they came up under."""
-    ran = {(o.case.component, o.case.options) for o in swept.outcomes}
+    ran = {(o.case.component, o.case.options) for o in outcomes}
     found: dict[str, list[str]] = {}
-    for component, options in swept.pruned:
-        if (component, options) not in ran and (component, options) not in swept.not_swept:
+    for component, options in sorted(pruned, key=repr):
+        if (component, options) not in ran and (component, options) not in not_swept:
             found.setdefault(component, []).append(", ".join(f"{k}={v}" for k, v in options))
     return found
 
@@ -464,7 +484,7 @@ def _record(swept: _Swept, outcome: Outcome) -> None:
 
 def _listed(not_swept: dict[tuple, str]) -> list[str]:
     return [f"{component} {dict(options) or 'defaults'}: {why}"
-            for (component, options), why in not_swept.items()]
+            for (component, options), why in sorted(not_swept.items(), key=repr)]
 
 
 def _findings(runner: Runner, outcomes: list[Outcome]) -> list[Finding]:
@@ -472,6 +492,8 @@ def _findings(runner: Runner, outcomes: list[Outcome]) -> list[Finding]:
     (:func:`audit_report.causes`); independent triggers that one fix repairs are one cause."""
     baseline = {(o.case.component, o.case.layout): {audit_report.violation_key(v) for v in o.violations}
                 for o in outcomes if not o.case.options}
+    outcomes = sorted(outcomes, key=lambda o: (o.case.component, audit_report.case_size(o.case),
+                                               repr(o.case.options)))
     findings = []
     for key, members in audit_report.group([o for o in outcomes if o.failed]).items():
         built = [_finding(runner, key, cause, baseline, first=n == 0)
