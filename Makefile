@@ -4,7 +4,11 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH_VERSION := 2.13.0
-MEGATRON_VERSION := 0.16.1
+# The default target: the newest release. The oldest supported one is tested too, from an
+# overlay folder put first on PYTHONPATH (its own megatron/core, nothing else).
+MEGATRON_VERSION := 0.19.2
+MEGATRON_OLDEST := 0.16.1
+MEGATRON_OLDEST_DIR := $(VENV)/megatron-core-$(MEGATRON_OLDEST)
 
 .PHONY: test lint bench audit clean
 
@@ -13,16 +17,28 @@ $(BIN)/python:
 	$(BIN)/pip install -q --upgrade pip
 
 # torch first, pinned, so pip takes the local CPU wheel and never resolves a CUDA build.
+# megatron-core 0.19 declares Requires-Python >=3.12 but ships a cp311 wheel that runs here:
+# it is installed alone with --ignore-requires-python (the flag applies to every package of a
+# call, and would let pip pick a numpy made for a newer Python), then its dependencies and
+# triton (imported by 0.19 at import time) normally. The `.[megatron]` extra then finds
+# megatron-core installed and leaves it as it is.
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q torch==$(TORCH_VERSION)
-	$(BIN)/pip install -q -e '.[dev,megatron]' megatron-core==$(MEGATRON_VERSION) torch==$(TORCH_VERSION)
+	$(BIN)/pip install -q --no-deps --ignore-requires-python megatron-core==$(MEGATRON_VERSION)
+	$(BIN)/pip install -q numpy 'packaging>=24.2' triton torch==$(TORCH_VERSION)
+	$(BIN)/pip install -q -e '.[dev,megatron]' torch==$(TORCH_VERSION)
 	touch $(STAMP)
+
+$(MEGATRON_OLDEST_DIR): | $(STAMP)
+	$(BIN)/pip install -q --no-deps --target $(MEGATRON_OLDEST_DIR) megatron-core==$(MEGATRON_OLDEST)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
-test: $(STAMP) lint
+# The whole suite on the default megatron-core, then the Megatron tests on the oldest release.
+test: $(STAMP) lint $(MEGATRON_OLDEST_DIR)
 	$(BIN)/python -m pytest
+	PYTHONPATH=$(MEGATRON_OLDEST_DIR) $(BIN)/python -m pytest -m megatron
 
 # spmd_types 0.3.1, for the checker-overhead comparison only: its own folder, never a torch.
 SPMD_TYPES := bench/.deps/spmd_types
