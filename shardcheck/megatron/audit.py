@@ -423,18 +423,35 @@ def _sweep(runner: Runner, cases: Iterable[Case], budget: int | None, time_limit
             _record(swept, runner.run(case))
         return True
 
-    for case in cases:
+    planned = list(cases)
+    reached = 0
+    for case in planned:
         waiting = _inert_below(swept, case.layout.world_size) if case.options else []
         if not all(attempt(deferred, False) for deferred in waiting) or not attempt(case, True):
             break
+        reached += 1
     else:
         all(attempt(deferred, False) for deferred in _inert_below(swept, None))
     if swept.stopped_early:
-        ran = {(o.case.component, o.case.options) for o in swept.outcomes}
-        for case in (c for c in swept.inert + swept.done_inert if (c.component, c.options) not in ran):
-            swept.not_swept.setdefault((case.component, case.options),
-                                       f"{INERT}; its multi-rank cases were not reached in the budget")
+        _note_unreached(runner, swept, planned[reached:])
     return swept
+
+
+def _note_unreached(runner: Runner, swept: _Swept, unreached: list[Case]) -> None:
+    """Option sets the budget or time limit left without a single case, with the count of
+    their cases that would have run (not refused, not pruned)."""
+    ran = {(o.case.component, o.case.options) for o in swept.outcomes}
+    for case in (c for c in swept.inert + swept.done_inert if (c.component, c.options) not in ran):
+        swept.not_swept.setdefault((case.component, case.options),
+                                   f"{INERT}; its multi-rank cases were not reached in the budget")
+    left: dict[tuple, int] = {}
+    for case in unreached:
+        key = (case.component, case.options)
+        if (key not in ran and key not in swept.not_swept and _refusal(case) is None
+                and (case.component, str(case.layout)) not in swept.broken and runner.not_read(case) is None):
+            left[key] = left.get(key, 0) + 1
+    for key, count in left.items():
+        swept.not_swept[key] = f"not reached within the budget or time limit ({count} case(s) left)"
 
 
 def _inert_below(swept: _Swept, world_size: int | None) -> list[Case]:
