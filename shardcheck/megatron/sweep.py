@@ -16,7 +16,8 @@ grid over two or more of tp, cp, dp, the same grid with explicit groups (those o
 rank order, e.g. ``tp2-dp2@dp-tp``) while Megatron's global groups keep the default order.
 Cases are ordered so that a budget cut keeps the space covered evenly: first every component's
 defaults under every layout (explicit-group layouts only for the components that pass the
-groups to Megatron), then each option under each two-rank layout, then under the larger ones.
+groups to Megatron), then each option under each two-rank layout, then under the larger ones
+(explicit-group layouts included, for the components that pass the groups).
 """
 
 from __future__ import annotations
@@ -301,16 +302,18 @@ def plan(components: Mapping[str, list[tuple[str, Any]]], layout_list: list[Layo
 
     defaults = [(c, ()) for c in components]
     singles = [(c, (option,)) for c, options in components.items() for option in options]
-    plain = [lay for lay in layout_list if not lay.explicit_groups]
-    small = [lay for lay in plain if lay.world_size <= 2]
-    large = [lay for lay in plain if lay.world_size > 2]
+    small = [lay for lay in layout_list if lay.world_size <= 2]
+    large = [lay for lay in layout_list if lay.world_size > 2]
     ordered = itertools.chain(tier(defaults, layout_list), _interleave(singles, small),
                               _interleave(singles, large))
     return list(itertools.islice(ordered, budget))
 
 
 def _interleave(option_sets: list[tuple[str, tuple]], tier_layouts: list[Layout]) -> Iterator[Case]:
-    """Each option under each layout, round-robin over options so a cut spreads evenly."""
+    """Each option under each layout it runs under (explicit groups: the components that pass
+    them), round-robin over options so a cut spreads evenly."""
     for shift in range(len(tier_layouts)):
         for i, (component, options) in enumerate(option_sets):
-            yield Case(component, options, tier_layouts[(i + shift) % len(tier_layouts)])
+            layout = tier_layouts[(i + shift) % len(tier_layouts)]
+            if runs_under(component, layout):
+                yield Case(component, options, layout)
