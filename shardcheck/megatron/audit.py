@@ -127,9 +127,12 @@ class Outcome:
 
     @property
     def refusal(self) -> str | None:
-        """Why the scenario refused the layout on its ranks (``LayoutUnsupported``), else None."""
+        """Why the scenario (``LayoutUnsupported``) or Megatron's config validation (an error
+        raised in a config's ``__post_init__``) refused the layout on its ranks, else None."""
         if self.error and self.error.split(":")[0].endswith(LayoutUnsupported.__name__):
             return self.error.split(":", 1)[1].strip()
+        if self.error and self.frame and self.frame.endswith(" in __post_init__"):
+            return f"Megatron's config refuses it: {self.error}"
         return None
 
 
