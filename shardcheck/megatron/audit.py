@@ -33,7 +33,14 @@ from shardcheck.layout import Layout
 from shardcheck.megatron import audit_report, contracts, explicit
 from shardcheck.megatron.audit_rank import run_case
 from shardcheck.megatron.audit_report import Finding
-from shardcheck.megatron.divergence import CallGap, Gap, first_call_gap, max_errors, output_gaps
+from shardcheck.megatron.divergence import (
+    CallGap,
+    Gap,
+    compute_dtype,
+    first_call_gap,
+    max_errors,
+    output_gaps,
+)
 from shardcheck.megatron.parallel import LayoutUnsupported
 from shardcheck.megatron.sweep import Case, changed_config_fields
 from shardcheck.megatron.typecheck import checker_available
@@ -231,8 +238,9 @@ class Runner:
             return Outcome(case, error=_first_line(failure), seconds=time.monotonic() - started,
                            error_kind=failure.kind, reference_digest=self.digest(case),
                            frame=_megatron_frame(failure), entry=ref.get("entry"))
-        outcome = Outcome(case, output_gaps([r["outputs"] for r in ranks], ref["outputs"]),
-                          first_call_gap(case.layout, [r["calls"] for r in ranks], ref["calls"]),
+        dtype = compute_dtype(case.options)
+        outcome = Outcome(case, output_gaps([r["outputs"] for r in ranks], ref["outputs"], dtype),
+                          first_call_gap(case.layout, [r["calls"] for r in ranks], ref["calls"], dtype),
                           confirmed_across_ranks(r["violations"] for r in ranks),
                           errors=max_errors([r["outputs"] for r in ranks], ref["outputs"]),
                           entry=ranks[0]["entry"], reference_digest=self.digest(case))
