@@ -118,3 +118,17 @@ def test_independent_cases_names_a_case_that_lacks_the_trigger():
     finding = {"trigger": {"options": {"a": True}},
                "cases": [{"layout": "tp2", "options": {"a": True, "b": 1}}, {"layout": "tp2", "options": {}}]}
     assert independent_cases(finding) == [{"layout": "tp2", "options": {}}]
+
+
+def test_a_default_runs_findings_hold_no_case_independent_of_its_trigger():
+    """Over the findings.json of a full run (``SHARDCHECK_AUDIT_FINDINGS=audit-out/findings.json``
+    after ``make audit``): no finding's cases include one whose options lack its trigger's."""
+    import os
+    from pathlib import Path
+
+    path = os.environ.get("SHARDCHECK_AUDIT_FINDINGS")
+    if not path:
+        pytest.skip("set SHARDCHECK_AUDIT_FINDINGS to a default run's findings.json")
+    data = json.loads(Path(path).read_text())
+    assert data["findings"] and data["coverage"]
+    assert {f["id"]: independent_cases(f) for f in data["findings"]} == {f["id"]: [] for f in data["findings"]}
