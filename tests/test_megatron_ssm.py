@@ -97,7 +97,8 @@ def _in_proj_bias_split_like_its_weight():
         sections = [self.qk_dim // tp, self.qk_dim // tp, self.v_dim // tp, self.v_dim // tp,
                     self.num_value_heads // tp, self.num_value_heads // tp]
         names = ["query", "key", "value", "z", "beta", "alpha"]
-        state[f"{prefix}in_proj.bias"] = gdn._split_tensor_factory(
+        split = original.__globals__["_split_tensor_factory"]  # where the method reads it
+        state[f"{prefix}in_proj.bias"] = split(
             state[f"{prefix}in_proj.bias"], sections, names, 0)
         return state
 

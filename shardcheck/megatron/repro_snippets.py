@@ -211,8 +211,10 @@ def batches(pg):
     tokens, labels = (torch.randint(0, SETUP["vocab"], shape, generator=gen) for _ in range(2))
     mask = (torch.rand(shape, generator=gen) < 0.6).float() if SETUP["loss_mask"] else torch.ones(shape)
     positions = torch.arange(SETUP["seq"]).expand(shape[1:]).contiguous()
+    release = {"is_hybrid_cp": False} if "is_hybrid_cp" in inspect.signature(get_batch_on_this_cp_rank).parameters else {}
     return [get_batch_on_this_cp_rank(dict(tokens=tokens[i], labels=labels[i], loss_mask=mask[i],
-                                           position_ids=positions), cp_group=pg.cp) for i in range(len(tokens))]
+                                           position_ids=positions), cp_group=pg.cp, **release)
+            for i in range(len(tokens))]
 
 
 def run(sizes, pg):
@@ -461,10 +463,17 @@ vars(mamba_module).update(causal_conv1d_fn=causal_conv1d_fn, mamba_chunk_scan_co
 '''
 
 GDN_KERNELS = '''
-# CUDA-only (FLA and causal_conv1d kernels): megatron's own torch delta rule, torch equivalents
-gdn_module.chunk_gated_delta_rule = gdn_module.torch_chunk_gated_delta_rule
-gdn_module.causal_conv1d_fn, gdn_module.HAVE_FLA = causal_conv1d_fn, True
-gdn_module.l2norm = lambda x, dim=-1, eps=1e-6: x * torch.rsqrt(x.pow(2).sum(dim, keepdim=True) + eps)
+# CUDA-only (FLA and causal_conv1d kernels): megatron's own torch delta rule, torch equivalents,
+# set where GatedDeltaNet's code reads them (gated_delta_net.py; 0.19: gated_delta_net/*.py)
+def fla_causal_conv1d(x, weight, bias=None, activation=None, **_):
+    """FLA's calling convention of the convolution (megatron 0.19): [batch, seq, dim], no state."""
+    return causal_conv1d_fn(x.transpose(1, 2), weight, bias, activation).transpose(1, 2), None
+
+
+for gdn_home in {sys.modules[c.__module__] for c in gdn_module.GatedDeltaNet.__mro__ if "ssm" in c.__module__}:
+    vars(gdn_home).update(chunk_gated_delta_rule=gdn_module.torch_chunk_gated_delta_rule, HAVE_FLA=True,
+                          causal_conv1d_fn=causal_conv1d_fn, causal_conv1d=fla_causal_conv1d,
+                          l2norm=lambda x, dim=-1, eps=1e-6: x * torch.rsqrt(x.pow(2).sum(dim, keepdim=True) + eps))
 torch._dynamo.config.disable = True  # megatron's jit_fuser would build C++ kernels on each rank
 '''
 
@@ -517,10 +526,10 @@ class CudaToCpu(TorchFunctionMode):
 CudaToCpu().__enter__()
 '''
 
-ALLTOALL_ON_CPU = '''
+STREAMS = '''
 class CpuStream:
-    """CUDA-only: the alltoall dispatcher's side streams and events; CPU ops are synchronous, so
-    every wait, record and synchronize does nothing."""
+    """CUDA-only: the streams and events DDP's gradient sync (0.19) and the alltoall dispatcher
+    wait on; CPU ops are synchronous, so every wait, record and synchronize does nothing."""
 
     def __getattr__(self, name):
         return lambda *args, **kwargs: self
@@ -532,6 +541,10 @@ class CpuStream:
         return None
 
 
+torch.cuda.Stream = torch.cuda.Event = torch.cuda.stream = torch.cuda.current_stream = lambda *a, **k: CpuStream()
+'''
+
+ALLTOALL_ON_CPU = '''
 def to_host(tensor, as_numpy=False, record_stream=False):
     """CUDA-only: split sizes read on the host, as numpy like a device tensor's copy."""
     if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
@@ -539,7 +552,6 @@ def to_host(tensor, as_numpy=False, record_stream=False):
     return device_to_host(tensor, as_numpy=as_numpy, record_stream=record_stream)
 
 
-torch.cuda.Stream = torch.cuda.Event = torch.cuda.stream = torch.cuda.current_stream = lambda *a, **k: CpuStream()
 device_to_host = moe_utils.maybe_move_tensor_to_cpu
 moe_utils.maybe_move_tensor_to_cpu = token_dispatcher.maybe_move_tensor_to_cpu = to_host
 '''

@@ -60,6 +60,7 @@ TE_GEMM_UNSET = Snippet(code.PATCH_TE_GEMM, "from megatron.core.transformer.moe 
 CAUSAL_CONV1D = Snippet(code.CAUSAL_CONV1D)
 MAMBA_KERNELS = Snippet(code.MAMBA_KERNELS, "import importlib\nimport types")
 GDN_KERNELS = Snippet(code.GDN_KERNELS, "import torch._dynamo\nfrom megatron.core.ssm import gated_delta_net as gdn_module")
+STREAMS_ON_CPU = Snippet(code.STREAMS)
 CP_ATTENTION = Snippet(code.CP_ATTENTION, """\
 import copy
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
@@ -71,6 +72,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func""")
 GPT_CODE = Snippet(code.GPT, """\
+import inspect
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.utils import get_batch_on_this_cp_rank""")
@@ -182,7 +184,7 @@ class Template:
     sections: Callable[[dict[str, Any], dict[str, Any]], dict[str, list[int]]] | None = None
 
 
-GPT_SUPPORT = (RNG_ON_CPU, DEVICE_ON_CPU, CUDA_TENSORS_ON_CPU, BASE, SEEDED, WEIGHTS, TRAINING)
+GPT_SUPPORT = (RNG_ON_CPU, DEVICE_ON_CPU, CUDA_TENSORS_ON_CPU, STREAMS_ON_CPU, BASE, SEEDED, WEIGHTS, TRAINING)
 SP_NORM = (lambda layout, options: layout.sp, NORM_UNDER_SP)
 GPT_EXTRAS = (SP_NORM,
               (lambda layout, options: layout.cp > 1, CP_ATTENTION),
@@ -198,12 +200,12 @@ TEMPLATES: dict[str, Template] = {
                     _moe_refuses, sections=_gpt_sections,
                     extras=(*GPT_EXTRAS, (lambda layout, options: _alltoall(options), ALLTOALL_ON_CPU))),
     "gdn": Template("shardcheck.megatron.scenarios.ssm:GDNSetup", GDN_CODE,
-                    (RNG_ON_CPU, DEVICE_ON_CPU, CUDA_TENSORS_ON_CPU, CAUSAL_CONV1D, GDN_KERNELS, BASE, SEEDED, SHARD,
-                     WEIGHTS), _gdn_refuses, sections=_gdn_sections,
+                    (RNG_ON_CPU, DEVICE_ON_CPU, CUDA_TENSORS_ON_CPU, STREAMS_ON_CPU, CAUSAL_CONV1D, GDN_KERNELS, BASE,
+                     SEEDED, SHARD, WEIGHTS), _gdn_refuses, sections=_gdn_sections,
                     extras=(SP_NORM,)),
     "mamba": Template("shardcheck.megatron.scenarios.ssm:MambaSetup", MAMBA_CODE,
-                      (RNG_ON_CPU, DEVICE_ON_CPU, CUDA_TENSORS_ON_CPU, CAUSAL_CONV1D, MAMBA_KERNELS, BASE, SEEDED,
-                       SHARD, WEIGHTS), _mamba_refuses, sections=_mamba_sections),
+                      (RNG_ON_CPU, DEVICE_ON_CPU, CUDA_TENSORS_ON_CPU, STREAMS_ON_CPU, CAUSAL_CONV1D, MAMBA_KERNELS,
+                       BASE, SEEDED, SHARD, WEIGHTS), _mamba_refuses, sections=_mamba_sections),
     "t5": Template("shardcheck.megatron.scenarios.t5:T5Setup", T5_CODE, GPT_SUPPORT, _refused_by("t5"),
                    sections=_gpt_sections, extras=(SP_NORM,)),
     "multimodal": Template("shardcheck.megatron.scenarios.multimodal:MultimodalSetup", MULTIMODAL_CODE,

@@ -151,6 +151,7 @@ def _context_parallel_cuts_typed(axes: tuple[str, ...]) -> Iterator[None]:
         return sc.annotate(result, cp=S(seq_dim)) if "cp" in axes else result
 
     typed_batch.__name__, typed_rope.__name__ = batch_cut.__name__, rope_cut.__name__
+    typed_batch.__wrapped__, typed_rope.__wrapped__ = batch_cut, rope_cut  # their signatures
     with _replaced_everywhere(batch_cut, typed_batch), _replaced_everywhere(rope_cut, typed_rope):
         yield
 

@@ -92,14 +92,17 @@ def local_batches(setup: GPTSetup, pg: Any = None) -> list[dict[str, torch.Tenso
     """This rank's microbatches: a contiguous share per data-parallel rank, cut for its CP rank."""
     from megatron.core.utils import get_batch_on_this_cp_rank
 
+    from shardcheck.megatron.versions import cp_batch_kwargs
+
     used = scenario_groups(pg)
     dp, dp_rank = used.dp.size(), used.dp.rank()
     if setup.microbatches % dp:
         raise ValueError(f"{setup.microbatches} microbatches do not split over dp={dp}")
     share = setup.microbatches // dp
     mine = global_batches(setup)[dp_rank * share:(dp_rank + 1) * share]
-    return [get_batch_on_this_cp_rank(dict(batch), **explicit_kwargs(pg and pg.cp, "cp_group"))
-            for batch in mine]
+    # the CP group always given: without one, 0.19 cuts over the whole world, not parallel_state's cp
+    release = cp_batch_kwargs(get_batch_on_this_cp_rank)
+    return [get_batch_on_this_cp_rank(dict(batch), cp_group=used.cp, **release) for batch in mine]
 
 
 def build_gpt(config, setup: GPTSetup, pg: Any = None):

@@ -1,0 +1,97 @@
+"""`shardcheck audit --megatron PATH`: a source tree audited as such, a planted bug found in it."""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+core = pytest.importorskip("megatron.core")
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parent.parent
+MAPPINGS = Path("megatron/core/tensor_parallel/mappings.py")
+# Megatron's tp all-reduce over the group its caller gives: planted, over parallel_state's
+# global tp group (what the helper gives for None), which the explicit-group layout makes
+# another set of ranks than the model's pg_collection.tp.
+REDUCE = re.compile(r"torch\.distributed\.all_reduce\((.+), group=group\)")
+ON_GLOBAL_GROUP = r"torch.distributed.all_reduce(\1, group=get_tensor_model_parallel_group_if_none(None))"
+AUDIT = ("--only", "moe_router", "--layouts", "tp2-cp2-sp@cp-tp")
+
+
+def _git(tree: Path, *args: str) -> str:
+    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@t"}
+    return subprocess.run(["git", "-C", str(tree), *args], check=True, capture_output=True, text=True,
+                          env=env).stdout.strip()
+
+
+@pytest.fixture(scope="module")
+def checkout(tmp_path_factory):
+    """A git checkout holding a copy of the installed megatron/core, committed unmodified."""
+    tree = tmp_path_factory.mktemp("Megatron-LM")
+    shutil.copytree(Path(core.__file__).parent, tree / "megatron" / "core",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    text = (tree / MAPPINGS).read_text()
+    if not REDUCE.search(text) or "get_tensor_model_parallel_group_if_none" not in text:
+        pytest.skip("this megatron-core's tp all-reduce is written differently")
+    _git(tree, "init", "-q")
+    _git(tree, "add", "-A")
+    _git(tree, "commit", "-q", "-m", "copy")
+    return tree
+
+
+def _audit(tree: Path, out: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, "-m", "shardcheck", "audit", "--megatron", str(tree), "--out",
+                           str(out), "--root", str(out / "store"), *args],
+                          capture_output=True, text=True, env=env, timeout=600, check=False)
+
+
+def test_the_unmodified_checkout_gives_no_finding_and_says_what_was_audited(checkout, tmp_path):
+    done = _audit(checkout, tmp_path, *AUDIT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    data = json.loads((tmp_path / "findings.json").read_text())
+    assert list(data)[0] == "audited" and data["findings"] == []
+    audited = data["audited"]
+    assert audited.pop("version").startswith(core.__version__)  # 0.19 may add a build suffix
+    assert audited == {"path": str(checkout.resolve()), "tree": True,
+                       "git_commit": _git(checkout, "rev-parse", "HEAD"), "git_dirty": False}
+    report = (tmp_path / "report.md").read_text()
+    assert f"Audited: megatron-core {core.__version__}" in report
+    assert f" at {checkout.resolve()} (git {audited['git_commit'][:12]}, clean)" in report
+
+
+def test_a_bug_planted_in_one_line_of_the_checkout_is_found_at_that_line(checkout, tmp_path):
+    source = checkout / MAPPINGS
+    lines = source.read_text().splitlines(keepends=True)
+    number = next(n for n, line in enumerate(lines, 1) if REDUCE.search(line))  # in _reduce
+    lines[number - 1] = REDUCE.sub(ON_GLOBAL_GROUP, lines[number - 1])
+    source.write_text("".join(lines))
+    try:
+        done = _audit(checkout, tmp_path, *AUDIT)
+    finally:
+        _git(checkout, "checkout", "--", str(MAPPINGS))
+    assert done.returncode == 0, done.stdout + done.stderr  # it ran (docs/audit.md: exit status)
+    data = json.loads((tmp_path / "findings.json").read_text())
+    assert data["audited"]["git_dirty"] is True
+    [finding] = data["findings"]
+    assert finding["location"] == f"{MAPPINGS}:{number}"
+    assert finding["kind"] == "type+numeric" and f"{MAPPINGS}:{number}: all_reduce" in finding["checker"]
+    script = Path(finding["repro"]).read_text()
+    assert f"sys.path.insert(0, {str(checkout.resolve())!r})" in script  # the script runs the checkout
+
+
+@pytest.mark.parametrize("folder", ["empty", "missing", "megatron-without-core"])
+def test_a_folder_that_is_not_a_megatron_tree_gets_one_line_and_exit_2(folder, tmp_path):
+    path = tmp_path / folder
+    if folder != "missing":
+        (path / "megatron" if folder == "megatron-without-core" else path).mkdir(parents=True)
+    done = _audit(path, tmp_path / "out", "--budget", "1")
+    assert done.returncode == 2
+    assert done.stdout == "" and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert str(path) in done.stderr and "Traceback" not in done.stderr

@@ -1,0 +1,59 @@
+"""What the default audit finds, release by release: each known finding again, by its minimal trigger.
+
+The full default audit takes 12 minutes; its findings are kept here as their triggers (the
+audit's `reproduce:` commands), each rerun alone, and each must give exactly its finding: the
+same id (a hash of location and contract), kind and location. A finding a release no longer
+has is listed with no finding: the release fixed it (or moved it, which the test then shows).
+"""
+
+import pytest
+
+core = pytest.importorskip("megatron.core")
+
+from shardcheck.layout import Layout  # noqa: E402
+from shardcheck.megatron.audit import PRELOAD, audit, pools  # noqa: E402
+from shardcheck.megatron.sweep import Case  # noqa: E402
+
+pytestmark = pytest.mark.slow
+for module in PRELOAD:
+    __import__(module)
+
+# release: trigger (component, options, layout) -> (id, kind, location), or None: no finding
+KNOWN = {
+    "0.16": {  # the default audit of docs/audit.md, 7 confirmed and 2 type-only findings
+        ("gdn", (), "tp2"): ("e2492bf11a", "numeric-only", "megatron/core/ssm/gated_delta_net.py:249"),
+        ("moe_router", (("calculate_per_token_loss", True),), "cp2"):
+            ("427d959db3", "numeric-only", "megatron/core/transformer/moe/router.py:639"),
+        ("gpt", (("perform_initialization", False),), "tp2"):
+            ("49588e1797", "type+numeric", "megatron/core/optimizer/clip_grads.py:51"),
+        ("gpt", (("loss_mask", True),), "cp2"):
+            ("c64d57b7f9", "type+numeric", "megatron/core/pipeline_parallel/schedules.py:218"),
+        ("gpt", (), "tp2-cp2-sp@cp-tp"):
+            ("cfd375fc96", "type+numeric", "megatron/core/tensor_parallel/cross_entropy.py:130"),
+        ("output_loss", (("label_smoothing", 0.1),), "tp2"):
+            ("8e5332c190", "type+numeric", "megatron/core/tensor_parallel/cross_entropy.py:219"),
+        ("moe_router", (("padding", True),), "cp2"):
+            ("041b587a66", "type+numeric", "megatron/core/transformer/moe/moe_utils.py:214"),
+        ("gpt", (("calculate_per_token_loss", True),), "cp2-pp2"):
+            ("94bb6088dd", "type-only", "megatron/core/distributed/finalize_model_grads.py:493"),
+        ("gpt", (("softmax_type", "learnable"),), "cp2"):
+            ("19f84f4fcc", "type-only", "megatron/core/fusions/fused_softmax.py:173"),
+    },
+}
+RELEASE = ".".join(core.__version__.split(".")[:2])
+
+
+@pytest.fixture(scope="module")
+def warm():
+    with pools() as shared:
+        yield shared
+
+
+@pytest.mark.parametrize("trigger", list(KNOWN.get(RELEASE, {})), ids=str)
+def test_each_known_finding_is_found_again_by_its_trigger(warm, trigger):
+    component, options, layout = trigger
+    result = audit([Case(component, options, Layout.parse(layout))], run_pools=warm)
+    assert not result.errors and not result.not_swept, (result.errors, result.not_swept)
+    expected = KNOWN[RELEASE][trigger]
+    assert [(f.id, f.kind, f.location) for f in result.findings] == ([expected] if expected else [])
+
