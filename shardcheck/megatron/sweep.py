@@ -160,8 +160,25 @@ def pinned_config_fields(component: str) -> frozenset[str]:
                      if f.name not in required and getattr(ours, f.name) != getattr(plain, f.name))
 
 
+SIZE_FIELDS = frozenset({"num_layers", "hidden_size", "num_attention_heads"})  # the setup's own
+NONE_TRY = (1, 2, 4, 8)
+
+
+def integer_values(annotation: Any, default: Any) -> list[Any]:
+    """Candidates for an integer field (optional or not): ``n -> n + 1``; an optional one that
+    defaults to None, the smallest of :data:`NONE_TRY` the caller accepts (all are returned,
+    smallest first). Empty for any other type."""
+    kinds = members(annotation)
+    if int not in kinds or bool in kinds or float in kinds:
+        return []
+    if default is None:
+        return list(NONE_TRY)
+    return [default + 1] if isinstance(default, int) and not isinstance(default, bool) else []
+
+
 def config_options(component: str) -> list[tuple[str, Any]]:
-    """Non-default values of TransformerConfig's boolean, Literal and Enum fields that it accepts."""
+    """Non-default values of TransformerConfig's boolean, Literal and Enum fields that it
+    accepts, and of its integer fields (see :func:`integer_values`; the first value accepted)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from shardcheck.megatron.scenarios import COMPONENTS
@@ -175,7 +192,13 @@ def config_options(component: str) -> list[tuple[str, Any]]:
             continue
         found += [(f.name, v) for v in values_to_try(hints[f.name], f.default)
                   if not isinstance(v, float)]
-    return [option for option in found if accepted_by_config(component, option)]
+    accepted = [option for option in found if accepted_by_config(component, option)]
+    for f in dataclasses.fields(TransformerConfig):
+        if f.name in skip | SIZE_FIELDS or f.default is dataclasses.MISSING or not f.name.startswith(prefix):
+            continue
+        accepted += [(f.name, v) for v in integer_values(hints[f.name], f.default)
+                     if accepted_by_config(component, (f.name, v))][:1]
+    return accepted
 
 
 def accepted_by_config(component: str, option: tuple[str, Any]) -> bool:
