@@ -11,12 +11,13 @@ from shardcheck.megatron.sweep import Case  # noqa: E402
 
 pytestmark = pytest.mark.slow
 AFFINE = (("projection", "affine"),)
+SPLIT = (("account_for_embedding_in_pipeline_split", True),)  # 3 middle layers on 2 stages
 
 
 @pytest.fixture(scope="module")
 def result():
     return audit([Case("multimodal", (), Layout(tp=2)), Case("multimodal", AFFINE, Layout(tp=2)),
-                  Case("gdn", (), Layout(cp=2))])
+                  Case("gpt", SPLIT, Layout(pp=2)), Case("gpt", (("loss_mask", True),), Layout(pp=2))])
 
 
 def test_a_crash_only_a_layout_causes_is_a_finding_with_its_frame(result):
@@ -31,5 +32,8 @@ def test_a_crash_only_a_layout_causes_is_a_finding_with_its_frame(result):
 
 
 def test_a_layout_megatrons_config_refuses_is_not_applicable_not_a_crash(result):
-    assert not [f for f in result.findings if f.trigger["component"] == "gdn"]
-    assert any(entry.startswith("gdn @ cp2: Megatron's config refuses it") for entry in result.not_applicable)
+    assert not [f for f in result.findings if f.trigger["component"] == "gpt"]
+    # the refusal closes that option under pp2, not the layout: another option still runs there
+    assert any(o.case.options == (("loss_mask", True),) and not o.error for o in result.outcomes)
+    assert any(entry.startswith("gpt[account_for_embedding_in_pipeline_split=True] @ pp2: Megatron's "
+                                "config refuses it: ValueError") for entry in result.not_applicable)

@@ -52,6 +52,7 @@ PRELOAD = ("megatron.core.pipeline_parallel.schedules", "megatron.core.optimizer
            "shardcheck.megatron.scenarios", "megatron.core.ssm.gated_delta_net")
 RUN_TIMEOUT = 30.0
 INERT = "changes no output at one rank"
+CONFIG_REFUSES = "Megatron's config refuses it"
 FAILS = "fails on one rank"
 
 
@@ -139,7 +140,7 @@ class Outcome:
         if self.error and self.error.split(":")[0].endswith(LayoutUnsupported.__name__):
             return self.error.split(":", 1)[1].strip()
         if self.error and self.frame and self.frame.endswith(" in __post_init__"):
-            return f"Megatron's config refuses it: {self.error}"
+            return f"{CONFIG_REFUSES}: {self.error}"
         return None
 
 
@@ -403,7 +404,7 @@ def _never_read(outcomes: list[Outcome], not_swept: dict[tuple, str],
 class _Swept:
     outcomes: list[Outcome] = field(default_factory=list)
     not_swept: dict[tuple, str] = field(default_factory=dict)
-    not_applicable: dict[tuple[str, str], str] = field(default_factory=dict)
+    not_applicable: dict[tuple, str] = field(default_factory=dict)
     broken: set[tuple[str, str]] = field(default_factory=set)
     inert: list[Case] = field(default_factory=list)
     done_inert: list[Case] = field(default_factory=list)
@@ -497,10 +498,15 @@ def _runnable(runner: Runner, swept: _Swept, case: Case, defer_inert: bool) -> b
 
 
 def _record(swept: _Swept, outcome: Outcome) -> None:
-    """Keep an outcome; a layout the component refuses is noted as such, not as an error."""
+    """Keep an outcome; a layout the component refuses is noted as such, not as an error (a
+    config's refusal of an option under the layout closes that option there, not the layout)."""
     case = outcome.case
     if why := outcome.refusal:
-        swept.not_applicable[(case.component, str(case.layout))] = f"{case.component} @ {case.layout}: {why}"
+        if case.options and why.startswith(CONFIG_REFUSES):
+            swept.not_applicable[(case.component, str(case.layout), case.options)] = (
+                f"{case.label}: {why}")
+        else:
+            swept.not_applicable[(case.component, str(case.layout))] = f"{case.component} @ {case.layout}: {why}"
         return
     swept.outcomes.append(outcome)
     if outcome.error and not case.options:
