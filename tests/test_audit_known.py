@@ -39,6 +39,22 @@ KNOWN = {
         ("gpt", (("softmax_type", "learnable"),), "cp2"):
             ("19f84f4fcc", "type-only", "megatron/core/fusions/fused_softmax.py:173"),
     },
+    "0.19": {  # the same triggers on 0.19.2: four fixed, the others found again
+        ("gdn", (), "tp2"): ("df7ff9da75", "numeric-only", "megatron/core/ssm/gated_delta_net/gdn.py:64"),
+        ("moe_router", (("calculate_per_token_loss", True),), "cp2"): None,
+        ("gpt", (("perform_initialization", False),), "tp2"): None,
+        ("gpt", (("loss_mask", True),), "cp2"):
+            ("ceef13e533", "type+numeric", "megatron/core/pipeline_parallel/schedules.py:290"),
+        ("gpt", (), "tp2-cp2-sp@cp-tp"): None,  # GPTModel passes its tp group to the cross-entropy
+        ("output_loss", (("label_smoothing", 0.1),), "tp2"):
+            ("2c32b19ba8", "type+numeric", "megatron/core/tensor_parallel/cross_entropy.py:213"),
+        ("moe_router", (("padding", True),), "cp2"):
+            ("fef5b9e999", "type+numeric", "megatron/core/transformer/moe/moe_utils.py:262"),
+        ("gpt", (("calculate_per_token_loss", True),), "cp2-pp2"):
+            ("9bfbddeed5", "type-only", "megatron/core/distributed/finalize_model_grads.py:689"),
+        ("gpt", (("softmax_type", "learnable"),), "cp2"):
+            ("19f84f4fcc", "type-only", "megatron/core/fusions/fused_softmax.py:173"),
+    },
 }
 RELEASE = ".".join(core.__version__.split(".")[:2])
 

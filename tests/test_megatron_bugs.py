@@ -5,6 +5,7 @@ import pytest
 pytest.importorskip("megatron.core")
 
 import megatron.core.pipeline_parallel.schedules  # noqa: E402, F401  (imported once, before forking)
+from megatron_release import fixed_in  # noqa: E402
 
 from shardcheck.layout import Layout  # noqa: E402
 from shardcheck.megatron.runner import (  # noqa: E402
@@ -59,6 +60,7 @@ def test_router_token_count_without_padding_matches(layout):
     assert max(errors.values()) < 1e-6, errors
 
 
+@fixed_in("0.19", "the router's per-token aux loss scaled by the rank-local count")
 def test_router_per_token_aux_gradient_without_padding_is_off_by_the_tp_size():
     """router.py:465: with calculate_per_token_loss the aux loss is scaled by the rank-local count."""
     per_token = {"calculate_per_token_loss": True}

@@ -213,8 +213,7 @@ def batches(pg):
     positions = torch.arange(SETUP["seq"]).expand(shape[1:]).contiguous()
     release = {"is_hybrid_cp": False} if "is_hybrid_cp" in inspect.signature(get_batch_on_this_cp_rank).parameters else {}
     return [get_batch_on_this_cp_rank(dict(tokens=tokens[i], labels=labels[i], loss_mask=mask[i],
-                                           position_ids=positions), cp_group=pg.cp, **release)
-            for i in range(len(tokens))]
+                                           position_ids=positions), cp_group=pg.cp, **release) for i in range(len(tokens))]
 
 
 def run(sizes, pg):
@@ -510,7 +509,8 @@ torch.cuda.synchronize = lambda *a, **k: None  # CUDA-only: pipeline send/recv w
 PATCH_CUDA_TENSORS = '''
 class CudaToCpu(TorchFunctionMode):
     """CUDA-only: tensors the schedules, DDP and the optimizer make on "cuda" are made on the CPU
-    (and a tensor's type() reads as the CUDA type that gradient clipping asserts)."""
+    (and a tensor's type() reads as the CUDA type that gradient clipping asserts); the streams
+    and events DDP's gradient sync (0.19) and the MoE dispatcher wait on do nothing below."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
@@ -524,23 +524,7 @@ class CudaToCpu(TorchFunctionMode):
 
 
 CudaToCpu().__enter__()
-'''
-
-STREAMS = '''
-class CpuStream:
-    """CUDA-only: the streams and events DDP's gradient sync (0.19) and the alltoall dispatcher
-    wait on; CPU ops are synchronous, so every wait, record and synchronize does nothing."""
-
-    def __getattr__(self, name):
-        return lambda *args, **kwargs: self
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return None
-
-
+CpuStream = type("CpuStream", (contextlib.nullcontext,), {"__getattr__": lambda self, name: lambda *a, **k: self})
 torch.cuda.Stream = torch.cuda.Event = torch.cuda.stream = torch.cuda.current_stream = lambda *a, **k: CpuStream()
 '''
 
