@@ -3,6 +3,7 @@
 from dataclasses import dataclass
 
 import pytest
+import torch
 
 pytest.importorskip("megatron.core")
 
@@ -60,11 +61,25 @@ def test_known_bugs_are_three_distinct_findings(known):
     assert len(known.findings) == 3 and len({f.id for f in known.findings}) == 3
 
 
-def test_plain_gpt_on_correct_layouts_gives_no_finding(warm):
-    result = audit([Case("gpt", (), Layout.parse(text)) for text in CORRECT], run_pools=warm)
+@pytest.mark.parametrize("precision", [(), (("bf16", True),), (("fp16", True),)], ids=["fp32", "bf16", "fp16"])
+def test_plain_gpt_on_correct_layouts_gives_no_finding(warm, precision):
+    """In 16 bits through Megatron's Float16Module and mixed-precision optimizer (fp32 main
+    grads, fp16's loss scaler), at the tolerance of the precision."""
+    result = audit([Case("gpt", precision, Layout.parse(text)) for text in CORRECT], run_pools=warm)
     assert not result.errors, [o.error for o in result.errors]
+    assert not result.not_swept, result.not_swept  # the 16-bit option runs on one rank
     assert len(result.outcomes) == len(CORRECT)
     assert result.findings == []  # type-only included: CP's per-rank count of an all-ones mask
+
+
+def test_a_bug_still_shows_in_bf16(warm):
+    """The CP loss bug (loss mask under cp2) shows above bf16's rounding, in the gradients
+    (the loss itself moves by 2e-4 relative, under bf16's tolerance)."""
+    masked = (("loss_mask", True), ("optimizer_step", False), ("bf16", True))
+    result = audit([Case("gpt", masked, Layout(cp=2))], run_pools=warm)
+    [finding] = [f for f in result.findings if f.kind != "type-only"]
+    assert finding.effect[0]["value"].startswith("grad/")
+    assert finding.effect[0]["max_rel_error"] > 6 * torch.finfo(torch.bfloat16).eps
 
 
 def test_options_megatron_gets_right_under_tp_give_no_finding(warm):

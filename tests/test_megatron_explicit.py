@@ -48,13 +48,14 @@ def test_a_bad_at_order_is_one_clear_line(text, message):
     assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output
 
 
-def test_the_sweep_runs_defaults_under_explicit_layouts_for_components_that_pass_the_groups():
+def test_the_sweep_runs_defaults_and_options_under_explicit_layouts_for_components_that_pass_the_groups():
     explicit = [lay for lay in layouts(explicit=True) if lay.explicit_groups]
     assert not any(lay.explicit_groups for lay in layouts())
     assert {str(lay) for lay in explicit} >= {"tp2-dp2@dp-tp", "tp2-cp2@cp-tp", "cp2-dp2@dp-cp"}
     assert not any(lay.pp > 1 for lay in explicit)
     cases = plan({"gpt": [("loss_mask", True)], "other": [("x", True)]}, [Layout(tp=2), EXPLICIT], None)
-    assert [c for c in cases if c.layout == EXPLICIT] == [Case("gpt", (), EXPLICIT)]
+    assert [c for c in cases if c.layout == EXPLICIT] == [Case("gpt", (), EXPLICIT),
+                                                          Case("gpt", (("loss_mask", True),), EXPLICIT)]
     assert runs_under("other", Layout(tp=2)) and not runs_under("other", EXPLICIT)
 
 
@@ -154,7 +155,7 @@ def test_a_reduction_over_the_global_group_is_flagged_where_it_happens_with_a_co
     assert "pg_collection.tp" in finding.checker and finding.trigger["layout"] == "tp2-dp2@dp-tp"
     assert finding.effect[0]["max_abs_error"] > 1e-3
     assert finding.corrected["equal_to_reference"], finding.corrected
-    assert finding.seen_in == ["tp2-dp2@dp-tp"]  # the same code is right where the groups agree
+    assert finding.seen_in == ["layouts: tp2-dp2@dp-tp"]  # the same code is right where the groups agree
 
 
 @pytest.mark.slow

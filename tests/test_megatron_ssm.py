@@ -209,3 +209,24 @@ def test_mamba_with_per_token_loss_matches_one_rank(layout):
     per_token = scenario("mamba", config={"calculate_per_token_loss": True})
     errors = relative_errors(run_layout(per_token, layout), run_layout(per_token, Layout()))
     assert max(errors.values()) < 1e-5, errors
+
+
+
+# ---- under explicit process groups -----------------------------------------------------------
+
+@pytest.mark.slow
+def test_gdn_takes_explicit_groups_clean_where_megatron_is_right():
+    """GDN gets the explicit pg_collection (and DDP and finalize_model_grads with it): clean
+    under explicit groups with sequence parallelism; without it, its out_norm gradient is
+    left unreduced over tp, as under the plain tp2 (GDN refuses context parallelism)."""
+    from shardcheck.megatron.audit import audit
+    from shardcheck.megatron.scenarios import COMPONENTS
+    from shardcheck.megatron.sweep import Case
+
+    assert COMPONENTS["gdn"].explicit_groups
+    result = audit([Case("gdn", (), Layout.parse(t)) for t in ["tp2", "tp2-dp2-sp@dp-tp", "tp2-dp2@dp-tp"]])
+    assert not result.errors, [o.error for o in result.errors]
+    assert {str(o.case.layout) for o in result.outcomes if o.failed} == {"tp2", "tp2-dp2@dp-tp"}
+    [finding] = result.findings
+    assert finding.location.startswith("megatron/core/ssm/gated_delta_net")  # 0.19: a package
+    assert {c["layout"] for c in finding.cases} == {"tp2", "tp2-dp2@dp-tp"}

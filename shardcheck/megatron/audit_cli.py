@@ -61,7 +61,7 @@ def _plan(only: tuple[str, ...], layouts_text: str | None, sets: tuple[str, ...]
     return plan({c: component_options(c) for c in names}, layout_list, None)
 
 
-@click.command("audit")
+@click.group("audit", invoke_without_command=True)
 @click.option("--budget", type=click.IntRange(1), default=None,
               help="Run at most N multi-rank cases (instead of a time limit).")
 @click.option("--time-limit", "time_limit", type=click.FloatRange(min=0.1), default=None,
@@ -81,30 +81,87 @@ def _plan(only: tuple[str, ...], layouts_text: str | None, sets: tuple[str, ...]
                    "megatron/core) instead of the one `import megatron.core` finds.")
 @click.option("--root", default=".shardcheck", show_default=True, type=click.Path(file_okay=False),
               help="The findings store shared with fuzz, repro and findings.")
-def audit_command(budget: int | None, time_limit: float | None, only: tuple[str, ...],
+@click.option("--shard", "shard_text", default=None, metavar="K/N",
+              help="Run the K-th of N deterministic shares of the plan (every share runs the "
+                   "defaults); `shardcheck audit merge DIR...` joins the shares' --out folders.")
+@click.pass_context
+def audit_command(ctx: click.Context, budget: int | None, time_limit: float | None, only: tuple[str, ...],
                   layouts_text: str | None, sets: tuple[str, ...], out_dir: str, as_json: bool,
-                  no_typecheck: bool, megatron_path: str | None, root: str) -> None:
+                  no_typecheck: bool, megatron_path: str | None, root: str, shard_text: str | None) -> None:
     """Audit megatron-core: run its components over the generic sweep of options and layouts
     on Gloo ranks, compare each with one rank, type-check it, and report deduplicated findings.
 
     Each confirmed finding gets a torchrun script in OUT/repro/ and every finding is kept in
     the store at ROOT, for `shardcheck repro` and `shardcheck findings`. Exit status: 1 when
     there are findings, 2 when no case ran (the console says why) or on bad input."""
+    if ctx.invoked_subcommand is not None:
+        return
     if budget is not None and time_limit is not None:
         raise InputError("give --budget or --time-limit, not both")
+    share = _share(shard_text)
     warnings.filterwarnings("ignore", category=UserWarning)  # Megatron's "Apex is not installed"
     source = _audited(megatron_path)
-    from shardcheck.megatron import audit_report
     from shardcheck.megatron.audit import audit
-    from shardcheck.megatron.audit_repro import save_with_scripts
 
     started = time.monotonic()
     cases = _plan(only, layouts_text, sets, budget)
+    if share is not None:
+        from shardcheck.megatron.audit_shards import shard
+
+        cases = shard(cases, *share)
     limit = None if budget is not None or sets else 60 * (time_limit or DEFAULT_TIME_LIMIT_MIN)
     if time_limit is not None:
         limit = 60 * time_limit
     with _progress(len(cases) if budget is None else min(budget, len(cases)), as_json) as show:
         result = audit(cases, budget=budget, time_limit=limit, typecheck=not no_typecheck, progress=show)
+    if share is not None:
+        from shardcheck.megatron.audit_shards import save_share
+
+        save_share(result, *share, Path(out_dir))
+    _finish(result, started, out_dir, root, source, as_json, planned=len(cases))
+
+
+def _share(text: str | None) -> tuple[int, int] | None:
+    from shardcheck.megatron.audit_shards import ShareError, parse_shard
+
+    try:
+        return None if text is None else parse_shard(text)
+    except ShareError as exc:
+        raise InputError(f"--shard: {exc}") from None
+
+
+@audit_command.command("merge")
+@click.argument("dirs", nargs=-1, required=True, type=click.Path(file_okay=False))
+@click.option("--out", "out_dir", default="audit-out", show_default=True, type=click.Path(file_okay=False),
+              help="Where the merged report.md and findings.json go.")
+@click.option("--json", "as_json", is_flag=True, help="Print findings.json to stdout instead of the summary.")
+@click.option("--root", default=".shardcheck", show_default=True, type=click.Path(file_okay=False),
+              help="The findings store shared with fuzz, repro and findings.")
+@click.option("--megatron", "megatron_path", default=None, metavar="PATH",
+              help="The megatron-core the shares audited, when not the installed one.")
+def merge_command(dirs: tuple[str, ...], out_dir: str, as_json: bool, root: str,
+                  megatron_path: str | None) -> None:
+    """Join the --out folders of `shardcheck audit --shard K/N` (all N shares) into the report
+    and findings one run of the whole plan gives (each finding's corrected control is rerun)."""
+    from shardcheck.megatron.audit import merge_shares
+    from shardcheck.megatron.audit_shards import ShareError, load_shares
+
+    warnings.filterwarnings("ignore", category=UserWarning)
+    try:
+        load_shares(list(dirs))
+    except ShareError as exc:
+        raise InputError(str(exc)) from None
+    source = _audited(megatron_path)
+    started = time.monotonic()
+    _finish(merge_shares(dirs), started, out_dir, root, source, as_json)
+
+
+def _finish(result, started: float, out_dir: str, root: str, source, as_json: bool,
+            planned: int | None = None) -> None:
+    """Scripts, store, report and summary of an audit result."""
+    from shardcheck.megatron import audit_report
+    from shardcheck.megatron.audit_repro import save_with_scripts
+
     summary = result.summary()
     save_with_scripts(result.findings, Path(out_dir), root, source)
     summary["wall time (s)"] = round(time.monotonic() - started, 1)
@@ -114,15 +171,15 @@ def audit_command(budget: int | None, time_limit: float | None, only: tuple[str,
     else:
         _print_summary(result, summary, Path(out_dir), source)
     if not summary["cases run"]:
-        raise InputError(_nothing_ran(summary, len(cases)))
+        raise InputError(_nothing_ran(summary, planned))
     if result.findings:
         sys.exit(EXIT_FOUND)
 
 
-def _nothing_ran(summary: dict, planned: int) -> str:
+def _nothing_ran(summary: dict, planned: int | None) -> str:
     """Why an audit ran no case: what refused, skipped or broke the cases asked for."""
     reasons = summary["not_applicable"] + summary["not_swept"] + summary["errors"]
-    if not planned:
+    if planned == 0:
         reasons = reasons or ["no component runs under the layouts given"]
     return "no case ran: " + "; ".join(reasons or ["every case was screened out"])
 
@@ -190,9 +247,11 @@ def _print_summary(result, summary: dict, out_dir: Path, source) -> None:
     console.print(f"audit: {summary['cases run']} cases run, {summary['cases failed to run']} failed to run, "
                   f"{summary['options not swept']} options not swept, {summary['wall time (s)']} s"
                   + (" (stopped at the limit)" if result.stopped_early else ""))
-    confirmed = [f for f in result.findings if f.kind != "type-only"]
+    confirmed = [f for f in result.findings if f.kind not in ("type-only", "crash")]
+    crashes = [f for f in result.findings if f.kind == "crash"]
     typed_only = [f for f in result.findings if f.kind == "type-only"]
-    console.print(f"{len(confirmed)} finding(s) confirmed by parity, {len(typed_only)} type-only")
+    console.print(f"{len(confirmed)} finding(s) confirmed by parity, {len(typed_only)} type-only"
+                  + (f", {len(crashes)} crash(es) only a layout causes" if crashes else ""))
     for n, f in enumerate(confirmed, 1):
         options = ", ".join(f"{k}={v}" for k, v in f.trigger["options"].items()) or "defaults"
         console.print(f"[{n}] {f.id} {f.kind}  {f.location}\n    {f.title}\n"
@@ -205,7 +264,9 @@ def _print_summary(result, summary: dict, out_dir: Path, source) -> None:
         if f.corrected:
             console.print(f"    corrected control: {f.corrected['result']}")
         console.print(f"    reproduce: {f.reproduce}\n    script: {script_line(f)}")
-    for n, f in enumerate(typed_only, len(confirmed) + 1):
+    for n, f in enumerate(crashes, len(confirmed) + 1):
+        console.print(f"[{n}] {f.id} crash  {f.location}\n    {f.title}\n    reproduce: {f.reproduce}")
+    for n, f in enumerate(typed_only, len(confirmed) + len(crashes) + 1):
         console.print(f"[{n}] {f.id} type-only  {f.checker}  ({f.trigger['component']} @ "
                       f"{f.trigger['layout']} {f.trigger['options'] or ''})")
     console.print(f"report: {out_dir / 'report.md'}, {out_dir / 'findings.json'}")

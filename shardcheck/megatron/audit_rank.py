@@ -45,10 +45,66 @@ def run_case(ctx: Any, component: str, options: tuple, fixes: tuple[str, ...], t
         stack.enter_context(explicit.routed(explicit.FIX in fixes))
         misuses = stack.enter_context(explicit.recording())
         found = stack.enter_context(checked_region(ctx) if typecheck else nullcontext([]))
+        reads = stack.enter_context(config_reads())
         outputs = run(ctx)
     return {"outputs": {k: torch.as_tensor(v).detach().double().clone() for k, v in outputs.items()},
             "calls": calls, "violations": [*misuses, *found],
-            "entry": entries[0] if entries else None}
+            "entry": entries[0] if entries else None, "reads": sorted(reads)}
+
+
+def _config_classes() -> list[type]:
+    """ModelParallelConfig and every config class derived from it that is loaded."""
+    from megatron.core.model_parallel_config import ModelParallelConfig
+
+    found, todo = [], [ModelParallelConfig]
+    while todo:
+        cls = todo.pop()
+        found.append(cls)
+        todo += cls.__subclasses__()
+    return found
+
+
+@contextmanager
+def config_reads() -> Iterator[set[str]]:
+    """The config fields (of ModelParallelConfig and its subclasses, TransformerConfig first)
+    read inside the block, outside any config's own construction (``__post_init__`` reads every
+    field to validate it; what it derives from a field shows in the built config instead).
+
+    A field never read under a layout cannot change a run under that layout: the run with
+    another value follows the same path. The audit prunes such options
+    (:meth:`shardcheck.megatron.audit.Runner.reads`).
+    """
+    read: set[str] = set()
+    building = [0]
+    classes = _config_classes()
+    base = classes[0]
+
+    def recording(self: Any, name: str) -> Any:
+        if not building[0] and name in type(self).__dataclass_fields__:
+            read.add(name)
+        return object.__getattribute__(self, name)
+
+    def counted(post_init: Any) -> Any:
+        def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+            building[0] += 1
+            try:
+                return post_init(self, *args, **kwargs)
+            finally:
+                building[0] -= 1
+        return wrapper
+
+    own = {cls: cls.__dict__["__post_init__"] for cls in classes if "__post_init__" in cls.__dict__}
+    had_getattribute = "__getattribute__" in base.__dict__
+    for cls, post_init in own.items():
+        cls.__post_init__ = counted(post_init)
+    base.__getattribute__ = recording
+    try:
+        yield read
+    finally:
+        for cls, post_init in own.items():
+            cls.__post_init__ = post_init
+        if not had_getattribute:
+            del base.__getattribute__
 
 
 def _quiet_worker() -> None:

@@ -42,6 +42,9 @@ class Finding:
     seen_in: list[str] = field(default_factory=list)
     id: str = ""
     repro: str | None = None  # the torchrun script, or "no script: why"
+    cases: list[dict[str, Any]] = field(default_factory=list)  # every case of this cause
+    same_fix: list[dict[str, Any]] = field(default_factory=list)  # independent triggers it repairs
+    one_rank: str | None = None  # crash: the exception the layout causes, while one rank runs
 
     def __post_init__(self) -> None:
         self.id = self.id or finding_id(self.location, self.contract, self.trigger["options"])
@@ -115,6 +118,76 @@ def group(failed: Sequence) -> dict[tuple[str, str], list]:
     return groups
 
 
+def _options(outcome) -> frozenset:
+    return frozenset(outcome.case.options)
+
+
+def causes(members: Sequence) -> list[list]:
+    """Split the failing outcomes of one place (location, contract) into root causes.
+
+    Two cases share a cause only when one's trigger contains the other's: the same options (under
+    any layout), or a superset of options whose smaller set already fails here under the same
+    layout (the defaults diverging here cover every option under that layout). A case whose
+    options contain no failing case's starts a cause of its own. Numeric failures come first,
+    so a cause's smallest trigger is a numeric one when it has any.
+    """
+    ordered = sorted(members, key=lambda o: (not o.gaps, len(o.case.options), case_size(o.case)))
+    found: list[list] = []
+    owner: dict[frozenset, int] = {}
+    placed: dict[tuple[frozenset, str], int] = {}
+    for outcome in ordered:
+        options, layout = _options(outcome), str(outcome.case.layout)
+        index = owner.get(options)
+        if index is None:
+            index = next((i for (smaller, where), i in placed.items()
+                          if where == layout and smaller < options), None)
+        if index is None:
+            found.append([])
+            index = len(found) - 1
+        owner.setdefault(options, index)
+        placed.setdefault((options, layout), index)
+        found[index].append(outcome)
+    return found
+
+
+def minimal_case(members: Sequence):
+    """The trigger of a cause: a numeric failure before a typed one, then the fewest ranks and options."""
+    return min(members, key=lambda o: (not o.gaps, case_size(o.case)))
+
+
+def case_entry(case: Case) -> dict[str, Any]:
+    return {"layout": str(case.layout), "options": dict(case.options)}
+
+
+def seen_in(members: Sequence, minimal) -> list[str]:
+    """What a person reads: the layouts, the option sets that change the result, and a count
+    of the option sets that leave this component's one-rank outputs as the trigger's."""
+    layouts = sorted({str(o.case.layout) for o in members}, key=lambda t: (Layout.parse(t).world_size, t))
+    lines = [f"layouts: {', '.join(layouts)}"]
+    base = minimal.reference_digest
+    changing = sorted({_show_options(o.case.options) for o in members
+                       if o.case.options != minimal.case.options and o.reference_digest != base})
+    same = {o.case.options for o in members
+            if o.case.options != minimal.case.options and o.reference_digest == base}
+    if changing:
+        lines.append(f"options that change the result: {'; '.join(changing)}")
+    if same:
+        lines.append(f"and {len(same)} option set{'s that do' if len(same) > 1 else ' that does'} not "
+                     f"change this component (its one-rank outputs equal the trigger's)")
+    return lines
+
+
+def independent_cases(finding: dict[str, Any]) -> list[dict[str, Any]]:
+    """The cases of a finding (as findings.json holds it) whose options do not contain its
+    trigger's: none, when each finding is one root cause."""
+    trigger = finding["trigger"]["options"].items()
+    return [case for case in finding["cases"] if not trigger <= case["options"].items()]
+
+
+def _show_options(options: tuple) -> str:
+    return ", ".join(f"{k}={v}" for k, v in options) or "defaults"
+
+
 def _explains(key: tuple[str, str], violation: dict) -> bool:
     """Whether a numeric finding explains a violation its cases have: a global-group finding
     explains only global-group uses (its cases may break other rules for other reasons)."""
@@ -175,8 +248,9 @@ def write(out_dir: Path, findings: Sequence[Finding], summary: dict[str, Any], s
     """``out_dir/findings.json`` and ``out_dir/report.md``, each opening with what was audited
     (a :class:`~shardcheck.megatron.source.MegatronSource`)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    data = {"audited": source.as_dict() if source else None, "summary": summary,
-            "findings": [asdict(f) for f in findings]}
+    data = {"audited": source.as_dict() if source else None,
+            "summary": {k: v for k, v in summary.items() if k != "coverage"},
+            "coverage": summary.get("coverage", {}), "findings": [asdict(f) for f in findings]}
     (out_dir / "findings.json").write_text(json.dumps(data, indent=2, default=str) + "\n")
     (out_dir / "report.md").write_text(markdown(findings, summary, source))
 
@@ -207,6 +281,8 @@ def _finding_lines(n: int, f: Finding) -> list[str]:
              f"`{f.trigger['options'] or 'defaults'}`, layout `{f.trigger['layout']}`",
              f"- **contract**: `{f.contract}`",
              f"- **checker**: `{f.checker or 'no type violation recorded'}`"]
+    if f.one_rank:
+        lines.append(f"- **crash**: {f.one_rank}")
     if f.effect:
         lines += [f"- **first divergence**: {f.first_divergence or 'no contracted call diverged'}",
                   "- **effect** (observed vs one-rank reference):"]
@@ -215,7 +291,7 @@ def _finding_lines(n: int, f: Finding) -> list[str]:
                   f"(relative {e['max_rel_error']:.3g})" for e in f.effect]
         lines.append(f"- **corrected control**: {f.corrected['fix']} -> {f.corrected['result']}" if f.corrected
                      else "- **corrected control**: none (no evident fix for this contract)")
-    lines += [f"- **seen in**: {', '.join(f.seen_in)}", f"- **reproduce**: `{f.reproduce}`"]
+    lines += ["- **seen in**:", *[f"  - {line}" for line in f.seen_in], f"- **reproduce**: `{f.reproduce}`"]
     if f.repro:
         lines.append(f"- **repro script**: {script_line(f, quote='`')}")
     return lines + [""]
@@ -230,24 +306,44 @@ def script_line(f: Finding, quote: str = "") -> str:
     return f"{quote}{command}{quote} (exits 0 while the bug reproduces)"
 
 
+CRASH = "crash"
+
+
+def coverage_table(coverage: dict[str, dict[str, Any]]) -> list[str]:
+    """The report's opening table: per component, where and with what it ran."""
+    lines = ["| component | plain layouts | explicit-group layouts | option sets run | left out "
+             "| not read (pruned) | cases |", "|---|---|---|---|---|---|---|"]
+    for component, row in coverage.items():
+        lines.append(f"| {component} | {', '.join(row['plain_layouts']) or '-'} | "
+                     f"{', '.join(row['explicit_layouts']) or '-'} | {row['option_sets_run']} | "
+                     f"{row['option_sets_left_out']} | {row.get('options_not_read', 0)} | {row['cases']} |")
+    return lines + [""]
+
+
 def markdown(findings: Sequence[Finding], summary: dict[str, Any], source=None) -> str:
-    confirmed = [f for f in findings if f.kind != "type-only"]
+    confirmed = [f for f in findings if f.kind not in ("type-only", CRASH)]
+    crashes = [f for f in findings if f.kind == CRASH]
     typed_only = [f for f in findings if f.kind == "type-only"]
     lines = ["# shardcheck audit of megatron-core", ""]
     if source is not None:
         lines += [f"Audited: {source.line()}", ""]
+    if summary.get("coverage"):
+        lines += ["## Coverage", ""] + coverage_table(summary["coverage"])
     lines += [f"- {k}: {v}" for k, v in summary.items() if not isinstance(v, list | dict)]
     for component, why in (summary.get("cannot run on this version") or {}).items():
         lines.append(f"- cannot run on this version: {component}: {why}")
     lines += ["", f"## Findings confirmed by parity ({len(confirmed)})", ""]
     for n, f in enumerate(confirmed, 1):
         lines += _finding_lines(n, f)
+    lines += [f"## Crashes only a layout causes: one rank runs the same case ({len(crashes)})", ""]
+    for n, f in enumerate(crashes, len(confirmed) + 1):
+        lines += _finding_lines(n, f)
     lines += [f"## Type-only findings: the checker objects, parity sees no wrong value ({len(typed_only)})",
               "", "Each is a rule a value breaks without changing the result in this run (a latent bug, or "
               "a layout the checker cannot express yet: report it to the checker if parity keeps agreeing).", ""]
-    for n, f in enumerate(typed_only, len(confirmed) + 1):
+    for n, f in enumerate(typed_only, len(confirmed) + len(crashes) + 1):
         lines += _finding_lines(n, f)
-    for section in ("not_swept", "not_applicable", "errors"):
+    for section in ("not_swept", "not_read", "not_applicable", "errors"):
         entries = summary.get(section) or []
         if entries:
             lines += [f"## {section.replace('_', ' ').capitalize()} ({len(entries)})", ""]

@@ -18,6 +18,7 @@ from shardcheck.megatron.repro_templates import script_body
 from shardcheck.repro import TYPE_ONLY, ReproError, write_script
 
 AUDIT = "audit"
+CRASH = "crash"
 
 
 def as_stored(finding: audit_report.Finding, source=None) -> Finding:
@@ -48,7 +49,9 @@ def save_with_scripts(findings: Sequence[audit_report.Finding], out_dir: Path, r
     for finding in findings:
         stored = as_stored(finding, source)
         finding.id = store.place(stored)
-        if finding.kind != TYPE_ONLY:
+        if finding.kind == CRASH:
+            finding.repro = "no script: a crash shows without comparing numbers; rerun its reproduce command"
+        elif finding.kind != TYPE_ONLY:
             try:
                 stored.repro = str(write_audit_script(stored, out_dir / "repro" / f"{finding.id}.py"))
                 finding.repro = stored.repro

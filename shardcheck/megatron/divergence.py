@@ -12,7 +12,10 @@ relative is always reported. Weights after an
 optimizer step get ``STEP_RELATIVE``: Adam's first step moves each weight by about ``lr``
 whatever the gradient's size, so a gradient that rounds across zero moves its weight the
 other way; such weights are reported through their gradients instead. Every value is also
-allowed ``FAMILY_RELATIVE = 1e-6`` of the largest magnitude among the outputs of its family
+allowed ``FAMILY_RELATIVE = 1e-6
+# In bf16 or fp16 a correct layout differs from one rank by rounding in that precision: up to
+# 2 eps (relative to each value's largest magnitude) on the tiny GPT; a finding needs 6.
+HALF_EPS = 6.0`` of the largest magnitude among the outputs of its family
 (``grad/...``, ``param/...``): a gradient that is zero in exact arithmetic is pure rounding
 noise, with no scale of its own.
 """
@@ -20,8 +23,9 @@ noise, with no scale of its own.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -32,6 +36,9 @@ from shardcheck.megatron.contracts import BY_NAME, ProbeRecord
 RELATIVE = 1e-4
 STEP_RELATIVE = 5e-2
 FAMILY_RELATIVE = 1e-6
+# In bf16 or fp16 a correct layout differs from one rank by rounding in that precision: up to
+# 2 eps (relative to each value's largest magnitude) on the tiny GPT; a finding needs 6.
+HALF_EPS = 6.0
 
 
 @dataclass(frozen=True)
@@ -62,13 +69,23 @@ def _numbers(value: torch.Tensor) -> float | list:
     return value.item() if value.numel() == 1 else value.tolist()
 
 
-def _tolerance(name: str, reference: torch.Tensor, floor: float) -> float:
+def _tolerance(name: str, reference: torch.Tensor, floor: float, dtype: torch.dtype = torch.float32) -> float:
     scale = reference.abs().max().item() if reference.numel() else 0.0
-    relative = STEP_RELATIVE if name.startswith("param/") else RELATIVE
+    relative = STEP_RELATIVE if name.startswith("param/") else max(RELATIVE, HALF_EPS * _eps(dtype))
     return max(tolerance(reference, 0.0, torch.float32), relative * scale, floor)
 
 
-def family_floors(reference: Mapping[str, torch.Tensor]) -> dict[str, float]:
+def _eps(dtype: torch.dtype) -> float:
+    return torch.finfo(dtype).eps
+
+
+def compute_dtype(options: Iterable[tuple[str, Any]]) -> torch.dtype:
+    """The precision a case computes in: bf16 or fp16 when its options ask for it, else fp32."""
+    chosen = dict(options)
+    return torch.bfloat16 if chosen.get("bf16") else torch.float16 if chosen.get("fp16") else torch.float32
+
+
+def family_floors(reference: Mapping[str, torch.Tensor], dtype: torch.dtype = torch.float32) -> dict[str, float]:
     """Per output, ``FAMILY_RELATIVE`` times the largest magnitude among outputs of its family
     (the same prefix, e.g. every ``grad/``): a value that is zero in exact arithmetic (e.g. the
     gradient of a bias a softmax cannot see) is rounding noise at its family's scale."""
@@ -77,18 +94,20 @@ def family_floors(reference: Mapping[str, torch.Tensor]) -> dict[str, float]:
         family = name.split("/", 1)[0] if "/" in name else name
         if value.numel():
             scales[family] = max(scales.get(family, 0.0), value.abs().max().item())
-    return {name: FAMILY_RELATIVE * scales.get(name.split("/", 1)[0] if "/" in name else name, 0.0)
+    relative = max(FAMILY_RELATIVE, _eps(dtype)) if dtype != torch.float32 else FAMILY_RELATIVE
+    return {name: relative * scales.get(name.split("/", 1)[0] if "/" in name else name, 0.0)
             for name in reference}
 
 
-def gap(name: str, observed: torch.Tensor, reference: torch.Tensor, floor: float = 0.0) -> Gap | None:
+def gap(name: str, observed: torch.Tensor, reference: torch.Tensor, floor: float = 0.0,
+        dtype: torch.dtype = torch.float32) -> Gap | None:
     """The gap between two values of one name, or None when within tolerance."""
     if observed.shape != reference.shape:
         return Gap(name, list(observed.shape), list(reference.shape), float("inf"), float("inf"), 0.0)
     if not reference.numel():
         return None
     error = (observed.double() - reference.double()).abs().max().item()
-    tol = _tolerance(name, reference, floor)
+    tol = _tolerance(name, reference, floor, dtype)
     if error <= tol and error == error:
         return None
     scale = reference.abs().max().item()
@@ -96,13 +115,14 @@ def gap(name: str, observed: torch.Tensor, reference: torch.Tensor, floor: float
 
 
 def output_gaps(per_rank: Sequence[Mapping[str, torch.Tensor]],
-                reference: Mapping[str, torch.Tensor]) -> list[Gap]:
-    """Outputs that differ from the reference on some rank (the worst rank's value per name)."""
+                reference: Mapping[str, torch.Tensor], dtype: torch.dtype = torch.float32) -> list[Gap]:
+    """Outputs that differ from the reference on some rank (the worst rank's value per name),
+    at the tolerance of the precision the case computes in (``dtype``)."""
     gaps: list[Gap] = []
-    floors = family_floors(reference)
+    floors = family_floors(reference, dtype)
     for name, ref in reference.items():
         found = [g for outputs in per_rank if name in outputs
-                 and (g := gap(name, outputs[name], ref, floors[name])) is not None]
+                 and (g := gap(name, outputs[name], ref, floors[name], dtype)) is not None]
         if found:
             gaps.append(max(found, key=lambda g: g.max_error))
     return gaps
@@ -182,7 +202,7 @@ class CallGap:
 
 
 def first_call_gap(layout: Layout, per_rank: Sequence[Sequence[ProbeRecord]],
-                   reference: Sequence[ProbeRecord]) -> CallGap | None:
+                   reference: Sequence[ProbeRecord], dtype: torch.dtype = torch.float32) -> CallGap | None:
     """In the reference's call order, the first contracted result that diverges.
 
     A contract's calls are compared only when every rank made as many of them as the reference:
@@ -205,7 +225,8 @@ def first_call_gap(layout: Layout, per_rank: Sequence[Sequence[ProbeRecord]],
             value = assemble_result(layout, records, position, types)
             if value is None:
                 continue
-            found = gap(f"{ref.contract}#{ref.index}.{result_name}", value, ref.results[position])
+            found = gap(f"{ref.contract}#{ref.index}.{result_name}", value, ref.results[position],
+                        dtype=dtype)
             if found is not None:
                 return CallGap(ref.contract, ref.index, found)
     return None

@@ -58,7 +58,7 @@ def _builder(leaf) -> Builder | None:
     if isinstance(leaf, ShardedTensorFactory):
         return lambda t: list(_leaves(leaf.build_fn(leaf.key, t, leaf.replica_id, None)))
     if isinstance(leaf, ShardedTensor) and leaf.flattened_range is None:
-        return lambda t: [replace(leaf, data=t)]
+        return lambda t: [replace(leaf, data=t, dtype=t.dtype)]  # an fp32 main_grad of a 16-bit param
     return None
 
 

@@ -16,7 +16,8 @@ grid over two or more of tp, cp, dp, the same grid with explicit groups (those o
 rank order, e.g. ``tp2-dp2@dp-tp``) while Megatron's global groups keep the default order.
 Cases are ordered so that a budget cut keeps the space covered evenly: first every component's
 defaults under every layout (explicit-group layouts only for the components that pass the
-groups to Megatron), then each option under each two-rank layout, then under the larger ones.
+groups to Megatron), then each option under each two-rank layout, then under the larger ones
+(explicit-group layouts included, for the components that pass the groups).
 """
 
 from __future__ import annotations
@@ -159,8 +160,25 @@ def pinned_config_fields(component: str) -> frozenset[str]:
                      if f.name not in required and getattr(ours, f.name) != getattr(plain, f.name))
 
 
+SIZE_FIELDS = frozenset({"num_layers", "hidden_size", "num_attention_heads"})  # the setup's own
+NONE_TRY = (1, 2, 4, 8)
+
+
+def integer_values(annotation: Any, default: Any) -> list[Any]:
+    """Candidates for an integer field (optional or not): ``n -> n + 1``; an optional one that
+    defaults to None, the smallest of :data:`NONE_TRY` the caller accepts (all are returned,
+    smallest first). Empty for any other type."""
+    kinds = members(annotation)
+    if int not in kinds or bool in kinds or float in kinds:
+        return []
+    if default is None:
+        return list(NONE_TRY)
+    return [default + 1] if isinstance(default, int) and not isinstance(default, bool) else []
+
+
 def config_options(component: str) -> list[tuple[str, Any]]:
-    """Non-default values of TransformerConfig's boolean, Literal and Enum fields that it accepts."""
+    """Non-default values of TransformerConfig's boolean, Literal and Enum fields that it
+    accepts, and of its integer fields (see :func:`integer_values`; the first value accepted)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from shardcheck.megatron.scenarios import COMPONENTS
@@ -174,7 +192,13 @@ def config_options(component: str) -> list[tuple[str, Any]]:
             continue
         found += [(f.name, v) for v in values_to_try(hints[f.name], f.default)
                   if not isinstance(v, float)]
-    return [option for option in found if accepted_by_config(component, option)]
+    accepted = [option for option in found if accepted_by_config(component, option)]
+    for f in dataclasses.fields(TransformerConfig):
+        if f.name in skip | SIZE_FIELDS or f.default is dataclasses.MISSING or not f.name.startswith(prefix):
+            continue
+        accepted += [(f.name, v) for v in integer_values(hints[f.name], f.default)
+                     if accepted_by_config(component, (f.name, v))][:1]
+    return accepted
 
 
 def accepted_by_config(component: str, option: tuple[str, Any]) -> bool:
@@ -188,6 +212,40 @@ def accepted_by_config(component: str, option: tuple[str, Any]) -> bool:
     except Exception:  # noqa: BLE001 - any rejection means the value is not usable here
         return False
     return True
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    """Config values equal, init functions by name (``__post_init__`` builds new closures)."""
+    if callable(a) and callable(b):
+        return getattr(a, "__qualname__", type(a)) == getattr(b, "__qualname__", type(b))
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - values that do not compare are taken as changed
+        return False
+
+
+def changed_config_fields(component: str, options: tuple, layout: Layout) -> frozenset[str] | None:
+    """The config fields whose built value under ``layout`` differs from the defaults': the
+    options' own fields and what TransformerConfig's ``__post_init__`` derives from them.
+    None when the options set a field of the setup itself, or the config does not build."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from shardcheck.megatron.scenarios import COMPONENTS
+    from shardcheck.megatron.scenarios.gpt import transformer_config
+
+    setup_cls = COMPONENTS[component].setup
+    own = {f.name for f in dataclasses.fields(setup_cls)} - {"config"}
+    if not options or any(name in own for name, _ in options):
+        return None
+    config = setup_kwargs(setup_cls, options).get("config", {})
+    gpt_setup = _gpt_setup_class(component)
+    try:
+        built = transformer_config(layout, gpt_setup(config=config))
+        base = transformer_config(layout, gpt_setup())
+    except Exception:  # noqa: BLE001 - a config that does not build is not pruned here
+        return None
+    return frozenset(f.name for f in dataclasses.fields(TransformerConfig)
+                     if not _same_value(getattr(built, f.name), getattr(base, f.name)))
 
 
 def component_options(component: str) -> list[tuple[str, Any]]:
@@ -267,16 +325,18 @@ def plan(components: Mapping[str, list[tuple[str, Any]]], layout_list: list[Layo
 
     defaults = [(c, ()) for c in components]
     singles = [(c, (option,)) for c, options in components.items() for option in options]
-    plain = [lay for lay in layout_list if not lay.explicit_groups]
-    small = [lay for lay in plain if lay.world_size <= 2]
-    large = [lay for lay in plain if lay.world_size > 2]
+    small = [lay for lay in layout_list if lay.world_size <= 2]
+    large = [lay for lay in layout_list if lay.world_size > 2]
     ordered = itertools.chain(tier(defaults, layout_list), _interleave(singles, small),
                               _interleave(singles, large))
     return list(itertools.islice(ordered, budget))
 
 
 def _interleave(option_sets: list[tuple[str, tuple]], tier_layouts: list[Layout]) -> Iterator[Case]:
-    """Each option under each layout, round-robin over options so a cut spreads evenly."""
+    """Each option under each layout it runs under (explicit groups: the components that pass
+    them), round-robin over options so a cut spreads evenly."""
     for shift in range(len(tier_layouts)):
         for i, (component, options) in enumerate(option_sets):
-            yield Case(component, options, tier_layouts[(i + shift) % len(tier_layouts)])
+            layout = tier_layouts[(i + shift) % len(tier_layouts)]
+            if runs_under(component, layout):
+                yield Case(component, options, layout)

@@ -68,7 +68,11 @@ COMPONENTS: dict[str, Component] = {
     "moe_router": Component(router_step, RouterSetup, experts=True, explicit_groups=True),
     "t5": Component(t5_step, T5Setup, check_layout=t5.check_layout),
     "multimodal": Component(multimodal_step, MultimodalSetup, check_layout=multimodal.check_layout),
-    "gdn": Component(gdn_step, GDNSetup),
+    "gdn": Component(gdn_step, GDNSetup, explicit_groups=True),
+    # MambaMixer takes a pg_collection, but under an explicit tp group the audit's global
+    # values disagree with one rank for a reason not pinned down yet (its gated norm's
+    # sharded_state_dict reads the global tp group; fixing that alone does not clear it):
+    # left off explicit layouts until explained, rather than reported as a finding.
     "mamba": Component(mamba_step, MambaSetup),
 }
 

@@ -179,13 +179,25 @@ def reported_loss(reports: list[torch.Tensor], per_token: bool, pg: Any = None) 
     return (total[0] / total[1].clamp(min=1))
 
 
-def _optimizer(model, setup: GPTSetup, pg: Any = None):
+FP16_INITIAL_LOSS_SCALE = 2.0 ** 8
+
+
+def half_dtype(config) -> torch.dtype | None:
+    """The 16-bit dtype a config asks for (``bf16`` or ``fp16``), else None."""
+    return torch.bfloat16 if config.bf16 else torch.float16 if config.fp16 else None
+
+
+def _optimizer(model, setup: GPTSetup, pg: Any = None, half: torch.dtype | None = None):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     # SGD: the step is linear in the gradients, so rounding in them stays rounding after it
     # (Adam divides tiny gradients by their own size and turns rounding into visible changes).
+    # In 16 bits, Megatron's mixed-precision optimizer: fp32 main params and grads, and for
+    # fp16 the dynamic loss scaler.
     config = OptimizerConfig(optimizer="sgd", lr=0.5, sgd_momentum=0.0, clip_grad=setup.clip_grad,
-                             weight_decay=0.0, bf16=False, fp16=False)
+                             weight_decay=0.0, bf16=half is torch.bfloat16, fp16=half is torch.float16,
+                             params_dtype=half or torch.float32,
+                             initial_loss_scale=FP16_INITIAL_LOSS_SCALE)
     return get_megatron_optimizer(config, [model], use_gloo_process_groups=False,
                                   **explicit_kwargs(pg))
 
@@ -198,13 +210,18 @@ def train_step(ctx: Any, setup: GPTSetup) -> dict[str, torch.Tensor]:
 
     with megatron_parallel(ctx) as pg:
         config = transformer_config(ctx.layout, setup)
+        half = half_dtype(config)
+        if half is not None:  # 16-bit weights and activations, as Megatron's training runs them
+            config.params_dtype = config.pipeline_dtype = half
         model = build_gpt(config, setup, pg)
         load_global_weights(model, seed=setup.seed)
-        ddp = DistributedDataParallel(config, DistributedDataParallelConfig(), model,
-                                      **explicit_kwargs(pg))
+        ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=half is not None),
+                                      _in_half(config, model, half), **explicit_kwargs(pg))
         config.finalize_model_grads_func = finalize_model_grads
         config.no_sync_func = ddp.no_sync
-        optimizer = _optimizer(ddp, setup, pg) if setup.optimizer_step else None
+        optimizer = _optimizer(ddp, setup, pg, half) if setup.optimizer_step else None
+        if optimizer is not None and half is torch.float16:
+            config.grad_scale_func = optimizer.scale_loss
         ddp.zero_grad_buffer()
         _fresh_mtp_logs()
         batches = local_batches(setup, pg)
@@ -254,6 +271,16 @@ def mtp_metrics(num_microbatches: int, pg: Any = None) -> dict[str, torch.Tensor
     dist.all_gather_object(stages, writer.values, group=pp)  # only the last stage logs them
     return {f"mtp/{name}": torch.tensor(value, dtype=torch.float64)
             for logged in stages for name, value in logged.items() if "cumulative" not in name}
+
+
+def _in_half(config, model, half: torch.dtype | None):
+    """The model as Megatron trains it in 16 bits (``Float16Module``: inputs cast in, outputs
+    cast back to fp32), or itself in fp32."""
+    if half is None:
+        return model
+    from megatron.core.transformer.module import Float16Module
+
+    return Float16Module(config, model)
 
 
 def _schedule_groups(pg: Any, config) -> dict[str, Any]:

@@ -22,7 +22,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardcheck.megatron.parallel import LayoutUnsupported, megatron_parallel, world_group
+from shardcheck.megatron.parallel import (
+    LayoutUnsupported,
+    explicit_kwargs,
+    megatron_parallel,
+    world_group,
+)
 from shardcheck.megatron.reference import (
     gather_global,
     gradient_of,
@@ -60,7 +65,7 @@ def _gdn_config(layout: Any, setup: GDNSetup):
         normalization="RMSNorm")
 
 
-def _build_gdn(config, setup: GDNSetup):
+def _build_gdn(config, setup: GDNSetup, pg: Any = None):
     """GatedDeltaNet with Megatron's local (no Transformer Engine) linear and norm modules."""
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
@@ -71,7 +76,7 @@ def _build_gdn(config, setup: GDNSetup):
                                          out_proj=RowParallelLinear)
     return GatedDeltaNet(config, submodules, layer_number=1, bias=setup.bias,
                          conv_bias=setup.conv_bias, use_qk_l2norm=setup.use_qk_l2norm,
-                         pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+                         pg_collection=pg or ProcessGroupCollection.use_mpu_process_groups())
 
 
 def gdn_step(ctx: Any, setup: GDNSetup) -> dict[str, torch.Tensor]:
@@ -106,7 +111,7 @@ def _mamba_config(layout: Any, setup: MambaSetup):
         mamba_num_groups=setup.groups)
 
 
-def _build_mamba(config, setup: MambaSetup):
+def _build_mamba(config, setup: MambaSetup, pg: Any = None):
     """MambaMixer with Megatron's local (no Transformer Engine) linear modules."""
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.ssm.mamba_mixer import MambaMixer, MambaMixerSubmodules
@@ -116,7 +121,7 @@ def _build_mamba(config, setup: MambaSetup):
     return MambaMixer(config, submodules, d_model=setup.hidden, d_conv=setup.conv_kernel,
                       expand=setup.expand, D_has_hdim=setup.d_has_hdim, rmsnorm=setup.rmsnorm,
                       conv_bias=setup.conv_bias, layer_number=1,
-                      pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+                      pg_collection=pg or ProcessGroupCollection.use_mpu_process_groups())
 
 
 def mamba_step(ctx: Any, setup: MambaSetup) -> dict[str, torch.Tensor]:
@@ -144,31 +149,40 @@ def _gather(tensor: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.T
     return torch.cat(parts, dim=dim)
 
 
-def _cp_positions(seq: int) -> torch.Tensor | None:
-    """The global sequence positions of this CP rank (None without context parallelism)."""
+def _axis(pg: Any, name: str) -> dist.ProcessGroup:
+    """The group of an axis (tp, cp, dp, tp_cp): the explicit collection's, else parallel_state's."""
     from megatron.core import parallel_state as ps
 
+    if pg is not None:
+        return getattr(pg, name)
+    return {"tp": ps.get_tensor_model_parallel_group, "cp": ps.get_context_parallel_group,
+            "dp": ps.get_data_parallel_group, "tp_cp": ps.get_tensor_and_context_parallel_group}[name]()
+
+
+def _size_rank(group: dist.ProcessGroup) -> tuple[int, int]:
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def _cp_positions(seq: int, pg: Any = None) -> torch.Tensor | None:
+    """The global sequence positions of this CP rank (None without context parallelism)."""
     from shardcheck.megatron.cp_attention import load_balanced_positions
 
-    cp = ps.get_context_parallel_world_size()
+    cp, rank = _size_rank(_axis(pg, "cp"))
     if cp == 1:
         return None
-    return load_balanced_positions(seq // cp, ps.get_context_parallel_rank(), cp)
+    return load_balanced_positions(seq // cp, rank, cp)
 
 
-def _local_input(name: str, setup: Any, sp: bool) -> torch.Tensor:
+def _local_input(name: str, setup: Any, sp: bool, pg: Any = None) -> torch.Tensor:
     """This rank's part of a global [seq, batch, hidden] tensor: batch over dp, seq over cp
-    (load-balanced chunks), then over tp under SP."""
-    from megatron.core import parallel_state as ps
-
+    (load-balanced chunks), then over tp under SP, by the ranks of the model's groups."""
     full = seeded_global(name, (setup.seq, setup.batch, setup.hidden), setup.seed).float() * 20
-    local = _split(full, 1, ps.get_data_parallel_world_size(), ps.get_data_parallel_rank())
-    positions = _cp_positions(setup.seq)
+    local = _split(full, 1, *_size_rank(_axis(pg, "dp")))
+    positions = _cp_positions(setup.seq, pg)
     if positions is not None:
         local = local[positions]
     if sp:
-        local = _split(local, 0, ps.get_tensor_model_parallel_world_size(),
-                       ps.get_tensor_model_parallel_rank())
+        local = _split(local, 0, *_size_rank(_axis(pg, "tp")))
     return _typed_input(local.contiguous(), sp)
 
 
@@ -187,66 +201,63 @@ def _typed_input(local: torch.Tensor, sp: bool) -> torch.Tensor:
     return sc.annotate(local, **{a: p for a, p in placements.items() if a in checker.names})
 
 
-def _global(tensor: torch.Tensor, sp: bool, seq: int) -> torch.Tensor:
+def _global(tensor: torch.Tensor, sp: bool, seq: int, pg: Any = None) -> torch.Tensor:
     """The global [seq, batch, ...] tensor from this rank's part (inverse of :func:`_local_input`)."""
-    from megatron.core import parallel_state as ps
-
     if sp:
-        tensor = _gather(tensor, 0, ps.get_tensor_model_parallel_group())
-    positions = _cp_positions(seq)
+        tensor = _gather(tensor, 0, _axis(pg, "tp"))
+    positions = _cp_positions(seq, pg)
     if positions is not None:
-        group = ps.get_context_parallel_group()
+        group = _axis(pg, "cp")
         parts = _gather(tensor, 0, group).chunk(dist.get_world_size(group))
         every = _gather(positions, 0, group).chunk(dist.get_world_size(group))
         tensor = torch.empty(seq, *tensor.shape[1:], dtype=tensor.dtype)
         for where, part in zip(every, parts, strict=True):
             tensor[where] = part
-    return _gather(tensor, 1, ps.get_data_parallel_group())
+    return _gather(tensor, 1, _axis(pg, "dp"))
 
 
-def _reported_loss(loss: torch.Tensor, sp: bool) -> torch.Tensor:
+def _reported_loss(loss: torch.Tensor, sp: bool, pg: Any = None) -> torch.Tensor:
     """The global loss: the sum over the sequence's holders, the mean over dp's batch means."""
-    from megatron.core import parallel_state as ps
-
     total = loss.detach().clone()
-    dist.all_reduce(total, group=ps.get_tensor_and_context_parallel_group() if sp
-                    else ps.get_context_parallel_group())
-    dist.all_reduce(total, group=ps.get_data_parallel_group())
-    return total / ps.get_data_parallel_world_size()
+    dist.all_reduce(total, group=_axis(pg, "tp_cp" if sp else "cp"))
+    dist.all_reduce(total, group=_axis(pg, "dp"))
+    return total / dist.get_world_size(_axis(pg, "dp"))
 
 
 def _train_step(ctx: Any, setup: Any, make_config: Callable[[], Any],
-                build: Callable[[Any, Any], torch.nn.Module], **forward_kwargs: Any,
+                build: Callable[[Any, Any, Any], torch.nn.Module], **forward_kwargs: Any,
                 ) -> dict[str, torch.Tensor]:
-    from megatron.core import parallel_state as ps
+    """One step of an SSM layer through DDP and ``finalize_model_grads``; under explicit
+    groups the layer, DDP and ``finalize_model_grads`` get the explicit collection."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
     _check_layout(ctx.layout)
-    with megatron_parallel(ctx):
+    with megatron_parallel(ctx) as pg:
         config = make_config()
-        layer = build(config, setup)
+        layer = build(config, setup, pg)
         load_global_weights(layer, seed=setup.seed)
-        ddp = DistributedDataParallel(config, DistributedDataParallelConfig(), layer)
+        ddp = DistributedDataParallel(config, DistributedDataParallelConfig(), layer,
+                                      **explicit_kwargs(pg))
         ddp.zero_grad_buffer()
         sp = ctx.layout.sp
-        hidden = _local_input("hidden", setup, sp).requires_grad_(True)
+        hidden = _local_input("hidden", setup, sp, pg).requires_grad_(True)
         output, bias = layer(hidden, **forward_kwargs)  # DDP's forward only calls it
         if bias is not None:
             output = output + bias
-        upstream = _local_input("upstream", setup, sp)
+        upstream = _local_input("upstream", setup, sp, pg)
         loss = (output * upstream).sum() / hidden.shape[1]
-        dp, cp = ps.get_data_parallel_world_size(), ps.get_context_parallel_world_size()
+        dp, cp = dist.get_world_size(_axis(pg, "dp")), dist.get_world_size(_axis(pg, "cp"))
         # As Megatron's schedules and DDP: a per-token loss is normalised by the global count
         # and summed over dp x cp; otherwise each rank's mean is scaled by the cp size and the
         # gradients averaged over dp x cp.
         scale = 1 / dp if config.calculate_per_token_loss else cp
         (loss * scale).backward()
-        finalize_model_grads([ddp])
+        finalize_model_grads([ddp], **explicit_kwargs(pg))
         grads, spread = gather_global(layer, gradient_of, world_group(ctx))
         input_grad = hidden.grad / (dp * scale)  # the gradient of the global batch mean
-        return {"loss": _reported_loss(loss, sp), "output": _global(output.detach(), sp, setup.seq),
-                "input_grad": _global(input_grad, sp, setup.seq),
+        return {"loss": _reported_loss(loss, sp, pg), "output": _global(output.detach(), sp, setup.seq, pg),
+                "input_grad": _global(input_grad, sp, setup.seq, pg),
                 "grad_replica_spread": torch.tensor(max(spread.values())),
                 **{f"grad/{k}": v for k, v in grads.items()}}
 

@@ -1,0 +1,134 @@
+"""One finding per root cause: independent triggers at one call site are findings of their own,
+one bug reached by several option paths is one finding; "seen in" says what changes the result."""
+
+import json
+
+import pytest
+
+from shardcheck.layout import Layout
+from shardcheck.megatron.audit import Outcome
+from shardcheck.megatron.audit_report import causes, independent_cases, seen_in
+from shardcheck.megatron.divergence import Gap
+from shardcheck.megatron.sweep import Case
+
+GAP = Gap("loss", 1.0, 2.0, 1.0, 0.5, 1e-6)
+
+
+def _failing(options: tuple, layout: str, digest: str = "d0", numeric: bool = True) -> Outcome:
+    return Outcome(Case("output_loss", options, Layout.parse(layout)), gaps=[GAP] if numeric else [],
+                   violations=[] if numeric else [{"rule": "r", "location": "x:1", "line": "checker: r"}],
+                   reference_digest=digest)
+
+
+def _triggers(found: list[list[Outcome]]) -> list[set]:
+    return [{(o.case.options, str(o.case.layout)) for o in cause} for cause in found]
+
+
+A, B = ("a", True), ("b", True)
+
+
+def test_independent_options_at_one_place_are_two_causes_and_a_superset_joins_its_subset():
+    found = causes([_failing((A,), "tp2"), _failing((B,), "tp2"), _failing((A, B), "tp2"),
+                    _failing((A,), "cp2")])
+    assert _triggers(found) == [{((A,), "tp2"), ((A, B), "tp2"), ((A,), "cp2")}, {((B,), "tp2")}]
+
+
+def test_a_superset_joins_only_where_its_subset_fails_under_the_same_layout():
+    # (a, b) under cp2 diverges here, but (a,) does not under cp2: b's own cause there
+    found = causes([_failing((A,), "tp2"), _failing((A, B), "cp2")])
+    assert _triggers(found) == [{((A,), "tp2")}, {((A, B), "cp2")}]
+
+
+def test_the_defaults_diverging_under_a_layout_cover_every_option_there_and_only_there():
+    found = causes([_failing((), "cp2"), _failing((A,), "cp2"), _failing((B,), "tp2")])
+    assert _triggers(found) == [{((), "cp2"), ((A,), "cp2")}, {((B,), "tp2")}]
+
+
+def test_a_typed_case_never_becomes_the_trigger_of_a_numeric_cause():
+    found = causes([_failing((), "tp2", numeric=False), _failing((A,), "tp2")])
+    assert [[bool(o.gaps) for o in cause] for cause in found] == [[True], [False]]
+
+
+def test_seen_in_lists_layouts_and_changing_options_and_counts_the_rest():
+    trigger = _failing((A,), "tp2", digest="t")
+    members = [trigger, _failing((A,), "tp2-sp", digest="t"), _failing((A, B), "tp2", digest="other"),
+               *[_failing((A, (f"inert{i}", True)), "tp2", digest="t") for i in range(3)]]
+    assert seen_in(members, trigger) == [
+        "layouts: tp2, tp2-sp", "options that change the result: a=True, b=True",
+        "and 3 option sets that do not change this component (its one-rank outputs equal the trigger's)"]
+
+
+# ---- on real megatron-core ----------------------------------------------------------------
+
+SMOOTHING, OTHER_SMOOTHING = (("label_smoothing", 0.1),), (("label_smoothing", 0.2),)
+GATHERED = (("parallel_output", False),)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    pytest.importorskip("megatron.core")
+    from shardcheck.megatron.audit import audit
+
+    tp2, tp2sp = Layout(tp=2), Layout(tp=2, sp=True)
+    return audit([Case("output_loss", SMOOTHING, tp2), Case("output_loss", SMOOTHING, tp2sp),
+                  Case("output_loss", (*SMOOTHING, ("runtime_gather_output", False)), tp2),
+                  Case("output_loss", OTHER_SMOOTHING, tp2), Case("output_loss", GATHERED, tp2),
+                  Case("output_loss", (), tp2)])
+
+
+@pytest.mark.slow
+def test_two_independent_bugs_at_one_call_site_are_two_findings(pair):
+    by_trigger = {tuple(f.trigger["options"].items()): f for f in pair.findings}
+    assert set(by_trigger) == {SMOOTHING, GATHERED}, [f.trigger for f in pair.findings]
+    smoothing, gathered = by_trigger[SMOOTHING], by_trigger[GATHERED]
+    assert smoothing.location == gathered.location and smoothing.contract == gathered.contract
+    assert smoothing.id != gathered.id
+    # each its own trigger, corrected control and reproduce command
+    assert smoothing.corrected["equal_to_reference"] and not gathered.corrected["equal_to_reference"]
+    assert gathered.reproduce.endswith("--set parallel_output=False")
+    assert [c["options"] for c in gathered.cases] == [{"parallel_output": False}]
+
+
+@pytest.mark.slow
+def test_one_bug_reached_by_several_option_paths_is_one_finding(pair):
+    [smoothing] = [f for f in pair.findings if f.trigger["options"] == {"label_smoothing": 0.1}]
+    assert {(c["layout"], tuple(c["options"])) for c in smoothing.cases} == {
+        ("tp2", ("label_smoothing",)), ("tp2-sp", ("label_smoothing",)),
+        ("tp2", ("label_smoothing", "runtime_gather_output"))}
+    # 0.2 does not contain the trigger 0.1, but the same corrected function repairs it
+    assert [s["options"] for s in smoothing.same_fix] == [{"label_smoothing": 0.2}]
+    assert smoothing.seen_in[0] == "layouts: tp2, tp2-sp"
+    assert "1 option set that does not change this component" in smoothing.seen_in[1]
+
+
+@pytest.mark.slow
+def test_no_finding_holds_a_case_independent_of_its_trigger(pair, tmp_path):
+    from shardcheck.megatron import audit_report
+
+    audit_report.write(tmp_path, pair.findings, pair.summary())
+    data = json.loads((tmp_path / "findings.json").read_text())
+    assert data["findings"] and all(independent_cases(f) == [] for f in data["findings"])
+    assert data["coverage"]["output_loss"]["option_sets_run"] == 5
+    assert data["coverage"]["output_loss"]["plain_layouts"] == ["tp2", "tp2-sp"]
+    assert (tmp_path / "report.md").read_text().index("## Coverage") < \
+        (tmp_path / "report.md").read_text().index("## Findings")
+
+
+def test_independent_cases_names_a_case_that_lacks_the_trigger():
+    finding = {"trigger": {"options": {"a": True}},
+               "cases": [{"layout": "tp2", "options": {"a": True, "b": 1}}, {"layout": "tp2", "options": {}}]}
+    assert independent_cases(finding) == [{"layout": "tp2", "options": {}}]
+
+
+def test_a_default_runs_findings_hold_no_case_independent_of_its_trigger():
+    """Over the findings.json of a full run (``SHARDCHECK_AUDIT_FINDINGS=audit-out/findings.json``
+    after ``make audit``): no finding's cases include one whose options lack its trigger's."""
+    import os
+    from pathlib import Path
+
+    path = os.environ.get("SHARDCHECK_AUDIT_FINDINGS")
+    if not path:
+        pytest.skip("set SHARDCHECK_AUDIT_FINDINGS to a default run's findings.json")
+    data = json.loads(Path(path).read_text())
+    assert data["findings"] and data["coverage"]
+    assert {f["id"]: independent_cases(f) for f in data["findings"]} == {f["id"]: [] for f in data["findings"]}

@@ -1,0 +1,32 @@
+"""The option space: integer and optional integer config fields are swept (n -> n + 1; None ->
+the smallest value the config accepts), next to booleans, Literals and Enums."""
+
+from typing import Optional
+
+import pytest
+
+from shardcheck.megatron.sweep import integer_values
+
+OPTIONAL_INT = Optional[int]  # noqa: UP045 - as Megatron writes its fields
+OPTIONAL_FLOAT = Optional[float]  # noqa: UP045
+
+
+@pytest.mark.parametrize(("annotation", "default", "expected"), [
+    (int, 4, [5]), (OPTIONAL_INT, None, [1, 2, 4, 8]), (int | None, 3, [4]),
+    (bool, False, []), (float, 0.0, []), (OPTIONAL_FLOAT, None, []), (str, "x", []),
+])
+def test_integer_fields_get_a_neighbour_value(annotation, default, expected):
+    assert integer_values(annotation, default) == expected
+
+
+def test_the_gpt_sweeps_integer_fields_and_leaves_its_sizes_to_the_setup():
+    pytest.importorskip("megatron.core")
+    from shardcheck.megatron.sweep import component_options
+
+    options = dict(component_options("gpt"))
+    assert options["mtp_num_layers"] == 1 and options["num_query_groups"] == 1
+    assert not {"num_layers", "hidden_size", "num_attention_heads"} & set(options)
+    assert "tensor_model_parallel_size" not in options  # a layout's field
+    moe = dict(component_options("moe"))
+    integers = [name for name, value in moe.items() if type(value) is int]
+    assert moe["moe_router_topk"] == 3 and integers and all(name.startswith("moe_") for name in integers)

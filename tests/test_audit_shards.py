@@ -1,0 +1,73 @@
+"""``shardcheck audit --shard K/N`` and ``audit merge``: three shares merged give the findings,
+coverage and left-out options of one run of the whole plan (real megatron-core, Gloo ranks)."""
+
+from dataclasses import asdict
+
+import pytest
+from click.testing import CliRunner
+
+from shardcheck.layout import Layout
+from shardcheck.megatron.audit_shards import ShareError, parse_shard, shard
+from shardcheck.megatron.sweep import Case
+
+
+def test_shares_partition_the_option_cases_and_each_runs_the_defaults():
+    cases = [Case("gpt", options, Layout.parse(lay)) for lay in ("tp2", "cp2")
+             for options in [(), *[((f"o{i}", True),) for i in range(12)]]]
+    shares = [shard(cases, k, 3) for k in (1, 2, 3)]
+    defaults = [c for c in cases if not c.options]
+    assert all([c for c in s if not c.options] == defaults for s in shares)
+    optioned = [[c for c in s if c.options] for s in shares]
+    assert sorted(map(repr, sum(optioned, []))) == sorted(repr(c) for c in cases if c.options)
+    assert all(optioned)  # 12 option sets reach every share
+    # an option set keeps all its layouts in one share
+    assert all(len({c.layout for c in s if c.options == opts}) in (0, 2) for s in optioned
+               for opts in {c.options for c in cases})
+
+
+@pytest.mark.parametrize("text", ["0/3", "4/3", "3", "a/b", "1/0"])
+def test_a_malformed_shard_is_refused(text):
+    with pytest.raises(ShareError, match="K/N"):
+        parse_shard(text)
+
+
+@pytest.mark.slow
+def test_three_shares_merged_give_the_whole_runs_findings(tmp_path):
+    pytest.importorskip("megatron.core")
+    from shardcheck.megatron.audit import audit, merge_shares, pools
+    from shardcheck.megatron.audit_shards import save_share
+    from shardcheck.megatron.sweep import component_options, plan
+
+    cases = plan({c: component_options(c) for c in ("output_loss", "moe_router")},
+                 [Layout(tp=2), Layout(tp=2, sp=True)], None)
+    with pools() as warm:
+        whole = audit(cases, run_pools=warm)
+        dirs = []
+        for k in (1, 2, 3):
+            share = audit(shard(cases, k, 3), run_pools=warm)
+            save_share(share, k, 3, tmp_path / f"share{k}")
+            dirs.append(tmp_path / f"share{k}")
+        joined = merge_shares(dirs, run_pools=warm)
+    assert len(whole.findings) >= 4  # label smoothing, gathered logits, padding, per-token loss
+    assert [asdict(f) for f in joined.findings] == [asdict(f) for f in whole.findings]
+    assert joined.coverage() == whole.coverage()
+    assert joined.not_swept == whole.not_swept and joined.not_read == whole.not_read
+    assert len(joined.outcomes) == len(whole.outcomes)
+
+
+def test_merge_refuses_an_incomplete_set_of_shares_in_one_line(tmp_path):
+    from shardcheck.cli import main
+    from shardcheck.megatron.audit import AuditResult
+    from shardcheck.megatron.audit_shards import save_share
+
+    empty = AuditResult([], [], [], 0.0, False)
+    save_share(empty, 1, 3, tmp_path / "a")
+    save_share(empty, 3, 3, tmp_path / "b")
+    result = CliRunner().invoke(main, ["audit", "merge", str(tmp_path / "a"), str(tmp_path / "b"),
+                                       "--out", str(tmp_path / "out")])
+    assert result.exit_code == 2 and "missing [2]" in result.output and "Traceback" not in result.output
+    result = CliRunner().invoke(main, ["audit", "merge", str(tmp_path / "nothing")])
+    assert result.exit_code == 2 and "no share.pkl" in result.output
+    result = CliRunner().invoke(main, ["audit", "--shard", "4/3", "--out", str(tmp_path / "out")])
+    assert result.exit_code == 2 and "K/N" in result.output
+    assert not (tmp_path / "out").exists()
