@@ -20,7 +20,9 @@ MAPPINGS = Path("megatron/core/tensor_parallel/mappings.py")
 # another set of ranks than the model's pg_collection.tp.
 REDUCE = re.compile(r"torch\.distributed\.all_reduce\((.+), group=group\)")
 ON_GLOBAL_GROUP = r"torch.distributed.all_reduce(\1, group=get_tensor_model_parallel_group_if_none(None))"
-AUDIT = ("--only", "moe_router", "--layouts", "tp2-cp2-sp@cp-tp")
+# The router with its default options only: its options include padding=True, a real bug of
+# every release under cp (tests/test_audit_known.py), which is not what these tests plant.
+AUDIT = ("--only", "moe_router", "--layouts", "tp2-cp2-sp@cp-tp", "--set", "padding=False")
 
 
 def _git(tree: Path, *args: str) -> str:

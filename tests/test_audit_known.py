@@ -2,7 +2,7 @@
 
 The full default audit takes 12 minutes; its findings are kept here as their triggers (the
 audit's `reproduce:` commands), each rerun alone, and each must give exactly its finding: the
-same id (a hash of location and contract), kind and location. A finding a release no longer
+same id (a hash of location, contract and the trigger's option names), kind and location. A finding a release no longer
 has is listed with no finding: the release fixed it (or moved it, which the test then shows).
 """
 
@@ -23,37 +23,37 @@ KNOWN = {
     "0.16": {  # the default audit of docs/audit.md, 7 confirmed and 2 type-only findings
         ("gdn", (), "tp2"): ("e2492bf11a", "numeric-only", "megatron/core/ssm/gated_delta_net.py:249"),
         ("moe_router", (("calculate_per_token_loss", True),), "cp2"):
-            ("427d959db3", "numeric-only", "megatron/core/transformer/moe/router.py:639"),
+            ("07d6e19d68", "numeric-only", "megatron/core/transformer/moe/router.py:639"),
         ("gpt", (("perform_initialization", False),), "tp2"):
-            ("49588e1797", "type+numeric", "megatron/core/optimizer/clip_grads.py:51"),
+            ("8f465aa028", "type+numeric", "megatron/core/optimizer/clip_grads.py:51"),
         ("gpt", (("loss_mask", True),), "cp2"):
-            ("c64d57b7f9", "type+numeric", "megatron/core/pipeline_parallel/schedules.py:218"),
+            ("df616ebeaf", "type+numeric", "megatron/core/pipeline_parallel/schedules.py:218"),
         ("gpt", (), "tp2-cp2-sp@cp-tp"):
             ("cfd375fc96", "type+numeric", "megatron/core/tensor_parallel/cross_entropy.py:130"),
         ("output_loss", (("label_smoothing", 0.1),), "tp2"):
-            ("8e5332c190", "type+numeric", "megatron/core/tensor_parallel/cross_entropy.py:219"),
+            ("37b07376ca", "type+numeric", "megatron/core/tensor_parallel/cross_entropy.py:219"),
         ("moe_router", (("padding", True),), "cp2"):
-            ("041b587a66", "type+numeric", "megatron/core/transformer/moe/moe_utils.py:214"),
+            ("bdad62606d", "type+numeric", "megatron/core/transformer/moe/moe_utils.py:214"),
         ("gpt", (("calculate_per_token_loss", True),), "cp2-pp2"):
-            ("94bb6088dd", "type-only", "megatron/core/distributed/finalize_model_grads.py:493"),
+            ("982a2d28db", "type-only", "megatron/core/distributed/finalize_model_grads.py:493"),
         ("gpt", (("softmax_type", "learnable"),), "cp2"):
-            ("19f84f4fcc", "type-only", "megatron/core/fusions/fused_softmax.py:173"),
+            ("7ceb670d84", "type-only", "megatron/core/fusions/fused_softmax.py:173"),
     },
     "0.19": {  # the same triggers on 0.19.2: four fixed, the others found again
         ("gdn", (), "tp2"): ("df7ff9da75", "numeric-only", "megatron/core/ssm/gated_delta_net/gdn.py:64"),
         ("moe_router", (("calculate_per_token_loss", True),), "cp2"): None,
         ("gpt", (("perform_initialization", False),), "tp2"): None,
         ("gpt", (("loss_mask", True),), "cp2"):
-            ("ceef13e533", "type+numeric", "megatron/core/pipeline_parallel/schedules.py:290"),
+            ("8072320559", "type+numeric", "megatron/core/pipeline_parallel/schedules.py:290"),
         ("gpt", (), "tp2-cp2-sp@cp-tp"): None,  # GPTModel passes its tp group to the cross-entropy
         ("output_loss", (("label_smoothing", 0.1),), "tp2"):
-            ("2c32b19ba8", "type+numeric", "megatron/core/tensor_parallel/cross_entropy.py:213"),
+            ("ad842d120d", "type+numeric", "megatron/core/tensor_parallel/cross_entropy.py:213"),
         ("moe_router", (("padding", True),), "cp2"):
-            ("fef5b9e999", "type+numeric", "megatron/core/transformer/moe/moe_utils.py:262"),
+            ("f995319d1f", "type+numeric", "megatron/core/transformer/moe/moe_utils.py:262"),
         ("gpt", (("calculate_per_token_loss", True),), "cp2-pp2"):
-            ("9bfbddeed5", "type-only", "megatron/core/distributed/finalize_model_grads.py:689"),
+            ("b1971dfcad", "type-only", "megatron/core/distributed/finalize_model_grads.py:689"),
         ("gpt", (("softmax_type", "learnable"),), "cp2"):
-            ("19f84f4fcc", "type-only", "megatron/core/fusions/fused_softmax.py:173"),
+            ("7ceb670d84", "type-only", "megatron/core/fusions/fused_softmax.py:173"),
     },
 }
 RELEASE = ".".join(core.__version__.split(".")[:2])

@@ -110,7 +110,7 @@ def test_cli_fuzz_reports_and_stores_the_finding(tmp_path):
 
 def test_cli_bad_target_is_one_line_without_traceback():
     result = CliRunner().invoke(main, ["fuzz", "nowhere:nothing"])
-    assert result.exit_code == 1
+    assert result.exit_code == 2
     assert result.output.strip() == ("Error: cannot import 'nowhere' for scenario 'nowhere:nothing': "
                                      "No module named 'nowhere'")
 

@@ -15,6 +15,7 @@ pytest.importorskip("megatron.core")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from megatron_release import fixed_in  # noqa: E402
 
 from shardcheck.layout import Layout, LayoutError  # noqa: E402
 from shardcheck.megatron.audit import PRELOAD, audit, pools  # noqa: E402
@@ -168,6 +169,7 @@ def test_the_reduction_over_the_explicit_group_is_clean(audited):
 
 
 @pytest.mark.slow
+@fixed_in("0.19", "the language model passes its own tp group to vocab_parallel_cross_entropy")
 def test_megatron_cross_entropy_reduces_over_the_global_tp_group_despite_an_explicit_one(audited):
     [finding] = _finding(audited, "output_loss")
     assert finding.location.startswith("megatron/core/tensor_parallel/cross_entropy.py:")

@@ -81,12 +81,13 @@ def test_mtp_loss_over_each_cp_ranks_own_token_count_is_found_with_a_corrected_c
 def test_the_mtp_stages_position_embeddings_left_out_of_the_pp_sync_is_its_own_finding(megatron_bugs):
     where = contracts.BY_NAME["_allreduce_position_embedding_grads"].location()
     [finding] = [f for f in megatron_bugs.findings if f.location == where]
-    assert "finalize_model_grads.py:" in where and "pp2" in finding.seen_in
+    layouts = {case["layout"] for case in finding.cases}
+    assert "finalize_model_grads.py:" in where and "pp2" in layouts
     assert len({f.id for f in megatron_bugs.findings}) == len(megatron_bugs.findings)
     if not HAS_PROCESS_MTP_LOSS:  # 0.16.1: no contract locates the CP bug, which joins this one
-        assert len(megatron_bugs.findings) == 1 and "cp2" in finding.seen_in
+        assert len(megatron_bugs.findings) == 1 and "cp2" in layouts
         return
-    assert len(megatron_bugs.findings) == 2 and finding.seen_in == ["pp2"]
+    assert len(megatron_bugs.findings) == 2 and layouts == {"pp2"} and finding.seen_in == ["layouts: pp2"]
     assert any("position_embeddings" in e["value"] for e in finding.effect)
     assert finding.corrected["equal_to_reference"], finding.corrected
 
@@ -119,7 +120,8 @@ def test_a_reduction_dropped_from_the_mtp_path_is_found_at_the_planted_function(
     [finding] = result.findings
     start = inspect.getsourcelines(_word_embeddings_synced_without_mtp)[1]
     assert finding.location == f"{inspect.getsourcefile(_word_embeddings_synced_without_mtp)}:{start}"
-    assert finding.trigger["layout"] == "pp2" and finding.seen_in == ["pp2 {'position_embedding': 'rope'}"]
+    assert finding.trigger["layout"] == "pp2"
+    assert finding.cases == [{"layout": "pp2", "options": {"position_embedding": "rope"}}]
     assert any("word_embeddings" in e["value"] for e in finding.effect)
 
 

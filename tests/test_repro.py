@@ -100,7 +100,7 @@ def test_cli_repro_writes_the_script_and_findings_reports_its_status(tmp_path):
 
 def test_cli_repro_of_unknown_finding_is_one_line(tmp_path):
     result = CliRunner().invoke(main, ["repro", "feedbeef", "--root", str(tmp_path)])
-    assert result.exit_code == 1
+    assert result.exit_code == 2
     assert result.output.strip().startswith("Error: no finding with id 'feedbeef'")
 
 

@@ -123,6 +123,7 @@ class Outcome:
     errors: dict[str, float] = field(default_factory=dict)
     reference_digest: str | None = None  # the one-rank outputs' hash: which options change them
     frame: str | None = None  # an error's innermost megatron-core frame
+    config_check: bool = False  # the error was raised while a config validated itself
 
     @property
     def crashed(self) -> bool:
@@ -139,7 +140,7 @@ class Outcome:
         raised in a config's ``__post_init__``) refused the layout on its ranks, else None."""
         if self.error and self.error.split(":")[0].endswith(LayoutUnsupported.__name__):
             return self.error.split(":", 1)[1].strip()
-        if self.error and self.frame and self.frame.endswith(" in __post_init__"):
+        if self.error and self.config_check:
             return f"{CONFIG_REFUSES}: {self.error}"
         return None
 
@@ -152,6 +153,14 @@ def _megatron_frame(failure: PoolFailure) -> str | None:
             path, line, function = frames[-1]
             return f"{contracts._short(path)}:{line} in {function}"
     return None
+
+
+def _in_config_check(failure: PoolFailure) -> bool:
+    """Whether the first traceback passes through a megatron-core config's ``__post_init__``
+    (its own check, or a validator it calls: 0.19 moved some into helpers)."""
+    for text in (failure.tracebacks[rank] for rank in sorted(failure.tracebacks)):
+        return bool(re.search(r'File "[^"]*/megatron/core/[^"]*", line \d+, in __post_init__', text))
+    return False
 
 
 def digest(outputs: dict[str, torch.Tensor]) -> str:
@@ -238,7 +247,8 @@ class Runner:
         except PoolFailure as failure:
             return Outcome(case, error=_first_line(failure), seconds=time.monotonic() - started,
                            error_kind=failure.kind, reference_digest=self.digest(case),
-                           frame=_megatron_frame(failure), entry=ref.get("entry"))
+                           frame=_megatron_frame(failure), config_check=_in_config_check(failure),
+                           entry=ref.get("entry"))
         dtype = compute_dtype(case.options)
         outcome = Outcome(case, output_gaps([r["outputs"] for r in ranks], ref["outputs"], dtype),
                           first_call_gap(case.layout, [r["calls"] for r in ranks], ref["calls"], dtype),
