@@ -384,7 +384,7 @@ def _patch_ssm_kernels() -> None:
     if not gated_delta_net.HAVE_FLA:
         _set(gated_delta_net, "HAVE_FLA", True)
     layer = gated_delta_net.GatedDeltaNet
-    eager = getattr(layer.__dict__["_apply_gated_norm"], "_torchdynamo_orig_callable", None)
+    eager = getattr(layer.__dict__.get("_apply_gated_norm"), "_torchdynamo_orig_callable", None)
     if eager is not None:
         _set(layer, "_apply_gated_norm", eager)
     _stub_triton_tensor_ops()

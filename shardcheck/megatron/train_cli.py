@@ -1,0 +1,137 @@
+"""``shardcheck train``: the user's Megatron training job on N CPU ranks against one rank."""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import click
+
+import shardcheck
+from shardcheck.launch import run_script
+from shardcheck.megatron.train_args import RunPlan, TrainInputError, plan_runs
+from shardcheck.megatron.train_entry import CPU_ENV, ENTRY_ENV
+from shardcheck.megatron.train_record import RECORD_ENV
+from shardcheck.train import RecordError, Run, Tolerance, compare_runs, load_run, write_golden
+
+REPO_ROOT = str(Path(shardcheck.__file__).resolve().parent.parent)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How each rank is started: CPU layer or not, which megatron-core, whose entry script."""
+
+    cpu: bool
+    megatron: Path | None
+    entry: Path | None
+    timeout: float
+
+    def env(self, record: Path) -> dict[str, str]:
+        paths = [str(self.megatron)] if self.megatron else []
+        paths += [REPO_ROOT, os.environ.get("PYTHONPATH", "")]
+        env = {RECORD_ENV: str(record), "PYTHONPATH": os.pathsep.join(p for p in paths if p),
+               "PYTHONWARNINGS": "ignore", "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+        if self.cpu:
+            env.update({CPU_ENV: "1", "OMP_NUM_THREADS": "1"})
+        if self.entry:
+            env[ENTRY_ENV] = str(self.entry)
+        return env
+
+
+class RunFailed(Exception):
+    """A rank of one run failed or hung; the message is one line."""
+
+
+def run_training(args: list[str], nproc: int, launch: Launch, label: str) -> Run:
+    """Run Megatron's ``pretrain`` with ``args`` on ``nproc`` ranks; return its recorded steps."""
+    with tempfile.TemporaryDirectory(prefix="shardcheck-train-") as folder:
+        outcome = run_script("-m", ["shardcheck.megatron.train_entry", *args], nproc, launch.timeout,
+                             env=launch.env(Path(folder)), log_stdout=True)
+        if outcome.failed:
+            raise RunFailed(f"{label}: {_failure(outcome)}")
+        return load_run(Path(folder))
+
+
+def _failure(outcome) -> str:
+    for rank in outcome.failed:
+        if rank.returncode is None:
+            return f"rank {rank.rank} hung: killed after {outcome.timeout:g} s"
+    rank = outcome.failed[0]
+    if os.environ.get("SHARDCHECK_TRAIN_DEBUG"):
+        click.echo(rank.stderr, err=True)
+    lines = [ln.strip() for ln in rank.stderr.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if "Error" in ln.split(":")[0]]
+    where = [ln for ln in lines if ln.startswith('File "')]
+    at = f" (at {where[-1].split(',')[0][6:-1]}:{where[-1].split(',')[1].strip()[5:]})" if where else ""
+    return (f"rank {rank.rank} failed (exit code {rank.returncode}): "
+            f"{(errors or lines or ['no output'])[-1]}{at}")
+
+
+@click.command("train", context_settings={"ignore_unknown_options": True})
+@click.option("-n", "--nproc", type=click.IntRange(1, 64), required=True, help="Ranks of the parallel run.")
+@click.option("--steps", type=click.IntRange(1, 1000), default=None, help="Training steps (default 3).")
+@click.option("--megatron", "megatron_path", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="A megatron-core copy to run instead of the installed one (its parent of megatron/).")
+@click.option("--entry", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Your own entry script (e.g. pretrain_gpt.py) instead of shardcheck's GPT entry point.")
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path),
+              help="Write each run as a Megatron golden-values JSON into this folder.")
+@click.option("--repeats", type=click.IntRange(1, 20), default=1,
+              help="Runs of each layout, with seeds seed, seed+1, ... (written with --out).")
+@click.option("--rtol", type=float, default=Tolerance().rtol, show_default=True,
+              help="Relative tolerance on lm loss and grad norm at step 1 (grows with the step).")
+@click.option("--timeout", type=float, default=900.0, show_default=True, help="Seconds before a run is a hang.")
+@click.option("--gpu", is_flag=True, help="Run on this node's GPUs with NCCL and no CPU layer (untested).")
+@click.argument("megatron_args", nargs=-1, type=click.UNPROCESSED)
+def train_command(nproc, steps, megatron_path, entry, out, repeats, rtol, timeout, gpu, megatron_args) -> None:
+    """Run your Megatron training job on N ranks and on one, and compare every step.
+
+    Pass Megatron's own flags after ``--``. Exit 0 when the runs agree, 1 when they part
+    ways, 2 on bad input or a rank that fails or hangs.
+    """
+    launch = Launch(cpu=not gpu, megatron=megatron_path, entry=entry, timeout=timeout)
+    if megatron_path and not (megatron_path / "megatron" / "core").is_dir():
+        _bad_input(f"--megatron {megatron_path}: no megatron/core package in it")
+    try:
+        plan = plan_runs(list(megatron_args), nproc, steps, cpu=launch.cpu)
+    except TrainInputError as exc:
+        _bad_input(str(exc))
+    for line in plan.changes:
+        click.echo(f"changed: {line}")
+    try:
+        verdict = _compare(plan, launch, out, repeats, rtol)
+    except (RunFailed, RecordError) as exc:
+        _bad_input(str(exc))
+    for line in verdict.lines():
+        click.echo(line)
+    sys.exit(0 if verdict.agree else 1)
+
+
+def _compare(plan: RunPlan, launch: Launch, out: Path | None, repeats: int, rtol: float):
+    seed = int(_flag(plan.parallel, "--seed") or 1234)
+    verdict = None
+    for repeat in range(repeats):
+        seeded = ["--seed", str(seed + repeat)]
+        parallel = run_training(plan.parallel + seeded, plan.world, launch, f"{plan.world}-rank run")
+        reference = run_training(plan.reference + seeded, 1, launch, "one-rank run")
+        if out is not None:
+            suffix = "" if repeat == 0 else f"_repeat{repeat}"
+            write_golden(parallel, out / f"golden_values_{plan.world}ranks{suffix}.json")
+            write_golden(reference, out / f"golden_values_1rank{suffix}.json")
+        if verdict is None:
+            verdict = compare_runs(parallel, reference, Tolerance(rtol=rtol))
+            for note in parallel.notes:
+                click.echo(f"note: {note}")
+    return verdict
+
+
+def _flag(tokens: list[str], flag: str) -> str | None:
+    return tokens[tokens.index(flag) + 1] if flag in tokens else None
+
+
+def _bad_input(message: str) -> None:
+    click.echo(f"shardcheck train: {message}", err=True)
+    sys.exit(2)
