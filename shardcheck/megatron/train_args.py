@@ -220,9 +220,14 @@ def _one_rank(flags: Flags, tp: int, changes: list[str]) -> Flags:
         reference.drop(flag)
     for flag in (*PIPELINE_SPLITS, "--sequence-parallel"):
         reference.drop(flag)
-    if tp > 1:
-        divisible = int(flags.value("--make-vocab-size-divisible-by"))
+    divisible = int(flags.value("--make-vocab-size-divisible-by"))
+    vocab = int(flags.value("--vocab-size"))
+    if _padded(vocab, divisible * tp) != _padded(vocab, divisible):
         reference.set("--make-vocab-size-divisible-by", str(divisible * tp))
         changes.append(f"one-rank run: --make-vocab-size-divisible-by {divisible * tp}, so that its "
                        f"vocabulary pads to the same size as under tp{tp}")
     return reference
+
+
+def _padded(vocab: int, multiple: int) -> int:
+    return -(-vocab // multiple) * multiple
