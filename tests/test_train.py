@@ -16,7 +16,7 @@ from click.testing import CliRunner
 from shardcheck.cli import main
 from shardcheck.golden import load_golden
 from shardcheck.megatron.train_args import plan_runs
-from shardcheck.megatron.train_cli import Launch, run_training
+from shardcheck.megatron.train_cli import Launch, run_training, start_from
 from shardcheck.train import compare_runs, write_golden
 
 pytestmark = pytest.mark.timeout(900)
@@ -36,21 +36,26 @@ STEPS = 3
 LAUNCH = Launch(cpu=True, megatron=None, entry=None, timeout=600)
 
 
-def _runs(extra: list[str], nproc: int, launch: Launch = LAUNCH):
+def _runs(extra: list[str], nproc: int, init: Path):
     plan = plan_runs(BASE + extra, nproc, STEPS)
-    return plan, run_training(plan.parallel, nproc, launch, f"{nproc}-rank run")
+    start = start_from(init) if plan.same_init else []
+    return plan, run_training(plan.parallel + start, nproc, LAUNCH, f"{nproc}-rank run")
 
 
 @pytest.fixture(scope="module")
-def dense_reference():
+def dense(tmp_path_factory):
+    """The one-rank run all dense layouts compare with, and its saved initial weights."""
+    init = tmp_path_factory.mktemp("init")
     plan = plan_runs(BASE, 1, STEPS)
-    return run_training(plan.reference, 1, LAUNCH, "one-rank run")
+    return run_training(plan.reference, 1, LAUNCH, "one-rank run", save_init=init), init
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_correct_layout_agrees_with_one_rank_at_every_step(layout, dense_reference):
+def test_correct_layout_agrees_with_one_rank_at_every_step(layout, dense):
+    dense_reference, init = dense
     nproc, extra = LAYOUTS[layout]
-    plan, run = _runs(extra, nproc)
+    plan, run = _runs(extra, nproc, init)
+    assert plan.same_init == (layout == "pp2")
     assert plan_runs(BASE, 1, STEPS).reference == plan.reference  # the shared reference is this one's
     verdict = compare_runs(run, dense_reference)
     assert verdict.agree, verdict.lines()
@@ -58,9 +63,10 @@ def test_correct_layout_agrees_with_one_rank_at_every_step(layout, dense_referen
     assert set(dense_reference.steps[0].param_norms) <= set(run.steps[0].param_norms)
 
 
-def test_moe_with_expert_parallelism_agrees_and_counts_tokens_per_expert():
-    plan, run = _runs(MOE + ["--expert-model-parallel-size", "2"], 2)
-    reference = run_training(plan.reference, 1, LAUNCH, "one-rank run")
+def test_moe_with_expert_parallelism_agrees_and_counts_tokens_per_expert(tmp_path):
+    plan = plan_runs(BASE + MOE + ["--expert-model-parallel-size", "2"], 2, STEPS)
+    reference = run_training(plan.reference, 1, LAUNCH, "one-rank run", save_init=tmp_path)
+    run = run_training(plan.parallel + start_from(tmp_path), 2, LAUNCH, "2-rank run")
     verdict = compare_runs(run, reference)
     assert verdict.agree, verdict.lines()
     for mine, ref in zip(run.steps, reference.steps, strict=True):
@@ -107,7 +113,8 @@ def test_dropped_gradient_all_reduce_in_a_megatron_copy_exits_1_naming_step_metr
         assert {"lm loss", "grad norm", "num-zeros"} <= set(golden.metrics)
 
 
-def test_golden_form_reads_back_with_the_recorded_values(dense_reference, tmp_path):
+def test_golden_form_reads_back_with_the_recorded_values(dense, tmp_path):
+    dense_reference, _ = dense
     path = write_golden(dense_reference, tmp_path / "run.json")
     golden = load_golden(path)
     loss = golden.metrics["lm loss"]

@@ -144,6 +144,7 @@ class RunPlan:
     reference: list[str]
     changes: list[str] = field(default_factory=list)
     sizes: dict[str, int] = field(default_factory=dict)
+    same_init: bool = False  # the N-rank run loads the one-rank run's initial weights
 
 
 def plan_runs(user_args: Sequence[str], nproc: int, steps: int | None, cpu: bool = True) -> RunPlan:
@@ -159,7 +160,11 @@ def plan_runs(user_args: Sequence[str], nproc: int, steps: int | None, cpu: bool
         _cpu_flags(flags, changes)
     _common_flags(flags, changes, steps, dp)
     reference = _one_rank(flags, tp, changes)
-    return RunPlan(nproc, flags.tokens(), reference.tokens(), changes, {**sizes, "dp": dp})
+    same_init = pp > 1 or (flags.get("--num-experts") is not None and sizes["--expert-model-parallel-size"] > 1)
+    if same_init:
+        changes.append("the parallel run starts from the one-rank run's initial weights (Megatron's own "
+                       "torch_dist save and load): Megatron seeds each pipeline stage and expert rank apart")
+    return RunPlan(nproc, flags.tokens(), reference.tokens(), changes, {**sizes, "dp": dp}, same_init)
 
 
 def _cpu_flags(flags: Flags, changes: list[str]) -> None:

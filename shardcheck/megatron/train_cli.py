@@ -13,8 +13,9 @@ import click
 import shardcheck
 from shardcheck.launch import run_script
 from shardcheck.megatron.train_args import RunPlan, TrainInputError, plan_runs
+from shardcheck.megatron.train_config import flags_from_model_config
 from shardcheck.megatron.train_entry import CPU_ENV, ENTRY_ENV
-from shardcheck.megatron.train_record import RECORD_ENV
+from shardcheck.megatron.train_record import RECORD_ENV, SAVE_INIT_ENV
 from shardcheck.train import RecordError, Run, Tolerance, compare_runs, load_run, write_golden
 
 REPO_ROOT = str(Path(shardcheck.__file__).resolve().parent.parent)
@@ -45,14 +46,27 @@ class RunFailed(Exception):
     """A rank of one run failed or hung; the message is one line."""
 
 
-def run_training(args: list[str], nproc: int, launch: Launch, label: str) -> Run:
-    """Run Megatron's ``pretrain`` with ``args`` on ``nproc`` ranks; return its recorded steps."""
+def run_training(args: list[str], nproc: int, launch: Launch, label: str,
+                 save_init: Path | None = None) -> Run:
+    """Run Megatron's ``pretrain`` with ``args`` on ``nproc`` ranks; return its recorded steps.
+
+    With ``save_init``, the weights before the first step are saved there (Megatron's
+    torch_dist checkpoint of iteration 0), for :func:`start_from` to load in another layout.
+    """
     with tempfile.TemporaryDirectory(prefix="shardcheck-train-") as folder:
+        env = launch.env(Path(folder))
+        if save_init is not None:
+            env[SAVE_INIT_ENV] = str(save_init)
         outcome = run_script("-m", ["shardcheck.megatron.train_entry", *args], nproc, launch.timeout,
-                             env=launch.env(Path(folder)), log_stdout=True)
+                             env=env, log_stdout=True)
         if outcome.failed:
             raise RunFailed(f"{label}: {_failure(outcome)}")
         return load_run(Path(folder))
+
+
+def start_from(initial: Path) -> list[str]:
+    """Flags that load the initial weights saved by ``run_training(..., save_init=initial)``."""
+    return ["--load", str(initial), "--finetune", "--no-load-optim", "--no-load-rng"]
 
 
 def _failure(outcome) -> str:
@@ -71,7 +85,9 @@ def _failure(outcome) -> str:
 
 
 @click.command("train", context_settings={"ignore_unknown_options": True})
-@click.option("-n", "--nproc", type=click.IntRange(1, 64), required=True, help="Ranks of the parallel run.")
+@click.option("-n", "--nproc", type=click.IntRange(1, 64), help="Ranks of the parallel run.")
+@click.option("--model-config", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="A functional test's model_config.yaml: its MODEL_ARGS, shrunk for a CPU.")
 @click.option("--steps", type=click.IntRange(1, 1000), default=None, help="Training steps (default 3).")
 @click.option("--megatron", "megatron_path", type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="A megatron-core copy to run instead of the installed one (its parent of megatron/).")
@@ -86,7 +102,8 @@ def _failure(outcome) -> str:
 @click.option("--timeout", type=float, default=900.0, show_default=True, help="Seconds before a run is a hang.")
 @click.option("--gpu", is_flag=True, help="Run on this node's GPUs with NCCL and no CPU layer (untested).")
 @click.argument("megatron_args", nargs=-1, type=click.UNPROCESSED)
-def train_command(nproc, steps, megatron_path, entry, out, repeats, rtol, timeout, gpu, megatron_args) -> None:
+def train_command(nproc, model_config, steps, megatron_path, entry, out, repeats, rtol, timeout, gpu,
+                  megatron_args) -> None:
     """Run your Megatron training job on N ranks and on one, and compare every step.
 
     Pass Megatron's own flags after ``--``. Exit 0 when the runs agree, 1 when they part
@@ -96,7 +113,15 @@ def train_command(nproc, steps, megatron_path, entry, out, repeats, rtol, timeou
     if megatron_path and not (megatron_path / "megatron" / "core").is_dir():
         _bad_input(f"--megatron {megatron_path}: no megatron/core package in it")
     try:
-        plan = plan_runs(list(megatron_args), nproc, steps, cpu=launch.cpu)
+        args = list(megatron_args)
+        if model_config is not None:
+            shrunk = flags_from_model_config(model_config, nproc)
+            for line in shrunk.mapping:
+                click.echo(f"config: {line}")
+            args, nproc = shrunk.flags + args, shrunk.nproc
+        if nproc is None:
+            raise TrainInputError("give -n N (the ranks of the parallel run) or --model-config")
+        plan = plan_runs(args, nproc, steps, cpu=launch.cpu)
     except TrainInputError as exc:
         _bad_input(str(exc))
     for line in plan.changes:
@@ -115,8 +140,12 @@ def _compare(plan: RunPlan, launch: Launch, out: Path | None, repeats: int, rtol
     verdict = None
     for repeat in range(repeats):
         seeded = ["--seed", str(seed + repeat)]
-        parallel = run_training(plan.parallel + seeded, plan.world, launch, f"{plan.world}-rank run")
-        reference = run_training(plan.reference + seeded, 1, launch, "one-rank run")
+        with tempfile.TemporaryDirectory(prefix="shardcheck-init-") as init:
+            save = Path(init) if plan.same_init else None
+            reference = run_training(plan.reference + seeded, 1, launch, "one-rank run", save_init=save)
+            start = start_from(save) if save else []
+            parallel = run_training(plan.parallel + seeded + start, plan.world, launch,
+                                    f"{plan.world}-rank run")
         if out is not None:
             suffix = "" if repeat == 0 else f"_repeat{repeat}"
             write_golden(parallel, out / f"golden_values_{plan.world}ranks{suffix}.json")

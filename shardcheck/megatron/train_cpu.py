@@ -23,6 +23,10 @@ assumes CUDA in a few more places, none of which touches the numbers it computes
    CUDA one the CPU one) that ``--use-cpu-initialization`` then initialises the weights from,
    so every layout would start from different weights.
 
+7. ``process_memory``: torch_dist checkpoint saving logs each writer's memory through
+   ``psutil``, and fails without it; where psutil is missing the resident size is read from
+   ``/proc/self/statm`` (Linux) instead. It is only logged.
+
 :func:`apply_training_patches` applies them and the model-level ones; it is the one switch of
 the CPU layer: the GPU path never calls it (:func:`cpu_layer_active` says whether it ran).
 """
@@ -94,6 +98,18 @@ def _patch_eager_fusions() -> None:
     initialize._warmup_jit_function = lambda *_args, **_kwargs: None
 
 
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _patch_process_memory() -> None:
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if not filesystem_async.HAVE_PSUTIL:
+        filesystem_async._process_memory = _resident_bytes
+
+
 def apply_training_patches() -> None:
     """Make ``megatron.training.pretrain`` run on this process's CPU; a second call does nothing."""
     if "cpu" in _applied:
@@ -104,7 +120,7 @@ def apply_training_patches() -> None:
     apply_cpu_patches()
     for name, patch in (("allow_no_cuda", _patch_allow_no_cuda), ("device_count", _patch_device_count),
                         ("device_arch", _patch_device_arch), ("dataset_helpers", _patch_dataset_helpers),
-                        ("eager_fusions", _patch_eager_fusions)):
+                        ("eager_fusions", _patch_eager_fusions), ("process_memory", _patch_process_memory)):
         patch()
         _applied.append(name)
     _applied.append("cpu")

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 RECORD_ENV = "SHARDCHECK_TRAIN_RECORD"
+SAVE_INIT_ENV = "SHARDCHECK_TRAIN_SAVE_INIT"
 
 
 class StepRecorder:
@@ -78,6 +79,8 @@ class StepRecorder:
     def _wrap_setup(self, setup: Callable[..., Any]) -> Callable[..., Any]:
         def recorded(*args: Any, **kwargs: Any) -> Any:
             model, optimizer, scheduler = setup(*args, **kwargs)
+            if os.environ.get(SAVE_INIT_ENV):
+                save_initial_weights(model, optimizer, scheduler, os.environ[SAVE_INIT_ENV])
             self.model = list(model)
             optimizer.step = self._wrap_optimizer_step(optimizer.step)
             self._hook_routers()
@@ -110,6 +113,21 @@ class StepRecorder:
             self.token_counts[name] = [a + int(b) for a, b in zip(known, counts, strict=True)]
 
         return hook
+
+
+def save_initial_weights(model: Any, optimizer: Any, scheduler: Any, folder: str) -> None:
+    """Save the weights before the first step with Megatron's own ``save_checkpoint`` (iteration 0),
+    for a run in another layout to start from (``--load folder --finetune``)."""
+    from megatron.training import get_args
+    from megatron.training.checkpointing import save_checkpoint
+
+    args = get_args()
+    saved = args.save
+    args.save = folder
+    try:
+        save_checkpoint(0, model, optimizer, scheduler, 0)
+    finally:
+        args.save = saved
 
 
 def _number(value: Any) -> float | None:
