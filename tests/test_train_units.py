@@ -139,3 +139,23 @@ def test_the_cpu_layer_is_one_switch_off_by_default():
     active, model_patches, applied = out.stdout.strip().split(" ", 2)
     assert (active, model_patches) == ("False", "False")
     assert "cpu" not in applied and "device_count" not in applied
+
+
+def test_num_zeros_difference_names_the_experts_that_received_no_tokens():
+    ref = _run([2.0], [1.0], {1: {"a": 0.5}}, zeros={1: 0.0})
+    mine = _run([2.0], [1.0], {1: {"a": 0.5}}, zeros={1: 96.0})
+    ref.steps[0].tokens_per_expert = {"decoder.layers.0.mlp.router": [3, 2, 1, 2]}
+    mine.steps[0].tokens_per_expert = {"decoder.layers.0.mlp.router": [4, 2, 0, 2]}
+    note = compare_runs(mine, ref).zero_notes[0]
+    assert "experts with no tokens in one run only" in note and "decoder.layers.0.mlp.router expert 2" in note
+
+
+def test_zeros_that_moved_are_named_and_called_rounding_when_the_other_run_has_rounding_sized_entries():
+    ref = _run([2.0], [1.0], {1: {"qkv.bias": 0.3, "fc.weight": 0.4}}, zeros={1: 0.0})
+    mine = _run([2.0], [1.0], {1: {"qkv.bias": 0.3, "fc.weight": 0.4}}, zeros={1: 9.0})
+    ref.steps[0].param_zeros = {"qkv.bias": (0, 16), "fc.weight": (0, 0)}
+    mine.steps[0].param_zeros = {"qkv.bias": (9, 16), "fc.weight": (0, 0)}
+    assert "exact zeros moved in qkv.bias (9 vs 0, rounding zeros)" in compare_runs(mine, ref).zero_notes[0]
+    mine.steps[0].param_zeros = {"qkv.bias": (0, 16), "fc.weight": (5, 5)}
+    note = compare_runs(mine, ref).zero_notes[0]
+    assert "fc.weight (5 vs 0)" in note and "rounding" not in note.split("fc.weight")[1]

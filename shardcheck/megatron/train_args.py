@@ -38,6 +38,8 @@ UNFUSED = {
     "--no-masked-softmax-fusion": "the fused masked softmax is a CUDA kernel",
     "--no-bias-dropout-fusion": "the fused bias-dropout-add is a CUDA kernel",
     "--no-rope-fusion": "the fused RoPE is a Transformer Engine kernel",
+    "--no-bias-gelu-fusion": "the bias-GeLU fusion is a compiled kernel (and refuses MoE's per-token scales)",
+    "--no-bias-swiglu-fusion": "the bias-SwiGLU fusion is a compiled kernel",
 }
 DATA_FLAGS = ("--data-path", "--train-data-path", "--valid-data-path", "--test-data-path",
               "--data-args-path", "--per-split-data-args-path", "--tokenizer-model", "--vocab-file",

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -69,7 +70,9 @@ class StepRecorder:
 
     def _wrap_train_step(self, train_step: Callable[..., Any]) -> Callable[..., Any]:
         def recorded(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
             result = train_step(*args, **kwargs)
+            self.pending["seconds"] = time.perf_counter() - start
             loss, grad_norm, num_zeros = result[0], result[5], result[6]
             self.step_done(loss, grad_norm, num_zeros)
             return result
@@ -180,7 +183,8 @@ def _global_name(chunk: Any, name: str, is_module: bool) -> str:
 
 
 def _param_sums(model: list[Any]) -> dict[str, list[Any]]:
-    """Global parameter name -> [shard key, sum of squares of its gradient on this rank]."""
+    """Global parameter name -> [shard key, sum of squares, exact zeros, rounding-sized entries]
+    of its gradient on this rank (rounding-sized: at most 2**-20 of the largest entry)."""
     from megatron.core import parallel_state as ps
 
     sums: dict[str, list[Any]] = {}
@@ -194,8 +198,11 @@ def _param_sums(model: list[Any]) -> dict[str, list[Any]]:
             shard = ""
             if getattr(param, "tensor_model_parallel", False):
                 expert = not getattr(param, "allreduce", True)
-                shard = f"{'e' if expert else ''}tp{ps.get_expert_tensor_parallel_rank() if expert else ps.get_tensor_model_parallel_rank()}"
-            sums[name] = [shard, float(grad.double().pow(2).sum())]
+                rank = ps.get_expert_tensor_parallel_rank() if expert else ps.get_tensor_model_parallel_rank()
+                shard = f"{'e' if expert else ''}tp{rank}"
+            size = grad.detach().abs()
+            tiny = int((size <= size.max() * 2.0 ** -20).sum()) if size.numel() else 0
+            sums[name] = [shard, float(grad.double().pow(2).sum()), int((grad == 0).sum()), tiny]
     return sums
 
 

@@ -14,7 +14,8 @@ from typing import Any
 
 from shardcheck.train.records import Run
 
-METRICS = {"lm loss": "lm loss", "num-zeros": "num-zeros", "grad norm": "grad norm"}
+METRICS = {"lm loss": "lm loss", "num-zeros": "num-zeros", "grad norm": "grad norm",
+           "iteration-time": "iteration-time"}
 
 
 def golden_document(run: Run) -> dict[str, Any]:

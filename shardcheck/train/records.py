@@ -26,9 +26,10 @@ class Step:
     """One training step, as one rank would see it on one device."""
 
     step: int
-    metrics: dict[str, float | None]  # "lm loss", "grad norm", "num-zeros"
+    metrics: dict[str, float | None]  # "lm loss", "grad norm", "num-zeros", "iteration-time" (s)
     param_norms: dict[str, float] = field(default_factory=dict)
     tokens_per_expert: dict[str, list[int]] = field(default_factory=dict)
+    param_zeros: dict[str, tuple[int, int]] = field(default_factory=dict)  # exact zeros, rounding-sized
 
 
 @dataclass
@@ -65,19 +66,30 @@ def merge_ranks(ranks: Sequence[dict[str, Any]]) -> Run:
     for i in range(counts.pop()):
         scalar = last[0]["steps"][i]
         metrics = {"lm loss": scalar["loss"].get("lm loss"), "grad norm": scalar["grad_norm"],
-                   "num-zeros": scalar["num_zeros"]}
-        norms = {} if sharded_optimizer else _param_norms([r["steps"][i].get("params", {}) for r in ranks])
+                   "num-zeros": scalar["num_zeros"],
+                   "iteration-time": max((r["steps"][i].get("seconds", 0.0) for r in ranks), default=0.0)}
+        params = [] if sharded_optimizer else [r["steps"][i].get("params", {}) for r in ranks]
         tokens = _tokens([(tuple(r["token_shard"]), r["steps"][i].get("tokens", {})) for r in ranks])
-        steps.append(Step(scalar["step"], metrics, norms, tokens))
+        steps.append(Step(scalar["step"], metrics, _param_norms(params), tokens, _param_zeros(params)))
     return Run(steps, notes)
 
 
-def _param_norms(per_rank: Sequence[dict[str, list[Any]]]) -> dict[str, float]:
-    shards: dict[str, dict[str, float]] = {}
+def _shards(per_rank: Sequence[dict[str, list[Any]]]) -> dict[str, dict[str, list[Any]]]:
+    """Parameter -> shard key -> that shard's record, each distinct shard once."""
+    shards: dict[str, dict[str, list[Any]]] = {}
     for params in per_rank:
-        for name, (shard, sumsq) in params.items():
-            shards.setdefault(name, {}).setdefault(shard, sumsq)
-    return {name: math.sqrt(sum(parts.values())) for name, parts in sorted(shards.items())}
+        for name, (shard, *values) in params.items():
+            shards.setdefault(name, {}).setdefault(shard, values)
+    return dict(sorted(shards.items()))
+
+
+def _param_norms(per_rank: Sequence[dict[str, list[Any]]]) -> dict[str, float]:
+    return {name: math.sqrt(sum(v[0] for v in parts.values())) for name, parts in _shards(per_rank).items()}
+
+
+def _param_zeros(per_rank: Sequence[dict[str, list[Any]]]) -> dict[str, tuple[int, int]]:
+    return {name: (sum(v[1] for v in parts.values()), sum(v[2] for v in parts.values()))
+            for name, parts in _shards(per_rank).items() if all(len(v) >= 3 for v in parts.values())}
 
 
 def _tokens(per_rank: Sequence[tuple[tuple[int, ...], dict[str, list[int]]]]) -> dict[str, list[int]]:

@@ -123,9 +123,37 @@ def _zeros_note(mine: Step, ref: Step, tol: Tolerance) -> str | None:
     if value is None or expected is None or value == expected:
         return None
     rounding = sorted(set(rounding_zero_params(mine, tol)) | set(rounding_zero_params(ref, tol)))
-    why = (f"rounding in gradients that are zero by construction: {', '.join(rounding)}" if rounding
-           else "no parameter's gradient is zero up to rounding: look at the zeros themselves")
-    return f"step {mine.step}: num-zeros {value:g} vs one rank {expected:g}; {why}"
+    idle = idle_experts(mine) ^ idle_experts(ref)
+    why = []
+    if idle:
+        why.append("experts with no tokens in one run only (their whole gradients are zero): "
+                   + ", ".join(f"{router} expert {e}" for router, e in sorted(idle)))
+    if rounding:
+        why.append(f"rounding in gradients that are zero by construction: {', '.join(rounding)}")
+    moved = _zeros_moved(mine, ref)
+    if moved:
+        why.append("exact zeros moved in " + ", ".join(moved))
+    if not why:
+        why.append("no expert went idle and no parameter's gradient is zero up to rounding")
+    return f"step {mine.step}: num-zeros {value:g} vs one rank {expected:g}; {'; '.join(why)}"
+
+
+def _zeros_moved(mine: Step, ref: Step) -> list[str]:
+    """Parameters whose exact-zero count differs, each said to be rounding when the other run
+    has at least as many rounding-sized entries there (a gradient entry zero by construction)."""
+    out = []
+    for name, (zeros, tiny) in mine.param_zeros.items():
+        ref_zeros, ref_tiny = ref.param_zeros.get(name, (zeros, tiny))
+        if zeros != ref_zeros:
+            rounding = zeros <= ref_tiny and ref_zeros <= tiny
+            out.append(f"{name} ({zeros} vs {ref_zeros}{', rounding zeros' if rounding else ''})")
+    return out
+
+
+def idle_experts(step: Step) -> set[tuple[str, int]]:
+    """(router, expert) pairs that received no token at this step."""
+    return {(router, e) for router, counts in step.tokens_per_expert.items()
+            for e, count in enumerate(counts) if count == 0}
 
 
 def _rel(value: float | None, expected: float | None) -> float:
