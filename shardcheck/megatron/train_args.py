@@ -148,6 +148,10 @@ class RunPlan:
     sizes: dict[str, int] = field(default_factory=dict)
     same_init: bool = False  # the N-rank run loads the one-rank run's initial weights
 
+    @property
+    def steps(self) -> int:
+        return int(self.parallel[self.parallel.index("--train-iters") + 1])
+
 
 def plan_runs(user_args: Sequence[str], nproc: int, steps: int | None, cpu: bool = True) -> RunPlan:
     """The N-rank and one-rank arguments for ``user_args``, and one line per change."""

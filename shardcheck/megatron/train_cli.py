@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import click
@@ -15,7 +15,7 @@ from shardcheck.launch import run_script
 from shardcheck.megatron.train_args import RunPlan, TrainInputError, plan_runs
 from shardcheck.megatron.train_config import flags_from_model_config
 from shardcheck.megatron.train_entry import CPU_ENV, ENTRY_ENV
-from shardcheck.megatron.train_record import RECORD_ENV, SAVE_INIT_ENV
+from shardcheck.megatron.train_record import RECORD_ENV, SAVE_INIT_ENV, TYPECHECK_ENV
 from shardcheck.train import RecordError, Run, Tolerance, compare_runs, load_run, write_golden
 
 REPO_ROOT = str(Path(shardcheck.__file__).resolve().parent.parent)
@@ -29,6 +29,7 @@ class Launch:
     megatron: Path | None
     entry: Path | None
     timeout: float
+    typecheck: bool = False
 
     def env(self, record: Path) -> dict[str, str]:
         paths = [str(self.megatron)] if self.megatron else []
@@ -39,6 +40,8 @@ class Launch:
             env.update({CPU_ENV: "1", "OMP_NUM_THREADS": "1"})
         if self.entry:
             env[ENTRY_ENV] = str(self.entry)
+        if self.typecheck:
+            env[TYPECHECK_ENV] = "1"
         return env
 
 
@@ -97,19 +100,23 @@ def _failure(outcome) -> str:
               help="Write each run as a Megatron golden-values JSON into this folder.")
 @click.option("--repeats", type=click.IntRange(1, 20), default=1,
               help="Runs of each layout, with seeds seed, seed+1, ... (written with --out).")
+@click.option("--resume-at", type=click.IntRange(1, 999), default=None,
+              help="Also save a checkpoint at this step, restart from it, and compare with the uninterrupted run.")
 @click.option("--rtol", type=float, default=Tolerance().rtol, show_default=True,
               help="Relative tolerance on lm loss and grad norm at step 1 (grows with the step).")
 @click.option("--timeout", type=float, default=900.0, show_default=True, help="Seconds before a run is a hang.")
+@click.option("--typecheck", is_flag=True,
+              help="Also run every step of the parallel run under the type checker (slower).")
 @click.option("--gpu", is_flag=True, help="Run on this node's GPUs with NCCL and no CPU layer (untested).")
 @click.argument("megatron_args", nargs=-1, type=click.UNPROCESSED)
-def train_command(nproc, model_config, steps, megatron_path, entry, out, repeats, rtol, timeout, gpu,
-                  megatron_args) -> None:
+def train_command(nproc, model_config, steps, megatron_path, entry, out, repeats, resume_at, rtol, timeout,
+                  typecheck, gpu, megatron_args) -> None:
     """Run your Megatron training job on N ranks and on one, and compare every step.
 
     Pass Megatron's own flags after ``--``. Exit 0 when the runs agree, 1 when they part
     ways, 2 on bad input or a rank that fails or hangs.
     """
-    launch = Launch(cpu=not gpu, megatron=megatron_path, entry=entry, timeout=timeout)
+    launch = Launch(cpu=not gpu, megatron=megatron_path, entry=entry, timeout=timeout, typecheck=typecheck)
     if megatron_path and not (megatron_path / "megatron" / "core").is_dir():
         _bad_input(f"--megatron {megatron_path}: no megatron/core package in it")
     try:
@@ -122,17 +129,46 @@ def train_command(nproc, model_config, steps, megatron_path, entry, out, repeats
         if nproc is None:
             raise TrainInputError("give -n N (the ranks of the parallel run) or --model-config")
         plan = plan_runs(args, nproc, steps, cpu=launch.cpu)
+        if resume_at is not None and resume_at >= plan.steps:
+            raise TrainInputError(f"--resume-at {resume_at} must be before the last step ({plan.steps})")
     except TrainInputError as exc:
         _bad_input(str(exc))
     for line in plan.changes:
         click.echo(f"changed: {line}")
     try:
-        verdict = _compare(plan, launch, out, repeats, rtol)
+        verdict, parallel = _compare(plan, launch, out, repeats, rtol)
+        for line in verdict.lines():
+            click.echo(line)
+        agree = verdict.agree and not parallel.violations
+        for line, ranks in parallel.violations.items():
+            click.echo(f"{line}  [ranks {', '.join(map(str, ranks))}]")
+        if resume_at is not None:
+            resumed = _resumed(plan, launch, resume_at)
+            check = compare_runs(resumed, parallel, Tolerance(rtol=rtol))
+            click.echo(f"resumed at step {resume_at} (Megatron's torch_dist save and load), against the "
+                       f"uninterrupted {plan.world}-rank run:")
+            for line in check.lines():
+                click.echo(f"  {line}")
+            agree = agree and check.agree
     except (RunFailed, RecordError) as exc:
         _bad_input(str(exc))
-    for line in verdict.lines():
-        click.echo(line)
-    sys.exit(0 if verdict.agree else 1)
+    sys.exit(0 if agree else 1)
+
+
+def _resumed(plan: RunPlan, launch: Launch, step: int) -> Run:
+    """The parallel run saved at ``step``, restarted from that checkpoint, and continued."""
+    with tempfile.TemporaryDirectory(prefix="shardcheck-resume-") as folder:
+        init = Path(folder) / "init"
+        start: list[str] = []
+        if plan.same_init:
+            run_training(plan.reference, 1, launch, "one-rank run", save_init=init)
+            start = start_from(init)
+        ckpt = ["--save", str(Path(folder) / "ckpt"), "--save-interval", str(step)]
+        first = run_training(plan.parallel + start + ckpt + ["--exit-interval", str(step)], plan.world,
+                             launch, f"{plan.world}-rank run to step {step}")
+        second = run_training(plan.parallel + ckpt + ["--load", str(Path(folder) / "ckpt")], plan.world,
+                              launch, f"{plan.world}-rank run resumed at step {step}")
+    return Run(first.steps + second.steps, first.notes)
 
 
 def _compare(plan: RunPlan, launch: Launch, out: Path | None, repeats: int, rtol: float):
@@ -142,7 +178,8 @@ def _compare(plan: RunPlan, launch: Launch, out: Path | None, repeats: int, rtol
         seeded = ["--seed", str(seed + repeat)]
         with tempfile.TemporaryDirectory(prefix="shardcheck-init-") as init:
             save = Path(init) if plan.same_init else None
-            reference = run_training(plan.reference + seeded, 1, launch, "one-rank run", save_init=save)
+            reference = run_training(plan.reference + seeded, 1, replace(launch, typecheck=False),
+                                     "one-rank run", save_init=save)
             start = start_from(save) if save else []
             parallel = run_training(plan.parallel + seeded + start, plan.world, launch,
                                     f"{plan.world}-rank run")
@@ -151,10 +188,10 @@ def _compare(plan: RunPlan, launch: Launch, out: Path | None, repeats: int, rtol
             write_golden(parallel, out / f"golden_values_{plan.world}ranks{suffix}.json")
             write_golden(reference, out / f"golden_values_1rank{suffix}.json")
         if verdict is None:
-            verdict = compare_runs(parallel, reference, Tolerance(rtol=rtol))
+            verdict, first = compare_runs(parallel, reference, Tolerance(rtol=rtol)), parallel
             for note in parallel.notes:
                 click.echo(f"note: {note}")
-    return verdict
+    return verdict, first
 
 
 def _flag(tokens: list[str], flag: str) -> str | None:

@@ -25,6 +25,7 @@ from typing import Any
 
 RECORD_ENV = "SHARDCHECK_TRAIN_RECORD"
 SAVE_INIT_ENV = "SHARDCHECK_TRAIN_SAVE_INIT"
+TYPECHECK_ENV = "SHARDCHECK_TRAIN_TYPECHECK"
 
 
 class StepRecorder:
@@ -36,6 +37,7 @@ class StepRecorder:
         self.pending: dict[str, Any] = {}
         self.model: list[Any] = []
         self.token_counts: dict[str, list[int]] = {}
+        self.violations: list[str] = []
 
     # --- what the wrappers report -------------------------------------------------------
     def grads_seen(self, model: list[Any]) -> None:
@@ -45,8 +47,10 @@ class StepRecorder:
 
     def step_done(self, loss: dict[str, Any], grad_norm: Any, num_zeros: Any) -> None:
         from megatron.core import parallel_state as ps
+        from megatron.training import get_args
 
-        record = {"step": len(self.steps) + 1, "loss": {k: float(v) for k, v in loss.items()},
+        step = get_args().curr_iteration + 1  # a resumed run goes on counting from its checkpoint
+        record = {"step": step, "loss": {k: float(v) for k, v in loss.items()},
                   "grad_norm": _number(grad_norm), "num_zeros": _number(num_zeros),
                   "last_stage": ps.is_pipeline_last_stage(ignore_virtual=True), **self.pending}
         self.pending = {}
@@ -59,7 +63,7 @@ class StepRecorder:
         rank = dist.get_rank() if dist.is_initialized() else 0
         meta = _rank_meta()
         path = self.folder / f"rank{rank}.json"
-        path.write_text(json.dumps({"rank": rank, **meta, "steps": self.steps}))
+        path.write_text(json.dumps({"rank": rank, **meta, "steps": self.steps, "violations": self.violations}))
 
     # --- installing ------------------------------------------------------------------------
     def install(self) -> None:
@@ -71,13 +75,40 @@ class StepRecorder:
     def _wrap_train_step(self, train_step: Callable[..., Any]) -> Callable[..., Any]:
         def recorded(*args: Any, **kwargs: Any) -> Any:
             start = time.perf_counter()
-            result = train_step(*args, **kwargs)
+            if os.environ.get(TYPECHECK_ENV) == "1":
+                result = self._typechecked(train_step, *args, **kwargs)
+            else:
+                result = train_step(*args, **kwargs)
             self.pending["seconds"] = time.perf_counter() - start
             loss, grad_norm, num_zeros = result[0], result[5], result[6]
             self.step_done(loss, grad_norm, num_zeros)
             return result
 
         return recorded
+
+    def _typechecked(self, train_step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """One training step under the type checker (collect mode); new violation lines kept."""
+        from types import SimpleNamespace
+
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        from shardcheck.checker import harness_code
+        from shardcheck.megatron import contracts
+        from shardcheck.megatron.typecheck import checked_region
+
+        groups = {"tp": ps.get_tensor_model_parallel_group(), "cp": ps.get_context_parallel_group(),
+                  "dp": ps.get_data_parallel_group(), "pp": ps.get_pipeline_model_parallel_group(),
+                  "ep": ps.get_expert_model_parallel_group()}
+        ctx = SimpleNamespace(rank=dist.get_rank(), groups=groups)
+        from shardcheck.megatron import train_entry
+
+        with contracts.probes_installed(), checked_region(ctx) as found, harness_code(train_entry.__file__):
+            result = train_step(*args, **kwargs)
+        for violation in found:
+            if violation["line"] not in self.violations:
+                self.violations.append(violation["line"])
+        return result
 
     def _wrap_setup(self, setup: Callable[..., Any]) -> Callable[..., Any]:
         def recorded(*args: Any, **kwargs: Any) -> Any:

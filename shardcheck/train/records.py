@@ -38,6 +38,7 @@ class Run:
 
     steps: list[Step]
     notes: list[str] = field(default_factory=list)
+    violations: dict[str, list[int]] = field(default_factory=dict)  # checker line -> ranks
 
     def metric(self, name: str) -> list[float | None]:
         return [s.metrics.get(name) for s in self.steps]
@@ -71,7 +72,11 @@ def merge_ranks(ranks: Sequence[dict[str, Any]]) -> Run:
         params = [] if sharded_optimizer else [r["steps"][i].get("params", {}) for r in ranks]
         tokens = _tokens([(tuple(r["token_shard"]), r["steps"][i].get("tokens", {})) for r in ranks])
         steps.append(Step(scalar["step"], metrics, _param_norms(params), tokens, _param_zeros(params)))
-    return Run(steps, notes)
+    violations: dict[str, list[int]] = {}
+    for r in ranks:
+        for line in r.get("violations", []):
+            violations.setdefault(line, []).append(r["rank"])
+    return Run(steps, notes, violations)
 
 
 def _shards(per_rank: Sequence[dict[str, list[Any]]]) -> dict[str, dict[str, list[Any]]]:
