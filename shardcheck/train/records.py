@@ -46,10 +46,13 @@ class Run:
 
 def load_run(folder: Path) -> Run:
     """The run recorded in ``folder`` (one ``rank<R>.json`` per rank)."""
-    ranks = [json.loads(p.read_text()) for p in sorted(folder.glob("rank*.json"))]
-    if not ranks:
-        raise RecordError(f"no rank recorded any step in {folder}")
-    return merge_ranks(ranks)
+    try:
+        ranks = [json.loads(p.read_text()) for p in sorted(folder.glob("rank*.json"))]
+        if not ranks:
+            raise RecordError(f"no rank recorded any step in {folder}")
+        return merge_ranks(ranks)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise RecordError(f"unreadable step record in {folder}: {exc!r}") from exc
 
 
 def merge_ranks(ranks: Sequence[dict[str, Any]]) -> Run:
