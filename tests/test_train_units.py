@@ -159,3 +159,24 @@ def test_zeros_that_moved_are_named_and_called_rounding_when_the_other_run_has_r
     mine.steps[0].param_zeros = {"qkv.bias": (0, 16), "fc.weight": (5, 5)}
     note = compare_runs(mine, ref).zero_notes[0]
     assert "fc.weight (5 vs 0)" in note and "rounding" not in note.split("fc.weight")[1]
+
+
+@pytest.mark.timeout(600)
+def test_a_rank_that_dies_or_hangs_is_one_line_exit_2_and_leaves_no_process(tmp_path):
+    dies = tmp_path / "dies.py"
+    dies.write_text("import os\nif int(os.environ['RANK']) == int(os.environ['WORLD_SIZE']) - 1:\n"
+                    "    raise RuntimeError('the last rank gives up')\n")
+    result = CliRunner().invoke(main, ["train", "-n", "2", "--entry", str(dies), "--", *SMALL])
+    assert result.exit_code == 2
+    # the one-rank run goes first (the parallel run may start from its weights)
+    assert "one-rank run: rank 0 failed (exit code 1): RuntimeError: the last rank gives up" in result.output
+    hangs = tmp_path / "hangs.py"
+    hangs.write_text(f"import os, time\nopen({str(tmp_path)!r} + '/pid' + os.environ['RANK'], 'w')"
+                     ".write(str(os.getpid()))\ntime.sleep(1000)\n")
+    result = CliRunner().invoke(main, ["train", "-n", "2", "--timeout", "90", "--entry", str(hangs), "--",
+                                       *SMALL])
+    assert result.exit_code == 2
+    assert "one-rank run: rank 0 hung: killed after 90 s" in result.output
+    for pidfile in tmp_path.glob("pid*"):  # the ranks that reached the script before the timeout
+        pid = int(pidfile.read_text())
+        assert not os.path.exists(f"/proc/{pid}") or "zombie" in open(f"/proc/{pid}/status").read().lower()

@@ -64,7 +64,10 @@ def run_training(args: list[str], nproc: int, launch: Launch, label: str,
                              env=env, log_stdout=True)
         if outcome.failed:
             raise RunFailed(f"{label}: {_failure(outcome)}")
-        return load_run(Path(folder))
+        try:
+            return load_run(Path(folder))
+        except RecordError as exc:
+            raise RunFailed(f"{label}: {exc} (did the entry script call pretrain?)") from exc
 
 
 def start_from(initial: Path) -> list[str]:
