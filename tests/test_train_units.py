@@ -180,3 +180,27 @@ def test_a_rank_that_dies_or_hangs_is_one_line_exit_2_and_leaves_no_process(tmp_
     for pidfile in tmp_path.glob("pid*"):  # the ranks that reached the script before the timeout
         pid = int(pidfile.read_text())
         assert not os.path.exists(f"/proc/{pid}") or "zombie" in open(f"/proc/{pid}/status").read().lower()
+
+
+def test_the_training_patches_leave_the_numbers_alone():
+    """Each training patch only replaces a CUDA or build assumption: the compiled fusions give
+    their plain function's bits, the dataset helpers are the prebuilt ones, memory is only read."""
+    code = """
+import torch
+from shardcheck.megatron.train_cpu import apply_training_patches, applied_patches
+apply_training_patches()
+from megatron.core.fusions import fused_bias_gelu
+from megatron.core.datasets import helpers_cpp, utils
+from megatron.core.dist_checkpointing.strategies import filesystem_async
+torch.manual_seed(0)
+bias, y = torch.randn(8), torch.randn(4, 8)
+plain = getattr(fused_bias_gelu.bias_gelu, '_torchdynamo_orig_callable', fused_bias_gelu.bias_gelu)
+assert torch.equal(fused_bias_gelu.bias_gelu(bias, y), plain(bias, y))
+assert utils.compile_helpers() is None and hasattr(helpers_cpp, 'build_sample_idx_int64')
+assert filesystem_async._process_memory() > 1 << 20
+assert torch.cuda.device_count() == 1 and not torch.cuda.is_available()
+print(' '.join(applied_patches()))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["typing_override", "allow_no_cuda", "device_count", "device_arch",
+                           "dataset_helpers", "eager_fusions", "process_memory", "cpu"]
