@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from shardcheck import __version__
+from shardcheck.cli_errors import Group
 from shardcheck.cli_parity import parity_command
 from shardcheck.cli_run import run
 from shardcheck.fuzz_cli import findings_command, fuzz_command, repro_command
@@ -13,10 +14,14 @@ from shardcheck.megatron.audit_cli import audit_command
 from shardcheck.megatron.train_cli import train_command
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="shardcheck")
 def main() -> None:
-    """Find silent numerical-correctness bugs in distributed PyTorch training."""
+    """Find silent numerical-correctness bugs in distributed PyTorch training.
+
+    Every command exits 0 when clean, 1 when it found something, 2 on bad input or when the
+    run itself failed.
+    """
 
 
 main.add_command(golden)

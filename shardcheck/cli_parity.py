@@ -9,17 +9,11 @@ import sys
 import click
 from rich.console import Console
 
-from shardcheck.cli_run import InputError
+from shardcheck.cli_errors import InputError, reference_failure
 from shardcheck.layout import Layout, LayoutError
 from shardcheck.parity import parity
 from shardcheck.pool import PoolFailure
 from shardcheck.scenario import Scenario
-
-
-class RunFailure(click.ClickException):
-    """The reference run itself failed: exit status 2."""
-
-    exit_code = 2
 
 
 def load_scenario(target: str) -> Scenario:
@@ -59,7 +53,7 @@ def parity_command(target: str, layouts: str, timeout: float, noise_runs: int) -
     try:
         result = parity(scenario, chosen, timeout=timeout, noise_runs=noise_runs)
     except PoolFailure as failure:
-        raise RunFailure(f"the one-rank reference failed:\n{failure}") from None
+        raise reference_failure(target, failure) from None
     if result is not None:
         Console(width=max(120, Console().width)).print(result)
         raise SystemExit(0 if result.ok else 1)

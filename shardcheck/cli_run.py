@@ -6,13 +6,8 @@ import os
 
 import click
 
+from shardcheck.cli_errors import InputError
 from shardcheck.launch import run_script
-
-
-class InputError(click.ClickException):
-    """Bad user input: printed as one ``Error:`` line, exit status 2."""
-
-    exit_code = 2
 
 
 @click.command("run", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
@@ -27,6 +22,8 @@ def run(nproc: int, timeout: float, script: str, args: tuple[str, ...]) -> None:
     Exit status: 1 if any rank raised a checker error (each distinct `checker:` line is
     printed once, with its ranks), 2 if a rank failed otherwise or hung, 0 when all are clean.
     """
+    if script.startswith("-"):
+        raise InputError(f"no such option: {script} (options go before SCRIPT; see 'shardcheck run --help')")
     if not os.path.isfile(script):
         raise InputError(f"no such script: {script}")
     if nproc < 1 or timeout <= 0:

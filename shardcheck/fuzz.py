@@ -30,7 +30,7 @@ from hypothesis.database import DirectoryBasedExampleDatabase
 
 from shardcheck.findings import DEFAULT_ROOT, Finding, FindingStore
 from shardcheck.repro import TYPE_ONLY, ReproError, write_repro
-from shardcheck.spaces import signature_space
+from shardcheck.spaces import option_names, signature_space
 from shardcheck.trial import (
     Check,
     Failure,
@@ -59,6 +59,11 @@ class FuzzTarget:
     repro: Callable[[Finding], Any] | None = None
     scenario: Callable[..., Any] | None = field(default=None, repr=False)
     module: str | None = None  # importing it registers this target again (in a new process)
+    options: Callable[[Mapping[str, Any]], list[str]] | None = field(default=None, repr=False)
+
+    def option_names(self, config: Mapping[str, Any]) -> list[str]:
+        """The names of a trigger's options, part of its finding's id (sizes are not options)."""
+        return self.options(config) if self.options is not None else option_names(config, self.scenario)
 
 
 _TARGETS: dict[str, FuzzTarget] = {}
@@ -69,7 +74,8 @@ def register_fuzz_target(name: str, scenario: Callable[..., Any] | None = None,
                          make_scenario: MakeScenario | None = None, check: Check | None = None,
                          fix: Mapping[str, Any] | None = None,
                          repro: Callable[[Finding], Any] | None = None,
-                         typecheck: bool = True) -> FuzzTarget:
+                         typecheck: bool = True,
+                         options: Callable[[Mapping[str, Any]], list[str]] | None = None) -> FuzzTarget:
     """Make ``name`` fuzzable, with its own search space.
 
     The scenario of an example ``{"layout": ..., **config}`` is ``scenario(ctx, **config)``, or
@@ -80,6 +86,8 @@ def register_fuzz_target(name: str, scenario: Callable[..., Any] | None = None,
     switches the bug's fix on, for a corrected control. ``repro(finding)`` returns the
     :class:`~shardcheck.repro.ScriptBody` of a self-contained reproduction script.
     ``typecheck=False`` runs parity alone, for code whose inputs carry no declared types.
+    ``options(config)`` names a trigger's options (by default: those set away from the scenario's
+    keyword defaults, sizes aside); with the location and contract they make a finding's id.
     """
     if make_scenario is None and scenario is not None:
         make_scenario = partial(partial, scenario)
@@ -93,7 +101,7 @@ def register_fuzz_target(name: str, scenario: Callable[..., Any] | None = None,
             raise FuzzError(f"fuzz target {name!r} needs a scenario, make_scenario or a check")
         check, measure = scenario_check(make_scenario, name, typecheck), scenario_measure(make_scenario)
     module = sys._getframe(1).f_globals.get("__name__")
-    target = FuzzTarget(name, strategy, check, measure, fix, repro, scenario, module)
+    target = FuzzTarget(name, strategy, check, measure, fix, repro, scenario, module, options)
     _TARGETS[name] = target
     return target
 
@@ -247,7 +255,7 @@ def _finding(target: FuzzTarget, failed: _ExampleFailed) -> Finding:
     return Finding(title=failure.title, target=target.name, module=target.module, location=failure.location,
                    contract=failure.contract, layout=layout, config=config, observed=observed,
                    reference=reference, corrected=corrected, max_error=failure.max_error,
-                   checker=failure.checker, kind=failure.kind)
+                   checker=failure.checker, kind=failure.kind, options=target.option_names(config))
 
 
 def _numbers(target: FuzzTarget, example: Mapping[str, Any], verdict: Verdict | None) -> tuple[Any, Any]:
@@ -262,6 +270,7 @@ def _store(findings: list[Finding], root: Path | str, target: FuzzTarget, write_
     """Save the findings (and their repro scripts); the ids of those not seen before."""
     store, new = FindingStore(root), []
     for finding in findings:
+        store.place(finding)
         if write_repros and target.repro is not None and finding.kind != TYPE_ONLY:
             with contextlib.suppress(ReproError):  # e.g. a layout the target's template cannot script
                 finding.repro = str(write_repro(finding, target, Path(root) / "repro" / f"{finding.id}.py"))

@@ -14,9 +14,11 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from shardcheck.findings import DEFAULT_ROOT, Finding, FindingStore
+from shardcheck.cli_errors import InputError, reference_failure
+from shardcheck.findings import DEFAULT_ROOT, Finding, FindingStore, package_location
 from shardcheck.fuzz import FuzzError, FuzzTarget, fuzz, registered_targets, resolve_target
 from shardcheck.layout import LayoutError
+from shardcheck.pool import PoolFailure
 from shardcheck.repro import ReproError, run_repro, write_repro
 
 CATALOGUE_MODULE = "shardcheck.megatron.fuzz_targets"  # registers the Megatron components
@@ -29,11 +31,13 @@ def _target(spec: str, typecheck: bool = True, module: str | None = None) -> Fuz
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # module:function scenarios next to the user
     if ":" not in spec and spec not in registered_targets() and not module and _exists(CATALOGUE_MODULE):
-        importlib.import_module(CATALOGUE_MODULE)
+        with warnings.catch_warnings():  # Megatron's "Apex is not installed" and deprecation notes
+            warnings.simplefilter("ignore")
+            importlib.import_module(CATALOGUE_MODULE)
     try:
         return resolve_target(spec, typecheck, module)
     except (FuzzError, LayoutError) as exc:
-        raise click.ClickException(str(exc)) from None
+        raise InputError(str(exc)) from None
 
 
 def _exists(module: str) -> bool:
@@ -58,12 +62,8 @@ def _show_findings(findings: list[Finding], statuses: dict[str, str] | None = No
 
 
 def _short(location: str) -> str:
-    """A location with its file shown relative to here when it is below here."""
-    path, sep, rest = location.partition(":")
-    try:
-        return str(Path(path).resolve().relative_to(Path.cwd())) + sep + rest
-    except ValueError:
-        return location
+    """A location with its file shown relative to its package or project (as its id hashes it)."""
+    return package_location(location)
 
 
 @click.command("fuzz")
@@ -88,12 +88,24 @@ def fuzz_command(target: str, budget: int, seed: int | None, no_typecheck: bool,
                 status.update(f"fuzzing {resolved.name}: {examples} examples run, {failing} failing")
             campaign = fuzz(resolved, budget=budget, seed=seed, root=root, progress=show)
     except (FuzzError, LayoutError, ReproError) as exc:
-        raise click.ClickException(str(exc)) from None
+        raise InputError(str(exc)) from None
+    except Exception as exc:  # the one-rank reference failed: hypothesis raises it, maybe grouped
+        failure = _pool_failure(exc)
+        if failure is None:
+            raise
+        raise reference_failure(target, failure) from None
     click.echo(f"{campaign.target}: {campaign.examples} examples in {campaign.seconds:.1f} s, "
                f"{len(campaign.findings)} finding(s), {len(campaign.new)} new")
     if campaign.findings:
         _show_findings(campaign.findings)
         sys.exit(1)
+
+
+def _pool_failure(exc: BaseException) -> PoolFailure | None:
+    if isinstance(exc, PoolFailure):
+        return exc
+    inner = getattr(exc, "exceptions", None) or []
+    return next(filter(None, map(_pool_failure, inner)), None)
 
 
 @click.command("repro")
@@ -108,7 +120,7 @@ def repro_command(finding_id: str, output: str | None, root: str) -> None:
         finding = store.load(finding_id)
         path = _write_script(finding, output or Path(root) / "repro" / f"{finding.id}.py")
     except (KeyError, ReproError) as exc:
-        raise click.ClickException(exc.args[0]) from None
+        raise InputError(exc.args[0]) from None
     if output is None:
         finding.repro = str(path)
         store.save(finding)

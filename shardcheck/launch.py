@@ -104,6 +104,16 @@ def spawn_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: fl
     return [results[r] for r in range(world_size)]
 
 
+_FOLLOW_ON = re.compile(r"Connection closed by peer|Connection reset by peer|remote worker crash"
+                        r"|Broken pipe|ProcessGroupGloo.*(?:closed|terminated)")
+
+
+def first_failures(outputs: dict[int, str]) -> list[tuple[int, str]]:
+    """Failing ranks' outputs (in the order they failed), those that failed on their own first:
+    a rank whose error only says a peer went away (Gloo's follow-on error) comes after them."""
+    return sorted(outputs.items(), key=lambda item: bool(_FOLLOW_ON.search(item[1])))
+
+
 CHECKER_LINE = re.compile(r"^\s*(?:[\w.]*SpmdTypeError: )?(checker: .*)$")
 RANK_PREFIX = re.compile(r"^\[rank\d+\]: ", re.MULTILINE)  # torch's excepthook prefixes tracebacks
 
@@ -115,6 +125,7 @@ class RankExit:
     rank: int
     returncode: int | None
     stderr: str
+    ended: int = 0  # the order in which the ranks ended
 
 
 @dataclass
@@ -149,7 +160,9 @@ class ScriptRun:
         lines = [f"{line.replace(f' at {here}', ' at ')}  [ranks {', '.join(map(str, ranks))}]"
                  for line, ranks in self.checker_lines.items()]
         if not lines:
-            for rank in self.failed:
+            by_rank = {rank.rank: rank for rank in sorted(self.failed, key=lambda r: r.ended)}
+            for number, _ in first_failures({r: by_rank[r].stderr for r in by_rank}):
+                rank = by_rank[number]
                 what = f"hung: killed after {self.timeout:g} s" if rank.returncode is None else (
                     f"failed with exit code {rank.returncode}")
                 lines.append(f"rank {rank.rank} {what}")
@@ -202,21 +215,25 @@ def run_script(script: str, args: Sequence[str], nproc: int, timeout: float,
                     [sys.executable, script, *args], stderr=logs[rank], preexec_fn=_own_session,
                     stdout=logs[rank] if log_stdout else None,
                     env={**os.environ, **(env or {}), **torchrun_env(rank, nproc, port)}))
-            codes = _wait_all(procs, timeout)
+            codes, order = _wait_all(procs, timeout)
         finally:
             for proc in procs:
                 _kill_group(proc)
         ranks = []
         for rank, log in enumerate(logs):
             log.seek(0)
-            ranks.append(RankExit(rank, codes[rank], RANK_PREFIX.sub("", log.read())))
+            ranks.append(RankExit(rank, codes[rank], RANK_PREFIX.sub("", log.read()), order[rank]))
             log.close()
     return ScriptRun(ranks, timeout)
 
 
-def _wait_all(procs: list[subprocess.Popen], timeout: float) -> list[int | None]:
-    """Exit codes once every rank ended, or None for those still running at the deadline."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+def _wait_all(procs: list[subprocess.Popen], timeout: float) -> tuple[list[int | None], list[int]]:
+    """Exit codes once every rank ended (None for those still running at the deadline), and
+    the order in which they ended (ranks still running last)."""
+    deadline, ended = time.monotonic() + timeout, {}
+    while time.monotonic() < deadline and len(ended) < len(procs):
+        for rank, proc in enumerate(procs):
+            if rank not in ended and proc.poll() is not None:
+                ended[rank] = len(ended)
         time.sleep(0.02)
-    return [p.poll() for p in procs]
+    return [p.poll() for p in procs], [ended.get(r, len(procs)) for r in range(len(procs))]

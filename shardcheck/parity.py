@@ -27,7 +27,7 @@ from shardcheck.assemble import NotComparable, compare
 from shardcheck.checker import confirmed_across_ranks
 from shardcheck.layout import BASE_DIMS, Layout
 from shardcheck.pool import PoolFailure, RankPool, in_torchrun, run_in_place
-from shardcheck.scenario import Scenario, ScenarioContext
+from shardcheck.scenario import Scenario, ScenarioContext, scenario_outputs
 from shardcheck.types import Placement, V, parse_placement
 
 PERTURBATION_EPS = 4.0  # noise runs perturb every sharded global tensor by this many epsilons
@@ -75,7 +75,7 @@ def capture(ctx: ScenarioContext, scenario: Scenario, perturbation: float, seed:
     region = checker.typecheck(ctx.mesh, mode="collect") if checker else nullcontext()
     region.__enter__()
     try:
-        entries = _entries(ctx, dict(scenario(ctx)), checker)
+        entries = _entries(ctx, scenario_outputs(scenario, ctx), checker)
         violations = [v.as_dict() for v in checker.violations()] if checker else []
     except BaseException:
         region.__exit__(*sys.exc_info())

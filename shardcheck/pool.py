@@ -45,7 +45,7 @@ import torch.distributed as dist
 from shardcheck import collective_log
 from shardcheck.checker import typecheck
 from shardcheck.gloo_avg import avg_problems
-from shardcheck.launch import die_with_parent, free_port
+from shardcheck.launch import die_with_parent, first_failures, free_port
 from shardcheck.layout import Layout
 from shardcheck.scenario import ScenarioContext, active, build_groups
 from shardcheck.types import Mesh
@@ -274,7 +274,7 @@ def _failure(desync: str | None, errors: dict[int, str], pending: list[int],
              last: dict[int, str], timeout: float) -> PoolFailure:
     kind = "desync" if desync else "error" if errors else "hang"
     lines = [desync] if desync else []
-    lines += [f"rank {rank} raised:\n{tb.rstrip()}" for rank, tb in sorted(errors.items())]
+    lines += [f"rank {rank} raised:\n{tb.rstrip()}" for rank, tb in first_failures(errors)]
     if pending:
         lines.append(f"hang: ranks {pending} did not finish within {timeout:g} s; the pool was restarted")
     state = {r: "" if r in pending else " (raised)" if r in errors else " (finished)" for r in last}

@@ -25,6 +25,24 @@ Types = dict[str, Placement]
 Scenario = Callable[["ScenarioContext"], Mapping[str, torch.Tensor]]
 
 _GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
+
+
+class ScenarioOutputError(TypeError):
+    """A scenario returned something other than a dict of output name -> tensor."""
+
+
+def scenario_outputs(scenario: Scenario, ctx: ScenarioContext) -> dict[str, torch.Tensor]:
+    """Run ``scenario(ctx)``; its outputs, or ScenarioOutputError naming what it returned."""
+    outputs = scenario(ctx)
+    name = getattr(scenario, "__qualname__", None) or getattr(getattr(scenario, "func", None), "__qualname__", "scenario")
+    if not isinstance(outputs, Mapping):
+        raise ScenarioOutputError(f"scenario {name} returned a {type(outputs).__name__}, expected a dict "
+                                  "of output name -> tensor, e.g. {'loss': loss}")
+    for key, value in outputs.items():
+        if not isinstance(value, (torch.Tensor, int, float)):
+            raise ScenarioOutputError(f"scenario {name}: output {key!r} is a {type(value).__name__}, "
+                                      "expected a tensor or a number")
+    return dict(outputs)
 _current: list[ScenarioContext] = []
 
 

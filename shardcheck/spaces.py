@@ -95,6 +95,21 @@ def default_fields(source: Callable[..., Any] | type, only: Iterable[str] | None
     return fields
 
 
+def option_names(config: Mapping[str, Any], source: Callable[..., Any] | type | None = None) -> list[str]:
+    """The names of a configuration's options, the part of a trigger that names a bug's cause.
+
+    Sizes (ints, lists, tuples) are not options. With ``source``, only options set away from its
+    keyword defaults count.
+    """
+    defaults = {name: default for name, default, _ in _defaults(source)} if source is not None else {}
+    return sorted(name for name, value in config.items()
+                  if not _is_size(value) and (name not in defaults or value != defaults[name]))
+
+
+def _is_size(value: Any) -> bool:
+    return isinstance(value, (list, tuple)) or (isinstance(value, int) and not isinstance(value, (bool, enum.Enum)))
+
+
 def non_default(fields: Mapping[str, st.SearchStrategy], source: Callable[..., Any] | type) -> st.SearchStrategy[dict]:
     """A dict of only the fields drawn different from their defaults (e.g. config overrides)."""
     defaults = {name: default for name, default, _ in _defaults(source)}

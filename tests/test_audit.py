@@ -68,6 +68,7 @@ def test_plain_gpt_on_correct_layouts_gives_no_finding(warm):
 def test_options_megatron_gets_right_under_tp_give_no_finding(warm):
     result = audit([Case("gpt", options, Layout(tp=2)) for options in RIGHT_OPTIONS], run_pools=warm)
     assert not result.errors, [o.error for o in result.errors]
+    assert len(result.outcomes) == len(RIGHT_OPTIONS) and not result.not_swept  # every case ran
     assert result.findings == []  # fused cross-entropy's split halves; the constant softmax sink
 
 
@@ -76,6 +77,7 @@ def test_the_same_masks_without_cp_give_no_finding(warm):
     result = audit([Case("gpt", masked, Layout.parse(t)) for t in ("tp2", "dp2")]
                    + [Case("output_loss", (), Layout(tp=2)), Case("moe_router", (), Layout(tp=2, sp=True))],
                    run_pools=warm)
+    assert len(result.outcomes) == 4 and not result.not_swept and not result.not_applicable  # all ran
     assert result.findings == [] and not result.errors
 
 

@@ -233,7 +233,7 @@ def test_audit_findings_join_the_store_with_their_scripts_and_repro_reads_them(t
     assert out.read_text() == (tmp_path / "out" / "repro" / f"{scripted.id}.py").read_text().replace(
         f"{scripted.id}.py", "again.py")
     result = CliRunner().invoke(main, ["repro", untemplated.id, "--root", str(tmp_path / "store")])
-    assert result.exit_code == 1 and "no repro template for component 'retro'" in result.output
+    assert result.exit_code == 2 and "no repro template for component 'retro'" in result.output
     listed = CliRunner().invoke(main, ["findings", "--no-run", "--root", str(tmp_path / "store")])
     assert listed.exit_code == 0 and scripted.id in listed.output and untemplated.id in listed.output
 

@@ -51,6 +51,27 @@ def test_compare_json_and_markdown():
     assert markdown.count("| num-zeros |") == 1 and "|---|" in markdown
 
 
+def test_compare_json_lists_every_step_past_each_threshold_and_the_table_stays_short():
+    data = json.loads(invoke("compare", H100, H100_2ND, "--json").output)
+    metrics = {m["metric"]: m for m in data["files"][0]["metrics"]}
+    for name, m in metrics.items():
+        o, n = plain_series(H100, name), plain_series(H100_2ND, name)
+        steps = [s for s in sorted(set(o) & set(n)) if abs(o[s]) >= 1e-12]
+        for level, listed in m["changed_steps"].items():
+            want = [
+                {"step": s, "old": o[s], "new": n[s]}
+                for s in steps
+                if abs(n[s] / o[s] - 1) > float(level)
+            ]
+            assert listed == want, (name, level)
+            assert m["share_changed"][level] == pytest.approx(len(want) / len(steps))
+    over_20 = [c["step"] for c in metrics["num-zeros"]["changed_steps"]["0.20"]]
+    assert len(over_20) == 6 > len(metrics["num-zeros"]["largest"]) == 5
+    table = invoke("compare", H100, H100_2ND).output
+    line = next(x for x in table.splitlines() if x.strip().startswith("num-zeros: largest"))
+    assert line.count("step ") == 3
+
+
 @pytest.mark.slow  # imports matplotlib and renders three figures
 def test_html_report_is_self_contained_with_png_plots(tmp_path):
     out = tmp_path / "report.html"
@@ -138,7 +159,7 @@ def test_git_bad_revision_is_one_line_exit_2(history_repo):
     repo, _ = history_repo
     result = invoke("compare", "--repo", repo, "--rev", "nope", "--rev", "HEAD")
     assert result.exit_code == 2 and len(result.stderr.strip().splitlines()) == 1
-    assert result.stderr.startswith("error: git rev-parse")
+    assert result.stderr.startswith("Error: git rev-parse")
 
 
 def test_check_exit_codes_and_failing_steps():

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 from click.testing import CliRunner
-from golden_data import data_root, head
+from golden_data import EP8, data_root, full_data_root, head
 
 from shardcheck.golden.cli import golden
 from shardcheck.golden.compare import compare_golden
@@ -31,11 +31,11 @@ def classify(path):
     return "training"
 
 
-@pytest.mark.slow
-def test_every_head_file_loads_or_is_rejected_in_one_line():
+def check_every_file(head_dir):
+    """Load or reject each file under ``head_dir``; how many files of each kind it held."""
     runner = CliRunner()
     kinds = {}
-    for path in sorted((data_root() / "head").rglob("*")):
+    for path in sorted(head_dir.rglob("*")):
         if not path.is_file():
             continue
         if path.name == "model_config.yaml":
@@ -55,15 +55,23 @@ def test_every_head_file_loads_or_is_rejected_in_one_line():
         assert result.exit_code == 2, (path, result.output)
         assert isinstance(result.exception, SystemExit)
         lines = result.stderr.strip().splitlines()
-        assert len(lines) == 1 and lines[0].startswith(f"error: {path}: "), lines
+        assert len(lines) == 1 and lines[0].startswith(f"Error: {path}: "), lines
         assert "Traceback" not in result.output
-    assert (
-        kinds["empty"] >= 1
-        and kinds["{}"] >= 1
-        and kinds["inference"] >= 1
-        and kinds["legacy"] >= 1
-    )
-    assert kinds["training"] > 800
+    return kinds
+
+
+KINDS = {"training", "legacy", "empty", "{}", "inference"}
+
+
+def test_every_carried_file_loads_or_is_rejected_in_one_line():
+    kinds = check_every_file(data_root() / "head")
+    assert set(kinds) == KINDS  # the carried subset holds every format
+
+
+@pytest.mark.slow
+def test_every_file_of_the_full_data_set_loads_or_is_rejected_in_one_line():
+    kinds = check_every_file(full_data_root() / "head")
+    assert set(kinds) == KINDS and kinds["training"] > 800
 
 
 def first_file(kind):
@@ -103,9 +111,7 @@ def test_legacy_lists_load_at_their_documented_steps_and_check_refuses_them():
 
 
 def test_nan_strings_are_kept_apart_from_numbers():
-    path = head(
-        "moe/gpt3_moe_mcore_te_ep8_resume_torch_dist_dist_optimizer/golden_values_dev_dgx_h100_2nd.json"
-    )
+    path = head(f"{EP8}/golden_values_dev_dgx_h100_2nd.json")
     raw = json.loads(path.read_text())["lm loss"]["values"]
     series = load_golden(path).metrics["lm loss"]
     nan_steps = sorted(int(s) for s, v in raw.items() if v == "nan")
@@ -148,4 +154,4 @@ def test_real_process_exits_2_without_traceback(tmp_path):
         timeout=120,
     )
     assert done.returncode == 2
-    assert done.stderr.strip() == f"error: {empty}: empty file, no golden values in it"
+    assert done.stderr.strip() == f"Error: {empty}: empty file, no golden values in it"

@@ -5,7 +5,7 @@ import math
 import statistics
 
 import pytest
-from golden_data import A2A, TOP2, head, history, plain_series
+from golden_data import A2A, TOP2, full_data_root, head, history, history_index, plain_series
 
 from shardcheck.golden.io import load_golden, parse_golden
 from shardcheck.golden.stats import MIXED, SPIKES, UNCHANGED, UNIFORM, compare_metric
@@ -91,13 +91,14 @@ def test_signed_mean_misleads_on_a_real_pair_and_the_output_says_why():
 def test_history_has_no_base_image_pair_with_a_huge_signed_mean():
     # Documented finding: the "-769%" case is not among these history files; every
     # consecutive num-zeros pair has |signed mean| < 100 %.
-    index = json.loads((head("").parent / "history" / "index.json").read_text())
+    root = full_data_root()
+    index = history_index(root)
     cases = {e["case"] for e in index}
     worst = 0.0
     for case in cases:
         entries = sorted((e for e in index if e["case"] == case), key=lambda e: e["date"])
         for a, b in zip(entries, entries[1:], strict=False):
-            paths = [head("").parent / "history" / e["file"] for e in (a, b)]
+            paths = [root / "history" / e["file"] for e in (a, b)]
             got = module(*paths, "num-zeros")
             worst = max(worst, abs(got.megatron_signed_mean))
     assert 0.5 < worst < 1.0

@@ -5,10 +5,10 @@ gradient norm) really differs from the single-process reference; each correct ca
 reference and has no violation. The cases run two spawns: one on 2 ranks, one on 4.
 """
 
+import grad_programs as programs
 import pytest
 
 from shardcheck.launch import spawn_ranks
-from tests import grad_programs as programs
 
 EXACT = 1e-5
 UNREDUCED, MISDECLARED, ACCOUNTING = "unreduced gradient", "misdeclared parameter", "norm accounting"

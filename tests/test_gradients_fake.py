@@ -1,10 +1,9 @@
 """Gradient types on a 2048-rank layout (TP=8 x CP=4 x DP=64), one process, fake backend."""
 
+import grad_programs as programs
 import pytest
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
-
-from tests import grad_programs as programs
 
 WORLD = 2048
 

@@ -11,12 +11,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from grad_programs import CopyToRegion, ReduceFromRegion
 from torch import nn
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import shardcheck as sc
 from shardcheck.rules import SectionShard
-from tests.grad_programs import CopyToRegion, ReduceFromRegion
 
 R, V, S = sc.R, sc.V, sc.S
 VOCAB, ROWS, HIDDEN, HALF = 16, 8, 4, 4  # ROWS: this rank's rows; HALF: its part of each GLU half

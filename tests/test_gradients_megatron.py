@@ -5,10 +5,10 @@ the checker types it as it runs. (Megatron's sequence-parallel gather allocates 
 ``torch.cuda.current_device()``, so it cannot run on this CPU-only torch.) 2 Gloo ranks.
 """
 
+import grad_programs as programs
 import pytest
 
 from shardcheck.launch import spawn_ranks
-from tests import grad_programs as programs
 
 pytest.importorskip("megatron.core.tensor_parallel.mappings")
 pytestmark = [pytest.mark.megatron, pytest.mark.slow]

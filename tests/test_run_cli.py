@@ -29,31 +29,44 @@ os.write(1, (line + "\\n").encode())  # one write: the two ranks share stdout
 dist.destroy_process_group()
 """,
     "checker": """
-class SpmdTypeError(RuntimeError):
-    pass
-if rank == 1:  # a collect-mode summary line, then the same error as rank 0
-    print("  checker: double count at mlp.py:9 in all_reduce: R", file=sys.stderr)
-raise SpmdTypeError("checker: non-linear on partial at mlp.py:7 in gelu: P\\n  operand 0: P")
+import torch.nn.functional as F
+import shardcheck as sc
+with sc.typecheck(sc.Mesh(tp=dist.group.WORLD), mode="collect"):  # every violation, then go on
+    partial = sc.annotate(torch.randn(2), tp=sc.P)
+    F.gelu(partial)  # on both ranks
+    if rank == 1:
+        torch.exp(partial)  # on rank 1 only
 """,
     "fails": """
 if rank == 1:
     raise ValueError("rank one is broken")
 """,
-    "hangs": """
-import subprocess
-child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-with open(os.environ["PID_DIR"] + f"/{rank}", "w") as f:
-    f.write(f"{os.getpid()} {child.pid}")
-if rank == 0:
-    dist.all_reduce(torch.ones(1))
-time.sleep(600)
+    "peer_fails": """
+if rank == 1:
+    raise ValueError("rank one broke first")
+dist.all_reduce(torch.ones(1))  # rank 0 then fails here: its peer went away
 """,
 }
 
 
+# Its processes are on record before torch is imported: under load, imports take seconds.
+HANGS = """
+import os, subprocess, sys, time
+rank = int(os.environ["RANK"])
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+with open(os.environ["PID_DIR"] + f"/{rank}", "w") as f:
+    f.write(f"{os.getpid()} {child.pid}")
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+if rank == 0:
+    dist.all_reduce(torch.ones(1))
+time.sleep(600)
+"""
+
+
 def _script(tmp_path: Path, name: str) -> str:
     path = tmp_path / f"{name}.py"
-    path.write_text(HEADER + textwrap.dedent(SCRIPTS[name]))
+    path.write_text(HANGS if name == "hangs" else HEADER + textwrap.dedent(SCRIPTS[name]))
     return str(path)
 
 
@@ -77,11 +90,17 @@ def test_clean_ranks_get_the_torchrun_environment_and_exit_0(tmp_path, capfd):
 
 @pytest.mark.slow
 def test_each_distinct_checker_line_is_printed_once_with_its_ranks(tmp_path):
-    result = CliRunner().invoke(main, ["run", "-n", "2", _script(tmp_path, "checker")])
-    assert result.exit_code == 1
+    script = _script(tmp_path, "checker")
+    lines = Path(script).read_text().splitlines()
+
+    def line(code: str) -> int:
+        return next(n for n, text in enumerate(lines, 1) if code + "(" in text)
+
+    result = CliRunner().invoke(main, ["run", "-n", "2", script])
+    assert result.exit_code == 1, result.output
     assert result.output.splitlines() == [
-        "checker: non-linear on partial at mlp.py:7 in gelu: P  [ranks 0, 1]",
-        "checker: double count at mlp.py:9 in all_reduce: R  [ranks 1]",
+        f"checker: non-linear on partial at {script}:{line('F.gelu')} in aten.gelu.default: {{tp:P}}  [ranks 0, 1]",
+        f"checker: non-linear on partial at {script}:{line('torch.exp')} in aten.exp.default: {{tp:P}}  [ranks 1]",
     ]
 
 
@@ -94,13 +113,22 @@ def test_a_rank_that_fails_otherwise_exits_2_with_its_traceback(tmp_path):
 
 
 @pytest.mark.slow
+def test_the_rank_that_failed_first_is_shown_first_with_its_own_traceback(tmp_path):
+    result = CliRunner().invoke(main, ["run", "-n", "2", _script(tmp_path, "peer_fails")])
+    assert result.exit_code == 2
+    assert result.stderr.startswith("rank 1 failed with exit code 1\n  Traceback")
+    first, _, second = result.stderr.partition("rank 0 failed")
+    assert "ValueError: rank one broke first" in first and second  # rank 0's Gloo error after it
+
+
+@pytest.mark.slow
 def test_a_hung_rank_is_killed_with_everything_it_started(tmp_path, monkeypatch):
     monkeypatch.setenv("PID_DIR", str(tmp_path))
     script = _script(tmp_path, "hangs")
-    result = CliRunner().invoke(main, ["run", "-n", "2", "--timeout", "10", script])
+    result = CliRunner().invoke(main, ["run", "-n", "2", "--timeout", "30", script])
     assert result.exit_code == 2
-    assert "rank 0 hung: killed after 10 s" in result.stderr
-    assert "rank 1 hung: killed after 10 s" in result.stderr
+    assert "rank 0 hung: killed after 30 s" in result.stderr
+    assert "rank 1 hung: killed after 30 s" in result.stderr
     pids = [int(p) for f in tmp_path.iterdir() if f.suffix == "" for p in f.read_text().split()]
     assert len(pids) == 4 and wait_gone(pids) == []
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 from rich.console import Console
 
+from shardcheck.cli_errors import InputError
 from shardcheck.golden import report
 from shardcheck.golden.compare import FileComparison, compare_git, compare_paths
 from shardcheck.golden.config import DEFAULT_METRICS, ModelConfig, load_model_config
@@ -19,7 +20,7 @@ from shardcheck.golden.noise import noise_verdict
 from shardcheck.golden.resume import resume_step_from_config, resume_verdict
 from shardcheck.golden.verdict import ci_verdict
 
-EXIT_FAIL, EXIT_BAD_INPUT = 1, 2
+EXIT_FAIL = 1
 
 
 def _console() -> Console:
@@ -27,15 +28,14 @@ def _console() -> Console:
 
 
 def _clean_errors(command):
-    """Turn GoldenInputError into one line on stderr and exit status 2."""
+    """Turn GoldenInputError into one ``Error:`` line on stderr and exit status 2."""
 
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
         try:
             return command(*args, **kwargs)
         except GoldenInputError as err:
-            click.echo(f"error: {err}", err=True)
-            sys.exit(EXIT_BAD_INPUT)
+            raise InputError(str(err)) from None
 
     return wrapper
 
@@ -186,6 +186,13 @@ def _filtered(comparisons: list[FileComparison], metrics) -> list[FileComparison
     if not metrics:
         return comparisons
     wanted = set(metrics)
+    known = {m.metric for fc in comparisons for m in fc.metrics}
+    unknown = sorted(wanted - known)
+    if unknown:
+        raise GoldenInputError(
+            f"no metric {', '.join(map(repr, unknown))} in the compared files; "
+            f"they have: {', '.join(sorted(known)) or 'none'}"
+        )
     return [
         FileComparison(
             fc.label,

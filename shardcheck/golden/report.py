@@ -13,7 +13,7 @@ from rich.table import Table
 from shardcheck.golden.compare import FileComparison
 from shardcheck.golden.explain import Explanation
 from shardcheck.golden.noise import Band, NoiseVerdict
-from shardcheck.golden.stats import UNCHANGED, MetricComparison, format_value
+from shardcheck.golden.stats import UNCHANGED, MetricComparison, StepChange, format_value
 from shardcheck.golden.verdict import CheckResult, Verdict
 
 COMPARE_COLUMNS = (
@@ -186,10 +186,18 @@ def metric_json(m: MetricComparison) -> dict:
         "median_ratio": _finite(m.median_ratio),
         "geomean_ratio": _finite(m.geomean_ratio),
         "share_changed": {f"{level:.2f}": v for level, v in m.share_changed.items()},
-        "largest": [{"step": c.step, "old": c.old, "new": c.new} for c in m.largest],
+        "changed_steps": {
+            f"{level:.2f}": [_step_json(c) for c in steps]
+            for level, steps in m.changed_steps.items()
+        },
+        "largest": [_step_json(c) for c in m.largest],
         "pattern": m.pattern,
         "disagreement": m.disagreement or None,
     }
+
+
+def _step_json(c: StepChange) -> dict:
+    return {"step": c.step, "old": c.old, "new": c.new}
 
 
 def comparisons_json(comparisons: Sequence[FileComparison]) -> list[dict]:

@@ -59,6 +59,7 @@ class MetricComparison:
     median_ratio: float
     geomean_ratio: float
     share_changed: dict[float, float]
+    changed_steps: dict[float, tuple[StepChange, ...]]
     largest: tuple[StepChange, ...]
     pattern: str
     disagreement: str
@@ -93,9 +94,9 @@ def compare_metric(old: MetricSeries, new: MetricSeries, top: int = 5) -> Metric
     """All statistics of one metric; see the module docstring."""
     pair = paired_steps(old, new)
     if len(pair.steps) == 0:
-        nan = math.nan
+        no_numbers = (math.nan,) * 6  # signed mean, the two means and the three ratios
         return MetricComparison(
-            old.name, 0, pair.skipped_zero_old, nan, nan, nan, nan, nan, nan, {}, (), NO_DATA, ""
+            old.name, 0, pair.skipped_zero_old, *no_numbers, {}, {}, (), NO_DATA, ""
         )
     n = len(pair.steps)
     ratio = pair.new / pair.old
@@ -104,6 +105,7 @@ def compare_metric(old: MetricSeries, new: MetricSeries, top: int = 5) -> Metric
     old_mean, new_mean = float(pair.old.sum()) / n, float(pair.new.sum()) / n
     ratio_of_means = new_mean / old_mean if old_mean else math.nan
     median_ratio = float(np.median(ratio))
+    changed = {level: steps_beyond(pair, deviation > level) for level in CHANGE_LEVELS}
     return MetricComparison(
         metric=old.name,
         steps=n,
@@ -114,7 +116,8 @@ def compare_metric(old: MetricSeries, new: MetricSeries, top: int = 5) -> Metric
         ratio_of_means=ratio_of_means,
         median_ratio=median_ratio,
         geomean_ratio=geometric_mean_ratio(ratio),
-        share_changed={level: np.count_nonzero(deviation > level) / n for level in CHANGE_LEVELS},
+        share_changed={level: len(steps) / n for level, steps in changed.items()},
+        changed_steps=changed,
         largest=largest_changes(pair, top),
         pattern=classify(pair),
         disagreement=explain_disagreement(pair, signed, ratio_of_means, median_ratio),
@@ -125,6 +128,14 @@ def geometric_mean_ratio(ratio: np.ndarray) -> float:
     """exp(mean(log r)) over the steps with a positive ratio (NaN if there are none)."""
     positive = ratio[ratio > 0]
     return float(np.exp(np.mean(np.log(positive)))) if len(positive) else math.nan
+
+
+def steps_beyond(pair: PairedSteps, mask: np.ndarray) -> tuple[StepChange, ...]:
+    """Every step selected by ``mask``, in step order."""
+    return tuple(
+        StepChange(int(s), float(o), float(n))
+        for s, o, n in zip(pair.steps[mask], pair.old[mask], pair.new[mask], strict=True)
+    )
 
 
 def largest_changes(pair: PairedSteps, top: int) -> tuple[StepChange, ...]:

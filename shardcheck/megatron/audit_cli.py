@@ -9,6 +9,8 @@ from pathlib import Path
 
 import click
 
+from shardcheck.cli_errors import EXIT_FOUND, InputError
+
 DEFAULT_TIME_LIMIT_MIN = 12.0
 
 
@@ -83,14 +85,15 @@ def audit_command(budget: int | None, time_limit: float | None, only: tuple[str,
     on Gloo ranks, compare each with one rank, type-check it, and report deduplicated findings.
 
     Each confirmed finding gets a torchrun script in OUT/repro/ and every finding is kept in
-    the store at ROOT, for `shardcheck repro` and `shardcheck findings`."""
+    the store at ROOT, for `shardcheck repro` and `shardcheck findings`. Exit status: 1 when
+    there are findings, 2 when no case ran (the console says why) or on bad input."""
     if budget is not None and time_limit is not None:
-        raise click.UsageError("give --budget or --time-limit, not both")
+        raise InputError("give --budget or --time-limit, not both")
     warnings.filterwarnings("ignore", category=UserWarning)  # Megatron's "Apex is not installed"
     try:
         import megatron.core  # noqa: F401
     except ImportError:
-        raise click.ClickException("megatron-core is not installed: pip install 'shardcheck[megatron]'") from None
+        raise InputError("megatron-core is not installed: pip install 'shardcheck[megatron]'") from None
     from shardcheck.megatron import audit_report
     from shardcheck.megatron.audit import audit
     from shardcheck.megatron.audit_repro import save_with_scripts
@@ -110,6 +113,18 @@ def audit_command(budget: int | None, time_limit: float | None, only: tuple[str,
         click.echo((Path(out_dir) / "findings.json").read_text())
     else:
         _print_summary(result, summary, Path(out_dir))
+    if not summary["cases run"]:
+        raise InputError(_nothing_ran(summary, len(cases)))
+    if result.findings:
+        sys.exit(EXIT_FOUND)
+
+
+def _nothing_ran(summary: dict, planned: int) -> str:
+    """Why an audit ran no case: what refused, skipped or broke the cases asked for."""
+    reasons = summary["not_applicable"] + summary["not_swept"] + summary["errors"]
+    if not planned:
+        reasons = reasons or ["no component runs under the layouts given"]
+    return "no case ran: " + "; ".join(reasons or ["every case was screened out"])
 
 
 class _progress:

@@ -44,7 +44,7 @@ class Finding:
     repro: str | None = None  # the torchrun script, or "no script: why"
 
     def __post_init__(self) -> None:
-        self.id = self.id or finding_id(self.location, self.contract)
+        self.id = self.id or finding_id(self.location, self.contract, self.trigger["options"])
 
 
 GLOBAL_GROUP_CONTRACT = ("collectives of a model given a pg_collection use its groups: a value "

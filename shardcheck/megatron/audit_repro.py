@@ -1,7 +1,7 @@
 """Audit findings in the findings store, each confirmed one with its torchrun script.
 
 An audit finding is kept in the same store as the fuzzer's (``ROOT/findings/<id>.json``, id =
-hash of location and contract), as a :class:`~shardcheck.findings.Finding` whose ``origin`` is
+hash of location, contract and trigger option names), as a :class:`~shardcheck.findings.Finding` whose ``origin`` is
 ``"audit"``, whose target is the Megatron component and whose config is the trigger's options.
 Its script comes from the component's template (:mod:`shardcheck.megatron.repro_templates`),
 so ``shardcheck repro ID`` and ``shardcheck findings`` treat audit and fuzz findings alike.
@@ -30,7 +30,7 @@ def as_stored(finding: audit_report.Finding) -> Finding:
         reference=audit_report.show_number(first["reference"]) if first else None,
         corrected=finding.corrected["result"] if finding.corrected else None,
         max_error=first.get("max_abs_error"), checker=finding.checker, kind=finding.kind,
-        origin=AUDIT, id=finding.id)
+        origin=AUDIT, options=list(finding.trigger["options"]), id=finding.id)
 
 
 def write_audit_script(finding: Finding, path: Path | str) -> Path:
@@ -44,6 +44,7 @@ def save_with_scripts(findings: Sequence[audit_report.Finding], out_dir: Path, r
     store = FindingStore(root)
     for finding in findings:
         stored = as_stored(finding)
+        finding.id = store.place(stored)
         if finding.kind != TYPE_ONLY:
             try:
                 stored.repro = str(write_audit_script(stored, out_dir / "repro" / f"{finding.id}.py"))

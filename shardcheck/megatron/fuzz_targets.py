@@ -150,7 +150,14 @@ def register_catalogue() -> None:
     for component in COMPONENTS:
         register_fuzz_target(component, strategy=st.deferred(lambda c=component: component_space(c)),
                              check=partial(check_example, component),
-                             repro=script_body if component in TEMPLATES else None)
+                             repro=script_body if component in TEMPLATES else None,
+                             options=partial(_option_names, component))
+
+
+def _option_names(component: str, config: dict[str, Any]) -> list[str]:
+    """A trigger's options: every field but the setup's sizes (the audit's trigger options)."""
+    sizes = fuzzable_sizes(COMPONENTS[component].setup)
+    return sorted(name for name in config if name not in sizes)
 
 
 register_catalogue()

@@ -1,0 +1,99 @@
+"""The command line's error contract, walked command by command: bad input exits 2 with one
+``Error:`` line on stderr and no traceback (shardcheck.cli_errors)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from shardcheck.cli import main
+
+SCENARIOS = '''
+import torch
+
+def tensor_out(ctx, n=2):
+    return torch.ones(n)
+
+def raises(ctx, n=2):
+    raise ValueError("my scenario is broken")
+'''
+
+
+@pytest.fixture
+def inputs(tmp_path, monkeypatch):
+    """A folder with a scenario module, a golden-values file and an empty findings store."""
+    (tmp_path / "bad_scenarios.py").write_text(SCENARIOS)
+    series = {"start_step": 1, "end_step": 3, "step_interval": 1, "values": {"1": 2.0, "2": 1.5, "3": 1.25}}
+    (tmp_path / "golden.json").write_text(json.dumps({"lm loss": series}))
+    (tmp_path / "script.py").write_text("print('hello')\n")
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+BAD_INPUTS = [
+    (["nope"], "No such command 'nope'"),
+    (["run", "missing.py"], "no such script: missing.py"),
+    (["run", "--nprocs", "2", "script.py"], "no such option: --nprocs (options go before SCRIPT"),
+    (["run", "-n", "0", "script.py"], "--nproc and --timeout must be positive"),
+    (["run", "--timeout", "soon", "script.py"], "Invalid value for '--timeout'"),
+    (["run"], "Missing argument 'SCRIPT'"),
+    (["parity", "nocolon"], "expected module:function, got 'nocolon'"),
+    (["parity", "no_such_module:f"], "cannot import 'no_such_module'"),
+    (["parity", "bad_scenarios:missing"], "'bad_scenarios' has no function 'missing'"),
+    (["parity", "bad_scenarios:tensor_out", "--layouts", "tp3x"], "malformed layout 'tp3x'"),
+    (["parity", "bad_scenarios:tensor_out", "--layouts", "tp2"],
+     "scenario tensor_out returned a Tensor, expected a dict of output name -> tensor"),
+    (["fuzz", "no-such-target"], "unknown fuzz target 'no-such-target'"),
+    (["fuzz", "no_such_module:f"], "cannot import 'no_such_module'"),
+    (["fuzz", "bad_scenarios:tensor_out", "--budget", "0"], "Invalid value for '--budget'"),
+    (["fuzz", "bad_scenarios:tensor_out", "--budget", "2", "--root", "store"],
+     "scenario tensor_out returned a Tensor, expected a dict of output name -> tensor"),
+    (["repro", "0123456789", "--root", "store"], "no finding with id '0123456789'"),
+    (["findings", "--launcher", "mpirun"], "Invalid value for '--launcher'"),
+    (["audit", "--budget", "3", "--time-limit", "1"], "give --budget or --time-limit, not both"),
+    (["audit", "--budget", "0"], "Invalid value for '--budget'"),
+    (["golden", "check", "golden.json", "missing.json"], "missing.json"),
+    (["golden", "compare", "golden.json", "golden.json", "--metric", "lm-loss"],
+     "no metric 'lm-loss' in the compared files; they have: lm loss"),
+    (["golden", "compare", "golden.json"], "give OLD and NEW"),
+    (["golden", "explain", "golden.json", "golden.json"], "Missing option '--model-config'"),
+]
+
+
+@pytest.mark.parametrize(("args", "message"), BAD_INPUTS, ids=[" ".join(a) for a, _ in BAD_INPUTS])
+def test_bad_input_exits_2_with_one_error_line(args, message, inputs):
+    result = CliRunner().invoke(main, args)
+    lines = result.stderr.strip().splitlines()
+    assert result.exit_code == 2, result.output
+    assert len(lines) == 1 and lines[0].startswith("Error: ") and message in lines[0], result.stderr
+    assert "Traceback" not in result.output
+
+
+def test_a_scenario_that_raises_is_a_harness_failure_with_its_own_traceback_first(inputs):
+    result = CliRunner().invoke(main, ["parity", "bad_scenarios:raises", "--layouts", "tp2"])
+    assert result.exit_code == 2
+    first, *rest = result.stderr.strip().splitlines()
+    assert first == ("Error: the one-rank reference of bad_scenarios:raises failed: rank 0 raised "
+                     "ValueError: my scenario is broken")
+    assert 'bad_scenarios.py", line 8, in raises' in "\n".join(rest)
+
+
+def test_a_bug_in_shardcheck_exits_2_with_its_traceback(inputs):
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    code = ("import sys; from shardcheck.cli import main; import shardcheck.cli_run as r; "
+            "r.run_script = lambda *a: 1 / 0; sys.argv = ['shardcheck', 'run', 'script.py']; main()")
+    done = subprocess.run([sys.executable, "-c", code], cwd=inputs, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2
+    assert "ZeroDivisionError" in done.stderr and "Traceback" in done.stderr
+    assert done.stderr.strip().splitlines()[-1].startswith("Error: shardcheck failed")
+
+
+def test_found_and_clean_keep_their_exit_codes(inputs):
+    assert CliRunner().invoke(main, ["golden", "compare", "golden.json", "golden.json"]).exit_code == 0
+    assert CliRunner().invoke(main, ["--help"]).exit_code == 0
+    assert CliRunner().invoke(main, ["findings", "--no-run", "--root", "store"]).exit_code == 0
