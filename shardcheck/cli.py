@@ -11,6 +11,7 @@ from shardcheck.cli_run import run
 from shardcheck.fuzz_cli import findings_command, fuzz_command, repro_command
 from shardcheck.golden.cli import golden
 from shardcheck.megatron.audit_cli import audit_command
+from shardcheck.megatron.train_cli import train_command
 
 
 @click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"]})
@@ -30,3 +31,4 @@ main.add_command(fuzz_command)
 main.add_command(repro_command)
 main.add_command(findings_command)
 main.add_command(audit_command)
+main.add_command(train_command)

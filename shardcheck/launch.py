@@ -196,11 +196,14 @@ def _kill_group(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def run_script(script: str, args: Sequence[str], nproc: int, timeout: float) -> ScriptRun:
+def run_script(script: str, args: Sequence[str], nproc: int, timeout: float,
+               env: dict[str, str] | None = None, log_stdout: bool = False) -> ScriptRun:
     """Run ``python script args`` as ``nproc`` local ranks, like ``torchrun --standalone``.
 
     Each rank runs in its own session; ranks still running after ``timeout`` seconds are
     killed with everything they started, and so is every rank if this call is interrupted.
+    ``env`` is added to each rank's environment; ``log_stdout`` sends its stdout to its log
+    (the stderr kept in :class:`RankExit`) instead of this process's stdout.
     """
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="shardcheck-run-") as tmp:
@@ -210,7 +213,8 @@ def run_script(script: str, args: Sequence[str], nproc: int, timeout: float) -> 
             for rank in range(nproc):
                 procs.append(subprocess.Popen(
                     [sys.executable, script, *args], stderr=logs[rank], preexec_fn=_own_session,
-                    env={**os.environ, **torchrun_env(rank, nproc, port)}))
+                    stdout=logs[rank] if log_stdout else None,
+                    env={**os.environ, **(env or {}), **torchrun_env(rank, nproc, port)}))
             codes, order = _wait_all(procs, timeout)
         finally:
             for proc in procs:

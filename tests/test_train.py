@@ -1,0 +1,133 @@
+"""``shardcheck train``: Megatron's own ``pretrain`` on N real Gloo CPU ranks against one rank.
+
+The layouts share one one-rank reference run (module-scoped); each parallel run is compared
+with it step by step. A planted bug (the data-parallel gradient all-reduce dropped, in a copy
+of megatron-core given with ``--megatron``) must part ways and be named.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from shardcheck.cli import main
+from shardcheck.golden import load_golden
+from shardcheck.megatron.train_args import plan_runs
+from shardcheck.megatron.train_cli import Launch, run_training, start_from
+from shardcheck.train import compare_runs, write_golden
+
+pytestmark = pytest.mark.timeout(900)
+
+BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+        "--max-position-embeddings", "32", "--micro-batch-size", "1", "--global-batch-size", "4",
+        "--lr", "1e-3", "--vocab-size", "1024", "--seed", "1234"]
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-token-dispatcher-type", "alltoall",
+       "--disable-bias-linear"]  # with biases, 0.19.2's SequentialMLP adds one in place to a tp1 view
+LAYOUTS = {
+    "tp2": (2, ["--tensor-model-parallel-size", "2"]),
+    "tp2-sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    "dp2": (2, []),
+    "cp2": (2, ["--context-parallel-size", "2"]),
+    "pp2": (2, ["--pipeline-model-parallel-size", "2"]),
+}
+STEPS = 3
+LAUNCH = Launch(cpu=True, megatron=None, entry=None, timeout=600)
+
+
+def _runs(extra: list[str], nproc: int, init: Path):
+    plan = plan_runs(BASE + extra, nproc, STEPS)
+    start = start_from(init) if plan.same_init else []
+    return plan, run_training(plan.parallel + start, nproc, LAUNCH, f"{nproc}-rank run")
+
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory):
+    """The one-rank run all dense layouts compare with, and its saved initial weights."""
+    init = tmp_path_factory.mktemp("init")
+    plan = plan_runs(BASE, 1, STEPS)
+    return run_training(plan.reference, 1, LAUNCH, "one-rank run", save_init=init), init
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_correct_layout_agrees_with_one_rank_at_every_step(layout, dense):
+    dense_reference, init = dense
+    nproc, extra = LAYOUTS[layout]
+    plan, run = _runs(extra, nproc, init)
+    assert plan.same_init == (layout == "pp2")
+    assert plan_runs(BASE, 1, STEPS).reference == plan.reference  # the shared reference is this one's
+    verdict = compare_runs(run, dense_reference)
+    assert verdict.agree, verdict.lines()
+    assert len(run.steps) == STEPS and verdict.steps == STEPS
+    assert set(dense_reference.steps[0].param_norms) <= set(run.steps[0].param_norms)
+
+
+def test_moe_with_expert_parallelism_agrees_and_counts_tokens_per_expert(tmp_path):
+    plan = plan_runs(BASE + MOE + ["--expert-model-parallel-size", "2"], 2, STEPS)
+    reference = run_training(plan.reference, 1, LAUNCH, "one-rank run", save_init=tmp_path)
+    run = run_training(plan.parallel + start_from(tmp_path), 2, LAUNCH, "2-rank run")
+    verdict = compare_runs(run, reference)
+    assert verdict.agree, verdict.lines()
+    for mine, ref in zip(run.steps, reference.steps, strict=True):
+        assert mine.tokens_per_expert == ref.tokens_per_expert
+        # every token goes to topk=2 experts, in each of the 2 layers: 4 sequences of 32 tokens
+        assert {layer: sum(c) for layer, c in ref.tokens_per_expert.items()} == {
+            f"decoder.layers.{i}.mlp.router": 4 * 32 * 2 for i in range(2)}
+    # expert names are global: both experts of rank 1 appear under their global index
+    assert "decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.weight" in run.steps[0].param_norms
+
+
+DROPPED_ALL_REDUCE = ("""                    torch.distributed.all_reduce(
+                        bucket.grad_data, op=reduce_op, group=communication_group, async_op=async_op
+                    )""", "                    pass  # planted: the data-parallel gradient all-reduce dropped")
+
+
+def _megatron_copy(tmp_path: Path) -> Path:
+    import megatron.core
+
+    installed = Path(megatron.core.__file__).parent.parent
+    copy = tmp_path / "mcore"
+    shutil.copytree(installed, copy / "megatron", ignore=shutil.ignore_patterns("__pycache__"))
+    buffer = copy / "megatron" / "core" / "distributed" / "param_and_grad_buffer.py"
+    text = buffer.read_text()
+    assert DROPPED_ALL_REDUCE[0] in text
+    buffer.write_text(text.replace(*DROPPED_ALL_REDUCE))
+    return copy
+
+
+def test_dropped_gradient_all_reduce_in_a_megatron_copy_exits_1_naming_step_metric_parameter(tmp_path):
+    copy = _megatron_copy(tmp_path)
+    result = CliRunner().invoke(main, ["train", "-n", "2", "--megatron", str(copy), "--out",
+                                       str(tmp_path / "golden"), "--", *BASE])
+    assert result.exit_code == 1, result.output
+    lines = result.output.splitlines()
+    first_metric = next(ln for ln in lines if ln.startswith("first metric to part ways"))
+    assert "step 1, grad norm" in first_metric  # the loss of step 1 is computed before any update
+    first_param = next(ln for ln in lines if ln.startswith("first parameter to part ways"))
+    assert first_param.startswith("first parameter to part ways: step 1, gradient norm of ")
+    assert "verdict: DIFFER" in lines
+    # both runs were written in golden form and read back by the golden reader
+    for name in ("golden_values_2ranks.json", "golden_values_1rank.json"):
+        golden = load_golden(tmp_path / "golden" / name)
+        assert {"lm loss", "grad norm", "num-zeros"} <= set(golden.metrics)
+
+
+def test_golden_form_reads_back_with_the_recorded_values(dense, tmp_path):
+    dense_reference, _ = dense
+    path = write_golden(dense_reference, tmp_path / "run.json")
+    golden = load_golden(path)
+    loss = golden.metrics["lm loss"]
+    assert list(loss.steps) == [1, 2, 3]
+    assert list(loss.values) == [s.metrics["lm loss"] for s in dense_reference.steps]
+
+
+def test_resume_at_a_step_continues_exactly_as_the_uninterrupted_run():
+    result = CliRunner().invoke(main, ["train", "-n", "2", "--resume-at", "2", "--", *BASE,
+                                       "--tensor-model-parallel-size", "2"])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    resumed = lines[lines.index(next(ln for ln in lines if ln.startswith("resumed at step 2"))):]
+    assert resumed[1].startswith("  compared 3 steps: lm loss max rel diff 0, grad norm max rel diff 0")
+    assert resumed[-1] == "  verdict: AGREE"

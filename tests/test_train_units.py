@@ -1,0 +1,206 @@
+"""``shardcheck train`` pieces that need no training run: merging rank records, the per-step
+verdict, golden form, the flag plan, bad input, and the CPU layer's switch."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from shardcheck.cli import main
+from shardcheck.golden.io import parse_golden
+from shardcheck.megatron.train_args import TrainInputError, plan_runs
+from shardcheck.train import Step, Tolerance, compare_runs, golden_document, merge_ranks
+from shardcheck.train.records import Run
+
+SMALL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+         "--max-position-embeddings", "32", "--micro-batch-size", "1"]
+
+
+def _rank(rank, tp, params, token_shard=(0, 0, 0), last=True, tokens=None, loss=2.0, norm=1.0):
+    step = {"step": 1, "loss": {"lm loss": loss}, "grad_norm": norm, "num_zeros": 0.0, "last_stage": last,
+            "params": params, "tokens": tokens or {}}
+    return {"rank": rank, "tp": tp, "token_shard": list(token_shard), "steps": [step]}
+
+
+def test_merge_adds_tensor_parallel_shards_once_and_drops_replicas():
+    ranks = [_rank(0, 0, {"w": ["tp0", 9.0], "b": ["", 4.0]}, token_shard=(0, 0, 0)),
+             _rank(1, 1, {"w": ["tp1", 16.0], "b": ["", 4.0]}, token_shard=(0, 0, 0)),
+             _rank(2, 0, {"w": ["tp0", 9.0], "b": ["", 4.0]}, token_shard=(1, 0, 0)),  # a dp replica
+             _rank(3, 1, {"w": ["tp1", 16.0], "b": ["", 4.0]}, token_shard=(1, 0, 0))]
+    run = merge_ranks(ranks)
+    assert run.steps[0].param_norms == {"b": 2.0, "w": 5.0}
+
+
+def test_merge_adds_tokens_of_distinct_token_shards_only():
+    counts = {"router": [3, 1]}
+    ranks = [_rank(0, 0, {}, (0, 0, 0), tokens=counts), _rank(1, 1, {}, (0, 0, 0), tokens=counts),
+             _rank(2, 0, {}, (1, 0, 0), tokens={"router": [0, 4]})]
+    assert merge_ranks(ranks).steps[0].tokens_per_expert == {"router": [3, 5]}
+
+
+def test_merge_takes_the_metrics_of_the_last_pipeline_stage():
+    ranks = [_rank(0, 0, {}, last=False, loss=float("nan")), _rank(1, 0, {}, last=True, loss=3.5)]
+    assert merge_ranks(ranks).steps[0].metrics["lm loss"] == 3.5
+
+
+def _run(losses, norms, params=None, zeros=None):
+    return Run([Step(i + 1, {"lm loss": loss, "grad norm": norm, "num-zeros": (zeros or {}).get(i + 1, 0.0)},
+                     dict((params or {}).get(i + 1, {})))
+                for i, (loss, norm) in enumerate(zip(losses, norms, strict=True))])
+
+
+def test_verdict_agrees_within_tolerance_and_names_the_first_step_and_metric_that_part():
+    ref = _run([2.0, 1.9, 1.8], [1.0, 0.9, 0.8])
+    close = _run([2.0 * (1 + 1e-7), 1.9, 1.8], [1.0, 0.9 * (1 - 1e-7), 0.8])
+    assert compare_runs(close, ref).agree
+    off = _run([2.0, 1.9, 1.8 * 1.01], [1.0, 0.9 * 1.01, 0.8])
+    verdict = compare_runs(off, ref)
+    assert not verdict.agree
+    assert (verdict.metric.step, verdict.metric.name) == (2, "grad norm")
+    assert verdict.lines()[-1] == "verdict: DIFFER"
+
+
+def test_verdict_names_the_first_parameter_and_ignores_rounding_sized_norms():
+    params = {1: {"a": 0.5, "zero_by_construction": 1e-9}}
+    ref = _run([2.0], [1.0], params)
+    rounding = _run([2.0], [1.0], {1: {"a": 0.5, "zero_by_construction": 3e-9}})
+    assert compare_runs(rounding, ref).agree
+    wrong = _run([2.0], [1.0], {1: {"a": 0.25, "zero_by_construction": 1e-9}})
+    verdict = compare_runs(wrong, ref)
+    assert verdict.parameter.name == "gradient norm of a" and verdict.parameter.step == 1
+
+
+def test_num_zeros_difference_is_explained_by_rounding_zero_gradients_not_a_failure():
+    ref = _run([2.0], [1.0], {1: {"a": 0.5, "qkv.bias": 0.0}}, zeros={1: 8.0})
+    mine = _run([2.0], [1.0], {1: {"a": 0.5, "qkv.bias": 2e-9}}, zeros={1: 3.0})
+    verdict = compare_runs(mine, ref)
+    assert verdict.agree
+    assert verdict.zero_notes == ["step 1: num-zeros 3 vs one rank 8; rounding in gradients that are "
+                                  "zero by construction: qkv.bias"]
+
+
+def test_tolerance_grows_with_the_step():
+    tol = Tolerance(rtol=1e-6, growth=1.0)
+    assert tol.at(1, tol.rtol) == 1e-6 and tol.at(3, tol.rtol) == 3e-6
+
+
+def test_golden_document_is_read_by_the_golden_reader_with_nan_for_missing_values():
+    run = _run([2.0, 1.5], [1.0, 0.5])
+    run.steps[1].metrics["num-zeros"] = None
+    import json
+
+    golden = parse_golden(json.dumps(golden_document(run)), "run")
+    assert list(golden.metrics["lm loss"].values) == [2.0, 1.5]
+    assert math.isnan(golden.metrics["num-zeros"].values[1])
+
+
+def test_plan_reports_each_change_and_keeps_the_code_path_flags():
+    plan = plan_runs([*SMALL, "--tensor-model-parallel-size", "2", "--sequence-parallel", "--eod-mask-loss",
+                      "--hidden-dropout", "0.1", "--vocab-size", "1100", "--bf16"], 4, 5)
+    assert plan.sizes["dp"] == 2
+    assert "--sequence-parallel" in plan.parallel and "--sequence-parallel" not in plan.reference
+    assert "--eod-mask-loss" in plan.parallel and "--eod-mask-loss" in plan.reference
+    assert "--tensor-model-parallel-size" not in plan.reference
+    assert plan.parallel[plan.parallel.index("--train-iters") + 1] == "5"
+    changes = "\n".join(plan.changes)
+    assert "--hidden-dropout 0.1 -> 0.0" in changes and "--bf16 dropped" in changes
+    assert "--make-vocab-size-divisible-by 256" in changes  # 1100 pads to 1280 under tp2, 1152 alone
+    assert plan.reference[plan.reference.index("--global-batch-size") + 1] == "2"
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--no-such-flag"], "unknown Megatron flag --no-such-flag"),
+    (["--fp8-format", "hybrid"], "--fp8-format cannot run on a CPU"),
+    (["--tensor-model-parallel-size", "3"], "-n 2 is not a multiple of tp*pp*cp = 3"),
+])
+def test_bad_flags_are_one_line_exit_2(args, message):
+    result = CliRunner().invoke(main, ["train", "-n", "2", "--", *SMALL, *args])
+    assert result.exit_code == 2
+    assert message in result.output and "Traceback" not in result.output
+    with pytest.raises(TrainInputError):
+        plan_runs([*SMALL, *args], 2, None)
+
+
+def test_the_cpu_layer_is_one_switch_off_by_default():
+    """Without SHARDCHECK_TRAIN_CPU the entry point applies no CPU patch (the GPU path)."""
+    code = ("import os; os.environ.pop('SHARDCHECK_TRAIN_CPU', None)\n"
+            "import shardcheck.megatron.train_entry as e, shardcheck.megatron.train_cpu as c\n"
+            "import shardcheck.megatron.cpu as m\n"
+            "e._pretrain = lambda: None\n"
+            "e.main()\n"
+            "print(c.cpu_layer_active(), m.cpu_patches_active(), c.applied_patches())\n")
+    env = {k: v for k, v in os.environ.items() if k != "SHARDCHECK_TRAIN_CPU"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    active, model_patches, applied = out.stdout.strip().split(" ", 2)
+    assert (active, model_patches) == ("False", "False")
+    assert "cpu" not in applied and "device_count" not in applied
+
+
+def test_num_zeros_difference_names_the_experts_that_received_no_tokens():
+    ref = _run([2.0], [1.0], {1: {"a": 0.5}}, zeros={1: 0.0})
+    mine = _run([2.0], [1.0], {1: {"a": 0.5}}, zeros={1: 96.0})
+    ref.steps[0].tokens_per_expert = {"decoder.layers.0.mlp.router": [3, 2, 1, 2]}
+    mine.steps[0].tokens_per_expert = {"decoder.layers.0.mlp.router": [4, 2, 0, 2]}
+    note = compare_runs(mine, ref).zero_notes[0]
+    assert "experts with no tokens in one run only" in note and "decoder.layers.0.mlp.router expert 2" in note
+
+
+def test_zeros_that_moved_are_named_and_called_rounding_when_the_other_run_has_rounding_sized_entries():
+    ref = _run([2.0], [1.0], {1: {"qkv.bias": 0.3, "fc.weight": 0.4}}, zeros={1: 0.0})
+    mine = _run([2.0], [1.0], {1: {"qkv.bias": 0.3, "fc.weight": 0.4}}, zeros={1: 9.0})
+    ref.steps[0].param_zeros = {"qkv.bias": (0, 16), "fc.weight": (0, 0)}
+    mine.steps[0].param_zeros = {"qkv.bias": (9, 16), "fc.weight": (0, 0)}
+    assert "exact zeros moved in qkv.bias (9 vs 0, rounding zeros)" in compare_runs(mine, ref).zero_notes[0]
+    mine.steps[0].param_zeros = {"qkv.bias": (0, 16), "fc.weight": (5, 5)}
+    note = compare_runs(mine, ref).zero_notes[0]
+    assert "fc.weight (5 vs 0)" in note and "rounding" not in note.split("fc.weight")[1]
+
+
+@pytest.mark.timeout(600)
+def test_a_rank_that_dies_or_hangs_is_one_line_exit_2_and_leaves_no_process(tmp_path):
+    dies = tmp_path / "dies.py"
+    dies.write_text("import os\nif int(os.environ['RANK']) == int(os.environ['WORLD_SIZE']) - 1:\n"
+                    "    raise RuntimeError('the last rank gives up')\n")
+    result = CliRunner().invoke(main, ["train", "-n", "2", "--entry", str(dies), "--", *SMALL])
+    assert result.exit_code == 2
+    # the one-rank run goes first (the parallel run may start from its weights)
+    assert "one-rank run: rank 0 failed (exit code 1): RuntimeError: the last rank gives up" in result.output
+    hangs = tmp_path / "hangs.py"
+    hangs.write_text(f"import os, time\nopen({str(tmp_path)!r} + '/pid' + os.environ['RANK'], 'w')"
+                     ".write(str(os.getpid()))\ntime.sleep(1000)\n")
+    result = CliRunner().invoke(main, ["train", "-n", "2", "--timeout", "90", "--entry", str(hangs), "--",
+                                       *SMALL])
+    assert result.exit_code == 2
+    assert "one-rank run: rank 0 hung: killed after 90 s" in result.output
+    for pidfile in tmp_path.glob("pid*"):  # the ranks that reached the script before the timeout
+        pid = int(pidfile.read_text())
+        assert not os.path.exists(f"/proc/{pid}") or "zombie" in open(f"/proc/{pid}/status").read().lower()
+
+
+def test_the_training_patches_leave_the_numbers_alone():
+    """Each training patch only replaces a CUDA or build assumption: the compiled fusions give
+    their plain function's bits, the dataset helpers are the prebuilt ones, memory is only read."""
+    code = """
+import torch
+from shardcheck.megatron.train_cpu import apply_training_patches, applied_patches
+apply_training_patches()
+from megatron.core.fusions import fused_bias_gelu
+from megatron.core.datasets import helpers_cpp, utils
+from megatron.core.dist_checkpointing.strategies import filesystem_async
+torch.manual_seed(0)
+bias, y = torch.randn(8), torch.randn(4, 8)
+plain = getattr(fused_bias_gelu.bias_gelu, '_torchdynamo_orig_callable', fused_bias_gelu.bias_gelu)
+assert torch.equal(fused_bias_gelu.bias_gelu(bias, y), plain(bias, y))
+assert utils.compile_helpers() is None and hasattr(helpers_cpp, 'build_sample_idx_int64')
+assert filesystem_async._process_memory() > 1 << 20
+assert torch.cuda.device_count() == 1 and not torch.cuda.is_available()
+print(' '.join(applied_patches()))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["typing_override", "allow_no_cuda", "device_count", "device_arch",
+                           "dataset_helpers", "eager_fusions", "process_memory", "cpu"]
