@@ -83,16 +83,18 @@ def describe(tree: bool = False) -> MegatronSource:
 
     root = Path(megatron.core.__file__).resolve().parent.parent.parent
     commit, dirty = _git_state(root) if tree else (None, None)
-    return MegatronSource(_version(megatron.core), str(root), tree, commit, dirty)
+    return MegatronSource(_version(megatron.core, tree), str(root), tree, commit, dirty)
 
 
-def _version(core) -> str:
+def _version(core, tree: bool) -> str:
+    """The release; megatron-core appends the commit of whatever git work tree it sits in
+    (``0.19.2+a64758e``), which for an installed package is not its own: dropped there."""
     version = getattr(core, "__version__", None)
     if version is None:
         from megatron.core import package_info
 
         version = package_info.__version__
-    return str(version)
+    return str(version) if tree else str(version).split("+")[0]
 
 
 def _git_state(root: Path) -> tuple[str | None, bool | None]:
