@@ -1,5 +1,6 @@
 """Audit findings' torchrun scripts: generated per component, reproduce the bug, exit 1 once fixed."""
 
+import os
 import re
 from dataclasses import dataclass
 
@@ -89,11 +90,12 @@ def _has_fix(contract):
 
 @pytest.fixture(scope="module")
 def no_shardcheck(tmp_path_factory):
-    """An environment whose scripts cannot import shardcheck (a package that refuses to import)."""
+    """An environment whose scripts cannot import shardcheck (a package that refuses to import,
+    first on the path) but keep the caller's other paths (the megatron-core 0.16.1 overlay)."""
     hidden = tmp_path_factory.mktemp("hidden") / "shardcheck"
     hidden.mkdir()
     (hidden / "__init__.py").write_text("raise ImportError('shardcheck is not installed here')\n")
-    return {"PYTHONPATH": str(hidden.parent)}
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(hidden.parent), os.environ.get("PYTHONPATH")]))}
 
 
 def _values(output: str, label: str) -> list[float]:

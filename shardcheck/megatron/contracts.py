@@ -105,7 +105,8 @@ def _cross_entropy_with_global_smoothing(vocab_parallel_logits, target, label_sm
     from megatron.core.tensor_parallel import mappings
     from megatron.core.tensor_parallel.cross_entropy import _VocabParallelCrossEntropy
 
-    given = (tp_group,) if tp_group is not None else ()
+    takes_group = "tp_group" in inspect.signature(_VocabParallelCrossEntropy.forward).parameters
+    given = (tp_group,) if tp_group is not None and takes_group else ()  # 0.16's takes none
     loss = _VocabParallelCrossEntropy.apply(vocab_parallel_logits.clone(), target, 0.0, *given)
     if label_smoothing <= 0:
         return loss
