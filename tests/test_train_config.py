@@ -11,6 +11,9 @@ from pathlib import Path
 
 import pytest
 
+pytest.importorskip("megatron.training", reason="megatron.training ships with megatron-core 0.19 on "
+                    "(0.16.1 has megatron/core only): shardcheck train needs it")
+
 from shardcheck.megatron.train_args import plan_runs
 from shardcheck.megatron.train_config import MAX_RANKS, flags_from_model_config
 

@@ -11,6 +11,9 @@ import sys
 import pytest
 from click.testing import CliRunner
 
+pytest.importorskip("megatron.training", reason="megatron.training ships with megatron-core 0.19 on "
+                    "(0.16.1 has megatron/core only): shardcheck train needs it")
+
 from shardcheck.cli import main
 from shardcheck.golden.io import parse_golden
 from shardcheck.megatron.train_args import TrainInputError, plan_runs
