@@ -357,31 +357,29 @@ def rebuild(layout: str, values: Sequence[torch.Tensor], types: Sequence[tuple |
         if items is None:
             return None
         types = [("R",) if a in stacked else t for a, t in enumerate(types)]
-    for a, size in enumerate(sizes):
-        merged = {}
-        for key in {k[:a] + (None,) + k[a + 1:] for k in items}:
-            parts = [items[key[:a] + (c,) + key[a + 1:]] for c in range(size)]
-            whole = _combine(types[a], parts)
-            if whole is None:
-                return None
-            merged[key] = whole
-        items = merged
-    return next(iter(items.values()))
+    return _merge_axes(items, sizes, lambda a, parts: _combine(types[a], parts))
 
 
 def _rebuild_in_order(items: dict, types, sizes) -> torch.Tensor | None:
     """Axes combined fastest first, a gathered axis unstacking its blocks at its turn: the
     inner axes' pieces join inside each block first."""
+    def combine(a: int, parts: list) -> torch.Tensor | None:
+        if types[a][0] != "G":
+            return _combine(types[a], parts)
+        whole = _combine(("R",), parts)
+        whole = None if whole is None else _unstack({(): whole}, [a], sizes, types[a][1])
+        return None if whole is None else whole[()]
+
+    return _merge_axes(items, sizes, combine)
+
+
+def _merge_axes(items: dict, sizes, combine) -> torch.Tensor | None:
+    """Join the pieces keyed by coordinate one axis at a time (``combine(axis, parts)``, None
+    when they don't join) into the single global value."""
     for a, size in enumerate(sizes):
         merged = {}
         for key in {k[:a] + (None,) + k[a + 1:] for k in items}:
-            parts = [items[key[:a] + (c,) + key[a + 1:]] for c in range(size)]
-            if types[a][0] == "G":
-                whole = _combine(("R",), parts)
-                whole = None if whole is None else _unstack({(): whole}, [a], sizes, types[a][1])
-                whole = None if whole is None else whole[()]
-            else:
-                whole = _combine(types[a], parts)
+            whole = combine(a, [items[key[:a] + (c,) + key[a + 1:]] for c in range(size)])
             if whole is None:
                 return None
             merged[key] = whole

@@ -105,12 +105,16 @@ def broadcast(env: Env, x, g: str):
     return y
 
 
-def scatter(env: Env, x, g: str, dim: int = 0):
-    """The group's first rank scatters the chunks of its value along ``dim``."""
-    n = env.size(g)
+def _chunks(x, n: int, dim: int) -> list[torch.Tensor]:
+    """``x`` cut into ``n`` equal contiguous pieces along ``dim`` (a ValueError when it can't be)."""
     if x.shape[dim] % n:
         raise ValueError("dim does not split")
-    pieces = [c.contiguous() for c in x.chunk(n, dim)]
+    return [c.contiguous() for c in x.chunk(n, dim)]
+
+
+def scatter(env: Env, x, g: str, dim: int = 0):
+    """The group's first rank scatters the chunks of its value along ``dim``."""
+    pieces = _chunks(x, env.size(g), dim)
     out = _buffer(pieces[0])
     if _moves(env, g):
         dist.scatter(out, pieces if env.rank(g) == 0 else None, src=env.global_rank(g, 0), group=env.group(g))
@@ -151,10 +155,7 @@ def all_to_all_single(env: Env, x, g: str):
 
 def all_to_all_list(env: Env, x, g: str, dim: int = 0):
     """Rank k sends its ``dim``-chunk j to rank j and stacks what it receives along ``dim``."""
-    n = env.size(g)
-    if x.shape[dim] % n:
-        raise ValueError("dim does not split")
-    pieces = [c.contiguous() for c in x.chunk(n, dim)]
+    pieces = _chunks(x, env.size(g), dim)
     outs = [_buffer(p) for p in pieces]
     if _moves(env, g):
         dist.all_to_all(outs, pieces, group=env.group(g))
