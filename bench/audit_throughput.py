@@ -27,10 +27,10 @@ def main() -> None:
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
 
-    from shardcheck.layout import Layout
-    from shardcheck.megatron.audit import Runner, pools
+    from shardcheck.megatron.audit.run import Runner, pools
+    from shardcheck.megatron.audit.sweep import component_options, layouts, plan
     from shardcheck.megatron.scenarios import COMPONENTS
-    from shardcheck.megatron.sweep import component_options, layouts, plan
+    from shardcheck.parity.layout import Layout
 
     names = args.only.split(",") if args.only else list(COMPONENTS)
     chosen = ([Layout.parse(t) for t in args.layouts.split(",")] if args.layouts

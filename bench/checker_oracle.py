@@ -1,7 +1,7 @@
 """The type checker against numeric truth: generated SPMD programs on real Gloo ranks.
 
-Each program (shardcheck.oracle_gen) runs on 2 or 4 warm ranks under the checker and once on
-one rank; the oracle judges the checker's verdict by the numbers (shardcheck.oracle). Prints
+Each program (shardcheck.fuzz.oracle_gen) runs on 2 or 4 warm ranks under the checker and once on
+one rank; the oracle judges the checker's verdict by the numbers (shardcheck.fuzz.oracle). Prints
 programs generated, right and wrong counts, false alarms, misses, undecided and programs per
 second. Goal: 0 false alarms and 0 misses over at least 10,000 programs (fixed seed).
 
@@ -21,9 +21,9 @@ from hypothesis import HealthCheck, given, seed, settings
 from rich.console import Console
 from rich.table import Table
 
-from shardcheck.oracle import check
-from shardcheck.oracle_gen import KNOWN_GAPS, programs
-from shardcheck.pool import RankPool
+from shardcheck.fuzz.oracle import check
+from shardcheck.fuzz.oracle_gen import KNOWN_GAPS, programs
+from shardcheck.parity.pool import RankPool
 
 
 def run(count: int, at_seed: int, progress: bool = True) -> tuple[collections.Counter, list, float]:

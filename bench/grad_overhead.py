@@ -17,7 +17,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import shardcheck as sc  # noqa: E402
-from shardcheck.launch import spawn_ranks  # noqa: E402
+from shardcheck.parity.launch import spawn_ranks  # noqa: E402
 from tests.grad_programs import CopyToRegion, ReduceFromRegion  # noqa: E402
 
 LAYERS, TOKENS, HIDDEN, FFN = 4, 128, 256, 1024

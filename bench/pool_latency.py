@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 import shardcheck as sc
-from shardcheck.pool import RankPool, in_torchrun, run_in_place
+from shardcheck.parity.pool import RankPool, in_torchrun, run_in_place
 
 POOL_RUNS, TORCHRUN_RUNS = 30, 3
 

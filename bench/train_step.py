@@ -14,8 +14,8 @@ import time
 from rich.console import Console
 from rich.table import Table
 
-from shardcheck.megatron.train_args import plan_runs
-from shardcheck.megatron.train_cli import Launch, run_training
+from shardcheck.cli.train import Launch, run_training
+from shardcheck.megatron.train.args import plan_runs
 
 STEPS = 6
 MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",

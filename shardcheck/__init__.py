@@ -1,7 +1,14 @@
 """shardcheck: find silent numerical-correctness bugs in distributed PyTorch training."""
 
-from shardcheck import backward_rules, norm_tracking  # noqa: F401  (they register their rules)
-from shardcheck.checker import (
+from shardcheck.parity.compare import ParityResult, parity
+from shardcheck.parity.layout import Layout, LayoutError
+from shardcheck.parity.pool import PoolFailure, RankPool
+from shardcheck.parity.scenario import ScenarioContext, current_context, replicate, shard
+from shardcheck.typecheck import (
+    backward_rules,  # noqa: F401  (they register their rules)
+    norm_tracking,  # noqa: F401  (they register their rules)
+)
+from shardcheck.typecheck.checker import (
     Coverage,
     SpmdTypeError,
     annotate,
@@ -15,12 +22,8 @@ from shardcheck.checker import (
     typeof,
     violations,
 )
-from shardcheck.gradients import annotate_parameters, check_gradients
-from shardcheck.layout import Layout, LayoutError
-from shardcheck.parity import ParityResult, parity
-from shardcheck.pool import PoolFailure, RankPool
-from shardcheck.scenario import ScenarioContext, current_context, replicate, shard
-from shardcheck.types import Axis, I, Mesh, P, Placement, R, S, Shard, V
+from shardcheck.typecheck.gradients import annotate_parameters, check_gradients
+from shardcheck.typecheck.types import Axis, I, Mesh, P, Placement, R, S, Shard, V
 
 __version__ = "0.1.0"
 

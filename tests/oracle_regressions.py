@@ -2,7 +2,7 @@
 truth: the oracle's outcome by the one-rank run ("right", "wrong" at a step, or "undecided"
 where the checker makes no claim the numbers could test)."""
 
-from shardcheck.oracle import Input, Program, Step
+from shardcheck.fuzz.oracle import Input, Program, Step
 
 
 def one(layout, placements, *steps, inputs=1):

@@ -17,7 +17,7 @@ from grad_programs import CopyToRegion, ReduceFromRegion
 from torch import nn
 
 import shardcheck as sc
-from shardcheck.scenario import build_groups
+from shardcheck.parity.scenario import build_groups
 
 B, S, H, FF = 4, 8, 6, 12
 

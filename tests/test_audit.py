@@ -7,9 +7,9 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from shardcheck.layout import Layout  # noqa: E402
-from shardcheck.megatron.audit import PRELOAD, audit, pools  # noqa: E402
-from shardcheck.megatron.sweep import Case  # noqa: E402
+from shardcheck.megatron.audit.run import PRELOAD, audit, pools  # noqa: E402
+from shardcheck.megatron.audit.sweep import Case  # noqa: E402
+from shardcheck.parity.layout import Layout  # noqa: E402
 
 pytestmark = pytest.mark.slow
 for module in PRELOAD:
@@ -110,10 +110,10 @@ def test_layouts_a_component_does_not_support_are_listed_apart_from_errors(warm)
 
 
 def test_a_layout_a_scenario_refuses_on_its_ranks_is_not_an_error():
-    from shardcheck.megatron.audit import Outcome, _record, _Swept
+    from shardcheck.megatron.audit.run import Outcome, _record, _Swept
 
     swept, case = _Swept(), Case("gpt", (), Layout(tp=2))
-    _record(swept, Outcome(case, error="shardcheck.megatron.parallel.LayoutUnsupported: no such groups"))
+    _record(swept, Outcome(case, error="shardcheck.megatron.cpu.parallel.LayoutUnsupported: no such groups"))
     _record(swept, Outcome(Case("gpt", (), Layout(dp=2)), error="RuntimeError: boom"))
     assert swept.not_applicable == {("gpt", "tp2"): "gpt @ tp2: no such groups"}
     assert [o.case.layout for o in swept.outcomes] == [Layout(dp=2)] and swept.broken == {("gpt", "dp2")}
@@ -134,8 +134,8 @@ def test_an_option_inert_at_one_rank_is_swept_before_the_plan_moves_to_larger_la
 def test_a_warm_rank_starts_each_case_with_fresh_moe_state(warm):
     """The schedules set the aux-loss gradient scale (1 / microbatches) process-wide; a router
     case run next in the same rank must not inherit it."""
-    from shardcheck.megatron.audit_rank import run_case
-    from shardcheck.megatron.runner import run_layout
+    from shardcheck.megatron.audit.rank import run_case
+    from shardcheck.megatron.cpu.runner import run_layout
     from shardcheck.megatron.scenarios import scenario
 
     warm.run(Layout(), run_case, "moe", (("optimizer_step", False),), (), False)

@@ -5,11 +5,11 @@ import json
 
 import pytest
 
-from shardcheck.layout import Layout
-from shardcheck.megatron.audit import Outcome
-from shardcheck.megatron.audit_report import causes, independent_cases, seen_in
-from shardcheck.megatron.divergence import Gap
-from shardcheck.megatron.sweep import Case
+from shardcheck.megatron.audit.divergence import Gap
+from shardcheck.megatron.audit.report import causes, independent_cases, seen_in
+from shardcheck.megatron.audit.run import Outcome
+from shardcheck.megatron.audit.sweep import Case
+from shardcheck.parity.layout import Layout
 
 GAP = Gap("loss", 1.0, 2.0, 1.0, 0.5, 1e-6)
 
@@ -67,7 +67,7 @@ GATHERED = (("parallel_output", False),)
 @pytest.fixture(scope="module")
 def pair():
     pytest.importorskip("megatron.core")
-    from shardcheck.megatron.audit import audit
+    from shardcheck.megatron.audit.run import audit
 
     tp2, tp2sp = Layout(tp=2), Layout(tp=2, sp=True)
     return audit([Case("output_loss", SMOOTHING, tp2), Case("output_loss", SMOOTHING, tp2sp),
@@ -103,7 +103,7 @@ def test_one_bug_reached_by_several_option_paths_is_one_finding(pair):
 
 @pytest.mark.slow
 def test_no_finding_holds_a_case_independent_of_its_trigger(pair, tmp_path):
-    from shardcheck.megatron import audit_report
+    from shardcheck.megatron.audit import report as audit_report
 
     audit_report.write(tmp_path, pair.findings, pair.summary())
     data = json.loads((tmp_path / "findings.json").read_text())

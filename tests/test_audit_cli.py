@@ -8,7 +8,7 @@ from click.testing import CliRunner
 pytest.importorskip("megatron.core")
 
 from shardcheck.cli import main  # noqa: E402
-from shardcheck.findings import FindingStore  # noqa: E402
+from shardcheck.fuzz.findings import FindingStore  # noqa: E402
 
 
 @pytest.mark.parametrize(("args", "message"), [

@@ -5,9 +5,9 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
-from shardcheck.layout import Layout  # noqa: E402
-from shardcheck.megatron.audit import audit  # noqa: E402
-from shardcheck.megatron.sweep import Case  # noqa: E402
+from shardcheck.megatron.audit.run import audit  # noqa: E402
+from shardcheck.megatron.audit.sweep import Case  # noqa: E402
+from shardcheck.parity.layout import Layout  # noqa: E402
 
 pytestmark = pytest.mark.slow
 AFFINE = (("projection", "affine"),)

@@ -14,9 +14,9 @@ pytest.importorskip("megatron.core")
 
 from megatron_release import RELEASE  # noqa: E402
 
-from shardcheck.layout import Layout  # noqa: E402
-from shardcheck.megatron.audit import PRELOAD, audit, pools  # noqa: E402
-from shardcheck.megatron.sweep import Case  # noqa: E402
+from shardcheck.megatron.audit.run import PRELOAD, audit, pools  # noqa: E402
+from shardcheck.megatron.audit.sweep import Case  # noqa: E402
+from shardcheck.parity.layout import Layout  # noqa: E402
 
 pytestmark = pytest.mark.slow
 for module in PRELOAD:

@@ -5,7 +5,7 @@ from typing import Optional
 
 import pytest
 
-from shardcheck.megatron.sweep import integer_values
+from shardcheck.megatron.audit.sweep import integer_values
 
 OPTIONAL_INT = Optional[int]  # noqa: UP045 - as Megatron writes its fields
 OPTIONAL_FLOAT = Optional[float]  # noqa: UP045
@@ -21,7 +21,7 @@ def test_integer_fields_get_a_neighbour_value(annotation, default, expected):
 
 def test_the_gpt_sweeps_integer_fields_and_leaves_its_sizes_to_the_setup():
     pytest.importorskip("megatron.core")
-    from shardcheck.megatron.sweep import component_options
+    from shardcheck.megatron.audit.sweep import component_options
 
     options = dict(component_options("gpt"))
     assert options["mtp_num_layers"] == 1 and options["num_query_groups"] == 1

@@ -5,9 +5,9 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
-from shardcheck.layout import Layout  # noqa: E402
-from shardcheck.megatron.audit import audit, pools  # noqa: E402
-from shardcheck.megatron.sweep import Case, changed_config_fields  # noqa: E402
+from shardcheck.megatron.audit.run import audit, pools  # noqa: E402
+from shardcheck.megatron.audit.sweep import Case, changed_config_fields  # noqa: E402
+from shardcheck.parity.layout import Layout  # noqa: E402
 
 pytestmark = pytest.mark.slow
 TP2SP = Layout(tp=2, sp=True)

@@ -22,12 +22,12 @@ from planted.megatron_site import (  # noqa: E402
 )  # noqa: E402
 
 from shardcheck.cli import main  # noqa: E402
-from shardcheck.findings import Finding, FindingStore  # noqa: E402
-from shardcheck.megatron import audit_report  # noqa: E402
-from shardcheck.megatron.audit_report import GLOBAL_GROUP_CONTRACT  # noqa: E402
-from shardcheck.megatron.audit_repro import AUDIT, save_with_scripts, write_audit_script  # noqa: E402
-from shardcheck.megatron.contracts import BY_NAME  # noqa: E402
-from shardcheck.repro import FIXED, REPRODUCES, SUPPORT_HEADER, ReproError, run_repro  # noqa: E402
+from shardcheck.fuzz.findings import Finding, FindingStore  # noqa: E402
+from shardcheck.fuzz.repro import FIXED, REPRODUCES, SUPPORT_HEADER, ReproError, run_repro  # noqa: E402
+from shardcheck.megatron.audit import report as audit_report  # noqa: E402
+from shardcheck.megatron.audit.report import GLOBAL_GROUP_CONTRACT  # noqa: E402
+from shardcheck.megatron.checks.contracts import BY_NAME  # noqa: E402
+from shardcheck.megatron.repro.scripts import AUDIT, save_with_scripts, write_audit_script  # noqa: E402
 
 NO_CONTRACT = "outputs match the one-rank run"
 
@@ -113,7 +113,7 @@ def test_known_finding_script_reproduces_then_exits_1_with_the_fix(name, tmp_pat
     script = path.read_text()
     # shardcheck only in the guarded import for the checker: line
     assert re.findall(r"^\s*(?:import|from)\s+shardcheck.*", script, re.M) == [
-        "            from shardcheck.megatron.repro_check import checked_run"]
+        "            from shardcheck.megatron.repro.check import checked_run"]
     assert "except ImportError:" in script
     own, support = script.split(SUPPORT_HEADER)  # the finding's code first, the shared helpers after
     assert len(own.splitlines()) <= 150 and len(script.splitlines()) <= 335  # with the stand-ins 0.16 and 0.19 need
@@ -253,15 +253,15 @@ def test_audit_findings_join_the_store_with_their_scripts_and_repro_reads_them(t
 
 
 def test_megatron_fuzz_findings_get_their_scripts_from_the_same_templates(tmp_path):
-    from shardcheck.fuzz import resolve_target
-    from shardcheck.megatron import fuzz_targets  # noqa: F401  (registers the catalogue)
-    from shardcheck.repro import write_repro
+    from shardcheck.fuzz.campaign import resolve_target
+    from shardcheck.fuzz.repro import write_repro
+    from shardcheck.megatron.audit import fuzz_targets  # noqa: F401  (registers the catalogue)
 
     finding = _finding("output_loss", {"label_smoothing": 0.1, "seq": 4}, "tp2-sp", "vocab_parallel_cross_entropy")
     finding.origin = "fuzz"
     text = write_repro(finding, resolve_target("output_loss"), tmp_path / "f.py").read_text()
     assert "'seq': 4" in text and "vocab_parallel_cross_entropy(" in text and "def corrected():" in text
-    from shardcheck.megatron.repro_templates import TEMPLATES
+    from shardcheck.megatron.repro.templates import TEMPLATES
     from shardcheck.megatron.scenarios import COMPONENTS
 
     assert {c for c in COMPONENTS if resolve_target(c).repro is not None} == set(COMPONENTS) & set(TEMPLATES)

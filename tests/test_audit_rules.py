@@ -1,10 +1,10 @@
-"""Checker rules the Megatron audit needed (in shardcheck/rules.py), on real Gloo ranks."""
+"""Checker rules the Megatron audit needed (in shardcheck/typecheck/rules.py), on real Gloo ranks."""
 
 import torch
 import torch.distributed as dist
 
 import shardcheck as sc
-from shardcheck.launch import spawn_ranks
+from shardcheck.parity.launch import spawn_ranks
 
 
 def _types_of_program():

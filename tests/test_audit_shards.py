@@ -6,9 +6,9 @@ from dataclasses import asdict
 import pytest
 from click.testing import CliRunner
 
-from shardcheck.layout import Layout
-from shardcheck.megatron.audit_shards import ShareError, parse_shard, shard
-from shardcheck.megatron.sweep import Case
+from shardcheck.megatron.audit.shards import ShareError, parse_shard, shard
+from shardcheck.megatron.audit.sweep import Case
+from shardcheck.parity.layout import Layout
 
 
 def test_shares_partition_the_option_cases_and_each_runs_the_defaults():
@@ -34,9 +34,9 @@ def test_a_malformed_shard_is_refused(text):
 @pytest.mark.slow
 def test_three_shares_merged_give_the_whole_runs_findings(tmp_path):
     pytest.importorskip("megatron.core")
-    from shardcheck.megatron.audit import audit, merge_shares, pools
-    from shardcheck.megatron.audit_shards import save_share
-    from shardcheck.megatron.sweep import component_options, plan
+    from shardcheck.megatron.audit.run import audit, merge_shares, pools
+    from shardcheck.megatron.audit.shards import save_share
+    from shardcheck.megatron.audit.sweep import component_options, plan
 
     cases = plan({c: component_options(c) for c in ("output_loss", "moe_router")},
                  [Layout(tp=2), Layout(tp=2, sp=True)], None)
@@ -57,8 +57,8 @@ def test_three_shares_merged_give_the_whole_runs_findings(tmp_path):
 
 def test_merge_refuses_an_incomplete_set_of_shares_in_one_line(tmp_path):
     from shardcheck.cli import main
-    from shardcheck.megatron.audit import AuditResult
-    from shardcheck.megatron.audit_shards import save_share
+    from shardcheck.megatron.audit.run import AuditResult
+    from shardcheck.megatron.audit.shards import save_share
 
     empty = AuditResult([], [], [], 0.0, False)
     save_share(empty, 1, 3, tmp_path / "a")

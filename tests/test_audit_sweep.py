@@ -9,10 +9,17 @@ from typing import Annotated, Literal, Optional
 import pytest
 import torch
 
-from shardcheck.layout import Layout
-from shardcheck.megatron.contracts import ProbeRecord
-from shardcheck.megatron.divergence import assemble_result, gap
-from shardcheck.megatron.sweep import Case, layouts, parse_value, plan, setup_kwargs, values_to_try
+from shardcheck.megatron.audit.divergence import assemble_result, gap
+from shardcheck.megatron.audit.sweep import (
+    Case,
+    layouts,
+    parse_value,
+    plan,
+    setup_kwargs,
+    values_to_try,
+)
+from shardcheck.megatron.checks.contracts import ProbeRecord
+from shardcheck.parity.layout import Layout
 
 
 class Color(enum.Enum):
@@ -115,7 +122,7 @@ def test_gap_tolerates_reassociation_and_reports_a_real_error():
 def _outcome(layout, options=(), gaps=1, call=None, violations=(), entry="megatron/core/x.py:1"):
     from types import SimpleNamespace
 
-    from shardcheck.megatron.divergence import CallGap, Gap
+    from shardcheck.megatron.audit.divergence import CallGap, Gap
 
     found = [Gap("loss", 1.0, 2.0, 1.0, 0.5, 1e-6)] * gaps
     call_gap = CallGap(call, 0, found[0]) if call else None
@@ -124,7 +131,7 @@ def _outcome(layout, options=(), gaps=1, call=None, violations=(), entry="megatr
 
 
 def test_checker_line_of_a_finding_is_its_own_file_or_its_trigger_cases_not_another_members():
-    from shardcheck.megatron.audit_report import checker_line
+    from shardcheck.megatron.audit.report import checker_line
 
     def violation(where):
         return {"rule": "mixed shards", "location": where, "line": f"checker: mixed shards at {where}"}
@@ -140,7 +147,7 @@ def test_checker_line_of_a_finding_is_its_own_file_or_its_trigger_cases_not_anot
 
 
 def test_findings_are_deduplicated_by_location_and_contract():
-    from shardcheck.megatron.audit_report import case_size, group
+    from shardcheck.megatron.audit.report import case_size, group
 
     smoothing = (("label_smoothing", 0.1),)
     failed = [_outcome("tp2-dp2", smoothing, call="vocab_parallel_cross_entropy"),
@@ -153,7 +160,7 @@ def test_findings_are_deduplicated_by_location_and_contract():
 
 
 def test_a_violation_seen_in_a_numeric_finding_explains_it_instead_of_adding_one():
-    from shardcheck.megatron.audit_report import group
+    from shardcheck.megatron.audit.report import group
 
     violation = {"rule": "mean over shard", "location": "megatron/core/a.py:3", "line": "checker: ..."}
     failed = [_outcome("tp2", (("o", 1),), call="get_tokens_per_expert_and_token_count", violations=[violation]),
@@ -164,7 +171,7 @@ def test_a_violation_seen_in_a_numeric_finding_explains_it_instead_of_adding_one
 
 
 def test_rounding_noise_of_a_zero_gradient_is_judged_at_its_family_scale():
-    from shardcheck.megatron.divergence import output_gaps
+    from shardcheck.megatron.audit.divergence import output_gaps
 
     reference = {"grad/w": torch.tensor([0.3, -0.2]), "grad/b": torch.tensor([1.6e-9, -9.8e-10])}
     noisy = {"grad/w": torch.tensor([0.3, -0.2]), "grad/b": torch.tensor([-3.5e-10, 4.5e-10])}
@@ -174,7 +181,7 @@ def test_rounding_noise_of_a_zero_gradient_is_judged_at_its_family_scale():
 
 
 def test_calls_are_compared_only_when_every_rank_made_as_many_as_the_reference():
-    from shardcheck.megatron.divergence import first_call_gap
+    from shardcheck.megatron.audit.divergence import first_call_gap
 
     def norm(index, value):
         return ProbeRecord("get_grad_norm_fp32", index, [torch.tensor(value, dtype=torch.float64)], {})

@@ -136,7 +136,7 @@ def test_register_rule_types_an_op():
             x = sc.annotate(torch.randn(3), tp=S(0))
             assert sc.typeof(x._neg_view()) == {"tp": S(0), "dp": V}
     finally:
-        from shardcheck.checker import _USER_RULES
+        from shardcheck.typecheck.checker import _USER_RULES
         del _USER_RULES[op]
 
 

@@ -9,7 +9,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import shardcheck as sc
-from shardcheck.launch import spawn_ranks
+from shardcheck.parity.launch import spawn_ranks
 
 VOCAB, HIDDEN, FFN = 8, 4, 6
 pytestmark = pytest.mark.slow

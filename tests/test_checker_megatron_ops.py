@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import shardcheck as sc
-from shardcheck.launch import spawn_ranks
+from shardcheck.parity.launch import spawn_ranks
 
 cross_entropy = pytest.importorskip("megatron.core.tensor_parallel.cross_entropy")
 pytestmark = [pytest.mark.megatron, pytest.mark.slow]

@@ -8,7 +8,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import shardcheck as sc
-from shardcheck.launch import spawn_ranks
+from shardcheck.parity.launch import spawn_ranks
 
 TOKENS, VOCAB, HEADS, SEQ = 4, 6, 4, 3
 

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 import shardcheck as sc
-from shardcheck.launch import spawn_ranks
+from shardcheck.parity.launch import spawn_ranks
 
 
 def _outcome(program, mesh, *groups):

@@ -1,5 +1,5 @@
 """The command line's error contract, walked command by command: bad input exits 2 with one
-``Error:`` line on stderr and no traceback (shardcheck.cli_errors)."""
+``Error:`` line on stderr and no traceback (shardcheck.cli.errors)."""
 
 import json
 import os
@@ -84,7 +84,7 @@ def test_a_scenario_that_raises_is_a_harness_failure_with_its_own_traceback_firs
 
 def test_a_bug_in_shardcheck_exits_2_with_its_traceback(inputs):
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    code = ("import sys; from shardcheck.cli import main; import shardcheck.cli_run as r; "
+    code = ("import sys; from shardcheck.cli import main; import shardcheck.cli.run as r; "
             "r.run_script = lambda *a: 1 / 0; sys.argv = ['shardcheck', 'run', 'script.py']; main()")
     done = subprocess.run([sys.executable, "-c", code], cwd=inputs, env=env, capture_output=True, text=True,
                           timeout=120)

@@ -1,6 +1,6 @@
 """The collective table: every c10d collective, in each call form, under every input placement,
 on every axis (a group of two ranks, of four, and one spanning two mesh axes), run on real Gloo
-ranks under the checker and judged against the one-rank run (shardcheck.oracle): a type the
+ranks under the checker and judged against the one-rank run (shardcheck.fuzz.oracle): a type the
 checker gives must rebuild the one-rank value, a report must fall on a value no placement
 rebuilds, and a V (no claim) only where no placement does or the input had no global value."""
 
@@ -8,9 +8,9 @@ import itertools
 
 import pytest
 
-from shardcheck.oracle import Input, Program, Step, check, valid
-from shardcheck.oracle_ops import COLLECTIVES, SPECS
-from shardcheck.pool import RankPool
+from shardcheck.fuzz.oracle import Input, Program, Step, check, valid
+from shardcheck.fuzz.oracle_ops import COLLECTIVES, SPECS
+from shardcheck.parity.pool import RankPool
 
 PLACEMENTS = ("R", "P", "S(0)", "S(1)", "V", "I")
 AXES = {"tp2": ("tp",), "tp4": ("tp",), "tp2-dp2": ("tp", "dp")}

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from shardcheck.findings import Finding, FindingStore, finding_id, package_location
-from shardcheck.fuzz import register_fuzz_target
+from shardcheck.fuzz.campaign import register_fuzz_target
+from shardcheck.fuzz.findings import Finding, FindingStore, finding_id, package_location
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -11,9 +11,9 @@ from planted import bugs, targets
 
 from shardcheck import R
 from shardcheck.cli import main
-from shardcheck.findings import FindingStore
-from shardcheck.fuzz import FuzzError, fuzz, register_fuzz_target, resolve_target
-from shardcheck.spaces import (
+from shardcheck.fuzz.campaign import FuzzError, fuzz, register_fuzz_target, resolve_target
+from shardcheck.fuzz.findings import FindingStore
+from shardcheck.fuzz.spaces import (
     per_rank,
     space,
 )

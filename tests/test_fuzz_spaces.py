@@ -7,8 +7,7 @@ import typing
 from hypothesis import find
 from hypothesis import strategies as st
 
-from shardcheck.layout import Layout
-from shardcheck.spaces import (
+from shardcheck.fuzz.spaces import (
     default_fields,
     layouts,
     non_default,
@@ -17,6 +16,7 @@ from shardcheck.spaces import (
     signature_space,
     space,
 )
+from shardcheck.parity.layout import Layout
 
 
 def test_layouts_shrink_to_fewest_ranks_and_options_to_default():

@@ -8,7 +8,7 @@ import pytest
 from click.testing import CliRunner
 from golden_data import EP8, data_root, full_data_root, head
 
-from shardcheck.golden.cli import golden
+from shardcheck.cli.golden import golden
 from shardcheck.golden.compare import compare_golden
 from shardcheck.golden.config import load_model_config
 from shardcheck.golden.io import GoldenInputError, load_golden
@@ -144,7 +144,7 @@ def test_real_process_exits_2_without_traceback(tmp_path):
         [
             sys.executable,
             "-c",
-            "from shardcheck.golden.cli import golden; golden()",
+            "from shardcheck.cli.golden import golden; golden()",
             "check",
             str(empty),
             str(empty),

@@ -8,7 +8,7 @@ reference and has no violation. The cases run two spawns: one on 2 ranks, one on
 import grad_programs as programs
 import pytest
 
-from shardcheck.launch import spawn_ranks
+from shardcheck.parity.launch import spawn_ranks
 
 EXACT = 1e-5
 UNREDUCED, MISDECLARED, ACCOUNTING = "unreduced gradient", "misdeclared parameter", "norm accounting"

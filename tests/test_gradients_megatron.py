@@ -8,7 +8,7 @@ the checker types it as it runs. (Megatron's sequence-parallel gather allocates 
 import grad_programs as programs
 import pytest
 
-from shardcheck.launch import spawn_ranks
+from shardcheck.parity.launch import spawn_ranks
 
 pytest.importorskip("megatron.core.tensor_parallel.mappings")
 pytestmark = [pytest.mark.megatron, pytest.mark.slow]

@@ -2,9 +2,9 @@
 
 import pytest
 
-from shardcheck.gradient_rules import MISDECLARED, MISMATCH, UNREDUCED, gradient_finding
-from shardcheck.norm_accounting import Counted, accounting_errors
-from shardcheck.types import I, P, R, S, V
+from shardcheck.typecheck.gradient_rules import MISDECLARED, MISMATCH, UNREDUCED, gradient_finding
+from shardcheck.typecheck.norm_accounting import Counted, accounting_errors
+from shardcheck.typecheck.types import I, P, R, S, V
 
 
 @pytest.mark.parametrize(("param", "grad", "loss_varies", "rule"), [

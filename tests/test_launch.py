@@ -2,7 +2,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from shardcheck.launch import RankFailure, spawn_ranks
+from shardcheck.parity.launch import RankFailure, spawn_ranks
 
 
 def _sum_of_ranks():

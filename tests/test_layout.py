@@ -2,10 +2,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from shardcheck.launch import spawn_ranks
-from shardcheck.layout import Layout, LayoutError
-from shardcheck.scenario import ScenarioContext, build_groups
-from shardcheck.types import P, R, S
+from shardcheck.parity.launch import spawn_ranks
+from shardcheck.parity.layout import Layout, LayoutError
+from shardcheck.parity.scenario import ScenarioContext, build_groups
+from shardcheck.typecheck.types import P, R, S
 
 
 def test_parse_round_trips_and_sizes_the_world():

@@ -6,8 +6,8 @@ import typing
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Literal, Optional
 
-from shardcheck.megatron.annotations import literal_values, members, type_hints, unique
-from shardcheck.megatron.fields import _finite_values
+from shardcheck.megatron.audit.annotations import literal_values, members, type_hints, unique
+from shardcheck.megatron.audit.fields import _finite_values
 
 if TYPE_CHECKING:
     from collections import OrderedDict  # resolvable only by a type checker

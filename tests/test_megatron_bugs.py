@@ -7,13 +7,13 @@ pytest.importorskip("megatron.core")
 import megatron.core.pipeline_parallel.schedules  # noqa: E402, F401  (imported once, before forking)
 from megatron_release import fixed_in  # noqa: E402
 
-from shardcheck.layout import Layout  # noqa: E402
-from shardcheck.megatron.runner import (  # noqa: E402
+from shardcheck.megatron.cpu.runner import (  # noqa: E402
     relative_errors,
     run_layout,
     run_ranks,
 )
 from shardcheck.megatron.scenarios import scenario  # noqa: E402
+from shardcheck.parity.layout import Layout  # noqa: E402
 
 pytestmark = pytest.mark.slow
 ONE, TP2, TP2_SP = Layout(), Layout(tp=2), Layout(tp=2, sp=True)

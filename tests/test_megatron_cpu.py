@@ -9,7 +9,7 @@ from megatron.core.tensor_parallel import random as mrandom  # noqa: E402
 from megatron.core.transformer.torch_norm import WrappedTorchNorm  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 
-from shardcheck.megatron import cpu  # noqa: E402
+from shardcheck.megatron.cpu import patches as cpu  # noqa: E402
 
 
 @pytest.fixture
@@ -128,7 +128,7 @@ def _uneven_exchange(rows_of_rank: list[int]) -> dict:
 
 @pytest.mark.parametrize("rows_of_rank", [[3, 1], [2, 2]])
 def test_uneven_collectives_give_what_nccl_gives(rows_of_rank):
-    from shardcheck.launch import spawn_ranks
+    from shardcheck.parity.launch import spawn_ranks
 
     results = spawn_ranks(_uneven_exchange, 2, rows_of_rank)
     expected = torch.cat([torch.full((rows, 2), float(r + 1)) for r, rows in enumerate(rows_of_rank)])
@@ -184,7 +184,7 @@ def test_ssm_kernels_fill_the_failed_imports_and_are_removed_after():
     from megatron.core.ssm import mamba_mixer
     from megatron.core.ssm.gated_delta_net import GatedDeltaNet
 
-    from shardcheck.megatron import kernels
+    from shardcheck.megatron.cpu import kernels
 
     home = sys.modules[GatedDeltaNet.__module__]  # where its forward reads its kernels
     cpu.apply_cpu_patches()
@@ -201,7 +201,7 @@ def test_ssm_kernels_fill_the_failed_imports_and_are_removed_after():
 
 
 def test_fla_causal_conv1d_is_the_plain_convolution_in_fla_layout():
-    from shardcheck.megatron import kernels
+    from shardcheck.megatron.cpu import kernels
 
     x, weight, bias = torch.randn(2, 5, 3), torch.randn(3, 4), torch.randn(3)
     out, state = kernels.causal_conv1d(x, weight, bias, activation="silu", cu_seqlens=None)

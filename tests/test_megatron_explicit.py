@@ -17,13 +17,13 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from megatron_release import fixed_in  # noqa: E402
 
-from shardcheck.layout import Layout, LayoutError  # noqa: E402
-from shardcheck.megatron.audit import PRELOAD, audit, pools  # noqa: E402
-from shardcheck.megatron.audit_cli import audit_command  # noqa: E402
-from shardcheck.megatron.parallel import megatron_parallel, scenario_groups  # noqa: E402
-from shardcheck.megatron.reference import seeded_global  # noqa: E402
+from shardcheck.cli.audit import audit_command  # noqa: E402
+from shardcheck.megatron.audit.run import PRELOAD, audit, pools  # noqa: E402
+from shardcheck.megatron.audit.sweep import Case, layouts, plan, runs_under  # noqa: E402
+from shardcheck.megatron.cpu.parallel import megatron_parallel, scenario_groups  # noqa: E402
 from shardcheck.megatron.scenarios import COMPONENTS, Component  # noqa: E402
-from shardcheck.megatron.sweep import Case, layouts, plan, runs_under  # noqa: E402
+from shardcheck.megatron.scenarios.reference import seeded_global  # noqa: E402
+from shardcheck.parity.layout import Layout, LayoutError  # noqa: E402
 
 for module in PRELOAD:
     __import__(module)
@@ -103,7 +103,7 @@ PLANTED_LINE = _planted_line()
 def _collection_ranks(ctx):
     from megatron.core import parallel_state as ps
 
-    from shardcheck.megatron.typing import mesh_from_pg_collection
+    from shardcheck.megatron.checks.typing import mesh_from_pg_collection
 
     with megatron_parallel(ctx) as pg:
         names = ("tp", "dp", "dp_cp", "tp_cp", "mp", "tp_dp_cp", "cp", "pp")

@@ -6,8 +6,8 @@ pytest.importorskip("megatron.core")
 
 import megatron.core.pipeline_parallel.schedules  # noqa: E402, F401  (imported once, before forking)
 
-from shardcheck.launch import spawn_ranks  # noqa: E402
-from shardcheck.megatron.fields import classify, config_choices, known_blocker, probe  # noqa: E402
+from shardcheck.megatron.audit.fields import classify, config_choices, known_blocker, probe  # noqa: E402
+from shardcheck.parity.launch import spawn_ranks  # noqa: E402
 
 
 def test_choices_cover_booleans_literals_and_enums_of_both_dataclasses():
@@ -59,9 +59,9 @@ def test_every_preset_builds_a_scenario_and_unknown_names_are_refused():
 
 
 def _run_every_preset():
-    from shardcheck.layout import Layout
-    from shardcheck.megatron.runner import RankContext
+    from shardcheck.megatron.cpu.runner import RankContext
     from shardcheck.megatron.scenarios import PRESETS, preset
+    from shardcheck.parity.layout import Layout
 
     return {name: sorted(preset(name)(RankContext(Layout(), 0))) for name in PRESETS}
 

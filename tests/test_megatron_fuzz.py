@@ -7,11 +7,11 @@ pytest.importorskip("megatron.core")
 from hypothesis import find  # noqa: E402
 from hypothesis.errors import NoSuchExample  # noqa: E402
 
-from shardcheck.fuzz import fuzz, registered_targets  # noqa: E402
-from shardcheck.layout import Layout  # noqa: E402
-from shardcheck.megatron import fuzz_targets  # noqa: E402
+from shardcheck.fuzz.campaign import fuzz, registered_targets  # noqa: E402
+from shardcheck.megatron.audit import fuzz_targets  # noqa: E402
 from shardcheck.megatron.scenarios import COMPONENTS  # noqa: E402
 from shardcheck.megatron.scenarios.moe_router import RouterSetup  # noqa: E402
+from shardcheck.parity.layout import Layout  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -6,9 +6,9 @@ pytest.importorskip("megatron.core")
 
 import megatron.core.pipeline_parallel.schedules  # noqa: E402, F401  (imported once, before forking)
 
-from shardcheck.layout import Layout  # noqa: E402
-from shardcheck.megatron.runner import relative_errors, run_layout, worst  # noqa: E402
+from shardcheck.megatron.cpu.runner import relative_errors, run_layout, worst  # noqa: E402
 from shardcheck.megatron.scenarios import scenario  # noqa: E402
+from shardcheck.parity.layout import Layout  # noqa: E402
 
 pytestmark = pytest.mark.slow
 ONE = Layout()

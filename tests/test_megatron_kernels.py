@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shardcheck.megatron import kernels
+from shardcheck.megatron.cpu import kernels
 
 
 def _gen(seed=0):

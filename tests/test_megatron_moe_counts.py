@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 import shardcheck as sc
-from shardcheck.launch import spawn_ranks
+from shardcheck.parity.launch import spawn_ranks
 
 pytest.importorskip("megatron.core")
 pytestmark = [pytest.mark.megatron, pytest.mark.slow]
@@ -31,7 +31,7 @@ def _summed_before_gather(gather):
 
 
 def _dispatcher_counts(planted: bool):
-    from shardcheck.megatron.cpu import apply_cpu_patches
+    from shardcheck.megatron.cpu.patches import apply_cpu_patches
 
     apply_cpu_patches()
     from megatron.core import parallel_state as ps
@@ -39,7 +39,7 @@ def _dispatcher_counts(planted: bool):
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.moe import token_dispatcher
 
-    from shardcheck.megatron import contracts
+    from shardcheck.megatron.checks import contracts
 
     ps.initialize_model_parallel(tensor_model_parallel_size=2)
     contracts.install()

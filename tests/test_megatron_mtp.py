@@ -17,15 +17,15 @@ pytest.importorskip("megatron.core")
 
 from planted.megatron_site import MTP_WORD_EMBEDDINGS_NOT_SUMMED, planted_env  # noqa: E402
 
-from shardcheck.findings import Finding  # noqa: E402
-from shardcheck.layout import Layout  # noqa: E402
-from shardcheck.megatron import contracts  # noqa: E402
-from shardcheck.megatron.audit import PRELOAD, audit, pools  # noqa: E402
-from shardcheck.megatron.audit_repro import AUDIT, write_audit_script  # noqa: E402
-from shardcheck.megatron.runner import relative_errors, run_layout, worst  # noqa: E402
+from shardcheck.fuzz.findings import Finding  # noqa: E402
+from shardcheck.fuzz.repro import FIXED, REPRODUCES, run_repro  # noqa: E402
+from shardcheck.megatron.audit.run import PRELOAD, audit, pools  # noqa: E402
+from shardcheck.megatron.audit.sweep import Case  # noqa: E402
+from shardcheck.megatron.checks import contracts  # noqa: E402
+from shardcheck.megatron.cpu.runner import relative_errors, run_layout, worst  # noqa: E402
+from shardcheck.megatron.repro.scripts import AUDIT, write_audit_script  # noqa: E402
 from shardcheck.megatron.scenarios import scenario  # noqa: E402
-from shardcheck.megatron.sweep import Case  # noqa: E402
-from shardcheck.repro import FIXED, REPRODUCES, run_repro  # noqa: E402
+from shardcheck.parity.layout import Layout  # noqa: E402
 
 pytestmark = pytest.mark.slow
 for module in PRELOAD:

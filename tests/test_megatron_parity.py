@@ -7,8 +7,8 @@ pytest.importorskip("megatron.core")
 import megatron.core.pipeline_parallel.schedules  # noqa: E402, F401  (imported once, before forking)
 
 from shardcheck.megatron.scenarios import scenario  # noqa: E402
-from shardcheck.parity import parity  # noqa: E402
-from shardcheck.pool import RankPool  # noqa: E402
+from shardcheck.parity.compare import parity  # noqa: E402
+from shardcheck.parity.pool import RankPool  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

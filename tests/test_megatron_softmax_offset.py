@@ -9,8 +9,8 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from shardcheck.layout import Layout  # noqa: E402
-from shardcheck.megatron.runner import run_ranks  # noqa: E402
+from shardcheck.megatron.cpu.runner import run_ranks  # noqa: E402
+from shardcheck.parity.layout import Layout  # noqa: E402
 
 pytestmark = [pytest.mark.megatron, pytest.mark.slow]
 HEADS = 4
@@ -19,7 +19,7 @@ HEADS = 4
 def _duplicate_flags(ctx) -> dict[str, torch.Tensor]:
     from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
-    from shardcheck.megatron.parallel import megatron_parallel
+    from shardcheck.megatron.cpu.parallel import megatron_parallel
     from shardcheck.megatron.scenarios.gpt import GPTSetup, build_gpt, transformer_config
 
     def counted(group):

@@ -7,11 +7,11 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
-from shardcheck.checker import confirmed_across_ranks  # noqa: E402
-from shardcheck.launch import spawn_ranks  # noqa: E402
-from shardcheck.layout import Layout  # noqa: E402
-from shardcheck.megatron.runner import relative_errors, run_layout, run_ranks  # noqa: E402
+from shardcheck.megatron.cpu.runner import relative_errors, run_layout, run_ranks  # noqa: E402
 from shardcheck.megatron.scenarios import ssm  # noqa: E402
+from shardcheck.parity.launch import spawn_ranks  # noqa: E402
+from shardcheck.parity.layout import Layout  # noqa: E402
+from shardcheck.typecheck.checker import confirmed_across_ranks  # noqa: E402
 
 pytestmark = [pytest.mark.megatron, pytest.mark.slow]
 
@@ -132,10 +132,10 @@ def _checker_lines(ctx_layout: Layout, steps: list, bias_metadata_fixed: bool = 
     """Per step, the type checker's violations in megatron-core on this rank."""
     import torch.distributed as dist
 
-    from shardcheck.megatron import contracts
-    from shardcheck.megatron.runner import RankContext
-    from shardcheck.megatron.typecheck import checked_region
-    from shardcheck.scenario import build_groups
+    from shardcheck.megatron.checks import contracts
+    from shardcheck.megatron.checks.typecheck import checked_region
+    from shardcheck.megatron.cpu.runner import RankContext
+    from shardcheck.parity.scenario import build_groups
 
     contracts.install()
     ctx = RankContext(ctx_layout, dist.get_rank(), build_groups(ctx_layout, dist.get_rank()))
@@ -219,9 +219,9 @@ def test_gdn_takes_explicit_groups_clean_where_megatron_is_right():
     """GDN gets the explicit pg_collection (and DDP and finalize_model_grads with it): clean
     under explicit groups with sequence parallelism; without it, its out_norm gradient is
     left unreduced over tp, as under the plain tp2 (GDN refuses context parallelism)."""
-    from shardcheck.megatron.audit import audit
+    from shardcheck.megatron.audit.run import audit
+    from shardcheck.megatron.audit.sweep import Case
     from shardcheck.megatron.scenarios import COMPONENTS
-    from shardcheck.megatron.sweep import Case
 
     assert COMPONENTS["gdn"].explicit_groups
     result = audit([Case("gdn", (), Layout.parse(t)) for t in ["tp2", "tp2-dp2-sp@dp-tp", "tp2-dp2@dp-tp"]])

@@ -12,10 +12,10 @@ pytest.importorskip("megatron.core")
 
 from megatron_release import fixed_in  # noqa: E402
 
-from shardcheck.launch import spawn_ranks  # noqa: E402
-from shardcheck.layout import Layout  # noqa: E402
-from shardcheck.megatron.audit import PRELOAD, audit, pools  # noqa: E402
-from shardcheck.megatron.sweep import Case  # noqa: E402
+from shardcheck.megatron.audit.run import PRELOAD, audit, pools  # noqa: E402
+from shardcheck.megatron.audit.sweep import Case  # noqa: E402
+from shardcheck.parity.launch import spawn_ranks  # noqa: E402
+from shardcheck.parity.layout import Layout  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.megatron]
 for module in PRELOAD:
@@ -56,11 +56,11 @@ def _step_violations(layout: Layout, skip_dp_all_reduce: bool, config: dict | No
     """One GPT training step in the checker; the violations located in megatron-core."""
     import torch.distributed as dist
 
-    from shardcheck.megatron import contracts
-    from shardcheck.megatron.runner import RankContext
+    from shardcheck.megatron.checks import contracts
+    from shardcheck.megatron.checks.typecheck import checked_region
+    from shardcheck.megatron.cpu.runner import RankContext
     from shardcheck.megatron.scenarios import scenario
-    from shardcheck.megatron.typecheck import checked_region
-    from shardcheck.scenario import build_groups
+    from shardcheck.parity.scenario import build_groups
 
     if skip_dp_all_reduce:
         _skip_bucket_all_reduce()

@@ -13,9 +13,8 @@ pytest.importorskip("megatron.core")
 
 import megatron.core.pipeline_parallel.schedules  # noqa: E402, F401  (imported once, before forking)
 
-from shardcheck.layout import Layout  # noqa: E402
-from shardcheck.megatron.parallel import LayoutUnsupported  # noqa: E402
-from shardcheck.megatron.runner import relative_errors, worst  # noqa: E402
+from shardcheck.megatron.cpu.parallel import LayoutUnsupported  # noqa: E402
+from shardcheck.megatron.cpu.runner import relative_errors, worst  # noqa: E402
 from shardcheck.megatron.scenarios import (  # noqa: E402
     COMPONENTS,
     PRESETS,
@@ -24,7 +23,8 @@ from shardcheck.megatron.scenarios import (  # noqa: E402
     scenario,
     t5,
 )
-from shardcheck.pool import PoolFailure, RankPool  # noqa: E402
+from shardcheck.parity.layout import Layout  # noqa: E402
+from shardcheck.parity.pool import PoolFailure, RankPool  # noqa: E402
 
 pytestmark = pytest.mark.slow
 ONE = Layout()

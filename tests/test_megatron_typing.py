@@ -7,20 +7,20 @@ pytest.importorskip("megatron.core")
 import megatron.core.models.gpt.gpt_model  # noqa: E402, F401  (imported once, before forking)
 from megatron_release import fixed_in  # noqa: E402
 
-from shardcheck.launch import spawn_ranks  # noqa: E402
-from shardcheck.layout import Layout
-from shardcheck.megatron.parallel import megatron_parallel  # noqa: E402
-from shardcheck.megatron.runner import RankContext  # noqa: E402
-from shardcheck.megatron.scenarios.gpt import GPTSetup, build_gpt, transformer_config  # noqa: E402
-from shardcheck.megatron.typing import (  # noqa: E402
+from shardcheck.megatron.checks.typing import (  # noqa: E402
     annotate_model,
     input_types,
     mesh_from_parallel_state,
     mesh_from_pg_collection,
     parameter_types,
 )
-from shardcheck.rules import SectionShard  # noqa: E402
-from shardcheck.types import R, S, V  # noqa: E402
+from shardcheck.megatron.cpu.parallel import megatron_parallel  # noqa: E402
+from shardcheck.megatron.cpu.runner import RankContext  # noqa: E402
+from shardcheck.megatron.scenarios.gpt import GPTSetup, build_gpt, transformer_config  # noqa: E402
+from shardcheck.parity.launch import spawn_ranks  # noqa: E402
+from shardcheck.parity.layout import Layout
+from shardcheck.typecheck.rules import SectionShard  # noqa: E402
+from shardcheck.typecheck.types import R, S, V  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -158,9 +158,9 @@ def _harness_types_on_rank() -> dict:
     from megatron.core.utils import make_viewless_tensor
 
     import shardcheck as sc
-    from shardcheck.megatron import typecheck
+    from shardcheck.megatron.checks import typecheck
     from shardcheck.megatron.scenarios import training
-    from shardcheck.types import Mesh
+    from shardcheck.typecheck.types import Mesh
 
     found = {}
     world = dist.group.WORLD

@@ -5,9 +5,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from oracle_regressions import REGRESSIONS
 
-from shardcheck.oracle import Input, Program, Step, check, judge, local_inputs, on_rank, valid
-from shardcheck.oracle_gen import KNOWN_GAPS, programs
-from shardcheck.pool import RankPool
+from shardcheck.fuzz.oracle import Input, Program, Step, check, judge, local_inputs, on_rank, valid
+from shardcheck.fuzz.oracle_gen import KNOWN_GAPS, programs
+from shardcheck.parity.pool import RankPool
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,7 @@ import parity_scenarios as scenarios
 import pytest
 
 import shardcheck as sc
-from shardcheck.pool import RankPool
+from shardcheck.parity.pool import RankPool
 
 LAYOUTS = ["tp2", "tp2-sp", "cp2", "dp2", "tp2-dp2", "tp2-cp2-sp"]
 

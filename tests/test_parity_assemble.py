@@ -1,9 +1,9 @@
 import pytest
 import torch
 
-from shardcheck.assemble import NotComparable, assemble, compare, tolerance
-from shardcheck.layout import Layout
-from shardcheck.types import P, R, S, V
+from shardcheck.parity.assemble import NotComparable, assemble, compare, tolerance
+from shardcheck.parity.layout import Layout
+from shardcheck.typecheck.types import P, R, S, V
 
 
 def _split_matmul(x, w, ranks):

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from shardcheck.pool import PoolFailure, RankPool
+from shardcheck.parity.pool import PoolFailure, RankPool
 
 
 def alive(pid: int) -> bool:
@@ -124,7 +124,7 @@ def test_a_rank_that_raises_is_reported_and_the_pool_keeps_serving(pool):
     failure = info.value
     assert failure.kind == "error" and set(failure.tracebacks) == {1}
     assert "rank 1 raised" in str(failure) and "ValueError: boom on rank one" in str(failure)
-    assert "in _rank_one_raises" in failure.tracebacks[1] and "shardcheck/pool.py" not in failure.tracebacks[1]
+    assert "in _rank_one_raises" in failure.tracebacks[1] and "shardcheck/parity/pool.py" not in failure.tracebacks[1]
     assert "rank 0: #1 all_reduce(float32[1]) on group [0, 1]; rank 1: no collective entered (raised)" in str(failure)
     assert pool.run("tp2", _tp_sum, 1.0) == [(0, 2, 3.0), (1, 2, 3.0)]
     assert wait_gone(set(old) - set(pool.pids)) == [], "rank 0 was left waiting: the pool restarted"
@@ -164,7 +164,7 @@ def test_closing_the_pool_leaves_no_worker():
 
 _PARENT = textwrap.dedent("""
     import sys, torch, torch.distributed as dist
-    from shardcheck.pool import RankPool
+    from shardcheck.parity.pool import RankPool
 
     def stuck(ctx):
         if ctx.rank == 0:

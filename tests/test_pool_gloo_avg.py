@@ -1,9 +1,9 @@
 import torch
 import torch.distributed as dist
 
-from shardcheck.gloo_avg import all_reduce_mean, avg_problems
-from shardcheck.launch import spawn_ranks
-from shardcheck.pool import RankPool
+from shardcheck.parity.gloo_avg import all_reduce_mean, avg_problems
+from shardcheck.parity.launch import spawn_ranks
+from shardcheck.parity.pool import RankPool
 
 
 def _probe():

@@ -10,9 +10,9 @@ from click.testing import CliRunner
 from planted import bugs, targets
 
 from shardcheck.cli import main
-from shardcheck.findings import Finding, FindingStore
-from shardcheck.fuzz import fuzz, resolve_target
-from shardcheck.repro import (
+from shardcheck.fuzz.campaign import fuzz, resolve_target
+from shardcheck.fuzz.findings import Finding, FindingStore
+from shardcheck.fuzz.repro import (
     BROKEN,
     FIXED,
     REPRODUCES,

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import shardcheck as sc
-from shardcheck.launch import spawn_ranks
+from shardcheck.parity.launch import spawn_ranks
 
 TOKENS, HIDDEN, EXPERTS, TOPK = 16, 8, 4, 2
 

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 import shardcheck as sc
-from shardcheck.rules import PAVG, PEVEN, BlockShard, SectionShard
+from shardcheck.typecheck.rules import PAVG, PEVEN, BlockShard, SectionShard
 
 MESH = sc.Mesh(rank=0, tp=[0, 1])
 R, P, V, S = sc.R, sc.P, sc.V, sc.S
@@ -371,7 +371,7 @@ def test_cat_along_the_cut_dim_joins_sections_that_a_later_cut_takes_apart():
 def _conv_of_fused_projection(weight_tp, cut=(8, 4, 1, 1), projection_tp=None):
     """GatedDeltaNet's path to its conv: a fused column-parallel output [b, q k v z beta alpha,
     s] cut by torch.split into qkv, z, beta, alpha, then the depthwise causal conv of qkv."""
-    from shardcheck.megatron.kernels import causal_conv1d_fn
+    from shardcheck.megatron.cpu.kernels import causal_conv1d_fn
 
     fused = SectionShard(1, (2, 2, 4, 4, 1, 1))
     projection = T(2, 14, 5, tp=fused if projection_tp is None else projection_tp)

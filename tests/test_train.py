@@ -20,9 +20,9 @@ if Version(importlib.metadata.version("megatron-core")).release[:2] < (0, 19):  
                 allow_module_level=True)
 
 from shardcheck.cli import main
+from shardcheck.cli.train import Launch, run_training, start_from
 from shardcheck.golden import load_golden
-from shardcheck.megatron.train_args import plan_runs
-from shardcheck.megatron.train_cli import Launch, run_training, start_from
+from shardcheck.megatron.train.args import plan_runs
 from shardcheck.train import compare_runs, write_golden
 
 pytestmark = pytest.mark.timeout(900)

@@ -17,8 +17,8 @@ if Version(importlib.metadata.version("megatron-core")).release[:2] < (0, 19):  
     pytest.skip("megatron.training ships with megatron-core 0.19 on (0.16.1 has megatron/core only)",
                 allow_module_level=True)
 
-from shardcheck.megatron.train_args import plan_runs
-from shardcheck.megatron.train_config import MAX_RANKS, flags_from_model_config
+from shardcheck.megatron.train.args import plan_runs
+from shardcheck.megatron.train.config import MAX_RANKS, flags_from_model_config
 
 CARRIED = Path(__file__).parent / "data" / "train_configs"
 REAL = ["gpt/gpt3_mcore_te_tp2_pp2_cp2", "gpt/gpt3_mcore_te_tp2_pp1_cp2_nondeterministic",

@@ -19,7 +19,7 @@ if Version(importlib.metadata.version("megatron-core")).release[:2] < (0, 19):  
 
 from shardcheck.cli import main
 from shardcheck.golden.io import parse_golden
-from shardcheck.megatron.train_args import TrainInputError, plan_runs
+from shardcheck.megatron.train.args import TrainInputError, plan_runs
 from shardcheck.train import Step, Tolerance, compare_runs, golden_document, merge_ranks
 from shardcheck.train.records import Run
 
@@ -135,8 +135,8 @@ def test_bad_flags_are_one_line_exit_2(args, message):
 def test_the_cpu_layer_is_one_switch_off_by_default():
     """Without SHARDCHECK_TRAIN_CPU the entry point applies no CPU patch (the GPU path)."""
     code = ("import os; os.environ.pop('SHARDCHECK_TRAIN_CPU', None)\n"
-            "import shardcheck.megatron.train_entry as e, shardcheck.megatron.train_cpu as c\n"
-            "import shardcheck.megatron.cpu as m\n"
+            "import shardcheck.megatron.train.entry as e, shardcheck.megatron.train.cpu as c\n"
+            "import shardcheck.megatron.cpu.patches as m\n"
             "e._pretrain = lambda: None\n"
             "e.main()\n"
             "print(c.cpu_layer_active(), m.cpu_patches_active(), c.applied_patches())\n")
@@ -193,7 +193,7 @@ def test_the_training_patches_leave_the_numbers_alone():
     their plain function's bits, the dataset helpers are the prebuilt ones, memory is only read."""
     code = """
 import torch
-from shardcheck.megatron.train_cpu import apply_training_patches, applied_patches
+from shardcheck.megatron.train.cpu import apply_training_patches, applied_patches
 apply_training_patches()
 from megatron.core.fusions import fused_bias_gelu
 from megatron.core.datasets import helpers_cpp, utils

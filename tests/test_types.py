@@ -1,6 +1,6 @@
 import pytest
 
-from shardcheck.types import I, Mesh, P, R, S, V, parse_placement
+from shardcheck.typecheck.types import I, Mesh, P, R, S, V, parse_placement
 
 
 def test_placements_repr_and_interning():

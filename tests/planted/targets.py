@@ -30,9 +30,9 @@ from planted.bugs import (
     weighted_token_mean,
 )
 from shardcheck import R, S
-from shardcheck.fuzz import Campaign, fuzz, register_fuzz_target
-from shardcheck.repro import ScriptBody
-from shardcheck.spaces import option, per_rank, space
+from shardcheck.fuzz.campaign import Campaign, fuzz, register_fuzz_target
+from shardcheck.fuzz.repro import ScriptBody
+from shardcheck.fuzz.spaces import option, per_rank, space
 
 FIX = {"fixed": True}
 

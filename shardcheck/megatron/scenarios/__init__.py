@@ -3,7 +3,7 @@
 ``scenario("gpt", loss_mask=True, config={"calculate_per_token_loss": True})`` gives a
 picklable scenario for one component and its options; :data:`COMPONENTS` lists them and
 :data:`PRESETS` names a starting set of (component, options) that a sweep varies further with
-:func:`shardcheck.megatron.fields.config_choices`.
+:func:`shardcheck.megatron.audit.fields.config_choices`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from shardcheck.megatron.parallel import LayoutUnsupported
+from shardcheck.megatron.cpu.parallel import LayoutUnsupported
 from shardcheck.megatron.scenarios import multimodal, t5
 from shardcheck.megatron.scenarios.gpt import GPTSetup, MoEGPTSetup, MTPGPTSetup, train_step
 from shardcheck.megatron.scenarios.moe_router import RouterSetup, router_step

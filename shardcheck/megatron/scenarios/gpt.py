@@ -18,13 +18,13 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from shardcheck.megatron.parallel import (
+from shardcheck.megatron.cpu.parallel import (
     explicit_kwargs,
     megatron_parallel,
     scenario_groups,
     world_group,
 )
-from shardcheck.megatron.reference import gather_global, gradient_of, load_global_weights
+from shardcheck.megatron.scenarios.reference import gather_global, gradient_of, load_global_weights
 
 
 @dataclass(frozen=True)
@@ -101,7 +101,7 @@ def local_batches(setup: GPTSetup, pg: Any = None) -> list[dict[str, torch.Tenso
     """This rank's microbatches: a contiguous share per data-parallel rank, cut for its CP rank."""
     from megatron.core.utils import get_batch_on_this_cp_rank
 
-    from shardcheck.megatron.versions import cp_batch_kwargs
+    from shardcheck.megatron.cpu.versions import cp_batch_kwargs
 
     used = scenario_groups(pg)
     dp, dp_rank = used.dp.size(), used.dp.rank()
@@ -119,7 +119,7 @@ def build_gpt(config, setup: GPTSetup, pg: Any = None):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
 
-    from shardcheck.megatron.cp_attention import local_spec_for
+    from shardcheck.megatron.cpu.cp_attention import local_spec_for
 
     spec = local_spec_for(config, get_gpt_layer_local_spec(
         num_experts=config.num_moe_experts, qk_layernorm=config.qk_layernorm,

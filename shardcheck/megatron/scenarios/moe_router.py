@@ -22,10 +22,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardcheck.megatron.parallel import megatron_parallel, world_group
-from shardcheck.megatron.reference import gather_global, load_global_weights, seeded_global
+from shardcheck.megatron.cpu.parallel import megatron_parallel, world_group
 from shardcheck.megatron.scenarios.gpt import GPTSetup, transformer_config
 from shardcheck.megatron.scenarios.output_loss import _sequence_gather, _sequence_shard
+from shardcheck.megatron.scenarios.reference import (
+    gather_global,
+    load_global_weights,
+    seeded_global,
+)
 
 
 def _token_shard(tensor: torch.Tensor, layout: Any, pg: Any) -> torch.Tensor:

@@ -16,10 +16,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardcheck.megatron.parallel import explicit_kwargs, megatron_parallel, world_group
-from shardcheck.megatron.reference import gather_global, load_global_weights, seeded_global
+from shardcheck.megatron.cpu.parallel import explicit_kwargs, megatron_parallel, world_group
+from shardcheck.megatron.cpu.versions import tp_group_kwargs
 from shardcheck.megatron.scenarios.gpt import GPTSetup, transformer_config
-from shardcheck.megatron.versions import tp_group_kwargs
+from shardcheck.megatron.scenarios.reference import (
+    gather_global,
+    load_global_weights,
+    seeded_global,
+)
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """State-space layers: Megatron's Gated DeltaNet and Mamba-2 mixer, one training step each.
 
 The CUDA kernels they call are replaced by the plain-torch ones of
-:mod:`shardcheck.megatron.kernels` (CPU patch ``ssm_kernels``). The layer runs wrapped in
+:mod:`shardcheck.megatron.cpu.kernels` (CPU patch ``ssm_kernels``). The layer runs wrapped in
 Megatron's DistributedDataParallel on a [seq, batch, hidden] input (the batch split over data
 parallelism; the sequence over context parallelism in Megatron's load-balanced chunk order,
 then over tensor parallelism under sequence parallelism), with the loss
@@ -22,19 +22,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardcheck.megatron.parallel import (
+from shardcheck.megatron.cpu.parallel import (
     LayoutUnsupported,
     explicit_kwargs,
     megatron_parallel,
     world_group,
 )
-from shardcheck.megatron.reference import (
+from shardcheck.megatron.scenarios.gpt import GPTSetup, transformer_config
+from shardcheck.megatron.scenarios.reference import (
     gather_global,
     gradient_of,
     load_global_weights,
     seeded_global,
 )
-from shardcheck.megatron.scenarios.gpt import GPTSetup, transformer_config
 
 
 @dataclass(frozen=True)
@@ -165,7 +165,7 @@ def _size_rank(group: dist.ProcessGroup) -> tuple[int, int]:
 
 def _cp_positions(seq: int, pg: Any = None) -> torch.Tensor | None:
     """The global sequence positions of this CP rank (None without context parallelism)."""
-    from shardcheck.megatron.cp_attention import load_balanced_positions
+    from shardcheck.megatron.cpu.cp_attention import load_balanced_positions
 
     cp, rank = _size_rank(_axis(pg, "cp"))
     if cp == 1:
@@ -191,8 +191,8 @@ def _typed_input(local: torch.Tensor, sp: bool) -> torch.Tensor:
     has its own samples, as Megatron's batches), S(0) over cp (load-balanced order) and over
     tp under sequence parallelism."""
     import shardcheck as sc
-    from shardcheck.checker import current
-    from shardcheck.types import S, V
+    from shardcheck.typecheck.checker import current
+    from shardcheck.typecheck.types import S, V
 
     checker = current()
     if checker is None:

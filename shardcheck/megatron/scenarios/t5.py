@@ -21,9 +21,9 @@ from typing import Any
 import torch
 from megatron.core.models.T5.t5_model import T5Model
 
-from shardcheck.megatron.parallel import LayoutUnsupported, megatron_parallel
-from shardcheck.megatron.reference import load_global_weights
+from shardcheck.megatron.cpu.parallel import LayoutUnsupported, megatron_parallel
 from shardcheck.megatron.scenarios.gpt import GPTSetup, masked_loss, transformer_config
+from shardcheck.megatron.scenarios.reference import load_global_weights
 from shardcheck.megatron.scenarios.training import (
     data_parallel_share,
     gathered_microbatches,

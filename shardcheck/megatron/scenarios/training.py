@@ -15,10 +15,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardcheck.megatron.parallel import LayoutUnsupported, world_group
-from shardcheck.megatron.reference import gather_global, gradient_of
+from shardcheck.megatron.cpu.parallel import LayoutUnsupported, world_group
 from shardcheck.megatron.scenarios.gpt import reported_loss
 from shardcheck.megatron.scenarios.output_loss import _sequence_gather
+from shardcheck.megatron.scenarios.reference import gather_global, gradient_of
 
 
 def data_parallel_share(batches: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:

@@ -1,0 +1,206 @@
+"""``shardcheck train``: the user's Megatron training job on N CPU ranks against one rank."""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import click
+
+import shardcheck
+from shardcheck.megatron.train.args import RunPlan, TrainInputError, plan_runs
+from shardcheck.megatron.train.config import flags_from_model_config
+from shardcheck.megatron.train.entry import CPU_ENV, ENTRY_ENV
+from shardcheck.megatron.train.record import RECORD_ENV, SAVE_INIT_ENV, TYPECHECK_ENV
+from shardcheck.parity.launch import run_script
+from shardcheck.train import RecordError, Run, Tolerance, compare_runs, load_run, write_golden
+
+REPO_ROOT = str(Path(shardcheck.__file__).resolve().parent.parent)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How each rank is started: CPU layer or not, which megatron-core, whose entry script."""
+
+    cpu: bool
+    megatron: Path | None
+    entry: Path | None
+    timeout: float
+    typecheck: bool = False
+
+    def env(self, record: Path) -> dict[str, str]:
+        paths = [str(self.megatron)] if self.megatron else []
+        paths += [REPO_ROOT, os.environ.get("PYTHONPATH", "")]
+        env = {RECORD_ENV: str(record), "PYTHONPATH": os.pathsep.join(p for p in paths if p),
+               "PYTHONWARNINGS": "ignore", "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+        if self.cpu:
+            env.update({CPU_ENV: "1", "OMP_NUM_THREADS": "1"})
+        if self.entry:
+            env[ENTRY_ENV] = str(self.entry)
+        if self.typecheck:
+            env[TYPECHECK_ENV] = "1"
+        return env
+
+
+class RunFailed(Exception):
+    """A rank of one run failed or hung; the message is one line."""
+
+
+def run_training(args: list[str], nproc: int, launch: Launch, label: str,
+                 save_init: Path | None = None) -> Run:
+    """Run Megatron's ``pretrain`` with ``args`` on ``nproc`` ranks; return its recorded steps.
+
+    With ``save_init``, the weights before the first step are saved there (Megatron's
+    torch_dist checkpoint of iteration 0), for :func:`start_from` to load in another layout.
+    """
+    with tempfile.TemporaryDirectory(prefix="shardcheck-train-") as folder:
+        env = launch.env(Path(folder))
+        if save_init is not None:
+            env[SAVE_INIT_ENV] = str(save_init)
+        outcome = run_script("-m", ["shardcheck.megatron.train.entry", *args], nproc, launch.timeout,
+                             env=env, log_stdout=True)
+        if outcome.failed:
+            raise RunFailed(f"{label}: {_failure(outcome)}")
+        try:
+            return load_run(Path(folder))
+        except RecordError as exc:
+            raise RunFailed(f"{label}: {exc} (did the entry script call pretrain?)") from exc
+
+
+def start_from(initial: Path) -> list[str]:
+    """Flags that load the initial weights saved by ``run_training(..., save_init=initial)``."""
+    return ["--load", str(initial), "--finetune", "--no-load-optim", "--no-load-rng"]
+
+
+def _failure(outcome) -> str:
+    for rank in outcome.failed:
+        if rank.returncode is None:
+            return f"rank {rank.rank} hung: killed after {outcome.timeout:g} s"
+    rank = outcome.failed[0]
+    if os.environ.get("SHARDCHECK_TRAIN_DEBUG"):
+        click.echo(rank.stderr, err=True)
+    lines = [ln.strip() for ln in rank.stderr.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if "Error" in ln.split(":")[0]]
+    where = [ln for ln in lines if ln.startswith('File "')]
+    at = f" (at {where[-1].split(',')[0][6:-1]}:{where[-1].split(',')[1].strip()[5:]})" if where else ""
+    return (f"rank {rank.rank} failed (exit code {rank.returncode}): "
+            f"{(errors or lines or ['no output'])[-1]}{at}")
+
+
+@click.command("train", context_settings={"ignore_unknown_options": True})
+@click.option("-n", "--nproc", type=click.IntRange(1, 64), help="Ranks of the parallel run.")
+@click.option("--model-config", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="A functional test's model_config.yaml: its MODEL_ARGS, shrunk for a CPU.")
+@click.option("--steps", type=click.IntRange(1, 1000), default=None, help="Training steps (default 3).")
+@click.option("--megatron", "megatron_path", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="A megatron-core copy to run instead of the installed one (its parent of megatron/).")
+@click.option("--entry", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Your own entry script (e.g. pretrain_gpt.py) instead of shardcheck's GPT entry point.")
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path),
+              help="Write each run as a Megatron golden-values JSON into this folder.")
+@click.option("--repeats", type=click.IntRange(1, 20), default=1,
+              help="Runs of each layout, with seeds seed, seed+1, ... (written with --out).")
+@click.option("--resume-at", type=click.IntRange(1, 999), default=None,
+              help="Also save a checkpoint at this step, restart from it, and compare with the uninterrupted run.")
+@click.option("--rtol", type=float, default=Tolerance().rtol, show_default=True,
+              help="Relative tolerance on lm loss and grad norm at step 1 (grows with the step).")
+@click.option("--timeout", type=float, default=900.0, show_default=True, help="Seconds before a run is a hang.")
+@click.option("--typecheck", is_flag=True,
+              help="Also run every step of the parallel run under the type checker (slower).")
+@click.option("--gpu", is_flag=True, help="Run on this node's GPUs with NCCL and no CPU layer (untested).")
+@click.argument("megatron_args", nargs=-1, type=click.UNPROCESSED)
+def train_command(nproc, model_config, steps, megatron_path, entry, out, repeats, resume_at, rtol, timeout,
+                  typecheck, gpu, megatron_args) -> None:
+    """Run your Megatron training job on N ranks and on one, and compare every step.
+
+    Pass Megatron's own flags after ``--``. Exit 0 when the runs agree, 1 when they part
+    ways, 2 on bad input or a rank that fails or hangs.
+    """
+    launch = Launch(cpu=not gpu, megatron=megatron_path, entry=entry, timeout=timeout, typecheck=typecheck)
+    if megatron_path and not (megatron_path / "megatron" / "core").is_dir():
+        _bad_input(f"--megatron {megatron_path}: no megatron/core package in it")
+    try:
+        args = list(megatron_args)
+        if model_config is not None:
+            shrunk = flags_from_model_config(model_config, nproc)
+            for line in shrunk.mapping:
+                click.echo(f"config: {line}")
+            args, nproc = shrunk.flags + args, shrunk.nproc
+        if nproc is None:
+            raise TrainInputError("give -n N (the ranks of the parallel run) or --model-config")
+        plan = plan_runs(args, nproc, steps, cpu=launch.cpu)
+        if resume_at is not None and resume_at >= plan.steps:
+            raise TrainInputError(f"--resume-at {resume_at} must be before the last step ({plan.steps})")
+    except TrainInputError as exc:
+        _bad_input(str(exc))
+    for line in plan.changes:
+        click.echo(f"changed: {line}")
+    try:
+        verdict, parallel = _compare(plan, launch, out, repeats, rtol)
+        for line in verdict.lines():
+            click.echo(line)
+        agree = verdict.agree and not parallel.violations
+        for line, ranks in parallel.violations.items():
+            click.echo(f"{line}  [ranks {', '.join(map(str, ranks))}]")
+        if resume_at is not None:
+            resumed = _resumed(plan, launch, resume_at)
+            check = compare_runs(resumed, parallel, Tolerance(rtol=rtol))
+            click.echo(f"resumed at step {resume_at} (Megatron's torch_dist save and load), against the "
+                       f"uninterrupted {plan.world}-rank run:")
+            for line in check.lines():
+                click.echo(f"  {line}")
+            agree = agree and check.agree
+    except (RunFailed, RecordError) as exc:
+        _bad_input(str(exc))
+    sys.exit(0 if agree else 1)
+
+
+def _resumed(plan: RunPlan, launch: Launch, step: int) -> Run:
+    """The parallel run saved at ``step``, restarted from that checkpoint, and continued."""
+    with tempfile.TemporaryDirectory(prefix="shardcheck-resume-") as folder:
+        init = Path(folder) / "init"
+        start: list[str] = []
+        if plan.same_init:
+            run_training(plan.reference, 1, launch, "one-rank run", save_init=init)
+            start = start_from(init)
+        ckpt = ["--save", str(Path(folder) / "ckpt"), "--save-interval", str(step)]
+        first = run_training(plan.parallel + start + ckpt + ["--exit-interval", str(step)], plan.world,
+                             launch, f"{plan.world}-rank run to step {step}")
+        second = run_training(plan.parallel + ckpt + ["--load", str(Path(folder) / "ckpt")], plan.world,
+                              launch, f"{plan.world}-rank run resumed at step {step}")
+    return Run(first.steps + second.steps, first.notes)
+
+
+def _compare(plan: RunPlan, launch: Launch, out: Path | None, repeats: int, rtol: float):
+    seed = int(_flag(plan.parallel, "--seed") or 1234)
+    verdict = None
+    for repeat in range(repeats):
+        seeded = ["--seed", str(seed + repeat)]
+        with tempfile.TemporaryDirectory(prefix="shardcheck-init-") as init:
+            save = Path(init) if plan.same_init else None
+            reference = run_training(plan.reference + seeded, 1, replace(launch, typecheck=False),
+                                     "one-rank run", save_init=save)
+            start = start_from(save) if save else []
+            parallel = run_training(plan.parallel + seeded + start, plan.world, launch,
+                                    f"{plan.world}-rank run")
+        if out is not None:
+            suffix = "" if repeat == 0 else f"_repeat{repeat}"
+            write_golden(parallel, out / f"golden_values_{plan.world}ranks{suffix}.json")
+            write_golden(reference, out / f"golden_values_1rank{suffix}.json")
+        if verdict is None:
+            verdict, first = compare_runs(parallel, reference, Tolerance(rtol=rtol)), parallel
+            for note in parallel.notes:
+                click.echo(f"note: {note}")
+    return verdict, first
+
+
+def _flag(tokens: list[str], flag: str) -> str | None:
+    return tokens[tokens.index(flag) + 1] if flag in tokens else None
+
+
+def _bad_input(message: str) -> None:
+    click.echo(f"shardcheck train: {message}", err=True)
+    sys.exit(2)

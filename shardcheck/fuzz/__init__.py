@@ -1,0 +1,1 @@
+"""Fuzzing: search spaces, campaigns, trials, finding records and reproduction scripts."""

@@ -1,0 +1,161 @@
+"""Findings: one record per distinct bug, deduplicated by code location and contract.
+
+A finding is stored as ``<root>/findings/<id>.json`` (root defaults to ``.shardcheck``). Its id
+is a hash of its root cause: the location relative to its package (``megatron/core/...``, a path
+inside site-packages, or a path inside the project checkout that holds the file), the contract it
+breaks and the names of its trigger's options. So the same bug found again, from any checkout on
+any machine, overwrites its record instead of adding a twin, and two bugs at one call site with
+different triggers are two records. A different cause never replaces a record: should its id be
+taken, the store lengthens the new id until it is free.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+DEFAULT_ROOT = Path(".shardcheck")
+ID_LENGTH = 10
+_INSTALLED = ("/site-packages/", "/dist-packages/")
+_PROJECT_MARKERS = (".git", "pyproject.toml", "setup.py", "setup.cfg")
+
+
+def package_location(location: str) -> str:
+    """``location`` (``path:line``, or a description) with its path relative to its package root.
+
+    megatron-core's files start at ``megatron/`` wherever it is installed; other installed files
+    start below ``site-packages``; a file of a project checkout starts at the checkout's root (the
+    nearest folder above it with ``.git``, ``pyproject.toml``, ``setup.py`` or ``setup.cfg``);
+    any other file is its name alone. A relative path to no file here is returned as it is.
+    """
+    path, sep, rest = location.partition(":")
+    if not path.endswith(".py"):
+        return location
+    posix = Path(path).as_posix()
+    for marker in ("/megatron/core/", *_INSTALLED):
+        index = posix.rfind(marker)
+        if index >= 0:
+            start = index + 1 if marker == "/megatron/core/" else index + len(marker)
+            return posix[start:] + sep + rest
+    file = Path(path)
+    if not file.is_absolute():
+        if not file.exists():
+            return location  # already relative to its package, e.g. megatron/core/...
+        file = file.resolve()
+    for parent in file.parents:
+        if any((parent / marker).exists() for marker in _PROJECT_MARKERS):
+            return file.relative_to(parent).as_posix() + sep + rest
+    return file.name + sep + rest
+
+
+def cause_digest(location: str, contract: str, options: Iterable[str] = ()) -> str:
+    """The full hash of a root cause: package-relative location, contract, trigger option names."""
+    key = "\0".join([package_location(location), contract, *sorted(set(options))])
+    return hashlib.sha1(key.encode()).hexdigest()
+
+
+def finding_id(location: str, contract: str, options: Iterable[str] = ()) -> str:
+    """The stable id of the bug at ``location`` breaking ``contract`` when ``options`` are set."""
+    return cause_digest(location, contract, options)[:ID_LENGTH]
+
+
+@dataclass
+class Finding:
+    """A bug the fuzzer found, with its minimal trigger and the numbers that show it."""
+
+    title: str
+    target: str
+    location: str
+    contract: str
+    layout: str
+    config: dict[str, Any]
+    observed: Any
+    reference: Any
+    corrected: Any = None
+    max_error: float | None = None
+    checker: str | None = None
+    kind: str = "numeric-only"
+    repro: str | None = None
+    module: str | None = None  # importing it registers the target again, e.g. for `shardcheck repro`
+    origin: str = "fuzz"  # or "audit": its target is a Megatron component, its script a template's
+    options: list[str] = field(default_factory=list)  # the trigger's option names, part of the cause
+    sys_path: list[str] = field(default_factory=list)  # where its script imports the code under test
+    id: str = field(default="")
+
+    def __post_init__(self) -> None:
+        self.options = sorted(set(self.options))
+        self.id = self.id or finding_id(self.location, self.contract, self.options)
+
+    @property
+    def cause(self) -> str:
+        """The full hash of what identifies the bug; the id is a prefix of it."""
+        return cause_digest(self.location, self.contract, self.options)
+
+    @property
+    def world_size(self) -> int:
+        """How many ranks the trigger layout needs."""
+        from shardcheck.parity.layout import Layout
+
+        return Layout.parse(self.layout).world_size
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, default=str)
+
+    @classmethod
+    def from_json(cls, text: str) -> Finding:
+        data = json.loads(text)
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+class FindingStore:
+    """The findings kept under ``root/findings``."""
+
+    def __init__(self, root: Path | str = DEFAULT_ROOT) -> None:
+        self.dir = Path(root) / "findings"
+
+    def path(self, finding_id: str) -> Path:
+        return self.dir / f"{finding_id}.json"
+
+    def place(self, finding: Finding) -> str:
+        """Give ``finding`` the id under which it is stored: its own, unless a record of another
+        cause holds that id, then the shortest longer prefix of its cause that is free or its own."""
+        for length in range(len(finding.id), len(finding.cause) + 1, 2):
+            candidate = finding.cause[:length] if length > len(finding.id) else finding.id
+            held = self._stored(candidate)
+            if held is None or held.cause == finding.cause:
+                finding.id = candidate
+                return candidate
+        raise ValueError(f"no free id for finding {finding.cause} in {self.dir}")
+
+    def save(self, finding: Finding) -> bool:
+        """Store ``finding``; True when it is new, False when it replaced the same bug's record.
+        A record of another cause is never replaced (see :meth:`place`)."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        held = self._stored(self.place(finding))
+        if held is not None and not finding.repro:
+            finding.repro = held.repro
+        self.path(finding.id).write_text(finding.to_json() + "\n")
+        return held is None
+
+    def _stored(self, finding_id: str) -> Finding | None:
+        path = self.path(finding_id)
+        return Finding.from_json(path.read_text()) if path.exists() else None
+
+    def load(self, finding_id: str) -> Finding:
+        """The finding with this id (a unique prefix is enough); KeyError when there is none."""
+        if finding_id and self.path(finding_id).exists():
+            return Finding.from_json(self.path(finding_id).read_text())
+        matches = sorted(self.dir.glob(f"{finding_id}*.json")) if finding_id else []
+        if len(matches) != 1:
+            reason = "no finding" if not matches else f"{len(matches)} findings"
+            raise KeyError(f"{reason} with id {finding_id!r} in {self.dir}")
+        return Finding.from_json(matches[0].read_text())
+
+    def all(self) -> list[Finding]:
+        """Every stored finding, by id."""
+        return [Finding.from_json(p.read_text()) for p in sorted(self.dir.glob("*.json"))]

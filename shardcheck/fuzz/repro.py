@@ -1,0 +1,209 @@
+"""Self-contained reproduction scripts for findings, and running them under torchrun.
+
+A target describes its script with a :class:`ScriptBody`: the imports of the library under
+test and code defining ``observed()`` (run on every rank), ``reference()`` (the right value) and
+optionally ``corrected()`` (the value with the fix applied). The template around it starts Gloo,
+prints ``observed:``, ``reference:``, ``corrected:`` and ``checker:`` lines and ``REPRODUCED
+<name>``, and exits 0 while the bug reproduces and 1 once observed matches reference. The
+generated script imports nothing from shardcheck.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pprint
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from string import Template
+from typing import TYPE_CHECKING
+
+from shardcheck.fuzz.findings import Finding
+from shardcheck.parity.launch import free_port
+
+if TYPE_CHECKING:
+    from shardcheck.fuzz.campaign import FuzzTarget
+
+REPRODUCES, FIXED, BROKEN = "reproduces", "fixed", "error"
+TYPE_ONLY = "type-only"
+
+
+@dataclass(frozen=True)
+class ScriptBody:
+    """The target-specific part of a repro script (see the module docstring)."""
+
+    code: str
+    imports: str = ""
+    has_corrected: bool = False
+    support: str = ""  # code the finding does not change (helpers, CPU stand-ins), after its own
+    sys_path: tuple[str, ...] = field(default=())
+
+
+_TEMPLATE = Template('''\
+"""$title
+
+Finding $id: $contract
+Location: $location
+Trigger: layout $layout, config $config_inline
+Run: torchrun --standalone --nproc-per-node=$world $filename
+Exits 0 while the bug reproduces, 1 once it is fixed.
+"""
+
+from __future__ import annotations
+
+$stdlib_imports$sys_path
+import torch
+import torch.distributed as dist
+$imports
+
+NAME = "$name"
+CONFIG = $config
+RTOL, ATOL = 1e-4, 1e-6
+CHECKER = $checker
+
+
+$code
+$support
+
+def show(value):
+    flat = value.detach().double().flatten()
+    return ", ".join(f"{x:.7g}" for x in flat[:8].tolist()) + (", ..." if flat.numel() > 8 else "")
+
+
+def differs(got, want):
+    """Whether observed and reference differ on any rank (the answer is the same on all ranks)."""
+    bad = got.shape != want.shape or not torch.allclose(got.double(), want.double(), RTOL, ATOL)
+    flag = torch.tensor([float(bad)])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+def main():
+    dist.init_process_group("gloo")
+    want, got = reference(), observed()
+$corrected_call
+    reproduces = differs(got, want)
+    if dist.get_rank() == 0:
+        print(f"observed:  {show(got)}")
+        print(f"reference: {show(want)}")
+$corrected_print
+        if reproduces and CHECKER:
+            print(CHECKER)
+        print(f"REPRODUCED {NAME}" if reproduces else f"FIXED {NAME}: observed matches reference")
+    dist.destroy_process_group()
+    return 0 if reproduces else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+''')
+
+
+def render_script(finding: Finding, body: ScriptBody, filename: str = "repro.py") -> str:
+    """The full script for ``finding`` around the target's ``body``."""
+    sys_path = "".join(f"sys.path.insert(0, {p!r})  # the library under test\n" for p in body.sys_path)
+    lines = [line for line in body.imports.strip().splitlines() if line.strip()]
+    stdlib = [line for line in lines if line.startswith("import ") and "." not in line and line != "import torch"]
+    library = [line for line in lines if line not in stdlib]
+    return _TEMPLATE.substitute(
+        title=finding.title, id=finding.id, contract=finding.contract, location=finding.location,
+        layout=finding.layout, config_inline=finding.config, world=finding.world_size,
+        filename=filename, sys_path=sys_path.rstrip("\n"), imports="\n".join(library),
+        stdlib_imports="".join(f"{line}\n" for line in sorted({"import sys", *stdlib})),
+        name=finding.id, config=pprint.pformat(finding.config, width=90, sort_dicts=False),
+        checker=repr(_checker_line(finding.checker)), code=body.code.strip() + "\n",
+        support=f"\n{SUPPORT_HEADER}\n\n\n{body.support.strip()}\n\n" if body.support else "",
+        corrected_call="    fixed = corrected()" if body.has_corrected else "",
+        corrected_print='        print(f"corrected: {show(fixed)}")' if body.has_corrected else "",
+    ).replace("\n\n\n\n", "\n\n\n")
+
+
+def _checker_line(line: str | None) -> str | None:
+    """The checker's line as the script prints it, recorded when the fuzzer found the bug."""
+    if not line:
+        return None
+    return line if line.startswith("checker:") else f"checker: {line}"
+
+
+SUPPORT_HEADER = "# ---- the same for every finding of this component: helpers, CPU stand-ins, the verdict ----"
+
+
+class ReproError(ValueError):
+    """A finding that cannot get a script; its message is one line for the user."""
+
+
+def write_repro(finding: Finding, target: FuzzTarget, path: Path | str) -> Path:
+    """Write ``finding``'s script, from ``target``'s repro hook, to ``path``."""
+    if target.repro is None:
+        raise ReproError(f"fuzz target {target.name!r} provides no repro script body "
+                         "(register it with repro=...)")
+    return write_script(finding, target.repro, path)
+
+
+def write_script(finding: Finding, body: Callable[[Finding], ScriptBody], path: Path | str) -> Path:
+    """Write ``finding``'s script, around the code ``body(finding)`` gives, to ``path``."""
+    if finding.kind == TYPE_ONLY:
+        raise ReproError(f"finding {finding.id} is type-only: its numbers agree, so a script has "
+                         "nothing to show; see its checker line")
+    text = render_script(finding, body(finding), filename=Path(path).name)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+@dataclass(frozen=True)
+class ReproRun:
+    """One run of a repro script: its status (reproduces / fixed / error) and its output."""
+
+    status: str
+    returncode: int
+    output: str
+
+
+def run_repro(path: Path | str, nproc: int, env: dict[str, str] | None = None,
+              timeout: float = 300.0, launcher: str = "torchrun", args: tuple[str, ...] = ()) -> ReproRun:
+    """Run a repro script (with ``args``) on ``nproc`` ranks and tell whether it reproduces.
+
+    ``launcher="torchrun"`` runs ``python -m torch.distributed.run --standalone``, as a user
+    would; ``"direct"`` starts the ranks itself with the same environment variables, which skips
+    torchrun's agent and is about twice as fast.
+    """
+    base = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    if launcher == "torchrun":
+        ranks = [([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   f"--nproc-per-node={nproc}", str(path), *args], base)]
+    else:
+        port = str(free_port())
+        ranks = [([sys.executable, str(path), *args],
+                  {**base, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(nproc),
+                   "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
+                 for r in range(nproc)]
+    processes = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                  env=rank_env, start_new_session=True) for command, rank_env in ranks]
+    deadline = time.monotonic() + timeout
+    outputs: list[tuple[str, str]] = []
+    try:
+        for process in processes:
+            outputs.append(process.communicate(timeout=max(deadline - time.monotonic(), 0.1)))
+    except subprocess.TimeoutExpired:
+        for process in processes:  # each rank (or torchrun and its ranks) has its own session
+            with contextlib.suppress(ProcessLookupError):  # a rank that has exited already
+                os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+        return ReproRun(BROKEN, -1, f"timed out after {timeout:.0f} s")
+    returncode = next((p.returncode for p in processes if p.returncode), 0)
+    stdout = "".join(out for out, _ in outputs)
+    output = stdout + "".join(err for _, err in outputs)
+    if returncode == 0 and "REPRODUCED " in stdout:
+        status = REPRODUCES
+    elif returncode != 0 and "FIXED " in stdout:
+        status = FIXED
+    else:
+        status = BROKEN
+    return ReproRun(status, returncode, output)

@@ -1,0 +1,209 @@
+"""What each rank runs for the audit: one component with its options, recorded and checked.
+
+:func:`run_case` runs a catalogue component inside the contracts' recorder, the corrected
+functions asked for, the type checker (optionally) and a few guards that keep a warm rank
+usable for hundreds of cases.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager, nullcontext, suppress
+from typing import Any
+
+import torch
+
+from shardcheck.megatron.audit.sweep import setup_kwargs
+from shardcheck.megatron.checks import contracts, explicit
+from shardcheck.megatron.checks.typecheck import checked_region
+
+# ---- on each rank --------------------------------------------------------------------------
+
+def run_case(ctx: Any, component: str, options: tuple, fixes: tuple[str, ...], typecheck: bool,
+             rng_offset: int = 0) -> dict:
+    """Run one component with its options on this rank; outputs, contracted calls, violations.
+
+    ``rng_offset`` shifts the seed of Megatron's model-parallel RNG (screening for randomness).
+    Collectives issued on a global group that the layout's explicit groups replace are
+    violations too (:mod:`shardcheck.megatron.checks.explicit`); the fix ``explicit.FIX`` reruns with
+    the global groups pointed at the explicit ones.
+    """
+    from shardcheck.megatron.scenarios import COMPONENTS, scenario
+
+    warnings.filterwarnings("ignore")
+    _quiet_worker()
+    contracts.install()
+    run = scenario(component, **setup_kwargs(COMPONENTS[component].setup, options))
+    with ExitStack() as stack:
+        stack.enter_context(_groups_destroyed_after())
+        stack.enter_context(_fresh_moe_state())
+        stack.enter_context(_seed_shifted(rng_offset))
+        entries = stack.enter_context(_entry_points())
+        calls = stack.enter_context(contracts.recording())
+        stack.enter_context(contracts.fixed(tuple(f for f in fixes if f != explicit.FIX)))
+        stack.enter_context(explicit.routed(explicit.FIX in fixes))
+        misuses = stack.enter_context(explicit.recording())
+        found = stack.enter_context(checked_region(ctx) if typecheck else nullcontext([]))
+        reads = stack.enter_context(config_reads())
+        outputs = run(ctx)
+    return {"outputs": {k: torch.as_tensor(v).detach().double().clone() for k, v in outputs.items()},
+            "calls": calls, "violations": [*misuses, *found],
+            "entry": entries[0] if entries else None, "reads": sorted(reads)}
+
+
+def _config_classes() -> list[type]:
+    """ModelParallelConfig and every config class derived from it that is loaded."""
+    from megatron.core.model_parallel_config import ModelParallelConfig
+
+    found, todo = [], [ModelParallelConfig]
+    while todo:
+        cls = todo.pop()
+        found.append(cls)
+        todo += cls.__subclasses__()
+    return found
+
+
+@contextmanager
+def config_reads() -> Iterator[set[str]]:
+    """The config fields (of ModelParallelConfig and its subclasses, TransformerConfig first)
+    read inside the block, outside any config's own construction (``__post_init__`` reads every
+    field to validate it; what it derives from a field shows in the built config instead).
+
+    A field never read under a layout cannot change a run under that layout: the run with
+    another value follows the same path. The audit prunes such options
+    (:meth:`shardcheck.megatron.audit.run.Runner.reads`).
+    """
+    read: set[str] = set()
+    building = [0]
+    classes = _config_classes()
+    base = classes[0]
+
+    def recording(self: Any, name: str) -> Any:
+        if not building[0] and name in type(self).__dataclass_fields__:
+            read.add(name)
+        return object.__getattribute__(self, name)
+
+    def counted(post_init: Any) -> Any:
+        def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+            building[0] += 1
+            try:
+                return post_init(self, *args, **kwargs)
+            finally:
+                building[0] -= 1
+        return wrapper
+
+    own = {cls: cls.__dict__["__post_init__"] for cls in classes if "__post_init__" in cls.__dict__}
+    had_getattribute = "__getattribute__" in base.__dict__
+    for cls, post_init in own.items():
+        cls.__post_init__ = counted(post_init)
+    base.__getattribute__ = recording
+    try:
+        yield read
+    finally:
+        for cls, post_init in own.items():
+            cls.__post_init__ = post_init
+        if not had_getattribute:
+            del base.__getattribute__
+
+
+def _quiet_worker() -> None:
+    """Send this rank's own stdout/stderr (Megatron's prints, Gloo's C++ messages when a
+    pool restarts) to /dev/null; results and tracebacks go back to the parent by pipe."""
+    import os
+
+    if getattr(_quiet_worker, "done", False) or os.environ.get("SHARDCHECK_AUDIT_VERBOSE"):
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    os.dup2(devnull, 2)
+    _quiet_worker.done = True  # type: ignore[attr-defined]
+
+
+@contextmanager
+def _entry_points() -> Iterator[list[str]]:
+    """Record the forward of the first megatron-core module the scenario runs (its entry point)."""
+    import inspect
+
+    from shardcheck.megatron.checks.contracts import _short
+
+    found: list[str] = []
+
+    def record(module: torch.nn.Module, _args: Any) -> None:
+        cls = type(module)
+        if not found and cls.__module__.startswith("megatron.core"):
+            forward = inspect.unwrap(cls.forward)
+            found.append(f"{_short(inspect.getsourcefile(forward))}:{inspect.getsourcelines(forward)[1]}")
+
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(record)
+    try:
+        yield found
+    finally:
+        handle.remove()
+
+
+@contextmanager
+def _fresh_moe_state() -> Iterator[None]:
+    """Start and leave each case with the MoE globals a fresh process has: the aux-loss
+    gradient scale (set by the schedules, read by every later router backward) and the
+    aux-loss logging tracker."""
+    from megatron.core.transformer.moe import moe_utils
+
+    def reset() -> None:
+        moe_utils.MoEAuxLossAutoScaler.main_loss_backward_scale = None
+        moe_utils.get_moe_layer_wise_logging_tracker().clear()
+
+    reset()
+    try:
+        yield
+    finally:
+        reset()
+
+
+@contextmanager
+def _seed_shifted(offset: int) -> Iterator[None]:
+    from megatron.core.tensor_parallel import random as megatron_random
+
+    original = megatron_random.model_parallel_cuda_manual_seed
+
+    def shifted(seed: int, *args: Any, **kwargs: Any) -> Any:
+        return original(seed + offset, *args, **kwargs)
+
+    megatron_random.model_parallel_cuda_manual_seed = shifted
+    try:
+        yield
+    finally:
+        megatron_random.model_parallel_cuda_manual_seed = original
+
+
+@contextmanager
+def _groups_destroyed_after() -> Iterator[None]:
+    """Destroy the process groups created inside the block (Megatron's, per run).
+
+    Megatron's ``destroy_model_parallel`` forgets its groups without destroying them; in a
+    warm rank that runs hundreds of cases they would pile up, each with its own Gloo threads.
+    """
+    import torch.distributed as dist
+
+    from shardcheck.megatron.cpu import parallel
+
+    if hasattr(parallel, "_saved"):  # parallel.py keeps Megatron's groups per layout itself
+        yield
+        return
+    created: list[dist.ProcessGroup] = []
+    original = dist.new_group
+
+    def tracked(*args: Any, **kwargs: Any) -> Any:
+        group = original(*args, **kwargs)
+        if isinstance(group, dist.ProcessGroup):
+            created.append(group)
+        return group
+
+    dist.new_group = tracked
+    try:
+        yield
+    finally:
+        dist.new_group = original
+        for group in {id(g): g for g in created if g is not dist.GroupMember.WORLD}.values():
+            with suppress(ValueError):  # already gone: torch may hand out one group twice
+                dist.destroy_process_group(group)

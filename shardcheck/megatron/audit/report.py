@@ -1,0 +1,355 @@
+"""Findings of an audit: failing cases deduplicated by location and contract, and their report.
+
+A failing case is *located* by the first contracted call that diverges (the contract names the
+function and its file:line in megatron-core) or by the type checker's first violation. Cases
+that fail without a location (e.g. data-parallel layouts, where contracted calls are not
+aligned with the one-rank run) join the finding of the same component and options found
+elsewhere, or else form a finding located at their first diverging output.
+
+The minimal trigger of a finding is its failing case with the fewest ranks, then the fewest
+options. ``kind`` is ``type+numeric`` when both parity and the checker saw it, ``numeric-only``
+when only parity did, ``type-only`` when only the checker did.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from shardcheck.fuzz.findings import finding_id
+from shardcheck.megatron.audit.sweep import Case
+from shardcheck.megatron.checks.contracts import BY_NAME
+from shardcheck.parity.layout import Layout
+
+
+@dataclass
+class Finding:
+    """One distinct bug with its minimal trigger, effect, contract and controls."""
+
+    title: str
+    kind: str
+    location: str
+    contract: str
+    trigger: dict[str, Any]
+    effect: list[dict[str, Any]]
+    first_divergence: str | None
+    checker: str | None
+    corrected: dict[str, Any] | None
+    reproduce: str
+    seen_in: list[str] = field(default_factory=list)
+    id: str = ""
+    repro: str | None = None  # the torchrun script, or "no script: why"
+    cases: list[dict[str, Any]] = field(default_factory=list)  # every case of this cause
+    same_fix: list[dict[str, Any]] = field(default_factory=list)  # independent triggers it repairs
+    one_rank: str | None = None  # crash: the exception the layout causes, while one rank runs
+
+    def __post_init__(self) -> None:
+        self.id = self.id or finding_id(self.location, self.contract, self.trigger["options"])
+
+
+GLOBAL_GROUP_CONTRACT = ("collectives of a model given a pg_collection use its groups: a value "
+                         "laid out over pg_collection.X is reduced over pg_collection.X, not over "
+                         "parallel_state's global X group")
+
+
+def global_group_use(outcome) -> dict | None:
+    """The first collective the outcome issued on a global group its explicit groups replace."""
+    from shardcheck.megatron.checks.explicit import RULE
+
+    return next((v for v in outcome.violations if v["rule"] == RULE), None)
+
+
+def violation_key(violation: dict) -> tuple[str, str]:
+    return violation["location"], f"checker rule: {violation['rule']}"
+
+
+def _key(outcome) -> tuple[str, str] | None:
+    misuse = global_group_use(outcome)
+    if misuse is not None:
+        return misuse["location"], GLOBAL_GROUP_CONTRACT
+    if outcome.call_gap is not None:
+        contract = BY_NAME[outcome.call_gap.contract]
+        return contract.location(), contract.notation()
+    return None
+
+
+def case_size(case: Case) -> tuple:
+    return case.layout.world_size, len(case.options), str(case.layout)
+
+
+def _downstream(outcome) -> bool:
+    """Whether the outcome is located only by a downstream contract (the gradient norm)."""
+    return (global_group_use(outcome) is None and outcome.call_gap is not None
+            and BY_NAME[outcome.call_gap.contract].downstream)
+
+
+def group(failed: Sequence) -> dict[tuple[str, str], list]:
+    """Failing outcomes grouped by (location, contract).
+
+    A numeric failure located by a contracted call of its own is keyed by it: two bugs of one
+    component and options (e.g. one under cp, one under pp) are two findings. The others (not
+    located, or located only downstream, e.g. by the gradient norm that every gradient bug
+    reaches, or under data parallelism, where the call that causes it is not compared) join
+    the finding of the same component and options: the key of its smallest case located
+    upstream, else downstream, else the entry point into megatron-core of its smallest case.
+    Findings of different options that share a key are one. Type-only outcomes are keyed by
+    their violation, unless a numeric finding's cases have the same violation: they explain it.
+    """
+    numeric = [o for o in failed if o.gaps]
+    by_options: dict[tuple, tuple[str, str]] = {}
+    for outcome in sorted(numeric, key=lambda o: (_key(o) is None, _downstream(o), case_size(o.case))):
+        located = outcome.entry or f"{outcome.case.component} output {outcome.gaps[0].name}"
+        by_options.setdefault((outcome.case.component, outcome.case.options),
+                              _key(outcome) or (located, "outputs match the one-rank run"))
+    groups: dict[tuple[str, str], list] = {}
+    for outcome in numeric:
+        own = None if _downstream(outcome) else _key(outcome)
+        groups.setdefault(own or by_options[(outcome.case.component, outcome.case.options)],
+                          []).append(outcome)
+    explained = {violation_key(v): key for key, members in groups.items()
+                 for o in members for v in o.violations if _explains(key, v)}
+    for outcome in (o for o in failed if not o.gaps):
+        for violation in outcome.violations:
+            groups.setdefault(explained.get(violation_key(violation), violation_key(violation)),
+                              []).append(outcome)
+    return groups
+
+
+def _options(outcome) -> frozenset:
+    return frozenset(outcome.case.options)
+
+
+def causes(members: Sequence) -> list[list]:
+    """Split the failing outcomes of one place (location, contract) into root causes.
+
+    Two cases share a cause only when one's trigger contains the other's: the same options (under
+    any layout), or a superset of options whose smaller set already fails here under the same
+    layout (the defaults diverging here cover every option under that layout). A case whose
+    options contain no failing case's starts a cause of its own. Numeric failures come first,
+    so a cause's smallest trigger is a numeric one when it has any.
+    """
+    ordered = sorted(members, key=lambda o: (not o.gaps, len(o.case.options), case_size(o.case)))
+    found: list[list] = []
+    owner: dict[frozenset, int] = {}
+    placed: dict[tuple[frozenset, str], int] = {}
+    for outcome in ordered:
+        options, layout = _options(outcome), str(outcome.case.layout)
+        index = owner.get(options)
+        if index is None:
+            index = next((i for (smaller, where), i in placed.items()
+                          if where == layout and smaller < options), None)
+        if index is None:
+            found.append([])
+            index = len(found) - 1
+        owner.setdefault(options, index)
+        placed.setdefault((options, layout), index)
+        found[index].append(outcome)
+    return found
+
+
+def minimal_case(members: Sequence):
+    """The trigger of a cause: a numeric failure before a typed one, then the fewest ranks and options."""
+    return min(members, key=lambda o: (not o.gaps, case_size(o.case)))
+
+
+def case_entry(case: Case) -> dict[str, Any]:
+    return {"layout": str(case.layout), "options": dict(case.options)}
+
+
+def seen_in(members: Sequence, minimal) -> list[str]:
+    """What a person reads: the layouts, the option sets that change the result, and a count
+    of the option sets that leave this component's one-rank outputs as the trigger's."""
+    layouts = sorted({str(o.case.layout) for o in members}, key=lambda t: (Layout.parse(t).world_size, t))
+    lines = [f"layouts: {', '.join(layouts)}"]
+    base = minimal.reference_digest
+    changing = sorted({_show_options(o.case.options) for o in members
+                       if o.case.options != minimal.case.options and o.reference_digest != base})
+    same = {o.case.options for o in members
+            if o.case.options != minimal.case.options and o.reference_digest == base}
+    if changing:
+        lines.append(f"options that change the result: {'; '.join(changing)}")
+    if same:
+        lines.append(f"and {len(same)} option set{'s that do' if len(same) > 1 else ' that does'} not "
+                     f"change this component (its one-rank outputs equal the trigger's)")
+    return lines
+
+
+def independent_cases(finding: dict[str, Any]) -> list[dict[str, Any]]:
+    """The cases of a finding (as findings.json holds it) whose options do not contain its
+    trigger's: none, when each finding is one root cause."""
+    trigger = finding["trigger"]["options"].items()
+    return [case for case in finding["cases"] if not trigger <= case["options"].items()]
+
+
+def _show_options(options: tuple) -> str:
+    return ", ".join(f"{k}={v}" for k, v in options) or "defaults"
+
+
+def _explains(key: tuple[str, str], violation: dict) -> bool:
+    """Whether a numeric finding explains a violation its cases have: a global-group finding
+    explains only global-group uses (its cases may break other rules for other reasons)."""
+    from shardcheck.megatron.checks.explicit import RULE
+
+    return key[1] != GLOBAL_GROUP_CONTRACT or violation["rule"] == RULE
+
+
+def checker_line(location: str, members: Sequence, baseline_violations: set[tuple[str, str]]) -> str | None:
+    """The ``checker:`` line explaining a finding: a violation of any of its cases in the
+    finding's own file, else one that its trigger case (the first member) has and the same
+    component's default run under that layout has not (another case's violation elsewhere may
+    be another bug's)."""
+    file = location.rsplit(":", 1)[0]
+    same_file = [v for o in members for v in o.violations if v["location"].rsplit(":", 1)[0] == file]
+    new = [v for v in members[0].violations if violation_key(v) not in baseline_violations]
+    chosen = (same_file or new or [None])[0]
+    return chosen["line"] if chosen else None
+
+
+def reproduce_command(case: Case) -> str:
+    sets = " ".join(f"--set {name}={value}" for name, value in case.options)
+    return f"shardcheck audit --only {case.component} --layouts {case.layout} {sets}".rstrip()
+
+
+def trigger(case: Case) -> dict[str, Any]:
+    return {"component": case.component, "options": dict(case.options), "layout": str(case.layout)}
+
+
+def title(key: tuple[str, str], minimal) -> str:
+    case = minimal.case
+    opts = ", ".join(f"{k}={v}" for k, v in case.options) or "default options"
+    if (misuse := global_group_use(minimal)) is not None:
+        return (f"{misuse['op']} on parallel_state's global {misuse['group']} group instead of the "
+                f"model's pg_collection.{misuse['group']} under {case.layout} ({opts})")
+    if minimal.call_gap is not None:
+        what = minimal.call_gap.gap.name.split(".", 1)[1]
+        return f"{minimal.call_gap.contract}: {what} differs from one rank under {case.layout} ({opts})"
+    if minimal.gaps:
+        return f"{case.component}: {minimal.gaps[0].name} differs from one rank under {case.layout} ({opts})"
+    return f"{minimal.violations[0]['rule']} in {case.component} under {case.layout} ({opts})"
+
+
+def kind(outcomes: Sequence, checker: str | None) -> str:
+    numeric = any(o.gaps for o in outcomes)
+    return "type+numeric" if numeric and checker else "numeric-only" if numeric else "type-only"
+
+
+def effect(outcome, limit: int = 3) -> list[dict[str, Any]]:
+    gaps = sorted(outcome.gaps, key=lambda g: -g.relative)
+    if outcome.call_gap is not None:
+        gaps = [outcome.call_gap.gap, *gaps]
+    return [{"value": g.name, "observed": g.observed, "reference": g.reference,
+             "max_abs_error": g.max_error, "max_rel_error": g.relative} for g in gaps[:limit + 1]]
+
+
+def write(out_dir: Path, findings: Sequence[Finding], summary: dict[str, Any], source=None) -> None:
+    """``out_dir/findings.json`` and ``out_dir/report.md``, each opening with what was audited
+    (a :class:`~shardcheck.megatron.cpu.source.MegatronSource`)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    data = {"audited": source.as_dict() if source else None,
+            "summary": {k: v for k, v in summary.items() if k != "coverage"},
+            "coverage": summary.get("coverage", {}), "findings": [asdict(f) for f in findings]}
+    (out_dir / "findings.json").write_text(json.dumps(data, indent=2, default=str) + "\n")
+    (out_dir / "report.md").write_text(markdown(findings, summary, source))
+
+
+def show_number(value: Any) -> str:
+    """A scalar with 6 significant digits; a tensor as its shape and first values."""
+    if not isinstance(value, list):
+        return f"{value:.6g}" if isinstance(value, float) else str(value)
+    flat, shape, inner = [], [], value
+    while isinstance(inner, list):
+        shape.append(len(inner))
+        inner = inner[0] if inner else None
+    stack = [value]
+    while stack and len(flat) < 4:
+        item = stack.pop(0)
+        if isinstance(item, list):
+            stack = item + stack
+        else:
+            flat.append(f"{item:.6g}")
+    return f"shape {shape} [{', '.join(flat)}, ...]"
+
+
+def _finding_lines(n: int, f: Finding) -> list[str]:
+    lines = [f"### {n}. {f.title}", "",
+             f"- **id**: `{f.id}` ({f.kind})",
+             f"- **location**: `{f.location}`",
+             f"- **minimal trigger**: component `{f.trigger['component']}`, options "
+             f"`{f.trigger['options'] or 'defaults'}`, layout `{f.trigger['layout']}`",
+             f"- **contract**: `{f.contract}`",
+             f"- **checker**: `{f.checker or 'no type violation recorded'}`"]
+    if f.one_rank:
+        lines.append(f"- **crash**: {f.one_rank}")
+    if f.effect:
+        lines += [f"- **first divergence**: {f.first_divergence or 'no contracted call diverged'}",
+                  "- **effect** (observed vs one-rank reference):"]
+        lines += [f"  - `{e['value']}`: observed {show_number(e['observed'])}, reference "
+                  f"{show_number(e['reference'])}, max abs error {e['max_abs_error']:.3g} "
+                  f"(relative {e['max_rel_error']:.3g})" for e in f.effect]
+        lines.append(f"- **corrected control**: {f.corrected['fix']} -> {f.corrected['result']}" if f.corrected
+                     else "- **corrected control**: none (no evident fix for this contract)")
+    lines += ["- **seen in**:", *[f"  - {line}" for line in f.seen_in], f"- **reproduce**: `{f.reproduce}`"]
+    if f.repro:
+        lines.append(f"- **repro script**: {script_line(f, quote='`')}")
+    return lines + [""]
+
+
+def script_line(f: Finding, quote: str = "") -> str:
+    """How to run a finding's script (the command between ``quote`` marks), or why it has none."""
+    if f.repro is None or f.repro.startswith("no script: "):
+        return "none" + (f": {f.repro.removeprefix('no script: ')}" if f.repro else "")
+    nproc = Layout.parse(f.trigger["layout"]).world_size
+    command = f"torchrun --standalone --nproc-per-node={nproc} {f.repro}"
+    return f"{quote}{command}{quote} (exits 0 while the bug reproduces)"
+
+
+CRASH = "crash"
+
+
+def coverage_table(coverage: dict[str, dict[str, Any]]) -> list[str]:
+    """The report's opening table: per component, where and with what it ran."""
+    lines = ["| component | plain layouts | explicit-group layouts | option sets run | left out "
+             "| not read (pruned) | cases |", "|---|---|---|---|---|---|---|"]
+    for component, row in coverage.items():
+        lines.append(f"| {component} | {', '.join(row['plain_layouts']) or '-'} | "
+                     f"{', '.join(row['explicit_layouts']) or '-'} | {row['option_sets_run']} | "
+                     f"{row['option_sets_left_out']} | {row.get('options_not_read', 0)} | {row['cases']} |")
+    return lines + [""]
+
+
+def markdown(findings: Sequence[Finding], summary: dict[str, Any], source=None) -> str:
+    confirmed = [f for f in findings if f.kind not in ("type-only", CRASH)]
+    crashes = [f for f in findings if f.kind == CRASH]
+    typed_only = [f for f in findings if f.kind == "type-only"]
+    lines = ["# shardcheck audit of megatron-core", ""]
+    if source is not None:
+        lines += [f"Audited: {source.line()}", ""]
+    if summary.get("coverage"):
+        lines += ["## Coverage", ""] + coverage_table(summary["coverage"])
+    lines += [f"- {k}: {v}" for k, v in summary.items() if not isinstance(v, list | dict)]
+    for component, why in (summary.get("cannot run on this version") or {}).items():
+        lines.append(f"- cannot run on this version: {component}: {why}")
+    lines += ["", f"## Findings confirmed by parity ({len(confirmed)})", ""]
+    for n, f in enumerate(confirmed, 1):
+        lines += _finding_lines(n, f)
+    lines += [f"## Crashes only a layout causes: one rank runs the same case ({len(crashes)})", ""]
+    for n, f in enumerate(crashes, len(confirmed) + 1):
+        lines += _finding_lines(n, f)
+    lines += [f"## Type-only findings: the checker objects, parity sees no wrong value ({len(typed_only)})",
+              "", "Each is a rule a value breaks without changing the result in this run (a latent bug, or "
+              "a layout the checker cannot express yet: report it to the checker if parity keeps agreeing).", ""]
+    for n, f in enumerate(typed_only, len(confirmed) + len(crashes) + 1):
+        lines += _finding_lines(n, f)
+    for section in ("not_swept", "not_read", "not_applicable", "errors"):
+        entries = summary.get(section) or []
+        if entries:
+            lines += [f"## {section.replace('_', ' ').capitalize()} ({len(entries)})", ""]
+            lines += [f"- {entry}" for entry in entries] + [""]
+    patches = summary.get("cpu patches") or {}
+    if patches:
+        lines += [f"## CPU patches ({len(patches)})", ""]
+        lines += [f"- {name}: {status}" for name, status in patches.items()] + [""]
+    return "\n".join(lines)

@@ -1,0 +1,342 @@
+"""The generic sweep: every component of the catalogue x CPU-compatible options x layouts, in a budget.
+
+Options are found by introspection, never hand-picked:
+
+* each component's setup dataclass: booleans, optional booleans, floats that default to 0
+  (tried at 0.1) and strings whose choices a Megatron constructor declares as a ``Literal``;
+* for components that take a ``config``: every boolean, ``Literal`` and ``Enum`` field of
+  ``TransformerConfig`` (and so of ``ModelParallelConfig``), except the fields a layout sets
+  and the fields the component pins for the CPU. A value that ``TransformerConfig`` itself
+  rejects is dropped here; :mod:`shardcheck.megatron.audit.run` then drops values that fail or
+  change nothing at one rank.
+
+Layouts: every grid of tp, cp, dp, pp in {1, 2} up to ``max_world`` ranks, each with and
+without sequence parallelism when tp > 1, and with ep=2 where dp*cp allows it; and, for each
+grid over two or more of tp, cp, dp, the same grid with explicit groups (those of its reversed
+rank order, e.g. ``tp2-dp2@dp-tp``) while Megatron's global groups keep the default order.
+Cases are ordered so that a budget cut keeps the space covered evenly: first every component's
+defaults under every layout (explicit-group layouts only for the components that pass the
+groups to Megatron), then each option under each two-rank layout, then under the larger ones
+(explicit-group layouts included, for the components that pass the groups).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import itertools
+import typing
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from shardcheck.megatron.audit.annotations import literal_values, members, type_hints, unique
+from shardcheck.parity.layout import Layout
+
+LAYOUT_FIELDS = frozenset({
+    "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+    "expert_model_parallel_size", "expert_tensor_parallel_size", "sequence_parallel",
+    "virtual_pipeline_model_parallel_size", "hierarchical_context_parallel_sizes",
+    "hybrid_context_parallel", "pipeline_dtype",
+})
+SKIPPED_SETUP_FIELDS = frozenset({"seed", "config"})
+FLOAT_TRY = 0.1
+
+
+@dataclass(frozen=True)
+class Case:
+    """One run: a component, its non-default options (setup fields and config fields), a layout."""
+
+    component: str
+    options: tuple[tuple[str, Any], ...]
+    layout: Layout
+
+    @property
+    def label(self) -> str:
+        opts = ", ".join(f"{k}={v!r}" for k, v in self.options) or "defaults"
+        return f"{self.component}[{opts}] @ {self.layout}"
+
+    def with_layout(self, layout: Layout) -> Case:
+        return Case(self.component, self.options, layout)
+
+
+def setup_kwargs(setup_cls: type, options: Iterable[tuple[str, Any]]) -> dict[str, Any]:
+    """Split options into the setup's own fields and its ``config`` overrides."""
+    own = {f.name for f in dataclasses.fields(setup_cls)}
+    kwargs: dict[str, Any] = {}
+    config: dict[str, Any] = {}
+    for name, value in options:
+        if name in own and name != "config":
+            kwargs[name] = value
+        elif "config" in own:
+            config[name] = value
+        else:
+            raise KeyError(f"{setup_cls.__name__} has no option {name!r}")
+    if config:
+        kwargs["config"] = config
+    return kwargs
+
+
+def _literal_choices(annotation: Any) -> tuple | None:
+    """The values of the ``Literal`` alternatives of an annotation, else None."""
+    literals = [m for m in members(annotation) if typing.get_origin(m) is typing.Literal]
+    return tuple(unique([v for m in literals for v in literal_values(m)])) if literals else None
+
+
+def _enum_type(annotation: Any) -> type[enum.Enum] | None:
+    return next((m for m in members(annotation)
+                 if isinstance(m, type) and issubclass(m, enum.Enum)), None)
+
+
+def _is_bool(annotation: Any) -> bool:
+    alternatives = members(annotation)
+    return bool in alternatives and all(m in (bool, type(None)) for m in alternatives)
+
+
+def values_to_try(annotation: Any, default: Any) -> list[Any]:
+    """The values other than ``default`` that a field of this type can take (empty: not swept)."""
+    if _is_bool(annotation):
+        options = [True, False] + ([None] if type(None) in members(annotation) else [])
+    elif (choices := _literal_choices(annotation)) is not None:
+        options = list(choices)
+    elif (kind := _enum_type(annotation)) is not None:
+        options = list(kind)
+    elif members(annotation) == [float] and default == 0.0:
+        options = [FLOAT_TRY]
+    else:
+        options = []
+    return [value for value in options if not (value == default and type(value) is type(default))]
+
+
+def _megatron_literals() -> dict[str, tuple]:
+    """``Literal`` parameters of the Megatron constructors the catalogue builds, by name."""
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    found: dict[str, tuple] = {}
+    for cls in (GPTModel,):
+        for name, annotation in type_hints(cls.__init__).items():
+            if (choices := _literal_choices(annotation)) is not None:
+                found[name] = choices
+    return found
+
+
+def setup_options(setup_cls: type) -> list[tuple[str, Any]]:
+    """Every non-default value of the setup dataclass's sweepable fields."""
+    hints = type_hints(setup_cls)
+    literals = _megatron_literals()
+    found: list[tuple[str, Any]] = []
+    for f in dataclasses.fields(setup_cls):
+        if f.name in SKIPPED_SETUP_FIELDS or f.default is dataclasses.MISSING:
+            continue
+        annotation = hints[f.name]
+        if annotation is str:
+            choices = literals.get(f.name) or literals.get(f"{f.name}_type") or ()
+            found += [(f.name, c) for c in choices if c != f.default]
+        else:
+            found += [(f.name, v) for v in values_to_try(annotation, f.default)]
+    return found
+
+
+def _gpt_setup_class(component: str) -> type:
+    """The GPT setup whose configuration the component's ``config`` options modify."""
+    from shardcheck.megatron.scenarios import COMPONENTS
+    from shardcheck.megatron.scenarios.gpt import GPTSetup
+
+    setup_cls = COMPONENTS[component].setup
+    return setup_cls if issubclass(setup_cls, GPTSetup) else GPTSetup
+
+
+def pinned_config_fields(component: str) -> frozenset[str]:
+    """Config fields the component sets itself (its CPU choices), which the sweep leaves alone."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from shardcheck.megatron.scenarios.gpt import transformer_config
+
+    ours = transformer_config(Layout(), _gpt_setup_class(component)())
+    required = {"num_layers": ours.num_layers, "hidden_size": ours.hidden_size,
+                "num_attention_heads": ours.num_attention_heads}
+    plain = TransformerConfig(**required)
+    return frozenset(f.name for f in dataclasses.fields(TransformerConfig)
+                     if f.name not in required and getattr(ours, f.name) != getattr(plain, f.name))
+
+
+SIZE_FIELDS = frozenset({"num_layers", "hidden_size", "num_attention_heads"})  # the setup's own
+NONE_TRY = (1, 2, 4, 8)
+
+
+def integer_values(annotation: Any, default: Any) -> list[Any]:
+    """Candidates for an integer field (optional or not): ``n -> n + 1``; an optional one that
+    defaults to None, the smallest of :data:`NONE_TRY` the caller accepts (all are returned,
+    smallest first). Empty for any other type."""
+    kinds = members(annotation)
+    if int not in kinds or bool in kinds or float in kinds:
+        return []
+    if default is None:
+        return list(NONE_TRY)
+    return [default + 1] if isinstance(default, int) and not isinstance(default, bool) else []
+
+
+def config_options(component: str) -> list[tuple[str, Any]]:
+    """Non-default values of TransformerConfig's boolean, Literal and Enum fields that it
+    accepts, and of its integer fields (see :func:`integer_values`; the first value accepted)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from shardcheck.megatron.scenarios import COMPONENTS
+
+    hints = type_hints(TransformerConfig)
+    skip = LAYOUT_FIELDS | pinned_config_fields(component)
+    prefix = COMPONENTS[component].config_prefix
+    found: list[tuple[str, Any]] = []
+    for f in dataclasses.fields(TransformerConfig):
+        if f.name in skip or f.default is dataclasses.MISSING or not f.name.startswith(prefix):
+            continue
+        found += [(f.name, v) for v in values_to_try(hints[f.name], f.default)
+                  if not isinstance(v, float)]
+    accepted = [option for option in found if accepted_by_config(component, option)]
+    for f in dataclasses.fields(TransformerConfig):
+        if f.name in skip | SIZE_FIELDS or f.default is dataclasses.MISSING or not f.name.startswith(prefix):
+            continue
+        accepted += [(f.name, v) for v in integer_values(hints[f.name], f.default)
+                     if accepted_by_config(component, (f.name, v))][:1]
+    return accepted
+
+
+def accepted_by_config(component: str, option: tuple[str, Any]) -> bool:
+    """Whether TransformerConfig's own validation accepts the option on one rank."""
+    from shardcheck.megatron.scenarios import COMPONENTS
+    from shardcheck.megatron.scenarios.gpt import transformer_config
+
+    setup = COMPONENTS[component].setup(**setup_kwargs(COMPONENTS[component].setup, [option]))
+    try:
+        transformer_config(Layout(), _gpt_setup_class(component)(config=getattr(setup, "config", {})))
+    except Exception:  # noqa: BLE001 - any rejection means the value is not usable here
+        return False
+    return True
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    """Config values equal, init functions by name (``__post_init__`` builds new closures)."""
+    if callable(a) and callable(b):
+        return getattr(a, "__qualname__", type(a)) == getattr(b, "__qualname__", type(b))
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - values that do not compare are taken as changed
+        return False
+
+
+def changed_config_fields(component: str, options: tuple, layout: Layout) -> frozenset[str] | None:
+    """The config fields whose built value under ``layout`` differs from the defaults': the
+    options' own fields and what TransformerConfig's ``__post_init__`` derives from them.
+    None when the options set a field of the setup itself, or the config does not build."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from shardcheck.megatron.scenarios import COMPONENTS
+    from shardcheck.megatron.scenarios.gpt import transformer_config
+
+    setup_cls = COMPONENTS[component].setup
+    own = {f.name for f in dataclasses.fields(setup_cls)} - {"config"}
+    if not options or any(name in own for name, _ in options):
+        return None
+    config = setup_kwargs(setup_cls, options).get("config", {})
+    gpt_setup = _gpt_setup_class(component)
+    try:
+        built = transformer_config(layout, gpt_setup(config=config))
+        base = transformer_config(layout, gpt_setup())
+    except Exception:  # noqa: BLE001 - a config that does not build is not pruned here
+        return None
+    return frozenset(f.name for f in dataclasses.fields(TransformerConfig)
+                     if not _same_value(getattr(built, f.name), getattr(base, f.name)))
+
+
+def component_options(component: str) -> list[tuple[str, Any]]:
+    """All candidate single options of a component, setup fields first."""
+    from shardcheck.megatron.scenarios import COMPONENTS
+
+    setup_cls = COMPONENTS[component].setup
+    found = setup_options(setup_cls)
+    if "config" in {f.name for f in dataclasses.fields(setup_cls)}:
+        found += config_options(component)
+    return found
+
+
+def layouts(max_world: int = 4, explicit: bool = False) -> list[Layout]:
+    """Every tp/cp/dp/pp grid of sizes 1 or 2 within ``max_world`` ranks, with sp and ep
+    variants, and with ``explicit`` their explicit-group variants (:func:`explicit_layouts`)."""
+    found: list[Layout] = []
+    for tp, cp, dp, pp in itertools.product((1, 2), repeat=4):
+        if tp * cp * dp * pp > max_world or tp * cp * dp * pp == 1:
+            continue
+        for sp in (False, True) if tp > 1 else (False,):
+            found.append(Layout(tp=tp, cp=cp, dp=dp, pp=pp, sp=sp))
+            if (dp * cp) % 2 == 0 and dp > 1:
+                found.append(Layout(tp=tp, cp=cp, dp=dp, pp=pp, sp=sp, ep=2))
+    found += explicit_layouts(found) if explicit else []
+    return sorted(found, key=lambda lay: (lay.world_size, str(lay)))
+
+
+def explicit_layouts(plain: list[Layout]) -> list[Layout]:
+    """For each layout over two or more of tp, cp, dp (without pp or ep): the same layout with
+    the groups of its reversed rank order as explicit groups.
+
+    Explicit pipeline groups are left out: where a collective ignores the explicit groups it
+    mixes ranks of different stages, which deadlocks instead of giving numbers.
+    """
+    found = []
+    for layout in plain:
+        dims = [d for d in ("tp", "cp", "dp") if layout.size(d) > 1]
+        if len(dims) >= 2 and layout.pp == 1 and layout.ep == 1:
+            found.append(layout.regrouped("-".join(reversed(dims))))
+    return found
+
+
+def runs_under(component: str, layout: Layout) -> bool:
+    """Whether the component runs under the layout: explicit groups need a component that
+    passes them to Megatron (``Component.explicit_groups``)."""
+    if not layout.explicit_groups:
+        return True
+    from shardcheck.megatron.scenarios import COMPONENTS
+
+    entry = COMPONENTS.get(component)
+    return bool(entry and entry.explicit_groups)
+
+
+def parse_value(text: str) -> Any:
+    """A ``--set`` value: true/false/none, a number, else the string."""
+    lowered = text.strip().lower()
+    special = {"true": True, "false": False, "none": None}
+    if lowered in special:
+        return special[lowered]
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def plan(components: Mapping[str, list[tuple[str, Any]]], layout_list: list[Layout],
+         budget: int | None) -> list[Case]:
+    """Cases in coverage order (see the module docstring), cut to ``budget`` runs."""
+    def tier(option_sets: list[tuple[str, tuple]], tier_layouts: list[Layout]) -> Iterator[Case]:
+        for layout in tier_layouts:
+            for component, options in option_sets:
+                if runs_under(component, layout):
+                    yield Case(component, options, layout)
+
+    defaults = [(c, ()) for c in components]
+    singles = [(c, (option,)) for c, options in components.items() for option in options]
+    small = [lay for lay in layout_list if lay.world_size <= 2]
+    large = [lay for lay in layout_list if lay.world_size > 2]
+    ordered = itertools.chain(tier(defaults, layout_list), _interleave(singles, small),
+                              _interleave(singles, large))
+    return list(itertools.islice(ordered, budget))
+
+
+def _interleave(option_sets: list[tuple[str, tuple]], tier_layouts: list[Layout]) -> Iterator[Case]:
+    """Each option under each layout it runs under (explicit groups: the components that pass
+    them), round-robin over options so a cut spreads evenly."""
+    for shift in range(len(tier_layouts)):
+        for i, (component, options) in enumerate(option_sets):
+            layout = tier_layouts[(i + shift) % len(tier_layouts)]
+            if runs_under(component, layout):
+                yield Case(component, options, layout)

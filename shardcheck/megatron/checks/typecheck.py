@@ -1,0 +1,433 @@
+"""The type checker around a Megatron run: the mesh of the rank's layout, and the violations it found.
+
+Nothing in megatron-core is ported. Inside the region:
+
+* every module's parameters, its submodules' included, are typed from Megatron's metadata
+  (:func:`shardcheck.megatron.checks.typing.parameter_type`) the first time the module runs (a layer
+  may use a submodule's parameters without calling it: Mamba's context parallelism slices
+  its ``conv1d`` weights);
+* the batch Megatron cuts for context parallelism (``get_batch_on_this_cp_rank``) is typed by
+  role (:func:`shardcheck.megatron.checks.typing.annotate_batch`), and MTP's shift of it by a token
+  (``roll_tensor``, point to point between CP ranks) keeps its placements;
+* contracted functions check their arguments (:mod:`shardcheck.megatron.checks.contracts`);
+* every parameter's gradient (``param.main_grad``, followed through DDP's buffer collectives)
+  is checked against the parameter's type before the optimizer step.
+
+Violations are collected (mode ``"collect"``), deduplicated by rule and location, and returned
+as dicts with ``rule``, ``location``, ``op`` and ``line`` (the ``checker:`` line).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import io
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+MESH_AXES = ("tp", "cp", "dp", "ep", "pp")
+
+
+def checker_available() -> bool:
+    """Whether this shardcheck has the type checker (``sc.typecheck``)."""
+    return importlib.util.find_spec("shardcheck.typecheck.checker") is not None
+
+
+def layout_mesh(ctx: Any):
+    """The checker mesh over the layout's groups of more than one rank (the same ranks as
+    Megatron's own groups). A one-rank axis is left out: every value is trivially whole there,
+    and Megatron skips its collectives on it."""
+    import torch.distributed as dist
+
+    from shardcheck.typecheck.types import Mesh
+
+    groups = {axis: ctx.groups[axis] for axis in MESH_AXES
+              if axis in ctx.groups and dist.get_world_size(ctx.groups[axis]) > 1}
+    return Mesh(rank=ctx.rank, **groups)
+
+
+def _types_by_id(module: torch.nn.Module) -> dict[int, Any]:
+    """Each parameter's :class:`~shardcheck.megatron.checks.typing.ParamType`, by parameter id."""
+    from shardcheck.megatron.checks.typing import parameter_types
+
+    types = parameter_types(module)
+    return {id(param): types[name] for name, param in module.named_parameters()}
+
+
+@contextlib.contextmanager
+def _parameters_typed_on_first_use(axes: tuple[str, ...]) -> Iterator[None]:
+    import shardcheck as sc
+    from shardcheck.typecheck.checker import current
+    typed: set[int] = set()
+
+    def type_parameters(module: torch.nn.Module, _args: Any) -> None:
+        fresh = [p for p in module.parameters() if id(p) not in typed]
+        if not fresh:
+            return
+        with current().paused():
+            types = _types_by_id(module)
+        for param in fresh:  # Megatron's metadata wins over what setup code did to it
+            typed.add(id(param))
+            placements = types[id(param)].placements
+            sc.annotate(param, **{a: p for a, p in placements.items() if a in axes})
+
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(type_parameters)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+@contextlib.contextmanager
+def _replaced_everywhere(original: Any, replacement: Any) -> Iterator[None]:
+    """Replace a megatron-core function in every megatron module that refers to it."""
+    import sys
+
+    sites = [module for module in list(sys.modules.values())
+             if getattr(module, "__name__", "").startswith("megatron")
+             and getattr(module, original.__name__, None) is original]
+    for module in sites:
+        setattr(module, original.__name__, replacement)
+    try:
+        yield
+    finally:
+        for module in sites:
+            setattr(module, original.__name__, original)
+
+
+@contextlib.contextmanager
+def _tp_duplicates_checked() -> Iterator[None]:
+    """Megatron counts a parameter in the gradient norm on every TP rank, or on tp rank 0 only
+    when ``param_is_not_tensor_parallel_duplicate`` takes it for a replica. That test reads the
+    ``tensor_model_parallel`` attribute, which the parallel linear layers and the embedding set
+    only when they initialise their weights: a parameter typed S on tp (cut, by its
+    sharded_state_dict) that the test calls a replica is reported where Megatron asks."""
+    from megatron.core.tensor_parallel import layers
+
+    from shardcheck.typecheck.checker import current
+    from shardcheck.typecheck.rules import Violation
+    from shardcheck.typecheck.types import Shard
+
+    original = layers.param_is_not_tensor_parallel_duplicate
+
+    def checked(param: torch.Tensor, *args: Any, **kwargs: Any) -> bool:
+        counted = original(param, *args, **kwargs)
+        checker = current()
+        if not counted and checker is not None and "tp" in checker.names:
+            axis = checker.names.index("tp")
+            if isinstance((checker.types(param) or (None,) * checker.n)[axis], Shard):
+                checker._report(Violation("shard counted as replica", axis,
+                                          "no tensor_model_parallel attribute: only tp rank 0's "
+                                          "piece of this parameter is counted"),
+                                original.__name__, (param,))
+        return counted
+
+    with _replaced_everywhere(original, checked):
+        yield
+
+
+@contextlib.contextmanager
+def _context_parallel_cuts_typed(axes: tuple[str, ...]) -> Iterator[None]:
+    """Type what Megatron cuts for this CP rank with a rank-dependent index (which the checker
+    reads as replicated data): the batch by role, and the rotary position embedding as
+    S(seq_dim) over cp, in Megatron's load-balanced chunk order."""
+    from megatron.core import utils
+    from megatron.core.models.common.embeddings import rope_utils
+
+    import shardcheck as sc
+    from shardcheck.megatron.checks.typing import annotate_batch
+    from shardcheck.typecheck.types import S
+
+    batch_cut, rope_cut = utils.get_batch_on_this_cp_rank, rope_utils.get_pos_emb_on_this_cp_rank
+
+    def typed_batch(batch, *args: Any, **kwargs: Any):
+        result = batch_cut(batch, *args, **kwargs)
+        annotate_batch(result, axes)
+        return result
+
+    def typed_rope(pos_emb, seq_dim, cp_group, *args: Any, **kwargs: Any):
+        result = rope_cut(pos_emb, seq_dim, cp_group, *args, **kwargs)
+        return sc.annotate(result, cp=S(seq_dim)) if "cp" in axes else result
+
+    typed_batch.__name__, typed_rope.__name__ = batch_cut.__name__, rope_cut.__name__
+    typed_batch.__wrapped__, typed_rope.__wrapped__ = batch_cut, rope_cut  # their signatures
+    with _replaced_everywhere(batch_cut, typed_batch), _replaced_everywhere(rope_cut, typed_rope):
+        yield
+
+
+@contextlib.contextmanager
+def _sequence_rolls_typed() -> Iterator[None]:
+    """MTP's ``roll_tensor`` shifts a sequence by one token, trading the boundary tokens of
+    each CP chunk with the neighbouring CP ranks point to point: the rolled tensor keeps the
+    input's placements, and the sum it returns is partial where the input is a shard."""
+    from megatron.core.transformer import multi_token_prediction as mtp
+
+    import shardcheck as sc
+    from shardcheck.typecheck.checker import current
+    from shardcheck.typecheck.types import P, Shard
+
+    original = mtp.roll_tensor
+
+    def typed_roll(tensor, *args: Any, **kwargs: Any):
+        checker = current()
+        if checker is None or tensor is None:
+            return original(tensor, *args, **kwargs)
+        types = sc.typeof(tensor)
+        with checker.paused():
+            rolled, total = original(tensor, *args, **kwargs)
+        sc.annotate(rolled, **types)
+        sc.annotate(total, **{axis: P if isinstance(p, Shard) else p for axis, p in types.items()})
+        return rolled, total
+
+    typed_roll.__name__, typed_roll.__wrapped__ = original.__name__, original  # type: ignore[attr-defined]
+    with _replaced_everywhere(original, typed_roll):
+        yield
+
+
+@contextlib.contextmanager
+def _gradient_buffers_typed(axes: tuple[str, ...]) -> Iterator[None]:
+    """After DDP zeroes its gradient buffer, each ``param.main_grad`` (a view of it) is a known
+    zero with its parameter's layout: gradients accumulate into it whatever their placement.
+    Each is registered as a view of the buffer, so that DDP's collectives on the whole buffer
+    (the bucket all-reduce over dp x cp) retype it, and the gradient check at
+    ``optimizer.step`` sees the reduced gradient."""
+    from megatron.core.distributed import DistributedDataParallel
+
+    from shardcheck.typecheck import checker as checker_module
+    from shardcheck.typecheck.checker import current
+    zero = getattr(checker_module, "ZERO", True)  # the zero flag (an int in newer checkers)
+
+    original = DistributedDataParallel.zero_grad_buffer
+
+    def typed_zero(self, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        checker = current()
+        if checker is None:
+            return result
+        with checker.paused():
+            types = _types_by_id(self.module)
+        for param in self.module.parameters():
+            main_grad = getattr(param, "main_grad", None)
+            if isinstance(main_grad, torch.Tensor):
+                placements = types[id(param)].placements
+                checker.set_type(main_grad, tuple(placements.get(a) for a in checker.names), zero)
+                if main_grad._base is not None and getattr(main_grad, "_sc_root", None) is None:
+                    checker.register_view(main_grad, main_grad._base)  # DDP reduces the buffer
+        return result
+
+    DistributedDataParallel.zero_grad_buffer = typed_zero
+    try:
+        yield
+    finally:
+        DistributedDataParallel.zero_grad_buffer = original
+
+
+@contextlib.contextmanager
+def _viewless_tensors_typed() -> Iterator[None]:
+    """Megatron's ``make_viewless_tensor`` moves a view's data into a fresh tensor with
+    ``out.data = inp.data``, which no dispatched op shows the checker: the fresh tensor holds
+    the view's values, so it gets the view's type."""
+    from megatron.core import utils
+
+    from shardcheck.typecheck.checker import current
+
+    original = utils._kernel_make_viewless_tensor
+
+    def typed(inp: torch.Tensor, requires_grad: bool) -> torch.Tensor:
+        out = original(inp, requires_grad)
+        checker = current()
+        if checker is not None and out is not inp:
+            checker.set_type(out, checker.types(inp))
+        return out
+
+    utils._kernel_make_viewless_tensor = typed
+    try:
+        yield
+    finally:
+        utils._kernel_make_viewless_tensor = original
+
+
+OBJECT_COLLECTIVES = ("all_gather_object", "broadcast_object_list", "gather_object",
+                      "scatter_object_list")
+
+
+@contextlib.contextmanager
+def _object_collectives_untyped() -> Iterator[None]:
+    """Collectives of Python objects move metadata (e.g. parameter names), not laid-out tensors:
+    their internal byte tensors are not typed."""
+    import torch.distributed as dist
+
+    from shardcheck.typecheck.checker import current
+
+    originals = {name: getattr(dist, name) for name in OBJECT_COLLECTIVES}
+
+    def untyped(original):
+        def run(*args: Any, **kwargs: Any) -> Any:
+            checker = current()
+            with checker.paused() if checker else contextlib.nullcontext():
+                return original(*args, **kwargs)
+        return run
+
+    for name, original in originals.items():
+        setattr(dist, name, untyped(original))
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+
+
+@contextlib.contextmanager
+def _received_tensors_untyped() -> Iterator[None]:
+    """A tensor received from another pipeline stage holds what the sender sent, which this
+    rank cannot type: after the receive, the buffer is unknown (not R from its ``empty``, nor
+    V from the receive itself)."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    from shardcheck.typecheck.checker import current
+
+    def forget(tensor: torch.Tensor) -> None:
+        checker = current()
+        if checker is not None:
+            checker.set_type(tensor, None)
+
+    def batched(original):
+        def run(p2p_ops, *args: Any, **kwargs: Any) -> Any:
+            result = original(p2p_ops, *args, **kwargs)
+            for op in p2p_ops:
+                if getattr(op.op, "__name__", "") in ("irecv", "recv"):
+                    forget(op.tensor)
+            return result
+        return run
+
+    def receiving(original):
+        def run(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            result = original(tensor, *args, **kwargs)
+            forget(tensor)
+            return result
+        run.__name__ = original.__name__
+        return run
+
+    saved = [(namespace, name, getattr(namespace, name)) for namespace in (dist, distributed_c10d)
+             for name in ("batch_isend_irecv", "recv", "irecv")]
+    replaced = {id(original): (batched if name == "batch_isend_irecv" else receiving)(original)
+                for _, name, original in saved}
+    for namespace, name, original in saved:
+        setattr(namespace, name, replaced[id(original)])  # one object per function in both
+    try:
+        yield
+    finally:
+        for namespace, name, original in saved:
+            setattr(namespace, name, original)
+
+
+@contextlib.contextmanager
+def _harness_values_typed(axes: tuple[str, ...]) -> Iterator[None]:
+    """Type the harness helpers whose results the checker cannot see through: ``seeded_global``
+    (a global tensor drawn from a fixed seed: the same on every rank, R), ``_sequence_shard``
+    (this TP rank's sequence chunk under sequence parallelism: S(0) over tp) and
+    ``load_balanced_positions`` (this CP rank's token positions: S(0) over cp) and
+    ``data_parallel_share`` (this DP rank's microbatches of a global batch built alike on every
+    rank: V over dp, R over the other axes)."""
+    import sys
+
+    import shardcheck as sc
+    from shardcheck.megatron.cpu import cp_attention
+    from shardcheck.megatron.scenarios import reference
+    from shardcheck.typecheck.types import R, S
+
+    def typed(original, placements):
+        def run(*args: Any, **kwargs: Any) -> Any:
+            return sc.annotate(original(*args, **kwargs), **placements)
+        return run
+
+    patches = [(reference.seeded_global, typed(reference.seeded_global, dict.fromkeys(axes, R)))]
+    share = importlib.import_module("shardcheck.megatron.scenarios.training").data_parallel_share
+    patches.append((share, _batches_typed(share, axes)))
+    if "tp" in axes:
+        output_loss = importlib.import_module("shardcheck.megatron.scenarios.output_loss")
+        patches.append((output_loss._sequence_shard, _sequence_typed(output_loss._sequence_shard)))
+    if "cp" in axes:
+        positions = cp_attention.load_balanced_positions
+        patches.append((positions, typed(positions, {"cp": S(0)})))
+    sites = [(module, name, new) for module in list(sys.modules.values())
+             if getattr(module, "__name__", "").startswith("shardcheck.megatron")
+             for old, new in patches for name in (old.__name__,) if getattr(module, name, None) is old]
+    for module, name, new in sites:
+        setattr(module, name, new)
+    try:
+        yield
+    finally:
+        for module, name, new in sites:
+            setattr(module, name, inspect_original(new, patches))
+
+
+def _batches_typed(original: Any, axes: tuple[str, ...]) -> Any:
+    import shardcheck as sc
+    from shardcheck.typecheck.types import R, V
+
+    placements = {axis: V if axis == "dp" else R for axis in axes}
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        batches = original(*args, **kwargs)
+        for batch in batches:
+            for value in batch.values():
+                sc.annotate(value, **placements)
+        return batches
+    return run
+
+
+def _sequence_typed(original: Any) -> Any:
+    import shardcheck as sc
+    from shardcheck.typecheck.types import S
+
+    def run(tensor: torch.Tensor, sp: bool, group: Any = None) -> torch.Tensor:
+        local = original(tensor, sp, group)
+        return sc.annotate(local, tp=S(0)) if sp else local
+    return run
+
+
+def inspect_original(new: Any, patches: list) -> Any:
+    return next(old for old, patched in patches if patched is new)
+
+
+@contextlib.contextmanager
+def checked_region(ctx: Any) -> Iterator[list[dict]]:
+    """Type-check the block in collect mode; the yielded list receives its violations at exit."""
+    found: list[dict] = []
+    if not checker_available():
+        yield found
+        return
+    import shardcheck as sc
+
+    mesh = layout_mesh(ctx)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_parameters_typed_on_first_use(mesh.names))
+        stack.enter_context(_context_parallel_cuts_typed(mesh.names))
+        stack.enter_context(_sequence_rolls_typed())
+        stack.enter_context(_object_collectives_untyped())
+        stack.enter_context(_harness_values_typed(mesh.names))
+        stack.enter_context(_received_tensors_untyped())
+        stack.enter_context(_gradient_buffers_typed(mesh.names))
+        stack.enter_context(_tp_duplicates_checked())
+        stack.enter_context(_viewless_tensors_typed())
+        stack.enter_context(contextlib.redirect_stderr(io.StringIO()))  # the region's summary
+        stack.enter_context(sc.typecheck(mesh, mode="collect"))
+        yield found
+    found.extend({**v.as_dict(), "location": _short(v.location),
+                  "line": v.first_line.replace(v.location, _short(v.location))}
+                 for v in sc.violations() if _in_megatron(v.location))
+
+
+def _in_megatron(location: str) -> bool:
+    """Violations located in our own harness (scenario set-up, gathering results) are not
+    findings about megatron-core; they are left to the harness's own tests."""
+    return "/megatron/core/" in location
+
+
+def _short(location: str) -> str:
+    index = location.rfind("/megatron/")
+    return location[index + 1:] if index >= 0 else location

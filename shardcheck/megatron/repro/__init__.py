@@ -1,0 +1,1 @@
+"""Self-contained torchrun scripts for audit findings: templates, snippets, and the check they run."""

@@ -1,0 +1,599 @@
+"""The code of the audit's repro scripts, as text: shared helpers, CPU patches, components.
+
+:mod:`shardcheck.megatron.repro.templates` picks the pieces a finding needs and puts them
+together; each piece here is plain script code, run by ``torchrun`` without shardcheck.
+Every component's ``run(sizes, pg)`` gets the process groups its model is given (``pg``, a
+``ProcessGroupCollection``) and returns the same global values in every layout.
+"""
+
+BASE = '''
+def run_on(sizes, check=False):
+    """``run`` on megatron's process groups for ``sizes`` (data parallelism takes the rest of the
+    world); with ``check``, under shardcheck's type checker when it is installed."""
+    global CHECKER
+    pg = process_groups(sizes)
+    if check and CHECKER:
+        try:  # optional, only for the checker: line
+            from shardcheck.megatron.repro.check import checked_run
+        except ImportError:
+            CHECKER = None  # no checker here to confirm the line the audit recorded
+        else:
+            result, CHECKER = checked_run(run, sizes, pg, CHECKER)
+            return result
+    return run(sizes, pg)
+
+
+def process_groups(sizes):
+    """parallel_state's groups in rank order ``order``; returns the model's: those of ``model_order``."""
+    collections = []
+    for order in dict.fromkeys([sizes["model_order"], sizes["order"]]):  # the globals' order last
+        ps.destroy_model_parallel()
+        ps.initialize_model_parallel(sizes["tp"], sizes["pp"], context_parallel_size=sizes["cp"],
+                                     expert_model_parallel_size=sizes["ep"], order=order,
+                                     create_gloo_process_groups=False)
+        collections.append(ProcessGroupCollection.use_mpu_process_groups())
+    return collections[0]
+
+
+def config_for(sizes, **options):
+    """A CPU-runnable TransformerConfig for ``sizes`` with the component's and finding's options."""
+    return TransformerConfig(**{
+        "num_layers": 1, "hidden_size": SETUP["hidden"], "num_attention_heads": 4,
+        "use_cpu_initialization": True, "hidden_dropout": 0.0, "attention_dropout": 0.0,
+        "tensor_model_parallel_size": sizes["tp"], "context_parallel_size": sizes["cp"],
+        "pipeline_model_parallel_size": sizes["pp"], "expert_model_parallel_size": sizes["ep"],
+        "sequence_parallel": sizes["sp"],
+        "pipeline_dtype": torch.float32, "gradient_accumulation_fusion": False,
+        "bias_activation_fusion": False, "masked_softmax_fusion": False, "apply_rope_fusion": False,
+        **options, **OVERRIDES})
+'''
+
+SEEDED = '''
+def seeded(key, *shape):
+    """A global tensor that depends only on ``key`` and its shape: the same in every layout."""
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(zlib.crc32(key.encode())))
+'''
+
+PIECES = '''
+def gather(tensor, dim, group):
+    """The global tensor from each rank's piece along ``dim`` over ``group``."""
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+'''
+
+SHARD = '''
+def shard(tensor, sizes, group):
+    """This rank's sequence chunk (dim 0) under sequence parallelism, else the whole tensor."""
+    return tensor.chunk(group.size())[group.rank()] if sizes["sp"] else tensor
+'''
+
+WEIGHTS = '''
+def load_weights(model, pg):
+    """Seeded global weights, the same in every layout (an expert's by its global index); a
+    sharded weight gives each rank its piece, cut on the dim where its shape is smaller, section
+    by section when it is fused."""
+    for local_name, param in model.named_parameters():
+        name, group = global_name(local_name, pg)
+        full = seeded(name, *FULL.setdefault(name, param.shape)) * 0.2
+        dim = next((d for d, (a, b) in enumerate(zip(full.shape, param.shape)) if a != b), None)
+        if dim is not None:
+            sections = next((s for key, s in SECTIONS.items() if name.endswith(key)), [full.shape[dim]])
+            full = torch.cat([s.chunk(group.size(), dim)[group.rank()] for s in full.split(sections, dim)], dim)
+        param.data.copy_(full)
+
+
+def global_name(name, pg):
+    """A parameter's name in the one-rank model (layer and expert indices count those of the pp
+    and ep ranks before; MTP's layers follow the decoder's on the last stage, numbered on their
+    own), and the group it is sharded over: tp, or expert tp for an expert."""
+    for word, group, total in (("layers", pg.pp, SETUP.get("layers")),
+                               ("local_experts", pg.ep, OVERRIDES.get("num_moe_experts"))):
+        name = re.sub(rf"(?<!mtp\\.)\\b{word}\\.(\\d+)\\.",  # MTP layers: all on the last stage
+                      lambda m: f"{word}.{group.rank() * total // group.size() + int(m[1])}.", name)
+    if SETUP.get("share_embeddings") and name == "output_layer.weight":  # the last stage's copy
+        name = "embedding.word_embeddings.weight"
+    return name, pg.expt_tp if "local_experts." in name else pg.tp
+
+
+def grad_norms(model, pg):
+    """The norm of every parameter's global gradient, in the one-rank model's order: the squares
+    of its shards summed, from the stage (and for an expert the ep rank) that holds it."""
+    squares = dict.fromkeys(FULL, torch.zeros(()))
+    for local_name, param in model.named_parameters():
+        name, group = global_name(local_name, pg)
+        squares[name] = param.main_grad.float().pow(2).sum()
+        if param.shape != FULL[name]:
+            dist.all_reduce(squares[name], group=group)
+    squares = torch.stack(list(squares.values()))
+    expert = torch.tensor(["local_experts." in name for name in FULL])
+    experts = squares * expert
+    dist.all_reduce(experts, op=dist.ReduceOp.MAX, group=pg.ep)  # the other ep ranks hold 0
+    squares = torch.where(expert, experts, squares)
+    dist.all_reduce(squares, op=dist.ReduceOp.MAX, group=pg.pp)  # the other stages hold 0
+    return squares.sqrt()
+
+
+FULL = {}  # each parameter's global shape, from the reference run (it runs first)
+'''
+
+OUTPUT_LOSS = '''
+def run(sizes, pg):
+    """ColumnParallelLinear logits into vocab_parallel_cross_entropy: [loss, weight grad, input grad]."""
+    config = config_for(sizes)
+    layer = tensor_parallel.ColumnParallelLinear(
+        SETUP["hidden"], SETUP["vocab"], config=config, init_method=config.init_method, bias=False,
+        gather_output=not SETUP["parallel_output"], tp_group=pg.tp)
+    layer.weight.data.copy_(seeded("weight", SETUP["vocab"], SETUP["hidden"]).chunk(pg.tp.size())[pg.tp.rank()] * 0.05)
+    hidden = seeded("hidden", SETUP["seq"], SETUP["batch"], SETUP["hidden"])
+    labels = torch.randint(0, SETUP["vocab"], (SETUP["seq"], SETUP["batch"]),
+                           generator=torch.Generator().manual_seed(0))
+    local = shard(hidden, sizes, pg.tp).requires_grad_(True)
+    logits, _ = layer(local, runtime_gather_output=SETUP["runtime_gather_output"])
+    group = {"tp_group": pg.tp} if "tp_group" in inspect.signature(tensor_parallel.vocab_parallel_cross_entropy).parameters else {}
+    loss = tensor_parallel.vocab_parallel_cross_entropy(
+        logits.float().clone(), labels, label_smoothing=SETUP["label_smoothing"], **group).mean()
+    loss.backward()
+    grad_in = gather(local.grad, 0, pg.tp) if sizes["sp"] else local.grad
+    return torch.cat([loss.detach().view(1), gather(layer.weight.grad, 0, pg.tp).flatten(),
+                      grad_in.flatten()])
+'''
+
+ROUTER = '''
+def run(sizes, pg):
+    """TopKRouter forward and backward: [summed local_num_tokens, weight grad, input grad]."""
+    def tokens(tensor):  # this rank's tokens: its CP chunk of the sequence, then its SP share
+        return shard(tensor.chunk(pg.cp.size())[pg.cp.rank()], sizes, pg.tp)
+    config = config_for(sizes, num_moe_experts=SETUP["experts"], moe_router_topk=SETUP["topk"],
+                        moe_aux_loss_coeff=1.0, moe_router_load_balancing_type="aux_loss",
+                        add_bias_linear=False)
+    router = TopKRouter(config, pg)
+    router.weight.data.copy_(seeded("router", SETUP["experts"], SETUP["hidden"]) * 0.05)
+    seq, batch = SETUP["seq"], SETUP["batch"]
+    local = tokens(seeded("tokens", seq, batch, SETUP["hidden"])).requires_grad_(True)
+    padding = torch.zeros(seq, batch, dtype=torch.bool)  # True marks padding, uneven over ranks
+    padding[seq * 5 // 8:, 0] = padding[seq - 1:, 1] = SETUP["padding"]
+    counts = []  # the local token count megatron's router computes, recorded as it is returned
+
+    def recorded(*args, **kwargs):
+        result = counting(*args, **kwargs)
+        counts.append(torch.as_tensor(result[1], dtype=torch.float32).clone())
+        return result
+    counting, router_module.get_tokens_per_expert_and_token_count = (
+        router_module.get_tokens_per_expert_and_token_count, recorded)
+    try:
+        probs, _ = router(local, padding_mask=tokens(padding) if SETUP["padding"] else None)
+    finally:
+        router_module.get_tokens_per_expert_and_token_count = counting
+    upstream = seeded("upstream", seq, batch, SETUP["experts"]).reshape(seq, -1)
+    (probs * tokens(upstream).reshape(probs.shape)).sum().backward()
+    dist.all_reduce(router.weight.grad, group=pg.cp)  # DDP's average over CP of a loss scaled by cp
+    dist.all_reduce(router.weight.grad, group=pg.tp)  # finalize_model_grads' sequence-parallel sum
+    count = torch.stack(counts).sum().view(1) if counts else torch.zeros(1)
+    dist.all_reduce(count, group=pg.tp_cp)
+    grad_in = gather(gather(local.grad, 0, pg.tp) if sizes["sp"] else local.grad, 0, pg.cp)
+    return torch.cat([count, router.weight.grad.flatten(), grad_in.flatten()])
+'''
+
+TRAINING = '''
+def train(sizes, pg, config, model, microbatches, seq, losses):
+    """A training step on this rank's data-parallel share of the microbatches (all in the reference), ``losses(model,
+    batch)`` giving per-token losses and mask: [the optimizer's gradient norm, the loss sum, every gradient's norm]."""
+    tensor_parallel.model_parallel_cuda_manual_seed(0)
+    load_weights(model, pg)
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(), model, pg_collection=pg)
+    config.finalize_model_grads_func, config.no_sync_func = finalize_model_grads, ddp.no_sync
+    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="sgd", lr=0.5, clip_grad=SETUP.get("clip_grad", 1.0)),
+                                       [ddp], use_gloo_process_groups=False, pg_collection=pg)
+    def forward_step(data, model):  # megatron's: its loss function gives the masked sum, the count, a report
+        output, mask = losses(model, next(data))
+        def loss_function(out):
+            loss_sum = (out.float().reshape(-1) * mask.reshape(-1).float()).sum()
+            return loss_sum, mask.sum().to(torch.int), {"lm loss": loss_sum.detach().clone()}  # megatron divides loss_sum in place
+        return output, loss_function
+    mine = microbatches if sizes["whole_batch"] else microbatches[pg.dp.rank()::pg.dp.size()]
+    reports = get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iter(mine), model=[ddp], num_microbatches=len(mine),
+        seq_length=seq, micro_batch_size=SETUP["micro_batch"], forward_only=False, pg_collection=pg,
+        p2p_communicator=P2PCommunicator(pp_group=pg.pp, config=config))
+    loss = torch.stack([report["lm loss"] for report in reports]).sum().view(1) if reports else torch.zeros(1)
+    if not sizes["whole_batch"]:  # each data-parallel (and CP) rank holds its part of the batch
+        dist.all_reduce(loss, group=pg.dp_cp)
+    dist.all_reduce(loss, group=pg.pp)  # the last stage's
+    norms = grad_norms(model, pg)
+    _, grad_norm, _ = optimizer.step()
+    return torch.cat([torch.tensor([float(grad_norm)]), loss, norms])
+'''
+
+GPT = '''
+def batches(pg):
+    """The microbatches, each cut for this rank's CP rank by megatron."""
+    gen = torch.Generator().manual_seed(1000)
+    shape = (SETUP["microbatches"], SETUP["micro_batch"], SETUP["seq"])
+    tokens, labels = (torch.randint(0, SETUP["vocab"], shape, generator=gen) for _ in range(2))
+    mask = (torch.rand(shape, generator=gen) < 0.6).float() if SETUP["loss_mask"] else torch.ones(shape)
+    positions = torch.arange(SETUP["seq"]).expand(shape[1:]).contiguous()
+    release = {"is_hybrid_cp": False} if "is_hybrid_cp" in inspect.signature(get_batch_on_this_cp_rank).parameters else {}
+    return [get_batch_on_this_cp_rank(dict(tokens=tokens[i], labels=labels[i], loss_mask=mask[i],
+                                           position_ids=positions), cp_group=pg.cp, **release) for i in range(len(tokens))]
+
+
+def run(sizes, pg):
+    """One GPT training step through the schedules."""
+    config = config_for(sizes, num_layers=SETUP["layers"], num_attention_heads=SETUP["heads"], mtp_num_layers=SETUP.get("mtp_layers"))
+    spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, qk_layernorm=config.qk_layernorm,
+                                    normalization=config.normalization, qk_l2_norm=config.qk_l2_norm)
+    if sizes["cp"] > 1:
+        spec.submodules.self_attention.submodules.core_attention = ContextParallelAttention
+    mtp = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False) if config.mtp_num_layers else None
+    model = GPTModel(config, spec, SETUP["vocab"], SETUP["seq"], pg_collection=pg,
+                     pre_process=pg.pp.rank() == 0, post_process=pg.pp.rank() == pg.pp.size() - 1,
+                     position_embedding_type=SETUP["position_embedding"], mtp_block_spec=mtp,
+                     share_embeddings_and_output_weights=SETUP["share_embeddings"])
+    return train(sizes, pg, config, model, batches(pg), SETUP["seq"], lambda model, batch: (
+        model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"]), batch["loss_mask"]))
+'''
+
+T5 = '''
+def batches():
+    """The microbatches: encoder and decoder tokens, labels, the loss mask and megatron's
+    attention masks (True = masked out; padded encoder positions masked for both attentions)."""
+    gen = torch.Generator().manual_seed(2000)
+    mb, b, enc, dec = SETUP["microbatches"], SETUP["micro_batch"], SETUP["encoder_seq"], SETUP["decoder_seq"]
+    encoder_ids = torch.randint(0, SETUP["vocab"], (mb, b, enc), generator=gen)
+    decoder_ids, labels = (torch.randint(0, SETUP["vocab"], (mb, b, dec), generator=gen) for _ in range(2))
+    lengths = torch.randint(enc // 2, enc + 1, (mb, b), generator=gen) if SETUP["encoder_padding"] else torch.full((mb, b), enc)
+    padded = (torch.arange(enc) >= lengths[..., None])[:, :, None, None, :]  # [mb, b, 1, 1, enc]
+    causal = torch.ones(dec, dec, dtype=torch.bool).triu(1).expand(b, 1, dec, dec)
+    mask = (torch.rand(mb, b, dec, generator=gen) < 0.6).float() if SETUP["loss_mask"] else torch.ones(mb, b, dec)
+    return [dict(encoder_input_ids=encoder_ids[i], decoder_input_ids=decoder_ids[i], lm_labels=labels[i],
+                 loss_mask=mask[i], encoder_attn_mask=padded[i].expand(b, 1, enc, enc), decoder_attn_mask=causal,
+                 encoder_decoder_attn_mask=padded[i].expand(b, 1, dec, enc)) for i in range(mb)]
+
+
+def run(sizes, pg):
+    """One training step of a T5Model (local specs; the decoder cross-attends to the encoder
+    output) through the schedules."""
+    config = config_for(sizes, num_layers=SETUP["layers"], num_attention_heads=SETUP["heads"])
+    model = T5Model(config=config, encoder_config=config, transformer_encoder_layer_spec=encoder_model_with_local_spec(),
+                    transformer_decoder_layer_spec=decoder_model_with_local_spec(), vocab_size=SETUP["vocab"],
+                    max_sequence_length=max(SETUP["encoder_seq"], SETUP["decoder_seq"]), pg_collection=pg,
+                    share_embeddings_and_output_weights=SETUP["share_embeddings"],
+                    position_embedding_type=SETUP["position_embedding"])
+    return train(sizes, pg, config, model, batches(), SETUP["decoder_seq"], lambda model, batch: (
+        model(**{name: value for name, value in batch.items() if name != "loss_mask"}), batch["loss_mask"]))
+'''
+
+MULTIMODAL = '''
+def batches():
+    """The microbatches: token ids with one image token per sample (none in the last one with
+    text_only_sample), images, labels, loss mask and positions; text and image's embeddings
+    make ``combined_seq`` tokens."""
+    gen = torch.Generator().manual_seed(3000)
+    b, size = SETUP["micro_batch"], SETUP["image_size"]
+    text = SETUP["combined_seq"] + 1 - (size // SETUP["patch"]) ** 2 - SETUP["keep_class_token"]
+    with_image = b - SETUP["text_only_sample"]
+    microbatches = []
+    for _ in range(SETUP["microbatches"]):
+        ids, labels = (torch.randint(0, SETUP["vocab"], (b, text), generator=gen) for _ in range(2))
+        ids[torch.arange(with_image), torch.randint(0, text, (with_image,), generator=gen)] = DEFAULT_IMAGE_TOKEN_INDEX
+        mask = (torch.rand(b, text, generator=gen) < 0.6).float() if SETUP["loss_mask"] else torch.ones(b, text)
+        microbatches.append(dict(input_ids=ids, labels=labels, loss_mask=mask,
+                                 images=torch.randn(with_image, 3, size, size, generator=gen),
+                                 position_ids=torch.arange(text).expand(b, text).contiguous()))
+    return microbatches
+
+
+def run(sizes, pg):
+    """One training step of a LLaVAModel (a CLIP ViT, its projection, the image embeddings
+    scattered into the text's) through the schedules; vision and projection run without SP."""
+    language, vision, projection = (config_for({**sizes, "sp": sp}, num_layers=SETUP["layers"],
+                                               num_attention_heads=SETUP["heads"])
+                                    for sp in (sizes["sp"], False, False))
+    vision.vision_model_type = "clip"
+    model = LLaVAModel(
+        language_transformer_config=language, language_transformer_layer_spec=get_gpt_layer_local_spec(),
+        language_vocab_size=SETUP["vocab"], language_max_sequence_length=SETUP["combined_seq"],
+        vision_transformer_config=vision, vision_transformer_layer_spec=get_vit_layer_with_local_spec(),
+        drop_vision_class_token=not SETUP["keep_class_token"], vision_projection_config=projection,
+        vision_projection_layer_spec=MLPSubmodules(linear_fc1=tensor_parallel.ColumnParallelLinear,
+                                                   linear_fc2=tensor_parallel.RowParallelLinear),
+        vision_projection_type=SETUP["projection"], img_h=SETUP["image_size"], img_w=SETUP["image_size"],
+        patch_dim=SETUP["patch"], pg_collection=pg)
+    model.model_type = ModelType.encoder_or_decoder  # as Megatron-LM's get_model sets it
+    # LLaVA returns the per-token losses and the loss mask, shifted with the image's positions
+    return train(sizes, pg, language, model, batches(), SETUP["combined_seq"], lambda model, batch: model(
+        batch["images"], batch["input_ids"], batch["position_ids"], None, labels=batch["labels"],
+        loss_mask=batch["loss_mask"]))
+'''
+
+CLIP_NORM = '''
+# Transformer Engine only: without TE, CLIP's default norms are torch LayerNorms, which cannot be
+# built from a config; megatron's torch norm built from the config stands in for TE's norm
+CLIPViTModel.__init__ = functools.partialmethod(CLIPViTModel.__init__, ln_pre_impl=WrappedTorchNorm,
+                                                ln_post_impl=WrappedTorchNorm)
+'''
+
+LLAVA_SP_ATTENTION = '''
+# Transformer Engine only: LLaVA allows sequence parallelism with TE's attention only; here it is
+# megatron's torch attention of the local spec (HAVE_TE is read only there and under cp)
+llava_model.TEDotProductAttention, llava_model.HAVE_TE = DotProductAttention, True
+'''
+
+CP_ATTENTION = '''
+class ContextParallelAttention(DotProductAttention):
+    """Megatron's torch attention over keys and values gathered across CP (upstream it is TE only)."""
+
+    def __init__(self, config, *args, **kwargs):
+        plain = copy.copy(config)
+        plain.context_parallel_size = 1
+        super().__init__(plain, *args, **kwargs)
+
+    def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, *args, **kwargs):
+        group = self.pg_collection.cp
+        size, rank, n = group.size(), group.rank(), query.size(0)
+        key, value = (gather_from_sequence_parallel_region(t, group=group) for t in (key, value))
+
+        def positions(r):  # megatron's load-balanced order: rank r holds chunks r and 2*cp-1-r
+            return torch.cat([torch.arange(r * n // 2, (r + 1) * n // 2),
+                              torch.arange((2 * size - 1 - r) * n // 2, (2 * size - r) * n // 2)])
+        mask = torch.cat([positions(r) for r in range(size)])[None, :] > positions(rank)[:, None]
+        return super().forward(query, key, value, mask[None, None], attn_mask_type, *args, **kwargs)
+'''
+
+GDN = '''
+def run(sizes, pg):
+    """A GatedDeltaNet layer's forward and backward, then finalize_model_grads: the norm of every
+    gradient (a replicated one on each rank: replicas must agree)."""
+    tensor_parallel.model_parallel_cuda_manual_seed(0)
+    config = config_for(sizes, experimental_attention_variant="gated_delta_net", linear_attention_freq=1,
+                        linear_conv_kernel_dim=SETUP["conv_kernel"], linear_key_head_dim=SETUP["head_dim"],
+                        linear_value_head_dim=SETUP["head_dim"], linear_num_key_heads=SETUP["key_heads"],
+                        linear_num_value_heads=SETUP["value_heads"], normalization="RMSNorm",
+                        activation_func=torch.nn.functional.silu)
+    layer = GatedDeltaNet(config, GatedDeltaNetSubmodules(
+        in_proj=tensor_parallel.ColumnParallelLinear, out_norm=WrappedTorchNorm,
+        out_proj=tensor_parallel.RowParallelLinear), layer_number=1, bias=SETUP["bias"],
+        conv_bias=SETUP["conv_bias"], use_qk_l2norm=SETUP["use_qk_l2norm"], pg_collection=pg)
+    load_weights(layer, pg)
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(), layer, pg_collection=pg)
+    shape = (SETUP["seq"], SETUP["batch"], SETUP["hidden"])
+    hidden = shard(seeded("hidden", *shape), sizes, pg.tp).requires_grad_(True)
+    output, _ = layer(hidden, attention_mask=None)
+    (output * shard(seeded("upstream", *shape), sizes, pg.tp)).sum().backward()
+    finalize_model_grads([ddp], pg_collection=pg)
+    return grad_norms(layer, pg)
+'''
+
+CAUSAL_CONV1D = '''
+def causal_conv1d_fn(x, weight, bias=None, activation=None, **_):
+    """causal_conv1d's depthwise causal convolution of [batch, dim, seq] (then SiLU), in torch
+    (training passes it no sequence index or initial state)."""
+    width, steps = weight.shape[-1], x.shape[-1]
+    padded = torch.nn.functional.pad(x, (width - 1, 0))
+    out = sum(weight[:, j, None] * padded[..., j:j + steps] for j in range(width))
+    out = out + bias[:, None] if bias is not None else out
+    return torch.nn.functional.silu(out) if activation else out
+'''
+
+MAMBA = '''
+def run(sizes, pg):
+    """A Mamba-2 mixer's forward and backward, then finalize_model_grads: the norm of every gradient."""
+    tensor_parallel.model_parallel_cuda_manual_seed(0)
+    config = config_for(sizes, mamba_state_dim=SETUP["state_dim"], mamba_head_dim=SETUP["head_dim"],
+                        mamba_num_groups=SETUP["groups"])
+    layer = mamba_module.MambaMixer(config, mamba_module.MambaMixerSubmodules(
+        in_proj=tensor_parallel.ColumnParallelLinear, out_proj=tensor_parallel.RowParallelLinear),
+        d_model=SETUP["hidden"], d_conv=SETUP["conv_kernel"], expand=SETUP["expand"],
+        D_has_hdim=SETUP["d_has_hdim"], rmsnorm=SETUP["rmsnorm"], conv_bias=SETUP["conv_bias"],
+        layer_number=1, pg_collection=pg)
+    load_weights(layer, pg)
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(), layer, pg_collection=pg)
+    shape = (SETUP["seq"], SETUP["batch"], SETUP["hidden"])
+    hidden = tokens(seeded("hidden", *shape), sizes, pg).requires_grad_(True)
+    output, _ = layer(hidden)
+    # as megatron's schedules: DDP sums a per-token loss over dp x cp, else averages it (scaled by cp)
+    scale = 1 / pg.dp.size() if config.calculate_per_token_loss else pg.cp.size()
+    ((output * tokens(seeded("upstream", *shape), sizes, pg)).sum() * scale).backward()
+    finalize_model_grads([ddp], pg_collection=pg)
+    return grad_norms(layer, pg)
+
+
+def tokens(tensor, sizes, pg):
+    """This rank's part of a global [seq, ...] tensor: its CP chunks in megatron's load-balanced
+    order (r and 2*cp-1-r of 2*cp), then its share under sequence parallelism."""
+    chunks = tensor.chunk(2 * pg.cp.size())
+    return shard(torch.cat([chunks[pg.cp.rank()], chunks[-1 - pg.cp.rank()]]), sizes, pg.tp)
+'''
+
+MAMBA_KERNELS = '''
+def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D, z=None, dt_bias=None, dt_softplus=False, **_):
+    """mamba_ssm's SSD scan of x [batch, seq, heads, headdim], step by step (training passes it no
+    states): state = exp(dt A) state + dt x B^T, y = state C + D x, gated by silu(z) if given."""
+    dt = dt.float() + (0 if dt_bias is None else dt_bias)
+    dt = torch.nn.functional.softplus(dt) if dt_softplus else dt
+    B, C = (t.repeat_interleave(x.shape[2] // t.shape[2], dim=2) for t in (B, C))  # a group's heads share it
+    state, ys = x.new_zeros(x.shape[0], x.shape[2], x.shape[3], B.shape[3]), []
+    for t in range(x.shape[1]):
+        write = torch.einsum("bhp,bh,bhn->bhpn", x[:, t], dt[:, t], B[:, t])
+        state = torch.exp(dt[:, t] * A)[..., None, None] * state + write
+        ys.append(torch.einsum("bhpn,bhn->bhp", state, C[:, t]))
+    y = torch.stack(ys, 1) + x * (D[:, None] if D.dim() == 1 else D)
+    return y * torch.nn.functional.silu(z) if z is not None else y
+
+
+def mamba_split_conv1d_scan_combined(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size,
+                                     activation="silu", headdim=None, ngroups=1, **_):
+    """mamba_ssm's fused training step: split z, xBC, dt; the causal convolution of xBC; split x,
+    B, C; the scan gated by z. Returns [batch, seq, heads * headdim]."""
+    heads, headdim = dt_bias.shape[0], headdim or D.shape[-1]
+    inner, (batch, steps, width) = heads * headdim, zxbcdt.shape
+    bc = (width - 2 * inner - heads) // 2  # the width of B (and of C): ngroups * d_state
+    z, xbc, dt = zxbcdt.split([inner, inner + 2 * bc, heads], dim=-1)
+    xbc = causal_conv1d_fn(xbc.transpose(1, 2), conv1d_weight, conv1d_bias, activation).transpose(1, 2)
+    x, B, C = (t.reshape(batch, steps, n, -1) for t, n in zip(
+        xbc.split([inner, bc, bc], dim=-1), (heads, ngroups, ngroups)))
+    y = mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=D, z=z.reshape(x.shape), dt_bias=dt_bias,
+                                  dt_softplus=True)
+    return y.reshape(batch, steps, inner)
+
+
+class GatedRMSNorm(torch.nn.Module):
+    """mamba_ssm's gated RMSNorm, gate first (megatron asserts norm_before_gate=False), over each
+    group of ``group_size`` channels."""
+
+    def __init__(self, hidden, eps=1e-5, group_size=None, norm_before_gate=False, device=None, dtype=None):
+        super().__init__()
+        self.eps, self.group_size = eps, group_size or hidden
+        self.weight = torch.nn.Parameter(torch.ones(hidden, device=device, dtype=dtype))
+
+    def forward(self, x, z=None):
+        x = x * torch.nn.functional.silu(z) if z is not None else x
+        groups = x.unflatten(-1, (-1, self.group_size))
+        return (groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + self.eps)).flatten(-2) * self.weight
+
+
+TENSOR_OPS = "megatron.core.inference.contexts.attention_context.triton.tensor_ops"
+# Triton-only: inference helpers that mamba_mixer imports at module level (training never calls them)
+sys.modules[TENSOR_OPS] = types.SimpleNamespace(tensor_get_slice_after=None, tensor_masked_update=None,
+                                                tensor_merge=None)
+mamba_module = importlib.import_module("megatron.core.ssm.mamba_mixer")
+# CUDA-only (mamba_ssm and causal_conv1d kernels): the torch equivalents above
+vars(mamba_module).update(causal_conv1d_fn=causal_conv1d_fn, mamba_chunk_scan_combined=mamba_chunk_scan_combined,
+                          mamba_split_conv1d_scan_combined=mamba_split_conv1d_scan_combined,
+                          ExtendedRMSNorm=GatedRMSNorm, HAVE_MAMBA_SSM=True)
+'''
+
+GDN_KERNELS = '''
+# CUDA-only (FLA and causal_conv1d kernels): megatron's own torch delta rule, torch equivalents,
+# set where GatedDeltaNet's code reads them (gated_delta_net.py; 0.19: gated_delta_net/*.py)
+def fla_causal_conv1d(x, weight, bias=None, activation=None, **_):
+    """FLA's calling convention of the convolution (megatron 0.19): [batch, seq, dim], no state."""
+    return causal_conv1d_fn(x.transpose(1, 2), weight, bias, activation).transpose(1, 2), None
+
+
+for gdn_home in {sys.modules[c.__module__] for c in gdn_module.GatedDeltaNet.__mro__ if "ssm" in c.__module__}:
+    vars(gdn_home).update(chunk_gated_delta_rule=gdn_module.torch_chunk_gated_delta_rule, HAVE_FLA=True,
+                          causal_conv1d_fn=causal_conv1d_fn, causal_conv1d=fla_causal_conv1d,
+                          l2norm=lambda x, dim=-1, eps=1e-6: x * torch.rsqrt(x.pow(2).sum(dim, keepdim=True) + eps))
+torch._dynamo.config.disable = True  # megatron's jit_fuser would build C++ kernels on each rank
+'''
+
+NORM_UNDER_SP = '''
+def norm_under_sp(cls, config, *args, **kwargs):
+    """Transformer Engine only: megatron's torch norm refuses sequence parallelism; build it
+    without, and mark its parameters for finalize_model_grads' tp sum, as TE's norms are."""
+    plain = copy.copy(config)
+    plain.sequence_parallel = False
+    norm = torch_norm(cls, plain, *args, **kwargs)
+    for param in norm.parameters():
+        param.sequence_parallel = config.sequence_parallel
+    return norm
+
+
+torch_norm, WrappedTorchNorm.__new__ = WrappedTorchNorm.__new__, norm_under_sp
+'''
+
+PATCH_RNG = '''
+# CUDA-only: megatron's RNG tracker keeps CUDA generator states; point it at the CPU generator
+torch.cuda.get_rng_state = tensor_parallel.random._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+torch.cuda.set_rng_state = tensor_parallel.random._set_cuda_rng_state = lambda s, *a, **k: torch.set_rng_state(s)
+torch.cuda.manual_seed = torch.manual_seed
+'''
+
+PATCH_DEVICE = '''
+torch.cuda.current_device = lambda: "cpu"  # CUDA-only: megatron puts tensors on the current device
+'''
+
+PATCH_SYNCHRONIZE = '''
+torch.cuda.synchronize = lambda *a, **k: None  # CUDA-only: pipeline send/recv waits for the device
+'''
+
+PATCH_CUDA_TENSORS = '''
+class CudaToCpu(TorchFunctionMode):
+    """CUDA-only: tensors the schedules, DDP and the optimizer make on "cuda" are made on the CPU
+    (and a tensor's type() reads as the CUDA type that gradient clipping asserts); the streams
+    and events DDP's gradient sync (0.19) and the MoE dispatcher wait on do nothing below."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            return func(*args).replace("torch.", "torch.cuda.")
+        if str(kwargs.get("device", "")).startswith("cuda"):
+            kwargs["device"] = "cpu"
+        return func(*args, **kwargs)
+
+
+CudaToCpu().__enter__()
+CpuStream = type("CpuStream", (contextlib.nullcontext,), {"__getattr__": lambda self, name: lambda *a, **k: self})
+torch.cuda.Stream = torch.cuda.Event = torch.cuda.stream = torch.cuda.current_stream = lambda *a, **k: CpuStream()
+'''
+
+ALLTOALL_ON_CPU = '''
+def to_host(tensor, as_numpy=False, record_stream=False):
+    """CUDA-only: split sizes read on the host, as numpy like a device tensor's copy."""
+    if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+        return tensor.numpy()
+    return device_to_host(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+
+device_to_host = moe_utils.maybe_move_tensor_to_cpu
+moe_utils.maybe_move_tensor_to_cpu = token_dispatcher.maybe_move_tensor_to_cpu = to_host
+'''
+
+PATCH_TE_GEMM = '''
+# CUDA-only: the router tests Transformer Engine's gemm for None, but it is unset without TE
+moe_utils.te_general_gemm = getattr(moe_utils, "te_general_gemm", None)
+'''
+
+CONTRACT_FIX = '''
+FIXED = "--fixed" in sys.argv[1:]  # run everything with the corrected function below
+_ORIGINALS = {{{name!r}: importlib.import_module({module!r}).{attribute}}}
+
+
+{source}
+
+
+def with_fix(sizes, on):
+    """``sizes``; every megatron-core reference to {attribute} calls {fix} when ``on``."""
+    original = _ORIGINALS[{name!r}]
+    for module in list(sys.modules.values()):
+        if getattr(module, "__name__", "").startswith("megatron") and \\
+                getattr(module, {attribute!r}, None) in (original, {fix}):
+            setattr(module, {attribute!r}, {fix} if on else original)
+    return sizes
+'''
+
+GROUPS_FIX = '''
+FIXED = "--fixed" in sys.argv[1:]  # run everything with the fix: parallel_state on the model's groups
+
+
+def with_fix(sizes, on):
+    """``sizes``; when ``on``, with parallel_state's global groups those the model is given, so
+    code that reads the globals instead of the model's pg_collection gets the right ones."""
+    return {**sizes, "order": sizes["model_order"]} if on else sizes
+'''
+
+ENTRY_POINTS = '''
+def observed():
+    return run_on(SIZES, check=True)
+
+
+def reference():
+    return run_on(ONE_RANK)
+'''
+
+FIXED_ENTRY_POINTS = '''
+def observed():
+    return run_on(with_fix(SIZES, FIXED), check=True)
+
+
+def reference():
+    return run_on(with_fix(ONE_RANK, FIXED))
+
+
+def corrected():
+    return run_on(with_fix(SIZES, True))
+'''

@@ -1,0 +1,297 @@
+"""Per-component templates of the audit's repro scripts: real megatron-core calls, one-rank reference.
+
+A template turns a finding's component, options and layout into the ``observed()`` /
+``reference()`` / ``corrected()`` code that :func:`shardcheck.fuzz.repro.render_script` wraps into a
+self-contained torchrun script, from the pieces of :mod:`shardcheck.megatron.repro.snippets`.
+``run_on(sizes)`` builds Megatron's process groups for a layout with
+``initialize_model_parallel`` (and, for a layout with explicit groups, the model's own
+``ProcessGroupCollection`` in another rank order), then the component's ``run(sizes, pg)``
+returns its global values on every rank; the reference is the same ``run`` with every
+dimension but data parallelism at 1 (each rank computes the whole problem). The observed run
+goes through shardcheck's type checker when the script finds shardcheck installed
+(:mod:`shardcheck.megatron.repro.check`), for the ``checker:`` line. When the finding has a
+fix (its contract's corrected function, or the model's groups for a global-group finding),
+``corrected()`` reruns the layout with it and ``--fixed`` runs the whole script with it (the
+script then exits 1: what a fixed release gives). Only the CUDA-only pieces a path needs are
+patched, inline.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+import textwrap
+from collections.abc import Callable
+from typing import Any
+
+from shardcheck.fuzz.findings import Finding
+from shardcheck.fuzz.repro import ReproError, ScriptBody
+from shardcheck.megatron.audit.report import GLOBAL_GROUP_CONTRACT
+from shardcheck.megatron.checks.contracts import BY_NAME, Contract
+from shardcheck.megatron.repro import snippets as code
+from shardcheck.megatron.scenarios import COMPONENTS
+from shardcheck.parity.layout import DEFAULT_ORDER, Layout
+
+
+@dataclasses.dataclass(frozen=True)
+class Snippet:
+    """A piece of script code and the imports it needs."""
+
+    code: str
+    imports: str = ""
+
+
+BASE = Snippet(code.BASE, """\
+from megatron.core import parallel_state as ps
+from megatron.core import tensor_parallel
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.transformer_config import TransformerConfig""")
+SEEDED = Snippet(code.SEEDED, "import zlib")
+PIECES = Snippet(code.PIECES)
+SHARD = Snippet(code.SHARD)
+WEIGHTS = Snippet(code.WEIGHTS, "import re")
+DDP = "from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig"
+RNG_ON_CPU = Snippet(code.PATCH_RNG)
+DEVICE_ON_CPU = Snippet(code.PATCH_DEVICE)
+NO_SYNCHRONIZE = Snippet(code.PATCH_SYNCHRONIZE)
+CUDA_TENSORS_ON_CPU = Snippet(code.PATCH_CUDA_TENSORS, "import contextlib\nfrom torch.overrides import TorchFunctionMode")
+TE_GEMM_UNSET = Snippet(code.PATCH_TE_GEMM, "from megatron.core.transformer.moe import moe_utils")
+CAUSAL_CONV1D = Snippet(code.CAUSAL_CONV1D)
+MAMBA_KERNELS = Snippet(code.MAMBA_KERNELS, "import importlib\nimport types")
+GDN_KERNELS = Snippet(code.GDN_KERNELS, "import torch._dynamo\nfrom megatron.core.ssm import gated_delta_net as gdn_module")
+CP_ATTENTION = Snippet(code.CP_ATTENTION, """\
+import copy
+from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+from megatron.core.transformer.dot_product_attention import DotProductAttention""")
+TRAINING = Snippet(code.TRAINING, f"""\
+{DDP}
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+from megatron.core.pipeline_parallel.schedules import get_forward_backward_func""")
+GPT_CODE = Snippet(code.GPT, """\
+import inspect
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
+from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.utils import get_batch_on_this_cp_rank""")
+T5_CODE = Snippet(code.T5, """\
+from megatron.core.models.T5.t5_model import T5Model
+from megatron.core.models.T5.t5_spec import decoder_model_with_local_spec, encoder_model_with_local_spec""")
+MULTIMODAL_CODE = Snippet(code.MULTIMODAL, """\
+from megatron.core.enums import ModelType
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.multimodal.llava_model import DEFAULT_IMAGE_TOKEN_INDEX, LLaVAModel
+from megatron.core.models.vision.vit_layer_specs import get_vit_layer_with_local_spec
+from megatron.core.transformer.mlp import MLPSubmodules""")
+CLIP_NORM = Snippet(code.CLIP_NORM, """\
+import functools
+from megatron.core.models.vision.clip_vit_model import CLIPViTModel
+from megatron.core.transformer.torch_norm import WrappedTorchNorm""")
+LLAVA_SP_ATTENTION = Snippet(code.LLAVA_SP_ATTENTION, """\
+from megatron.core.models.multimodal import llava_model
+from megatron.core.transformer.dot_product_attention import DotProductAttention""")
+GDN_CODE = Snippet(code.GDN, f"""\
+{DDP}
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
+from megatron.core.transformer.torch_norm import WrappedTorchNorm""")
+MAMBA_CODE = Snippet(code.MAMBA, f"""\
+{DDP}
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads""")
+NORM_UNDER_SP = Snippet(code.NORM_UNDER_SP, """\
+import copy
+from megatron.core.transformer.torch_norm import WrappedTorchNorm""")
+ALLTOALL_ON_CPU = Snippet(code.ALLTOALL_ON_CPU, """\
+from megatron.core.transformer.moe import moe_utils
+from megatron.core.transformer.moe import token_dispatcher""")
+ROUTER_CODE = Snippet(code.ROUTER, """\
+from megatron.core.transformer.moe import router as router_module
+from megatron.core.transformer.moe.router import TopKRouter""")
+
+
+def _gpt_sections(setup: dict[str, Any], overrides: dict[str, Any]) -> dict[str, list[int]]:
+    """GLU's fused fc1 holds two sections, each cut over tp."""
+    if not overrides.get("gated_linear_unit"):
+        return {}
+    ffn = overrides.get("ffn_hidden_size") or 4 * setup["hidden"]
+    return {"linear_fc1.weight": [ffn, ffn], "linear_fc1.bias": [ffn, ffn]}
+
+
+def _gdn_sections(setup: dict[str, Any], overrides: dict[str, Any]) -> dict[str, list[int]]:
+    """in_proj holds query, key, value, gate, beta and alpha; conv1d query, key and value."""
+    qk, v = setup["key_heads"] * setup["head_dim"], setup["value_heads"] * setup["head_dim"]
+    heads = setup["value_heads"]
+    return {"in_proj.weight": [qk, qk, v, v, heads, heads], "conv1d.weight": [qk, qk, v],
+            "conv1d.bias": [qk, qk, v]}
+
+
+def _mamba_sections(setup: dict[str, Any], overrides: dict[str, Any]) -> dict[str, list[int]]:
+    """in_proj holds z, x, B, C and dt; conv1d x, B and C."""
+    heads = overrides.get("mamba_num_heads") or setup["expand"] * setup["hidden"] // setup["head_dim"]
+    inner, state = heads * setup["head_dim"], setup["groups"] * setup["state_dim"]
+    return {"in_proj.weight": [inner, inner, state, state, heads], "conv1d.weight": [inner, state, state],
+            "conv1d.bias": [inner, state, state]}
+
+
+def _moe_refuses(layout: Layout, options: dict[str, Any]) -> str | None:
+    if layout.tp > 1 and _alltoall(options):
+        return ("the alltoall dispatcher under tp > 1 gathers uneven pieces, which Gloo refuses "
+                "(the audit pads them: cpu.py uneven_collectives)")
+    return _router_refuses(layout, options)
+
+
+def _alltoall(options: dict[str, Any]) -> bool:
+    return options.get("moe_token_dispatcher_type") == "alltoall"
+
+
+def _router_refuses(layout: Layout, options: dict[str, Any]) -> str | None:
+    if layout.tp > 1 and not layout.sp:
+        return "MoE with tp > 1 needs sequence parallelism (Megatron refuses it)"
+    return None
+
+
+def _refused_by(component: str) -> Callable[[Layout, dict[str, Any]], str | None]:
+    """The layouts the component's own scenario refuses, with its reason."""
+    return lambda layout, options: COMPONENTS[component].refuses(layout)
+
+
+def _gdn_refuses(layout: Layout, options: dict[str, Any]) -> str | None:
+    if layout.cp > 1 or layout.pp > 1:
+        return "GatedDeltaNet runs without context parallelism (Megatron refuses it) in one stage"
+    return None
+
+
+def _mamba_refuses(layout: Layout, options: dict[str, Any]) -> str | None:
+    if layout.pp > 1:
+        return "a single Mamba mixer has no pipeline stages (pp = 1)"
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Template:
+    """One component's script: its setup dataclass, the snippets before its code, layout limits."""
+
+    setup: str  # "module:Class" of the component's setup dataclass
+    code: Snippet
+    before: tuple[Snippet, ...] = ()
+    refuses: Callable[[Layout, dict[str, Any]], str | None] = lambda layout, options: None
+    # snippets some layouts or options need (the CP attention stand-in, the torch norm and
+    # LLaVA's attention under sequence parallelism, the alltoall dispatcher's stand-ins)
+    extras: tuple[tuple[Callable[[Layout, dict[str, Any]], bool], Snippet], ...] = ()
+    # global section lengths of fused tp-sharded weights, by parameter name suffix
+    sections: Callable[[dict[str, Any], dict[str, Any]], dict[str, list[int]]] | None = None
+
+
+GPT_SUPPORT = (RNG_ON_CPU, DEVICE_ON_CPU, CUDA_TENSORS_ON_CPU, BASE, SEEDED, WEIGHTS, TRAINING)
+SP_NORM = (lambda layout, options: layout.sp, NORM_UNDER_SP)
+GPT_EXTRAS = (SP_NORM,
+              (lambda layout, options: layout.cp > 1, CP_ATTENTION),
+              (lambda layout, options: layout.pp > 1, NO_SYNCHRONIZE))
+TEMPLATES: dict[str, Template] = {
+    "output_loss": Template("shardcheck.megatron.scenarios.output_loss:OutputLossSetup",
+                            Snippet(code.OUTPUT_LOSS, "import inspect"), (DEVICE_ON_CPU, BASE, SEEDED, PIECES, SHARD)),
+    "moe_router": Template("shardcheck.megatron.scenarios.moe_router:RouterSetup", ROUTER_CODE,
+                           (DEVICE_ON_CPU, TE_GEMM_UNSET, BASE, SEEDED, PIECES, SHARD), _router_refuses),
+    "gpt": Template("shardcheck.megatron.scenarios.gpt:GPTSetup", GPT_CODE, GPT_SUPPORT,
+                    sections=_gpt_sections, extras=GPT_EXTRAS),
+    "moe": Template("shardcheck.megatron.scenarios.gpt:MoEGPTSetup", GPT_CODE, (*GPT_SUPPORT, TE_GEMM_UNSET),
+                    _moe_refuses, sections=_gpt_sections,
+                    extras=(*GPT_EXTRAS, (lambda layout, options: _alltoall(options), ALLTOALL_ON_CPU))),
+    "mtp": Template("shardcheck.megatron.scenarios.gpt:MTPGPTSetup", GPT_CODE, GPT_SUPPORT,
+                    sections=_gpt_sections, extras=GPT_EXTRAS),
+    "gdn": Template("shardcheck.megatron.scenarios.ssm:GDNSetup", GDN_CODE,
+                    (RNG_ON_CPU, DEVICE_ON_CPU, CUDA_TENSORS_ON_CPU, CAUSAL_CONV1D, GDN_KERNELS, BASE,
+                     SEEDED, SHARD, WEIGHTS), _gdn_refuses, sections=_gdn_sections,
+                    extras=(SP_NORM,)),
+    "mamba": Template("shardcheck.megatron.scenarios.ssm:MambaSetup", MAMBA_CODE,
+                      (RNG_ON_CPU, DEVICE_ON_CPU, CUDA_TENSORS_ON_CPU, CAUSAL_CONV1D, MAMBA_KERNELS,
+                       BASE, SEEDED, SHARD, WEIGHTS), _mamba_refuses, sections=_mamba_sections),
+    "t5": Template("shardcheck.megatron.scenarios.t5:T5Setup", T5_CODE, GPT_SUPPORT, _refused_by("t5"),
+                   sections=_gpt_sections, extras=(SP_NORM,)),
+    "multimodal": Template("shardcheck.megatron.scenarios.multimodal:MultimodalSetup", MULTIMODAL_CODE,
+                           (*GPT_SUPPORT, CLIP_NORM), _refused_by("multimodal"), sections=_gpt_sections,
+                           extras=(SP_NORM, (lambda layout, options: layout.sp, LLAVA_SP_ATTENTION))),
+}
+
+
+def contract_of(finding: Finding) -> Contract | None:
+    """The contract a finding breaks, when it is one of the catalogue's."""
+    return BY_NAME.get(finding.contract.split(":", 1)[0])
+
+
+def script_body(finding: Finding) -> ScriptBody:
+    """The script code of an audit finding, from its component's template; ReproError if none."""
+    template = TEMPLATES.get(finding.target)
+    if template is None:
+        raise ReproError(f"no repro template for component {finding.target!r} yet "
+                         f"(templates: {', '.join(sorted(TEMPLATES))})")
+    layout = Layout.parse(finding.layout)
+    if why := template.refuses(layout, finding.config):
+        raise ReproError(f"{why}; finding {finding.id} needs {finding.layout}")
+    setup, overrides = _split_options(template.setup, finding.config)
+    fix = _fix(finding)
+    constants = f"SETUP = {setup!r}\nOVERRIDES = {overrides!r}  # TransformerConfig options\n"
+    if template.sections is not None:
+        constants += f"SECTIONS = {template.sections(setup, overrides)!r}  # of fused weights, cut over tp\n"
+    constants += f"SIZES = {_sizes(finding.layout)!r}\nONE_RANK = {_sizes('')!r}\n"
+    extras = [snippet for needed, snippet in template.extras if needed(layout, finding.config)]
+    own = [Snippet(constants), template.code, *([fix] if fix is not None else []),
+           Snippet(code.FIXED_ENTRY_POINTS if fix is not None else code.ENTRY_POINTS)]
+    support = [*template.before, *extras]
+    return ScriptBody(code=_joined(own), support=_joined(support),
+                      imports=_sorted_imports(s.imports for s in own + support),
+                      has_corrected=fix is not None, sys_path=tuple(finding.sys_path))
+
+
+def _joined(snippets: list[Snippet]) -> str:
+    return "\n\n\n".join(s.code.strip("\n") for s in snippets)
+
+
+def _fix(finding: Finding) -> Snippet | None:
+    """The finding's fix as script code: its contract's corrected function, or the model's
+    groups for parallel_state's when the model's collectives ignore them."""
+    if finding.contract == GLOBAL_GROUP_CONTRACT:
+        return Snippet(code.GROUPS_FIX)
+    contract = contract_of(finding)
+    if contract is None or contract.fix is None:
+        return None
+    module, attribute = contract.function.split(":")
+    source = textwrap.dedent(inspect.getsource(contract.fix)).strip()
+    return Snippet(code.CONTRACT_FIX.format(name=contract.name, module=module, attribute=attribute,
+                                            source=source, fix=contract.fix.__name__),
+                   "import importlib\nimport inspect")
+
+
+def _sorted_imports(parts) -> str:
+    lines = {line for part in parts for line in part.splitlines() if line.strip()}
+    return "\n".join(sorted(lines, key=lambda line: (line.startswith("from"), line)))
+
+
+def _sizes(layout_text: str) -> dict[str, Any]:
+    """The script's sizes of a layout (the reference's for ``''``), with parallel_state's rank
+    order and the model's: another one for a layout with explicit groups (``...@cp-tp``)."""
+    layout = Layout.parse(layout_text or "tp1")
+    order = _megatron_order(layout.order.split("-"))
+    explicit = layout_text.partition("@")[2]
+    return {"tp": layout.tp, "cp": layout.cp, "pp": layout.pp, "ep": layout.ep, "sp": layout.sp,
+            "order": order, "model_order": _megatron_order(explicit.split("-")) if explicit else order,
+            "whole_batch": not layout_text}
+
+
+def _megatron_order(named: list[str]) -> str:
+    """Megatron's rank order: the ``named`` dims first, then the others in its default order."""
+    return "-".join(named + [d for d in DEFAULT_ORDER.split("-") if d not in named])
+
+
+def _split_options(setup_path: str, options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The setup's fields (defaults with the options applied) and the TransformerConfig overrides."""
+    module, name = setup_path.split(":")
+    setup_cls = getattr(importlib.import_module(module), name)
+    fields = {f.name: f.default for f in dataclasses.fields(setup_cls)
+              if f.name != "config" and f.default is not dataclasses.MISSING}
+    setup = {**fields, **{k: v for k, v in options.items() if k in fields}}
+    overrides = {**getattr(setup_cls, "base_config", {}), **{k: v for k, v in options.items() if k not in fields}}
+    if overrides and not any(f.name == "config" for f in dataclasses.fields(setup_cls)):
+        raise ReproError(f"{name} has no options {sorted(overrides)}")
+    return setup, overrides

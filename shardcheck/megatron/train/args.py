@@ -1,0 +1,244 @@
+"""The user's Megatron training flags, made runnable on CPU ranks and as a one-rank reference.
+
+:func:`plan_runs` takes the flags after ``--`` and returns the arguments of the N-rank run and
+of its one-rank run, with one line per flag it changed or could not honour on a CPU. A flag
+that cannot run here at all (FP8, Transformer Engine's communication overlap, flash attention)
+or that Megatron does not know raises :class:`TrainInputError` with one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+PARALLEL_SIZES = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size",
+                  "--context-parallel-size", "--expert-model-parallel-size",
+                  "--expert-tensor-parallel-size")
+PIPELINE_SPLITS = ("--virtual-pipeline-model-parallel-size", "--num-layers-per-virtual-pipeline-stage",
+                   "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers",
+                   "--pipeline-model-parallel-layout", "--account-for-embedding-in-pipeline-split",
+                   "--account-for-loss-in-pipeline-split")
+# flags whose CUDA code has no CPU path: refused, with the reason
+IMPOSSIBLE = {
+    "--fp8-format": "FP8 needs Transformer Engine on a GPU",
+    "--fp4-format": "FP4 needs Transformer Engine on a GPU",
+    "--tp-comm-overlap": "tensor-parallel communication overlap needs Transformer Engine's userbuffers",
+    "--use-flash-attn": "flash attention is a CUDA kernel",
+    "--enable-cuda-graph": "CUDA graphs need a GPU",
+    "--use-megatron-fsdp": "Megatron-FSDP's CPU path is not supported here",
+}
+# flags that select a fused CUDA kernel: switched to Megatron's plain torch path
+UNFUSED = {
+    "--no-gradient-accumulation-fusion": "gradient-accumulation fusion is a CUDA extension",
+    "--no-persist-layer-norm": "the persistent layer norm is Apex's CUDA kernel",
+    "--no-masked-softmax-fusion": "the fused masked softmax is a CUDA kernel",
+    "--no-bias-dropout-fusion": "the fused bias-dropout-add is a CUDA kernel",
+    "--no-rope-fusion": "the fused RoPE is a Transformer Engine kernel",
+    "--no-bias-gelu-fusion": "the bias-GeLU fusion is a compiled kernel (and refuses MoE's per-token scales)",
+    "--no-bias-swiglu-fusion": "the bias-SwiGLU fusion is a compiled kernel",
+}
+DATA_FLAGS = ("--data-path", "--train-data-path", "--valid-data-path", "--test-data-path",
+              "--data-args-path", "--per-split-data-args-path", "--tokenizer-model", "--vocab-file",
+              "--merge-file", "--data-cache-path", "--train-samples", "--save", "--load",
+              "--tensorboard-dir", "--wandb-project", "--wandb-exp-name", "--save-interval",
+              "--exit-interval", "--exit-duration-in-mins")
+REPLACED = {"--transformer-impl": "local", "--distributed-backend": "gloo", "--tokenizer-type": "NullTokenizer",
+            "--hidden-dropout": "0.0", "--attention-dropout": "0.0", "--attention-backend": "auto",
+            "--cross-entropy-fusion-impl": "native"}
+REASONS = {
+    "--transformer-impl": "Transformer Engine has no CPU kernels: Megatron's local layers",
+    "--distributed-backend": "NCCL needs GPUs: Gloo",
+    "--tokenizer-type": "mock data needs no tokenizer files",
+    "--hidden-dropout": "dropout masks come from each layout's own RNG streams, so layouts cannot agree",
+    "--attention-dropout": "dropout masks come from each layout's own RNG streams, so layouts cannot agree",
+    "--attention-backend": "the fused and flash backends are CUDA kernels: Megatron picks its local attention",
+    "--cross-entropy-fusion-impl": "the fused cross entropy is a Transformer Engine kernel",
+}
+DEFAULT_VOCAB = 1024
+
+
+class TrainInputError(Exception):
+    """The user's flags cannot run here; the message is one line that says why."""
+
+
+@functools.cache
+def megatron_parser() -> argparse.ArgumentParser:
+    """Megatron's own argument parser (every flag ``pretrain`` accepts)."""
+    from shardcheck.megatron.train.cpu import patch_typing_override
+
+    patch_typing_override()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "Transformer Engine and Apex are not installed", ...
+        from megatron.training.arguments import add_megatron_arguments
+
+    return add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False, add_help=False))
+
+
+class Flags:
+    """A Megatron command line as ordered flags with their values, edited by flag name."""
+
+    def __init__(self, tokens: Sequence[str], parser: argparse.ArgumentParser) -> None:
+        self.items: list[tuple[str, list[str]]] = []
+        self.parser = parser
+        i = 0
+        tokens = list(tokens)
+        while i < len(tokens):
+            flag = tokens[i]
+            if not flag.startswith("--"):
+                raise TrainInputError(f"unexpected argument {flag!r}: Megatron flags start with --")
+            flag, eq, inline = flag.partition("=")
+            action = parser._option_string_actions.get(flag)
+            if action is None:
+                raise TrainInputError(f"unknown Megatron flag {flag}")
+            i += 1
+            values = [inline] if eq else []
+            if not eq and action.nargs != 0:
+                while i < len(tokens) and not (tokens[i].startswith("--") and tokens[i][2:3].isalpha()):
+                    values.append(tokens[i])
+                    i += 1
+                    if action.nargs in (None, 1):
+                        break
+            self.items.append((flag, values))
+
+    def copy(self) -> Flags:
+        new = Flags([], self.parser)
+        new.items = [(f, list(v)) for f, v in self.items]
+        return new
+
+    def has(self, flag: str) -> bool:
+        return any(f == flag for f, _ in self.items)
+
+    def get(self, flag: str) -> str | None:
+        for f, values in self.items:
+            if f == flag:
+                return values[0] if values else ""
+        return None
+
+    def value(self, flag: str) -> Any:
+        """The flag's parsed value, Megatron's default when it is absent."""
+        action = self.parser._option_string_actions[flag]
+        namespace = self.parser.parse_known_args(self.tokens())[0]
+        return getattr(namespace, action.dest)
+
+    def set(self, flag: str, *values: str) -> None:
+        self.drop(flag)
+        self.items.append((flag, list(values)))
+
+    def drop(self, flag: str) -> bool:
+        before = len(self.items)
+        self.items = [(f, v) for f, v in self.items if f != flag]
+        return len(self.items) != before
+
+    def tokens(self) -> list[str]:
+        return [token for flag, values in self.items for token in (flag, *values)]
+
+
+@dataclass
+class RunPlan:
+    """The arguments of the N-rank run and its one-rank reference, and what was changed."""
+
+    world: int
+    parallel: list[str]
+    reference: list[str]
+    changes: list[str] = field(default_factory=list)
+    sizes: dict[str, int] = field(default_factory=dict)
+    same_init: bool = False  # the N-rank run loads the one-rank run's initial weights
+
+    @property
+    def steps(self) -> int:
+        return int(self.parallel[self.parallel.index("--train-iters") + 1])
+
+
+def plan_runs(user_args: Sequence[str], nproc: int, steps: int | None, cpu: bool = True) -> RunPlan:
+    """The N-rank and one-rank arguments for ``user_args``, and one line per change."""
+    flags = Flags(user_args, megatron_parser())
+    changes: list[str] = []
+    sizes = {name: int(flags.value(name) or 1) for name in PARALLEL_SIZES}
+    tp, pp, cp = (sizes[n] for n in PARALLEL_SIZES[:3])
+    if nproc % (tp * pp * cp):
+        raise TrainInputError(f"-n {nproc} is not a multiple of tp*pp*cp = {tp * pp * cp}")
+    dp = nproc // (tp * pp * cp)
+    if cpu:
+        _cpu_flags(flags, changes)
+    _common_flags(flags, changes, steps, dp)
+    reference = _one_rank(flags, tp, changes)
+    same_init = pp > 1 or (flags.get("--num-experts") is not None and sizes["--expert-model-parallel-size"] > 1)
+    if same_init:
+        changes.append("the parallel run starts from the one-rank run's initial weights (Megatron's own "
+                       "torch_dist save and load): Megatron seeds each pipeline stage and expert rank apart")
+    return RunPlan(nproc, flags.tokens(), reference.tokens(), changes, {**sizes, "dp": dp}, same_init)
+
+
+def _cpu_flags(flags: Flags, changes: list[str]) -> None:
+    for flag, why in IMPOSSIBLE.items():
+        if flags.has(flag):
+            raise TrainInputError(f"{flag} cannot run on a CPU: {why}")
+    for flag, value in REPLACED.items():
+        old = flags.get(flag)
+        if old == value:
+            continue
+        default = flags.value(flag)
+        if str(default) in (value, f"AttnBackend.{value}") or (flag.endswith("dropout") and float(default) == 0):
+            continue
+        flags.set(flag, value)
+        changes.append(f"{flag} {old if old is not None else f'{default} (default)'} -> {value}: {REASONS[flag]}")
+    for flag, why in UNFUSED.items():
+        if not flags.has(flag):
+            flags.set(flag)
+            changes.append(f"{flag} added: {why}")
+    if flags.drop("--moe-grouped-gemm"):
+        changes.append("--moe-grouped-gemm dropped: the grouped GEMM is a Transformer Engine/CUTLASS kernel; "
+                       "Megatron's sequential experts instead")
+    if flags.drop("--moe-permute-fusion"):
+        changes.append("--moe-permute-fusion dropped: the fused permutation is a Transformer Engine kernel")
+    if flags.drop("--cross-entropy-loss-fusion"):
+        changes.append("--cross-entropy-loss-fusion dropped: the fused cross entropy is a CUDA kernel")
+    for flag in ("--bf16", "--fp16"):
+        if flags.drop(flag):
+            changes.append(f"{flag} dropped: the runs are compared in float32 (CPU half-precision "
+                           "matmuls round differently from a GPU's)")
+
+
+def _common_flags(flags: Flags, changes: list[str], steps: int | None, dp: int) -> None:
+    for flag in DATA_FLAGS:
+        if flags.drop(flag):
+            changes.append(f"{flag} dropped: the runs train on mock data, from scratch, saving nothing")
+    flags.set("--mock-data")
+    if flags.get("--vocab-size") is None:
+        flags.set("--vocab-size", str(DEFAULT_VOCAB))
+        changes.append(f"--vocab-size {DEFAULT_VOCAB} added: the mock tokenizer needs a vocabulary size")
+    if steps is not None or flags.get("--train-iters") is None:
+        flags.set("--train-iters", str(steps or 3))
+    if not flags.has("--use-cpu-initialization"):
+        flags.set("--use-cpu-initialization")
+        changes.append("--use-cpu-initialization added: every layout starts from the same full weights")
+    if flags.get("--global-batch-size") is None:
+        micro = int(flags.value("--micro-batch-size"))
+        flags.set("--global-batch-size", str(micro * dp))
+        changes.append(f"--global-batch-size {micro * dp} added: the one-rank run takes the same global batch")
+    for flag, values in (("--no-create-attention-mask-in-dataloader", []), ("--log-interval", ["1"]), ("--log-num-zeros-in-grad", []),
+                         ("--eval-iters", ["0"]), ("--eval-interval", ["1000000"])):
+        flags.set(flag, *values)
+
+
+def _one_rank(flags: Flags, tp: int, changes: list[str]) -> Flags:
+    reference = flags.copy()
+    for flag in PARALLEL_SIZES:
+        reference.drop(flag)
+    for flag in (*PIPELINE_SPLITS, "--sequence-parallel"):
+        reference.drop(flag)
+    divisible = int(flags.value("--make-vocab-size-divisible-by"))
+    vocab = int(flags.value("--vocab-size"))
+    if _padded(vocab, divisible * tp) != _padded(vocab, divisible):
+        reference.set("--make-vocab-size-divisible-by", str(divisible * tp))
+        changes.append(f"one-rank run: --make-vocab-size-divisible-by {divisible * tp}, so that its "
+                       f"vocabulary pads to the same size as under tp{tp}")
+    return reference
+
+
+def _padded(vocab: int, multiple: int) -> int:
+    return -(-vocab // multiple) * multiple

@@ -1,0 +1,158 @@
+"""A Megatron functional test's ``model_config.yaml`` as the flags of a small CPU training job.
+
+MODEL_ARGS become flags (``true`` a bare flag, ``false`` left out). What sets the model's size
+shrinks: layers, hidden and FFN sizes, heads and query groups, sequence, vocabulary, experts,
+micro and global batch, and the parallel sizes (to at most 8 ranks). Every flag that picks a
+code path (normalisation, SwiGLU, RoPE, GQA, sequence parallelism, the dispatcher, loss
+masking, ...) is kept. :func:`flags_from_model_config` returns the flags, the number of ranks
+and one line per value it changed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from shardcheck.golden.config import load_model_config
+from shardcheck.golden.io import GoldenInputError
+from shardcheck.megatron.train.args import TrainInputError, megatron_parser
+
+MAX_RANKS = 8
+HIDDEN = 64
+SEQUENCE = 64
+# flags that only concern a cluster run: checkpoints, async saving, profiling, data on disk
+CLUSTER_ONLY = ("--async-save", "--use-persistent-ckpt-worker", "--ckpt-assume-constant-structure",
+                "--dist-ckpt-strictness", "--ckpt-fully-parallel-load", "--ckpt-fully-parallel-save",
+                "--log-memory-to-tensorboard", "--log-timers-to-tensorboard",
+                "--log-validation-ppl-to-tensorboard", "--profile", "--use-pytorch-profiler",
+                "--manual-gc", "--manual-gc-interval")
+
+
+@dataclass
+class ShrunkConfig:
+    """The CPU job of a model config: its flags, its ranks, and the mapping applied."""
+
+    flags: list[str]
+    nproc: int
+    mapping: list[str] = field(default_factory=list)
+
+
+def flags_from_model_config(path: Path, nproc: int | None = None) -> ShrunkConfig:
+    """The flags of a small CPU run of the functional test at ``path``."""
+    try:
+        config = load_model_config(path)
+    except GoldenInputError as exc:
+        raise TrainInputError(str(exc)) from exc
+    if not config.model_args:
+        raise TrainInputError(f"{path}: no MODEL_ARGS in it")
+    args = dict(config.model_args)
+    mapping: list[str] = []
+    known = megatron_parser()._option_string_actions
+    for flag in list(args):
+        if flag not in known:
+            mapping.append(f"{flag} left out: not a flag of this megatron-core")
+            del args[flag]
+        elif flag in CLUSTER_ONLY or "${" in args[flag]:
+            del args[flag]
+    sizes = _shrink_parallel(args, mapping)
+    world = nproc or min(MAX_RANKS, _prod(sizes) * 2)
+    if world % _prod(sizes):
+        raise TrainInputError(f"-n {world} is not a multiple of tp*pp*cp = {_prod(sizes)}")
+    _shrink_model(args, sizes, world // _prod(sizes), mapping)
+    flags = []
+    for flag, value in args.items():
+        if value == "false":
+            continue
+        flags += [flag] if value == "true" else [flag, *value.split()]
+    return ShrunkConfig(flags, world, mapping)
+
+
+def _prod(sizes: dict[str, int]) -> int:
+    return sizes["tp"] * sizes["pp"] * sizes["cp"]
+
+
+def _int(args: dict[str, str], flag: str, default: int) -> int:
+    try:
+        return int(float(args.get(flag, default)))
+    except ValueError:
+        return default
+
+
+def _set(args: dict[str, str], mapping: list[str], flag: str, value: int | str, why: str = "") -> None:
+    old = args.get(flag)
+    if old is not None and str(old) == str(value):
+        return
+    args[flag] = str(value)
+    if old is not None:
+        mapping.append(f"{flag} {old} -> {value}{': ' + why if why else ''}")
+
+
+def _shrink_parallel(args: dict[str, str], mapping: list[str]) -> dict[str, int]:
+    sizes = {"tp": _int(args, "--tensor-model-parallel-size", 1),
+             "pp": _int(args, "--pipeline-model-parallel-size", 1),
+             "cp": _int(args, "--context-parallel-size", 1)}
+    while _prod(sizes) > MAX_RANKS // 2 and max(sizes.values()) > 1:
+        largest = max(sizes, key=lambda k: sizes[k])
+        sizes[largest] //= 2
+    flags = {"tp": "--tensor-model-parallel-size", "pp": "--pipeline-model-parallel-size",
+             "cp": "--context-parallel-size"}
+    for name, flag in flags.items():
+        if flag in args:
+            _set(args, mapping, flag, sizes[name], f"at most {MAX_RANKS} ranks, with room for dp2")
+    return sizes
+
+
+def _shrink_model(args: dict[str, str], sizes: dict[str, int], dp: int, mapping: list[str]) -> None:
+    tp, pp, cp = sizes["tp"], sizes["pp"], sizes["cp"]
+    vpp = _int(args, "--num-layers-per-virtual-pipeline-stage", 0)
+    stages = pp * (2 if vpp or "--virtual-pipeline-model-parallel-size" in args else 1)
+    if vpp:
+        _set(args, mapping, "--num-layers-per-virtual-pipeline-stage", 1)
+    if "--virtual-pipeline-model-parallel-size" in args:
+        _set(args, mapping, "--virtual-pipeline-model-parallel-size", 2)
+    for flag in ("--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers"):
+        if args.pop(flag, None) is not None:
+            mapping.append(f"{flag} left out: the layers split evenly over the shrunk pipeline")
+    _set(args, mapping, "--num-layers", max(2, stages), "at least one layer per pipeline stage")
+    heads = max(4, tp)
+    _set(args, mapping, "--hidden-size", HIDDEN)
+    _set(args, mapping, "--num-attention-heads", heads)
+    if "--num-query-groups" in args:
+        groups_were_fewer = _int(args, "--num-query-groups", heads) < _int(args, "--num-attention-heads", heads)
+        _set(args, mapping, "--num-query-groups", max(tp, heads // 2) if groups_were_fewer else heads)
+    if "--kv-channels" in args:
+        _set(args, mapping, "--kv-channels", HIDDEN // heads)
+    if "--ffn-hidden-size" in args:
+        _set(args, mapping, "--ffn-hidden-size", 2 * HIDDEN)
+    for flag in ("--seq-length", "--max-position-embeddings"):
+        _set(args, mapping, flag, SEQUENCE)
+    _set(args, mapping, "--vocab-size", 1024, "mock data")
+    _set(args, mapping, "--micro-batch-size", 1)
+    _set(args, mapping, "--global-batch-size", 2 * dp, "two micro-batches per data-parallel rank")
+    _shrink_experts(args, dp * cp, mapping)
+    if "--eval-iters" in args:
+        _set(args, mapping, "--eval-iters", 0, "no evaluation")
+
+
+def _shrink_experts(args: dict[str, str], expert_room: int, mapping: list[str]) -> None:
+    if "--num-experts" not in args:
+        return
+    ep = _int(args, "--expert-model-parallel-size", 1)
+    while ep > 1 and expert_room % ep:
+        ep //= 2
+    if "--expert-model-parallel-size" in args:
+        _set(args, mapping, "--expert-model-parallel-size", ep, "it must divide dp*cp")
+    experts = max(4, 2 * ep)
+    _set(args, mapping, "--num-experts", experts)
+    if "--moe-router-topk" in args:
+        _set(args, mapping, "--moe-router-topk", min(_int(args, "--moe-router-topk", 2), experts // 2))
+    for flag in ("--moe-ffn-hidden-size", "--moe-shared-expert-intermediate-size"):
+        if flag in args:
+            _set(args, mapping, flag, HIDDEN)
+    if "--moe-layer-freq" in args and not args["--moe-layer-freq"].strip().isdigit():
+        _set(args, mapping, "--moe-layer-freq", 1, "the pattern is for the full layer count")
+    for flag in ("--moe-router-num-groups", "--moe-router-group-topk"):
+        if args.pop(flag, None) is not None:
+            mapping.append(f"{flag} left out: the shrunk experts form one group")
+    if args.get("--moe-expert-capacity-factor"):
+        mapping.append("--moe-expert-capacity-factor kept: token dropping is part of the code path")

@@ -1,0 +1,136 @@
+"""Run Megatron's own training loop (``megatron.training.pretrain``) on a CPU with Gloo.
+
+On top of the model-level patches of :mod:`shardcheck.megatron.cpu.patches`, the training package
+assumes CUDA in a few more places, none of which touches the numbers it computes:
+
+1. ``typing_override``: ``megatron.training.models`` imports ``typing.override``, new in Python
+   3.12; on 3.11 it is the identity decorator it is at run time on 3.12.
+2. ``allow_no_cuda``: ``pretrain`` calls ``initialize_megatron`` without ``allow_no_cuda``,
+   which then asserts ``torch.cuda.is_available()``; it is called with ``allow_no_cuda=True``.
+3. ``device_count``: ``_initialize_distributed`` builds Megatron's parallel groups only when
+   ``torch.cuda.device_count() > 0``; it reports one device, and ``torch.cuda.set_device`` is a
+   no-op (there is no device to select).
+4. ``device_arch``: argument validation reads the GPU generation from
+   ``get_device_arch_version`` (``torch.cuda.get_device_properties``); it reports Hopper (9),
+   whose only consequence is that TP/CP need ``CUDA_DEVICE_MAX_CONNECTIONS=1``, which is set.
+5. ``dataset_helpers``: ``initialize_megatron`` runs ``make`` in megatron-core's dataset folder
+   to build ``helpers_cpp``; the wheel ships it prebuilt, so the build is skipped when it imports.
+6. ``eager_fusions``: Megatron's fused elementwise functions are wrapped in ``torch.compile``,
+   and initialisation warms them up; on a CPU that compiles C++ for minutes in every rank.
+   Dynamo is disabled so they run as the plain functions they wrap, in every layout alike, and
+   the warm-up is skipped: its ``torch.rand(..., device="cuda")`` inputs, whose shapes depend
+   on the layout, would otherwise draw from the CPU generator (the ``rng`` patch makes the
+   CUDA one the CPU one) that ``--use-cpu-initialization`` then initialises the weights from,
+   so every layout would start from different weights.
+
+7. ``process_memory``: torch_dist checkpoint saving logs each writer's memory through
+   ``psutil``, and fails without it; where psutil is missing the resident size is read from
+   ``/proc/self/statm`` (Linux) instead. It is only logged.
+
+:func:`apply_training_patches` applies them and the model-level ones; it is the one switch of
+the CPU layer: the GPU path never calls it (:func:`cpu_layer_active` says whether it ran).
+"""
+
+from __future__ import annotations
+
+import os
+import typing
+from collections.abc import Callable
+from typing import Any
+
+_applied: list[str] = []
+
+
+def _identity(func: Callable[..., Any]) -> Callable[..., Any]:
+    return func
+
+
+def patch_typing_override() -> None:
+    """``typing.override`` on Python 3.11 (the identity, as 3.12's is at run time)."""
+    if not hasattr(typing, "override"):
+        typing.override = _identity  # type: ignore[attr-defined]
+        _applied.append("typing_override")
+
+
+def _allowing_no_cuda(initialize: Callable[..., Any]) -> Callable[..., Any]:
+    def initialize_megatron(*args: Any, **kwargs: Any) -> Any:
+        kwargs["allow_no_cuda"] = True
+        return initialize(*args, **kwargs)
+
+    return initialize_megatron
+
+
+def _patch_allow_no_cuda() -> None:
+    from megatron.training import training
+
+    training.initialize_megatron = _allowing_no_cuda(training.initialize_megatron)
+
+
+def _patch_device_count() -> None:
+    import torch
+
+    torch.cuda.device_count = lambda: 1
+    torch.cuda.set_device = lambda *_args, **_kwargs: None
+
+
+def _patch_device_arch() -> None:
+    from megatron.training import arguments
+
+    arguments.get_device_arch_version = lambda: 9
+    os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
+
+
+def _patch_dataset_helpers() -> None:
+    from megatron.core.datasets import (
+        helpers_cpp,  # noqa: F401 - fails loudly if not prebuilt
+        utils,
+    )
+
+    utils.compile_helpers = lambda: None
+
+
+def _patch_eager_fusions() -> None:
+    import torch._dynamo
+
+    torch._dynamo.config.disable = True
+    from megatron.training import initialize
+
+    initialize._warmup_jit_function = lambda *_args, **_kwargs: None
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _patch_process_memory() -> None:
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if not filesystem_async.HAVE_PSUTIL:
+        filesystem_async._process_memory = _resident_bytes
+
+
+def apply_training_patches() -> None:
+    """Make ``megatron.training.pretrain`` run on this process's CPU; a second call does nothing."""
+    if "cpu" in _applied:
+        return
+    patch_typing_override()
+    from shardcheck.megatron.cpu.patches import apply_cpu_patches
+
+    apply_cpu_patches()
+    for name, patch in (("allow_no_cuda", _patch_allow_no_cuda), ("device_count", _patch_device_count),
+                        ("device_arch", _patch_device_arch), ("dataset_helpers", _patch_dataset_helpers),
+                        ("eager_fusions", _patch_eager_fusions), ("process_memory", _patch_process_memory)):
+        patch()
+        _applied.append(name)
+    _applied.append("cpu")
+
+
+def cpu_layer_active() -> bool:
+    """Whether :func:`apply_training_patches` ran in this process."""
+    return "cpu" in _applied
+
+
+def applied_patches() -> list[str]:
+    """The names of the training patches applied in this process, in order."""
+    return list(_applied)

@@ -1,0 +1,134 @@
+"""A GPT pretraining entry point for ``megatron.training.pretrain``, written for ``shardcheck train``.
+
+It does what Megatron-LM's ``pretrain_gpt.py`` does for a GPT on mock data: a model provider
+(Megatron's local or Transformer Engine layer spec), a dataset provider (``MockGPTDataset``
+built on every rank), a forward step that cuts each rank's context-parallel share of the batch,
+and the per-token language-model loss. Run as one rank of a job::
+
+    python -m shardcheck.megatron.train.entry MEGATRON-ARGS...
+
+``SHARDCHECK_TRAIN_CPU=1`` turns on the CPU layer (:mod:`shardcheck.megatron.train.cpu`);
+``SHARDCHECK_TRAIN_ENTRY=script.py`` runs the user's own entry script instead of this one;
+``SHARDCHECK_TRAIN_RECORD=folder`` records every step (:mod:`shardcheck.megatron.train.record`).
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+from functools import partial
+from typing import Any
+
+CPU_ENV = "SHARDCHECK_TRAIN_CPU"
+ENTRY_ENV = "SHARDCHECK_TRAIN_ENTRY"
+BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
+
+
+def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage: int | None = None,
+                   config: Any = None, pg_collection: Any = None) -> Any:
+    """Megatron's ``GPTModel`` built from the command-line arguments."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.training import get_args
+    from megatron.training.argument_utils import core_transformer_config_from_args
+
+    args = get_args()
+    config = core_transformer_config_from_args(args)
+    return GPTModel(
+        config=config, transformer_layer_spec=_layer_spec(args, config),
+        vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
+        pre_process=pre_process, post_process=post_process, parallel_output=True,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
+        rotary_base=args.rotary_base, vp_stage=vp_stage)
+
+
+def _layer_spec(args: Any, config: Any) -> Any:
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    if args.transformer_impl == "transformer_engine":
+        return specs.get_gpt_layer_with_transformer_engine_spec(
+            args.num_experts, args.moe_grouped_gemm, args.qk_layernorm)
+    spec = specs.get_gpt_layer_local_spec(args.num_experts, args.moe_grouped_gemm, args.qk_layernorm)
+    if os.environ.get(CPU_ENV) == "1":
+        from shardcheck.megatron.cpu.cp_attention import local_spec_for
+
+        spec = local_spec_for(config, spec)  # TE's CP attention has no CPU kernel: the stand-in
+    return spec
+
+
+def datasets_provider(num_samples: list[int], vp_stage: int | None = None) -> tuple[Any, Any, Any]:
+    """Mock GPT train/valid/test datasets, the same on every rank."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder,
+    )
+    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, MockGPTDataset
+    from megatron.training import get_args, get_tokenizer
+
+    args = get_args()
+    config = GPTDatasetConfig(
+        random_seed=args.seed, sequence_length=args.seq_length, blend=None, split=args.split,
+        tokenizer=get_tokenizer(), reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
+        create_attention_mask=args.create_attention_mask_in_dataloader)
+    return BlendedMegatronDatasetBuilder(MockGPTDataset, num_samples, lambda: True, config).build()
+
+
+datasets_provider.is_distributed = True  # type: ignore[attr-defined] - every rank builds them
+
+
+def loss_func(loss_mask: Any, output_tensor: Any) -> tuple[Any, Any, dict[str, Any]]:
+    """Summed token loss, the number of tokens, and both for Megatron's ``lm loss`` report."""
+    import torch
+
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(output_tensor.float().view(-1) * mask)
+    tokens = mask.sum().to(torch.int)
+    return loss, tokens, {"lm loss": torch.cat([loss.detach().view(1), tokens.view(1).float()])}
+
+
+def forward_step(data_iterator: Any, model: Any, return_schedule_plan: bool = False) -> tuple[Any, Any]:
+    """One micro-batch through the model: this rank's context-parallel share of it."""
+    from megatron.core import parallel_state
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    batch = {k: v for k, v in next(data_iterator).items() if k in BATCH_KEYS and v is not None}
+    batch = get_batch_on_this_cp_rank(batch, is_hybrid_cp=False,
+                                      cp_group=parallel_state.get_context_parallel_group())
+    output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
+                   labels=batch["labels"])
+    return output, partial(loss_func, batch["loss_mask"])
+
+
+def _pretrain() -> None:
+    from megatron.core.enums import ModelType
+    from megatron.training import training
+    from megatron.training.argument_utils import pretrain_cfg_container_from_args
+    from megatron.training.arguments import parse_and_validate_args
+
+    args = parse_and_validate_args(args_defaults={"tokenizer_type": "NullTokenizer"})
+    training.pretrain(pretrain_cfg_container_from_args(args), datasets_provider,
+                      ModelType.encoder_or_decoder, forward_step, model_provider=model_provider)
+
+
+def main() -> None:
+    """Set up this rank (CPU layer, recorder), then run the user's entry script or ours."""
+    from shardcheck.megatron.train.cpu import apply_training_patches, patch_typing_override
+    from shardcheck.megatron.train.record import StepRecorder, record_folder
+
+    patch_typing_override()  # Python 3.11 compatibility, CPU or GPU
+    if os.environ.get(CPU_ENV) == "1":
+        apply_training_patches()
+    folder = record_folder()
+    if folder is not None:
+        StepRecorder(folder).install()
+    script = os.environ.get(ENTRY_ENV)
+    if script:
+        sys.argv = [script, *sys.argv[1:]]
+        runpy.run_path(script, run_name="__main__")
+    else:
+        _pretrain()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Parity: layouts, scenarios, launching ranks, the warm rank pool, rebuilding global values and tolerances."""

@@ -1,0 +1,98 @@
+"""Rules for loss kernels and backward kernels that the base table lacks.
+
+Registered through ``register_rule``, so the base table stays as it is. Each backward kernel
+is linear in its incoming gradient and non-linear in the saved forward values.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shardcheck.typecheck.checker import RULES, register_rule
+from shardcheck.typecheck.rules import (
+    MUL,
+    NL,
+    _reduce_axis,
+    arg,
+    elementwise,
+    norm_dim,
+    shift_shards,
+)
+from shardcheck.typecheck.shape_rules import _along_dim_rule
+from shardcheck.typecheck.types import Shard, V
+
+aten = torch.ops.aten
+_REDUCTION_KIND = {1: "mean", 2: "sum"}  # at::Reduction: 0 none, 1 mean, 2 sum
+
+
+def _pointwise_loss(ctx, args, kwargs, out, reduction_pos: int = 2):
+    """mse_loss / l1_loss / smooth_l1_loss / huber_loss(self, target, reduction, ...)."""
+    pl = elementwise(ctx, [(args[0], NL), (args[1], NL)])
+    kind = _REDUCTION_KIND.get(arg(args, kwargs, reduction_pos, "reduction", 1))
+    if pl is None or kind is None:
+        return pl
+    every_dim = set(range(args[0].dim()))
+    return tuple(_reduce_axis(kind, p, a, every_dim, False) for a, p in enumerate(pl))
+
+
+def _pointwise_loss_backward(ctx, args, kwargs, out):
+    """*_loss_backward(grad, self, target, reduction, ...): linear in grad."""
+    return elementwise(ctx, [(args[0], MUL), (args[1], NL), (args[2], NL)])
+
+
+def _logits_loss(ctx, args, kwargs, out):
+    """binary_cross_entropy_with_logits(self, target, weight, pos_weight, reduction)."""
+    return _pointwise_loss(ctx, args, kwargs, out, reduction_pos=4)
+
+
+def _slice_backward(ctx, args, kwargs, out):
+    """slice_backward(grad, input_sizes, dim, start, end, step): grad padded with zeros."""
+    pl = ctx.types(args[0])
+    if pl is None:
+        return None
+    dim = norm_dim(args[2], len(args[1]))
+    return tuple(V if isinstance(p, Shard) and norm_dim(p.dim, len(args[1])) == dim else p
+                 for p in pl)
+
+
+def _select_backward(ctx, args, kwargs, out):
+    """select_backward(grad, input_sizes, dim, index): grad placed in a new dim of zeros."""
+    pl = ctx.types(args[0])
+    if pl is None:
+        return None
+    ndim = len(args[1])
+    dim = norm_dim(args[2], ndim)
+
+    def moved(d: int) -> int:
+        d = norm_dim(d, ndim - 1)
+        return d + (d >= dim)
+    return shift_shards(pl, moved)
+
+
+register_rule(aten.binary_cross_entropy_with_logits, _logits_loss)
+register_rule(aten.slice_backward, _slice_backward)
+register_rule(aten.select_backward, _select_backward)
+_scatter_add = RULES["scatter_add"]
+_laid_out_like_source = _along_dim_rule(3, 1, 2)
+
+
+def _add_into(ctx, args, kwargs, out):
+    """index_add / scatter_add(self, dim, index, source). Into a known-zero ``self`` (the
+    backward of index_select and gather) the result is laid out like the source."""
+    if ctx.zero(args[0]) and isinstance(args[3], torch.Tensor):
+        return _laid_out_like_source(ctx, args, kwargs, out)
+    return _scatter_add(ctx, args, kwargs, out)
+
+
+for _op in (aten.index_add, aten.index_add_, aten.scatter_add, aten.scatter_add_):
+    register_rule(_op, _add_into)
+
+for _loss in ("mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss"):
+    register_rule(getattr(aten, _loss), _pointwise_loss)
+    backward = getattr(aten, _loss + "_backward", None)
+    if backward is not None:
+        register_rule(backward, _pointwise_loss_backward)
+
+
+# scaled_dot_product_attention's CPU math path normalises with _safe_softmax(x, dim).
+register_rule(aten._safe_softmax, RULES["_softmax"])

@@ -1,0 +1,808 @@
+"""The SPMD type checker: a TorchDispatchMode that types every op per mesh axis.
+
+Types live on the tensors themselves (attribute ``_sc``: the mesh key, one placement per
+mesh axis or None where unknown, and what is known of its value: nothing, every element
+equal (CONST: e.g. the ones that seed a backward pass), or all zero). Views of a tensor are remembered
+on their base (``_sc_views``), so in-place ops and in-place collectives retype every
+tracked tensor that views the same storage.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import sys
+import weakref
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import typing_extensions
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from shardcheck.typecheck import rules as _rules
+from shardcheck.typecheck import shape_rules
+from shardcheck.typecheck.broadcast import record as record_broadcast
+from shardcheck.typecheck.collectives import collective_rule
+from shardcheck.typecheck.rules import HELP, NO_TENSOR, Violation
+from shardcheck.typecheck.types import (
+    Mesh,
+    Placement,
+    Shard,
+    V,
+    parse_alternatives,
+    parse_placement,
+)
+
+_HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_DISTRIBUTED = os.path.join(os.path.dirname(torch.__file__), "distributed") + os.sep
+_SKIP_PREFIXES = (
+    os.path.dirname(torch.__file__) + os.sep,
+    _HERE,
+    os.path.dirname(contextlib.__file__) + os.sep + "contextlib.py",
+    os.path.dirname(functools.__file__) + os.sep + "functools.py",
+    typing_extensions.__file__,
+    "<frozen",
+)
+RULES: dict[str, Callable] = {**_rules.RULES, **shape_rules.RULES}
+_USER_RULES: dict[Any, Callable] = {}
+_MESH_KEYS: dict[tuple, tuple] = {}
+_ACTIVE: list[Checker] = []
+_LAST: list[Checker] = []
+
+# What is known of a value: nothing, every element equal (a slice of a constant global tensor
+# fits any layout), or all zero (also fits a partial sum).
+CONST, ZERO = 1, 2
+# Replicated zeros that one value was added into (``acc = zeros; if rank == 0: acc += x``): a
+# rank cannot tell whether the others added too (a sum over the axis, P) or hold zeros.
+ACC = 4
+# How an op's result relates to its inputs' known values: made zero; constant, zero when its
+# value arg is 0; as its input; as its source (copy_); constant when all tensor inputs are;
+# a Python number made a tensor (torch.tensor(0.0)).
+_ZERO, _FILL, _KEEP, _COPY, _ARITH, _LIFT, _ADD = 1, 2, 3, 4, 5, 6, 7  # _ADD: _ARITH, and see ACC
+_FILL_VALUE_POS = {"full": 1, "full_like": 1, "fill": 1, "new_full": 2, "scalar_tensor": 0}
+_KEEPS_ZERO = {
+    "view", "_unsafe_view", "reshape", "permute", "transpose", "t", "unsqueeze", "squeeze",
+    "expand", "slice", "select", "split", "split_with_sizes", "unbind", "clone", "detach",
+    "alias", "_to_copy", "contiguous", "as_strided",
+    "index_select", "gather", "index", "take", "repeat", "flip", "roll",  # pick input elements
+}
+
+
+class SpmdTypeError(RuntimeError):
+    """An op would compute a wrong global value. The first line starts with ``checker:``."""
+
+    def __init__(self, message: str, rule: str, location: str, op: str) -> None:
+        super().__init__(message)
+        self.rule, self.location, self.op = rule, location, op
+
+
+@dataclass(frozen=True)
+class ViolationRecord:
+    """One violation: the rule, the user's file:line, the op and the full message.
+
+    ``axis`` and ``coordinate`` (this rank's index on it) name where the rule broke;
+    ``occurrence`` numbers a by-rank cut of a varying tensor (see :func:`confirmed_across_ranks`).
+    """
+
+    rule: str
+    location: str
+    op: str
+    message: str
+    axis: str | None = None
+    coordinate: int | None = None
+    occurrence: int | None = None
+
+    @property
+    def first_line(self) -> str:
+        return self.message.splitlines()[0]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"rule": self.rule, "location": self.location, "op": self.op, "line": self.first_line,
+                "axis": self.axis, "coordinate": self.coordinate, "occurrence": self.occurrence}
+
+
+def confirmed_across_ranks(per_rank: Iterable[Iterable[Mapping[str, Any]]]) -> list[Mapping[str, Any]]:
+    """Every rank's violations (``ViolationRecord.as_dict``), one per rule and location.
+
+    A "split of varying" found by the rank-slice heuristic is kept only when ranks at two or more
+    coordinates of its axis report it at the same occurrence: slicing by rank makes every rank
+    cut its own piece there, while a fixed index (``values[layer]``) matches one rank's piece
+    only, each time on another rank.
+    """
+    reports = [v for rank in per_rank for v in rank]
+    cut_by_rank = {(v["location"], v["occurrence"]) for v in reports if v.get("occurrence") is not None
+                   and len({w["coordinate"] for w in reports if w.get("occurrence") == v["occurrence"]
+                            and w["location"] == v["location"]}) > 1}
+    kept: dict[tuple[str, str], Mapping[str, Any]] = {}
+    for v in reports:
+        if v.get("occurrence") is None or (v["location"], v["occurrence"]) in cut_by_rank:
+            kept.setdefault((v["rule"], v["location"]), v)
+    return list(kept.values())
+
+
+@dataclass
+class Coverage:
+    """How many op calls got a typed result, and which ops most often did not."""
+
+    typed: int = 0
+    unknown: int = 0
+    top_unknown: list[tuple[str, int]] = field(default_factory=list)
+    # with typecheck(..., sites=True): (file:line, typed, unknown) per call site, most unknown
+    # first, and the sites where unknown values began ("file:line op", op calls they reached)
+    by_site: list[tuple[str, int, int]] = field(default_factory=list)
+    origins: list[tuple[str, int]] = field(default_factory=list)
+
+    @property
+    def fraction(self) -> float:
+        total = self.typed + self.unknown
+        return self.typed / total if total else 1.0
+
+    def within(self, prefix: str) -> Coverage:
+        """The share of op calls made from files under ``prefix`` (e.g. megatron-core's)."""
+        sites = [s for s in self.by_site if s[0].startswith(prefix)]
+        origins = [o for o in self.origins if o[0].startswith(prefix)]
+        return Coverage(sum(s[1] for s in sites), sum(s[2] for s in sites), [], sites, origins)
+
+    def __str__(self) -> str:
+        lines = [f"typed {self.typed} of {self.typed + self.unknown} op calls "
+                 f"({100 * self.fraction:.1f}%)"]
+        lines += [f"  unknown {name}: {count}" for name, count in self.top_unknown]
+        lines += [f"  unknown from {origin}: {count}" for origin, count in self.origins]
+        return "\n".join(lines)
+
+
+@contextmanager
+def harness_code(*paths: str) -> Iterator[None]:
+    """Inside the block, violations are located past the code under ``paths`` (a harness that
+    drives the library under test), as they are past torch and shardcheck."""
+    global _SKIP_PREFIXES
+    saved = _SKIP_PREFIXES
+    _SKIP_PREFIXES = (*saved, *paths)
+    try:
+        yield
+    finally:
+        _SKIP_PREFIXES = saved
+
+
+def user_location() -> str:
+    """file:line of the innermost frame outside torch and shardcheck."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if not name.startswith(_SKIP_PREFIXES):
+            return f"{name}:{frame.f_lineno}"
+        frame = frame.f_back
+    return "<unknown>"
+
+
+def _inside_collective() -> bool:
+    """Whether the op runs inside torch.distributed (a collective moving its own data)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if name.startswith(_DISTRIBUTED):
+            return True
+        if not name.startswith(_SKIP_PREFIXES):
+            return False
+        frame = frame.f_back
+    return False
+
+
+def mesh_key(mesh: Mesh) -> tuple:
+    """An interned key: equal meshes share one key object, so a type check is an ``is``."""
+    key = (mesh.rank, *((a.name, a.ranks) for a in mesh.axes.values()))
+    return _MESH_KEYS.setdefault(key, key)
+
+
+def _storage_range(t: torch.Tensor) -> tuple[int, int]:
+    start = t.storage_offset()
+    extent = 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True) if s > 0)
+    return start, start + (extent if t.numel() else 0)
+
+
+def _same_region(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.storage_offset() == b.storage_offset() and a.shape == b.shape
+            and a.stride() == b.stride())
+
+
+class Checker(TorchDispatchMode):
+    """Types every dispatched op on ``mesh``; ``mode`` is "raise" or "collect"."""
+
+    def __init__(self, mesh: Mesh, mode: str = "raise", sites: bool = False) -> None:
+        super().__init__()
+        if mode not in ("raise", "collect"):
+            raise ValueError(f"mode must be 'raise' or 'collect', not {mode!r}")
+        self.mesh, self.mode = mesh, mode
+        self.key = mesh_key(mesh)
+        self.names = mesh.names
+        self.n = len(self.names)
+        self.sizes = tuple(a.size for a in mesh.axes.values())
+        self.check_gradients_on_step = True  # sc.check_gradients before every optimizer.step()
+        self.index = tuple(a.ranks.index(mesh.rank) if mesh.rank in a.ranks else -1
+                           for a in mesh.axes.values())
+        self.typed = 0
+        self.unknown: Counter = Counter()
+        self.records: list[ViolationRecord] = []
+        self._seen: set[tuple[str, str]] = set()
+        self._entries: dict[int, tuple] = {}
+        self._ops: dict[int, Any] = {}
+        self._paused = False
+        self.varying_cuts = 0
+        self.rank_scalars: dict[int | float, tuple[int, ...]] = {}
+        # with ``sites``: op calls per source location [typed, unknown], and where unknowns began
+        self.sites: dict[str, list[int]] | None = {} if sites else None
+        self.origins: Counter = Counter()
+
+    def remember_rank_scalar(self, value: int | float, axes: tuple[int, ...]) -> None:
+        """A Python number read (``.item()``) from a value that differs per rank on ``axes``."""
+        if len(self.rank_scalars) >= 256:
+            self.rank_scalars.pop(next(iter(self.rank_scalars)))
+        self.rank_scalars[value] = axes
+
+    def _rank_scalar_axes(self, args, kwargs) -> set[int]:
+        axes: set[int] = set()
+        for x in (*args, *kwargs.values()):
+            if isinstance(x, int | float) and not isinstance(x, bool) and x in self.rank_scalars:
+                axes.update(self.rank_scalars[x])
+        return axes
+
+    def _varied_by_scalars(self, pl, args, kwargs):
+        """An op given a Python number that differs per rank on some axes: V there."""
+        axes = self._rank_scalar_axes(args, kwargs)
+        if not axes:
+            return pl
+        def vary(one):
+            return None if one is None else tuple(V if a in axes else p for a, p in enumerate(one))
+        return [vary(one) for one in pl] if isinstance(pl, list) else vary(pl)
+
+    def count_varying_cut(self) -> int:
+        """Number this by-rank cut of a varying tensor (the same on every rank of an SPMD run)."""
+        self.varying_cuts += 1
+        return self.varying_cuts
+
+    # --- the type store ----------------------------------------------------------------
+    def types(self, t: Any) -> tuple | None:
+        st = getattr(t, "_sc", None)
+        if st is None or st[0] is not self.key:
+            return None
+        return st[1]
+
+    def zero(self, t: Any) -> bool:
+        st = getattr(t, "_sc", None)
+        return st is not None and st[0] is self.key and st[2] == ZERO
+
+    def const(self, t: Any) -> bool:
+        st = getattr(t, "_sc", None)
+        return st is not None and st[0] is self.key and st[2] in (CONST, ZERO)
+
+    def accumulated(self, t: Any) -> bool:
+        """Whether ``t`` is zeros that one value was added into (see ACC)."""
+        return self._flags(t) == ACC
+
+    def _flags(self, t: Any) -> int:
+        st = getattr(t, "_sc", None)
+        return st[2] if st is not None and st[0] is self.key else 0
+
+    def set_type(self, t: torch.Tensor, pl: tuple | None, flags: int = 0) -> None:
+        if pl is None or all(p is None for p in pl):
+            if getattr(t, "_sc", None) is not None:
+                t._sc = None
+        else:
+            t._sc = (self.key, pl, flags)
+
+    def update_inplace(self, t: torch.Tensor, pl: tuple | None,
+                       transform: Callable[[tuple], tuple] | None = None,
+                       flags: int = 0) -> None:
+        """Retype ``t`` in place, and every tracked tensor overlapping its storage."""
+        old = self.types(t)
+        self.set_type(t, pl, flags)
+        root = getattr(t, "_sc_root", None)
+        if root is None:  # a view made outside the region still shares its base's views
+            root = t if t._base is None else getattr(t._base, "_sc_root", t._base)
+        views = getattr(root, "_sc_views", None)
+        if not views and root is t:
+            return
+        aliases = [root] + [w() for w in views or ()]
+        lo, hi = _storage_range(t)
+        for alias in aliases:
+            if alias is None or alias is t:
+                continue
+            alias_pl = self.types(alias)
+            if alias_pl is None:
+                continue
+            a_lo, a_hi = _storage_range(alias)
+            if a_hi <= lo or hi <= a_lo:
+                continue
+            self.set_type(alias, self._alias_type(alias, alias_pl, t, old, pl, transform),
+                          flags if _same_region(alias, t) else 0)
+
+    def _alias_type(self, alias, alias_pl, t, old, pl, transform) -> tuple | None:
+        if transform is not None:
+            try:
+                return transform(alias_pl)
+            except Violation:
+                return None
+        if pl is None:
+            return None
+        if _same_region(alias, t):
+            return pl
+        alias_zero = self.zero(alias)
+        merged = []
+        for a, (mine, new) in enumerate(zip(alias_pl, pl, strict=True)):
+            if new is V and mine is not V:  # values of each rank's own written into it
+                merged.append(V)
+            elif mine == new or (old is not None and old[a] == new):
+                merged.append(mine)
+            elif alias_zero and not isinstance(new, Shard):
+                merged.append(new)
+            else:
+                merged.append(None)
+        return tuple(merged)
+
+    def register_view(self, view: torch.Tensor, base: torch.Tensor) -> None:
+        """Remember that ``view`` aliases ``base``'s storage (on their common root)."""
+        root = getattr(base, "_sc_root", None)
+        if root is None:
+            root = base
+        view._sc_root = root
+        views = getattr(root, "_sc_views", None)
+        if views is None:
+            root._sc_views = [weakref.ref(view)]
+            return
+        views.append(weakref.ref(view))
+        if len(views) % 64 == 0:
+            views[:] = [w for w in views if w() is not None]
+
+    # --- dispatch ----------------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self._paused:
+            return out
+        record_broadcast(func, args, out)
+        entry = self._entries.get(id(func))  # OpOverloads live forever; id() hashes fastest
+        if entry is None:
+            entry = self._entries[id(func)] = _resolve(func)
+            self._ops[id(func)] = func
+        rule, zero_kind, mutated, is_view = entry
+        if rule is None:
+            self.unknown[id(func)] += 1
+            if self.sites is not None:
+                self._count_site(func, args, out, typed=False)
+            self._forget(mutated, args, kwargs)
+            return out
+        try:
+            pl = rule(self, args, kwargs, out)
+        except Violation as violation:
+            if func.namespace == "_c10d_functional" and isinstance(out, torch.Tensor):
+                torch.ops._c10d_functional.wait_tensor(out)  # raise with no work in flight
+            self._report(violation, func, args)
+            pl = _retyped_after(self, violation, rule, args, kwargs, out)
+        if pl is NO_TENSOR:
+            self.typed += 1
+            if self.sites is not None:
+                self._count_site(func, args, out, typed=True)
+            return out
+        if self.rank_scalars and pl is not None:
+            pl = self._varied_by_scalars(pl, args, kwargs)
+        if pl is None:
+            self.unknown[id(func)] += 1
+        else:
+            self.typed += 1
+        if self.sites is not None:
+            self._count_site(func, args, out, typed=pl is not None)
+        flags = self._value_flags(zero_kind, func, args) if zero_kind and pl is not None else 0
+        if zero_kind == _ADD and pl is not None:
+            flags = self._accumulation(args, flags)
+        if mutated:
+            if pl is None:
+                self._forget(mutated, args, kwargs)
+            for t in _mutated_tensors(mutated, args, kwargs) if pl is not None else ():
+                self.update_inplace(t, pl, None, flags)
+            return out
+        self._type_outputs(out, pl, flags, args[0] if is_view else None)
+        return out
+
+    def _count_site(self, func, args, out, typed: bool) -> None:
+        """Per source location: op calls typed and unknown. An unknown result remembers where
+        its unknown was made: the first op that gave no type from typed inputs (or none at all),
+        found by following unknown inputs back (``origins``)."""
+        site = self.sites.setdefault(user_location(), [0, 0])
+        site[0 if typed else 1] += 1
+        if typed:
+            return
+        origin = next((getattr(t, "_sc_origin", None) for t in _flat(args)
+                       if isinstance(t, torch.Tensor) and self.types(t) is None
+                       and getattr(t, "_sc_origin", None) is not None), None)
+        if origin is None:
+            origin = f"{user_location()} {_base_name(func)}"
+        self.origins[origin] += 1
+        for t in (out if isinstance(out, (tuple, list)) else (out,)):
+            if isinstance(t, torch.Tensor):
+                t._sc_origin = origin
+
+    def _forget(self, mutated, args, kwargs) -> None:
+        """An untyped write makes its target unknown, except a collective's own copies."""
+        for t in _mutated_tensors(mutated, args, kwargs):
+            if self.types(t) is not None and not _inside_collective():
+                self.update_inplace(t, None)
+
+    def _type_outputs(self, out, pl, flags: int, base: torch.Tensor | None) -> None:
+        if isinstance(out, torch.Tensor):
+            self.set_type(out, pl, flags)
+            if base is not None and pl is not None:
+                self.register_view(out, base)
+            return
+        if not isinstance(out, (tuple, list)):
+            return
+        each = pl if isinstance(pl, list) else [pl] * len(out)
+        for t, p in zip(out, each, strict=False):
+            if isinstance(t, torch.Tensor):
+                self.set_type(t, p, flags)
+                if base is not None and p is not None:
+                    self.register_view(t, base)
+
+    def _accumulation(self, args, flags: int) -> int:
+        """zeros + x (in place or not), x a value of its own: ACC."""
+        if (len(args) >= 2 and isinstance(args[1], torch.Tensor) and self.zero(args[0])
+                and not self.zero(args[1])):
+            return ACC
+        return flags
+
+    def _value_flags(self, kind: int, func, args) -> int:
+        if kind == _ARITH or kind == _ADD:
+            for a in args:
+                if isinstance(a, torch.Tensor) and not self.const(a):
+                    return 0
+            return CONST
+        if kind == _KEEP:
+            return self._flags(args[0])
+        if kind == _ZERO:
+            return ZERO
+        if kind == _COPY:
+            return self._flags(args[1])
+        if kind == _LIFT:
+            if args[0].numel() != 1:
+                return 0
+            return ZERO if args[0].item() == 0 else CONST
+        pos = _FILL_VALUE_POS.get(_base_name(func))
+        value = args[pos] if pos is not None and len(args) > pos else None
+        return ZERO if isinstance(value, (int, float)) and value == 0 else CONST
+
+    # --- violations --------------------------------------------------------------------
+    def _report(self, violation: Violation, func, args) -> None:
+        location = user_location()
+        message = self.describe(violation, location, func, args)
+        if self.mode == "raise" and not violation.unconfirmed:
+            raise SpmdTypeError(message, violation.rule, location, str(func))
+        if (location, violation.rule) not in self._seen:
+            self._seen.add((location, violation.rule))
+            axis = violation.axis
+            self.records.append(ViolationRecord(
+                violation.rule, location, str(func), message,
+                self.names[axis] if axis >= 0 else None, self.index[axis] if axis >= 0 else None,
+                violation.occurrence))
+
+    def describe(self, violation: Violation, location: str, op: Any, args: tuple) -> str:
+        numbers = getattr(op, "namespace", "") == "aten"
+        operands = [x for x in _flat(args) if isinstance(x, torch.Tensor)
+                    or (numbers and isinstance(x, (int, float)) and not isinstance(x, bool))]
+        summary = ", ".join(self.render(x) for x in operands)
+        axis = self.names[violation.axis] if violation.axis >= 0 else "?"
+        why, fix = HELP.get(violation.rule, ("", ""))
+        short = getattr(op, "_opname", str(op))
+        lines = [f"checker: {violation.rule} at {location} in {op}: {summary}"]
+        lines += [f"  operand {i}: {self.render(x)} shape {tuple(x.shape)}"
+                  for i, x in enumerate(operands) if isinstance(x, torch.Tensor)]
+        if violation.axis >= 0:
+            lines.append(f"  axis: {axis} (ranks {list(self.mesh.axes[axis].ranks)})")
+        if violation.why:
+            lines.append(f"  {violation.why}")
+        lines.append(f"  why: {why}")
+        lines.append("  fix: " + fix.format(axis=axis, op=short))
+        return "\n".join(lines)
+
+    def render(self, x: Any) -> str:
+        if not isinstance(x, torch.Tensor):
+            return repr(x)
+        pl = self.types(x)
+        if pl is None:
+            return "?"
+        known = {CONST: " const", ZERO: " zero", ACC: " accumulated"}.get(self._flags(x), "")
+        inner = ", ".join(f"{n}:{'?' if p is None else p}"
+                          for n, p in zip(self.names, pl, strict=True))
+        return "{" + inner + "}" + known
+
+    # --- region ------------------------------------------------------------------------
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Run ops untyped (inside contracts and typed helpers)."""
+        before, self._paused = self._paused, True
+        try:
+            yield
+        finally:
+            self._paused = before
+
+    def coverage(self, top: int = 10) -> Coverage:
+        names = Counter()
+        for key, count in self.unknown.items():
+            names[str(self._ops[key])] += count
+        by_site = sorted(((loc, t, u) for loc, (t, u) in (self.sites or {}).items()), key=lambda x: -x[2])
+        return Coverage(self.typed, sum(self.unknown.values()), names.most_common(top),
+                        by_site, self.origins.most_common(top))
+
+    def summary(self) -> str:
+        if not self.records:
+            return "shardcheck: no SPMD type violations"
+        lines = [f"shardcheck: {len(self.records)} SPMD type violation(s)"]
+        lines += [r.first_line for r in self.records]
+        return "\n".join(lines)
+
+
+class _VaryingOn:
+    """The checker as a rule re-run after a violation sees it: every operand V on one axis."""
+
+    def __init__(self, checker: Checker, axis: int) -> None:
+        self._checker, self._axis = checker, axis
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._checker, name)
+
+    def types(self, t: Any) -> tuple | None:
+        pl = self._checker.types(t)
+        return None if pl is None else pl[:self._axis] + (V,) + pl[self._axis + 1:]
+
+
+def _retyped_after(checker: Checker, violation: Violation, rule, args, kwargs, out):
+    """In collect mode, a violating op's result is V on the broken axis (its values differ per
+    rank with no meaning the mesh knows), so checking goes on downstream, backward included."""
+    if violation.axis < 0:
+        return None
+    try:
+        return rule(_VaryingOn(checker, violation.axis), args, kwargs, out)
+    except Violation:
+        return None
+
+
+def _flat(args: Any) -> Iterator[Any]:
+    for a in args:
+        if isinstance(a, (list, tuple)):
+            yield from _flat(a)
+        else:
+            yield a
+
+
+def _mutated_tensors(mutated, args, kwargs) -> Iterator[torch.Tensor]:
+    for pos, name in mutated:
+        value = args[pos] if pos < len(args) else kwargs.get(name)
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, (list, tuple)):
+            yield from (v for v in value if isinstance(v, torch.Tensor))
+
+
+def _base_name(func) -> str:
+    name = func._opname if hasattr(func, "_opname") else func.__name__.split(".")[0]
+    return name[:-1] if name.endswith("_") and not name.endswith("__") else name
+
+
+def _resolve(func) -> tuple:
+    """(rule, zero kind, mutated (pos, name) args, is_view) for an OpOverload."""
+    rule = _USER_RULES.get(func) or _USER_RULES.get(getattr(func, "overloadpacket", None))
+    name = _base_name(func)
+    if rule is None:
+        if func.namespace == "aten":
+            opname = getattr(func, "_opname", name)
+            rule = RULES.get(opname) or RULES.get(name)
+        else:
+            rule = collective_rule(func)
+    schema = func._schema
+    mutated = tuple((i, a.name) for i, a in enumerate(schema.arguments)
+                    if a.alias_info is not None and a.alias_info.is_write)
+    is_view = (not mutated and bool(schema.returns) and schema.returns[0].alias_info is not None)
+    if func.namespace == "c10d" and rule is None and schema.arguments:
+        mutated = ((0, schema.arguments[0].name),)
+    zero_kind = 0
+    if name in _rules.ZERO_MAKERS:
+        zero_kind = _ZERO
+    elif name in _rules.FILL_OPS:
+        zero_kind = _FILL
+    elif name in _KEEPS_ZERO:
+        zero_kind = _KEEP
+    elif name == "copy":
+        zero_kind = _COPY
+    elif name in _rules.CONST_PRESERVING:
+        zero_kind = _ADD if name == "add" else _ARITH
+    elif name in ("lift_fresh", "lift_fresh_copy"):
+        zero_kind = _LIFT
+    return rule, zero_kind, mutated, is_view
+
+
+# --- public API ------------------------------------------------------------------------------
+
+def current() -> Checker | None:
+    """The innermost active checker, or None outside ``typecheck``."""
+    return _ACTIVE[-1] if _ACTIVE else None
+
+
+@contextmanager
+def typecheck(mesh: Mesh, mode: str = "raise", sites: bool = False) -> Iterator[Checker]:
+    """Type-check every op in the region on ``mesh``; mode "raise" (default) or "collect".
+
+    With ``sites``, :func:`coverage` also counts op calls per source location and traces each
+    unknown value back to the op that made it (a few µs more per op).
+    """
+    checker = Checker(mesh, mode, sites)
+    _ACTIVE.append(checker)
+    try:
+        with checker:
+            yield checker
+    finally:
+        _ACTIVE.remove(checker)
+        _LAST[:] = [checker]
+        if mode == "collect" and checker.records:  # silent when clean: parity runs many regions
+            print(checker.summary(), file=sys.stderr, flush=True)
+
+
+def _checker_for(mesh: Mesh | None) -> Checker:
+    if mesh is not None:
+        return Checker(mesh)
+    checker = current()
+    if checker is None:
+        raise RuntimeError("shardcheck: call this inside `with sc.typecheck(mesh):` or pass mesh=")
+    return checker
+
+
+def _placement(value: Placement | str) -> Placement:
+    return value if isinstance(value, Placement) else parse_placement(str(value))
+
+
+def annotate(x: torch.Tensor, mesh: Mesh | None = None, **placements: Placement | str) -> torch.Tensor:
+    """Declare ``x``'s placement on the named axes (others keep their type); returns ``x``."""
+    checker = _checker_for(mesh)
+    unknown = set(placements) - set(checker.names)
+    if unknown:
+        raise ValueError(f"unknown axes {sorted(unknown)}; the mesh has {list(checker.names)}")
+    old = checker.types(x) or (None,) * checker.n
+    pl = tuple(_placement(placements[n]) if n in placements else old[i]
+               for i, n in enumerate(checker.names))
+    checker.set_type(x, pl, checker._flags(x))
+    if x._base is not None:
+        checker.register_view(x, x._base)
+    return x
+
+
+def typeof(x: torch.Tensor, mesh: Mesh | None = None) -> dict[str, Placement]:
+    """The known placements of ``x`` by axis name (unknown axes are left out)."""
+    checker = _checker_for(mesh)
+    pl = checker.types(x) or ()
+    return {n: p for n, p in zip(checker.names, pl, strict=False) if p is not None}
+
+
+def _same(actual: Placement | None, expected: Placement, ndim: int) -> bool:
+    if isinstance(expected, Shard) and isinstance(actual, Shard):
+        return expected.dim % max(ndim, 1) == actual.dim % max(ndim, 1)
+    return actual is expected or actual == expected
+
+
+def assert_type(x: torch.Tensor, **expected: Placement | str) -> None:
+    """Raise SpmdTypeError (rule "assertion") unless ``x`` has the expected placements."""
+    checker = _checker_for(None)
+    actual = typeof(x)
+    wrong = {n: p for n, p in expected.items()
+             if not _same(actual.get(n), _placement(p), x.dim())}
+    if wrong:
+        location = user_location()
+        want = ", ".join(f"{n}={_placement(p)}" for n, p in wrong.items())
+        got = ", ".join(f"{n}={actual.get(n, '?')}" for n in wrong)
+        message = (f"checker: assertion at {location} in assert_type: expected {want}, got {got}\n"
+                   f"  value: {checker.render(x)} shape {tuple(x.shape)}")
+        raise SpmdTypeError(message, "assertion", location, "assert_type")
+
+
+def violations() -> list[ViolationRecord]:
+    """Violations recorded by the active (or the last) typecheck region in collect mode."""
+    checker = current() or (_LAST[0] if _LAST else None)
+    return list(checker.records) if checker else []
+
+
+def coverage(top: int = 10) -> Coverage:
+    """Typed vs unknown op calls of the active (or the last) typecheck region."""
+    checker = current() or (_LAST[0] if _LAST else None)
+    return checker.coverage(top) if checker else Coverage()
+
+
+def rank_slice(x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
+    """This rank's chunk of ``x`` along ``dim`` for ``axis``: R there becomes S(dim)."""
+    checker = _checker_for(None)
+    a = checker.names.index(axis)
+    size, index = checker.sizes[a], checker.index[a]
+    if x.shape[dim] % size:
+        raise ValueError(f"dim {dim} of size {x.shape[dim]} does not split into {size} chunks")
+    pl = checker.types(x) or (None,) * checker.n
+    if pl[a] is not None and not _rules.replicated(pl[a]):
+        checker._report(Violation("split of varying", a), torch.ops.aten.slice.Tensor, (x,))
+    length = x.shape[dim] // size
+    with checker.paused():
+        piece = x.narrow(dim, index * length, length)
+    checker.set_type(piece, pl[:a] + (_rules.S(dim % x.dim()),) + pl[a + 1:], checker._flags(x))
+    return piece
+
+
+def register_rule(op: Any, rule: Callable) -> None:
+    """Type ``op`` (an OpOverload or OpOverloadPacket) with ``rule(ctx, args, kwargs, out)``."""
+    _USER_RULES[op] = rule
+    for checker in _ACTIVE:
+        checker._entries.clear()
+
+
+def contract(args: Mapping[int | str, Mapping[str, Placement | str]] | None = None,
+             returns: Mapping[str, Placement | str] | list | None = None,
+             trusted: bool = True) -> Callable[[Callable], Callable]:
+    """Decorate a function with argument types checked on entry and result types set on exit.
+
+    ``args`` maps a positional index or keyword name to {axis: placement}; a placement
+    "A|B" accepts either, and a required V also a partial count (its pieces stacked, as a
+    gather of per-rank values does: see :func:`rules.stacks_as_pieces`). With ``trusted``,
+    the body runs untyped (its ops are not checked); ``returns`` types the result (a list
+    types each element of a tuple result).
+    """
+    def wrap(fn: Callable) -> Callable:
+        def checked(*call_args, **call_kwargs):
+            checker = current()
+            if checker is None:
+                return fn(*call_args, **call_kwargs)
+            _check_args(checker, args or {}, call_args, call_kwargs)
+            if trusted:
+                with checker.paused():
+                    result = fn(*call_args, **call_kwargs)
+            else:
+                result = fn(*call_args, **call_kwargs)
+            _type_result(result, returns)
+            return result
+        checked.__wrapped__ = fn
+        checked.__name__ = getattr(fn, "__name__", "contract")
+        checked.__doc__ = fn.__doc__
+        return checked
+    return wrap
+
+
+def _check_args(checker: Checker, spec, call_args, call_kwargs) -> None:
+    for key, expected in spec.items():
+        value = call_args[key] if isinstance(key, int) else call_kwargs.get(key)
+        if not isinstance(value, torch.Tensor):
+            continue
+        actual = typeof(value)
+        for axis, want in expected.items():
+            got = actual.get(axis)
+            accepted = _alternatives(want)
+            if got is not None and not any(_admits(alt, got, value) for alt in accepted):
+                wanted = "|".join(map(repr, accepted))
+                checker._report(Violation("contract", checker.names.index(axis),
+                                          f"argument {key} must be {axis}={wanted}"),
+                                "contract", (value,))
+
+
+def _alternatives(want: Placement | str) -> tuple[Placement, ...]:
+    return (want,) if isinstance(want, Placement) else parse_alternatives(str(want))
+
+
+def _admits(want: Placement, got: Placement, value: torch.Tensor) -> bool:
+    """``got`` meets ``want``; a required V (per-rank values) also admits a partial count."""
+    return _same(got, want, value.dim()) or (want is V and _rules.stacks_as_pieces(got, value))
+
+
+def _type_result(result: Any, returns) -> None:
+    if returns is None:
+        return
+    if isinstance(returns, list):
+        for value, spec in zip(result, returns, strict=False):
+            if isinstance(value, torch.Tensor) and spec is not None:
+                annotate(value, **spec)
+    elif isinstance(result, torch.Tensor):
+        annotate(result, **returns)

@@ -1,0 +1,446 @@
+"""Typing rules for the c10d collectives that torch.distributed routes through the dispatcher.
+
+``dist.all_reduce`` & co. reach a TorchDispatchMode as ``c10d::*_`` ops carrying the
+ProcessGroup as a ScriptObject; ``torch.distributed._functional_collectives`` reaches it as
+``_c10d_functional::*`` ops carrying a group name. Both are typed here, per mesh axis the
+group acts on; a group that matches no combination of mesh axes is an "unknown axis".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shardcheck.typecheck.rules import (
+    NO_TENSOR,
+    PAVG,
+    PEVEN,
+    BlockShard,
+    Gathered,
+    GatheredPiece,
+    Pl,
+    SectionShard,
+    Violation,
+    as_pieces,
+    axis_stride,
+    chunk_dim,
+    is_partial,
+    is_sum,
+    mark_gathered_rows,
+    stacks_as_pieces,
+)
+from shardcheck.typecheck.types import I, Placement, R, S, Shard, V
+
+SUM, AVG, PRODUCT, MIN, MAX = "sum", "avg", "product", "min", "max"
+_C10D_OPS = {0: SUM, 1: AVG, 2: PRODUCT, 3: MIN, 4: MAX}  # c10d::ReduceOp::RedOpType
+
+
+def _reduce_op(obj: Any) -> str:
+    if isinstance(obj, str):
+        return obj.lower()
+    return _C10D_OPS.get(obj.op(), "other")
+
+
+def group_ranks(group: Any) -> tuple[int, ...]:
+    """Global ranks of a ProcessGroup given as a ScriptObject, a ProcessGroup or a name."""
+    if isinstance(group, str):
+        group = dist.distributed_c10d._resolve_process_group(group)
+    elif not isinstance(group, dist.ProcessGroup):
+        group = dist.ProcessGroup.unbox(group)
+    return tuple(dist.get_process_group_ranks(group))
+
+
+class UnknownAxis(Violation):
+    """A collective's group is no axis (or combination of axes) of the mesh."""
+
+    def __init__(self, ranks: tuple[int, ...], mesh) -> None:
+        axes = ", ".join(f"{a.name}={list(a.ranks)}" for a in mesh.axes.values())
+        super().__init__("unknown axis", -1, f"the group has ranks {list(ranks)}; the mesh has {axes}")
+
+
+def _axes(ctx, group: Any) -> list[int]:
+    ranks = group_ranks(group)
+    names = ctx.mesh.axes_of(ranks)
+    if names is None:
+        raise UnknownAxis(ranks, ctx.mesh)
+    return [ctx.names.index(n) for n in names]
+
+
+def _on_axes(pl: Pl, axes: list[int], step: Callable[[Placement, int], Placement | None]) -> Pl:
+    out = list(pl)
+    for a in axes:
+        p = pl[a]
+        out[a] = None if p is None else step(p, a)
+    return tuple(out)
+
+
+# --- per-axis steps ------------------------------------------------------------------------
+
+def _all_reduce_step(op: str) -> Callable[[Placement, int], Placement | None]:
+    def step(p: Placement, a: int) -> Placement | None:
+        if isinstance(p, Gathered):
+            return None
+        if op == SUM:
+            if p is R or p is I:
+                raise Violation("double count", a)
+            if p is PAVG:
+                raise Violation("mean over shard", a)
+            return R if is_sum(p) or p is V else V
+        if op == AVG:
+            if is_sum(p):  # every rank holds the sum over n: a partial sum of equal shares
+                return PEVEN
+            return R if p in (PAVG, V, R, I) else V
+        if is_partial(p):
+            raise Violation("mean over shard" if p is PAVG else "non-linear on partial", a)
+        if op == PRODUCT and p in (R, I):
+            raise Violation("double count", a, "a PRODUCT reduction of a replicated value raises "
+                                               "it to the power of the axis size")
+        return R if p in (R, I, V) else V
+    return step
+
+
+def _gather_step(into_tensor: bool, source: torch.Tensor) -> Callable[[Placement, int], Placement | None]:
+    def step(p: Placement, a: int) -> Placement | None:
+        if p is R or p is I:
+            raise Violation("gather of replicated", a)
+        if stacks_as_pieces(p, source):
+            return R
+        if isinstance(p, BlockShard):
+            return None
+        if isinstance(p, Shard) and into_tensor:
+            return Gathered(p.dim) if p.dim != 0 else R
+        if isinstance(p, Shard):
+            return GatheredPiece(p.dim)
+        return R if p is V else None
+    return step
+
+
+def _scatter_step(op: str, dim: int = 0) -> Callable[[Placement, int], Placement | None]:
+    """reduce-scatter: the reduced value's chunk along ``dim``."""
+    def step(p: Placement, a: int) -> Placement | None:
+        if op == SUM:
+            if p is R or p is I:
+                raise Violation("scatter of replicated", a)
+            if p is PAVG:
+                raise Violation("mean over shard", a)
+            return S(dim) if is_sum(p) or p is V else None
+        if op == AVG:
+            if is_sum(p):  # a chunk of the sum over n: neither a shard nor a partial sum
+                raise Violation("mean of partial", a)
+            return S(dim) if p in (R, I, V, PAVG) else None
+        return None
+    return step
+
+
+def _broadcast_step(p: Placement, a: int) -> Placement | None:
+    """One rank's value everywhere: R, unless it was one rank's part of a sum (lost) or its
+    shard (a value of its own, V)."""
+    if is_partial(p):
+        raise Violation("broadcast of partial", a)
+    return V if isinstance(p, Shard | Gathered) else R
+
+
+def _reduce_step(op: str) -> Callable[[Placement, int], Placement | None]:
+    """reduce to one rank: the reduction's rules, and a value only the root holds (V)."""
+    reduced = _all_reduce_step(op)
+
+    def step(p: Placement, a: int) -> Placement | None:
+        reduced(p, a)
+        return V
+    return step
+
+
+def _to_varying(p: Placement, a: int) -> Placement:
+    return V
+
+
+# --- c10d ops (torch.distributed's in-place API) --------------------------------------------
+
+def _typed_update(ctx, tensors, source_pl: Pl | None, axes, step) -> Any:
+    """Set every tensor in ``tensors`` (in place) to ``source_pl`` transformed on ``axes``.
+
+    An untyped tensor becomes unknown; its typed views (``param.main_grad`` in a flat
+    gradient buffer) are transformed on ``axes`` when ``step`` is given, else forgotten.
+    """
+    if source_pl is None:
+        views = (lambda old: _on_axes(old, axes, step)) if step is not None else None
+        for t in tensors:
+            ctx.update_inplace(t, None, views)
+        return None
+    new = _on_axes(source_pl, axes, step)
+    for t in tensors:
+        ctx.update_inplace(t, new, lambda old: _on_axes(old, axes, step))
+    return NO_TENSOR
+
+
+def _allreduce(ctx, args, kwargs, out):
+    tensors, group, op = args[0], args[1], _reduce_op(args[2])
+    pls = [ctx.types(t) for t in tensors]
+    if any(pl is None for pl in pls):
+        return _buffer_update(ctx, tensors, group, _all_reduce_step(op))
+    axes, step = _axes(ctx, group), _all_reduce_step(op)
+    for t, pl in zip(tensors, pls, strict=True):
+        if op == SUM and (ctx.zero(t) or ctx.accumulated(t)):
+            _sum_of_contributions(ctx, t, pl, axes)
+        else:
+            _typed_update(ctx, [t], pl, axes, step)
+    return NO_TENSOR
+
+
+def _sum_of_contributions(ctx, t: torch.Tensor, pl: Pl, axes: list[int]) -> None:
+    """A SUM all-reduce of replicated zeros, or of zeros one value was added into: zeros sum
+    to zeros, and a value added on some ranks only is their contribution (Megatron adds the
+    loss on the last pipeline stage only). Added on every rank it is a double count: each
+    rank reports it, and the report stands when ranks at two coordinates make it."""
+    for a in axes:
+        if pl[a] is R or pl[a] is I:
+            occurrence = ctx.count_varying_cut()  # on every rank, zeros or not: numbered alike
+            if ctx.accumulated(t):
+                ctx._report(Violation("double count", a, "zeros this rank added a replicated value "
+                                      "into: a double count if every rank added it", occurrence,
+                                      unconfirmed=True), torch.ops.c10d.allreduce_.default, (t,))
+    step = _all_reduce_step(SUM)
+    _typed_update(ctx, [t], pl, axes, lambda p, a: R if p is R or p is I else step(p, a))
+
+
+def _buffer_update(ctx, tensors, group, step) -> Any:
+    """A collective on buffers without a type of their own (a flat gradient buffer holding
+    parameters of different layouts): each typed view of them takes the collective's step."""
+    try:
+        axes = _axes(ctx, group)
+    except UnknownAxis:
+        return _typed_update(ctx, tensors, None, (), None)
+    return _typed_update(ctx, tensors, None, axes, step)
+
+
+def _allgather(ctx, args, kwargs, out):
+    outputs, inputs, group = args[0], args[1], args[2]
+    flat = [t for row in outputs for t in row]
+    pl = ctx.types(inputs[0])
+    if pl is None:
+        return _typed_update(ctx, flat, None, (), None)
+    return _typed_update(ctx, flat, pl, _axes(ctx, group), _gather_step(False, inputs[0]))
+
+
+def _allgather_base(ctx, args, kwargs, out):
+    output, inp, group = args[0], args[1], args[2]
+    pl = ctx.types(inp)
+    if pl is None:
+        return _typed_update(ctx, [output], None, (), None)
+    axes = _axes(ctx, group)
+    mark_gathered_rows(ctx, output, pl, axes, len(group_ranks(group)))
+    return _typed_update(ctx, [output], _inner_rows_as_sections(ctx, pl, axes, inp), axes,
+                         _gather_step(True, inp))
+
+
+def _inner_rows_as_sections(ctx, pl: Pl, axes: list[int], inp: torch.Tensor) -> Pl:
+    """Gathering dim-0 shards over ``axes``: an axis inside them (faster) that shards dim 0
+    too now holds its piece of each gathered block, in order: sections of dim 0."""
+    if not any(isinstance(pl[a], Shard) and pl[a].dim % max(inp.dim(), 1) == 0 for a in axes):
+        return pl
+    outer = min(axis_stride(ctx, a) for a in axes)
+    count = 1
+    for a in axes:
+        count *= ctx.sizes[a]
+    return tuple(SectionShard(0, (inp.shape[0],) * count)
+                 if a not in axes and type(p) is Shard and p.dim % max(inp.dim(), 1) == 0
+                 and ctx.sizes[a] > 1 and axis_stride(ctx, a) < outer else p for a, p in enumerate(pl))
+
+
+def _functional_gather(ctx, args, kwargs, out):
+    pl = ctx.types(args[0])
+    if pl is None:
+        return None
+    axes = _axes(ctx, args[2])
+    mark_gathered_rows(ctx, out, pl, axes, args[1])
+    return _on_axes(pl, axes, _gather_step(True, args[0]))
+
+
+def _reduce_scatter(ctx, args, kwargs, out):
+    outputs, inputs, group, op = args[0], args[1], args[2], _reduce_op(args[3])
+    dim = chunk_dim(inputs[0]) if len(inputs) == 1 else None
+    pieces = [ctx.types(t) for row in inputs for t in row]
+    pieces = [None if p is None else as_pieces(p) for p in pieces]
+    pl = pieces[0] if pieces and all(p == pieces[0] for p in pieces) else None
+    if pl is None or dim is None:
+        return _typed_update(ctx, outputs, None, (), None)
+    return _typed_update(ctx, outputs, pl, _axes(ctx, group), _scatter_step(op, dim))
+
+
+def _reduce_scatter_base(ctx, args, kwargs, out):
+    output, inp, group, op = args[0], args[1], args[2], _reduce_op(args[3])
+    pl = ctx.types(inp)
+    if pl is None:
+        return _typed_update(ctx, [output], None, (), None)
+    axes = _axes(ctx, group)
+    return _typed_update(ctx, [output], pl, axes, _scatter_step(op, _stacked_dim(ctx, inp, group)))
+
+
+def _stacked_dim(ctx, inp: torch.Tensor, group) -> int:
+    """The dim the blocks of ``inp``'s dim 0 were cut from (see :func:`mark_stacked`), else 0."""
+    mark = getattr(inp, "_sc_stacked", None)
+    if mark is None or mark[0] is not ctx.key or mark[2] != len(group_ranks(group)):
+        return 0
+    return mark[1]
+
+
+def _alltoall_base(ctx, args, kwargs, out):
+    output, inp, group = args[0], args[1], args[2]
+    pl = ctx.types(inp)
+    if pl is None:
+        return _typed_update(ctx, [output], None, (), None)
+    return _typed_update(ctx, [output], pl, _axes(ctx, group), _exchange_step(_stacked_dim(ctx, inp, group)))
+
+
+def _exchange_step(stacked: int) -> Callable[[Placement, int], Placement | None]:
+    """all-to-all of dim-0 blocks: rank k gets block k of every rank. Blocks stacked from the
+    chunks of a dim ``stacked`` of a sequence shard (Megatron's sp2hp) give the shard of that
+    dim; anything else is a value of each rank's own (V)."""
+    def step(p: Placement, a: int) -> Placement | None:
+        if stacked and isinstance(p, Shard) and p.dim == 0:
+            return S(stacked)
+        return V
+    return step
+
+
+def _alltoall(ctx, args, kwargs, out):
+    outputs, inputs, group = args[0], args[1], args[2]
+    pls = [ctx.types(t) for t in inputs]
+    pl = as_pieces(pls[0]) if pls and all(p is not None for p in pls) else None
+    if pl is None:
+        return _typed_update(ctx, outputs, None, (), None)
+    return _typed_update(ctx, outputs, pl, _axes(ctx, group), _to_varying)
+
+
+def _broadcast(ctx, args, kwargs, out):
+    tensors, group = args[0], args[1]
+    pls = [ctx.types(t) for t in tensors]
+    if any(pl is None for pl in pls):
+        return _typed_update(ctx, tensors, None, (), None)
+    axes = _axes(ctx, group)
+    for t, pl in zip(tensors, pls, strict=True):
+        _typed_update(ctx, [t], pl, axes, _broadcast_step)
+    return NO_TENSOR
+
+
+def _reduce(ctx, args, kwargs, out):
+    tensors, group, op = args[0], args[1], _reduce_op(args[2])
+    pls = [ctx.types(t) for t in tensors]
+    if any(pl is None for pl in pls):
+        return _buffer_update(ctx, tensors, group, lambda p, a: V)
+    axes = _axes(ctx, group)
+    for t, pl in zip(tensors, pls, strict=True):
+        _typed_update(ctx, [t], pl, axes, _reduce_step(op))
+    return NO_TENSOR
+
+
+def _to_root_or_from_root(ctx, args, kwargs, out):
+    """scatter and gather: what a rank receives is one rank's value (V on the group's axes).
+    The non-root ranks see no list, so no more can be said the same way on every rank."""
+    outputs = [t for t in _flat_tensors(args[0])]
+    axes = _axes(ctx, args[2])
+    for t in outputs:
+        old = ctx.types(t) or (None,) * ctx.n
+        ctx.update_inplace(t, tuple(V if a in axes else p for a, p in enumerate(old)))
+    return NO_TENSOR
+
+
+def _flat_tensors(value) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    return [t for item in value for t in _flat_tensors(item)]
+
+
+def _point_to_point_receive(ctx, args, kwargs, out):
+    """recv: the buffer now holds another rank's value."""
+    for t in args[0]:
+        ctx.update_inplace(t, (V,) * ctx.n)
+    return NO_TENSOR
+
+
+def _no_data_change(ctx, args, kwargs, out):
+    """send, barrier: nothing this rank holds changes."""
+    return NO_TENSOR
+
+
+# --- functional collectives (out of place, group by name) -----------------------------------
+
+def _functional(step_of: Callable[[tuple, dict], Callable], group_pos: int) -> Callable:
+    def rule(ctx, args, kwargs, out):
+        pl = ctx.types(args[0])
+        if pl is None:
+            return None
+        return _on_axes(pl, _axes(ctx, args[group_pos]), step_of(args, kwargs))
+    return rule
+
+
+def _functional_stacked(ctx, args, group_pos: int, step_of: Callable[[int], Callable]) -> Pl | None:
+    """A functional reduce-scatter or all-to-all, told where its input's dim-0 blocks came from."""
+    pl = ctx.types(args[0])
+    if pl is None:
+        return None
+    group = args[group_pos]
+    return _on_axes(pl, _axes(ctx, group), step_of(_stacked_dim(ctx, args[0], group)))
+
+
+def _functional_all_reduce_(ctx, args, kwargs, out):
+    pl = ctx.types(args[0])
+    if pl is None:
+        return _typed_update(ctx, [args[0]], None, (), None)
+    return _typed_update(ctx, [args[0]], pl, _axes(ctx, args[2]), _all_reduce_step(_reduce_op(args[1])))
+
+
+def _waited(ctx, args, kwargs, out):
+    mark = getattr(args[0], "_sc_gathered", None)
+    if mark is not None:
+        out._sc_gathered = mark
+    return ctx.types(args[0])
+
+
+def _same_type(ctx, args, kwargs, out):
+    return ctx.types(args[0])
+
+
+C10D_RULES: dict[str, Callable] = {
+    "allreduce_": _allreduce,
+    "allreduce_coalesced_": _allreduce,
+    "allgather_": _allgather,
+    "_allgather_base_": _allgather_base,
+    "reduce_scatter_": _reduce_scatter,
+    "_reduce_scatter_base_": _reduce_scatter_base,
+    "alltoall_base_": _alltoall_base,
+    "alltoall_": _alltoall,
+    "broadcast_": _broadcast,
+    "reduce_": _reduce,
+    "scatter_": _to_root_or_from_root,
+    "gather_": _to_root_or_from_root,
+    "send": _no_data_change,
+    "barrier": _no_data_change,
+    "monitored_barrier_": _no_data_change,
+    "recv_": _point_to_point_receive,
+    "recv_any_source_": _point_to_point_receive,
+}
+
+FUNCTIONAL_RULES: dict[str, Callable] = {
+    "all_reduce": _functional(lambda a, k: _all_reduce_step(_reduce_op(a[1])), 2),
+    "all_reduce_": _functional_all_reduce_,
+    "all_gather_into_tensor": _functional_gather,
+    "reduce_scatter_tensor": lambda ctx, a, k, out: _functional_stacked(ctx, a, 3, lambda d: _scatter_step(_reduce_op(a[1]), d)),
+    "all_to_all_single": lambda ctx, a, k, out: _functional_stacked(ctx, a, 3, _exchange_step),
+    "broadcast": _functional(lambda a, k: _broadcast_step, 2),
+    "wait_tensor": _waited,
+    "_wrap_tensor_autograd": _same_type,
+}
+
+
+def collective_rule(func: torch._ops.OpOverload) -> Callable | None:
+    """The rule for a c10d or functional-collective op, or None."""
+    name = func._opname if hasattr(func, "_opname") else func.__name__.split(".")[0]
+    if func.namespace == "c10d":
+        return C10D_RULES.get(name)
+    if func.namespace == "_c10d_functional":
+        return FUNCTIONAL_RULES.get(name)
+    return None

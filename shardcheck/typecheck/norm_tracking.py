@@ -1,0 +1,218 @@
+"""Follow squared gradients into a global-norm all-reduce and check their accounting there.
+
+A square, ``pow(2)`` or vector norm of a named parameter's gradient starts a *norm term*:
+the tensor is tagged with the parameter and its gradient's type. Sums, stacks, concatenations
+and additions of terms merge the tags. Their own type is R on an axis where every counted
+gradient is R, else P: a replicated gradient counted on one rank only is a partial sum there.
+At a SUM all-reduce of a one-element tensor, the ranks of the group exchange what they counted
+(so that every rank takes part in the exchange, whether or not its tensor is tagged) and
+:mod:`shardcheck.typecheck.norm_accounting` checks the counts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from shardcheck.typecheck import checker as _checker
+from shardcheck.typecheck import collectives as _collectives
+from shardcheck.typecheck.checker import RULES
+from shardcheck.typecheck.gradients import (
+    gradient_of,
+    has_named_parameters,
+    named_parameters,
+    report,
+)
+from shardcheck.typecheck.norm_accounting import AccountingError, Counted, accounting_errors
+from shardcheck.typecheck.rules import NO_TENSOR
+from shardcheck.typecheck.types import P, R
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class NormTerm:
+    """The parameters a tensor counts (name -> gradient placement per axis) and its power."""
+
+    params: dict
+    power: int
+
+    def placements(self, n: int) -> tuple:
+        return tuple(R if all(pl[a] is R for pl in self.params.values()) else P for a in range(n))
+
+
+def _term(t) -> NormTerm | None:
+    return getattr(t, "_sc_norm", None)
+
+
+def _tag(ctx, t: torch.Tensor, term: NormTerm) -> tuple:
+    t._sc_norm = term
+    return term.placements(ctx.n)
+
+
+# --- which tensors are gradients --------------------------------------------------------------
+
+def _gradient_param(ctx, t) -> tuple[str, tuple] | None:
+    """(name, gradient placements) when ``t`` is a named parameter's gradient."""
+    if (not isinstance(t, torch.Tensor) or t.requires_grad
+            or torch._C._current_autograd_node() is not None):
+        return None
+    for name, param in named_parameters(ctx):
+        grad = gradient_of(param)
+        if grad is t or (grad is not None and grad.data_ptr() == t.data_ptr()
+                         and grad.shape == t.shape):
+            pl = ctx.types(t)
+            return None if pl is None or None in pl else (name, pl)
+    return None
+
+
+def _start(ctx, out, t, power: int) -> tuple | None:
+    """Tag ``out`` as a term of ``t`` when ``t`` is a gradient; its placements as a reduced term."""
+    found = _gradient_param(ctx, t)
+    if found is None:
+        return None
+    return _tag(ctx, out, NormTerm({found[0]: found[1]}, power))
+
+
+def _start_elementwise(ctx, args, kwargs, out, base: str) -> tuple | None:
+    """Tag an elementwise square of a gradient; its type is the ordinary one (S stays S)."""
+    if _start(ctx, out, args[0], 2) is None:
+        return None
+    return RULES[base](ctx, args, kwargs, out)
+
+
+# --- rules for the ops a norm is made of ----------------------------------------------------
+
+def _wrap(name: str, tagged_rule) -> None:
+    """Register ``tagged_rule`` for aten ``name`` and ``name_``; it falls back to the base rule."""
+    base = RULES[name]
+
+    def rule(ctx, args, kwargs, out):
+        pl = tagged_rule(ctx, args, kwargs, out) if has_named_parameters(ctx) else None
+        return base(ctx, args, kwargs, out) if pl is None else pl
+    for packet in (name, name + "_"):
+        if hasattr(aten, packet):
+            _checker.register_rule(getattr(aten, packet), rule)
+
+
+def _pow(ctx, args, kwargs, out):
+    x, exponent = args[0], args[1]
+    if not isinstance(x, torch.Tensor) or not isinstance(exponent, (int, float)) or exponent != 2:
+        return None
+    term = _term(x)
+    if term is not None:
+        return _tag(ctx, out, NormTerm(term.params, term.power * 2)) if term.power == 1 else None
+    return _start_elementwise(ctx, args, kwargs, out, "pow")
+
+
+def _mul(ctx, args, kwargs, out):
+    if args[0] is args[1] and _term(args[0]) is None:
+        return _start_elementwise(ctx, args, kwargs, out, "mul")
+    return None
+
+
+def _vector_norm(ctx, args, kwargs, out):
+    order = args[1] if len(args) > 1 else kwargs.get("ord", 2)
+    dims = args[2] if len(args) > 2 else kwargs.get("dim")
+    if order != 2 or dims:
+        return None
+    return _start(ctx, out, args[0], 1)
+
+
+def _merge(ctx, out, operands) -> tuple | None:
+    """Union of the operands' terms; untagged operands must be known zeros."""
+    terms = [_term(t) for t in operands]
+    if not any(terms):
+        return None
+    if any(term is None and not ctx.zero(t) for term, t in zip(terms, operands, strict=True)):
+        return None
+    powers = {term.power for term in terms if term}
+    if len(powers) != 1:
+        return None
+    params = {}
+    for term in terms:
+        params.update(term.params if term else {})
+    return _tag(ctx, out, NormTerm(params, powers.pop()))
+
+
+def _sum(ctx, args, kwargs, out):
+    return _merge(ctx, out, [args[0]])
+
+
+def _stack(ctx, args, kwargs, out):
+    return _merge(ctx, out, list(args[0]))
+
+
+def _add(ctx, args, kwargs, out):
+    if not all(isinstance(a, torch.Tensor) for a in args[:2]):
+        return None
+    return _merge(ctx, out, list(args[:2]))
+
+
+def _foreach_norm(ctx, args, kwargs, out):
+    order = args[1] if len(args) > 1 else kwargs.get("ord", 2)
+    if order != 2 or not has_named_parameters(ctx):
+        return None
+    return [_start(ctx, o, g, 1) for g, o in zip(args[0], out, strict=True)]
+
+
+for _name, _rule in (("pow", _pow), ("mul", _mul), ("linalg_vector_norm", _vector_norm),
+                     ("sum", _sum), ("stack", _stack), ("cat", _stack), ("add", _add)):
+    _wrap(_name, _rule)
+_checker.register_rule(aten._foreach_norm, _foreach_norm)
+
+
+# --- the all-reduce of a norm ---------------------------------------------------------------
+
+_base_allreduce = _collectives.C10D_RULES["allreduce_"]
+
+
+def _allreduce(ctx, args, kwargs, out):
+    tensors, group, op = args[0], args[1], _collectives._reduce_op(args[2])
+    if (len(tensors) != 1 or tensors[0].numel() != 1 or op != _collectives.SUM
+            or not has_named_parameters(ctx)):
+        return _base_allreduce(ctx, args, kwargs, out)
+    t = tensors[0]
+    term = _term(t)
+    axes = _collectives._axes(ctx, group)
+    everyone = _exchange(ctx, group, axes, term)
+    errors = [] if everyone is None else accounting_errors(
+        everyone, [ctx.names[a] for a in axes], [ctx.sizes[a] for a in axes])
+    if term is not None and term.power != 2 and axes:
+        errors.append(_summed_norms(term, ctx.names[axes[0]]))
+    report(ctx, errors, "all_reduce of a gradient norm")
+    if term is None:
+        return _base_allreduce(ctx, args, kwargs, out)
+    t._sc_norm = None
+    pl = list(term.placements(ctx.n))
+    for a in axes:
+        pl[a] = R
+    ctx.update_inplace(t, tuple(pl))
+    return NO_TENSOR
+
+
+def _exchange(ctx, group, axes, term: NormTerm | None) -> list[Counted] | None:
+    """What every rank of ``group`` counted; None where ranks cannot talk (fake groups)."""
+    pg = dist.ProcessGroup.unbox(group) if not isinstance(group, dist.ProcessGroup) else group
+    if dist.get_backend(pg) == "fake":
+        return None
+    params = {} if term is None else {
+        name: tuple("R" if pl[a] is R else repr(pl[a]) for a in axes)
+        for name, pl in term.params.items()}
+    mine = Counted(tuple(ctx.index[a] for a in axes), params)
+    everyone: list = [None] * dist.get_world_size(pg)
+    dist.all_gather_object(everyone, mine, group=pg)
+    if not any(c.params for c in everyone):
+        return None
+    return everyone
+
+
+def _summed_norms(term: NormTerm, axis: str) -> AccountingError:
+    names = sorted(term.params)
+    return AccountingError(names[0], axis, f"norms (not squared norms) of {', '.join(names)} "
+                           f"are summed over {axis}: square them before the all-reduce")
+
+
+_checker.register_rule(torch.ops.c10d.allreduce_, _allreduce)

@@ -1,0 +1,1064 @@
+"""Typing rules for aten ops: one table entry per op, looked up once per OpOverload.
+
+A rule sees the checker context, the op's args/kwargs and its output, and returns the
+result's placements: one tuple per mesh axis (``None`` on an axis means unknown), a list of
+such tuples for ops with several outputs, or ``None`` when the result is unknown. A rule
+raises :class:`Violation` when the op would compute a wrong global value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from shardcheck.typecheck.broadcast import broadcast_dims
+from shardcheck.typecheck.types import I, P, Placement, R, S, Shard, V
+
+aten = torch.ops.aten
+
+
+class _PartialAverage(Placement):
+    """A mean over one rank's shard: only an AVG all-reduce turns it into R."""
+
+    __slots__ = ()
+    symbol = "P(avg)"
+
+
+class _EvenPartial(Placement):
+    """A partial sum of which every rank holds the same share (a sum over equal shards of a
+    constant, e.g. the token count of an all-ones mask): the global value is n times the
+    local one. It is a P; :func:`elementwise` and the positively homogeneous ops know more."""
+
+    __slots__ = ()
+    symbol = "P(even)"
+
+
+class Gathered(Placement):
+    """All-gathered along dim 0 from shards on ``dim``: rank blocks stacked on dim 0."""
+
+    __slots__ = ("dim",)
+
+    def __init__(self, dim: int) -> None:
+        self.dim = dim
+
+    def __repr__(self) -> str:
+        return f"G({self.dim})"
+
+
+class RankChunk(Shard):
+    """S(d) from the rank-slice heuristic on a split: this rank's chunk of an R tensor.
+
+    It acts as S(d), except where the pieces of the split are put back together (cat,
+    list collectives): there it is what it really holds on every rank, R.
+    """
+
+    __slots__ = ()
+
+
+class GatheredPiece(RankChunk):
+    """Element j of a list all_gather of S(d): rank j's piece, the same on every rank. Put
+    back together along d (cat) the pieces are R; along another dim they line up with nothing
+    of the global value (V)."""
+
+    __slots__ = ()
+
+
+class BlockShard(Shard):
+    """S(d) of a merged dim whose sharded factor is inner: dim d holds ``outer`` blocks, and
+    in each block the ranks' pieces are concatenated in rank order. Megatron's attention
+    builds it: [s, b, np, hn] -> [s, b*np, hn] with np sharded is S(1) with b blocks; the
+    reverse view makes it S on np again."""
+
+    __slots__ = ("outer",)
+
+    def __init__(self, dim: int, outer: int) -> None:
+        super().__init__(dim)
+        self.outer = outer
+
+    def __repr__(self) -> str:
+        return f"S({self.dim}, blocks={self.outer})"
+
+    def __eq__(self, other: object) -> bool:
+        return (isinstance(other, BlockShard) and other.dim == self.dim
+                and other.outer == self.outer)
+
+    def __hash__(self) -> int:
+        return hash(("S", self.dim, self.outer))
+
+
+class SectionShard(Shard):
+    """S(d) of a fused dim: the global dim concatenates sections (e.g. query, key, value), each
+    sharded over the axis, and every rank holds its piece of each section, in order;
+    ``sections`` are the local lengths. Megatron's fused column-parallel weights are laid out
+    so (their ``sharded_state_dict`` splits them per section); cutting such a dim at section
+    boundaries gives S(d) pieces."""
+
+    __slots__ = ("sections",)
+
+    def __init__(self, dim: int, sections: tuple[int, ...]) -> None:
+        super().__init__(dim)
+        self.sections = tuple(sections)
+
+    def __repr__(self) -> str:
+        return f"S({self.dim}, sections={list(self.sections)})"
+
+    def __eq__(self, other: object) -> bool:
+        return (isinstance(other, SectionShard) and other.dim == self.dim
+                and other.sections == self.sections)
+
+    def __hash__(self) -> int:
+        return hash(("S", self.dim, self.sections))
+
+    def piece(self, start: int, length: int) -> Shard | None:
+        """The shard of the local range [start, start+length) if it is whole sections."""
+        bounds = [0]
+        for size in self.sections:
+            bounds.append(bounds[-1] + size)
+        if start not in bounds or start + length not in bounds:
+            return None
+        inner = self.sections[bounds.index(start):bounds.index(start + length)]
+        return S(self.dim) if len(inner) == 1 else SectionShard(self.dim, inner)
+
+
+def outer_of(p: Shard) -> int:
+    return p.outer if type(p) is BlockShard else 1
+
+
+def moved(p: Shard, dim: int) -> Shard:
+    """The same kind of shard on another dim."""
+    if type(p) is BlockShard:
+        return BlockShard(dim, p.outer)
+    if type(p) is RankChunk:
+        return RankChunk(dim)
+    return SectionShard(dim, p.sections) if type(p) is SectionShard else S(dim)
+
+
+def as_pieces(pl: tuple) -> tuple:
+    """Read rank chunks as the replicated pieces they are (for cat and list collectives)."""
+    return tuple(R if isinstance(p, RankChunk) else p for p in pl)
+
+
+def chunk_dim(pieces) -> int | None:
+    """The dim along which ``pieces`` are consecutive equal chunks of one tensor, in order."""
+    if len(pieces) < 2:
+        return 0 if pieces else None
+    first = pieces[0]
+    storage = first.untyped_storage().data_ptr()
+    if any(t.shape != first.shape or t.stride() != first.stride()
+           or t.untyped_storage().data_ptr() != storage for t in pieces):
+        return None
+    step = pieces[1].storage_offset() - first.storage_offset()
+    if step <= 0 or any(t.storage_offset() - first.storage_offset() != k * step for k, t in enumerate(pieces)):
+        return None
+    return next((d for d in range(first.dim()) if first.shape[d] * first.stride(d) == step), None)
+
+
+def mark_stacked(ctx, out: torch.Tensor, tensors, dim: int) -> None:
+    """cat along dim 0 of the consecutive chunks of one tensor along another dim (Megatron's
+    split-the-last-dim-and-stack before a reduce-scatter or all-to-all): remember the dim, so
+    the collective that takes the blocks apart knows where they came from."""
+    if dim == 0 and len(tensors) > 1:
+        c = chunk_dim(tensors)
+        if c not in (None, 0):
+            out._sc_stacked = (ctx.key, c, len(tensors))
+
+
+def axis_stride(ctx, a: int) -> int:
+    """How far apart in rank neighbours on mesh axis ``a`` are: an inner (faster) axis is nearer.
+    Of two axes sharding one dim, the inner one's pieces sit inside the outer one's."""
+    ranks = ctx.mesh.axes[ctx.names[a]].ranks
+    return abs(ranks[1] - ranks[0]) if len(ranks) > 1 else 0
+
+
+def mark_gathered_rows(ctx, out: torch.Tensor, pl: tuple, axes: list[int], count: int) -> None:
+    """A tensor all-gather of a dim-0 shard: remember that dim 0 of ``out`` stacks the
+    ranks' rows, so putting its chunks side by side along another dim can be told a bug."""
+    rows = [a for a in axes if isinstance(pl[a], Shard) and pl[a].dim == 0]
+    if rows:
+        out._sc_gathered = (ctx.key, tuple(rows), count)
+
+
+def rows_side_by_side(ctx, tensors, dim: int) -> tuple[int, ...]:
+    """Axes on which ``tensors``, joined along ``dim`` != 0, are the row blocks of an all-gather
+    of a dim-0 shard (see :func:`mark_gathered_rows`): Megatron's gather-along-the-last-dim
+    applied to a sequence shard."""
+    base = tensors[0]._base
+    mark = getattr(base, "_sc_gathered", None) if base is not None else None
+    if (dim == 0 or mark is None or mark[0] is not ctx.key or mark[2] != len(tensors)
+            or any(t._base is not base for t in tensors) or chunk_dim(tensors) != 0):
+        return ()
+    return mark[1]
+
+
+PAVG: Placement = _PartialAverage()
+PEVEN: Placement = _EvenPartial()
+NO_TENSOR = ()  # a typed result without tensor outputs (e.g. ``.item()``)
+
+Pl = tuple  # per-axis placements, None where unknown
+
+
+class Violation(Exception):
+    """A rule's verdict: ``rule`` broken on mesh axis ``axis`` (an index)."""
+
+    def __init__(self, rule: str, axis: int, why: str = "", occurrence: int | None = None,
+                 unconfirmed: bool = False) -> None:
+        super().__init__(rule)
+        self.rule, self.axis, self.why, self.occurrence = rule, axis, why, occurrence
+        # a report that stands only when ranks at two or more coordinates make it (see
+        # checker.confirmed_across_ranks): recorded, never raised by one rank alone
+        self.unconfirmed = unconfirmed
+
+
+HELP: dict[str, tuple[str, str]] = {
+    "non-linear on partial": (
+        "the op is not linear: applied to each rank's partial sum it differs from the op of the sum",
+        "all_reduce over {axis} before {op}"),
+    "affine on partial": (
+        "adding a non-zero replicated/sharded value to a partial sum adds it once per rank",
+        "all_reduce over {axis} first, or add the term on one rank only"),
+    "partial product": (
+        "a product of per-rank partial sums is not the product of the sums",
+        "all_reduce over {axis} one of the operands first"),
+    "division by partial": (
+        "each rank divides by its own partial of the divisor, not by the global value",
+        "all_reduce the divisor over {axis} before dividing"),
+    "mean over shard": (
+        "a mean over one rank's shard is a partial average: only an AVG all-reduce completes it",
+        "sum over the shard and divide by the global count, or all_reduce(AVG) over {axis}"),
+    "normalization over shard": (
+        "the op normalises along a dim that is split over the ranks, using only the local part",
+        "all_gather over {axis} first, or compute the statistics with collectives"),
+    "global shape mismatch": (
+        "a replicated full-size operand is combined with one rank's slice of a sharded one",
+        "slice the replicated operand by rank (sc.rank_slice) or all_gather the sharded one over {axis}"),
+    "mixed shards": (
+        "the operands are split along different dims, so their local pieces do not line up",
+        "redistribute one operand over {axis} so both are sharded on the same dim"),
+    "shard counted as replica": (
+        "the value is cut over the axis, but the code takes it for a replica and counts only "
+        "one rank's piece (e.g. in a norm over parameters)",
+        "count every rank's piece: mark the value as sharded over {axis}"),
+    "double count": (
+        "a SUM all-reduce of a replicated value adds n copies of the same value",
+        "drop this all_reduce, or reduce the partial value instead"),
+    "gather of replicated": (
+        "all_gather of a replicated value concatenates n copies of it",
+        "drop the all_gather over {axis}, or gather the sharded value"),
+    "scatter of replicated": (
+        "reduce_scatter of a replicated value sums n copies of it",
+        "slice by rank instead (sc.rank_slice), or reduce-scatter the partial value"),
+    "split of varying": (
+        "the tensor already differs per rank, so taking this rank's chunk of it keeps only a "
+        "fraction of each rank's data",
+        "split the replicated value, or check which group's rank indexes the split"),
+    "broadcast of partial": (
+        "a broadcast sends one rank's partial sum to every rank: the other ranks' parts are lost",
+        "all_reduce over {axis} instead of broadcasting"),
+    "mean of partial": (
+        "an AVG reduction of partial sums divides their sum by the axis size",
+        "reduce with SUM over {axis}"),
+    "unknown axis": (
+        "the collective runs on a group whose ranks match no axis of the mesh",
+        "use the process group of the axis the data is laid out on"),
+    "assertion": ("sc.assert_type found another type", "fix the program or the assertion"),
+    "contract": ("an argument does not have the type the function's contract requires",
+                 "convert the argument before the call"),
+}
+
+
+# --- helpers -------------------------------------------------------------------------------
+
+def arg(args: tuple, kwargs: dict, pos: int, name: str, default: Any = None) -> Any:
+    return args[pos] if len(args) > pos else kwargs.get(name, default)
+
+
+def is_tensor(x: Any) -> bool:
+    return isinstance(x, torch.Tensor)
+
+
+def norm_dim(d: int, ndim: int) -> int:
+    return d + ndim if d < 0 else d
+
+
+def is_partial(p: Placement | None) -> bool:
+    return p is P or p is PAVG or p is PEVEN
+
+
+def is_sum(p: Placement | None) -> bool:
+    """P, or its refinement P(even): the global value is the sum over the axis."""
+    return p is P or p is PEVEN
+
+
+def stacks_as_pieces(p: Placement | None, x: torch.Tensor) -> bool:
+    """A partial count whose ranks' pieces a gather may stack (collect), read as V.
+
+    Reading P as V forgets the pending sum; for a value with a gradient that breaks the
+    backward (the gradient of P is R, of V is V), so only integer and bool tensors (counts,
+    indices, which have no gradient) qualify. The stacked result holds every rank's piece;
+    summing over the stacked dim gives the total.
+    """
+    return is_sum(p) and not (x.is_floating_point() or x.is_complex())
+
+
+def replicated(p: Placement | None) -> bool:
+    return p is R or p is I
+
+
+def shift_shards(pl: Pl, move: Callable[[int], int | None]) -> Pl:
+    """Move each S(d) to S(move(d)); None from ``move`` makes that axis unknown."""
+    out = []
+    for p in pl:
+        if isinstance(p, Shard):
+            d = move(p.dim)
+            out.append(None if d is None else moved(p, d))
+        elif isinstance(p, Gathered):
+            out.append(None)
+        else:
+            out.append(p)
+    return tuple(out)
+
+
+# --- elementwise ---------------------------------------------------------------------------
+# An operand's role: ADD (linear, summed), MUL (linear, multiplied), DIV (a divisor),
+# NL (any non-linear use).
+ADD, MUL, DIV, NL = "add", "mul", "div", "nl"
+
+
+class Typed:
+    """An operand that is no tensor yet: its placements and shape (e.g. addmm's product), and
+    whether every element is known to be equal."""
+
+    __slots__ = ("pl", "shape", "const")
+
+    def __init__(self, pl: Pl, shape: tuple, const: bool = False) -> None:
+        self.pl, self.shape, self.const = pl, shape, const
+
+
+class _Operand:
+    __slots__ = ("pl", "role", "zero", "shape", "scalar", "const", "tensor")
+
+    def __init__(self, pl, role, zero, shape, scalar, const=False, tensor=None):
+        self.pl, self.role, self.zero, self.shape, self.scalar = pl, role, zero, shape, scalar
+        self.const, self.tensor = const, tensor
+
+    def broadcast_on(self, dim: int) -> bool:
+        """Whether the operand holds one value along ``dim`` (see shardcheck.typecheck.broadcast), as the
+        gradient of a sum over ``dim`` does."""
+        if self.shape[dim] == 1:
+            return True
+        return self.tensor is not None and dim - len(self.shape) in broadcast_dims(self.tensor)
+
+
+def elementwise(ctx, items: list[tuple[Any, str]]) -> Pl | None:
+    """Type an elementwise op over ``(value, role)`` items, broadcasting tensors."""
+    fast = _same_simple_layout(ctx, items)
+    if fast is not None:
+        return fast
+    ops = []
+    out_ndim = 0
+    for value, role in items:
+        if is_tensor(value):
+            pl = ctx.types(value)
+            if pl is None:
+                if value.dim() != 0:
+                    return None
+                ops.append(_Operand(None, role, None, (), True))  # a constant of unknown value
+                continue
+            shape = value.shape
+            out_ndim = max(out_ndim, len(shape))
+            ops.append(_Operand(pl, role, ctx.zero(value), shape, False, ctx.const(value),
+                                value))
+        elif isinstance(value, Typed):
+            out_ndim = max(out_ndim, len(value.shape))
+            ops.append(_Operand(value.pl, role, False, value.shape, False, value.const))
+        elif value is not None:
+            ops.append(_Operand(None, role, value == 0, (), True))
+    if all(o.pl is None for o in ops) and any(is_tensor(v) for v, _ in items):
+        return None  # only untyped 0-dim tensors and numbers: nothing is known of the result
+    return tuple(_axis_elementwise(ops, a, out_ndim) for a in range(ctx.n))
+
+
+def _same_simple_layout(ctx, items: list[tuple[Any, str]]) -> Pl | None:
+    """The common case, fast: every typed operand has the same placements, no P, and any
+    shard is on tensors of equal rank. Returns None when the general rule must decide."""
+    first = None
+    ndim = -1
+    for value, _ in items:
+        if not isinstance(value, torch.Tensor):
+            if isinstance(value, Typed):
+                return None
+            continue
+        pl = ctx.types(value)
+        if pl is None:
+            return None
+        if first is None:
+            first = pl
+            for p in pl:
+                if p is not R and p is not V and p is not I and type(p) is not Shard:
+                    return None
+        elif pl != first:
+            return None
+        if ndim != value.dim():
+            if ndim >= 0:
+                return None
+            ndim = value.dim()
+    return first
+
+
+def _axis_elementwise(ops: list[_Operand], a: int, out_ndim: int) -> Placement | None:
+    tensors = [o for o in ops if not o.scalar]
+    for o in tensors:
+        p = o.pl[a]
+        if p is None or isinstance(p, Gathered):
+            return None
+    partial = [o for o in tensors if is_partial(o.pl[a]) and not o.zero]
+    if partial:
+        return _axis_partial(ops, partial, a, out_ndim)
+    return _axis_layout(tensors, a, out_ndim)
+
+
+def _axis_partial(ops: list[_Operand], partial: list[_Operand], a: int,
+                  out_ndim: int) -> Placement | None:
+    kind = _partial_kind(partial, a)
+    avg = kind is PAVG
+    for o in partial:
+        if o.role == NL:
+            raise Violation("mean over shard" if avg else "non-linear on partial", a)
+    divisors = [o for o in partial if o.role == DIV]
+    if divisors:
+        return _even_quotient(ops, divisors, a, out_ndim)
+    roles = {o.role for o in partial}
+    varying = False
+    for o in ops:
+        if o in partial:
+            continue
+        if o.scalar:
+            if o.role == ADD and o.zero is None:
+                return None
+            if o.role == ADD and not o.zero:
+                raise Violation("mean over shard" if avg else "affine on partial", a)
+            continue
+        p = o.pl[a]
+        if p is V:
+            varying = True
+        elif o.zero:
+            continue
+        elif MUL in roles or (o.role != ADD and ADD not in roles):
+            if not replicated(p):
+                raise Violation("mean over shard" if avg else "partial product", a)
+        elif o.role == ADD:
+            raise Violation("mean over shard" if avg else "affine on partial", a)
+        elif not replicated(p):
+            raise Violation("mean over shard" if avg else "affine on partial", a)
+    if MUL in roles and len(partial) > 1:
+        raise Violation("mean over shard" if avg else "partial product", a)
+    return V if varying else kind
+
+
+def _partial_kind(partial: list[_Operand], a: int) -> Placement:
+    """P(avg) when every partial operand is one (mixed with sums: a violation), P(even) when
+    every one is P(even), else P."""
+    kinds = {o.pl[a] for o in partial}
+    if PAVG in kinds:
+        if len(kinds) > 1:
+            raise Violation("mean over shard", a)
+        return PAVG
+    return PEVEN if kinds == {PEVEN} else P
+
+
+def _even_quotient(ops: list[_Operand], divisors: list[_Operand], a: int,
+                   out_ndim: int) -> Placement | None:
+    """Division by an even partial c = C/n: x_r / c = n x_r / C on every rank. A P numerator
+    gives a P(avg) (the mean over ranks is X/C: a mean over equal shards), a P(even) one gives
+    R (the n cancels). In a backward pass an R gradient gives R: gradients of a P(avg) loss
+    carry the factor n that the gradient average takes out (as in mean's backward, which
+    divides by the local count). Anything else divided by a partial is wrong on every rank.
+    An untyped numerator leaves the result unknown."""
+    divisor = divisors[0]
+    if len(divisors) > 1 or divisor.pl[a] is not PEVEN:
+        raise Violation("mean over shard" if divisor.pl[a] is PAVG else "division by partial", a)
+    if any(o.scalar and o.zero is None for o in ops):
+        return None
+    plain = _Operand(divisor.pl[:a] + (R,) + divisor.pl[a + 1:], MUL, divisor.zero,
+                     divisor.shape, divisor.scalar, divisor.const)
+    rest = [plain if o is divisor else o for o in ops]
+    numerator = _axis_elementwise(rest, a, out_ndim)
+    if numerator is P:
+        return PAVG
+    if numerator is PEVEN:
+        return R
+    if numerator is V or numerator is None:
+        return numerator
+    if replicated(numerator) and torch._C._current_graph_task_id() >= 0:  # in backward
+        return R
+    raise Violation("mean over shard" if numerator is PAVG else "division by partial", a)
+
+
+def _axis_layout(tensors: list[_Operand], a: int, out_ndim: int) -> Placement:
+    """The layout of an elementwise result. A rank chunk is a guess (this rank's piece of an R
+    tensor, e.g. one output of a split), and the shard of a constant is arbitrary (its pieces
+    are all equal); where they do not line up with the other operands, the program uses them
+    as the plain values they are on every rank, R."""
+    try:
+        return _shard_layout(tensors, a, out_ndim)
+    except Violation:
+        if not any(_loose_shard(o, a) for o in tensors):
+            raise
+    return _shard_layout([_as_piece(o, a) for o in tensors], a, out_ndim)
+
+
+def _loose_shard(o: _Operand, a: int) -> bool:
+    return type(o.pl[a]) is RankChunk or (o.const and isinstance(o.pl[a], Shard))
+
+
+def _as_piece(o: _Operand, a: int) -> _Operand:
+    if not _loose_shard(o, a):
+        return o
+    return _Operand(o.pl[:a] + (R,) + o.pl[a + 1:], o.role, o.zero, o.shape, o.scalar, o.const)
+
+
+def _shard_layout(tensors: list[_Operand], a: int, out_ndim: int) -> Placement:
+    shard_dims = set()
+    varying, invariant_only, guessed = False, True, True
+    for o in tensors:
+        p = o.pl[a]
+        if isinstance(p, Shard):
+            shard_dims.add((norm_dim(p.dim, len(o.shape)) + out_ndim - len(o.shape), outer_of(p)))
+            guessed = guessed and type(p) is RankChunk
+        if p is V:
+            varying = True
+        if p is not I:
+            invariant_only = False
+    if len(shard_dims) > 1:
+        raise Violation("mixed shards", a)
+    if shard_dims:
+        ((d, outer),) = shard_dims
+        for o in tensors:
+            if (replicated(o.pl[a]) or is_partial(o.pl[a])) and not o.const:
+                local = d - (out_ndim - len(o.shape))
+                if local >= 0 and not o.broadcast_on(local):
+                    raise Violation("global shape mismatch", a)
+        if varying:
+            return V
+        if outer > 1:
+            return BlockShard(d, outer)
+        return RankChunk(d) if guessed else _common_sections(tensors, a, d)
+    if varying:
+        return V
+    return I if invariant_only and tensors else R
+
+
+def _common_sections(tensors: list[_Operand], a: int, d: int) -> Shard:
+    """S(d), keeping the sections of its sharded operands. Operands cut into different sections
+    (a plain shard is one section) hold their global values in different orders, so their
+    local elements do not line up: a fused weight's output plus a bias cut as one slice."""
+    layouts = {_sections_of(o, a) for o in tensors if isinstance(o.pl[a], Shard)}
+    sectioned = any(type(o.pl[a]) is SectionShard for o in tensors)
+    if sectioned and len(layouts) > 1:
+        shown = " vs ".join(str(list(s)) for s in sorted(layouts))
+        raise Violation("mixed shards", a, f"local sections {shown} along the sharded dim")
+    return SectionShard(d, next(iter(layouts))) if sectioned else S(d)
+
+
+def _sections_of(o: _Operand, a: int) -> tuple[int, ...]:
+    """The local section lengths of a sharded operand (one section for a plain shard)."""
+    p = o.pl[a]
+    return p.sections if type(p) is SectionShard else (o.shape[norm_dim(p.dim, len(o.shape))],)
+
+
+def _roles(*roles: str) -> Callable:
+    """A rule for an op whose leading positional args take the given roles."""
+    def rule(ctx, args, kwargs, out):
+        items = [(args[i] if i < len(args) else None, role) for i, role in enumerate(roles)]
+        return elementwise(ctx, items)
+    return rule
+
+
+def _homogeneous_rule(ctx, args, kwargs, out):
+    """clamp, relu, abs: f(c*x; c*bounds) = c*f(x; bounds) for c > 0. On an even partial
+    every rank holds x = X/n, so the result is again an even share: of f of the total with
+    its bounds scaled by n. On any other partial they are non-linear."""
+    items = [(x, NL) for x in args[:3]]
+    pl = ctx.types(args[0])
+    if pl is None or PEVEN not in pl:
+        return elementwise(ctx, items)
+    share = Typed(tuple(R if p is PEVEN else p for p in pl), tuple(args[0].shape))
+    result = elementwise(ctx, [(share, NL), *items[1:]])
+    if result is None:
+        return None
+    return tuple(PEVEN if p is PEVEN and r is R else r for p, r in zip(pl, result, strict=True))
+
+
+def _add_rule(ctx, args, kwargs, out):
+    alpha = kwargs.get("alpha", args[2] if len(args) > 2 else 1)
+    other = args[1]
+    if not is_tensor(other):
+        other = other * alpha
+    return elementwise(ctx, [(args[0], ADD), (other, ADD)])
+
+
+def _where_rule(ctx, args, kwargs, out):
+    return elementwise(ctx, [(args[0], NL), (args[1], ADD), (args[2], ADD)])
+
+
+def _masked_fill_rule(ctx, args, kwargs, out):
+    return elementwise(ctx, [(args[0], ADD), (args[1], NL), (args[2], ADD)])
+
+
+def _unary_linear(ctx, args, kwargs, out):
+    pl = ctx.types(args[0])
+    if pl is None:
+        return None
+    return tuple(None if isinstance(p, Gathered) else p for p in pl)
+
+
+def without_partial(pl: Pl | None) -> Pl | None:
+    return None if pl is None else tuple(R if is_partial(p) else p for p in pl)
+
+
+def _keep_layout(ctx, args, kwargs, out):
+    """Random fills keep their template's layout (the RNG is assumed in sync); else V."""
+    pl = ctx.types(args[0]) if args and is_tensor(args[0]) else None
+    return (V,) * ctx.n if pl is None else without_partial(pl)
+
+
+def _like_rule(ctx, args, kwargs, out):
+    """zeros_like & co: a tensor shaped like one rank's template, so laid out like it
+    (a partial template gives R: the new values are the same on every rank)."""
+    pl = ctx.types(args[0])
+    return (R,) * ctx.n if pl is None else without_partial(pl)
+
+
+def _dropout_rule(ctx, args, kwargs, out):
+    pl = ctx.types(args[0])
+    return None if pl is None else [pl, without_partial(pl)]
+
+
+# --- reductions ----------------------------------------------------------------------------
+
+def reduced_dims(dim: Any, ndim: int) -> set[int]:
+    if dim is None or (isinstance(dim, (list, tuple)) and len(dim) == 0):
+        return set(range(ndim))
+    if isinstance(dim, int):
+        dim = [dim]
+    return {norm_dim(d, max(ndim, 1)) for d in dim}
+
+
+def reduction(kind: str, dim_pos: int = 1, keep_pos: int = 2) -> Callable:
+    """sum-like (kind 'sum'), mean ('mean'), max-like ('max') or non-linear ('norm') reductions."""
+    def rule(ctx, args, kwargs, out):
+        x = args[0]
+        pl = ctx.types(x)
+        if pl is None:
+            return None
+        ndim = x.dim()
+        dims = reduced_dims(arg(args, kwargs, dim_pos, "dim"), ndim)
+        keep = bool(arg(args, kwargs, keep_pos, "keepdim", False))
+        pl = tuple(moved(p, norm_dim(p.dim, max(ndim, 1))) if isinstance(p, Shard) and p.dim < 0
+                   else p for p in pl)  # S(-1) and S(ndim-1) are the same shard
+        even = ctx.const(x)  # equal shards of a constant sum to equal shares
+        return tuple(_reduce_axis(kind, p, a, dims, keep, even) for a, p in enumerate(pl))
+    return rule
+
+
+def _reduce_axis(kind: str, p: Placement | None, a: int, dims: set[int], keep: bool,
+                 even: bool = False):
+    if p is None or isinstance(p, Gathered):
+        return None
+    if is_partial(p):
+        if kind in ("sum", "mean"):
+            return p
+        raise Violation("mean over shard" if p is PAVG else "non-linear on partial", a)
+    if not isinstance(p, Shard):
+        return p
+    if p.dim in dims:
+        if kind == "sum":
+            return PEVEN if even else P
+        if kind == "mean":
+            return PAVG
+        if kind == "max":
+            return V
+        raise Violation("normalization over shard", a)
+    return p if keep else moved(p, p.dim - sum(1 for d in dims if d < p.dim))
+
+
+def _normalize_rule(ctx, args, kwargs, out):
+    """softmax / log_softmax over ``dim``."""
+    x = args[0]
+    pl = ctx.types(x)
+    if pl is None:
+        return None
+    dim = norm_dim(args[1], x.dim())
+    for a, p in enumerate(pl):
+        if is_partial(p):
+            raise Violation("mean over shard" if p is PAVG else "non-linear on partial", a)
+        if isinstance(p, Shard) and norm_dim(p.dim, x.dim()) == dim:
+            raise Violation("normalization over shard", a)
+    return _no_gathered(pl)
+
+
+def _no_gathered(pl: Pl) -> Pl:
+    """A normalisation of gathered blocks (stacked on dim 0, not joined) mixes the blocks."""
+    return tuple(None if isinstance(p, Gathered) else p for p in pl)
+
+
+def _normalize_backward_rule(ctx, args, kwargs, out):
+    """_softmax_backward_data / _log_softmax_backward_data(grad, output, dim, dtype)."""
+    _normalize_rule(ctx, (args[1], args[2]), {}, out)
+    return elementwise(ctx, [(args[0], MUL), (args[1], NL)])
+
+
+def _layer_norm_rule(ctx, args, kwargs, out):
+    """native_layer_norm(input, normalized_shape, weight, bias, eps) -> (out, mean, rstd)."""
+    x = args[0]
+    pl = ctx.types(x)
+    if pl is None:
+        return None
+    first = x.dim() - len(args[1])
+    for a, p in enumerate(pl):
+        if is_partial(p):
+            raise Violation("mean over shard" if p is PAVG else "non-linear on partial", a)
+        if isinstance(p, Shard) and norm_dim(p.dim, x.dim()) >= first:
+            raise Violation("normalization over shard", a)
+    weight, bias = arg(args, kwargs, 2, "weight"), arg(args, kwargs, 3, "bias")
+    y = elementwise(ctx, [(x, NL), (weight, NL), (bias, NL)])
+    return [None if y is None else _no_gathered(y), _no_gathered(pl), _no_gathered(pl)]
+
+
+def join(a: Pl | None, b: Pl | None) -> Pl | None:
+    if a is None or b is None:
+        return None
+    return tuple(x if x == y else None for x, y in zip(a, b, strict=True))
+
+
+def _layer_norm_backward_rule(ctx, args, kwargs, out):
+    """native_layer_norm_backward(grad, input, shape, mean, rstd, weight, bias, mask)."""
+    grad, x = args[0], args[1]
+    g = elementwise(ctx, [(grad, MUL), (x, NL)])
+    if g is None:
+        return None
+    lead = set(range(x.dim() - len(args[2])))
+    param = tuple(_reduce_axis("sum", p, a, lead, False) for a, p in enumerate(g))
+    return [g, param, param]
+
+
+def _activation_backward(ctx, args, kwargs, out):
+    """gelu_backward(grad, self), silu_backward, threshold_backward, ...: linear in grad."""
+    return elementwise(ctx, [(args[0], MUL), (args[1], NL)])
+
+
+def _dropout_backward(ctx, args, kwargs, out):
+    return elementwise(ctx, [(args[0], MUL), (args[1], MUL)])
+
+
+# --- contractions --------------------------------------------------------------------------
+
+def einsum_rule(ctx, specs: list[tuple[Any, str]], out_spec: str) -> Pl | None:
+    """Type a contraction given each operand's dim letters and the output's letters.
+
+    A constant operand (every element equal) is a slice of a constant global tensor, so it
+    fits any layout: it is left out of the layout decision.
+    """
+    pls = []
+    for t, letters in specs:
+        pl = ctx.types(t)
+        if pl is None:
+            return None
+        if not (ctx.const(t) and all(p is None or replicated(p) for p in pl)):
+            pls.append((pl, letters))
+    if not pls:
+        return ctx.types(specs[0][0])
+    first = pls[0][0]
+    if all(pl == first for pl, _ in pls) and all(p is R or p is V or p is I for p in first):
+        return first  # R@R, V@V: the common case, fast
+    return tuple(_axis_contract(pls, a, out_spec) for a in range(ctx.n))
+
+
+def _axis_contract(pls, a: int, out_spec: str) -> Placement | None:
+    ps = [pl[a] for pl, _ in pls]
+    partial = False
+    for p in ps:
+        if p is None or type(p) is Gathered:
+            return None
+        if is_partial(p):
+            partial = True
+    if partial:
+        if PAVG in ps:
+            raise Violation("mean over shard", a)
+        if sum(1 for p in ps if is_sum(p)) > 1 or any(isinstance(p, Shard) for p in ps):
+            raise Violation("partial product", a)
+        return V if V in ps else P
+    letters, shard = set(), None
+    for p, (_, spec) in zip(ps, pls, strict=True):
+        if isinstance(p, Shard):
+            letters.add((spec[norm_dim(p.dim, len(spec))], outer_of(p)))
+            shard = p
+    if len(letters) > 1:
+        raise Violation("mixed shards", a)
+    if V in ps:
+        return V
+    if not letters:
+        return I if all(p is I for p in ps) else R
+    ((letter, _),) = letters
+    for p, (_, spec) in zip(ps, pls, strict=True):
+        if replicated(p) and letter in spec:
+            raise Violation("global shape mismatch", a)
+    return moved(shard, out_spec.index(letter)) if letter in out_spec else P
+
+
+def _mm(ctx, args, kwargs, out):
+    return einsum_rule(ctx, [(args[0], "nk"), (args[1], "km")], "nm")
+
+
+def _bmm(ctx, args, kwargs, out):
+    return einsum_rule(ctx, [(args[0], "bnk"), (args[1], "bkm")], "bnm")
+
+
+def _mv(ctx, args, kwargs, out):
+    return einsum_rule(ctx, [(args[0], "nk"), (args[1], "k")], "n")
+
+
+def _dot(ctx, args, kwargs, out):
+    return einsum_rule(ctx, [(args[0], "k"), (args[1], "k")], "")
+
+
+def _with_bias(contract: Callable) -> Callable:
+    """addmm/baddbmm(bias, a, b, beta, alpha): the product plus a broadcast bias (ignored
+    with beta=0, as Megatron's attention does with an uninitialised buffer)."""
+    def rule(ctx, args, kwargs, out):
+        product = contract(ctx, args[1:], kwargs, out)
+        if product is None or arg(args, kwargs, 3, "beta", 1) == 0:
+            return product
+        return elementwise(ctx, [(args[0], ADD), (Typed(product, tuple(out.shape)), ADD)])
+    return rule
+
+
+def _embedding_rule(ctx, args, kwargs, out):
+    """embedding(weight, indices): a vocab-sharded weight yields a partial (masked) lookup."""
+    weight, idx = args[0], args[1]
+    wl, il = ctx.types(weight), ctx.types(idx)
+    if wl is None or il is None:
+        return None
+    result = []
+    for a, (w, i) in enumerate(zip(wl, il, strict=True)):
+        if w is None or i is None:
+            result.append(None)
+        elif is_partial(i):
+            raise Violation("non-linear on partial", a)
+        elif w is V or i is V:
+            result.append(V)
+        elif isinstance(w, Shard) and isinstance(i, Shard):
+            raise Violation("mixed shards", a)
+        elif isinstance(w, Shard):
+            result.append(P if norm_dim(w.dim, 2) == 0 else S(idx.dim()))
+        elif isinstance(i, Shard):
+            result.append(i)
+        else:
+            result.append(w)
+    return tuple(result)
+
+
+def _embedding_backward_rule(ctx, args, kwargs, out):
+    """embedding_dense_backward(grad, indices, num_weights, padding_idx, scale).
+
+    Where the table is cut into rows (the lookup was the masked partial one), each rank sums
+    the gradient into its own rows: a replicated gradient gives the table's own row shard.
+    """
+    grad = args[0]
+    pl = ctx.types(grad)
+    if pl is None:
+        return None
+    last = grad.dim() - 1
+    tokens = set(range(last))
+    table = ctx.types(looked_up_table("EmbeddingBackward0")) or (None,) * len(pl)
+    return tuple(row_gradient(t, p) if cut_into_rows(t, 2)
+                 else S(1) if isinstance(p, Shard) and norm_dim(p.dim, grad.dim()) == last
+                 else _reduce_axis("sum", p, a, tokens, False)
+                 for a, (p, t) in enumerate(zip(pl, table, strict=True)))
+
+
+def looked_up_table(node_name: str) -> torch.Tensor | None:
+    """The table a lookup's backward computes the gradient of: the leaf tensor the running
+    autograd node ``node_name`` feeds. None elsewhere, or for a table made by other ops."""
+    node = torch._C._current_autograd_node()
+    if node is None or node.name() != node_name or not node.next_functions:
+        return None
+    table = getattr(node.next_functions[0][0], "variable", None)
+    return table if isinstance(table, torch.Tensor) else None
+
+
+def cut_into_rows(p: Placement | None, ndim: int) -> bool:
+    return isinstance(p, Shard) and norm_dim(p.dim, ndim) == 0
+
+
+def row_gradient(table: Shard, grad: Placement | None) -> Placement | None:
+    """A row-cut table's gradient from an output gradient that every rank holds whole: the
+    table's own shard. Any other output gradient gives rows with no global meaning: V."""
+    if grad is None:
+        return None
+    return table if replicated(grad) else V
+
+
+def _nll_rule(ctx, args, kwargs, out):
+    """nll_loss_forward(self, target, weight, reduction, ignore_index) -> (loss, total_weight)."""
+    x, target = args[0], args[1]
+    xl, tl = ctx.types(x), ctx.types(target)
+    if xl is None or tl is None:
+        return None
+    reduction = arg(args, kwargs, 3, "reduction", 1)
+    class_dim = 1 if x.dim() > 1 else 0
+    loss, weight = [], []
+    for a, (p, t) in enumerate(zip(xl, tl, strict=True)):
+        if p is None or t is None:
+            loss.append(None)
+            weight.append(None)
+            continue
+        if isinstance(p, Shard) and norm_dim(p.dim, x.dim()) == class_dim:
+            raise Violation("normalization over shard", a)
+        if p is PAVG:
+            raise Violation("mean over shard", a)
+        lay = p if not replicated(p) else t
+        if is_partial(t):
+            raise Violation("non-linear on partial", a)
+        loss.append(_nll_reduce(lay, reduction))
+        weight.append(_nll_reduce(t, 2) if isinstance(t, Shard) else (V if t is V else R))
+    return [tuple(loss), tuple(weight)]
+
+
+def _nll_reduce(p: Placement, reduction: int) -> Placement:
+    if isinstance(p, Shard) and reduction != 0:
+        return P if reduction == 2 else PAVG
+    return p
+
+
+def _nll_backward_rule(ctx, args, kwargs, out):
+    """nll_loss_backward(grad, self, target, weight, reduction, ignore_index, total_weight)."""
+    gl, xl = ctx.types(args[0]), ctx.types(args[1])
+    if gl is None or xl is None:
+        return None
+    result = []
+    for g, x in zip(gl, xl, strict=True):
+        if g is None or x is None:
+            result.append(None)
+        else:
+            result.append(g if is_sum(g) or g is V else x)
+    return tuple(result)
+
+
+def _replicated_rule(ctx, args, kwargs, out):
+    return (R,) * ctx.n
+
+
+def _varying_rule(ctx, args, kwargs, out):
+    return (V,) * ctx.n
+
+
+def _scalar_rule(ctx, args, kwargs, out):
+    """``.item()``: a Python number read from a tensor. Read from a value that is not the same
+    on every rank of some axis, it differs per rank there: remembered (by value) so that the
+    ops it later enters are V on those axes (see ``Checker.rank_scalars``)."""
+    pl = ctx.types(args[0]) if is_tensor(args[0]) else None
+    if pl is not None and isinstance(out, int | float) and not isinstance(out, bool):
+        axes = tuple(a for a, p in enumerate(pl) if p is not None and not replicated(p))
+        if axes:
+            ctx.remember_rank_scalar(out, axes)
+    return NO_TENSOR
+
+
+# --- the table -----------------------------------------------------------------------------
+
+NONLINEAR_UNARY = [
+    "exp", "exp2", "expm1", "log", "log1p", "log2", "log10", "gelu", "silu", "sigmoid",
+    "tanh", "sqrt", "rsqrt", "erf", "erfinv", "sin", "cos", "reciprocal", "sign", "sgn",
+    "floor", "ceil", "round", "trunc", "frac", "isnan", "isinf", "isfinite", "logical_not",
+    "hardtanh", "leaky_relu", "elu", "softplus", "mish", "hardswish", "hardsigmoid",
+    "nan_to_num", "bitwise_not", "logit", "relu6", "square", "threshold", "pow", "tril", "triu",
+    "any", "all", "sort", "topk", "cumsum", "cumprod",
+]
+POSITIVELY_HOMOGENEOUS = ["clamp", "clamp_min", "clamp_max", "relu", "abs"]
+NONLINEAR_BINARY = [
+    "maximum", "minimum", "eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or",
+    "logical_xor", "bitwise_and", "bitwise_or", "bitwise_xor", "atan2", "fmod", "remainder",
+    "floor_divide", "fmax", "fmin", "xlogy", "hypot",
+]
+LINEAR_UNARY = [
+    "neg", "clone", "detach", "alias", "_to_copy", "contiguous", "positive", "conj",
+    "resolve_conj", "resolve_neg", "_conj", "lift_fresh_copy", "to", "_unsafe_view_copy",
+    "view_as", "type_as", "float", "half", "bfloat16", "double", "real",
+]
+ACTIVATION_BACKWARD = [
+    "gelu_backward", "silu_backward", "threshold_backward", "sigmoid_backward", "tanh_backward",
+    "hardtanh_backward", "leaky_relu_backward", "elu_backward", "softplus_backward",
+    "mish_backward", "hardswish_backward",
+]
+FACTORIES = [
+    "zeros", "ones", "full", "empty", "empty_strided", "arange", "eye", "scalar_tensor",
+    "linspace", "logspace", "new_zeros", "new_ones", "new_full", "new_empty",
+    "new_empty_strided", "lift_fresh", "tensor",
+]
+LIKE_FACTORIES = ["zeros_like", "ones_like", "full_like", "empty_like"]
+RANDOM_FACTORIES = ["rand", "randn", "randint", "randperm"]
+RANDOM_FROM_TEMPLATE = [
+    "rand_like", "randn_like", "randint_like", "bernoulli", "uniform", "normal", "random",
+    "exponential", "cauchy", "log_normal", "geometric",
+]
+ZERO_MAKERS = {"zeros", "zeros_like", "new_zeros", "zero"}
+FILL_OPS = {  # constant; zero when the value is 0
+    "full", "full_like", "new_full", "fill", "scalar_tensor", "ones", "ones_like", "new_ones",
+}
+CONST_PRESERVING = {  # elementwise: constant when every tensor operand is
+    "add", "sub", "rsub", "mul", "div", "true_divide", "neg", "exp", "log", "sqrt", "rsqrt",
+    "pow", "reciprocal", "sigmoid", "tanh", "relu", "gelu", "silu", "abs", "where",
+}
+
+_reduce = {
+    "sum": reduction("sum"), "nansum": reduction("sum"), "mean": reduction("mean"),
+    "nanmean": reduction("mean"), "amax": reduction("max"), "amin": reduction("max"),
+    "max": reduction("max"), "min": reduction("max"), "argmax": reduction("max"),
+    "argmin": reduction("max"), "prod": reduction("norm"), "logsumexp": reduction("norm"),
+    "linalg_vector_norm": reduction("norm", 2, 3), "norm": reduction("norm"),
+    "var": reduction("norm"), "std": reduction("norm"), "var_mean": reduction("norm"),
+    "std_mean": reduction("norm"),
+}
+
+
+def _base_table() -> dict[str, Callable]:
+    table: dict[str, Callable] = {}
+    table.update(dict.fromkeys(NONLINEAR_UNARY, _roles(NL, NL)))
+    table.update(dict.fromkeys(NONLINEAR_BINARY, _roles(NL, NL)))
+    table.update(dict.fromkeys(POSITIVELY_HOMOGENEOUS, _homogeneous_rule))
+    table.update(dict.fromkeys(LINEAR_UNARY, _unary_linear))
+    table.update(dict.fromkeys(ACTIVATION_BACKWARD, _activation_backward))
+    table.update(dict.fromkeys(FACTORIES, _replicated_rule))
+    table.update(dict.fromkeys(RANDOM_FACTORIES, _varying_rule))
+    table.update(dict.fromkeys(RANDOM_FROM_TEMPLATE, _keep_layout))
+    table.update(dict.fromkeys(LIKE_FACTORIES, _like_rule))
+    table.update(_reduce)
+    table.update({
+        "add": _add_rule, "sub": _add_rule, "rsub": _add_rule,
+        "mul": _roles(MUL, MUL), "div": _roles(MUL, DIV), "true_divide": _roles(MUL, DIV),
+        "where": _where_rule, "masked_fill": _masked_fill_rule, "lerp": _roles(NL, NL, NL),
+        "addcmul": _roles(ADD, MUL, MUL), "addcdiv": _roles(ADD, MUL, DIV),
+        "zero": _replicated_rule,
+        "native_dropout": _dropout_rule, "native_dropout_backward": _dropout_backward,
+        "_softmax": _normalize_rule, "_log_softmax": _normalize_rule,
+        "softmax": _normalize_rule, "log_softmax": _normalize_rule,
+        "_softmax_backward_data": _normalize_backward_rule,
+        "_log_softmax_backward_data": _normalize_backward_rule,
+        "native_layer_norm": _layer_norm_rule,
+        "native_layer_norm_backward": _layer_norm_backward_rule,
+        "mm": _mm, "bmm": _bmm, "mv": _mv, "dot": _dot,
+        "addmm": _with_bias(_mm), "baddbmm": _with_bias(_bmm),
+        "embedding": _embedding_rule, "embedding_dense_backward": _embedding_backward_rule,
+        "nll_loss_forward": _nll_rule, "nll_loss_backward": _nll_backward_rule,
+        "_local_scalar_dense": _scalar_rule, "sym_size": _scalar_rule,
+        "sym_numel": _scalar_rule, "equal": _scalar_rule, "is_nonzero": _scalar_rule,
+    })
+    return table
+
+
+RULES: dict[str, Callable] = _base_table()
+"""Arithmetic, reduction, contraction and factory rules per op base name ("add" covers
+add.Tensor, add_.Scalar, add.out, ...); shape ops are in shardcheck.typecheck.shape_rules."""

@@ -1,0 +1,589 @@
+"""Typing rules for shape ops: views, slicing by rank, cat/stack, indexing, copies.
+
+Part of the rule table (see shardcheck.typecheck.rules for the rule protocol).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from shardcheck.typecheck.rules import (
+    ADD,
+    BlockShard,
+    Gathered,
+    GatheredPiece,
+    Pl,
+    RankChunk,
+    SectionShard,
+    Typed,
+    Violation,
+    arg,
+    as_pieces,
+    axis_stride,
+    chunk_dim,
+    cut_into_rows,
+    elementwise,
+    is_partial,
+    is_tensor,
+    join,
+    looked_up_table,
+    mark_stacked,
+    moved,
+    norm_dim,
+    outer_of,
+    reduced_dims,
+    replicated,
+    row_gradient,
+    rows_side_by_side,
+    shift_shards,
+)
+from shardcheck.typecheck.types import P, Placement, R, S, Shard, V
+
+
+def prod(xs) -> int:
+    n = 1
+    for x in xs:
+        n *= x
+    return n
+
+
+def view_shard(in_shape, out_shape, p: Shard) -> Shard | None:
+    """Where a shard lands after a reshape, or None when it cannot be said.
+
+    The ranks' pieces start at a flat offset ``pre`` (the product of the dims before the
+    sharded one, times its blocks). An output dim starting exactly there is sharded plainly;
+    one that ``pre`` falls inside holds the pieces in blocks (a merge with an inner shard).
+    """
+    d, outer = norm_dim(p.dim, len(in_shape)), outer_of(p)
+    pre = prod(in_shape[:d]) * outer
+    inner = in_shape[d] // outer
+    piece = inner * prod(in_shape[d + 1:])
+    start, candidates = 1, []
+    for j, size in enumerate(out_shape):
+        if start == pre:
+            candidates.append(j)
+        elif start < pre < start * size:
+            if candidates or pre % start or piece % prod(out_shape[j + 1:]):
+                break
+            return BlockShard(j, pre // start) if type(p) is not SectionShard else None
+        start *= size
+    if not candidates:
+        return None
+    j = next((j for j in candidates if out_shape[j] == inner),
+             next((j for j in candidates if out_shape[j] > 1), candidates[0]))
+    if type(p) is SectionShard:  # sections survive only where the fused dim stays whole
+        whole = out_shape[j] == inner and prod(out_shape[j + 1:]) == prod(in_shape[d + 1:])
+        return moved(p, j) if whole else None
+    return S(j)
+
+
+def _view_rule(ctx, args, kwargs, out):
+    x = args[0]
+    pl = ctx.types(x)
+    if pl is None:
+        return None
+    in_shape, out_shape = x.shape, out.shape
+    if in_shape == out_shape:
+        return pl
+    return tuple(view_shard(in_shape, out_shape, p) if isinstance(p, Shard)
+                 else (None if isinstance(p, Gathered) else p) for p in pl)
+
+
+def _permute_rule(ctx, args, kwargs, out):
+    x = args[0]
+    pl = ctx.types(x)
+    if pl is None:
+        return None
+    ndim = x.dim()
+    order = [norm_dim(d, ndim) for d in args[1]]
+    return shift_shards(pl, lambda d: order.index(norm_dim(d, ndim)))
+
+
+def _transpose_rule(ctx, args, kwargs, out):
+    x = args[0]
+    pl = ctx.types(x)
+    if pl is None:
+        return None
+    ndim = x.dim()
+    if len(args) < 3:  # t()
+        d0, d1 = 0, max(ndim - 1, 0)
+    else:
+        d0, d1 = norm_dim(args[1], ndim), norm_dim(args[2], ndim)
+    swap = {d0: d1, d1: d0}
+    return shift_shards(pl, lambda d: swap.get(norm_dim(d, ndim), norm_dim(d, ndim)))
+
+
+def _unsqueeze_rule(ctx, args, kwargs, out):
+    x = args[0]
+    pl = ctx.types(x)
+    if pl is None:
+        return None
+    new = norm_dim(args[1], x.dim() + 1)
+    return shift_shards(pl, lambda d: norm_dim(d, x.dim()) + (norm_dim(d, x.dim()) >= new))
+
+
+def _squeeze_rule(ctx, args, kwargs, out):
+    x = args[0]
+    pl = ctx.types(x)
+    if pl is None:
+        return None
+    ndim = x.dim()
+    dims = args[1] if len(args) > 1 else range(ndim)
+    dims = [dims] if isinstance(dims, int) else dims
+    gone = {norm_dim(d, ndim) for d in dims if x.shape[norm_dim(d, ndim)] == 1}
+
+    def moved(d: int) -> int | None:
+        d = norm_dim(d, ndim)
+        return None if d in gone else d - sum(1 for g in gone if g < d)
+    return shift_shards(pl, moved)
+
+
+def _expand_rule(ctx, args, kwargs, out):
+    x = args[0]
+    pl = ctx.types(x)
+    if pl is None:
+        return None
+    lead = out.dim() - x.dim()
+    return shift_shards(pl, lambda d: norm_dim(d, x.dim()) + lead)
+
+
+def _cut_along(ctx, pl: Pl, ndim: int, dim: int, pieces: list[tuple[int, int]], total: int,
+               by_rank_slice: bool = False) -> list[Pl]:
+    """Placements of each piece (start, length) cut from a tensor along ``dim``.
+
+    Cutting along a sharded dim gives V. The rank-slice heuristic: a piece of an R tensor
+    whose length is total / axis size and whose start is this rank's index on that axis
+    times the length is S(dim) on that axis (Megatron's scatter-to-region idiom). A slice
+    (``by_rank_slice``) of a V tensor matching the pattern is a "split of varying".
+    """
+    results = []
+    for start, length in pieces:
+        by_rank = rank_piece(ctx, pl, dim, total, start, length, by_rank_slice)
+        per_axis = []
+        for a, p in enumerate(pl):
+            if a in by_rank:
+                per_axis.append(by_rank[a])
+            elif isinstance(p, SectionShard) and norm_dim(p.dim, ndim) == dim:
+                section = p.piece(start, length)
+                per_axis.append(V if section is None else moved(section, dim))
+            elif isinstance(p, Shard) and norm_dim(p.dim, ndim) == dim:
+                per_axis.append(V)
+            elif isinstance(p, Gathered):
+                per_axis.append(R if dim == 0 else None)
+            else:
+                per_axis.append(p)
+        results.append(tuple(per_axis))
+    return results
+
+
+def rank_chunks(total: int, parts: int, index: int) -> set[tuple[int, int]]:
+    """(start, length) of piece ``index`` when ``total`` is cut into ``parts`` by rank.
+
+    Equal pieces, ``tensor_split`` (the first ``total % parts`` pieces one longer) and
+    ``chunk`` (pieces of ``ceil(total / parts)``, the last one shorter) all count.
+    """
+    base, extra = divmod(total, parts)
+    by_tensor_split = (index * base + min(index, extra), base + (index < extra))
+    ceil = -(-total // parts)
+    by_chunk = (index * ceil, max(0, min(ceil, total - index * ceil)))
+    return {by_tensor_split, by_chunk}
+
+
+def rank_piece(ctx, pl: Pl, dim: int, total: int, start: int, length: int,
+               check_varying: bool) -> dict[int, Placement | None]:
+    """Axes on which the piece [start, start+length) is this rank's chunk of ``total``.
+
+    The whole dim is no rank's chunk: ``x[:, 0]`` of a dim of size 1 on rank 0 is the tensor.
+    """
+    def matches(a: int) -> bool:
+        size = ctx.sizes[a]
+        return size > 1 and length < total and (start, length) in rank_chunks(total, size, ctx.index[a])
+    by_rank = [a for a, p in enumerate(pl) if replicated(p) and matches(a)]
+    if len(by_rank) == 1:
+        return {by_rank[0]: S(dim) if check_varying else RankChunk(dim)}
+    if by_rank:  # ambiguous: several axes have the same size and index here
+        return dict.fromkeys(by_rank)
+    if check_varying and any(p is V for p in pl):
+        occurrence = ctx.count_varying_cut()
+        for a, p in enumerate(pl):
+            if p is V and matches(a):
+                raise Violation("split of varying", a, occurrence=occurrence)
+    return {}
+
+
+def _slice_rule(ctx, args, kwargs, out):
+    x = args[0]
+    pl = ctx.types(x)
+    if pl is None:
+        return None
+    ndim = x.dim()
+    dim = norm_dim(arg(args, kwargs, 1, "dim", 0), ndim)
+    size = x.shape[dim]
+    start = arg(args, kwargs, 2, "start", 0) or 0
+    step = arg(args, kwargs, 4, "step", 1)
+    start = max(0, min(size, norm_dim(start, size)))
+    length = out.shape[dim]
+    if step != 1:
+        start = -1  # a strided slice is no rank's chunk
+    return _cut_along(ctx, pl, ndim, dim, [(start, length)], size, by_rank_slice=True)[0]
+
+
+def _select_rule(ctx, args, kwargs, out):
+    x = args[0]
+    pl = ctx.types(x)
+    if pl is None:
+        return None
+    ndim = x.dim()
+    dim = norm_dim(args[1], ndim)
+    # one index is no rank's chunk: it equals this rank's index by chance too often (a layer,
+    # a microbatch when there are as many as ranks)
+    (piece,) = _cut_along(ctx, pl, ndim, dim, [(-1, 1)], x.shape[dim])
+    return shift_shards(piece, lambda d: None if d == dim else d - (d > dim))
+
+
+def _split_rule(ctx, args, kwargs, out):
+    x = args[0]
+    pl = ctx.types(x)
+    if pl is None:
+        return None
+    ndim = x.dim()
+    dim = norm_dim(arg(args, kwargs, 2, "dim", 0), ndim)
+    pieces, start = [], 0
+    for t in out:
+        pieces.append((start, t.shape[dim]))
+        start += t.shape[dim]
+    return _cut_along(ctx, pl, ndim, dim, pieces, x.shape[dim])
+
+
+def _unbind_rule(ctx, args, kwargs, out):
+    x = args[0]
+    pl = ctx.types(x)
+    if pl is None:
+        return None
+    ndim = x.dim()
+    dim = norm_dim(arg(args, kwargs, 1, "dim", 0), ndim)
+    pieces = _cut_along(ctx, pl, ndim, dim, [(k, 1) for k in range(len(out))], len(out))
+    # a rank-slice guess along the unbound dim has no dim left to shard: the piece of a
+    # replicated tensor is what every rank holds, R
+    pieces = [tuple(R if isinstance(p, RankChunk) and p.dim == dim else p for p in piece)
+              for piece in pieces]
+    return [shift_shards(p, lambda d: None if d == dim else d - (d > dim)) for p in pieces]
+
+
+def _pieces(ctx, tensors, joined_dim: int | None = None) -> list:
+    """Operands put back together: rank chunks read as R when other pieces are there. Along
+    ``joined_dim`` (cat's) sections are left out: pieces cut differently still line up there."""
+    if len(tensors) < 2:
+        return [(t, ADD) for t in tensors]
+    items = []
+    for t in tensors:
+        pl = ctx.types(t)
+        if pl is not None:
+            if joined_dim is not None:
+                pl = tuple(V if type(p) is GatheredPiece and norm_dim(p.dim, t.dim()) != joined_dim
+                           else p for p in pl)
+            pl = as_pieces(pl)
+            if joined_dim is not None:
+                pl = tuple(S(p.dim) if type(p) is SectionShard
+                           and norm_dim(p.dim, t.dim()) == joined_dim else p for p in pl)
+            t = Typed(pl, tuple(t.shape), ctx.const(t))
+        items.append((t, ADD))
+    return items
+
+
+def _cat_rule(ctx, args, kwargs, out):
+    tensors = [t for t in args[0] if t.numel() > 0 or t.dim() > 1]
+    if not tensors:
+        return None
+    ndim = out.dim()
+    dim = norm_dim(arg(args, kwargs, 1, "dim", 0), ndim)
+    pl = elementwise(ctx, _pieces(ctx, tensors, dim))
+    if pl is None or len(tensors) == 1:
+        return pl
+    for a in rows_side_by_side(ctx, tensors, dim):
+        raise Violation("mixed shards", a, f"the pieces are the rows of a gathered dim-0 shard, "
+                                           f"joined along dim {dim}")
+    mark_stacked(ctx, out, tensors, dim)
+    ungathered = _ungathered(ctx, tensors, dim)
+    if ungathered is not None:
+        return ungathered
+    return tuple(_joined_sections(ctx, tensors, a, dim)
+                 if isinstance(p, Shard) and norm_dim(p.dim, ndim) == dim else p
+                 for a, p in enumerate(pl))
+
+
+def _ungathered(ctx, tensors, dim: int) -> Pl | None:
+    """The dim-0 chunks of gathered blocks (all-gathered from S(dim) on some axes) joined
+    along ``dim`` again, in order: the gathered axes are R, and the others keep the gathered
+    tensor's placement. A shard of ``dim`` on an axis outside (slower than) the gathered ones
+    is whole again; on an axis inside them its pieces are sections (see _joined_sections)."""
+    base = tensors[0]._base
+    pl = ctx.types(base) if base is not None else None
+    if (pl is None or any(t._base is not base for t in tensors) or chunk_dim(tensors) != 0
+            or tensors[0].storage_offset() != base.storage_offset()):
+        return None
+    gathered = [a for a, p in enumerate(pl) if isinstance(p, Gathered)]
+    if not gathered or any(norm_dim(pl[a].dim, base.dim()) != dim for a in gathered):
+        return None
+    if len(tensors) != prod(ctx.sizes[a] for a in gathered):
+        return None
+    inner = max(axis_stride(ctx, a) for a in gathered)
+    if any(isinstance(p, Shard) and norm_dim(p.dim, base.dim()) == dim and ctx.sizes[a] > 1
+           and axis_stride(ctx, a) < inner for a, p in enumerate(pl) if a not in gathered):
+        return None  # a shard of an axis inside the gathered ones: its pieces are sections
+    return tuple(R if a in gathered else p for a, p in enumerate(pl))
+
+
+def _joined_sections(ctx, tensors, a: int, dim: int) -> Placement:
+    """cat along a dim the pieces are cut along on axis ``a``: every rank holds its part of
+    each piece, in order, so the result is a fused dim with the pieces as its sections (GLU's
+    backward joins the gradients of its two halves so). A piece cut otherwise does not line
+    up with the others: V."""
+    sections: list[int] = []
+    for t in tensors:
+        if t.shape[dim] == 0:
+            continue
+        p = ctx.types(t)[a]
+        if type(p) not in (Shard, SectionShard) or norm_dim(p.dim, t.dim()) != dim:
+            return V
+        sections += p.sections if type(p) is SectionShard else [t.shape[dim]]
+    return SectionShard(dim, tuple(sections)) if len(sections) > 1 else S(dim)
+
+
+def _stack_rule(ctx, args, kwargs, out):
+    ndim = out.dim()
+    dim = norm_dim(arg(args, kwargs, 1, "dim", 0), ndim)
+    pl = elementwise(ctx, _pieces(ctx, args[0]))
+    if pl is None:
+        return None
+    return shift_shards(pl, lambda d: d + (d >= dim))
+
+
+def _along_dim_rule(self_pos: int, dim_pos: int, index_pos: int) -> Callable:
+    """index_select / gather / scatter: typed when the indexed dim is not sharded."""
+    def rule(ctx, args, kwargs, out):
+        x = args[self_pos]
+        pl = ctx.types(x)
+        il = ctx.types(args[index_pos])
+        if pl is None or il is None:
+            return None
+        dim = norm_dim(args[dim_pos], x.dim())
+        result = []
+        for a, (p, i) in enumerate(zip(pl, il, strict=True)):
+            if p is None or i is None or isinstance(p, Gathered):
+                result.append(None)
+            elif is_partial(i):
+                raise Violation("non-linear on partial", a)
+            elif isinstance(p, Shard) and norm_dim(p.dim, x.dim()) == dim:
+                result.append(V)
+            elif i is V:
+                result.append(V)
+            else:
+                result.append(p)
+        return tuple(result)
+    return rule
+
+
+def _scatter_rule(ctx, args, kwargs, out):
+    base = _along_dim_rule(0, 1, 2)(ctx, args, kwargs, out)
+    src = args[3] if len(args) > 3 else kwargs.get("src", kwargs.get("value"))
+    if base is None or not is_tensor(src):
+        return base
+    return join(base, ctx.types(src))
+
+
+def _index_rule(ctx, args, kwargs, out):
+    """x[i0, i1, ...] with index tensors: indexing a sharded dim gives V (each rank picks from
+    its own shard), except a lookup of rows in a row-sharded table by replicated indices,
+    which is an embedding lookup (P); a shard after a leading block of indexed dims moves
+    with the block."""
+    x, indices = args[0], list(args[1])
+    pl = ctx.types(x)
+    if pl is None:
+        return None
+    picked = [k for k, idx in enumerate(indices) if idx is not None]
+    index_pls = [ctx.types(indices[k]) for k in picked]
+    if any(p is None for p in index_pls):
+        return None
+    index_ndim = out.dim() - (x.dim() - len(picked))
+    leading = picked == list(range(len(picked)))
+    single_leading = picked == [0]
+    result = []
+    for a, p in enumerate(pl):
+        index_axis = [ip[a] for ip in index_pls]
+        if p is None or isinstance(p, Gathered) or any(i is None for i in index_axis):
+            result.append(None)
+        elif any(is_partial(i) for i in index_axis):
+            raise Violation("non-linear on partial", a)
+        elif single_leading and type(p) is Shard and norm_dim(p.dim, x.dim()) == 0 \
+                and replicated(index_axis[0]):
+            # table[indices] is embedding(indices, table): a lookup in a row-sharded table
+            # is the masked partial lookup, typed as the embedding rule types it
+            result.append(P)
+        elif isinstance(p, Shard) and norm_dim(p.dim, x.dim()) in picked:
+            result.append(V)
+        elif isinstance(p, Shard):
+            d = norm_dim(p.dim, x.dim())
+            result.append(S(d - len(picked) + index_ndim) if leading else None)
+        elif replicated(p) and single_leading and isinstance(index_axis[0], Shard):
+            # a replicated table looked up by sharded indices (an embedding): the index dims
+            # lead the result, so it is sharded where the indices are
+            result.append(S(norm_dim(index_axis[0].dim, indices[0].dim())))
+        elif V in index_axis or any(isinstance(i, Shard) for i in index_axis):
+            result.append(V if not is_partial(p) else None)
+        else:
+            result.append(p)
+    return tuple(result)
+
+
+def _nonzero_rule(ctx, args, kwargs, out):
+    """nonzero(x) (and ``torch.where(x)``): the positions of x's non-zero entries. The same on
+    every rank where x is replicated; a shard's (local positions) or a varying x's differ: V."""
+    pl = ctx.types(args[0])
+    if pl is None:
+        return None
+    if any(is_partial(p) for p in pl):
+        raise Violation("non-linear on partial", next(a for a, p in enumerate(pl) if is_partial(p)))
+    return tuple(None if p is None else R if replicated(p) else V for p in pl)
+
+
+def _index_put_rule(ctx, args, kwargs, out):
+    """x[idx] = values: a shard stays a shard (each rank writes its own elements); otherwise
+    the stored values must have x's placement (zeros fit a partial)."""
+    written = _written_rule(ctx, args)
+    rows = _rows_of_lookup(ctx, args, kwargs)
+    if written is None or not rows:
+        return written
+    return tuple(rows.get(a, p) for a, p in enumerate(written))
+
+
+def _rows_of_lookup(ctx, args, kwargs) -> dict[int, Placement | None]:
+    """In the backward of ``table[indices]``, the gradient summed into zeros shaped like the
+    table. Where the table is cut into rows and the indices are replicated (the masked partial
+    lookup, see :func:`_index_rule`), each rank sums into its own rows: by axis, those rows."""
+    indices = list(args[1])
+    table = looked_up_table("IndexBackward0")
+    if table is None or len(indices) != 1 or indices[0] is None or not ctx.zero(args[0]) \
+            or not arg(args, kwargs, 3, "accumulate", False):
+        return {}
+    tl, il, gl = ctx.types(table), ctx.types(indices[0]), ctx.types(args[2])
+    if tl is None or il is None or gl is None:
+        return {}
+    return {a: row_gradient(t, g) for a, (t, i, g) in enumerate(zip(tl, il, gl, strict=True))
+            if cut_into_rows(t, table.dim()) and replicated(i)}
+
+
+def _written_rule(ctx, args):
+    xl, values = ctx.types(args[0]), args[2]
+    if xl is None:
+        return None
+    vl = ctx.types(values)
+    if vl is None:
+        if values.dim() != 0:
+            return None
+        zero = values.item() == 0
+        return tuple(None if is_partial(p) and not zero else p for p in xl)
+    result = []
+    for p, v in zip(xl, vl, strict=True):
+        if (isinstance(p, Shard) or p is V) and not is_partial(v):
+            result.append(p)
+        elif p == v or (ctx.zero(values) and is_partial(p)):
+            result.append(p)
+        elif replicated(p) and v is V:
+            result.append(V)
+        else:
+            result.append(None)
+    return tuple(result)
+
+
+def _as_strided_rule(ctx, args, kwargs, out):
+    """as_strided: typed only when it reproduces its input's layout (autograd does that)."""
+    x = args[0]
+    same = out.shape == x.shape and out.stride() == x.stride()
+    return ctx.types(x) if same else None
+
+
+def _copy_rule(ctx, args, kwargs, out):
+    dst, src = args[0], args[1]
+    pl = ctx.types(src)
+    if pl is None:
+        return None
+    lead = dst.dim() - src.dim()
+    return shift_shards(pl, lambda d: norm_dim(d, src.dim()) + lead)
+
+
+def _fill_rule(ctx, args, kwargs, out):
+    value = args[1]
+    if is_tensor(value):
+        return ctx.types(value)
+    return (R,) * ctx.n
+
+
+def _flip_like(dims_pos: int) -> Callable:
+    """flip/roll/repeat: reordering or repeating a sharded dim loses its meaning (V)."""
+    def rule(ctx, args, kwargs, out):
+        x = args[0]
+        pl = ctx.types(x)
+        if pl is None:
+            return None
+        dims = arg(args, kwargs, dims_pos, "dims", None)
+        touched = reduced_dims(dims, x.dim())
+        return tuple(V if isinstance(p, Shard) and norm_dim(p.dim, x.dim()) in touched else p
+                     for p in pl)
+    return rule
+
+
+def _repeat_rule(ctx, args, kwargs, out):
+    x = args[0]
+    pl = ctx.types(x)
+    if pl is None:
+        return None
+    reps = list(args[1])
+    lead = len(reps) - x.dim()
+    result = []
+    for p in pl:
+        if isinstance(p, Shard):
+            d = norm_dim(p.dim, x.dim()) + lead
+            result.append(V if reps[d] != 1 else S(d))
+        else:
+            result.append(None if isinstance(p, Gathered) else p)
+    return tuple(result)
+
+
+def _constant_pad_rule(ctx, args, kwargs, out):
+    """Constant padding is local: S(d) stays S(d) if d is not padded (padding a sharded dim
+    pads every rank's piece, V); R and V stay; P stays P only when padding with zeros."""
+    x, pad = args[0], list(args[1])
+    pl = ctx.types(x)
+    if pl is None:
+        return None
+    value = arg(args, kwargs, 2, "value", 0)
+    padded = {x.dim() - 1 - i // 2 for i, amount in enumerate(pad) if amount}
+    result = []
+    for p in pl:
+        if isinstance(p, Shard) and not isinstance(p, BlockShard | RankChunk):
+            d = norm_dim(p.dim, x.dim())
+            result.append(V if d in padded else moved(p, d))
+        elif is_partial(p):
+            result.append(p if value == 0 or not padded else V)
+        else:
+            result.append(p if replicated(p) or p is V else None)
+    return tuple(result)
+
+
+RULES: dict[str, Callable] = {
+    "view": _view_rule, "_unsafe_view": _view_rule, "reshape": _view_rule,
+    "_reshape_alias": _view_rule,
+    "permute": _permute_rule, "transpose": _transpose_rule, "t": _transpose_rule,
+    "unsqueeze": _unsqueeze_rule, "squeeze": _squeeze_rule, "expand": _expand_rule,
+    "slice": _slice_rule, "select": _select_rule, "split": _split_rule,
+    "split_with_sizes": _split_rule, "unbind": _unbind_rule,
+    "cat": _cat_rule, "stack": _stack_rule,
+    "index_select": _along_dim_rule(0, 1, 2), "gather": _along_dim_rule(0, 1, 2),
+    "scatter": _scatter_rule, "scatter_add": _scatter_rule,
+    "index": _index_rule, "index_put": _index_put_rule, "nonzero": _nonzero_rule,
+    "flip": _flip_like(1), "roll": _flip_like(2), "repeat": _repeat_rule,
+    "as_strided": _as_strided_rule, "fill": _fill_rule, "copy": _copy_rule,
+    "constant_pad_nd": _constant_pad_rule,
+}
+"""Shape-op rules per op base name."""
