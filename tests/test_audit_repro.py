@@ -254,12 +254,11 @@ def test_audit_findings_join_the_store_with_their_scripts_and_repro_reads_them(t
 
 def test_megatron_fuzz_findings_get_their_scripts_from_the_same_templates(tmp_path):
     from shardcheck.fuzz.campaign import resolve_target
-    from shardcheck.fuzz.repro import write_repro
     from shardcheck.megatron.audit import fuzz_targets  # noqa: F401  (registers the catalogue)
 
     finding = _finding("output_loss", {"label_smoothing": 0.1, "seq": 4}, "tp2-sp", "vocab_parallel_cross_entropy")
     finding.origin = "fuzz"
-    text = write_repro(finding, resolve_target("output_loss"), tmp_path / "f.py").read_text()
+    text = resolve_target("output_loss").write_repro(finding, tmp_path / "f.py").read_text()
     assert "'seq': 4" in text and "vocab_parallel_cross_entropy(" in text and "def corrected():" in text
     from shardcheck.megatron.repro.templates import TEMPLATES
     from shardcheck.megatron.scenarios import COMPONENTS

@@ -20,7 +20,6 @@ from shardcheck.fuzz.repro import (
     ScriptBody,
     render_script,
     run_repro,
-    write_repro,
 )
 
 PLANTED = {
@@ -107,5 +106,5 @@ def test_cli_repro_of_unknown_finding_is_one_line(tmp_path):
 def test_type_only_finding_gets_no_script(tmp_path):
     target = resolve_target("planted-masked-mean")
     with pytest.raises(ReproError, match="type-only"):
-        write_repro(_finding(kind="type-only"), target, tmp_path / "x.py")
+        target.write_repro(_finding(kind="type-only"), tmp_path / "x.py")
     assert not (tmp_path / "x.py").exists()

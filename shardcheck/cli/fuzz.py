@@ -17,7 +17,7 @@ from rich.table import Table
 from shardcheck.cli.errors import InputError, reference_failure
 from shardcheck.fuzz.campaign import FuzzError, FuzzTarget, fuzz, registered_targets, resolve_target
 from shardcheck.fuzz.findings import DEFAULT_ROOT, Finding, FindingStore, package_location
-from shardcheck.fuzz.repro import ReproError, run_repro, write_repro
+from shardcheck.fuzz.repro import ReproError, run_repro
 from shardcheck.parity.layout import LayoutError
 from shardcheck.parity.pool import PoolFailure
 
@@ -134,7 +134,7 @@ def _write_script(finding: Finding, path: Path | str) -> Path:
         from shardcheck.megatron.repro.scripts import write_audit_script
 
         return write_audit_script(finding, path)
-    return write_repro(finding, _target(finding.target, module=finding.module), path)
+    return _target(finding.target, module=finding.module).write_repro(finding, path)
 
 
 @click.command("findings")

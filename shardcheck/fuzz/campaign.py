@@ -28,8 +28,8 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 from hypothesis.database import DirectoryBasedExampleDatabase
 
-from shardcheck.fuzz.findings import DEFAULT_ROOT, Finding, FindingStore
-from shardcheck.fuzz.repro import TYPE_ONLY, ReproError, write_repro
+from shardcheck.fuzz.findings import DEFAULT_ROOT, TYPE_ONLY, Finding, FindingStore
+from shardcheck.fuzz.repro import ReproError, write_script
 from shardcheck.fuzz.spaces import option_names, signature_space
 from shardcheck.fuzz.trial import (
     Check,
@@ -64,6 +64,13 @@ class FuzzTarget:
     def option_names(self, config: Mapping[str, Any]) -> list[str]:
         """The names of a trigger's options, part of its finding's id (sizes are not options)."""
         return self.options(config) if self.options is not None else option_names(config, self.scenario)
+
+    def write_repro(self, finding: Finding, path: Path | str) -> Path:
+        """Write ``finding``'s script, from this target's repro hook, to ``path``."""
+        if self.repro is None:
+            raise ReproError(f"fuzz target {self.name!r} provides no repro script body "
+                             "(register it with repro=...)")
+        return write_script(finding, self.repro, path)
 
 
 _TARGETS: dict[str, FuzzTarget] = {}
@@ -273,7 +280,7 @@ def _store(findings: list[Finding], root: Path | str, target: FuzzTarget, write_
         store.place(finding)
         if write_repros and target.repro is not None and finding.kind != TYPE_ONLY:
             with contextlib.suppress(ReproError):  # e.g. a layout the target's template cannot script
-                finding.repro = str(write_repro(finding, target, Path(root) / "repro" / f"{finding.id}.py"))
+                finding.repro = str(target.write_repro(finding, Path(root) / "repro" / f"{finding.id}.py"))
         if store.save(finding):
             new.append(finding.id)
     return new

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT_ROOT = Path(".shardcheck")
+TYPE_ONLY = "type-only"  # the kind of a finding the type checker alone reports
 ID_LENGTH = 10
 _INSTALLED = ("/site-packages/", "/dist-packages/")
 _PROJECT_MARKERS = (".git", "pyproject.toml", "setup.py", "setup.cfg")

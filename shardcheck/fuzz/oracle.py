@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from shardcheck.fuzz.oracle_ops import OPS, Env
 from shardcheck.parity.layout import Layout
 from shardcheck.typecheck import rules
 from shardcheck.typecheck.checker import typecheck
@@ -81,37 +81,6 @@ class Program:
 
 
 # --- the execution environment --------------------------------------------------------------
-
-class Env:
-    """What a step sees of the ranks: size, rank and process group of each group name.
-
-    ``mode`` is "dist" (real Gloo ranks), "single" (the one-rank run: every size 1) or "meta"
-    (shapes only: collectives allocate their outputs and move nothing; the values are junk).
-    """
-
-    def __init__(self, mode: str, sizes: dict[str, int], ranks: dict[str, int],
-                 groups: dict[str, Any] | None = None) -> None:
-        self.mode, self.sizes, self.ranks, self.groups = mode, sizes, ranks, groups or {}
-
-    def size(self, group: str) -> int:
-        return self.sizes[group]
-
-    def rank(self, group: str) -> int:
-        return self.ranks[group]
-
-    def group(self, group: str) -> Any:
-        return self.groups[group]
-
-    def global_rank(self, group: str, index: int) -> int:
-        return dist.get_global_rank(self.groups[group], index)
-
-    @property
-    def moves_data(self) -> bool:
-        return self.mode == "dist"
-
-    def item(self, t: torch.Tensor) -> float:
-        return 1.0 if self.mode == "meta" else t.item()
-
 
 def rank_env(layout: str, rank: int, mode: str, groups: dict[str, Any] | None = None) -> Env:
     """The environment of global ``rank`` on ``layout`` (sizes and indices per group name)."""
@@ -192,7 +161,6 @@ def _split(value: torch.Tensor, placement: str, n: int, salt: tuple) -> list[tor
 def execute(program: Program, env: Env, inputs: Sequence[torch.Tensor],
             on_step: Callable[[int, Any], None] | None = None) -> list[torch.Tensor]:
     """Run the steps on ``inputs``; return inputs and step results, in order."""
-    from shardcheck.fuzz.oracle_ops import OPS
 
     values = list(inputs)
     for i, step in enumerate(program.steps):
@@ -232,7 +200,6 @@ def valid(program: Program) -> bool:
 
 def runs(op: str, envs: Sequence[Env], args: Sequence[Sequence[torch.Tensor]], params: dict) -> list | None:
     """One step's meta results in each environment, or None when it cannot run there."""
-    from shardcheck.fuzz.oracle_ops import OPS
 
     try:
         return [OPS[op](env, *values, **params) for env, values in zip(envs, args, strict=True)]

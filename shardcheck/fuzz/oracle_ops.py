@@ -12,16 +12,46 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as fc
 import torch.nn.functional as F
 
-from shardcheck.fuzz.oracle import Env
-
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX,
                "min": dist.ReduceOp.MIN, "product": dist.ReduceOp.PRODUCT}
+
+
+class Env:
+    """What a step sees of the ranks: size, rank and process group of each group name.
+
+    ``mode`` is "dist" (real Gloo ranks), "single" (the one-rank run: every size 1) or "meta"
+    (shapes only: collectives allocate their outputs and move nothing; the values are junk).
+    """
+
+    def __init__(self, mode: str, sizes: dict[str, int], ranks: dict[str, int],
+                 groups: dict[str, Any] | None = None) -> None:
+        self.mode, self.sizes, self.ranks, self.groups = mode, sizes, ranks, groups or {}
+
+    def size(self, group: str) -> int:
+        return self.sizes[group]
+
+    def rank(self, group: str) -> int:
+        return self.ranks[group]
+
+    def group(self, group: str) -> Any:
+        return self.groups[group]
+
+    def global_rank(self, group: str, index: int) -> int:
+        return dist.get_global_rank(self.groups[group], index)
+
+    @property
+    def moves_data(self) -> bool:
+        return self.mode == "dist"
+
+    def item(self, t: torch.Tensor) -> float:
+        return 1.0 if self.mode == "meta" else t.item()
 
 
 def _buffer(x: torch.Tensor) -> torch.Tensor:

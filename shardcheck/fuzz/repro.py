@@ -21,16 +21,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from string import Template
-from typing import TYPE_CHECKING
 
-from shardcheck.fuzz.findings import Finding
+from shardcheck.fuzz.findings import TYPE_ONLY, Finding
 from shardcheck.parity.launch import free_port
 
-if TYPE_CHECKING:
-    from shardcheck.fuzz.campaign import FuzzTarget
-
 REPRODUCES, FIXED, BROKEN = "reproduces", "fixed", "error"
-TYPE_ONLY = "type-only"
 
 
 @dataclass(frozen=True)
@@ -135,14 +130,6 @@ SUPPORT_HEADER = "# ---- the same for every finding of this component: helpers, 
 
 class ReproError(ValueError):
     """A finding that cannot get a script; its message is one line for the user."""
-
-
-def write_repro(finding: Finding, target: FuzzTarget, path: Path | str) -> Path:
-    """Write ``finding``'s script, from ``target``'s repro hook, to ``path``."""
-    if target.repro is None:
-        raise ReproError(f"fuzz target {target.name!r} provides no repro script body "
-                         "(register it with repro=...)")
-    return write_script(finding, target.repro, path)
 
 
 def write_script(finding: Finding, body: Callable[[Finding], ScriptBody], path: Path | str) -> Path:

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from shardcheck.fuzz.repro import TYPE_ONLY
+from shardcheck.fuzz.findings import TYPE_ONLY
 from shardcheck.parity.assemble import NotComparable, assemble, compare
 from shardcheck.parity.compare import LayoutReport, Row, capture, parity
 from shardcheck.parity.layout import Layout

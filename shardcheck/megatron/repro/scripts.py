@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from shardcheck.fuzz.findings import Finding, FindingStore
-from shardcheck.fuzz.repro import TYPE_ONLY, ReproError, write_script
+from shardcheck.fuzz.findings import TYPE_ONLY, Finding, FindingStore
+from shardcheck.fuzz.repro import ReproError, write_script
 from shardcheck.megatron.audit import report as audit_report
 from shardcheck.megatron.repro.templates import script_body
 

@@ -26,6 +26,7 @@ from typing import Any
 RECORD_ENV = "SHARDCHECK_TRAIN_RECORD"
 SAVE_INIT_ENV = "SHARDCHECK_TRAIN_SAVE_INIT"
 TYPECHECK_ENV = "SHARDCHECK_TRAIN_TYPECHECK"
+ENTRY_SCRIPT = Path(__file__).with_name("entry.py")  # our GPT entry point: harness code to the checker
 
 
 class StepRecorder:
@@ -101,9 +102,7 @@ class StepRecorder:
                   "dp": ps.get_data_parallel_group(), "pp": ps.get_pipeline_model_parallel_group(),
                   "ep": ps.get_expert_model_parallel_group()}
         ctx = SimpleNamespace(rank=dist.get_rank(), groups=groups)
-        from shardcheck.megatron.train import entry as train_entry
-
-        with contracts.probes_installed(), checked_region(ctx) as found, harness_code(train_entry.__file__):
+        with contracts.probes_installed(), checked_region(ctx) as found, harness_code(str(ENTRY_SCRIPT)):
             result = train_step(*args, **kwargs)
         for violation in found:
             if violation["line"] not in self.violations:
