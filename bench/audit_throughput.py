@@ -28,14 +28,14 @@ def main() -> None:
     warnings.filterwarnings("ignore")
 
     from shardcheck.megatron.audit.run import Runner, pools
-    from shardcheck.megatron.audit.sweep import component_options, layouts, plan
+    from shardcheck.megatron.audit.sweep import components_plan, layouts
     from shardcheck.megatron.scenarios import COMPONENTS
     from shardcheck.parity.layout import Layout
 
     names = args.only.split(",") if args.only else list(COMPONENTS)
     chosen = ([Layout.parse(t) for t in args.layouts.split(",")] if args.layouts
               else [lay for lay in layouts(max_world=2, explicit=True)])
-    cases = [c for c in plan({c: component_options(c) for c in names}, chosen, None)
+    cases = [c for c in components_plan(names, chosen)
              if COMPONENTS[c.component].refuses(c.layout) is None]
     defaults = [c for c in cases if not c.options]
     with pools() as warm:

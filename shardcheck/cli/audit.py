@@ -45,7 +45,7 @@ def _fixed_options(component_names: list[str], pairs: tuple[str, ...]) -> tuple:
 
 
 def _plan(only: tuple[str, ...], layouts_text: str | None, sets: tuple[str, ...], budget: int | None):
-    from shardcheck.megatron.audit.sweep import Case, component_options, plan, runs_under
+    from shardcheck.megatron.audit.sweep import Case, components_plan, runs_under
     from shardcheck.megatron.scenarios import COMPONENTS
 
     unknown = [c for c in only if c not in COMPONENTS]
@@ -58,7 +58,7 @@ def _plan(only: tuple[str, ...], layouts_text: str | None, sets: tuple[str, ...]
         options = _fixed_options(names, sets)
         return [Case(c, options, layout) for layout in layout_list for c in names
                 if runs_under(c, layout)]
-    return plan({c: component_options(c) for c in names}, layout_list, None)
+    return components_plan(names, layout_list)
 
 
 @click.group("audit", invoke_without_command=True)

@@ -625,6 +625,19 @@ def _resolve(func) -> tuple:
 
 # --- public API ------------------------------------------------------------------------------
 
+_TENSOR_DATA = torch._C.TensorBase.__dict__["data"]
+
+
+def _data_with_its_type(t: torch.Tensor, value: torch.Tensor) -> None:
+    """``t.data = value`` (no op reaches the dispatch mode): ``t`` now holds ``value``'s data,
+    and so its type (Megatron swaps a replicated activation for its rank's chunk this way)."""
+    _TENSOR_DATA.__set__(t, value)
+    t._sc = getattr(value, "_sc", None)
+
+
+_TYPED_DATA = property(_TENSOR_DATA.__get__, _data_with_its_type)
+
+
 def current() -> Checker | None:
     """The innermost active checker, or None outside ``typecheck``."""
     return _ACTIVE[-1] if _ACTIVE else None
@@ -639,11 +652,14 @@ def typecheck(mesh: Mesh, mode: str = "raise", sites: bool = False) -> Iterator[
     """
     checker = Checker(mesh, mode, sites)
     _ACTIVE.append(checker)
+    torch.Tensor.data = _TYPED_DATA
     try:
         with checker:
             yield checker
     finally:
         _ACTIVE.remove(checker)
+        if not _ACTIVE:
+            del torch.Tensor.data
         _LAST[:] = [checker]
         if mode == "collect" and checker.records:  # silent when clean: parity runs many regions
             print(checker.summary(), file=sys.stderr, flush=True)

@@ -201,12 +201,12 @@ def config_options(component: str) -> list[tuple[str, Any]]:
     return accepted
 
 
-def accepted_by_config(component: str, option: tuple[str, Any]) -> bool:
-    """Whether TransformerConfig's own validation accepts the option on one rank."""
+def accepted_by_config(component: str, *options: tuple[str, Any]) -> bool:
+    """Whether TransformerConfig's own validation accepts the options together on one rank."""
     from shardcheck.megatron.scenarios import COMPONENTS
     from shardcheck.megatron.scenarios.gpt import transformer_config
 
-    setup = COMPONENTS[component].setup(**setup_kwargs(COMPONENTS[component].setup, [option]))
+    setup = COMPONENTS[component].setup(**setup_kwargs(COMPONENTS[component].setup, options))
     try:
         transformer_config(Layout(), _gpt_setup_class(component)(config=getattr(setup, "config", {})))
     except Exception:  # noqa: BLE001 - any rejection means the value is not usable here
@@ -246,6 +246,27 @@ def changed_config_fields(component: str, options: tuple, layout: Layout) -> fro
         return None
     return frozenset(f.name for f in dataclasses.fields(TransformerConfig)
                      if not _same_value(getattr(built, f.name), getattr(base, f.name)))
+
+
+# Options TransformerConfig accepts only together (its validation refuses each one alone): full
+# recomputation needs a method and a layer count; activations distributed over tp need it too.
+_FULL = (("recompute_granularity", "full"), ("recompute_num_layers", 1))
+BUNDLES: tuple[tuple[tuple[str, Any], ...], ...] = (
+    (*_FULL, ("recompute_method", "uniform")),
+    (*_FULL, ("recompute_method", "block")),
+    (*_FULL, ("recompute_method", "uniform"), ("distribute_saved_activations", True)),
+)
+
+
+def option_bundles(component: str) -> list[tuple[tuple[str, Any], ...]]:
+    """The :data:`BUNDLES` that the component's config takes and accepts (none without a config)."""
+    from shardcheck.megatron.scenarios import COMPONENTS
+
+    entry = COMPONENTS[component]
+    if "config" not in {f.name for f in dataclasses.fields(entry.setup)}:
+        return []
+    return [bundle for bundle in BUNDLES if all(name.startswith(entry.config_prefix) for name, _ in bundle)
+            and accepted_by_config(component, *bundle)]
 
 
 def component_options(component: str) -> list[tuple[str, Any]]:
@@ -315,8 +336,9 @@ def parse_value(text: str) -> Any:
 
 
 def plan(components: Mapping[str, list[tuple[str, Any]]], layout_list: list[Layout],
-         budget: int | None) -> list[Case]:
-    """Cases in coverage order (see the module docstring), cut to ``budget`` runs."""
+         budget: int | None, bundles: Mapping[str, list[tuple]] | None = None) -> list[Case]:
+    """Cases in coverage order (see the module docstring), cut to ``budget`` runs; each of a
+    component's ``bundles`` (options set together) is swept as one more option."""
     def tier(option_sets: list[tuple[str, tuple]], tier_layouts: list[Layout]) -> Iterator[Case]:
         for layout in tier_layouts:
             for component, options in option_sets:
@@ -325,11 +347,19 @@ def plan(components: Mapping[str, list[tuple[str, Any]]], layout_list: list[Layo
 
     defaults = [(c, ()) for c in components]
     singles = [(c, (option,)) for c, options in components.items() for option in options]
+    singles += [(c, bundle) for c, sets in (bundles or {}).items() for bundle in sets]
     small = [lay for lay in layout_list if lay.world_size <= 2]
     large = [lay for lay in layout_list if lay.world_size > 2]
     ordered = itertools.chain(tier(defaults, layout_list), _interleave(singles, small),
                               _interleave(singles, large))
     return list(itertools.islice(ordered, budget))
+
+
+def components_plan(names: Iterable[str], layout_list: list[Layout]) -> list[Case]:
+    """The whole plan for the named components: every single option and bundle they accept."""
+    names = list(names)
+    return plan({c: component_options(c) for c in names}, layout_list, None,
+                bundles={c: option_bundles(c) for c in names})
 
 
 def _interleave(option_sets: list[tuple[str, tuple]], tier_layouts: list[Layout]) -> Iterator[Case]:

@@ -16,6 +16,9 @@ computes. Each patch below replaces one such place with its CPU equivalent and n
    ``.to("cuda")`` and ``pin_memory`` to CPU, for the hard-coded ones; ``tensor.type()`` with
    no argument reports the CUDA type name (``torch.cuda.FloatTensor``), which gradient clipping
    asserts.
+   ``recompute``: the mode is off while it handles a call, so through all of ``backward``; the
+   checkpoint functions of ``tensor_parallel.random`` (recomputation) rerun forward code there,
+   and their ``backward`` runs under the mode again.
 5. ``synchronize``: ``torch.cuda.synchronize()`` (and stream waits) are no-ops: CPU ops are
    synchronous. Pipeline send/recv calls it.
 6. ``streams``: ``torch.cuda.current_stream()``/``default_stream()``/``Stream()`` and the
@@ -240,6 +243,25 @@ def _patch_rng() -> None:
                               ("_set_cuda_rng_state", _cpu_set_rng_state)):
         if hasattr(mrandom, name):
             _rebind(getattr(mrandom, name), cpu_version)
+
+
+def _in_device_mode(backward: Callable[..., Any]) -> Callable[..., Any]:
+    def rerun(ctx, *grads):
+        with CudaToCpuMode():
+            return backward(ctx, *grads)
+
+    return rerun
+
+
+def _patch_recompute() -> None:
+    mrandom = _module("megatron.core.tensor_parallel.random")
+    checkpoints = [cls for cls in vars(mrandom).values() if isinstance(cls, type)
+                   and issubclass(cls, torch.autograd.Function) and cls.__module__ == mrandom.__name__]
+    if not checkpoints:
+        raise NotNeeded("tensor_parallel.random defines no checkpoint function")
+    for cls in checkpoints:
+        _originals.append((cls, "backward", cls.__dict__["backward"]))
+        cls.backward = staticmethod(_in_device_mode(cls.__dict__["backward"].__func__))
 
 
 def _patch_current_device() -> None:
@@ -484,7 +506,7 @@ def _patch_mamba_kernels() -> None:
 
 
 PATCHES: tuple[tuple[str, Callable[[], None]], ...] = (
-    ("rng", _patch_rng), ("current_device", _patch_current_device),
+    ("rng", _patch_rng), ("recompute", _patch_recompute), ("current_device", _patch_current_device),
     ("torch_norm_sp", _patch_torch_norm), ("synchronize", _patch_synchronize),
     ("streams", _patch_streams), ("te_gemm_name", _patch_te_gemm_name),
     ("host_copy", _patch_host_copy), ("uneven_collectives", _patch_uneven_collectives),
