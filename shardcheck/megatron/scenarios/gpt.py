@@ -228,7 +228,7 @@ def train_step(ctx: Any, setup: GPTSetup) -> dict[str, torch.Tensor]:
         reports = get_forward_backward_func()(
             forward_step_func=_forward_step(batches), data_iterator=None, model=[ddp],
             num_microbatches=len(batches), seq_length=setup.seq,
-            micro_batch_size=setup.micro_batch, forward_only=False, **_schedule_groups(pg, config))
+            micro_batch_size=setup.micro_batch, forward_only=False, **schedule_groups(pg, config))
         outputs = {"loss": reported_loss([r["lm loss"] for r in reports],
                                          config.calculate_per_token_loss, pg)}
         if config.mtp_num_layers:
@@ -283,7 +283,7 @@ def _in_half(config, model, half: torch.dtype | None):
     return Float16Module(config, model)
 
 
-def _schedule_groups(pg: Any, config) -> dict[str, Any]:
+def schedule_groups(pg: Any, config) -> dict[str, Any]:
     """The schedule's explicit groups: the collection, and a P2P communicator over its pp group."""
     if pg is None:
         return {}

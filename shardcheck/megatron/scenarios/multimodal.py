@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 import torch
 
-from shardcheck.megatron.cpu.parallel import LayoutUnsupported, megatron_parallel
+from shardcheck.megatron.cpu.parallel import LayoutUnsupported, explicit_kwargs, megatron_parallel
 from shardcheck.megatron.scenarios.gpt import GPTSetup, masked_loss, transformer_config
 from shardcheck.megatron.scenarios.reference import load_global_weights
 from shardcheck.megatron.scenarios.training import (
@@ -98,7 +98,7 @@ def global_batches(setup: MultimodalSetup) -> list[dict[str, torch.Tensor]]:
     return batches
 
 
-def build_llava(ctx: Any, setup: MultimodalSetup):
+def build_llava(ctx: Any, setup: MultimodalSetup, pg: Any = None):
     """A LLaVAModel with local GPT and CLIP ViT layer specs and an MLP (or affine) projection."""
     from megatron.core.enums import ModelType
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -123,7 +123,7 @@ def build_llava(ctx: Any, setup: MultimodalSetup):
         vision_projection_layer_spec=MLPSubmodules(linear_fc1=ColumnParallelLinear,
                                                    linear_fc2=RowParallelLinear),
         vision_projection_type=setup.projection,
-        img_h=setup.image_size, img_w=setup.image_size, patch_dim=setup.patch)
+        img_h=setup.image_size, img_w=setup.image_size, patch_dim=setup.patch, **explicit_kwargs(pg))
     model.model_type = ModelType.encoder_or_decoder  # set by Megatron-LM's get_model, as here
     return model, language
 
@@ -143,13 +143,13 @@ def _forward_step(batches: list[dict[str, torch.Tensor]]):
 def multimodal_step(ctx: Any, setup: MultimodalSetup) -> dict[str, torch.Tensor]:
     """One LLaVA training step under ``ctx``'s layout; global values by name."""
     check_layout(ctx.layout)
-    with megatron_parallel(ctx):
-        model, config = build_llava(ctx, setup)
+    with megatron_parallel(ctx) as pg:
+        model, config = build_llava(ctx, setup, pg)
         load_global_weights(model, seed=setup.seed)
-        batches = data_parallel_share(global_batches(setup))
+        batches = data_parallel_share(global_batches(setup), pg)
         with recorded(model.language_model, lambda _args, kwargs: kwargs["decoder_input"],
                       before=True) as combined:
             reports = schedule_step(config, model, _forward_step(batches), batches,
-                                    setup.combined_seq, setup.micro_batch)
-        return {**global_results(ctx, model, config, reports),
-                "combined_embeddings": gathered_microbatches(combined, ctx.layout.sp)}
+                                    setup.combined_seq, setup.micro_batch, pg)
+        return {**global_results(ctx, model, config, reports, pg),
+                "combined_embeddings": gathered_microbatches(combined, ctx.layout.sp, pg)}

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from megatron.core.models.T5.t5_model import T5Model
 
-from shardcheck.megatron.cpu.parallel import LayoutUnsupported, megatron_parallel
+from shardcheck.megatron.cpu.parallel import LayoutUnsupported, explicit_kwargs, megatron_parallel
 from shardcheck.megatron.scenarios.gpt import GPTSetup, masked_loss, transformer_config
 from shardcheck.megatron.scenarios.reference import load_global_weights
 from shardcheck.megatron.scenarios.training import (
@@ -95,7 +95,7 @@ def global_batches(setup: T5Setup) -> list[dict[str, torch.Tensor]]:
             for i in range(mb)]
 
 
-def build_t5(config, setup: T5Setup) -> T5Model:
+def build_t5(config, setup: T5Setup, pg: Any = None) -> T5Model:
     """A T5Model with megatron-core's local encoder and decoder layer specs."""
     from megatron.core.models.T5.t5_spec import (
         decoder_model_with_local_spec,
@@ -108,7 +108,7 @@ def build_t5(config, setup: T5Setup) -> T5Model:
         transformer_decoder_layer_spec=decoder_model_with_local_spec(),
         vocab_size=setup.vocab, max_sequence_length=max(setup.encoder_seq, setup.decoder_seq),
         share_embeddings_and_output_weights=setup.share_embeddings,
-        position_embedding_type=setup.position_embedding)
+        position_embedding_type=setup.position_embedding, **explicit_kwargs(pg))
 
 
 def _forward_step(batches: list[dict[str, torch.Tensor]]):
@@ -125,14 +125,14 @@ def _forward_step(batches: list[dict[str, torch.Tensor]]):
 def t5_step(ctx: Any, setup: T5Setup) -> dict[str, torch.Tensor]:
     """One T5 training step under ``ctx``'s layout; global values by name."""
     check_layout(ctx.layout)
-    with megatron_parallel(ctx):
+    with megatron_parallel(ctx) as pg:
         config = transformer_config(ctx.layout, GPTSetup(hidden=setup.hidden, heads=setup.heads,
                                                          layers=setup.layers))
-        model = build_t5(config, setup)
+        model = build_t5(config, setup, pg)
         load_global_weights(model, seed=setup.seed)
-        batches = data_parallel_share(global_batches(setup))
+        batches = data_parallel_share(global_batches(setup), pg)
         with recorded(model.encoder, lambda out: out) as encoder_outputs:
             reports = schedule_step(config, model, _forward_step(batches), batches,
-                                    setup.decoder_seq, setup.micro_batch)
-        return {**global_results(ctx, model, config, reports),
-                "encoder_output": gathered_microbatches(encoder_outputs, ctx.layout.sp)}
+                                    setup.decoder_seq, setup.micro_batch, pg)
+        return {**global_results(ctx, model, config, reports, pg),
+                "encoder_output": gathered_microbatches(encoder_outputs, ctx.layout.sp, pg)}

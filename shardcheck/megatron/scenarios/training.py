@@ -15,17 +15,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardcheck.megatron.cpu.parallel import LayoutUnsupported, world_group
-from shardcheck.megatron.scenarios.gpt import reported_loss
+from shardcheck.megatron.cpu.parallel import (
+    LayoutUnsupported,
+    explicit_kwargs,
+    scenario_groups,
+    world_group,
+)
+from shardcheck.megatron.scenarios.gpt import reported_loss, schedule_groups
 from shardcheck.megatron.scenarios.output_loss import _sequence_gather
 from shardcheck.megatron.scenarios.reference import gather_global, gradient_of
 
 
-def data_parallel_share(batches: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
+def data_parallel_share(batches: list[dict[str, torch.Tensor]], pg: Any = None) -> list[dict[str, torch.Tensor]]:
     """This data-parallel rank's contiguous share of the global microbatches."""
-    from megatron.core import parallel_state as ps
-
-    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    dp_group = scenario_groups(pg).dp
+    dp, dp_rank = dp_group.size(), dp_group.rank()
     if len(batches) % dp:
         raise LayoutUnsupported(f"{len(batches)} microbatches do not split over dp={dp}")
     share = len(batches) // dp
@@ -34,20 +38,21 @@ def data_parallel_share(batches: list[dict[str, torch.Tensor]]) -> list[dict[str
 
 def schedule_step(config, model: torch.nn.Module, forward_step: Callable[..., Any],
                batches: list[dict[str, torch.Tensor]], seq_length: int,
-               micro_batch: int) -> list[dict[str, torch.Tensor]]:
-    """Forward and backward of ``batches`` under DDP and Megatron's schedule; the loss reports."""
+               micro_batch: int, pg: Any = None) -> list[dict[str, torch.Tensor]]:
+    """Forward and backward of ``batches`` under DDP and Megatron's schedule (with the explicit
+    groups ``pg`` where the layout has them); the loss reports."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
     from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 
-    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(), model)
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(), model, **explicit_kwargs(pg))
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = ddp.no_sync
     ddp.zero_grad_buffer()
     return get_forward_backward_func()(
         forward_step_func=forward_step, data_iterator=None, model=[ddp],
         num_microbatches=len(batches), seq_length=seq_length, micro_batch_size=micro_batch,
-        forward_only=False)
+        forward_only=False, **schedule_groups(pg, config))
 
 
 @contextmanager
@@ -68,21 +73,20 @@ def recorded(module: torch.nn.Module, pick: Callable[..., torch.Tensor],
         handle.remove()
 
 
-def gathered_microbatches(seen: list[torch.Tensor], sp: bool) -> torch.Tensor:
+def gathered_microbatches(seen: list[torch.Tensor], sp: bool, pg: Any = None) -> torch.Tensor:
     """Every microbatch's [s, b, ...] tensor, gathered over tp (under sp) and dp: [mb, s, b, ...]."""
-    from megatron.core import parallel_state as ps
-
-    mine = torch.stack([_sequence_gather(value, sp) for value in seen])
-    group = ps.get_data_parallel_group()
+    used = scenario_groups(pg)
+    mine = torch.stack([_sequence_gather(value, sp, used.tp) for value in seen])
+    group = used.dp
     parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, mine.contiguous(), group=group)
     return torch.cat(parts)
 
 
 def global_results(ctx: Any, model: torch.nn.Module, config,
-                   reports: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+                   reports: list[dict[str, torch.Tensor]], pg: Any = None) -> dict[str, torch.Tensor]:
     """The reported loss, every gradient and the largest disagreement between gradient replicas."""
     grads, spread = gather_global(model, gradient_of, world_group(ctx))
-    return {"loss": reported_loss([r["lm loss"] for r in reports], config.calculate_per_token_loss),
+    return {"loss": reported_loss([r["lm loss"] for r in reports], config.calculate_per_token_loss, pg),
             "grad_replica_spread": torch.tensor(max(spread.values())),
             **{f"grad/{k}": v for k, v in grads.items()}}
