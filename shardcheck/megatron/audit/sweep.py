@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import inspect
 import itertools
+import re
 import typing
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -39,7 +41,8 @@ LAYOUT_FIELDS = frozenset({
     "virtual_pipeline_model_parallel_size", "hierarchical_context_parallel_sizes",
     "hybrid_context_parallel", "pipeline_dtype",
 })
-SKIPPED_SETUP_FIELDS = frozenset({"seed", "config"})
+SKIPPED_SETUP_FIELDS = frozenset({"seed", "config", "model_args"})
+MODEL_CLASS = "GPTModel"  # the constructor whose own arguments a setup's ``model_args`` holds
 FLOAT_TRY = 0.1
 
 
@@ -65,15 +68,20 @@ def setup_kwargs(setup_cls: type, options: Iterable[tuple[str, Any]]) -> dict[st
     own = {f.name for f in dataclasses.fields(setup_cls)}
     kwargs: dict[str, Any] = {}
     config: dict[str, Any] = {}
+    model_args: dict[str, Any] = {}
     for name, value in options:
-        if name in own and name != "config":
+        if name in own and name not in ("config", "model_args"):
             kwargs[name] = value
+        elif name.startswith(f"{MODEL_CLASS}.") and "model_args" in own:
+            model_args[name.split(".", 1)[1]] = value
         elif "config" in own:
             config[name] = value
         else:
             raise KeyError(f"{setup_cls.__name__} has no option {name!r}")
     if config:
         kwargs["config"] = config
+    if model_args:
+        kwargs["model_args"] = model_args
     return kwargs
 
 
@@ -227,7 +235,8 @@ def _same_value(a: Any, b: Any) -> bool:
 def changed_config_fields(component: str, options: tuple, layout: Layout) -> frozenset[str] | None:
     """The config fields whose built value under ``layout`` differs from the defaults': the
     options' own fields and what TransformerConfig's ``__post_init__`` derives from them.
-    None when the options set a field of the setup itself, or the config does not build."""
+    None when the options set a field of the setup itself or a model argument, or the config
+    does not build."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from shardcheck.megatron.scenarios import COMPONENTS
@@ -235,7 +244,7 @@ def changed_config_fields(component: str, options: tuple, layout: Layout) -> fro
 
     setup_cls = COMPONENTS[component].setup
     own = {f.name for f in dataclasses.fields(setup_cls)} - {"config"}
-    if not options or any(name in own for name, _ in options):
+    if not options or any(name in own or name.startswith(f"{MODEL_CLASS}.") for name, _ in options):
         return None
     config = setup_kwargs(setup_cls, options).get("config", {})
     gpt_setup = _gpt_setup_class(component)
@@ -269,6 +278,36 @@ def option_bundles(component: str) -> list[tuple[tuple[str, Any], ...]]:
             and accepted_by_config(component, *bundle)]
 
 
+def constructor_options(component: str) -> list[tuple[str, Any]]:
+    """Non-default values of the model constructor's own boolean and ``Literal`` arguments that
+    the scenario leaves at their defaults (``GPTModel.<arg>``), for a component with ``model_args``
+    that sweeps every field (the prefixed components leave shared ones to ``gpt``)."""
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    from shardcheck.megatron.scenarios import COMPONENTS
+
+    entry = COMPONENTS[component]
+    if entry.config_prefix or "model_args" not in {f.name for f in dataclasses.fields(entry.setup)}:
+        return []
+    hints = type_hints(GPTModel.__init__)
+    set_by_scenario = _arguments_passed_by_scenario()
+    found = []
+    for name, parameter in inspect.signature(GPTModel.__init__).parameters.items():
+        if name in set_by_scenario or parameter.default is inspect.Parameter.empty or name not in hints:
+            continue
+        if _is_bool(hints[name]) or _literal_choices(hints[name]) is not None:
+            found += [(f"{MODEL_CLASS}.{name}", v) for v in values_to_try(hints[name], parameter.default)]
+    return found
+
+
+def _arguments_passed_by_scenario() -> frozenset[str]:
+    """The GPTModel arguments the GPT scenario sets from its own fields, the layout or the groups."""
+    from shardcheck.megatron.scenarios import gpt
+
+    source = inspect.getsource(gpt.build_gpt)
+    return frozenset(re.findall(r"(\w+)=", source.split("GPTModel(", 1)[1]))
+
+
 def component_options(component: str) -> list[tuple[str, Any]]:
     """All candidate single options of a component, setup fields first."""
     from shardcheck.megatron.scenarios import COMPONENTS
@@ -277,7 +316,7 @@ def component_options(component: str) -> list[tuple[str, Any]]:
     found = setup_options(setup_cls)
     if "config" in {f.name for f in dataclasses.fields(setup_cls)}:
         found += config_options(component)
-    return found
+    return found + constructor_options(component)
 
 
 def layouts(max_world: int = 4, explicit: bool = False) -> list[Layout]:

@@ -229,7 +229,7 @@ def run(sizes, pg):
     model = GPTModel(config, spec, SETUP["vocab"], SETUP["seq"], pg_collection=pg,
                      pre_process=pg.pp.rank() == 0, post_process=pg.pp.rank() == pg.pp.size() - 1,
                      position_embedding_type=SETUP["position_embedding"], mtp_block_spec=mtp,
-                     share_embeddings_and_output_weights=SETUP["share_embeddings"])
+                     share_embeddings_and_output_weights=SETUP["share_embeddings"], **SETUP.get("model_args", {}))
     return train(sizes, pg, config, model, batches(pg), SETUP["seq"], lambda model, batch: (
         model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"]), batch["loss_mask"]))
 '''

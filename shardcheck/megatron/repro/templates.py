@@ -28,6 +28,7 @@ from typing import Any
 from shardcheck.fuzz.findings import Finding
 from shardcheck.fuzz.repro import ReproError, ScriptBody
 from shardcheck.megatron.audit.report import GLOBAL_GROUP_CONTRACT
+from shardcheck.megatron.audit.sweep import setup_kwargs
 from shardcheck.megatron.checks.contracts import BY_NAME, Contract
 from shardcheck.megatron.repro import snippets as code
 from shardcheck.megatron.scenarios import COMPONENTS
@@ -290,8 +291,9 @@ def _split_options(setup_path: str, options: dict[str, Any]) -> tuple[dict[str, 
     setup_cls = getattr(importlib.import_module(module), name)
     fields = {f.name: f.default for f in dataclasses.fields(setup_cls)
               if f.name != "config" and f.default is not dataclasses.MISSING}
-    setup = {**fields, **{k: v for k, v in options.items() if k in fields}}
-    overrides = {**getattr(setup_cls, "base_config", {}), **{k: v for k, v in options.items() if k not in fields}}
-    if overrides and not any(f.name == "config" for f in dataclasses.fields(setup_cls)):
-        raise ReproError(f"{name} has no options {sorted(overrides)}")
-    return setup, overrides
+    try:
+        chosen = setup_kwargs(setup_cls, options.items())
+    except KeyError as why:
+        raise ReproError(str(why)) from None
+    overrides = {**getattr(setup_cls, "base_config", {}), **chosen.pop("config", {})}
+    return {**fields, **chosen}, overrides

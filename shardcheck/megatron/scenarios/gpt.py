@@ -45,6 +45,8 @@ class GPTSetup:
     clip_grad: float = 0.05
     seed: int = 0
     config: dict[str, Any] = field(default_factory=dict)
+    # GPTModel's own constructor arguments beyond the ones set above, swept as ``GPTModel.<arg>``
+    model_args: dict[str, Any] = field(default_factory=dict)
     base_config: ClassVar[dict[str, Any]] = {}
 
 
@@ -131,7 +133,7 @@ def build_gpt(config, setup: GPTSetup, pg: Any = None):
         post_process=pp.rank() == pp.size() - 1,
         share_embeddings_and_output_weights=setup.share_embeddings,
         position_embedding_type=setup.position_embedding, mtp_block_spec=_mtp_spec(config, spec),
-        **explicit_kwargs(pg),
+        **setup.model_args, **explicit_kwargs(pg),
     )
 
 
