@@ -106,6 +106,13 @@ PIECES = [
     ("constant shard times R", lambda: C(4, 3, tp=S(0)) * T(4, 3), R),
     ("cat with a constant", lambda: torch.cat([T(2, 3, tp=S(0)), C(2, 1).expand(2, 1)], 1), S(0)),
     ("cat with a full R", lambda: torch.cat([T(2, 3, tp=S(0)), T(2, 1)], 1), "global shape mismatch"),
+    # the off-by-one softmax sink: one R value per head expanded along the sharded query dim
+    ("cat with an R row expanded along the shard dim",
+     lambda: torch.cat([T(2, 4, 3, tp=S(1)), T(2, 1, 1).expand(-1, 4, -1)], -1), S(1)),
+    ("cat with an R row repeated along the shard dim (a copy, still one value along it)",
+     lambda: torch.cat([T(2, 4, 3, tp=S(1)), T(2, 1, 1).expand(-1, 4, -1) * 2], -1), S(1)),
+    ("cat with a full R along the shard dim", lambda: torch.cat([T(2, 4, 3, tp=S(1)), T(2, 4, 1)], -1),
+     "global shape mismatch"),
 ]
 
 NONLINEAR = {
