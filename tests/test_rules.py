@@ -19,6 +19,11 @@ def C(*shape, tp=R):  # noqa: N802 - a constant (all ones) typed tensor
     return sc.annotate(torch.ones(*shape), tp=tp)
 
 
+def own_order():
+    """Row indices each rank computed from its own data (an argsort of its routing map): V."""
+    return sc.annotate(torch.tensor([2, 0, 3, 1]), tp=V)
+
+
 def even(n=4):
     """The token count of a sequence shard of an all-ones mask: P(even)."""
     return C(n, tp=S(0)).sum()
@@ -236,6 +241,17 @@ SHAPES = [
     ("gather unsharded dim", lambda: torch.gather(T(4, 3, tp=S(0)), 1,
                                                   sc.annotate(torch.zeros(4, 1).long(), tp=S(0))),
      S(0)),
+    # MoE's unpermute: each rank adds its own (permuted) rows back by its own index
+    ("index_add of a row shard by each rank's own index", lambda: torch.zeros(4, 3).index_add_(
+        0, own_order(), T(4, 3, tp=S(0))), S(0)),
+    ("scatter_add of a row shard by each rank's own index", lambda: torch.zeros(4, 3).scatter_add_(
+        0, own_order().unsqueeze(1).expand(-1, 3), T(4, 3, tp=S(0))), S(0)),
+    ("index_add of a row shard by a replicated index", lambda: torch.zeros(4, 3).index_add_(
+        0, sc.annotate(torch.tensor([2, 0, 3, 1]), tp=R), T(4, 3, tp=S(0))), V),
+    ("index_add of replicated rows by each rank's own index", lambda: torch.zeros(4, 3).index_add_(
+        0, own_order(), T(4, 3)), V),
+    ("index_add of a column shard by each rank's own index", lambda: torch.zeros(4, 3).index_add_(
+        0, own_order(), T(4, 3, tp=S(1))), V),
 ]
 
 FACTORIES = [
