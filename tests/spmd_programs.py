@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import shardcheck as sc
-from shardcheck.typecheck import checker
+from shardcheck.typecheck.checker import current
 
 HIDDEN, FFN, TOKENS, VOCAB = 8, 16, 8, 12
 
@@ -30,7 +30,7 @@ def seeded(*shape: int, seed: int) -> torch.Tensor:
     (A random factory alone types as V: the checker cannot know the generator is seeded.)
     """
     value = torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
-    return sc.annotate(value, tp=sc.R) if checker.current() else value
+    return sc.annotate(value, tp=sc.R) if current() else value
 
 
 def full_weights() -> dict[str, torch.Tensor]:
@@ -122,6 +122,23 @@ def cp_loss_sum_then_divide(group) -> torch.Tensor:
     dist.all_reduce(total, group=group)
     dist.all_reduce(count, group=group)
     return total / count
+
+
+def token_count_from_the_last_stage(cp_group, pp_group, counted_twice: bool = False) -> torch.Tensor:
+    """finalize_model_grads' per-token count: the last pipeline stage adds up its CP chunk's
+    tokens (a partial sum over cp), the other stages hold zeros; it is broadcast from the last
+    stage over pp, then summed over cp. ``counted_twice``: the last stage sums it over cp
+    first, so the second sum counts every token cp times."""
+    mask = sc.annotate(_context_parallel_tokens(cp_group)[1], cp=sc.S(0), pp=sc.R)
+    count = torch.zeros(())
+    if dist.get_rank(pp_group) == dist.get_world_size(pp_group) - 1:
+        count += mask.sum()
+        if counted_twice:
+            dist.all_reduce(count, group=cp_group)
+    last = dist.get_process_group_ranks(pp_group)[-1]
+    dist.broadcast(count, src=last, group=pp_group)
+    dist.all_reduce(count, group=cp_group)  # BUG (counted_twice): double count
+    return count
 
 
 def _vocab_log_probs(group) -> tuple[torch.Tensor, torch.Tensor]:

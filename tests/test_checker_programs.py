@@ -94,6 +94,10 @@ def _four_ranks():
     mesh = sc.Mesh(tp=tp, dp=global_tp)
     results["scatter_by_own_rank"] = _outcome(prog.scatter_by_wrong_rank, mesh, tp)
     results["scatter_by_wrong_rank"] = _outcome(prog.scatter_by_wrong_rank, mesh, global_tp)
+    cp, pp = global_tp, tp  # cp over [0, 1] and [2, 3]; pp over [0, 2] and [1, 3]
+    for name, twice in (("token_count", False), ("token_count_counted_twice", True)):
+        results[name] = _outcome(lambda c, p, t=twice: prog.token_count_from_the_last_stage(c, p, t),
+                                 sc.Mesh(cp=cp, pp=pp), cp, pp)
     return results
 
 
@@ -179,6 +183,18 @@ def test_scatter_indexed_by_another_groups_rank(four):
     # Ranks 0 and 3 have the same index in both groups, so only 1 and 2 can tell.
     _error(four, "scatter_by_wrong_rank", "split of varying", ranks={1, 2})
     _ok(four, "scatter_by_own_rank", {"tp": "S(1)", "dp": "V"})
+
+
+@pytest.mark.slow
+def test_a_broadcast_gives_every_rank_the_roots_type(four):
+    """The first pipeline stage's zeros take the last stage's count and its type (a partial sum
+    over cp): summed over cp it is the global count, as on one rank. Summed over cp twice, every
+    rank is told, the stages that only received the count too."""
+    counts = _ok(four, "token_count", {"cp": "R", "pp": "R"})
+    assert [c.item() for c in counts] == [2 * 4 - 3] * 4  # the one-rank count: 8 tokens, 3 padding
+    line = f"{prog.__file__}:{_line_of(prog.token_count_from_the_last_stage, 'BUG')}"
+    for rank in four:
+        assert rank["token_count_counted_twice"][:3] == ("error", "double count", line), rank
 
 
 @pytest.mark.slow

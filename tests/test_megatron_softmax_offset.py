@@ -1,45 +1,89 @@
-"""The learnable softmax offset under TP: each rank holds its own heads' offsets, yet Megatron's
-metadata calls the parameter a TP duplicate, so its gradient norm counts tp rank 0's heads only.
-The checker types the parameter from its sharded_state_dict cut (S over tp) and flags where the
-gradient norm's duplicate test takes it for a replica (``shard counted as replica``, see
-tests/test_megatron_step_and_stage_types.py): a true positive, not a rule bug."""
+"""The learnable softmax offset under TP: a real megatron-core bug (0.16.1 and 0.19.2).
 
+Each tp rank holds its own heads' offsets (a shard over tp), yet the parameter carries no
+``tensor_model_parallel`` attribute, so ``param_is_not_tensor_parallel_duplicate`` takes it for
+a replica and the gradient norm counts tp rank 0's heads only. The checker types the parameter
+from its ``sharded_state_dict`` cut (S(0) over tp) and reports where the norm's duplicate test
+drops it (``shard counted as replica``); the numbers agree with the checker: Megatron's norm is
+taken over the global gradients less tp rank 1's offsets, and with the attribute set over all
+of them. The gap is about 3e-7 of the norm in this tiny GPT, below parity's tolerance (and
+near float32 rounding), which is why the audit lists the finding as type-only.
+"""
+
+from functools import partial
+
+import numpy as np
 import pytest
 import torch
 
 pytest.importorskip("megatron.core")
 
-from shardcheck.megatron.cpu.runner import run_ranks  # noqa: E402
+from shardcheck.megatron.audit.run import PRELOAD, audit, pools  # noqa: E402
+from shardcheck.megatron.audit.sweep import Case  # noqa: E402
+from shardcheck.megatron.cpu.runner import run_layout  # noqa: E402
 from shardcheck.parity.layout import Layout  # noqa: E402
 
 pytestmark = [pytest.mark.megatron, pytest.mark.slow]
-HEADS = 4
+for module in PRELOAD:
+    __import__(module)
+LEARNABLE = {"softmax_type": "learnable"}
 
 
-def _duplicate_flags(ctx) -> dict[str, torch.Tensor]:
-    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+def _step(ctx, marked: bool) -> dict[str, torch.Tensor]:
+    """One GPT training step, with the squares of the gradients Megatron's norm is computed
+    from (in float64, summed over the ranks); ``marked``: the offsets carry Megatron's TP-shard
+    attributes (the fix)."""
+    import torch.distributed as dist
+    from megatron.core.optimizer import optimizer
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-    from shardcheck.megatron.cpu.parallel import megatron_parallel
-    from shardcheck.megatron.scenarios.gpt import GPTSetup, build_gpt, transformer_config
+    from shardcheck.megatron.scenarios import scenario
 
-    def counted(group):
-        return torch.tensor([float(param_is_not_tensor_parallel_duplicate(p)) for p in group])
+    built, norm = DotProductAttention.__init__, optimizer.get_grad_norm_fp32
+    counted = torch.zeros((), dtype=torch.float64)
 
-    setup = GPTSetup(heads=HEADS, config={"softmax_type": "learnable"})
-    with megatron_parallel(ctx):
-        params = dict(build_gpt(transformer_config(ctx.layout, setup), setup).named_parameters())
-        offsets = [p for name, p in params.items() if name.endswith("softmax_offset")]
-        qkv = [p for name, p in params.items() if name.endswith("linear_qkv.weight")]
-        return {"offset_sizes": torch.tensor([p.numel() for p in offsets]),
-                "offset_marked_sharded": torch.tensor(
-                    [float(getattr(p, "tensor_model_parallel", False)) for p in offsets]),
-                "offset_counted": counted(offsets), "qkv_counted": counted(qkv)}
+    def with_attributes(self, *args, **kwargs):
+        built(self, *args, **kwargs)
+        self.softmax_offset.tensor_model_parallel, self.softmax_offset.partition_dim = True, 0
+
+    def recorded(grads, *args, **kwargs):
+        counted.copy_(sum(g.double().pow(2).sum() for g in grads))
+        return norm(grads, *args, **kwargs)
+
+    if marked:
+        DotProductAttention.__init__ = with_attributes
+    optimizer.get_grad_norm_fp32 = recorded
+    try:
+        outputs = scenario("gpt", config=LEARNABLE)(ctx)
+    finally:
+        DotProductAttention.__init__, optimizer.get_grad_norm_fp32 = built, norm
+    dist.all_reduce(counted)
+    return {**outputs, "counted": counted}
 
 
-def test_per_head_offsets_are_counted_in_the_gradient_norm_on_tp_rank_0_only():
-    ranks = run_ranks(_duplicate_flags, Layout(tp=2))
-    for rank, flags in enumerate(ranks):
-        assert flags["offset_sizes"].tolist() == [HEADS // 2] * 2  # this rank's heads only
-        assert flags["offset_marked_sharded"].tolist() == [0.0, 0.0]
-        assert flags["offset_counted"].tolist() == [float(rank == 0)] * 2
-        assert flags["qkv_counted"].tolist() == [1.0, 1.0]  # control: a TP-sharded weight
+def _squares(outputs) -> tuple[float, float, float]:
+    """The squares Megatron's norm counts, those of every global gradient, and those of tp
+    rank 1's offset gradients (heads 2 and 3 of each layer's [layers, heads] row)."""
+    grads = {k: v.astype(np.float64) for k, v in outputs.items() if k.startswith("grad/")}
+    assert float(outputs["grad_norm"]) ** 2 == pytest.approx(float(outputs["counted"]), rel=1e-6)
+    offsets = next(v for k, v in grads.items() if k.endswith("softmax_offset"))
+    rank_1 = float((offsets[:, offsets.shape[1] // 2:] ** 2).sum())
+    return float(outputs["counted"]), sum(float((v ** 2).sum()) for v in grads.values()), rank_1
+
+
+def test_megatron_norm_leaves_out_tp_rank_1s_offsets_and_the_attribute_puts_them_back():
+    buggy, total, rank_1 = _squares(run_layout(partial(_step, marked=False), Layout(tp=2)))
+    fixed, fixed_total, _ = _squares(run_layout(partial(_step, marked=True), Layout(tp=2)))
+    assert rank_1 > 1e-7  # about 3e-7 of the norm: below parity's tolerance
+    assert total - buggy == pytest.approx(rank_1, rel=1e-6)
+    assert fixed == pytest.approx(fixed_total, rel=1e-12)
+
+
+def test_the_checker_reports_the_offset_counted_as_a_replica_and_parity_misses_it():
+    with pools() as warm:
+        result = audit([Case("gpt", tuple(LEARNABLE.items()), Layout(tp=2))], run_pools=warm)
+    assert not result.errors, [o.error for o in result.errors]
+    [finding] = result.findings
+    assert finding.kind == "type-only" and finding.location.startswith("megatron/core/optimizer/optimizer.py:")
+    assert finding.checker.startswith("checker: shard counted as replica at megatron/core/optimizer/")
+    assert "in param_is_not_tensor_parallel_duplicate: {tp:S(0)}" in finding.checker

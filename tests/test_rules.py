@@ -19,6 +19,11 @@ def C(*shape, tp=R):  # noqa: N802 - a constant (all ones) typed tensor
     return sc.annotate(torch.ones(*shape), tp=tp)
 
 
+def own_order():
+    """Row indices each rank computed from its own data (an argsort of its routing map): V."""
+    return sc.annotate(torch.tensor([2, 0, 3, 1]), tp=V)
+
+
 def even(n=4):
     """The token count of a sequence shard of an all-ones mask: P(even)."""
     return C(n, tp=S(0)).sum()
@@ -106,6 +111,13 @@ PIECES = [
     ("constant shard times R", lambda: C(4, 3, tp=S(0)) * T(4, 3), R),
     ("cat with a constant", lambda: torch.cat([T(2, 3, tp=S(0)), C(2, 1).expand(2, 1)], 1), S(0)),
     ("cat with a full R", lambda: torch.cat([T(2, 3, tp=S(0)), T(2, 1)], 1), "global shape mismatch"),
+    # the off-by-one softmax sink: one R value per head expanded along the sharded query dim
+    ("cat with an R row expanded along the shard dim",
+     lambda: torch.cat([T(2, 4, 3, tp=S(1)), T(2, 1, 1).expand(-1, 4, -1)], -1), S(1)),
+    ("cat with an R row repeated along the shard dim (a copy, still one value along it)",
+     lambda: torch.cat([T(2, 4, 3, tp=S(1)), T(2, 1, 1).expand(-1, 4, -1) * 2], -1), S(1)),
+    ("cat with a full R along the shard dim", lambda: torch.cat([T(2, 4, 3, tp=S(1)), T(2, 4, 1)], -1),
+     "global shape mismatch"),
 ]
 
 NONLINEAR = {
@@ -229,6 +241,17 @@ SHAPES = [
     ("gather unsharded dim", lambda: torch.gather(T(4, 3, tp=S(0)), 1,
                                                   sc.annotate(torch.zeros(4, 1).long(), tp=S(0))),
      S(0)),
+    # MoE's unpermute: each rank adds its own (permuted) rows back by its own index
+    ("index_add of a row shard by each rank's own index", lambda: torch.zeros(4, 3).index_add_(
+        0, own_order(), T(4, 3, tp=S(0))), S(0)),
+    ("scatter_add of a row shard by each rank's own index", lambda: torch.zeros(4, 3).scatter_add_(
+        0, own_order().unsqueeze(1).expand(-1, 3), T(4, 3, tp=S(0))), S(0)),
+    ("index_add of a row shard by a replicated index", lambda: torch.zeros(4, 3).index_add_(
+        0, sc.annotate(torch.tensor([2, 0, 3, 1]), tp=R), T(4, 3, tp=S(0))), V),
+    ("index_add of replicated rows by each rank's own index", lambda: torch.zeros(4, 3).index_add_(
+        0, own_order(), T(4, 3)), V),
+    ("index_add of a column shard by each rank's own index", lambda: torch.zeros(4, 3).index_add_(
+        0, own_order(), T(4, 3, tp=S(1))), V),
 ]
 
 FACTORIES = [

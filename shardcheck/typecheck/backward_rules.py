@@ -19,7 +19,7 @@ from shardcheck.typecheck.rules import (
     shift_shards,
 )
 from shardcheck.typecheck.shape_rules import _along_dim_rule
-from shardcheck.typecheck.types import Shard, V
+from shardcheck.typecheck.types import S, Shard, V
 
 aten = torch.ops.aten
 _REDUCTION_KIND = {1: "mean", 2: "sum"}  # at::Reduction: 0 none, 1 mean, 2 sum
@@ -78,9 +78,17 @@ _laid_out_like_source = _along_dim_rule(3, 1, 2)
 
 def _add_into(ctx, args, kwargs, out):
     """index_add / scatter_add(self, dim, index, source). Into a known-zero ``self`` (the
-    backward of index_select and gather) the result is laid out like the source."""
+    backward of index_select and gather) the result is laid out like the source, and a
+    source cut along ``dim`` put in place by each rank's own index (V) stays cut there: every
+    rank adds its block's rows into its own block (MoE's unpermute of the tokens a rank
+    permuted by its own routing map)."""
     if ctx.zero(args[0]) and isinstance(args[3], torch.Tensor):
-        return _laid_out_like_source(ctx, args, kwargs, out)
+        pl = _laid_out_like_source(ctx, args, kwargs, out)
+        source, index = ctx.types(args[3]), ctx.types(args[2])
+        dim = norm_dim(args[1], args[0].dim())
+        return pl if pl is None else tuple(
+            S(dim) if p is V and type(s) is Shard and norm_dim(s.dim, args[3].dim()) == dim and i is V
+            else p for p, s, i in zip(pl, source, index, strict=True))
     return _scatter_add(ctx, args, kwargs, out)
 
 

@@ -44,13 +44,16 @@ def _reduce_op(obj: Any) -> str:
     return _C10D_OPS.get(obj.op(), "other")
 
 
+def process_group(group: Any) -> dist.ProcessGroup:
+    """The ProcessGroup given as a ScriptObject, a ProcessGroup or a name."""
+    if isinstance(group, str):
+        return dist.distributed_c10d._resolve_process_group(group)
+    return group if isinstance(group, dist.ProcessGroup) else dist.ProcessGroup.unbox(group)
+
+
 def group_ranks(group: Any) -> tuple[int, ...]:
     """Global ranks of a ProcessGroup given as a ScriptObject, a ProcessGroup or a name."""
-    if isinstance(group, str):
-        group = dist.distributed_c10d._resolve_process_group(group)
-    elif not isinstance(group, dist.ProcessGroup):
-        group = dist.ProcessGroup.unbox(group)
-    return tuple(dist.get_process_group_ranks(group))
+    return tuple(dist.get_process_group_ranks(process_group(group)))
 
 
 class UnknownAxis(Violation):
@@ -316,14 +319,33 @@ def _alltoall(ctx, args, kwargs, out):
 
 
 def _broadcast(ctx, args, kwargs, out):
-    tensors, group = args[0], args[1]
-    pls = [ctx.types(t) for t in tensors]
+    tensors, group, root = args[0], args[1], args[2]
+    pls = _root_types(ctx, tensors, group, root)
     if any(pl is None for pl in pls):
         return _typed_update(ctx, tensors, None, (), None)
     axes = _axes(ctx, group)
     for t, pl in zip(tensors, pls, strict=True):
         _typed_update(ctx, [t], pl, axes, _broadcast_step)
     return NO_TENSOR
+
+
+def _root_types(ctx, tensors, group, root: int) -> list[Pl | None]:
+    """The types of the tensors the root (a rank of ``group``) sends: what every rank holds
+    after the broadcast, on the other axes too. A rank that did not compute the value (a
+    pipeline stage's placeholder zeros for the last stage's token count) cannot know them, so
+    the root tells them (not on a fake group, whose ranks cannot talk)."""
+    own = [ctx.types(t) for t in tensors]
+    pg = process_group(group)
+    if dist.get_backend(pg) == "fake":
+        return own
+    sent = [own]
+    dist.broadcast_object_list(sent, group_src=root, group=pg)
+    return sent[0]
+
+
+def _functional_broadcast(ctx, args, kwargs, out):
+    (pl,) = _root_types(ctx, [args[0]], args[2], args[1])
+    return None if pl is None else _on_axes(pl, _axes(ctx, args[2]), _broadcast_step)
 
 
 def _reduce(ctx, args, kwargs, out):
@@ -430,7 +452,7 @@ FUNCTIONAL_RULES: dict[str, Callable] = {
     "all_gather_into_tensor": _functional_gather,
     "reduce_scatter_tensor": lambda ctx, a, k, out: _functional_stacked(ctx, a, 3, lambda d: _scatter_step(_reduce_op(a[1]), d)),
     "all_to_all_single": lambda ctx, a, k, out: _functional_stacked(ctx, a, 3, _exchange_step),
-    "broadcast": _functional(lambda a, k: _broadcast_step, 2),
+    "broadcast": _functional_broadcast,
     "wait_tensor": _waited,
     "_wrap_tensor_autograd": _same_type,
 }

@@ -195,7 +195,7 @@ def _allreduce(ctx, args, kwargs, out):
 
 def _exchange(ctx, group, axes, term: NormTerm | None) -> list[Counted] | None:
     """What every rank of ``group`` counted; None where ranks cannot talk (fake groups)."""
-    pg = dist.ProcessGroup.unbox(group) if not isinstance(group, dist.ProcessGroup) else group
+    pg = _collectives.process_group(group)
     if dist.get_backend(pg) == "fake":
         return None
     params = {} if term is None else {

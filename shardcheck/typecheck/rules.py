@@ -14,25 +14,25 @@ from typing import Any
 import torch
 
 from shardcheck.typecheck.broadcast import broadcast_dims
-from shardcheck.typecheck.types import I, P, Placement, R, S, Shard, V
+from shardcheck.typecheck.types import I, P, Placement, R, S, Shard, Singleton, V
 
 aten = torch.ops.aten
 
 
-class _PartialAverage(Placement):
+class _PartialAverage(Singleton):
     """A mean over one rank's shard: only an AVG all-reduce turns it into R."""
 
     __slots__ = ()
-    symbol = "P(avg)"
+    symbol, pickle_name = "P(avg)", "PAVG"
 
 
-class _EvenPartial(Placement):
+class _EvenPartial(Singleton):
     """A partial sum of which every rank holds the same share (a sum over equal shards of a
     constant, e.g. the token count of an all-ones mask): the global value is n times the
     local one. It is a P; :func:`elementwise` and the positively homogeneous ops know more."""
 
     __slots__ = ()
-    symbol = "P(even)"
+    symbol, pickle_name = "P(even)", "PEVEN"
 
 
 class Gathered(Placement):
@@ -327,13 +327,15 @@ ADD, MUL, DIV, NL = "add", "mul", "div", "nl"
 
 
 class Typed:
-    """An operand that is no tensor yet: its placements and shape (e.g. addmm's product), and
-    whether every element is known to be equal."""
+    """An operand that is no tensor yet: its placements and shape (e.g. addmm's product),
+    whether every element is known to be equal, and the tensor it stands for, if any (a piece
+    of a cat, retyped: its broadcast dims are still the tensor's)."""
 
-    __slots__ = ("pl", "shape", "const")
+    __slots__ = ("pl", "shape", "const", "tensor")
 
-    def __init__(self, pl: Pl, shape: tuple, const: bool = False) -> None:
-        self.pl, self.shape, self.const = pl, shape, const
+    def __init__(self, pl: Pl, shape: tuple, const: bool = False,
+                 tensor: torch.Tensor | None = None) -> None:
+        self.pl, self.shape, self.const, self.tensor = pl, shape, const, tensor
 
 
 class _Operand:
@@ -372,7 +374,8 @@ def elementwise(ctx, items: list[tuple[Any, str]]) -> Pl | None:
                                 value))
         elif isinstance(value, Typed):
             out_ndim = max(out_ndim, len(value.shape))
-            ops.append(_Operand(value.pl, role, False, value.shape, False, value.const))
+            ops.append(_Operand(value.pl, role, False, value.shape, False, value.const,
+                                value.tensor))
         elif value is not None:
             ops.append(_Operand(None, role, value == 0, (), True))
     if all(o.pl is None for o in ops) and any(is_tensor(v) for v, _ in items):

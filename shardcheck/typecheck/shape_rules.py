@@ -286,7 +286,7 @@ def _pieces(ctx, tensors, joined_dim: int | None = None) -> list:
             if joined_dim is not None:
                 pl = tuple(S(p.dim) if type(p) is SectionShard
                            and norm_dim(p.dim, t.dim()) == joined_dim else p for p in pl)
-            t = Typed(pl, tuple(t.shape), ctx.const(t))
+            t = Typed(pl, tuple(t.shape), ctx.const(t), t)
         items.append((t, ADD))
     return items
 

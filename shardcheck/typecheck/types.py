@@ -20,32 +20,43 @@ class Placement:
         return self.symbol
 
 
-class _Replicate(Placement):
+class Singleton(Placement):
+    """A placement with one instance, compared by identity: it unpickles as itself (ranks
+    exchange types), found by its module-level name."""
+
+    __slots__ = ()
+    pickle_name = "?"
+
+    def __reduce__(self) -> str:
+        return self.pickle_name
+
+
+class _Replicate(Singleton):
     """R: every rank holds the same full value."""
 
     __slots__ = ()
-    symbol = "R"
+    symbol = pickle_name = "R"
 
 
-class _Partial(Placement):
+class _Partial(Singleton):
     """P: the true value is the sum over the axis of the ranks' values."""
 
     __slots__ = ()
-    symbol = "P"
+    symbol = pickle_name = "P"
 
 
-class _Varying(Placement):
+class _Varying(Singleton):
     """V: ranks hold different values with no sum or concatenation meaning."""
 
     __slots__ = ()
-    symbol = "V"
+    symbol = pickle_name = "V"
 
 
-class _Invariant(Placement):
+class _Invariant(Singleton):
     """I: the same value on every rank, used identically."""
 
     __slots__ = ()
-    symbol = "I"
+    symbol = pickle_name = "I"
 
 
 R: Placement = _Replicate()

@@ -128,11 +128,14 @@ def _gdn_sections(setup: dict[str, Any], overrides: dict[str, Any]) -> dict[str,
 
 
 def _mamba_sections(setup: dict[str, Any], overrides: dict[str, Any]) -> dict[str, list[int]]:
-    """in_proj holds z, x, B, C and dt; conv1d x, B and C."""
+    """in_proj holds z, x, B, C and dt; the convolution x, B and C (its weight and bias are
+    ``conv1d.weight`` and ``conv1d.bias`` in 0.16, the mixer's own ``conv1d_weight`` and
+    ``conv1d_bias`` in 0.19: the script runs on either)."""
     heads = overrides.get("mamba_num_heads") or setup["expand"] * setup["hidden"] // setup["head_dim"]
     inner, state = heads * setup["head_dim"], setup["groups"] * setup["state_dim"]
-    return {"in_proj.weight": [inner, inner, state, state, heads], "conv1d.weight": [inner, state, state],
-            "conv1d.bias": [inner, state, state]}
+    conv = [inner, state, state]
+    return {"in_proj.weight": [inner, inner, state, state, heads],
+            **{f"conv1d{sep}{part}": conv for sep in "._" for part in ("weight", "bias")}}
 
 
 def _moe_refuses(layout: Layout, options: dict[str, Any]) -> str | None:
