@@ -17,7 +17,15 @@ from shardcheck.megatron.train.config import flags_from_model_config
 from shardcheck.megatron.train.entry import CPU_ENV, ENTRY_ENV
 from shardcheck.megatron.train.record import RECORD_ENV, SAVE_INIT_ENV, TYPECHECK_ENV
 from shardcheck.parity.launch import run_script
-from shardcheck.train import RecordError, Run, Tolerance, compare_runs, load_run, write_golden
+from shardcheck.train import (
+    RecordError,
+    Run,
+    Tolerance,
+    compare_runs,
+    load_run,
+    write_golden,
+    write_model_config,
+)
 
 REPO_ROOT = str(Path(shardcheck.__file__).resolve().parent.parent)
 
@@ -213,6 +221,7 @@ def _compare(plan: RunPlan, launch: Launch, out: Path | None, repeats: int, rtol
             parallel = run_training(plan.parallel + seeded + start, plan.world, launch,
                                     f"{plan.world}-rank run")
         if out is not None:
+            write_model_config(plan.parallel, out / "model_config.yaml")
             suffix = "" if repeat == 0 else f"_repeat{repeat}"
             write_golden(parallel, out / f"golden_values_{plan.world}ranks{suffix}.json")
             write_golden(reference, out / f"golden_values_1rank{suffix}.json")
