@@ -145,16 +145,11 @@ def _rsub(ctx, args, kwargs, out):
 
 
 def _merge(ctx, out, operands) -> tuple | None:
-    """Union of the operands' terms; untagged operands must be known zeros. A count plus a
-    value of unknown type (the count of a gradient the checker could not type) is unknown:
-    the unknown value is no constant."""
+    """Union of the operands' terms; untagged operands must be known zeros."""
     terms = [_term(t) for t in operands]
     if not any(terms):
         return None
-    untagged = [t for term, t in zip(terms, operands, strict=True) if term is None and not ctx.zero(t)]
-    if any(term.count for term in terms if term) and any(ctx.types(t) is None for t in untagged):
-        return (None,) * ctx.n
-    if untagged:
+    if any(term is None and not ctx.zero(t) for term, t in zip(terms, operands, strict=True)):
         return None
     kinds = {(term.power, term.count) for term in terms if term}
     if len(kinds) != 1:
