@@ -320,6 +320,42 @@ def clip_grad_norm(model: nn.Module, max_norm: float, group, tp_rank: int,
     return norm
 
 
+def count_zeros(model: nn.Module, group, tp_rank: int) -> int:
+    """Megatron's num-zeros: each gradient's ``numel() - count_nonzero``, tp duplicates
+    skipped, summed, all-reduced over tp."""
+    total = torch.zeros(1, dtype=torch.int64)
+    for p in model.parameters():
+        if getattr(p, "tensor_model_parallel", False) or tp_rank == 0:
+            total = p.grad.numel() - torch.count_nonzero(p.grad) + total
+    dist.all_reduce(total, group=group)
+    return int(total.item())
+
+
+def zero_count(count_replicated_once: bool) -> dict:
+    """Zeros in the gradients of the heads model, counted Megatron's way, on tp ranks against
+    one process; ``count_replicated_once=False`` drops the duplicate filter. The first two
+    entries of every replicated gradient are zeroed (counted twice, they show twice)."""
+    group = dist.group.WORLD
+    full = _full_heads()
+    x = torch.randn(BATCH, SEQ, HIDDEN)
+    _heads_step(full, x)
+    model = HeadsModel(full, group)
+    for name, p in model.named_parameters():
+        p.tensor_model_parallel = HEADS_TYPES[name].startswith("S")
+    filtering_rank = dist.get_rank(group) if count_replicated_once else 0
+    with sc.typecheck(sc.Mesh(tp=group), mode="collect"):
+        sc.annotate_parameters(model, on("tp", HEADS_TYPES))
+        _heads_step(model, sc.annotate(x, tp=sc.R))
+        for p in model.q_norm.parameters():
+            dist.all_reduce(p.grad, group=group)
+        for name, p in (*model.named_parameters(), *full.named_parameters()):
+            if HEADS_TYPES[name] == "R":
+                p.grad.view(-1)[:2] = 0
+        zeros = count_zeros(model, group, filtering_rank)
+    reference = sum(int((p.grad == 0).sum()) for p in full.parameters())
+    return {"zeros": zeros, "reference": reference, "violations": found()}
+
+
 def per_head_scale(head_scale_type: str, count_replicated_once: bool = True,
                    foreach: bool = False) -> dict:
     """A per-head parameter declared S(0) (correct) or R (misdeclared), then clipped.

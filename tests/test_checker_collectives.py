@@ -224,3 +224,15 @@ def test_mesh_from_a_named_device_mesh(groups):
         assert sc.typeof(x) == {"tp": R, "dp": V}
         dist.all_reduce(x, group=device_mesh.get_group("dp"))
         assert sc.typeof(x) == {"tp": R, "dp": R}
+
+
+@pytest.mark.parametrize("tp, expected", [(S(0), P), (R, R), (P, "non-linear on partial")])
+def test_count_nonzero_of_shards_adds_up_and_of_a_partial_sum_is_no_count(groups, tp, expected):
+    assert check(groups, lambda g: torch.count_nonzero(T(4, 2, tp=tp))) == expected
+
+
+@pytest.mark.parametrize("strides, expected", [((4, 1), S(0)), ((1, 2), None)])
+def test_as_strided_reading_a_contiguous_tensor_whole_as_another_shape_is_a_view(groups, strides, expected):
+    """Autograd cuts the gradient of an in-place op on a view of a flat buffer so; a
+    transposing as_strided is no view of the same layout and stays unknown."""
+    assert check(groups, lambda g: T(8, tp=S(0)).as_strided((2, 4), strides)) == expected

@@ -1,11 +1,18 @@
 """num-zeros jumps as whole experts, on the real EP8 H100 files."""
 
+import json
+import shutil
+from pathlib import Path
+
 import pytest
+from click.testing import CliRunner
 from golden_data import A2A, EP8, TOP2, head, history, plain_series
 
+from shardcheck.cli import main
+from shardcheck.golden import report
 from shardcheck.golden.config import load_model_config, parse_model_config
-from shardcheck.golden.explain import candidate_blocks, explain_num_zeros
-from shardcheck.golden.io import GoldenInputError, load_golden
+from shardcheck.golden.explain import ONE_EXPERT, candidate_blocks, explain_num_zeros
+from shardcheck.golden.io import GoldenInputError, load_expert_tokens, load_golden, tokens_path
 
 EXPERT = 512 * 1024 + 1024 * 512  # fc1 (hidden x moe-ffn) + fc2 (moe-ffn x hidden), no GLU
 
@@ -93,3 +100,60 @@ def test_top2router_runs_disagree_on_which_steps_have_an_idle_expert():
         s: d for s, d in deltas.items() if d
     }
     assert sorted(deltas.values()).count(1) == 11 and sorted(deltas.values()).count(-1) == 12
+
+
+TRAIN_MOE = Path(__file__).parent / "data" / "train_moe"
+
+
+def explain_train(old: Path, new: Path):
+    return explain_num_zeros(load_golden(old).metrics["num-zeros"], load_golden(new).metrics["num-zeros"],
+                             load_model_config(TRAIN_MOE / "model_config.yaml"),
+                             load_expert_tokens(old), load_expert_tokens(new))
+
+
+def idle_by_hand(path: Path) -> dict[int, int]:
+    tokens = json.loads(tokens_path(path).read_text())
+    return {int(step): sum(n == 0 for counts in routers.values() for n in counts)
+            for step, routers in tokens.items()}
+
+
+def test_train_runs_num_zeros_change_is_the_experts_that_received_no_tokens():
+    old, new = TRAIN_MOE / "golden_values_1rank.json", TRAIN_MOE / "golden_values_1rank_repeat1.json"
+    explained = explain_train(old, new)
+    assert explained.block.name == ONE_EXPERT and explained.block.size == 64 * 256 + 256 * 64
+    assert explained.changed()  # the two seeds' num-zeros differ
+    assert {s.step: (s.old_blocks, s.new_blocks) for s in explained.steps} == {
+        step: (idle_by_hand(old)[step], idle_by_hand(new)[step]) for step in (1, 2, 3)}
+    assert explained.unexplained_by_idle_experts() == []
+    first = explained.idle[0]
+    assert first.step == 1 and first.new == {"decoder.layers.0.mlp.router": (1, 3)}
+
+
+def test_idle_experts_that_do_not_match_the_counts_are_named(tmp_path):
+    """The same pair with one idle expert of NEW given tokens: step 1's two blocks are no longer
+    its idle experts."""
+    new = tmp_path / "new.json"
+    shutil.copy(TRAIN_MOE / "golden_values_1rank_repeat1.json", new)
+    tokens = json.loads(tokens_path(TRAIN_MOE / "golden_values_1rank_repeat1.json").read_text())
+    tokens["1"]["decoder.layers.0.mlp.router"][3] = 2
+    tokens_path(new).write_text(json.dumps(tokens))
+    explained = explain_train(TRAIN_MOE / "golden_values_1rank.json", new)
+    assert [s.step for s in explained.unexplained_by_idle_experts()] == [1]
+    lines = report.explanation_lines(explained)
+    assert lines[-1] == "whole blocks differ from the idle experts at step(s) 1 (4/2 blocks)"
+
+
+def test_golden_explain_prints_the_idle_experts_of_a_train_run():
+    result = CliRunner().invoke(main, ["golden", "explain", str(TRAIN_MOE / "golden_values_2ranks.json"),
+                                       str(TRAIN_MOE / "golden_values_1rank.json"),
+                                       "--model-config", str(TRAIN_MOE / "model_config.yaml")])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert "steps that gained or lost whole blocks: none" in lines  # the EP2 run and its one-rank run
+    assert "  step 1: old decoder.layers.0.mlp.router [1], decoder.layers.1.mlp.router [0, 4, 6]; new " \
+           "decoder.layers.0.mlp.router [1], decoder.layers.1.mlp.router [0, 4, 6]" in lines
+    assert lines[-1] == "whole blocks are the idle experts at every step"
+
+
+def test_ci_files_without_tokens_per_expert_explain_as_before():
+    assert explain_pair("golden_values_dev_dgx_h100.json", "golden_values_dev_dgx_h100_2nd.json").idle is None

@@ -23,6 +23,8 @@ TWO_RANKS = {
     "head_scale_R_foreach": (programs.per_head_scale, "R", True, True),
     "dp_reduced": (programs.data_parallel, True),
     "dp_missing": (programs.data_parallel, False),
+    "zeros_counted_once": (programs.zero_count, True),
+    "zeros_counted_everywhere": (programs.zero_count, False),
 }
 FOUR_RANKS = {
     "sp_reduced": (programs.sequence_parallel_mlp, True),
@@ -100,6 +102,21 @@ def test_per_head_parameter_declared_replicated(two, clip):
 def test_replicated_parameters_counted_on_every_rank(two):
     out = two["counted_everywhere"]
     assert abs(out["norm"] - out["ref_norm"]) > 1e-2 * out["ref_norm"]
+    replicated = ["out_norm.weight", "q_norm.bias", "q_norm.weight"]
+    assert out["violations"] == [(ACCOUNTING, name, "tp") for name in replicated]
+
+
+@pytest.mark.slow
+def test_zero_count_with_replicas_counted_once_is_the_one_process_count(two):
+    out = two["zeros_counted_once"]
+    assert out["zeros"] == out["reference"] > 0
+    assert out["violations"] == []
+
+
+@pytest.mark.slow
+def test_zero_count_with_replicas_counted_on_every_rank_is_flagged(two):
+    out = two["zeros_counted_everywhere"]
+    assert out["zeros"] > out["reference"]  # each replicated gradient's two zeros counted twice
     replicated = ["out_norm.weight", "q_norm.bias", "q_norm.weight"]
     assert out["violations"] == [(ACCOUNTING, name, "tp") for name in replicated]
 

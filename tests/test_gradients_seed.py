@@ -154,3 +154,20 @@ def test_summing_norms_instead_of_squares_is_flagged(mesh):
         (record,) = sc.violations()
     assert (record.rule, record.param, record.axis) == ("norm accounting", "w", "tp")
     assert "norms (not squared norms) of w" in record.message
+
+
+def zero_counts():
+    """Megatron's num-zeros of two sharded gradients: each ``numel() - count_nonzero``, summed."""
+    params = {name: nn.Parameter(torch.ones(2, 2)) for name in ("w", "b")}
+    sc.annotate_parameters(params)
+    total = torch.zeros(1, dtype=torch.int64)
+    for p in params.values():
+        p.grad = sc.annotate(torch.ones(2, 2), tp=S(0), dp=R)
+        total = p.grad.numel() - torch.count_nonzero(p.grad) + total
+    return total
+
+
+def test_zero_counts_of_typed_gradients_are_a_partial_count(mesh):
+    with sc.typecheck(mesh, mode="collect"):
+        assert sc.typeof(zero_counts()) == {"tp": P, "dp": R}
+        assert sc.violations() == []

@@ -8,6 +8,7 @@ of megatron-core given with ``--megatron``) must part ways and be named.
 from __future__ import annotations
 
 import importlib.metadata
+import re
 import shutil
 from pathlib import Path
 
@@ -30,8 +31,8 @@ pytestmark = pytest.mark.timeout(900)
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
         "--max-position-embeddings", "32", "--micro-batch-size", "1", "--global-batch-size", "4",
         "--lr", "1e-3", "--vocab-size", "1024", "--seed", "1234"]
-MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-token-dispatcher-type", "alltoall",
-       "--disable-bias-linear"]  # with biases, 0.19.2's SequentialMLP adds one in place to a tp1 view
+MOE_WITH_BIASES = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-token-dispatcher-type", "alltoall"]
+MOE = [*MOE_WITH_BIASES, "--disable-bias-linear"]  # megatron-core's expert bias bug: see below
 LAYOUTS = {
     "tp2": (2, ["--tensor-model-parallel-size", "2"]),
     "tp2-sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
@@ -83,6 +84,19 @@ def test_moe_with_expert_parallelism_agrees_and_counts_tokens_per_expert(tmp_pat
             f"decoder.layers.{i}.mlp.router": 4 * 32 * 2 for i in range(2)}
     # expert names are global: both experts of rank 1 appear under their global index
     assert "decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.weight" in run.steps[0].param_norms
+
+
+def test_moe_with_biases_stops_at_megatron_cores_expert_bias_bug_in_one_line():
+    """megatron-core's expert MLP adds its bias in place to a view that autograd refuses to
+    modify, on a layout without expert or tensor parallelism: the one-rank run."""
+    result = CliRunner().invoke(main, ["train", "-n", "2", "--steps", "1", "--", *BASE, *MOE_WITH_BIASES,
+                                       "--expert-model-parallel-size", "2"])
+    assert result.exit_code == 2, result.output
+    (line,) = [ln for ln in result.output.splitlines() if ln.startswith("shardcheck train:")]
+    assert line.startswith("shardcheck train: one-rank run: rank 0 failed (exit code 1): megatron-core bug: ")
+    assert "pass --disable-bias-linear" in line
+    assert re.search(r" \(at megatron/core/transformer/mlp\.py:\d+\)$", line), line
+    assert "Traceback" not in result.output
 
 
 DROPPED_ALL_REDUCE = ("""                    torch.distributed.all_reduce(

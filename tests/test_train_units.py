@@ -18,9 +18,17 @@ if Version(importlib.metadata.version("megatron-core")).release[:2] < (0, 19):  
                 allow_module_level=True)
 
 from shardcheck.cli import main
+from shardcheck.golden.config import load_model_config
 from shardcheck.golden.io import parse_golden
 from shardcheck.megatron.train.args import TrainInputError, plan_runs
-from shardcheck.train import Step, Tolerance, compare_runs, golden_document, merge_ranks
+from shardcheck.train import (
+    Step,
+    Tolerance,
+    compare_runs,
+    golden_document,
+    merge_ranks,
+    write_model_config,
+)
 from shardcheck.train.records import Run
 
 SMALL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
@@ -210,3 +218,12 @@ print(' '.join(applied_patches()))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["typing_override", "allow_no_cuda", "device_count", "device_arch",
                            "dataset_helpers", "eager_fusions", "process_memory", "cpu"]
+
+
+def test_a_runs_flags_written_as_model_config_read_back_as_its_model_args(tmp_path):
+    path = write_model_config([*SMALL, "--num-experts", "8", "--disable-bias-linear", "--lr", "-1e-3"],
+                              tmp_path / "model_config.yaml")
+    args = load_model_config(path).model_args
+    assert args["--hidden-size"] == "64" and args["--num-experts"] == "8"
+    assert args["--disable-bias-linear"] == "true"  # a flag without a value
+    assert args["--lr"] == "-1e-3"  # a negative value is a value, not a flag

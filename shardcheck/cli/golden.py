@@ -15,7 +15,7 @@ from shardcheck.golden import report
 from shardcheck.golden.compare import FileComparison, compare_git, compare_paths
 from shardcheck.golden.config import DEFAULT_METRICS, ModelConfig, load_model_config
 from shardcheck.golden.explain import explain_num_zeros
-from shardcheck.golden.io import GoldenFile, GoldenInputError, load_golden
+from shardcheck.golden.io import GoldenFile, GoldenInputError, load_expert_tokens, load_golden
 from shardcheck.golden.noise import noise_verdict
 from shardcheck.golden.resume import resume_step_from_config, resume_verdict
 from shardcheck.golden.verdict import ci_verdict
@@ -243,7 +243,8 @@ def explain(old_path, new_path, config_path, metric, as_json) -> None:
     for name, loaded in (("OLD", old), ("NEW", new)):
         if metric not in loaded.metrics:
             raise GoldenInputError(f"{name} {loaded.source}: no {metric!r} metric")
-    explanation = explain_num_zeros(old.metrics[metric], new.metrics[metric], config)
+    explanation = explain_num_zeros(old.metrics[metric], new.metrics[metric], config,
+                                    load_expert_tokens(old_path), load_expert_tokens(new_path))
     if as_json:
         click.echo(json.dumps(report.explanation_json(explanation), indent=2))
         return

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 import tempfile
 from dataclasses import dataclass, replace
@@ -16,7 +17,15 @@ from shardcheck.megatron.train.config import flags_from_model_config
 from shardcheck.megatron.train.entry import CPU_ENV, ENTRY_ENV
 from shardcheck.megatron.train.record import RECORD_ENV, SAVE_INIT_ENV, TYPECHECK_ENV
 from shardcheck.parity.launch import run_script
-from shardcheck.train import RecordError, Run, Tolerance, compare_runs, load_run, write_golden
+from shardcheck.train import (
+    RecordError,
+    Run,
+    Tolerance,
+    compare_runs,
+    load_run,
+    write_golden,
+    write_model_config,
+)
 
 REPO_ROOT = str(Path(shardcheck.__file__).resolve().parent.parent)
 
@@ -75,6 +84,20 @@ def start_from(initial: Path) -> list[str]:
     return ["--load", str(initial), "--finetune", "--no-load-optim", "--no-load-rng"]
 
 
+KNOWN_MEGATRON_BUGS = {
+    "Output 0 of _ReduceFromModelParallelRegion is a view and is being modified inplace": (
+        "megatron-core bug: an expert MLP adds its fc2 bias in place to the output of "
+        "reduce_from_tensor_model_parallel_region, which without expert or tensor parallelism "
+        "returns its input as is (a custom Function's view, which autograd refuses to modify); "
+        "MoE with biases cannot run on such a layout, and the one-rank run is one: "
+        "pass --disable-bias-linear"),
+}
+"""A megatron-core failure recognised in a rank's output -> the one line that explains it."""
+
+_FRAME = re.compile(r'File "(?P<path>[^"]+)", line (?P<line>\d+)')
+_OWN_CODE = str(Path(shardcheck.__file__).resolve().parent)
+
+
 def _failure(outcome) -> str:
     for rank in outcome.failed:
         if rank.returncode is None:
@@ -84,10 +107,21 @@ def _failure(outcome) -> str:
         click.echo(rank.stderr, err=True)
     lines = [ln.strip() for ln in rank.stderr.splitlines() if ln.strip()]
     errors = [ln for ln in lines if "Error" in ln.split(":")[0]]
-    where = [ln for ln in lines if ln.startswith('File "')]
-    at = f" (at {where[-1].split(',')[0][6:-1]}:{where[-1].split(',')[1].strip()[5:]})" if where else ""
+    at = _failing_frame(lines)
+    known = next((why for marker, why in KNOWN_MEGATRON_BUGS.items() if marker in rank.stderr), None)
     return (f"rank {rank.rank} failed (exit code {rank.returncode}): "
-            f"{(errors or lines or ['no output'])[-1]}{at}")
+            f"{known or (errors or lines or ['no output'])[-1]}{at}")
+
+
+def _failing_frame(lines: list[str]) -> str:
+    """`` (at FILE:LINE)`` of the innermost traceback frame outside shardcheck's own code."""
+    frames = [m for ln in lines if (m := _FRAME.match(ln))]
+    theirs = [m for m in frames if not m["path"].startswith(_OWN_CODE)] or frames
+    if not theirs:
+        return ""
+    path = theirs[-1]["path"]
+    short = path[path.rfind("/megatron/") + 1:] if "/megatron/" in path else path
+    return f" (at {short}:{theirs[-1]['line']})"
 
 
 @click.command("train", context_settings={"ignore_unknown_options": True})
@@ -187,6 +221,7 @@ def _compare(plan: RunPlan, launch: Launch, out: Path | None, repeats: int, rtol
             parallel = run_training(plan.parallel + seeded + start, plan.world, launch,
                                     f"{plan.world}-rank run")
         if out is not None:
+            write_model_config(plan.parallel, out / "model_config.yaml")
             suffix = "" if repeat == 0 else f"_repeat{repeat}"
             write_golden(parallel, out / f"golden_values_{plan.world}ranks{suffix}.json")
             write_golden(reference, out / f"golden_values_1rank{suffix}.json")

@@ -5,6 +5,10 @@ expert receives no tokens at a step, every entry of its weight gradient is zero,
 count jumps by exactly one expert's size. From the model config we list candidate block
 sizes, pick the largest one whose whole multiples explain the jumps, and split each
 step's count into ``k`` whole blocks plus a residual baseline.
+
+Where the tokens each expert received are known (``shardcheck train`` writes them beside its
+golden files), the block is one expert, and each step names the experts that received none,
+on each side: a step's whole blocks should be its idle experts.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from shardcheck.golden.stats import MetricComparison, compare_metric, paired_ste
 
 FIT_RESIDUAL = 0.10
 FIT_SHARE = 0.80
+ONE_EXPERT = "one expert (fc1 + fc2)"
 
 
 @dataclass(frozen=True)
@@ -44,9 +49,25 @@ class StepBlocks:
         return self.old - self.old_blocks * size, self.new - self.new_blocks * size
 
 
+Tokens = dict[int, dict[str, list[int]]]  # step -> router -> tokens each expert received
+
+
+@dataclass(frozen=True)
+class IdleExperts:
+    """One step's experts that received no tokens, per router, in old and new."""
+
+    step: int
+    old: dict[str, tuple[int, ...]]
+    new: dict[str, tuple[int, ...]]
+
+    def counts(self) -> tuple[int, int]:
+        return sum(map(len, self.old.values())), sum(map(len, self.new.values()))
+
+
 @dataclass(frozen=True)
 class Explanation:
-    """The chosen block, the per-step split, and how the residual baseline moved."""
+    """The chosen block, the per-step split, how the residual baseline moved, and (where the
+    tokens per expert are known) each step's idle experts."""
 
     metric: str
     candidates: tuple[Block, ...]
@@ -54,10 +75,28 @@ class Explanation:
     steps: tuple[StepBlocks, ...]
     residual: MetricComparison | None
     poor_fit: tuple[int, ...]
+    idle: tuple[IdleExperts, ...] | None = None  # None: no tokens per expert on both sides
 
     def changed(self) -> list[StepBlocks]:
         """Steps whose whole-block count differs between old and new."""
         return [s for s in self.steps if s.old_blocks != s.new_blocks]
+
+    def unexplained_by_idle_experts(self) -> list[StepBlocks]:
+        """With one expert as the block: steps whose whole blocks are not their idle experts."""
+        idle = {i.step: i.counts() for i in self.idle or ()}
+        return [s for s in self.steps if (s.old_blocks, s.new_blocks) != idle.get(s.step, (0, 0))]
+
+
+def idle_experts(old: Tokens, new: Tokens, steps: np.ndarray) -> tuple[IdleExperts, ...]:
+    """Each of ``steps`` where an expert received no tokens in old or new."""
+    found = []
+    for step in map(int, steps):
+        sides = [{router: tuple(e for e, n in enumerate(counts) if n == 0)
+                  for router, counts in tokens.get(step, {}).items()} for tokens in (old, new)]
+        sides = [{router: idle for router, idle in side.items() if idle} for side in sides]
+        if any(sides):
+            found.append(IdleExperts(step, *sides))
+    return tuple(found)
 
 
 def candidate_blocks(config: ModelConfig) -> list[Block]:
@@ -88,7 +127,7 @@ def _mlp_block(name: str, hidden: int, ffn: int, glu: int) -> Block:
 def _expert_blocks(
     config: ModelConfig, hidden: int, ffn: int, glu: int, experts: int
 ) -> list[Block]:
-    expert = _mlp_block("one expert (fc1 + fc2)", hidden, ffn, glu)
+    expert = _mlp_block(ONE_EXPERT, hidden, ffn, glu)
     tp = config.arg_int("--tensor-model-parallel-size", 1) or 1
     ep = config.arg_int("--expert-model-parallel-size", 1) or 1
     etp = config.arg_int("--expert-tensor-parallel-size", tp) or 1
@@ -117,14 +156,19 @@ def _dedupe(blocks: list[Block]) -> list[Block]:
     return list(seen.values())
 
 
-def explain_num_zeros(old: MetricSeries, new: MetricSeries, config: ModelConfig) -> Explanation:
-    """Split each shared step of two num-zeros series into whole blocks plus a residual."""
+def explain_num_zeros(old: MetricSeries, new: MetricSeries, config: ModelConfig,
+                      old_tokens: Tokens | None = None, new_tokens: Tokens | None = None) -> Explanation:
+    """Split each shared step of two num-zeros series into whole blocks plus a residual;
+    with both sides' tokens per expert, name each step's idle experts."""
     candidates = candidate_blocks(config)
     pair = paired_steps(old, new)
+    idle = idle_experts(old_tokens, new_tokens, pair.steps) if old_tokens and new_tokens else None
     values = np.concatenate([pair.old, pair.new])
     block = best_block(values, candidates)
+    if idle is not None:  # the tokens say how many experts each step left idle: one expert is the block
+        block = next((b for b in candidates if b.name == ONE_EXPERT), block)
     if block is None:
-        return Explanation(old.name, tuple(candidates), None, (), None, ())
+        return Explanation(old.name, tuple(candidates), None, (), None, (), idle)
     size = block.size
     steps = tuple(
         StepBlocks(int(s), float(o), float(n), int(o // size), int(n // size))
@@ -134,7 +178,7 @@ def explain_num_zeros(old: MetricSeries, new: MetricSeries, config: ModelConfig)
     residual = compare_metric(
         _residual_series(old.name, steps, size, 0), _residual_series(old.name, steps, size, 1)
     )
-    return Explanation(old.name, tuple(candidates), block, steps, residual, poor)
+    return Explanation(old.name, tuple(candidates), block, steps, residual, poor, idle)
 
 
 def best_block(values: np.ndarray, candidates: list[Block]) -> Block | None:

@@ -69,6 +69,26 @@ def load_golden(path: str | Path) -> GoldenFile:
     return parse_golden(read_text(path), str(path))
 
 
+def tokens_path(path: str | Path) -> Path:
+    """Where the tokens per expert beside the golden file ``path`` are (``shardcheck train``)."""
+    path = Path(path)
+    return path.with_name(path.stem + ".tokens.json")
+
+
+def load_expert_tokens(path: str | Path) -> dict[int, dict[str, list[int]]]:
+    """Step -> router -> tokens each expert received, from the file beside golden ``path``;
+    empty when there is none (CI's files have none)."""
+    beside = tokens_path(path)
+    if not beside.is_file():
+        return {}
+    try:
+        doc = json.loads(read_text(beside))
+        return {int(step): {router: [int(c) for c in counts] for router, counts in routers.items()}
+                for step, routers in doc.items()}
+    except (ValueError, TypeError, AttributeError) as exc:
+        raise GoldenInputError(f"{beside}: not a tokens-per-expert file ({exc})") from exc
+
+
 def read_text(path: str | Path) -> str:
     """A text file's contents; GoldenInputError with the reason if it can't be read."""
     try:

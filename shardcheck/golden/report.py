@@ -11,7 +11,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from shardcheck.golden.compare import FileComparison
-from shardcheck.golden.explain import Explanation
+from shardcheck.golden.explain import ONE_EXPERT, Explanation, IdleExperts
 from shardcheck.golden.noise import Band, NoiseVerdict
 from shardcheck.golden.stats import UNCHANGED, MetricComparison, StepChange, format_value
 from shardcheck.golden.verdict import CheckResult, Verdict
@@ -381,7 +381,28 @@ def explanation_lines(e: Explanation) -> list[str]:
             f"(ratio of means {_ratio(r.ratio_of_means)}, median ratio {_ratio(r.median_ratio)}, "
             f"{r.pattern})"
         )
+    return lines + _idle_lines(e)
+
+
+def _idle_lines(e: Explanation) -> list[str]:
+    """Each step's experts without tokens, and whether they are its whole blocks."""
+    if e.idle is None:
+        return []
+    lines = [f"experts that received no tokens (tokens per expert beside both files): "
+             f"{len(e.idle)} step(s)"]
+    lines += [f"  step {i.step}: old {_idle(i.old)}; new {_idle(i.new)}" for i in e.idle]
+    if e.block is not None and e.block.name == ONE_EXPERT:
+        off = e.unexplained_by_idle_experts()
+        lines.append("whole blocks are the idle experts at every step" if not off else
+                     "whole blocks differ from the idle experts at step(s) "
+                     + ", ".join(f"{s.step} ({s.old_blocks}/{s.new_blocks} blocks)" for s in off))
     return lines
+
+
+def _idle(side: dict[str, tuple[int, ...]]) -> str:
+    if not side:
+        return "none"
+    return ", ".join(f"{router} {list(experts)}" for router, experts in side.items())
 
 
 def explanation_json(e: Explanation) -> dict:
@@ -408,4 +429,10 @@ def explanation_json(e: Explanation) -> dict:
         ],
         "residual": None if e.residual is None else metric_json(e.residual),
         "poor_fit": list(e.poor_fit),
+        "idle_experts": None if e.idle is None else [_idle_json(i) for i in e.idle],
     }
+
+
+def _idle_json(i: IdleExperts) -> dict:
+    return {"step": i.step, "old": {r: list(x) for r, x in i.old.items()},
+            "new": {r: list(x) for r, x in i.new.items()}}

@@ -3,7 +3,8 @@
 Each metric is an object with ``start_step``, ``end_step``, ``step_interval`` and ``values``
 keyed by step, so ``shardcheck golden check/compare/explain`` read these files as they read
 CI's. MoE runs also write, beside the file, ``<name>.tokens.json``: per step, per router, the
-tokens each expert received.
+tokens each expert received. The flags of a run are written as a functional test's
+``model_config.yaml`` (its MODEL_ARGS), for ``golden explain --model-config``.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from shardcheck.golden.io import tokens_path
 from shardcheck.train.records import Run
 
 METRICS = {"lm loss": "lm loss", "num-zeros": "num-zeros", "grad norm": "grad norm",
@@ -40,9 +42,16 @@ def write_golden(run: Run, path: Path) -> Path:
     return path
 
 
-def tokens_path(path: Path) -> Path:
-    """Where the tokens per expert of the golden file ``path`` are written."""
-    return path.with_name(path.stem + ".tokens.json")
+def write_model_config(flags: list[str], path: Path) -> Path:
+    """Megatron ``flags`` as a model_config.yaml's MODEL_ARGS (a flag without a value: true)."""
+    lines = ["MODEL_ARGS:"]
+    for i, token in enumerate(flags):
+        if token.startswith("--"):
+            value = flags[i + 1] if i + 1 < len(flags) and not flags[i + 1].startswith("--") else "true"
+            lines.append(f"  {token}: {value}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+    return path
 
 
 def _value(value: float | None) -> float | str:

@@ -1,8 +1,10 @@
 """Follow squared gradients into a global-norm all-reduce and check their accounting there.
 
 A square, ``pow(2)`` or vector norm of a named parameter's gradient starts a *norm term*:
-the tensor is tagged with the parameter and its gradient's type. Sums, stacks, concatenations
-and additions of terms merge the tags. Their own type is R on an axis where every counted
+the tensor is tagged with the parameter and its gradient's type. So does a count of its
+entries (``count_nonzero``, and the gradient's ``numel()`` minus that: Megatron's num-zeros),
+which adds over elements as a square does. Sums, stacks, concatenations and additions of
+terms merge the tags. Their own type is R on an axis where every counted
 gradient is R, else P: a replicated gradient counted on one rank only is a partial sum there.
 At a SUM all-reduce of a one-element tensor, the ranks of the group exchange what they counted
 (so that every rank takes part in the exchange, whether or not its tensor is tagged) and
@@ -34,10 +36,13 @@ aten = torch.ops.aten
 
 @dataclass(frozen=True)
 class NormTerm:
-    """The parameters a tensor counts (name -> gradient placement per axis) and its power."""
+    """The parameters a tensor counts (name -> gradient placement per axis) and its power:
+    1 for a norm, 2 for what adds over elements (a squared norm, or with ``count`` a count
+    of entries)."""
 
     params: dict
     power: int
+    count: bool = False
 
     def placements(self, n: int) -> tuple:
         return tuple(R if all(pl[a] is R for pl in self.params.values()) else P for a in range(n))
@@ -68,12 +73,12 @@ def _gradient_param(ctx, t) -> tuple[str, tuple] | None:
     return None
 
 
-def _start(ctx, out, t, power: int) -> tuple | None:
+def _start(ctx, out, t, power: int, count: bool = False) -> tuple | None:
     """Tag ``out`` as a term of ``t`` when ``t`` is a gradient; its placements as a reduced term."""
     found = _gradient_param(ctx, t)
     if found is None:
         return None
-    return _tag(ctx, out, NormTerm({found[0]: found[1]}, power))
+    return _tag(ctx, out, NormTerm({found[0]: found[1]}, power, count))
 
 
 def _start_elementwise(ctx, args, kwargs, out, base: str) -> tuple | None:
@@ -121,6 +126,24 @@ def _vector_norm(ctx, args, kwargs, out):
     return _start(ctx, out, args[0], 1)
 
 
+def _count_nonzero(ctx, args, kwargs, out):
+    dims = args[1] if len(args) > 1 else kwargs.get("dim")
+    if dims not in (None, [], ()):
+        return None
+    return _start(ctx, out, args[0], 2, count=True)
+
+
+def _rsub(ctx, args, kwargs, out):
+    """``grad.numel() - count_nonzero(grad)``: the gradient's zeros, a count of its entries too."""
+    term = _term(args[0])
+    if term is None or not term.count or len(term.params) != 1 or not isinstance(args[1], int):
+        return None
+    grad = gradient_of(dict(named_parameters(ctx))[next(iter(term.params))])
+    if grad is None or args[1] != grad.numel():
+        return None
+    return _tag(ctx, out, term)
+
+
 def _merge(ctx, out, operands) -> tuple | None:
     """Union of the operands' terms; untagged operands must be known zeros."""
     terms = [_term(t) for t in operands]
@@ -128,13 +151,14 @@ def _merge(ctx, out, operands) -> tuple | None:
         return None
     if any(term is None and not ctx.zero(t) for term, t in zip(terms, operands, strict=True)):
         return None
-    powers = {term.power for term in terms if term}
-    if len(powers) != 1:
+    kinds = {(term.power, term.count) for term in terms if term}
+    if len(kinds) != 1:
         return None
     params = {}
     for term in terms:
         params.update(term.params if term else {})
-    return _tag(ctx, out, NormTerm(params, powers.pop()))
+    power, count = kinds.pop()
+    return _tag(ctx, out, NormTerm(params, power, count))
 
 
 def _sum(ctx, args, kwargs, out):
@@ -159,6 +183,7 @@ def _foreach_norm(ctx, args, kwargs, out):
 
 
 for _name, _rule in (("pow", _pow), ("mul", _mul), ("linalg_vector_norm", _vector_norm),
+                     ("count_nonzero", _count_nonzero), ("rsub", _rsub),
                      ("sum", _sum), ("stack", _stack), ("cat", _stack), ("add", _add)):
     _wrap(_name, _rule)
 _checker.register_rule(aten._foreach_norm, _foreach_norm)

@@ -687,6 +687,21 @@ def _reduce_axis(kind: str, p: Placement | None, a: int, dims: set[int], keep: b
     return p if keep else moved(p, p.dim - sum(1 for d in dims if d < p.dim))
 
 
+def _count_nonzero_rule(ctx, args, kwargs, out):
+    """``count_nonzero``: a sum of a non-linear indicator. Counts of shards add up to the
+    whole count (P); the count of a partial value is no part of the count of the sum."""
+    pl = ctx.types(args[0])
+    if pl is None:
+        return None
+    for a, p in enumerate(pl):
+        if is_partial(p):
+            raise Violation("non-linear on partial", a)
+    return _count_reduction(ctx, args, kwargs, out)
+
+
+_count_reduction = reduction("sum")
+
+
 def _normalize_rule(ctx, args, kwargs, out):
     """softmax / log_softmax over ``dim``."""
     x = args[0]
@@ -1023,7 +1038,7 @@ _reduce = {
     "argmin": reduction("max"), "prod": reduction("norm"), "logsumexp": reduction("norm"),
     "linalg_vector_norm": reduction("norm", 2, 3), "norm": reduction("norm"),
     "var": reduction("norm"), "std": reduction("norm"), "var_mean": reduction("norm"),
-    "std_mean": reduction("norm"),
+    "std_mean": reduction("norm"), "count_nonzero": _count_nonzero_rule,
 }
 
 

@@ -497,10 +497,15 @@ def _written_rule(ctx, args):
 
 
 def _as_strided_rule(ctx, args, kwargs, out):
-    """as_strided: typed only when it reproduces its input's layout (autograd does that)."""
+    """as_strided: typed when it reproduces its input's layout, or reads a contiguous input
+    whole as another contiguous shape (a view: autograd's backward of an in-place op on a
+    view of a flat buffer, such as Megatron's global memory buffer, cuts its gradient so)."""
     x = args[0]
-    same = out.shape == x.shape and out.stride() == x.stride()
-    return ctx.types(x) if same else None
+    if out.shape == x.shape and out.stride() == x.stride():
+        return ctx.types(x)
+    reshaped = (x.is_contiguous() and out.is_contiguous() and out.numel() == x.numel()
+                and out.storage_offset() == x.storage_offset())
+    return _view_rule(ctx, args, kwargs, out) if reshaped else None
 
 
 def _copy_rule(ctx, args, kwargs, out):

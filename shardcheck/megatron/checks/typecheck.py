@@ -63,12 +63,13 @@ def _parameters_typed_on_first_use(axes: tuple[str, ...]) -> Iterator[None]:
     typed: set[int] = set()
 
     def type_parameters(module: torch.nn.Module, _args: Any) -> None:
-        fresh = [p for p in module.parameters() if id(p) not in typed]
+        fresh = {name: p for name, p in module.named_parameters() if id(p) not in typed}
         if not fresh:
             return
         with current().paused():
             types = _types_by_id(module)
-        for param in fresh:  # Megatron's metadata wins over what setup code did to it
+        sc.annotate_parameters(fresh)  # named: norm accounting follows their gradients' counts
+        for param in fresh.values():  # Megatron's metadata wins over what setup code did to it
             typed.add(id(param))
             placements = types[id(param)].placements
             sc.annotate(param, **{a: p for a, p in placements.items() if a in axes})
