@@ -395,8 +395,12 @@ def inspect_original(new: Any, patches: list) -> Any:
 
 
 @contextlib.contextmanager
-def checked_region(ctx: Any) -> Iterator[list[dict]]:
-    """Type-check the block in collect mode; the yielded list receives its violations at exit."""
+def checked_region(ctx: Any, ops: dict | None = None) -> Iterator[list[dict]]:
+    """Type-check the block in collect mode; the yielded list receives its violations at exit.
+
+    With ``ops`` (a dict), the op calls made from megatron-core's own files are counted by
+    source location, and ``ops`` receives them at exit (:func:`megatron_ops`).
+    """
     found: list[dict] = []
     if not checker_available():
         yield found
@@ -415,11 +419,25 @@ def checked_region(ctx: Any) -> Iterator[list[dict]]:
         stack.enter_context(_tp_duplicates_checked())
         stack.enter_context(_viewless_tensors_typed())
         stack.enter_context(contextlib.redirect_stderr(io.StringIO()))  # the region's summary
-        stack.enter_context(sc.typecheck(mesh, mode="collect"))
+        checker = stack.enter_context(sc.typecheck(mesh, mode="collect", sites=ops is not None))
         yield found
+    if ops is not None:
+        ops.update(megatron_ops(checker.coverage()))
     found.extend({**v.as_dict(), "location": _short(v.location),
                   "line": v.first_line.replace(v.location, _short(v.location))}
                  for v in sc.violations() if _in_megatron(v.location))
+
+
+def megatron_ops(coverage: Any) -> dict[str, Any]:
+    """The op calls of a :class:`~shardcheck.typecheck.checker.Coverage` (counted by site) that
+    megatron-core's own files made: typed, unknown, and the unknown ones by ``file:line``."""
+    import os
+
+    import megatron.core
+
+    inside = coverage.within(os.path.dirname(megatron.core.__file__) + os.sep)
+    return {"typed": inside.typed, "unknown": inside.unknown,
+            "unknown_at": {_short(loc): unknown for loc, _, unknown in inside.by_site if unknown}}
 
 
 def _in_megatron(location: str) -> bool:
