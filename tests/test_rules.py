@@ -55,6 +55,12 @@ LINEAR_ON_PARTIAL = [
     ("sum P", lambda: T(4, 3, tp=P).sum(0), P),
     ("mean P", lambda: T(4, 3, tp=P).mean(), P),
     ("view P", lambda: T(4, 3, tp=P).view(12), P),
+    # as_strided picks the same elements on every rank: linear on a partial sum, and on a
+    # replicated value; a shard's meaning is lost (unknown, not a guess)
+    ("as_strided P", lambda: T(4, 3, tp=P).as_strided((3, 2), (1, 3)), P),
+    ("as_strided R", lambda: T(4, 3).as_strided((2, 2), (3, 1), 1), R),
+    ("as_strided S", lambda: T(4, 3, tp=S(0)).as_strided((3, 2), (1, 3)), None),
+    ("as_strided P then exp", lambda: T(4, 3, tp=P).as_strided((3, 2), (1, 3)).exp(), "non-linear on partial"),
     ("permute P", lambda: T(4, 3, 2, tp=P).permute(2, 0, 1), P),
     ("transpose P", lambda: T(4, 3, tp=P).transpose(0, 1), P),
     ("cat P", lambda: torch.cat([T(4, tp=P), T(4, tp=P)]), P),

@@ -497,10 +497,15 @@ def _written_rule(ctx, args):
 
 
 def _as_strided_rule(ctx, args, kwargs, out):
-    """as_strided: typed only when it reproduces its input's layout (autograd does that)."""
+    """as_strided: any view of the input's storage. One that reproduces the input's layout
+    keeps its type (autograd does that); any other picks the same elements on every rank, so
+    a value whole on an axis, partial or varying there keeps that placement (a gathered one is
+    plain R: its blocks are cut), while a shard's meaning is lost."""
     x = args[0]
-    same = out.shape == x.shape and out.stride() == x.stride()
-    return ctx.types(x) if same else None
+    pl = ctx.types(x)
+    if pl is None or (out.shape == x.shape and out.stride() == x.stride()):
+        return pl
+    return tuple(None if isinstance(p, Shard) else R if isinstance(p, Gathered) else p for p in pl)
 
 
 def _copy_rule(ctx, args, kwargs, out):
