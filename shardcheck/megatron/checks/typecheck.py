@@ -3,7 +3,8 @@
 Nothing in megatron-core is ported. Inside the region:
 
 * every module's parameters, its submodules' included, are typed from Megatron's metadata
-  (:func:`shardcheck.megatron.checks.typing.parameter_type`) the first time the module runs (a layer
+  (:func:`shardcheck.megatron.checks.typing.parameter_type`) when DDP wraps the model (it reads
+  every parameter to lay out its buffers) or else the first time the module runs (a layer
   may use a submodule's parameters without calling it: Mamba's context parallelism slices
   its ``conv1d`` weights);
 * the batch Megatron cuts for context parallelism (``get_batch_on_this_cp_rank``) is typed by
@@ -73,11 +74,21 @@ def _parameters_typed_on_first_use(axes: tuple[str, ...]) -> Iterator[None]:
             placements = types[id(param)].placements
             sc.annotate(param, **{a: p for a, p in placements.items() if a in axes})
 
+    from megatron.core.distributed import DistributedDataParallel
+
+    original_init = DistributedDataParallel.__init__
+
+    def typed_init(self, config, ddp_config, module, *args: Any, **kwargs: Any) -> None:
+        type_parameters(module, ())  # DDP reads every parameter to lay out its buffers
+        original_init(self, config, ddp_config, module, *args, **kwargs)
+
     handle = torch.nn.modules.module.register_module_forward_pre_hook(type_parameters)
+    DistributedDataParallel.__init__ = typed_init
     try:
         yield
     finally:
         handle.remove()
+        DistributedDataParallel.__init__ = original_init
 
 
 @contextlib.contextmanager
