@@ -91,14 +91,32 @@ def _parameters_typed_on_first_use(axes: tuple[str, ...]) -> Iterator[None]:
         DistributedDataParallel.__init__ = original_init
 
 
+_HOLDERS: dict[tuple[str, int], tuple[int, list]] = {}
+
+
+def holders(prefix: str, original: Any) -> list:
+    """The loaded modules named ``prefix...`` that hold ``original`` under its own name.
+
+    Scanning every loaded module takes tens of ms (a few have a slow module ``__getattr__``),
+    and a checked region looks up several functions: the modules are scanned again only when
+    more were loaded, and the ones found are checked to hold it still."""
+    import sys
+
+    key, count = (prefix, id(original)), len(sys.modules)
+    cached = _HOLDERS.get(key)
+    if cached is None or cached[0] != count:
+        found = [module for module in list(sys.modules.values())
+                 if getattr(module, "__name__", "").startswith(prefix)
+                 and getattr(module, original.__name__, None) is original]
+        _HOLDERS[key] = cached = (count, found)
+    return [module for module in cached[1] if getattr(module, original.__name__, None) is original]
+
+
 @contextlib.contextmanager
 def _replaced_everywhere(original: Any, replacement: Any) -> Iterator[None]:
     """Replace a megatron-core function in every megatron module that refers to it."""
-    import sys
 
-    sites = [module for module in list(sys.modules.values())
-             if getattr(module, "__name__", "").startswith("megatron")
-             and getattr(module, original.__name__, None) is original]
+    sites = holders("megatron", original)
     for module in sites:
         setattr(module, original.__name__, replacement)
     try:
@@ -343,7 +361,6 @@ def _harness_values_typed(axes: tuple[str, ...]) -> Iterator[None]:
     ``load_balanced_positions`` (this CP rank's token positions: S(0) over cp) and
     ``data_parallel_share`` (this DP rank's microbatches of a global batch built alike on every
     rank: V over dp, R over the other axes)."""
-    import sys
 
     import shardcheck as sc
     from shardcheck.megatron.cpu import cp_attention
@@ -364,9 +381,8 @@ def _harness_values_typed(axes: tuple[str, ...]) -> Iterator[None]:
     if "cp" in axes:
         positions = cp_attention.load_balanced_positions
         patches.append((positions, typed(positions, {"cp": S(0)})))
-    sites = [(module, name, new) for module in list(sys.modules.values())
-             if getattr(module, "__name__", "").startswith("shardcheck.megatron")
-             for old, new in patches for name in (old.__name__,) if getattr(module, name, None) is old]
+    sites = [(module, old.__name__, new) for old, new in patches
+             for module in holders("shardcheck.megatron", old)]
     for module, name, new in sites:
         setattr(module, name, new)
     try:
