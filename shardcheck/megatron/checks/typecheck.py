@@ -278,6 +278,32 @@ def _viewless_tensors_typed() -> Iterator[None]:
         utils._kernel_make_viewless_tensor = original
 
 
+@contextlib.contextmanager
+def _memory_buffers_typed() -> Iterator[None]:
+    """Megatron's ``GlobalMemoryBuffer.get_tensor`` hands out a view of a buffer it keeps
+    between calls (and between runs), to be overwritten like a fresh ``torch.empty``: the
+    buffer is typed as ``torch.empty``'s result is (R) before each view is cut from it."""
+    from megatron.core.utils import GlobalMemoryBuffer
+
+    from shardcheck.typecheck.checker import current
+    from shardcheck.typecheck.types import R
+
+    original = GlobalMemoryBuffer.get_tensor
+
+    def typed(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        checker = current()
+        if checker is not None:
+            for buffer in self.buffer.values():
+                checker.set_type(buffer, (R,) * checker.n)
+        return original(self, *args, **kwargs)
+
+    GlobalMemoryBuffer.get_tensor = typed
+    try:
+        yield
+    finally:
+        GlobalMemoryBuffer.get_tensor = original
+
+
 OBJECT_COLLECTIVES = ("all_gather_object", "broadcast_object_list", "gather_object",
                       "scatter_object_list")
 
@@ -445,6 +471,7 @@ def checked_region(ctx: Any, ops: dict | None = None) -> Iterator[list[dict]]:
         stack.enter_context(_gradient_buffers_typed(mesh.names))
         stack.enter_context(_tp_duplicates_checked())
         stack.enter_context(_viewless_tensors_typed())
+        stack.enter_context(_memory_buffers_typed())
         stack.enter_context(contextlib.redirect_stderr(io.StringIO()))  # the region's summary
         checker = stack.enter_context(sc.typecheck(mesh, mode="collect", sites=ops is not None))
         yield found
