@@ -1,8 +1,11 @@
-"""Time added per intercepted op by the SPMD type checker, against eager and spmd_types 0.3.1.
+"""Time added per intercepted op by the SPMD type checker, against eager and spmd_types 0.3.1,
+and the cost a user pays: one Megatron GPT training step checked against unchecked.
 
 Workloads: (a) 200 mul/add ops, (b) a matmul/mul/add/relu mix of 200 ops, on 256x256
 float32 tensors, one thread, medians of repeated runs. spmd_types runs in a subprocess with
-bench/.deps (``make bench`` installs it there) on sys.path.
+bench/.deps (``make bench`` installs it there) on sys.path. The Megatron step (tp2-sp on two
+Gloo ranks, one thread each: forward, backward and optimizer step) alternates unchecked and
+checked steps in the same run (see _megatron_step.py); ``--megatron-only`` runs just that.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from rich.table import Table
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).parent))
+from _megatron_step import LAYOUT, SIZES, step_seconds  # noqa: E402
 from _workloads import OPS, WORKLOADS, interleaved, tensors  # noqa: E402
 
 import shardcheck as sc  # noqa: E402
@@ -27,6 +31,10 @@ import shardcheck as sc  # noqa: E402
 HERE = Path(__file__).parent
 DEPS = HERE / ".deps"
 GOAL_US = 10.0
+STEP_GOAL = 1.3  # a checked Megatron step costs at most this times an unchecked one
+STEPS = 7
+PRELOAD = ("megatron.core.models.gpt.gpt_model", "megatron.core.optimizer",
+           "megatron.core.pipeline_parallel.schedules")
 FLOOR = "bare TorchDispatchMode (floor)"
 
 
@@ -73,7 +81,30 @@ def _row(table: Table, name: str, label: str, seconds: float, eager: float,
                   f"{over_floor:+.1f}", f"{seconds / eager:.2f}x")
 
 
+def megatron_step() -> None:
+    """Print the checked / unchecked time of one Megatron GPT training step, per model size."""
+    from shardcheck.parity.layout import Layout
+    from shardcheck.parity.pool import RankPool
+
+    layout = Layout.parse(LAYOUT)
+    table = Table(title=f"Megatron GPT training step, {LAYOUT} on {layout.world_size} Gloo ranks "
+                        f"(forward, backward, optimizer step; median of {STEPS})")
+    for column in ("model", "unchecked (ms)", "checked (ms)", "checked / unchecked"):
+        table.add_column(column, justify="left" if column == "model" else "right")
+    with RankPool(layout.world_size, timeout=900, preload=PRELOAD) as pool:
+        for name, sizes in SIZES.items():
+            ranks = pool.run(layout, step_seconds, sizes, STEPS)
+            plain, checked = (max(r[key] for r in ranks) for key in ("unchecked", "checked"))
+            table.add_row(name, f"{plain * 1e3:.0f}", f"{checked * 1e3:.0f}", f"{checked / plain:.2f}x")
+    Console(width=120).print(table)
+    print(f"goal: a checked step costs at most {STEP_GOAL}x an unchecked one (the checker's cost is "
+          "per op call, so the ratio falls as the work per op grows).")
+
+
 def main() -> None:
+    if "--megatron-only" in sys.argv[1:]:
+        megatron_step()
+        return
     torch.set_num_threads(1)
     other = _spmd_types()
     table = Table(title=f"SPMD checker overhead ({OPS} ops, 256x256 fp32, 1 thread, median CPU time)")
@@ -93,6 +124,7 @@ def main() -> None:
           "dispatch mode that only calls the op, i.e. the checker's own work. spmd_types runs "
           "in strict mode with every input annotated R on a 2-rank fake group "
           "(its own subprocess, same workloads); it is a TorchFunctionMode.")
+    megatron_step()
 
 
 if __name__ == "__main__":

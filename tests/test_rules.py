@@ -38,6 +38,13 @@ def outcome(program, mesh=MESH):
             return err.rule
 
 
+def _written_whole(grad):
+    """A flat zero buffer, a view of all of it shaped like ``grad``, ``grad`` copied into it."""
+    buffer = grad.new_zeros(grad.numel())
+    buffer.as_strided(grad.shape, grad.stride()).copy_(grad)
+    return buffer
+
+
 ELEMENTWISE = [
     ("R+R", lambda: T(4, 3) + T(4, 3), R),
     ("S+S same dim", lambda: T(4, 3, tp=S(0)) * T(4, 3, tp=S(0)), S(0)),
@@ -60,6 +67,19 @@ LINEAR_ON_PARTIAL = [
     ("sum P", lambda: T(4, 3, tp=P).sum(0), P),
     ("mean P", lambda: T(4, 3, tp=P).mean(), P),
     ("view P", lambda: T(4, 3, tp=P).view(12), P),
+    # as_strided picks the same elements on every rank: linear on a partial sum, and on a
+    # replicated value; a shard's meaning is lost (unknown, not a guess)
+    ("as_strided P", lambda: T(4, 3, tp=P).as_strided((3, 2), (1, 3)), P),
+    ("as_strided R", lambda: T(4, 3).as_strided((2, 2), (3, 1), 1), R),
+    ("as_strided S", lambda: T(4, 3, tp=S(0)).as_strided((3, 2), (1, 3)), None),
+    ("as_strided P then exp", lambda: T(4, 3, tp=P).as_strided((3, 2), (1, 3)).exp(), "non-linear on partial"),
+    # one that reads all of a contiguous input in order is a reshape
+    ("as_strided reshape S", lambda: T(4, 3, tp=S(0)).as_strided((12,), (1,)), S(0)),
+    ("as_strided reshape S + R", lambda: T(4, 3, tp=S(0)).as_strided((12,), (1,)) + T(12),
+     "global shape mismatch"),
+    # autograd's view backward: zeros, a view of all of them, the gradient copied in
+    ("zeros written whole", lambda: _written_whole(T(4, 6, tp=S(0))), S(0)),
+    ("zeros written whole + R", lambda: _written_whole(T(4, 6, tp=S(0))) + T(24), "global shape mismatch"),
     ("permute P", lambda: T(4, 3, 2, tp=P).permute(2, 0, 1), P),
     ("transpose P", lambda: T(4, 3, tp=P).transpose(0, 1), P),
     ("cat P", lambda: torch.cat([T(4, tp=P), T(4, tp=P)]), P),

@@ -73,6 +73,13 @@ _KEEPS_ZERO = {
 }
 
 
+# Collectives that Gloo runs as an all-reduce of a buffer the checker never sees, then, when
+# the work is waited on, copy this rank's chunk of it into the output: the first untyped write
+# into the output after the op is that copy, the collective's own (an async op is waited on
+# at ``handle.wait()``, with no torch.distributed frame on the stack).
+_LANDS_ON_WAIT = frozenset({torch.ops.c10d._reduce_scatter_base_.default})
+
+
 class SpmdTypeError(RuntimeError):
     """An op would compute a wrong global value. The first line starts with ``checker:``."""
 
@@ -340,6 +347,8 @@ class Checker(TorchDispatchMode):
                 merged.append(mine)
             elif alias_zero and not isinstance(new, Shard):
                 merged.append(new)
+            elif alias_zero and shape_rules.same_elements(alias, t):  # zeros overwritten whole
+                merged.append(shape_rules.view_shard(t.shape, alias.shape, new))
             else:
                 merged.append(None)
         return tuple(merged)
@@ -384,6 +393,8 @@ class Checker(TorchDispatchMode):
             self._report(violation, func, args)
             pl = _retyped_after(self, violation, rule, args, kwargs, out)
         if pl is NO_TENSOR:
+            if func in _LANDS_ON_WAIT:
+                args[0]._sc_landing = True
             self.typed += 1
             if self.sites is not None:
                 self._count_site(func, args, out, typed=True)
@@ -427,9 +438,14 @@ class Checker(TorchDispatchMode):
                 t._sc_origin = origin
 
     def _forget(self, mutated, args, kwargs) -> None:
-        """An untyped write makes its target unknown, except a collective's own copies."""
+        """An untyped write makes its target unknown, except a collective's own copies (made
+        inside torch.distributed, or the copy an async collective makes when waited on)."""
         for t in _mutated_tensors(mutated, args, kwargs):
-            if self.types(t) is not None and not _inside_collective():
+            if self.types(t) is None:
+                continue
+            if getattr(t, "_sc_landing", False):
+                t._sc_landing = False
+            elif not _inside_collective():
                 self.update_inplace(t, None)
 
     def _type_outputs(self, out, pl, flags: int, base: torch.Tensor | None) -> None:

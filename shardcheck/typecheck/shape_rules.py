@@ -497,15 +497,24 @@ def _written_rule(ctx, args):
 
 
 def _as_strided_rule(ctx, args, kwargs, out):
-    """as_strided: typed when it reproduces its input's layout, or reads a contiguous input
-    whole as another contiguous shape (a view: autograd's backward of an in-place op on a
-    view of a flat buffer, such as Megatron's global memory buffer, cuts its gradient so)."""
+    """as_strided: any view of the input's storage. One that reproduces the input's layout
+    keeps its type (autograd does that), one that reads it all in order is a reshape (autograd's
+    backward of an in-place op on a view of a flat buffer); any other picks the same elements
+    on every rank, so a value whole on an axis, partial or varying there keeps that placement
+    (a gathered one is plain R: its blocks are cut), while a shard's meaning is lost."""
     x = args[0]
-    if out.shape == x.shape and out.stride() == x.stride():
-        return ctx.types(x)
-    reshaped = (x.is_contiguous() and out.is_contiguous() and out.numel() == x.numel()
-                and out.storage_offset() == x.storage_offset())
-    return _view_rule(ctx, args, kwargs, out) if reshaped else None
+    pl = ctx.types(x)
+    if pl is None or (out.shape == x.shape and out.stride() == x.stride()):
+        return pl
+    if same_elements(x, out):  # all of a contiguous input, read in order: a reshape
+        return _view_rule(ctx, args, kwargs, out)
+    return tuple(None if isinstance(p, Shard) else R if isinstance(p, Gathered) else p for p in pl)
+
+
+def same_elements(a, b) -> bool:
+    """Whether ``a`` and ``b`` are contiguous views of the same elements in the same order."""
+    return (a.storage_offset() == b.storage_offset() and a.numel() == b.numel()
+            and a.is_contiguous() and b.is_contiguous())
 
 
 def _copy_rule(ctx, args, kwargs, out):

@@ -22,7 +22,8 @@ from shardcheck.megatron.checks.typecheck import checked_region
 
 def run_case(ctx: Any, component: str, options: tuple, fixes: tuple[str, ...], typecheck: bool,
              rng_offset: int = 0) -> dict:
-    """Run one component with its options on this rank; outputs, contracted calls, violations.
+    """Run one component with its options on this rank; outputs, contracted calls, violations,
+    and (type-checked) the op calls megatron-core made, typed and unknown.
 
     ``rng_offset`` shifts the seed of Megatron's model-parallel RNG (screening for randomness).
     Collectives issued on a global group that the layout's explicit groups replace are
@@ -44,11 +45,12 @@ def run_case(ctx: Any, component: str, options: tuple, fixes: tuple[str, ...], t
         stack.enter_context(contracts.fixed(tuple(f for f in fixes if f != explicit.FIX)))
         stack.enter_context(explicit.routed(explicit.FIX in fixes))
         misuses = stack.enter_context(explicit.recording())
-        found = stack.enter_context(checked_region(ctx) if typecheck else nullcontext([]))
+        ops: dict = {}
+        found = stack.enter_context(checked_region(ctx, ops) if typecheck else nullcontext([]))
         reads = stack.enter_context(config_reads())
         outputs = run(ctx)
     return {"outputs": {k: torch.as_tensor(v).detach().double().clone() for k, v in outputs.items()},
-            "calls": calls, "violations": [*misuses, *found],
+            "calls": calls, "violations": [*misuses, *found], "ops": ops or None,
             "entry": entries[0] if entries else None, "reads": sorted(reads)}
 
 

@@ -310,13 +310,36 @@ CRASH = "crash"
 
 
 def coverage_table(coverage: dict[str, dict[str, Any]]) -> list[str]:
-    """The report's opening table: per component, where and with what it ran."""
+    """The report's opening table: per component, where and with what it ran, and the share of
+    megatron-core's op calls the checker typed (then per layout, with the most unknown sites)."""
     lines = ["| component | plain layouts | explicit-group layouts | option sets run | left out "
-             "| not read (pruned) | cases |", "|---|---|---|---|---|---|---|"]
+             "| not read (pruned) | cases | megatron-core ops typed |", "|---|---|---|---|---|---|---|---|"]
     for component, row in coverage.items():
+        ops = row.get("megatron_ops")
+        typed = f"{_percent(ops)} of {ops['calls']}" if ops else "-"
         lines.append(f"| {component} | {', '.join(row['plain_layouts']) or '-'} | "
                      f"{', '.join(row['explicit_layouts']) or '-'} | {row['option_sets_run']} | "
-                     f"{row['option_sets_left_out']} | {row.get('options_not_read', 0)} | {row['cases']} |")
+                     f"{row['option_sets_left_out']} | {row.get('options_not_read', 0)} | {row['cases']} "
+                     f"| {typed} |")
+    return lines + [""] + _ops_by_layout(coverage)
+
+
+def _percent(ops: dict[str, Any]) -> str:
+    return f"{100 * ops['typed_share']:.1f}%"
+
+
+def _ops_by_layout(coverage: dict[str, dict[str, Any]]) -> list[str]:
+    """Per component and layout: megatron-core's op calls typed, and where the unknown ones are."""
+    rows = [(component, layout, ops) for component, row in coverage.items()
+            for layout, ops in row.get("megatron_ops", {}).get("by_layout", {}).items()]
+    if not rows:
+        return []
+    lines = ["Op calls made in megatron-core's files that got a type (an unknown type is never "
+             "checked: a bug there is invisible):", "",
+             "| component | layout | typed | op calls | most unknown at |", "|---|---|---|---|---|"]
+    lines += [f"| {component} | {layout} | {_percent(ops)} | {ops['calls']} | "
+              f"{'; '.join(f'`{site}`' for site in ops['unknown_at'][:3]) or '-'} |"
+              for component, layout, ops in rows]
     return lines + [""]
 
 

@@ -125,6 +125,7 @@ class Outcome:
     reference_digest: str | None = None  # the one-rank outputs' hash: which options change them
     frame: str | None = None  # an error's innermost megatron-core frame
     config_check: bool = False  # the error was raised while a config validated itself
+    ops: dict | None = None  # op calls in megatron-core over all ranks: typed, unknown, unknown_at
 
     @property
     def crashed(self) -> bool:
@@ -255,12 +256,36 @@ class Runner:
                           first_call_gap(case.layout, [r["calls"] for r in ranks], ref["calls"], dtype),
                           confirmed_across_ranks(r["violations"] for r in ranks),
                           errors=max_errors([r["outputs"] for r in ranks], ref["outputs"]),
-                          entry=ranks[0]["entry"], reference_digest=self.digest(case))
+                          entry=ranks[0]["entry"], reference_digest=self.digest(case),
+                          ops=op_counts(r.get("ops") for r in ranks))
         if not case.options and not fixes:
             self.read_sets[(case.component, str(case.layout))] = frozenset(
                 name for r in ranks for name in r["reads"])
         outcome.seconds = time.monotonic() - started
         return outcome
+
+
+def op_counts(per_rank: Iterable[dict | None]) -> dict | None:
+    """The sum of op-call counts (``typed``, ``unknown``, ``unknown_at`` by location); None
+    when none was counted (the checker was off)."""
+    counted = [c for c in per_rank if c]
+    if not counted:
+        return None
+    unknown_at: dict[str, int] = {}
+    for c in counted:
+        for location, n in c["unknown_at"].items():
+            unknown_at[location] = unknown_at.get(location, 0) + n
+    return {"typed": sum(c["typed"] for c in counted), "unknown": sum(c["unknown"] for c in counted),
+            "unknown_at": unknown_at}
+
+
+def typed_share(counts: dict, top: int = 10) -> dict[str, Any]:
+    """Counts as the report shows them: the typed share and the most frequent unknown sites."""
+    total = counts["typed"] + counts["unknown"]
+    worst = sorted(counts["unknown_at"].items(), key=lambda kv: (-kv[1], kv[0]))[:top]
+    return {"typed": counts["typed"], "calls": total,
+            "typed_share": round(counts["typed"] / total, 4) if total else 1.0,
+            "unknown_at": [f"{location} ({n})" for location, n in worst]}
 
 
 def _same_outputs(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
@@ -340,7 +365,8 @@ class AuditResult:
 
     def coverage(self) -> dict[str, dict[str, Any]]:
         """Per component: the layouts it ran under (plain, explicit groups), the option sets
-        run and left out, the options pruned as never read, and the cases."""
+        run and left out, the options pruned as never read, the cases, and (type-checked) the
+        share of megatron-core's op calls that got a type, per layout."""
         table: dict[str, dict[str, Any]] = {}
         components = sorted({o.case.component for o in self.outcomes} | {c for c, _ in self.left_out}
                             | set(self.not_read))
@@ -356,7 +382,21 @@ class AuditResult:
                 "options_not_read": len(self.not_read.get(component, [])),
                 "cases_pruned": sum(len(lays) for (c, _), lays in self.pruned.items() if c == component),
                 "cases": len(ran)}
+            ops = _megatron_ops(ran)
+            if ops:
+                table[component]["megatron_ops"] = ops
         return table
+
+
+def _megatron_ops(outcomes: list[Outcome]) -> dict[str, Any]:
+    """The op calls megatron-core made in these cases: in all, and per layout."""
+    counted = [o for o in outcomes if o.ops]
+    if not counted:
+        return {}
+    layouts = sorted({o.case.layout for o in counted}, key=lambda lay: (lay.world_size, str(lay)))
+    by_layout = {str(lay): typed_share(op_counts(o.ops for o in counted if o.case.layout == lay))
+                 for lay in layouts}
+    return {**typed_share(op_counts(o.ops for o in counted), top=0), "by_layout": by_layout}
 
 
 Progress = Callable[[Case, int], None]

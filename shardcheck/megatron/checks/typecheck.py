@@ -3,7 +3,8 @@
 Nothing in megatron-core is ported. Inside the region:
 
 * every module's parameters, its submodules' included, are typed from Megatron's metadata
-  (:func:`shardcheck.megatron.checks.typing.parameter_type`) the first time the module runs (a layer
+  (:func:`shardcheck.megatron.checks.typing.parameter_type`) when DDP wraps the model (it reads
+  every parameter to lay out its buffers) or else the first time the module runs (a layer
   may use a submodule's parameters without calling it: Mamba's context parallelism slices
   its ``conv1d`` weights);
 * the batch Megatron cuts for context parallelism (``get_batch_on_this_cp_rank``) is typed by
@@ -74,21 +75,49 @@ def _parameters_typed_on_first_use(axes: tuple[str, ...]) -> Iterator[None]:
             placements = types[id(param)].placements
             sc.annotate(param, **{a: p for a, p in placements.items() if a in axes})
 
+    from megatron.core.distributed import DistributedDataParallel
+
+    original_init = DistributedDataParallel.__init__
+
+    def typed_init(self, config, ddp_config, module, *args: Any, **kwargs: Any) -> None:
+        type_parameters(module, ())  # DDP reads every parameter to lay out its buffers
+        original_init(self, config, ddp_config, module, *args, **kwargs)
+
     handle = torch.nn.modules.module.register_module_forward_pre_hook(type_parameters)
+    DistributedDataParallel.__init__ = typed_init
     try:
         yield
     finally:
         handle.remove()
+        DistributedDataParallel.__init__ = original_init
+
+
+_HOLDERS: dict[tuple[str, int], tuple[int, list]] = {}
+
+
+def holders(prefix: str, original: Any) -> list:
+    """The loaded modules named ``prefix...`` that hold ``original`` under its own name.
+
+    Scanning every loaded module takes tens of ms (a few have a slow module ``__getattr__``),
+    and a checked region looks up several functions: the modules are scanned again only when
+    more were loaded, and the ones found are checked to hold it still."""
+    import sys
+
+    key, count = (prefix, id(original)), len(sys.modules)
+    cached = _HOLDERS.get(key)
+    if cached is None or cached[0] != count:
+        found = [module for module in list(sys.modules.values())
+                 if getattr(module, "__name__", "").startswith(prefix)
+                 and getattr(module, original.__name__, None) is original]
+        _HOLDERS[key] = cached = (count, found)
+    return [module for module in cached[1] if getattr(module, original.__name__, None) is original]
 
 
 @contextlib.contextmanager
 def _replaced_everywhere(original: Any, replacement: Any) -> Iterator[None]:
     """Replace a megatron-core function in every megatron module that refers to it."""
-    import sys
 
-    sites = [module for module in list(sys.modules.values())
-             if getattr(module, "__name__", "").startswith("megatron")
-             and getattr(module, original.__name__, None) is original]
+    sites = holders("megatron", original)
     for module in sites:
         setattr(module, original.__name__, replacement)
     try:
@@ -250,6 +279,32 @@ def _viewless_tensors_typed() -> Iterator[None]:
         utils._kernel_make_viewless_tensor = original
 
 
+@contextlib.contextmanager
+def _memory_buffers_typed() -> Iterator[None]:
+    """Megatron's ``GlobalMemoryBuffer.get_tensor`` hands out a view of a buffer it keeps
+    between calls (and between runs), to be overwritten like a fresh ``torch.empty``: the
+    buffer is typed as ``torch.empty``'s result is (R) before each view is cut from it."""
+    from megatron.core.utils import GlobalMemoryBuffer
+
+    from shardcheck.typecheck.checker import current
+    from shardcheck.typecheck.types import R
+
+    original = GlobalMemoryBuffer.get_tensor
+
+    def typed(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        checker = current()
+        if checker is not None:
+            for buffer in self.buffer.values():
+                checker.set_type(buffer, (R,) * checker.n)
+        return original(self, *args, **kwargs)
+
+    GlobalMemoryBuffer.get_tensor = typed
+    try:
+        yield
+    finally:
+        GlobalMemoryBuffer.get_tensor = original
+
+
 OBJECT_COLLECTIVES = ("all_gather_object", "broadcast_object_list", "gather_object",
                       "scatter_object_list")
 
@@ -333,7 +388,6 @@ def _harness_values_typed(axes: tuple[str, ...]) -> Iterator[None]:
     ``load_balanced_positions`` (this CP rank's token positions: S(0) over cp) and
     ``data_parallel_share`` (this DP rank's microbatches of a global batch built alike on every
     rank: V over dp, R over the other axes)."""
-    import sys
 
     import shardcheck as sc
     from shardcheck.megatron.cpu import cp_attention
@@ -354,9 +408,8 @@ def _harness_values_typed(axes: tuple[str, ...]) -> Iterator[None]:
     if "cp" in axes:
         positions = cp_attention.load_balanced_positions
         patches.append((positions, typed(positions, {"cp": S(0)})))
-    sites = [(module, name, new) for module in list(sys.modules.values())
-             if getattr(module, "__name__", "").startswith("shardcheck.megatron")
-             for old, new in patches for name in (old.__name__,) if getattr(module, name, None) is old]
+    sites = [(module, old.__name__, new) for old, new in patches
+             for module in holders("shardcheck.megatron", old)]
     for module, name, new in sites:
         setattr(module, name, new)
     try:
@@ -396,8 +449,12 @@ def inspect_original(new: Any, patches: list) -> Any:
 
 
 @contextlib.contextmanager
-def checked_region(ctx: Any) -> Iterator[list[dict]]:
-    """Type-check the block in collect mode; the yielded list receives its violations at exit."""
+def checked_region(ctx: Any, ops: dict | None = None) -> Iterator[list[dict]]:
+    """Type-check the block in collect mode; the yielded list receives its violations at exit.
+
+    With ``ops`` (a dict), the op calls made from megatron-core's own files are counted by
+    source location, and ``ops`` receives them at exit (:func:`megatron_ops`).
+    """
     found: list[dict] = []
     if not checker_available():
         yield found
@@ -415,12 +472,27 @@ def checked_region(ctx: Any) -> Iterator[list[dict]]:
         stack.enter_context(_gradient_buffers_typed(mesh.names))
         stack.enter_context(_tp_duplicates_checked())
         stack.enter_context(_viewless_tensors_typed())
+        stack.enter_context(_memory_buffers_typed())
         stack.enter_context(contextlib.redirect_stderr(io.StringIO()))  # the region's summary
-        stack.enter_context(sc.typecheck(mesh, mode="collect"))
+        checker = stack.enter_context(sc.typecheck(mesh, mode="collect", sites=ops is not None))
         yield found
+    if ops is not None:
+        ops.update(megatron_ops(checker.coverage()))
     found.extend({**v.as_dict(), "location": _short(v.location),
                   "line": v.first_line.replace(v.location, _short(v.location))}
                  for v in sc.violations() if _in_megatron(v.location))
+
+
+def megatron_ops(coverage: Any) -> dict[str, Any]:
+    """The op calls of a :class:`~shardcheck.typecheck.checker.Coverage` (counted by site) that
+    megatron-core's own files made: typed, unknown, and the unknown ones by ``file:line``."""
+    import os
+
+    import megatron.core
+
+    inside = coverage.within(os.path.dirname(megatron.core.__file__) + os.sep)
+    return {"typed": inside.typed, "unknown": inside.unknown,
+            "unknown_at": {_short(loc): unknown for loc, _, unknown in inside.by_site if unknown}}
 
 
 def _in_megatron(location: str) -> bool:

@@ -204,37 +204,66 @@ def _optimizer(model, setup: GPTSetup, pg: Any = None, half: torch.dtype | None 
                                   **explicit_kwargs(pg))
 
 
-def train_step(ctx: Any, setup: GPTSetup) -> dict[str, torch.Tensor]:
-    """One training step of the tiny GPT on ``ctx``'s layout; global values by name."""
+@dataclass
+class Training:
+    """A built GPT on this rank's layout: its config, model, DDP wrapper and optimizer."""
+
+    config: Any
+    model: Any
+    ddp: Any
+    optimizer: Any
+    setup: GPTSetup
+    pg: Any = None
+
+    def forward_backward(self) -> tuple[list[dict], int]:
+        """Zero the gradients, run Megatron's schedule over this rank's microbatches (forward,
+        backward, ``finalize_model_grads``); the loss reports (on the last pipeline stage) and
+        the number of microbatches."""
+        from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
+
+        self.ddp.zero_grad_buffer()
+        _fresh_mtp_logs()
+        batches = local_batches(self.setup, self.pg)
+        reports = get_forward_backward_func()(
+            forward_step_func=_forward_step(batches), data_iterator=None, model=[self.ddp],
+            num_microbatches=len(batches), seq_length=self.setup.seq,
+            micro_batch_size=self.setup.micro_batch, forward_only=False,
+            **schedule_groups(self.pg, self.config))
+        return reports, len(batches)
+
+
+def build_training(ctx: Any, setup: GPTSetup, pg: Any = None) -> Training:
+    """The tiny GPT with its reference weights, DDP and (``setup.optimizer_step``) optimizer,
+    inside ``megatron_parallel(ctx)`` (which yields ``pg``)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
-    from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 
+    config = transformer_config(ctx.layout, setup)
+    half = half_dtype(config)
+    if half is not None:  # 16-bit weights and activations, as Megatron's training runs them
+        config.params_dtype = config.pipeline_dtype = half
+    model = build_gpt(config, setup, pg)
+    load_global_weights(model, seed=setup.seed)
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=half is not None),
+                                  _in_half(config, model, half), **explicit_kwargs(pg))
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = ddp.no_sync
+    optimizer = _optimizer(ddp, setup, pg, half) if setup.optimizer_step else None
+    if optimizer is not None and half is torch.float16:
+        config.grad_scale_func = optimizer.scale_loss
+    return Training(config, model, ddp, optimizer, setup, pg)
+
+
+def train_step(ctx: Any, setup: GPTSetup) -> dict[str, torch.Tensor]:
+    """One training step of the tiny GPT on ``ctx``'s layout; global values by name."""
     with megatron_parallel(ctx) as pg:
-        config = transformer_config(ctx.layout, setup)
-        half = half_dtype(config)
-        if half is not None:  # 16-bit weights and activations, as Megatron's training runs them
-            config.params_dtype = config.pipeline_dtype = half
-        model = build_gpt(config, setup, pg)
-        load_global_weights(model, seed=setup.seed)
-        ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=half is not None),
-                                      _in_half(config, model, half), **explicit_kwargs(pg))
-        config.finalize_model_grads_func = finalize_model_grads
-        config.no_sync_func = ddp.no_sync
-        optimizer = _optimizer(ddp, setup, pg, half) if setup.optimizer_step else None
-        if optimizer is not None and half is torch.float16:
-            config.grad_scale_func = optimizer.scale_loss
-        ddp.zero_grad_buffer()
-        _fresh_mtp_logs()
-        batches = local_batches(setup, pg)
-        reports = get_forward_backward_func()(
-            forward_step_func=_forward_step(batches), data_iterator=None, model=[ddp],
-            num_microbatches=len(batches), seq_length=setup.seq,
-            micro_batch_size=setup.micro_batch, forward_only=False, **schedule_groups(pg, config))
+        training = build_training(ctx, setup, pg)
+        config, model, optimizer = training.config, training.model, training.optimizer
+        reports, microbatches = training.forward_backward()
         outputs = {"loss": reported_loss([r["lm loss"] for r in reports],
                                          config.calculate_per_token_loss, pg)}
         if config.mtp_num_layers:
-            outputs.update(mtp_metrics(len(batches), pg))
+            outputs.update(mtp_metrics(microbatches, pg))
         grads, spread = gather_global(model, gradient_of, world_group(ctx))
         outputs.update({f"grad/{k}": v for k, v in grads.items()})
         outputs["grad_replica_spread"] = torch.tensor(max(spread.values()))

@@ -1,0 +1,44 @@
+"""One Megatron GPT training step on warm Gloo ranks, with and without the type checker.
+
+Used by checker_overhead.py. Each rank builds the GPT once, then alternates unchecked and
+checked steps (forward, backward and ``finalize_model_grads`` through Megatron's schedule, then
+the optimizer step); a checked step runs inside the audit's checked region
+(:func:`shardcheck.megatron.checks.typecheck.checked_region`), entered once per step.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+LAYOUT = "tp2-sp"
+# The audit's tiny GPT, and one with more work per op (the checker's cost is per op call).
+SIZES = {"audit GPT (hidden 32, seq 16)": {},
+         "GPT hidden 256, seq 128": {"hidden": 256, "heads": 8, "seq": 128, "vocab": 1024}}
+
+
+def step_seconds(ctx: Any, sizes: dict[str, int], steps: int) -> dict[str, float]:
+    """On each rank: median seconds of an unchecked and of a checked training step."""
+    from shardcheck.megatron.checks.typecheck import checked_region
+    from shardcheck.megatron.cpu.parallel import megatron_parallel
+    from shardcheck.megatron.scenarios.gpt import GPTSetup, build_training
+
+    with megatron_parallel(ctx) as pg:
+        training = build_training(ctx, GPTSetup(**sizes), pg)
+        _timed(training, nullcontext())  # warm-up: first-call costs of both
+        _timed(training, checked_region(ctx))
+        times: dict[str, list[float]] = {"unchecked": [], "checked": []}
+        for _ in range(steps):
+            times["unchecked"].append(_timed(training, nullcontext()))
+            times["checked"].append(_timed(training, checked_region(ctx)))
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def _timed(training: Any, region: AbstractContextManager) -> float:
+    start = time.perf_counter()
+    with region:
+        training.forward_backward()
+        training.optimizer.step()
+    return time.perf_counter() - start

@@ -1,0 +1,88 @@
+"""The audit's op coverage: the share of the op calls made in megatron-core's files that the
+checker typed, per component and layout, in the report and findings.json."""
+
+import json
+
+import pytest
+import torch
+
+import shardcheck as sc
+from shardcheck.megatron.audit import report as audit_report
+from shardcheck.megatron.audit.run import AuditResult, Outcome, op_counts, typed_share
+from shardcheck.megatron.audit.sweep import Case
+from shardcheck.parity.layout import Layout
+
+MESH = sc.Mesh(rank=0, tp=[0, 1])
+
+
+def _outcome(layout: str, typed: int, unknown_at: dict[str, int]) -> Outcome:
+    ops = {"typed": typed, "unknown": sum(unknown_at.values()), "unknown_at": unknown_at}
+    return Outcome(Case("gpt", (), Layout.parse(layout)), ops=ops)
+
+
+def test_op_counts_add_up_over_ranks_and_none_when_unchecked():
+    ranks = [{"typed": 9, "unknown": 1, "unknown_at": {"a.py:1": 1}},
+             {"typed": 8, "unknown": 2, "unknown_at": {"a.py:1": 1, "b.py:2": 1}}]
+    assert op_counts(ranks) == {"typed": 17, "unknown": 3, "unknown_at": {"a.py:1": 2, "b.py:2": 1}}
+    assert op_counts([None, None]) is None
+    shown = typed_share(op_counts(ranks))
+    assert shown == {"typed": 17, "calls": 20, "typed_share": 0.85, "unknown_at": ["a.py:1 (2)", "b.py:2 (1)"]}
+
+
+def test_coverage_gives_the_typed_share_per_layout_and_the_report_shows_it(tmp_path):
+    result = AuditResult([], [_outcome("tp2", 99, {"x.py:3": 1}), _outcome("tp2", 100, {}),
+                              _outcome("cp2", 30, {"y.py:4": 10})], [], 1.0, False)
+    ops = result.coverage()["gpt"]["megatron_ops"]
+    assert (ops["typed"], ops["calls"]) == (229, 240)
+    assert ops["by_layout"]["tp2"]["typed_share"] == 0.995
+    assert ops["by_layout"]["cp2"] == {"typed": 30, "calls": 40, "typed_share": 0.75,
+                                       "unknown_at": ["y.py:4 (10)"]}
+    audit_report.write(tmp_path, [], result.summary())
+    assert json.loads((tmp_path / "findings.json").read_text())["coverage"]["gpt"]["megatron_ops"] == ops
+    text = (tmp_path / "report.md").read_text()
+    assert "| 95.4% of 240 |" in text
+    assert "| gpt | cp2 | 75.0% | 40 | `y.py:4 (10)` |" in text
+
+
+def test_an_unchecked_audit_has_no_op_coverage():
+    result = AuditResult([], [Outcome(Case("gpt", (), Layout(tp=2)))], [], 1.0, False)
+    assert "megatron_ops" not in result.coverage()["gpt"]
+    assert "megatron-core ops typed" in "\n".join(audit_report.coverage_table(result.coverage()))
+
+
+def test_megatron_ops_counts_only_calls_made_in_megatron_core():
+    """A megatron-core helper on a typed and on an untyped tensor: its calls are counted at
+    its own file:line; our own ops are left out."""
+    pytest.importorskip("megatron.core")
+    from megatron.core.tensor_parallel.utils import split_tensor_along_last_dim
+
+    from shardcheck.megatron.checks.typecheck import megatron_ops
+
+    with sc.typecheck(MESH, sites=True):
+        typed = sc.annotate(torch.randn(4, 6), tp=sc.R)
+        split_tensor_along_last_dim(typed, 2)
+        split_tensor_along_last_dim(torch.linalg.inv(torch.randn(6, 6)), 2)
+        torch.linalg.inv(torch.randn(3, 3)) * 2  # unknown, but in this file
+    ops = megatron_ops(sc.coverage())
+    assert ops["typed"] >= 1 and ops["unknown"] >= 1
+    assert all(loc.startswith("megatron/core/tensor_parallel/utils.py:") for loc in ops["unknown_at"])
+    assert sum(ops["unknown_at"].values()) == ops["unknown"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout, least, typed_files", [
+    ("cp2", 0.98, ("distributed/param_and_grad_buffer.py", "utils.py")), ("tp2-sp", 0.96, ("utils.py",))])
+def test_a_gpt_step_types_nearly_all_of_megatron_cores_op_calls(layout, least, typed_files):
+    """The default GPT case on real ranks: parameters typed when DDP lays out its buffers,
+    autograd's as_strided views and Megatron's reused memory buffer typed, the copy Gloo makes
+    when an async reduce-scatter is waited on excused."""
+    pytest.importorskip("megatron.core")
+    from shardcheck.megatron.audit.run import Runner, pools
+
+    with pools() as warm:
+        outcome = Runner(warm, typecheck=True).run(Case("gpt", (), Layout.parse(layout)))
+    assert not outcome.error and not outcome.gaps and not outcome.violations
+    shown = typed_share(outcome.ops)
+    assert shown["typed_share"] >= least, shown
+    assert not [site for site in outcome.ops["unknown_at"]
+                if site.split(":")[0] in {f"megatron/core/{name}" for name in typed_files}]
