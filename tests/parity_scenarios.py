@@ -179,3 +179,11 @@ def tiny_bug(ctx):
 
 def global_group_bug(ctx):
     return run_block(ctx, "global_group")
+
+
+def compared_clean(result, layouts) -> bool:
+    """A parity result that says "no finding" because it compared: every layout asked for ran,
+    each compared values (an empty or all-skipped report is no evidence) and none diverged."""
+    reports = [str(report.layout) for report in result.reports]
+    return (reports == [str(sc.Layout.coerce(layout)) for layout in layouts] and result.ok
+            and all(any(row.verdict == "ok" for row in report.rows) for report in result.reports))

@@ -59,6 +59,7 @@ def test_the_unmodified_checkout_gives_no_finding_and_says_what_was_audited(chec
     assert done.returncode == 0, done.stdout + done.stderr
     data = json.loads((tmp_path / "findings.json").read_text())
     assert list(data)[0] == "audited" and data["findings"] == []
+    assert data["summary"]["cases run"] == 1 and data["summary"]["cases failed to run"] == 0
     audited = data["audited"]
     release = core.__version__.split("+")[0]  # 0.19 appends the commit of an enclosing work tree
     assert audited.pop("version").startswith(release)

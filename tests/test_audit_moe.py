@@ -51,6 +51,7 @@ def test_alltoall_token_counts_gathered_over_tp_and_ep_give_no_finding():
     with pools() as warm:
         result = audit([case], run_pools=warm)
     assert not result.errors, [o.error for o in result.errors]
+    assert [o.case for o in result.outcomes] == [case]  # it ran: no finding is not "nothing ran"
     places = [place for f in result.findings for place in (f.location, f.checker or "")]
     lines = [int(m[1]) for place in places if (m := re.search(r"token_dispatcher\.py:(\d+)", place))]
     assert not set(lines) & set(_preprocess_lines())

@@ -30,3 +30,21 @@ def test_the_gpt_sweeps_integer_fields_and_leaves_its_sizes_to_the_setup():
     moe = dict(component_options("moe"))
     integers = [name for name, value in moe.items() if type(value) is int]
     assert moe["moe_router_topk"] == 3 and integers and all(name.startswith("moe_") for name in integers)
+
+
+def test_set_values_are_taken_as_the_fields_they_set_take_them():
+    pytest.importorskip("megatron.core")
+    from megatron.core.transformer.enums import AttnBackend
+
+    from shardcheck.megatron.audit.fixed_options import OptionError, checked_value
+
+    assert checked_value("output_loss", "label_smoothing", 1) == 1  # a float field takes an int
+    assert checked_value("output_loss", "runtime_gather_output", None) is None  # bool | None
+    assert checked_value("gpt", "normalization", "RMSNorm") == "RMSNorm"  # a Literal's choice
+    assert checked_value("gpt", "attention_backend", "local") is AttnBackend.local  # an Enum by name
+    assert checked_value("gpt", "attention_backend", "AttnBackend.local") is AttnBackend.local  # as printed
+    assert checked_value("gpt", "init_method", "anything") == "anything"  # a callable: not checkable
+    with pytest.raises(OptionError, match="takes true or false, not 'yes'"):
+        checked_value("moe_router", "padding", "yes")
+    with pytest.raises(OptionError, match="takes an integer or none, not 0.5"):
+        checked_value("gpt", "num_query_groups", 0.5)

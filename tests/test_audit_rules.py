@@ -41,7 +41,9 @@ def _types_of_program():
 
 
 def test_rules_for_megatron_cross_entropy_and_router_patterns():
-    types, rules = spawn_ranks(_types_of_program, 2)[0]
+    ranks = spawn_ranks(_types_of_program, 2)
+    assert ranks[0] == ranks[1]  # the program is the same on both ranks: so are its types
+    types, rules = ranks[0]
     assert types == {
         "max over S(-1) along -1": "V", "then MAX all-reduce": "R",
         "index along the sharded dim": "V", "index_put of a scalar keeps it": "V",

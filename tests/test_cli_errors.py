@@ -56,6 +56,15 @@ BAD_INPUTS = [
     (["findings", "--launcher", "mpirun"], "Invalid value for '--launcher'"),
     (["audit", "--budget", "3", "--time-limit", "1"], "give --budget or --time-limit, not both"),
     (["audit", "--budget", "0"], "Invalid value for '--budget'"),
+    *[(["audit", "--only", component, "--layouts", "tp2", "--set", option], message)
+      for component, option, message in [  # checked against megatron-core's fields
+        ("output_loss", "label_smoothing=abc", "output_loss's label_smoothing takes a number, not 'abc'"),
+        ("output_loss", "parallel_output=2", "output_loss's parallel_output takes true or false, not 2"),
+        ("output_loss", "hidden_size=8", "output_loss has no option 'hidden_size'"),
+        ("gpt", "no_such_field=1", "gpt has no option 'no_such_field': not a field of its setup"),
+        ("gpt", "normalization=Norm", "gpt's normalization takes one of 'LayerNorm', 'RMSNorm', not 'Norm'"),
+        ("gpt", "attention_backend=fastest", "gpt's attention_backend takes one of "),  # an Enum's names
+    ]],
     (["golden", "check", "golden.json", "missing.json"], "missing.json"),
     (["golden", "compare", "golden.json", "golden.json", "--metric", "lm-loss"],
      "no metric 'lm-loss' in the compared files; they have: lm loss"),
@@ -66,11 +75,14 @@ BAD_INPUTS = [
 
 @pytest.mark.parametrize(("args", "message"), BAD_INPUTS, ids=[" ".join(a) for a, _ in BAD_INPUTS])
 def test_bad_input_exits_2_with_one_error_line(args, message, inputs):
+    if "--set" in args:
+        pytest.importorskip("megatron.core")
     result = CliRunner().invoke(main, args)
     lines = result.stderr.strip().splitlines()
     assert result.exit_code == 2, result.output
     assert len(lines) == 1 and lines[0].startswith("Error: ") and message in lines[0], result.stderr
     assert "Traceback" not in result.output
+    assert not (inputs / "audit-out").exists()  # refused before any audit case ran
 
 
 def test_a_scenario_that_raises_is_a_harness_failure_with_its_own_traceback_first(inputs):
@@ -84,7 +96,7 @@ def test_a_scenario_that_raises_is_a_harness_failure_with_its_own_traceback_firs
 
 def test_a_bug_in_shardcheck_exits_2_with_its_traceback(inputs):
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    code = ("import sys; from shardcheck.cli import main; import shardcheck.cli.run as r; "
+    code = ("import importlib, sys; from shardcheck.cli import main; r = importlib.import_module('shardcheck.cli.run'); "
             "r.run_script = lambda *a: 1 / 0; sys.argv = ['shardcheck', 'run', 'script.py']; main()")
     done = subprocess.run([sys.executable, "-c", code], cwd=inputs, env=env, capture_output=True, text=True,
                           timeout=120)

@@ -37,12 +37,17 @@ FOUR_RANKS = {
 
 @pytest.fixture(scope="module")
 def two():
-    return spawn_ranks(programs.run_cases, 2, TWO_RANKS, timeout=300)[-1]
+    return spawn_ranks(programs.run_cases, 2, TWO_RANKS, timeout=300)
 
 
 @pytest.fixture(scope="module")
 def four():
-    return spawn_ranks(programs.run_cases, 4, FOUR_RANKS, timeout=300)[-1]
+    return spawn_ranks(programs.run_cases, 4, FOUR_RANKS, timeout=300)
+
+
+def each_rank(results, case):
+    """The case's result on every rank: each rank checks its own gradients, and each must hold."""
+    return [rank[case] for rank in results]
 
 
 def gradient_findings(out):
@@ -52,58 +57,58 @@ def gradient_findings(out):
 @pytest.mark.slow
 @pytest.mark.parametrize("ranks", ["two", "four"])
 def test_sequence_parallel_norm_grads_all_reduced(ranks, request):
-    out = request.getfixturevalue(ranks)["sp_reduced"]
-    assert max(out["norm_diff"], out["fc1_diff"], out["fc2_diff"]) < EXACT
-    assert out["violations"] == []
+    for out in each_rank(request.getfixturevalue(ranks), "sp_reduced"):
+        assert max(out["norm_diff"], out["fc1_diff"], out["fc2_diff"]) < EXACT
+        assert out["violations"] == []
 
 
 @pytest.mark.slow
 def test_sequence_parallel_norm_grads_not_reduced(two):
-    out = two["sp_unreduced"]
-    assert out["norm_diff"] > 1e-2 and out["fc1_diff"] < EXACT
-    assert gradient_findings(out) == {(UNREDUCED, "norm.weight", "tp"), (UNREDUCED, "norm.bias", "tp")}
+    for out in each_rank(two, "sp_unreduced"):
+        assert out["norm_diff"] > 1e-2 and out["fc1_diff"] < EXACT
+        assert gradient_findings(out) == {(UNREDUCED, "norm.weight", "tp"), (UNREDUCED, "norm.bias", "tp")}
 
 
 @pytest.mark.slow
 def test_head_norm_grad_summed_over_tp(four):
-    out = four["q_norm_summed"]
-    assert out["q_norm_diff"] < EXACT
-    assert out["returned"] == [] and out["violations"] == []
+    for out in each_rank(four, "q_norm_summed"):
+        assert out["q_norm_diff"] < EXACT
+        assert out["returned"] == [] and out["violations"] == []
 
 
 @pytest.mark.slow
 def test_head_norm_grad_not_summed(four):
-    out = four["q_norm_not_summed"]
-    assert out["q_norm_diff"] > 1e-3 and out["q_proj_diff"] < EXACT
-    expected = [(UNREDUCED, "q_norm.weight", "tp"), (UNREDUCED, "q_norm.bias", "tp")]
-    assert out["returned"] == expected and out["violations"] == expected
+    for out in each_rank(four, "q_norm_not_summed"):
+        assert out["q_norm_diff"] > 1e-3 and out["q_proj_diff"] < EXACT
+        expected = [(UNREDUCED, "q_norm.weight", "tp"), (UNREDUCED, "q_norm.bias", "tp")]
+        assert out["returned"] == expected and out["violations"] == expected
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("clip", ["", "_foreach"])
 def test_per_head_parameter_declared_sharded(two, clip):
-    out = two["head_scale_S" + clip]
-    assert out["norm"] == pytest.approx(out["ref_norm"], rel=1e-6)
-    assert out["head_scale_diff"] < 1e-7
-    assert out["violations"] == []
+    for out in each_rank(two, "head_scale_S" + clip):
+        assert out["norm"] == pytest.approx(out["ref_norm"], rel=1e-6)
+        assert out["head_scale_diff"] < 1e-7
+        assert out["violations"] == []
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("clip", ["", "_foreach"])
 def test_per_head_parameter_declared_replicated(two, clip):
-    out = two["head_scale_R" + clip]
-    assert abs(out["norm"] - out["ref_norm"]) > 1e-4 * out["ref_norm"]
-    assert out["head_scale_diff"] > 1e-6
-    assert gradient_findings(out) == {(MISDECLARED, "head_scale", "tp"),
-                                      (ACCOUNTING, "head_scale", "tp")}
+    for out in each_rank(two, "head_scale_R" + clip):
+        assert abs(out["norm"] - out["ref_norm"]) > 1e-4 * out["ref_norm"]
+        assert out["head_scale_diff"] > 1e-6
+        assert gradient_findings(out) == {(MISDECLARED, "head_scale", "tp"),
+                                          (ACCOUNTING, "head_scale", "tp")}
 
 
 @pytest.mark.slow
 def test_replicated_parameters_counted_on_every_rank(two):
-    out = two["counted_everywhere"]
-    assert abs(out["norm"] - out["ref_norm"]) > 1e-2 * out["ref_norm"]
-    replicated = ["out_norm.weight", "q_norm.bias", "q_norm.weight"]
-    assert out["violations"] == [(ACCOUNTING, name, "tp") for name in replicated]
+    for out in each_rank(two, "counted_everywhere"):
+        assert abs(out["norm"] - out["ref_norm"]) > 1e-2 * out["ref_norm"]
+        replicated = ["out_norm.weight", "q_norm.bias", "q_norm.weight"]
+        assert out["violations"] == [(ACCOUNTING, name, "tp") for name in replicated]
 
 
 @pytest.mark.slow
@@ -123,25 +128,25 @@ def test_zero_count_with_replicas_counted_on_every_rank_is_flagged(two):
 
 @pytest.mark.slow
 def test_data_parallel_gradients_averaged(two):
-    out = two["dp_reduced"]
-    assert out["max_diff"] < EXACT and out["violations"] == []
+    for out in each_rank(two, "dp_reduced"):
+        assert out["max_diff"] < EXACT and out["violations"] == []
 
 
 @pytest.mark.slow
 def test_data_parallel_all_reduce_missing(two):
-    out = two["dp_missing"]
-    assert out["max_diff"] > 1e-2
-    names = ["0.weight", "0.bias", "2.weight", "2.bias"]
-    assert out["violations"] == [(UNREDUCED, name, "dp") for name in names]
+    for out in each_rank(two, "dp_missing"):
+        assert out["max_diff"] > 1e-2
+        names = ["0.weight", "0.bias", "2.weight", "2.bias"]
+        assert out["violations"] == [(UNREDUCED, name, "dp") for name in names]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("reduced", ["all", "short"])
 def test_flat_buffer_reduced_in_place(four, reduced):
-    out = four[f"flat_{reduced}"]
-    wrong = {name for name, diff in out["diffs"].items() if diff > EXACT}
-    if reduced == "all":
-        assert wrong == set() and out["violations"] == []
-    else:
-        assert wrong == {"out_norm.weight"}
-        assert out["violations"] == [(UNREDUCED, "out_norm.weight", "dp")]
+    for out in each_rank(four, f"flat_{reduced}"):
+        wrong = {name for name, diff in out["diffs"].items() if diff > EXACT}
+        if reduced == "all":
+            assert wrong == set() and out["violations"] == []
+        else:
+            assert wrong == {"out_norm.weight"}
+            assert out["violations"] == [(UNREDUCED, "out_norm.weight", "dp")]

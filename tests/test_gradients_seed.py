@@ -93,10 +93,14 @@ def test_optimizer_step_raises_in_raise_mode(mesh):
     assert info.value.rule == "unreduced gradient"
 
 
-def test_optimizer_step_outside_a_region_is_not_checked():
-    model = nn.Linear(4, 3)
-    model(torch.randn(2, 4)).sum().backward()
-    torch.optim.SGD(model.parameters(), lr=0.1).step()
+def test_optimizer_step_outside_a_region_is_not_checked(mesh):
+    model = nn.Linear(4, 3, bias=False)
+    with sc.typecheck(mesh):  # a region whose step would raise: an unreduced P gradient
+        sc.annotate_parameters(model, tp=R, dp=R)
+        model(sc.annotate(torch.randn(8, 4), tp=S(0), dp=R)).sum().backward()
+    before, grad = model.weight.detach().clone(), model.weight.grad.clone()
+    torch.optim.SGD(model.parameters(), lr=0.1).step()  # after the region: no check, a plain step
+    assert torch.equal(model.weight.detach(), before.add(grad, alpha=-0.1))  # as SGD computes it
 
 
 def test_check_gradients_needs_a_region():

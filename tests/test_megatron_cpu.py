@@ -203,10 +203,13 @@ def test_ssm_kernels_fill_the_failed_imports_and_are_removed_after():
 def test_fla_causal_conv1d_is_the_plain_convolution_in_fla_layout():
     from shardcheck.megatron.cpu import kernels
 
-    x, weight, bias = torch.randn(2, 5, 3), torch.randn(3, 4), torch.randn(3)
+    x, weight, bias = (torch.randn(*shape, dtype=torch.float64) for shape in ((2, 5, 3), (3, 4), (3,)))
     out, state = kernels.causal_conv1d(x, weight, bias, activation="silu", cu_seqlens=None)
-    expected = kernels.causal_conv1d_fn(x.transpose(1, 2), weight, bias, "silu").transpose(1, 2)
-    assert state is None and torch.equal(out, expected)
+    # torch's depthwise conv, left-padded by width - 1, on [batch, dim, seq]: FLA's [batch, seq, dim]
+    conv = torch.nn.functional.conv1d(x.transpose(1, 2), weight[:, None, :], bias, padding=3, groups=3)
+    expected = torch.nn.functional.silu(conv[..., :5]).transpose(1, 2)
+    assert state is None and out.shape == x.shape
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
     with pytest.raises(NotImplementedError):
         kernels.causal_conv1d(x, weight, initial_state=torch.zeros(2, 3, 4))
 

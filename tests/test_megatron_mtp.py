@@ -96,6 +96,7 @@ def test_rotary_positions_under_pp_leave_no_table_to_sync(warm):
     """The same pp2 run without a learned position table: the position bug's only trigger."""
     result = audit([Case("mtp", ROPE, Layout(pp=2)), Case("gpt", (), Layout(pp=2))], run_pools=warm)
     assert result.findings == [] and not result.errors
+    assert len(result.outcomes) == 2 and not result.not_swept and not result.not_applicable  # both ran
 
 
 def _word_embeddings_synced_without_mtp(model, config, embd_group=None, pp_group=None):
@@ -137,19 +138,24 @@ def _values(output, label):
     return [float(x) for x in line.split(":", 1)[1].replace("...", "").split(",") if x.strip()]
 
 
-def test_mtp_script_of_correct_code_finds_observed_equal_to_reference(tmp_path):
-    finding = _finding({}, "tp2-sp")
-    result = run_repro(write_audit_script(finding, tmp_path / "x.py"), 2, launcher="direct", timeout=600)
+def _assert_fixed(path):
+    result = run_repro(path, 2, launcher="direct", timeout=600)
     assert (result.status, result.returncode) == (FIXED, 1), result.output
     assert _values(result.output, "observed") == pytest.approx(_values(result.output, "reference"), rel=1e-4)
 
 
-def test_mtp_script_reproduces_the_planted_word_embedding_bug(tmp_path):
+def test_mtp_script_of_correct_code_finds_observed_equal_to_reference(tmp_path):
+    _assert_fixed(write_audit_script(_finding({}, "tp2-sp"), tmp_path / "x.py"))
+
+
+def test_mtp_script_reproduces_the_planted_word_embedding_bug_and_passes_without_it(tmp_path):
     finding = _finding(dict(ROPE), "pp2")
-    result = run_repro(write_audit_script(finding, tmp_path / "x.py"), 2, launcher="direct", timeout=600,
+    path = write_audit_script(finding, tmp_path / "x.py")
+    result = run_repro(path, 2, launcher="direct", timeout=600,
                        env=planted_env(tmp_path / "site", MTP_WORD_EMBEDDINGS_NOT_SUMMED))
     assert (result.status, result.returncode) == (REPRODUCES, 0), result.output
     assert f"REPRODUCED {finding.id}" in result.output
+    _assert_fixed(path)  # the control: the same script on the unchanged megatron-core
 
 
 MEGATRON_BUGS = [pytest.param("cp2", "process_mtp_loss", marks=pytest.mark.skipif(

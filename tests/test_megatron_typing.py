@@ -98,8 +98,10 @@ def test_weights_left_without_tp_attributes_are_typed_from_their_checkpoint_cut(
     """Without ``perform_initialization`` Megatron's parallel linear layers and embedding never
     set ``tensor_model_parallel`` on their weights; their sharded_state_dict still cuts them."""
     config = {"perform_initialization": False, "gated_linear_unit": True}
-    has_attribute, annotated, violations = spawn_ranks(_tp_attributes, 2, Layout(tp=2), config)[0]
-    assert annotated == {"tp": S(0)} and violations == []
+    ranks = spawn_ranks(_tp_attributes, 2, Layout(tp=2), config)
+    assert [rank[1:] for rank in ranks] == [({"tp": S(0)}, [])] * 2  # on each rank: S(0), no violation
+    has_attribute = ranks[0][0]
+    assert ranks[1][0] == has_attribute  # the same weights lack the attribute on both ranks
     (types, _), _ = _run(Layout(tp=2), config)
     layer = "decoder.layers.0."
     for name, expected in [(f"{layer}self_attention.linear_qkv.weight", S(0)),
@@ -177,7 +179,7 @@ def _harness_types_on_rank() -> dict:
 
 
 def test_harness_and_viewless_tensors_keep_their_types():
-    found = spawn_ranks(_harness_types_on_rank, 2)[0]
-    assert found["viewless"] == {"tp": "S(1)", "dp": "R"}
-    assert found["viewless, unpatched"] == {"tp": "R", "dp": "R"}  # what the fix is for
-    assert found["batch share"] == {"tp": "R", "dp": "V"}
+    expected = {"viewless": {"tp": "S(1)", "dp": "R"},
+                "viewless, unpatched": {"tp": "R", "dp": "R"},  # what the fix is for
+                "batch share": {"tp": "R", "dp": "V"}}
+    assert spawn_ranks(_harness_types_on_rank, 2) == [expected] * 2  # every rank's own types

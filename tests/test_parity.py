@@ -15,7 +15,7 @@ def pool():
 
 def test_correct_tp_sp_cp_dp_block_matches_at_tight_tolerances(pool):
     result = sc.parity(scenarios.correct, LAYOUTS, pool=pool)
-    assert result.ok, str(result)
+    assert scenarios.compared_clean(result, LAYOUTS), str(result)
     for report in result.reports:
         assert [r.kind for r in report.rows].count("module") == 7
         assert {r.name for r in report.rows if r.kind == "grad"} == {
@@ -34,9 +34,9 @@ def test_types_come_from_the_checker_declarations_or_inference(pool):
 
 def test_explicit_groups_expose_code_that_reads_a_default_order_group(pool):
     explicit = sc.Layout(tp=2, dp=2, explicit_groups={"tp": [[0, 2], [1, 3]], "dp": [[0, 1], [2, 3]]})
-    assert sc.parity(scenarios.correct, [explicit], pool=pool).ok
+    assert scenarios.compared_clean(sc.parity(scenarios.correct, [explicit], pool=pool), [explicit])
     result = sc.parity(scenarios.global_group_bug, ["tp2-dp2", explicit], pool=pool)
-    assert result["tp2-dp2"].ok, "with the default order the two groups coincide"
+    assert result["tp2-dp2"].ok and result["tp2-dp2"].rows, "with the default order the two groups coincide"
     assert result[explicit].first_divergence == "block.fc2"
 
 
@@ -65,8 +65,8 @@ def test_a_1e3_relative_bug_is_a_mismatch_and_a_per_rank_seed_breaks_replicas(po
 
 
 def test_bugs_that_need_parallelism_stay_silent_where_it_is_absent(pool):
-    assert sc.parity(scenarios.count_bug, ["tp2", "dp2"], pool=pool).ok
-    assert sc.parity(scenarios.scale_bug, ["cp2", "dp2"], pool=pool).ok
+    assert scenarios.compared_clean(sc.parity(scenarios.count_bug, ["tp2", "dp2"], pool=pool), ["tp2", "dp2"])
+    assert scenarios.compared_clean(sc.parity(scenarios.scale_bug, ["cp2", "dp2"], pool=pool), ["cp2", "dp2"])
 
 
 def test_the_result_prints_as_a_table(pool):

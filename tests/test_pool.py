@@ -27,7 +27,9 @@ def interruptible() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def wait_gone(pids, seconds=10.0) -> list[int]:
+def wait_gone(pids, seconds=60.0) -> list[int]:
+    """The pids still alive after up to ``seconds`` (returns as soon as none is: generous for a
+    loaded machine, free on an idle one)."""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline and any(alive(p) for p in pids):
         time.sleep(0.05)
@@ -140,7 +142,7 @@ def test_a_hang_reports_the_last_collective_and_restarts_the_pool(pool):
                                         1: "#1 all_reduce(float32[3]) on group [0, 1]"}
     assert "ranks [0] did not finish within 2 s" in str(failure)
     assert wait_gone(old) == [] and set(pool.pids).isdisjoint(old)
-    assert pool.run("tp2", _tp_sum, 1.0)[0] == (0, 2, 3.0)
+    assert pool.run("tp2", _tp_sum, 1.0) == [(0, 2, 3.0), (1, 2, 3.0)]
 
 
 def test_a_desync_is_reported_as_a_desync(pool):
@@ -193,5 +195,5 @@ def test_parent_interrupt_kill_or_exception_leaves_no_process(how, tmp_path):
         assert all(alive(p) for p in pids)
         time.sleep(0.5)  # the parent is now waiting on the stuck job
         parent.send_signal(signal.SIGINT if how == "sigint" else signal.SIGKILL)
-    assert parent.wait(timeout=30) != 0
+    assert parent.wait(timeout=120) != 0
     assert wait_gone(pids) == []

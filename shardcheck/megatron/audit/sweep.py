@@ -116,7 +116,7 @@ def values_to_try(annotation: Any, default: Any) -> list[Any]:
     return [value for value in options if not (value == default and type(value) is type(default))]
 
 
-def _megatron_literals() -> dict[str, tuple]:
+def megatron_literals() -> dict[str, tuple]:
     """``Literal`` parameters of the Megatron constructors the catalogue builds, by name."""
     from megatron.core.models.gpt.gpt_model import GPTModel
 
@@ -131,7 +131,7 @@ def _megatron_literals() -> dict[str, tuple]:
 def setup_options(setup_cls: type) -> list[tuple[str, Any]]:
     """Every non-default value of the setup dataclass's sweepable fields."""
     hints = type_hints(setup_cls)
-    literals = _megatron_literals()
+    literals = megatron_literals()
     found: list[tuple[str, Any]] = []
     for f in dataclasses.fields(setup_cls):
         if f.name in SKIPPED_SETUP_FIELDS or f.default is dataclasses.MISSING:
