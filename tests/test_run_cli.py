@@ -78,6 +78,26 @@ def _pids(pid_dir: Path, count: int, seconds: float = 180) -> list[int]:
     return [int(p) for f in pid_dir.iterdir() for p in f.read_text().split()]
 
 
+CHATTY = """
+import os, sys, time
+for i in range(300):  # unbuffered: the text and its newline are two writes, apart in time
+    sys.stdout.write(f"rank {os.environ['RANK']} line {i}")
+    time.sleep(0.001)
+    sys.stdout.write("\\n")
+"""
+
+
+def test_ranks_printing_at_once_give_whole_lines(tmp_path, capfd, monkeypatch):
+    monkeypatch.setenv("PYTHONUNBUFFERED", "1")
+    script = tmp_path / "chatty.py"
+    script.write_text(CHATTY)
+    result = CliRunner().invoke(main, ["run", "-n", "2", str(script)])
+    assert result.exit_code == 0, result.output
+    lines = capfd.readouterr().out.splitlines()
+    expected = {f"rank {rank} line {i}" for rank in (0, 1) for i in range(300)}
+    assert len(lines) == len(expected) and set(lines) == expected
+
+
 @pytest.mark.slow
 def test_clean_ranks_get_the_torchrun_environment_and_exit_0(tmp_path, capfd):
     result = CliRunner().invoke(main, ["run", "-n", "2", _script(tmp_path, "clean"), "--flag", "x"])

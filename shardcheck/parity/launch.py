@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -203,28 +204,52 @@ def run_script(script: str, args: Sequence[str], nproc: int, timeout: float,
     Each rank runs in its own session; ranks still running after ``timeout`` seconds are
     killed with everything they started, and so is every rank if this call is interrupted.
     ``env`` is added to each rank's environment; ``log_stdout`` sends its stdout to its log
-    (the stderr kept in :class:`RankExit`) instead of this process's stdout.
+    (the stderr kept in :class:`RankExit`) instead of this process's stdout, where the ranks'
+    lines are otherwise passed on whole (never two ranks' text on one line).
     """
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="shardcheck-run-") as tmp:
         logs = [open(Path(tmp) / f"rank{r}.err", "w+") for r in range(nproc)]  # noqa: SIM115
         procs: list[subprocess.Popen] = []
+        relays: list[threading.Thread] = []
         try:
             for rank in range(nproc):
                 procs.append(subprocess.Popen(
                     [sys.executable, script, *args], stderr=logs[rank], preexec_fn=_own_session,
-                    stdout=logs[rank] if log_stdout else None,
+                    stdout=logs[rank] if log_stdout else subprocess.PIPE,
                     env={**os.environ, **(env or {}), **torchrun_env(rank, nproc, port)}))
+                if not log_stdout:
+                    relays.append(_relay_lines(procs[-1].stdout))
             codes, order = _wait_all(procs, timeout)
         finally:
             for proc in procs:
                 _kill_group(proc)
+            for relay in relays:
+                relay.join(timeout=5)
         ranks = []
         for rank, log in enumerate(logs):
             log.seek(0)
             ranks.append(RankExit(rank, codes[rank], RANK_PREFIX.sub("", log.read()), order[rank]))
             log.close()
     return ScriptRun(ranks, timeout)
+
+
+_STDOUT_LOCK = threading.Lock()
+
+
+def _relay_lines(stream) -> threading.Thread:
+    """Copy a rank's stdout to our stdout's file descriptor (which the rank would otherwise
+    inherit) line by line, one whole line at a time."""
+    def relay() -> None:
+        with stream:
+            for line in iter(stream.readline, b""):
+                with _STDOUT_LOCK:
+                    while line:
+                        line = line[os.write(1, line):]
+
+    thread = threading.Thread(target=relay, daemon=True)
+    thread.start()
+    return thread
 
 
 def _wait_all(procs: list[subprocess.Popen], timeout: float) -> tuple[list[int | None], list[int]]:
