@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import shardcheck as sc
+from shardcheck.typecheck.checker import current
 
 HIDDEN, FFN, TOKENS, VOCAB = 8, 16, 8, 12
 
@@ -29,7 +30,7 @@ def seeded(*shape: int, seed: int) -> torch.Tensor:
     (A random factory alone types as V: the checker cannot know the generator is seeded.)
     """
     value = torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
-    return sc.annotate(value, tp=sc.R) if sc.checker.current() else value
+    return sc.annotate(value, tp=sc.R) if current() else value
 
 
 def full_weights() -> dict[str, torch.Tensor]:
