@@ -4,12 +4,15 @@
 replicated value changed on one rank only would still read R. Inside ``typecheck``,
 ``torch.distributed.get_rank`` returns the rank as a :class:`RankNumber` when user code asks
 for a group of mesh axes: an int that, when compared or tested, tells the checker that the
-calling frame decided on the rank. The ops that frame runs from then on are typed V on those
-axes unless their rule proves otherwise (see ``Checker._after_rank_branch``).
+calling frame branches on the rank. The ops that frame runs inside the branch (from the jump
+that tests the rank to where the branches meet again) are typed V on those axes unless their
+rule proves otherwise (see ``Checker._after_rank_branch``). A comparison stored in a variable
+and tested later, or a branch that calls a function, is not followed.
 """
 
 from __future__ import annotations
 
+import dis
 import functools
 import os
 import sys
@@ -75,32 +78,63 @@ class RankNumber(int):
 
 
 class RankBranches:
-    """The frames that decided on the rank, and on which mesh axes (the latest few)."""
+    """The code the latest few frames run under a branch on the rank, and on which mesh axes:
+    from the jump that tests the rank to where the branches meet again."""
 
     def __init__(self) -> None:
-        self._frames: dict[int, tuple[FrameType, tuple[int, ...]]] = {}
+        self._frames: dict[int, tuple[FrameType, list[tuple[int, int, tuple[int, ...]]]]] = {}
 
     def __bool__(self) -> bool:
         return bool(self._frames)
 
     def decided(self, frame: FrameType, axes: tuple[int, ...]) -> None:
-        if len(self._frames) >= _DECISIONS_KEPT:
-            self._frames.pop(next(iter(self._frames)))
+        span = branch_span(frame.f_code, frame.f_lasti)
+        if span is None:  # the comparison is stored, not tested here: no branch to follow
+            return
         known = self._frames.get(id(frame))
-        if known is not None and known[0] is frame:
-            axes = tuple(sorted({*known[1], *axes}))
-        self._frames[id(frame)] = (frame, axes)
+        if known is None or known[0] is not frame:
+            if len(self._frames) >= _DECISIONS_KEPT:
+                self._frames.pop(next(iter(self._frames)))
+            known = self._frames[id(frame)] = (frame, [])
+        known[1].append((*span, axes))
 
     def axes_here(self) -> tuple[int, ...]:
-        """The axes the frame running the current op decided on (empty when it did not)."""
+        """The axes on which the code running the current op is under a branch on the rank."""
         frame = sys._getframe(1)
         while frame is not None and frame.f_code.co_filename.startswith(MACHINERY):
             frame = frame.f_back
         known = self._frames.get(id(frame)) if frame is not None else None
-        return known[1] if known is not None and known[0] is frame else ()
+        if known is None or known[0] is not frame:
+            return ()
+        at = frame.f_lasti
+        return tuple(sorted({a for start, end, axes in known[1] if start < at < end for a in axes}))
 
-    def clear(self) -> None:
-        self._frames.clear()
+
+@functools.lru_cache(maxsize=256)
+def _instructions(code) -> tuple[dis.Instruction, ...]:
+    return tuple(dis.get_instructions(code))
+
+
+def branch_span(code, offset: int) -> tuple[int, int] | None:
+    """(jump, merge): the code offsets between the conditional jump that tests the comparison
+    at ``offset`` and where its branches meet again (past the else branch, if any); None when
+    no conditional jump follows the comparison."""
+    instructions = _instructions(code)
+    at = next((i for i, ins in enumerate(instructions) if ins.offset >= offset), None)
+    if at is None:
+        return None
+    jump = next((ins for ins in instructions[at:at + 2] if _forward_test(ins)), None)
+    if jump is None:
+        return None
+    target = jump.argval
+    before = next((ins for ins in reversed(instructions) if ins.offset < target), None)
+    merge = before.argval if before is not None and before.opname.startswith("JUMP_FORWARD") else target
+    return jump.offset, max(target, merge)
+
+
+def _forward_test(ins: dis.Instruction) -> bool:
+    return ("JUMP" in ins.opname and "IF_" in ins.opname and isinstance(ins.argval, int)
+            and ins.argval > ins.offset)
 
 
 _get_rank = dist.get_rank
