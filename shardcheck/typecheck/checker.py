@@ -406,7 +406,7 @@ class Checker(TorchDispatchMode):
                 self._count_site(func, args, out, typed=False)
             self._forget(mutated, args, kwargs)
             return out
-        branched = self.branches.axes_here() if self.branches and func.namespace == "aten" else ()
+        branched = self.branches.axes_here() if self.branches.frames and func.namespace == "aten" else ()
         try:
             pl = rule(self, args, kwargs, out)
         except Violation as violation:
@@ -679,6 +679,7 @@ def typecheck(mesh: Mesh, mode: str = "raise", sites: bool = False) -> Iterator[
             yield checker
     finally:
         rank_branches.unwatch(checker.rank_read)
+        checker.branches.frames.clear()  # the frames hold their locals
         _ACTIVE.remove(checker)
         _LAST[:] = [checker]
         if mode == "collect" and checker.records:  # silent when clean: parity runs many regions

@@ -82,28 +82,27 @@ class RankBranches:
     from the jump that tests the rank to where the branches meet again."""
 
     def __init__(self) -> None:
-        self._frames: dict[int, tuple[FrameType, list[tuple[int, int, tuple[int, ...]]]]] = {}
-
-    def __bool__(self) -> bool:
-        return bool(self._frames)
+        # id(frame) -> (frame, [(jump, merge, axes)]); empty until code branches on the rank
+        self.frames: dict[int, tuple[FrameType, list[tuple[int, int, tuple[int, ...]]]]] = {}
 
     def decided(self, frame: FrameType, axes: tuple[int, ...]) -> None:
         span = branch_span(frame.f_code, frame.f_lasti)
         if span is None:  # the comparison is stored, not tested here: no branch to follow
             return
-        known = self._frames.get(id(frame))
+        known = self.frames.get(id(frame))
         if known is None or known[0] is not frame:
-            if len(self._frames) >= _DECISIONS_KEPT:
-                self._frames.pop(next(iter(self._frames)))
-            known = self._frames[id(frame)] = (frame, [])
-        known[1].append((*span, axes))
+            if len(self.frames) >= _DECISIONS_KEPT:
+                self.frames.pop(next(iter(self.frames)))
+            known = self.frames[id(frame)] = (frame, [])
+        if (*span, axes) not in known[1]:  # a branch in a loop is one span
+            known[1].append((*span, axes))
 
     def axes_here(self) -> tuple[int, ...]:
         """The axes on which the code running the current op is under a branch on the rank."""
         frame = sys._getframe(1)
         while frame is not None and frame.f_code.co_filename.startswith(MACHINERY):
             frame = frame.f_back
-        known = self._frames.get(id(frame)) if frame is not None else None
+        known = self.frames.get(id(frame)) if frame is not None else None
         if known is None or known[0] is not frame:
             return ()
         at = frame.f_lasti
