@@ -75,3 +75,18 @@ REGRESSIONS += [
      one("tp2-dp2", (("tp", "S(0)"), ("dp", "S(0)")), ("all_gather_into_tensor", (0,), (("g", "dp"),))),
      "right", None),
 ]
+
+# a branch on the rank (``if rank == 0: x = x + b``): typed R (or S, P + R reported as an
+# affine term on every rank); the frame that compared the rank makes V, so no claim
+R_TP = (("tp", "R"),)
+REGRESSIONS += [
+    ("a term added to a replicated value on the first rank", one("tp2", R_TP, ("add_on_first_rank", (0, 0), G)),
+     "undecided", 0),
+    ("a term added to a shard on the first rank",
+     one("tp2-dp2", (("tp", "S(0)"), ("dp", "R")), ("add_on_first_rank", (0, 0), G)), "undecided", 0),
+    # right (the term is added once to the partial sum), but V: a rank cannot tell whether
+    # the others added it too
+    ("a term added to a partial sum on the first rank",
+     Program("tp2", (Input((8, 8), TP), Input((8, 8), R_TP)), (Step("add_on_first_rank", (0, 1), G),)),
+     "undecided", None),
+]

@@ -34,8 +34,6 @@ GAP_PROGRAMS = {
     "accumulate_on_first_rank": Program("tp2", (Input((8, 8), (("tp", "R"),)),),
                                         (Step("accumulate_on_first_rank", (0,), (("g", "tp"),)),
                                          Step("neg", (1,), ()))),
-    "add_on_first_rank": Program("tp2", (Input((8, 8), (("tp", "R"),)),),
-                                 (Step("add_on_first_rank", (0, 0), (("g", "tp"),)),)),
     "slice_by_rank": Program("tp2", (Input((8, 8), (("tp", "P"),)),),
                              (Step("slice_by_rank", (0,), (("g", "tp"), ("dim", 0))),)),
 }

@@ -32,8 +32,6 @@ ATEN = tuple(name for name in SPECS if name not in COLLECTIVES)
 # Ops whose disagreements with the numbers are open checker gaps (docs/oracle.md): the
 # benchmark draws them, the CI share leaves them out and tests that they still disagree.
 KNOWN_GAPS = {
-    "add_on_first_rank": "a branch on the rank: each rank types the branch it took, so a replicated "
-                         "value changed on one rank only still reads R there and elsewhere",
     "accumulate_on_first_rank": "zeros one rank added a value into are that rank's contribution: "
                                 "summed over the axis they are typed right, but an op on them (neg, "
                                 "matmul) reads them as the value itself (R) on every rank",

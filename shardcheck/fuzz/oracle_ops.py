@@ -38,7 +38,8 @@ class Env:
         return self.sizes[group]
 
     def rank(self, group: str) -> int:
-        return self.ranks[group]
+        """This rank's index in ``group``; on real ranks read as user code reads it."""
+        return dist.get_rank(self.groups[group]) if self.mode == "dist" else self.ranks[group]
 
     def group(self, group: str) -> Any:
         return self.groups[group]

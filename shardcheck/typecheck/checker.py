@@ -21,13 +21,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import typing_extensions
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from shardcheck.typecheck import rank_branches, shape_rules
 from shardcheck.typecheck import rules as _rules
-from shardcheck.typecheck import shape_rules
 from shardcheck.typecheck.broadcast import record as record_broadcast
-from shardcheck.typecheck.collectives import collective_rule
+from shardcheck.typecheck.collectives import collective_rule, group_ranks
 from shardcheck.typecheck.rules import HELP, NO_TENSOR, Violation
 from shardcheck.typecheck.types import (
     Mesh,
@@ -241,6 +242,7 @@ class Checker(TorchDispatchMode):
         self._paused = False
         self.varying_cuts = 0
         self.rank_scalars: dict[int | float, tuple[int, ...]] = {}
+        self.branches = rank_branches.RankBranches()
         # with ``sites``: op calls per source location [typed, unknown], and where unknowns began
         self.sites: dict[str, list[int]] | None = {} if sites else None
         self.origins: Counter = Counter()
@@ -250,6 +252,34 @@ class Checker(TorchDispatchMode):
         if len(self.rank_scalars) >= 256:
             self.rank_scalars.pop(next(iter(self.rank_scalars)))
         self.rank_scalars[value] = axes
+
+    def rank_read(self, group: Any) -> Callable | None:
+        """What to do when the rank read for ``group`` (of some mesh axes) is compared: the
+        comparing frame branches on the rank there (see :mod:`rank_branches`)."""
+        try:
+            names = self.mesh.axes_of(group_ranks(group if group is not None else dist.group.WORLD))
+        except (RuntimeError, ValueError, TypeError):
+            return None
+        if not names:
+            return None
+        axes = tuple(self.names.index(n) for n in names)
+        return lambda frame: self.branches.decided(frame, axes)
+
+    def _after_rank_branch(self, pl, args, flags: int, axes: tuple[int, ...]):
+        """An op run by a frame that branched on the rank: its ranks may run other ops, so
+        its result is V on those axes, unless its rule proves the layout: this rank's piece of
+        a replicated value (a slice by rank), zeros only this rank added into (ACC), V."""
+        if flags == ACC:
+            return pl
+        source = self.types(args[0]) if args and isinstance(args[0], torch.Tensor) else None
+
+        def branched(one):
+            if one is None:
+                return None
+            return tuple(V if a in axes and p is not None and not (
+                isinstance(p, Shard) and source is not None and _rules.replicated(source[a])) else p
+                for a, p in enumerate(one))
+        return [branched(one) for one in pl] if isinstance(pl, list) else branched(pl)
 
     def _rank_scalar_axes(self, args, kwargs) -> set[int]:
         axes: set[int] = set()
@@ -385,12 +415,14 @@ class Checker(TorchDispatchMode):
                 self._count_site(func, args, out, typed=False)
             self._forget(mutated, args, kwargs)
             return out
+        branched = self.branches.axes_here() if self.branches.frames and func.namespace == "aten" else ()
         try:
             pl = rule(self, args, kwargs, out)
         except Violation as violation:
             if func.namespace == "_c10d_functional" and isinstance(out, torch.Tensor):
                 torch.ops._c10d_functional.wait_tensor(out)  # raise with no work in flight
-            self._report(violation, func, args)
+            if violation.axis not in branched:  # a rule's premise: every rank runs the op
+                self._report(violation, func, args)
             pl = _retyped_after(self, violation, rule, args, kwargs, out)
         if pl is NO_TENSOR:
             if func in _LANDS_ON_WAIT:
@@ -410,6 +442,8 @@ class Checker(TorchDispatchMode):
         flags = self._value_flags(zero_kind, func, args) if zero_kind and pl is not None else 0
         if zero_kind == _ADD and pl is not None:
             flags = self._accumulation(args, flags)
+        if branched and pl is not None:
+            pl = self._after_rank_branch(pl, args, flags, branched)
         if mutated:
             if pl is None:
                 self._forget(mutated, args, kwargs)
@@ -669,10 +703,13 @@ def typecheck(mesh: Mesh, mode: str = "raise", sites: bool = False) -> Iterator[
     checker = Checker(mesh, mode, sites)
     _ACTIVE.append(checker)
     torch.Tensor.data = _TYPED_DATA
+    rank_branches.watch(checker.rank_read)
     try:
         with checker:
             yield checker
     finally:
+        rank_branches.unwatch(checker.rank_read)
+        checker.branches.frames.clear()  # the frames hold their locals
         _ACTIVE.remove(checker)
         if not _ACTIVE:
             del torch.Tensor.data

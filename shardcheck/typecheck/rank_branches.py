@@ -1,0 +1,163 @@
+"""Branches on the rank: Python code that reads its rank in a group and decides on it.
+
+``if rank == 0: x = x + b`` runs other ops on each rank; each rank types the ops it ran, so a
+replicated value changed on one rank only would still read R. Inside ``typecheck``,
+``torch.distributed.get_rank`` returns the rank as a :class:`RankNumber` when user code asks
+for a group of mesh axes: an int that, when compared or tested, tells the checker that the
+calling frame branches on the rank. The ops that frame runs inside the branch (from the jump
+that tests the rank to where the branches meet again) are typed V on those axes unless their
+rule proves otherwise (see ``Checker._after_rank_branch``). A comparison stored in a variable
+and tested later, or a branch that calls a function, is not followed.
+"""
+
+from __future__ import annotations
+
+import dis
+import functools
+import os
+import sys
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+_TORCH = os.path.dirname(torch.__file__) + os.sep
+_TYPECHECK = os.path.dirname(os.path.abspath(__file__)) + os.sep
+MACHINERY = (_TORCH, _TYPECHECK, os.path.dirname(functools.__file__) + os.sep + "functools.py")
+_DECISIONS_KEPT = 32
+
+
+class RankNumber(int):
+    """A rank read by user code (see the module docstring); ``on(frame)`` is told of each
+    comparison or truth test."""
+
+    def __new__(cls, value: int, seen: Callable[[FrameType], None] | None = None) -> RankNumber:
+        self = super().__new__(cls, value)
+        self._seen = seen
+        return self
+
+    def _decided(self) -> None:
+        frame = sys._getframe(2)
+        if self._seen is not None and not frame.f_code.co_filename.startswith(MACHINERY):
+            self._seen(frame)
+
+    def __eq__(self, other: object) -> bool:
+        self._decided()
+        return int.__eq__(self, other)
+
+    def __ne__(self, other: object) -> bool:
+        self._decided()
+        return int.__ne__(self, other)
+
+    def __lt__(self, other: Any) -> bool:
+        self._decided()
+        return int.__lt__(self, other)
+
+    def __le__(self, other: Any) -> bool:
+        self._decided()
+        return int.__le__(self, other)
+
+    def __gt__(self, other: Any) -> bool:
+        self._decided()
+        return int.__gt__(self, other)
+
+    def __ge__(self, other: Any) -> bool:
+        self._decided()
+        return int.__ge__(self, other)
+
+    def __bool__(self) -> bool:
+        self._decided()
+        return int(self) != 0
+
+    __hash__ = int.__hash__
+
+    def __reduce__(self):
+        return int, (int(self),)
+
+
+class RankBranches:
+    """The code the latest few frames run under a branch on the rank, and on which mesh axes:
+    from the jump that tests the rank to where the branches meet again."""
+
+    def __init__(self) -> None:
+        # id(frame) -> (frame, [(jump, merge, axes)]); empty until code branches on the rank
+        self.frames: dict[int, tuple[FrameType, list[tuple[int, int, tuple[int, ...]]]]] = {}
+
+    def decided(self, frame: FrameType, axes: tuple[int, ...]) -> None:
+        span = branch_span(frame.f_code, frame.f_lasti)
+        if span is None:  # the comparison is stored, not tested here: no branch to follow
+            return
+        known = self.frames.get(id(frame))
+        if known is None or known[0] is not frame:
+            if len(self.frames) >= _DECISIONS_KEPT:
+                self.frames.pop(next(iter(self.frames)))
+            known = self.frames[id(frame)] = (frame, [])
+        if (*span, axes) not in known[1]:  # a branch in a loop is one span
+            known[1].append((*span, axes))
+
+    def axes_here(self) -> tuple[int, ...]:
+        """The axes on which the code running the current op is under a branch on the rank."""
+        frame = sys._getframe(1)
+        while frame is not None and frame.f_code.co_filename.startswith(MACHINERY):
+            frame = frame.f_back
+        known = self.frames.get(id(frame)) if frame is not None else None
+        if known is None or known[0] is not frame:
+            return ()
+        at = frame.f_lasti
+        return tuple(sorted({a for start, end, axes in known[1] if start < at < end for a in axes}))
+
+
+@functools.lru_cache(maxsize=256)
+def _instructions(code) -> tuple[dis.Instruction, ...]:
+    return tuple(dis.get_instructions(code))
+
+
+def branch_span(code, offset: int) -> tuple[int, int] | None:
+    """(jump, merge): the code offsets between the conditional jump that tests the comparison
+    at ``offset`` and where its branches meet again (past the else branch, if any); None when
+    no conditional jump follows the comparison."""
+    instructions = _instructions(code)
+    at = next((i for i, ins in enumerate(instructions) if ins.offset >= offset), None)
+    if at is None:
+        return None
+    jump = next((ins for ins in instructions[at:at + 2] if _forward_test(ins)), None)
+    if jump is None:
+        return None
+    target = jump.argval
+    before = next((ins for ins in reversed(instructions) if ins.offset < target), None)
+    merge = before.argval if before is not None and before.opname.startswith("JUMP_FORWARD") else target
+    return jump.offset, max(target, merge)
+
+
+def _forward_test(ins: dis.Instruction) -> bool:
+    return ("JUMP" in ins.opname and "IF_" in ins.opname and isinstance(ins.argval, int)
+            and ins.argval > ins.offset)
+
+
+_get_rank = dist.get_rank
+_installed: list[Callable[[Any], tuple[int, ...] | None]] = []
+
+
+def _watched_get_rank(group: Any = None) -> int:
+    rank = _get_rank(group)
+    caller = sys._getframe(1).f_code.co_filename
+    if not _installed or rank < 0 or caller.startswith(MACHINERY):
+        return rank
+    seen = _installed[-1](group)
+    return rank if seen is None else RankNumber(rank, seen)
+
+
+def watch(on_read: Callable[[Any], Callable[[FrameType], None] | None]) -> None:
+    """Make ``get_rank`` return RankNumbers; ``on_read(group)`` gives the callback for a
+    comparison of the rank read for ``group`` (None: return a plain int)."""
+    if not _installed:
+        dist.get_rank = dist.distributed_c10d.get_rank = _watched_get_rank
+    _installed.append(on_read)
+
+
+def unwatch(on_read: Callable) -> None:
+    _installed.remove(on_read)
+    if not _installed:
+        dist.get_rank = dist.distributed_c10d.get_rank = _get_rank

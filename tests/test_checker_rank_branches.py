@@ -1,0 +1,108 @@
+"""Branches on the rank, on real Gloo ranks: a value changed on one rank only is no longer
+typed R (each rank ran other ops), while the idioms of real code keep their types: a rank's
+own slice picked in a branch, zeros one rank accumulates into and then all-reduces, a rank
+used as an index only, and code that reads the rank without branching on it; past the
+branch the rules hold again."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import shardcheck as sc
+from shardcheck.parity.launch import spawn_ranks
+
+
+def _replicated() -> torch.Tensor:
+    return sc.annotate(torch.randn(4, 6, generator=torch.Generator().manual_seed(0)), tp=sc.R)
+
+
+def changed_on_first_rank() -> torch.Tensor:
+    x = _replicated()
+    if dist.get_rank() == 0:
+        x = x + 1.0
+    return x * 2
+
+
+def own_rows_by_branch() -> torch.Tensor:
+    x = _replicated()
+    return x[:2] if dist.get_rank() == 0 else x[2:]
+
+
+def accumulated_on_first_rank_then_summed() -> torch.Tensor:
+    x = _replicated()
+    acc = torch.zeros_like(x)
+    if dist.get_rank() == 0:
+        acc += x
+    dist.all_reduce(acc)
+    return acc
+
+
+def rank_as_an_index() -> torch.Tensor:
+    return _replicated().chunk(dist.get_world_size(), 0)[dist.get_rank()] * 2
+
+
+def branch_decided_elsewhere() -> torch.Tensor:
+    """The rank compared in another frame (a helper): the ops here are typed as usual."""
+    first = _is_first()
+    return _replicated() * (2 if first else 2)
+
+
+def partial_after_a_branch() -> torch.Tensor:
+    """Past the branch (a log line on the first rank) the rules hold again: the bug is reported."""
+    p = sc.annotate(torch.randn(4, 6, generator=torch.Generator().manual_seed(1)), tp=sc.P)
+    if dist.get_rank() == 0:
+        label = "first"
+    else:
+        label = "other"
+    return torch.exp(p) if label else p
+
+
+def _is_first() -> bool:
+    return dist.get_rank(dist.group.WORLD) == 0
+
+
+PROGRAMS = [changed_on_first_rank, own_rows_by_branch, accumulated_on_first_rank_then_summed,
+            rank_as_an_index, branch_decided_elsewhere, partial_after_a_branch]
+
+
+def _ranks() -> dict:
+    results = {}
+    for program in PROGRAMS:
+        with sc.typecheck(sc.Mesh(tp=dist.group.WORLD), mode="collect"):
+            value = program()
+            results[program.__name__] = {"types": {a: repr(p) for a, p in sc.typeof(value).items()},
+                                         "reports": [v.as_dict() for v in sc.violations()]}
+        results["get_rank outside"] = type(dist.get_rank()).__name__
+    return results
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    return spawn_ranks(_ranks, 2)
+
+
+V, R, S0 = {"tp": "V"}, {"tp": "R"}, {"tp": "S(0)"}
+
+
+@pytest.mark.parametrize(("program", "types"), [
+    # the rank that skips the branch runs no op there: it cannot know (V and R: no claim)
+    ("changed_on_first_rank", [V, R]),
+    ("own_rows_by_branch", [S0, S0]),
+    ("accumulated_on_first_rank_then_summed", [R, R]),
+    ("rank_as_an_index", [S0, S0]),
+    ("branch_decided_elsewhere", [R, R]),
+])
+def test_types_after_a_branch_on_the_rank(ranks, program, types):
+    """Each rank's type, and no report the ranks confirm together (a rank that accumulated
+    alone cannot tell its sum from a double count: see sc.confirmed_across_ranks)."""
+    assert [rank[program]["types"] for rank in ranks] == types
+    assert sc.confirmed_across_ranks(rank[program]["reports"] for rank in ranks) == []
+
+
+def test_a_rule_broken_past_the_branch_is_reported(ranks):
+    confirmed = sc.confirmed_across_ranks(rank["partial_after_a_branch"]["reports"] for rank in ranks)
+    assert [v["rule"] for v in confirmed] == ["non-linear on partial"]
+
+
+def test_get_rank_is_itself_again_outside_the_region(ranks):
+    assert [rank["get_rank outside"] for rank in ranks] == ["int", "int"]
