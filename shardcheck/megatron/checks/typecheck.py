@@ -255,31 +255,6 @@ def _gradient_buffers_typed(axes: tuple[str, ...]) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _viewless_tensors_typed() -> Iterator[None]:
-    """Megatron's ``make_viewless_tensor`` moves a view's data into a fresh tensor with
-    ``out.data = inp.data``, which no dispatched op shows the checker: the fresh tensor holds
-    the view's values, so it gets the view's type."""
-    from megatron.core import utils
-
-    from shardcheck.typecheck.checker import current
-
-    original = utils._kernel_make_viewless_tensor
-
-    def typed(inp: torch.Tensor, requires_grad: bool) -> torch.Tensor:
-        out = original(inp, requires_grad)
-        checker = current()
-        if checker is not None and out is not inp:
-            checker.set_type(out, checker.types(inp))
-        return out
-
-    utils._kernel_make_viewless_tensor = typed
-    try:
-        yield
-    finally:
-        utils._kernel_make_viewless_tensor = original
-
-
-@contextlib.contextmanager
 def _memory_buffers_typed() -> Iterator[None]:
     """Megatron's ``GlobalMemoryBuffer.get_tensor`` hands out a view of a buffer it keeps
     between calls (and between runs), to be overwritten like a fresh ``torch.empty``: the
@@ -471,7 +446,6 @@ def checked_region(ctx: Any, ops: dict | None = None) -> Iterator[list[dict]]:
         stack.enter_context(_received_tensors_untyped())
         stack.enter_context(_gradient_buffers_typed(mesh.names))
         stack.enter_context(_tp_duplicates_checked())
-        stack.enter_context(_viewless_tensors_typed())
         stack.enter_context(_memory_buffers_typed())
         stack.enter_context(contextlib.redirect_stderr(io.StringIO()))  # the region's summary
         checker = stack.enter_context(sc.typecheck(mesh, mode="collect", sites=ops is not None))
