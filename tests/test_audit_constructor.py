@@ -6,6 +6,7 @@ import pytest
 pytest.importorskip("megatron.core")
 
 from megatron.core.models.gpt.gpt_model import GPTModel  # noqa: E402
+from megatron_release import RELEASE  # noqa: E402
 
 from shardcheck.megatron.audit.run import PRELOAD, audit  # noqa: E402
 from shardcheck.megatron.audit.sweep import (  # noqa: E402
@@ -45,6 +46,9 @@ def test_a_constructor_option_goes_to_the_model_and_a_config_field_to_the_config
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(RELEASE is not None and RELEASE.release[:2] < (0, 19),
+                    reason="0.16.1 crashes there under tp2-sp (cross_entropy.py:59), a layout-only "
+                           "crash the audit reports as such")
 def test_an_embedding_left_unscattered_under_sequence_parallelism_gives_no_finding():
     cases = [Case("gpt", (("GPTModel.scatter_embedding_sequence_parallel", False),), Layout(tp=2, sp=True))]
     result = audit(cases)
