@@ -8,6 +8,8 @@ gradient really differs (and that the correct variant's matches).
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -331,23 +333,31 @@ def count_zeros(model: nn.Module, group, tp_rank: int) -> int:
     return int(total.item())
 
 
-def zero_count(count_replicated_once: bool) -> dict:
-    """Zeros in the gradients of the heads model, counted Megatron's way, on tp ranks against
-    one process; ``count_replicated_once=False`` drops the duplicate filter. The first two
-    entries of every replicated gradient are zeroed (counted twice, they show twice)."""
+@contextmanager
+def _checked_heads_step(types: dict[str, str]):
+    """The heads model stepped in one process (``full``) and on the tp ranks under the checker
+    with the given parameter types, q_norm's gradients all-reduced; yields both and the group."""
     group = dist.group.WORLD
     full = _full_heads()
     x = torch.randn(BATCH, SEQ, HIDDEN)
     _heads_step(full, x)
     model = HeadsModel(full, group)
     for name, p in model.named_parameters():
-        p.tensor_model_parallel = HEADS_TYPES[name].startswith("S")
-    filtering_rank = dist.get_rank(group) if count_replicated_once else 0
+        p.tensor_model_parallel = types[name].startswith("S")
     with sc.typecheck(sc.Mesh(tp=group), mode="collect"):
-        sc.annotate_parameters(model, on("tp", HEADS_TYPES))
+        sc.annotate_parameters(model, on("tp", types))
         _heads_step(model, sc.annotate(x, tp=sc.R))
         for p in model.q_norm.parameters():
             dist.all_reduce(p.grad, group=group)
+        yield full, model, group
+
+
+def zero_count(count_replicated_once: bool) -> dict:
+    """Zeros in the gradients of the heads model, counted Megatron's way, on tp ranks against
+    one process; ``count_replicated_once=False`` drops the duplicate filter. The first two
+    entries of every replicated gradient are zeroed (counted twice, they show twice)."""
+    with _checked_heads_step(HEADS_TYPES) as (full, model, group):
+        filtering_rank = dist.get_rank(group) if count_replicated_once else 0
         for name, p in (*model.named_parameters(), *full.named_parameters()):
             if HEADS_TYPES[name] == "R":
                 p.grad.view(-1)[:2] = 0
@@ -363,21 +373,9 @@ def per_head_scale(head_scale_type: str, count_replicated_once: bool = True,
     ``count_replicated_once=False`` drops the duplicate filter, so R parameters are counted
     on every tp rank.
     """
-    group = dist.group.WORLD
-    full = _full_heads()
-    x = torch.randn(BATCH, SEQ, HIDDEN)
-    _heads_step(full, x)
-    ref_norm = torch.cat([p.grad.flatten() for p in full.parameters()]).norm()
-    model = HeadsModel(full, group)
-    types = dict(HEADS_TYPES, head_scale=head_scale_type)
-    for name, p in model.named_parameters():
-        p.tensor_model_parallel = types[name].startswith("S")
-    filtering_rank = dist.get_rank(group) if count_replicated_once else 0
-    with sc.typecheck(sc.Mesh(tp=group), mode="collect"):
-        sc.annotate_parameters(model, on("tp", types))
-        _heads_step(model, sc.annotate(x, tp=sc.R))
-        for p in model.q_norm.parameters():
-            dist.all_reduce(p.grad, group=group)
+    with _checked_heads_step(dict(HEADS_TYPES, head_scale=head_scale_type)) as (full, model, group):
+        ref_norm = torch.cat([p.grad.flatten() for p in full.parameters()]).norm()
+        filtering_rank = dist.get_rank(group) if count_replicated_once else 0
         sc.check_gradients(model)
         norm = clip_grad_norm(model, 0.5, group, filtering_rank, foreach)
     return {
