@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from shardcheck.typecheck.broadcast import broadcast_dims
+from shardcheck.typecheck.broadcast import fits_shard
 from shardcheck.typecheck.types import I, P, Placement, R, S, Shard, Singleton, V
 
 aten = torch.ops.aten
@@ -345,12 +345,12 @@ class _Operand:
         self.pl, self.role, self.zero, self.shape, self.scalar = pl, role, zero, shape, scalar
         self.const, self.tensor = const, tensor
 
-    def broadcast_on(self, dim: int) -> bool:
-        """Whether the operand holds one value along ``dim`` (see shardcheck.typecheck.broadcast), as the
-        gradient of a sum over ``dim`` does."""
+    def broadcast_on(self, dim: int, outer: int = 1) -> bool:
+        """Whether the operand holds one value along ``dim`` (in each of ``outer`` blocks; see
+        shardcheck.typecheck.broadcast), as the gradient of a sum over ``dim`` does."""
         if self.shape[dim] == 1:
             return True
-        return self.tensor is not None and dim - len(self.shape) in broadcast_dims(self.tensor)
+        return self.tensor is not None and fits_shard(self.tensor, dim - len(self.shape), outer)
 
 
 def elementwise(ctx, items: list[tuple[Any, str]]) -> Pl | None:
@@ -541,7 +541,7 @@ def _shard_layout(tensors: list[_Operand], a: int, out_ndim: int) -> Placement:
         for o in tensors:
             if (replicated(o.pl[a]) or is_partial(o.pl[a])) and not o.const:
                 local = d - (out_ndim - len(o.shape))
-                if local >= 0 and not o.broadcast_on(local):
+                if local >= 0 and not o.broadcast_on(local, outer):
                     raise Violation("global shape mismatch", a)
         if varying:
             return V
@@ -777,7 +777,8 @@ def einsum_rule(ctx, specs: list[tuple[Any, str]], out_spec: str) -> Pl | None:
     """Type a contraction given each operand's dim letters and the output's letters.
 
     A constant operand (every element equal) is a slice of a constant global tensor, so it
-    fits any layout: it is left out of the layout decision.
+    fits any layout: it is left out of the layout decision. So does, along a sharded letter,
+    an operand that holds one value along it (a broadcast; see shardcheck.typecheck.broadcast).
     """
     pls = []
     for t, letters in specs:
@@ -785,17 +786,30 @@ def einsum_rule(ctx, specs: list[tuple[Any, str]], out_spec: str) -> Pl | None:
         if pl is None:
             return None
         if not (ctx.const(t) and all(p is None or replicated(p) for p in pl)):
-            pls.append((pl, letters))
+            pls.append((pl, letters, t))
     if not pls:
         return ctx.types(specs[0][0])
     first = pls[0][0]
-    if all(pl == first for pl, _ in pls) and all(p is R or p is V or p is I for p in first):
+    if all(pl == first for pl, _, _ in pls) and all(p is R or p is V or p is I for p in first):
         return first  # R@R, V@V: the common case, fast
-    return tuple(_axis_contract(pls, a, out_spec) for a in range(ctx.n))
+    return tuple(_guessed_contract(pls, a, out_spec) for a in range(ctx.n))
+
+
+def _guessed_contract(pls, a: int, out_spec: str) -> Placement | None:
+    """A contraction on axis ``a``. A rank chunk is a guess (see :func:`_axis_layout`): where
+    it does not line up with the other operands, it is the plain value every rank holds, R."""
+    try:
+        return _axis_contract(pls, a, out_spec)
+    except Violation:
+        if not any(type(pl[a]) is RankChunk for pl, _, _ in pls):
+            raise
+    plain = [(pl[:a] + (R,) + pl[a + 1:] if type(pl[a]) is RankChunk else pl, spec, t)
+             for pl, spec, t in pls]
+    return _axis_contract(plain, a, out_spec)
 
 
 def _axis_contract(pls, a: int, out_spec: str) -> Placement | None:
-    ps = [pl[a] for pl, _ in pls]
+    ps = [pl[a] for pl, _, _ in pls]
     partial = False
     for p in ps:
         if p is None or type(p) is Gathered:
@@ -809,7 +823,7 @@ def _axis_contract(pls, a: int, out_spec: str) -> Placement | None:
             raise Violation("partial product", a)
         return V if V in ps else P
     letters, shard = set(), None
-    for p, (_, spec) in zip(ps, pls, strict=True):
+    for p, (_, spec, _) in zip(ps, pls, strict=True):
         if isinstance(p, Shard):
             letters.add((spec[norm_dim(p.dim, len(spec))], outer_of(p)))
             shard = p
@@ -819,9 +833,9 @@ def _axis_contract(pls, a: int, out_spec: str) -> Placement | None:
         return V
     if not letters:
         return I if all(p is I for p in ps) else R
-    ((letter, _),) = letters
-    for p, (_, spec) in zip(ps, pls, strict=True):
-        if replicated(p) and letter in spec:
+    ((letter, outer),) = letters
+    for p, (_, spec, t) in zip(ps, pls, strict=True):
+        if replicated(p) and letter in spec and not fits_shard(t, spec.index(letter), outer):
             raise Violation("global shape mismatch", a)
     return moved(shard, out_spec.index(letter)) if letter in out_spec else P
 
@@ -895,6 +909,12 @@ def _embedding_backward_rule(ctx, args, kwargs, out):
                  else S(1) if isinstance(p, Shard) and norm_dim(p.dim, grad.dim()) == last
                  else _reduce_axis("sum", p, a, tokens, False)
                  for a, (p, t) in enumerate(zip(pl, table, strict=True)))
+
+
+def in_backward_of(node_name: str) -> bool:
+    """Whether the op runs in the backward of the autograd node ``node_name``."""
+    node = torch._C._current_autograd_node()
+    return node is not None and node.name() == node_name
 
 
 def looked_up_table(node_name: str) -> torch.Tensor | None:

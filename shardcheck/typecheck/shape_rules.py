@@ -23,6 +23,7 @@ from shardcheck.typecheck.rules import (
     chunk_dim,
     cut_into_rows,
     elementwise,
+    in_backward_of,
     is_partial,
     is_tensor,
     join,
@@ -74,7 +75,7 @@ def view_shard(in_shape, out_shape, p: Shard) -> Shard | None:
     if type(p) is SectionShard:  # sections survive only where the fused dim stays whole
         whole = out_shape[j] == inner and prod(out_shape[j + 1:]) == prod(in_shape[d + 1:])
         return moved(p, j) if whole else None
-    return S(j)
+    return RankChunk(j) if type(p) is RankChunk else S(j)  # a guess stays one
 
 
 def _view_rule(ctx, args, kwargs, out):
@@ -154,11 +155,14 @@ def _cut_along(ctx, pl: Pl, ndim: int, dim: int, pieces: list[tuple[int, int]], 
     Cutting along a sharded dim gives V. The rank-slice heuristic: a piece of an R tensor
     whose length is total / axis size and whose start is this rank's index on that axis
     times the length is S(dim) on that axis (Megatron's scatter-to-region idiom). A slice
-    (``by_rank_slice``) of a V tensor matching the pattern is a "split of varying".
+    (``by_rank_slice``) of a V tensor matching the pattern is a "split of varying". The
+    backward of a cat cuts each input's gradient at that input's place, the same on every
+    rank: no piece of it is a rank's.
     """
     results = []
+    by_position = in_backward_of("CatBackward0")
     for start, length in pieces:
-        by_rank = rank_piece(ctx, pl, dim, total, start, length, by_rank_slice)
+        by_rank = {} if by_position else rank_piece(ctx, pl, dim, total, start, length, by_rank_slice)
         per_axis = []
         for a, p in enumerate(pl):
             if a in by_rank:
