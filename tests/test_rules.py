@@ -38,6 +38,13 @@ def outcome(program, mesh=MESH):
             return err.rule
 
 
+def _written_whole(grad):
+    """A flat zero buffer, a view of all of it shaped like ``grad``, ``grad`` copied into it."""
+    buffer = grad.new_zeros(grad.numel())
+    buffer.as_strided(grad.shape, grad.stride()).copy_(grad)
+    return buffer
+
+
 ELEMENTWISE = [
     ("R+R", lambda: T(4, 3) + T(4, 3), R),
     ("S+S same dim", lambda: T(4, 3, tp=S(0)) * T(4, 3, tp=S(0)), S(0)),
@@ -70,6 +77,9 @@ LINEAR_ON_PARTIAL = [
     ("as_strided reshape S", lambda: T(4, 3, tp=S(0)).as_strided((12,), (1,)), S(0)),
     ("as_strided reshape S + R", lambda: T(4, 3, tp=S(0)).as_strided((12,), (1,)) + T(12),
      "global shape mismatch"),
+    # autograd's view backward: zeros, a view of all of them, the gradient copied in
+    ("zeros written whole", lambda: _written_whole(T(4, 6, tp=S(0))), S(0)),
+    ("zeros written whole + R", lambda: _written_whole(T(4, 6, tp=S(0))) + T(24), "global shape mismatch"),
     ("permute P", lambda: T(4, 3, 2, tp=P).permute(2, 0, 1), P),
     ("transpose P", lambda: T(4, 3, tp=P).transpose(0, 1), P),
     ("cat P", lambda: torch.cat([T(4, tp=P), T(4, tp=P)]), P),

@@ -377,6 +377,8 @@ class Checker(TorchDispatchMode):
                 merged.append(mine)
             elif alias_zero and not isinstance(new, Shard):
                 merged.append(new)
+            elif alias_zero and shape_rules.same_elements(alias, t):  # zeros overwritten whole
+                merged.append(shape_rules.view_shard(t.shape, alias.shape, new))
             else:
                 merged.append(None)
         return tuple(merged)
