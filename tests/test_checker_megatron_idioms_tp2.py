@@ -1,4 +1,4 @@
-"""Two idioms of Megatron under tp2 on real Gloo ranks, checked against the one-rank numbers.
+"""Three idioms of Megatron under tp2 on real Gloo ranks, checked against the one-rank numbers.
 
 - A replicated tensor cut into as many chunks as there are tp ranks, each chunk run through a
   column-parallel layer (``mlp_chunks_for_training``, the MTP hidden states): the rank-slice
@@ -7,6 +7,10 @@
 - One key head shared by every tp rank (``num_query_groups`` below the tp size): the key,
   repeated to the rank's query heads and merged with the batch dim, holds one value in each
   batch block, so it fits the queries' head shard in those blocks.
+- The attention mask filled in place into a view of the head-sharded scores: autograd's
+  backward of the view writes the scores' gradient into a flat zero buffer through a view of
+  all of it, and the buffer holds the written shard (the gradients of the layers below keep
+  their types to the optimizer step).
 
 Each program's result is rebuilt from its checked type and compared with the one-rank run;
 a buggy variant on the same path is rejected.
@@ -16,7 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from grad_programs import ReduceFromRegion
+from grad_programs import CopyToRegion, ReduceFromRegion
 
 import shardcheck as sc
 from shardcheck.fuzz.oracle import encode, matches
@@ -70,13 +74,14 @@ def _typed(t: torch.Tensor, placement) -> torch.Tensor:
 
 
 def _checked(program):
-    """('ok', value, grads, types) or ('error', rule), under the checker on this rank."""
-    with sc.typecheck(sc.Mesh(tp=dist.group.WORLD)):
-        try:
-            out, grads = program()
-        except sc.SpmdTypeError as err:
-            return ("error", err.rule)
+    """('ok', values, types) or ('error', the first rule broken), checked on this rank in
+    collect mode (every rank runs the program to its end: the collectives stay in step)."""
+    with sc.typecheck(sc.Mesh(tp=dist.group.WORLD), mode="collect"):
+        out, grads = program()
+        broken = [v.rule for v in sc.violations()]
         types = [encode(sc.typeof(t).get("tp")) for t in (out, *grads)]
+    if broken:
+        return ("error", broken[0])
     return ("ok", [t.detach() for t in (out, *grads)], types)
 
 
@@ -98,14 +103,33 @@ def _mlp(bug: bool):
     return out, [w1.grad, w2.grad]
 
 
-PROGRAMS = {"attention": _attention, "mlp": _mlp}
+def _masked(bug: bool):
+    """Causal scores of the rank's heads, masked in place through a 4-d view, softmax; the
+    bug: the sharded query passed through a copy-to-region, whose backward sums its
+    gradient over tp (every rank's heads added up)."""
+    (query,) = _inputs((HEADS, SEQ, HEAD_DIM))
+    q = _typed(_own(query, 0, dist.get_rank()), sc.S(0))
+    used = CopyToRegion.apply(q, dist.group.WORLD) if bug else q
+    scores = torch.bmm(used, used.transpose(1, 2))
+    view = scores.view(1, *scores.shape)
+    view.masked_fill_(torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1), -1e4)
+    probs = view.softmax(-1)
+    probs.pow(2).sum().backward()
+    if current():
+        sc.check_gradients({"query": q})
+    return probs, [q.grad]
+
+
+PROGRAMS = {"attention": _attention, "mlp": _mlp, "masked": _masked}
 
 
 def _on_ranks():
     """Each program checked, correct and buggy; and the buggy one's values unchecked."""
     results = {(name, bug): _checked(lambda p=program, b=bug: p(b))
                for name, program in PROGRAMS.items() for bug in (False, True)}
-    results.update({(name, "unchecked"): program(True)[0].detach() for name, program in PROGRAMS.items()})
+    for name, program in PROGRAMS.items():
+        out, grads = program(True)
+        results[(name, "unchecked")] = [out.detach(), *grads]
     return results
 
 
@@ -119,7 +143,13 @@ def _one_rank():
     w1, w2 = fc1.clone().requires_grad_(), fc2.clone().requires_grad_()
     out = _chunked_mlp(x, w1, w2, lambda y: y)
     out.pow(2).sum().backward()
-    return {"attention": [scores.detach(), q.grad], "mlp": [out.detach(), w1.grad, w2.grad]}
+    (query,) = _inputs((HEADS, SEQ, HEAD_DIM))
+    q2 = query.clone().requires_grad_()
+    view = torch.bmm(q2, q2.transpose(1, 2)).view(1, HEADS, SEQ, SEQ)
+    probs = view.masked_fill(torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1), -1e4).softmax(-1)
+    probs.pow(2).sum().backward()
+    return {"attention": [scores.detach(), q.grad], "mlp": [out.detach(), w1.grad, w2.grad],
+            "masked": [probs.detach(), q2.grad]}
 
 
 @pytest.fixture(scope="module")
@@ -130,6 +160,7 @@ def ranks():
 @pytest.mark.parametrize("name, types", [
     ("attention", [("B", 0, BATCH), ("S", 2)]),  # the scores in batch blocks, the query's grad
     ("mlp", [("R",), ("S", 0), ("S", 1)]),
+    ("masked", [("S", 1), ("S", 0)]),
 ])
 def test_the_correct_program_is_accepted_and_its_types_rebuild_the_one_rank_values(ranks, name, types):
     truth = _one_rank()[name]
@@ -143,13 +174,15 @@ def test_the_correct_program_is_accepted_and_its_types_rebuild_the_one_rank_valu
 @pytest.mark.parametrize("name, rule", [
     ("attention", "global shape mismatch"),  # the key's heads merged outside its batch
     ("mlp", "non-linear on partial"),  # each chunk's tp all-reduce left out
+    ("masked", "gradient type mismatch"),  # the query's gradient summed over its shards
 ])
 def test_the_buggy_variant_is_rejected(ranks, name, rule):
     assert [rank[(name, True)] for rank in ranks] == [("error", rule)] * 2
 
 
-@pytest.mark.parametrize("name, types", [("attention", [("B", 0, BATCH)]), ("mlp", [("R",)])])
-def test_the_buggy_variants_are_wrong_on_the_numbers(ranks, name, types):
-    """Run unchecked, each buggy variant's values differ from the one-rank run."""
-    values = [rank[(name, "unchecked")] for rank in ranks]
-    assert not matches("tp2", values, types, _one_rank()[name][0])
+@pytest.mark.parametrize("name, value, types", [
+    ("attention", 0, [("B", 0, BATCH)]), ("mlp", 0, [("R",)]), ("masked", 1, [("S", 0)])])
+def test_the_buggy_variants_are_wrong_on_the_numbers(ranks, name, value, types):
+    """Run unchecked, each buggy variant's value (or gradient) differs from the one-rank run."""
+    values = [rank[(name, "unchecked")][value] for rank in ranks]
+    assert not matches("tp2", values, types, _one_rank()[name][value])
