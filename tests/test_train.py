@@ -134,6 +134,26 @@ def test_dropped_gradient_all_reduce_in_a_megatron_copy_exits_1_naming_step_metr
         assert {"lm loss", "grad norm", "num-zeros"} <= set(golden.metrics)
 
 
+def _checker_lines(args: list[str]) -> tuple[int, list[str]]:
+    """``shardcheck train -n 2 --typecheck``: the exit status and the ``checker:`` lines."""
+    result = CliRunner().invoke(main, ["train", "-n", "2", "--typecheck", "--steps", "1", *args])
+    return result.exit_code, [ln for ln in result.output.splitlines() if ln.startswith("checker:")]
+
+
+def test_typecheck_of_a_correct_tp2_run_prints_no_checker_line():
+    """Every gradient reaches the step typed (attention's masked scores' gradient included)."""
+    status, lines = _checker_lines(["--", *BASE, "--tensor-model-parallel-size", "2"])
+    assert (status, lines) == (0, [])
+
+
+def test_typecheck_of_the_dropped_gradient_all_reduce_names_each_parameter_at_the_step(tmp_path):
+    status, lines = _checker_lines(["--megatron", str(_megatron_copy(tmp_path)), "--", *BASE])
+    assert status == 1
+    assert any(re.fullmatch(r"checker: misdeclared parameter at megatron/core/optimizer/optimizer\.py:\d+ "
+                            r"in optimizer\.step: module\.decoder\.final_layernorm\.bias: parameter R "
+                            r"on dp, gradient V  \[ranks 0, 1\]", ln) for ln in lines), lines
+
+
 def test_golden_form_reads_back_with_the_recorded_values(dense, tmp_path):
     dense_reference, _ = dense
     path = write_golden(dense_reference, tmp_path / "run.json")
