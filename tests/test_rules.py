@@ -19,6 +19,16 @@ def C(*shape, tp=R):  # noqa: N802 - a constant (all ones) typed tensor
     return sc.annotate(torch.ones(*shape), tp=tp)
 
 
+def _heads():
+    """Queries of this rank's 2 heads of batch 2, [s, b, heads, d] merged to [b * heads, s, d]."""
+    return T(4, 2, 2, 3, tp=S(2)).reshape(4, 4, 3).transpose(0, 1)
+
+
+def _repeated_key():
+    """One key head every rank holds whole, repeated to the rank's 2 heads: [s, b, 2, d]."""
+    return T(4, 2, 1, 3).repeat_interleave(2, dim=2)
+
+
 def own_order():
     """Row indices each rank computed from its own data (an argsort of its routing map): V."""
     return sc.annotate(torch.tensor([2, 0, 3, 1]), tp=V)
@@ -195,6 +205,20 @@ MATMUL = [
     ("einsum", lambda: torch.einsum("bhd,bkd->bhk", T(2, 4, 3, tp=S(1)), T(2, 5, 3)), S(1)),
     ("matmul S(0)xR", lambda: T(4, 6, tp=S(0)) @ T(6, 2), S(0)),
     ("matmul S(0)xS(1)", lambda: T(4, 6, tp=S(0)) @ T(6, 2, tp=S(1)), "mixed shards"),
+    # a rank-chunk guess (rank 0's chunk of a split) that does not line up is the R it is
+    ("chunk piece x column shard", lambda: T(4, 6).chunk(2)[0] @ T(6, 2, tp=S(1)), S(1)),
+    ("viewed chunk piece x column shard",
+     lambda: F.linear(T(4, 2, 6).chunk(2)[0], T(2, 6, tp=S(0))), S(2)),
+    ("chunk piece x full R", lambda: T(6, 4).chunk(2)[0] @ T(4, 2), S(0)),
+    # one key head repeated to the heads, merged after the batch: one value per batch block
+    ("repeated key fits the heads' block shard",
+     lambda: torch.bmm(_heads(), _repeated_key().view(4, 2 * 2, 3).transpose(0, 1).transpose(1, 2)),
+     BlockShard(0, 2)),
+    ("key merged heads-outer is no broadcast in the batch blocks",
+     lambda: torch.bmm(_heads(), _repeated_key().transpose(1, 2).reshape(4, 2 * 2, 3)
+                       .transpose(0, 1).transpose(1, 2)), "global shape mismatch"),
+    ("full R key does not fit the heads' shard",
+     lambda: torch.bmm(_heads(), T(4, 4, 3).transpose(0, 1).transpose(1, 2)), "global shape mismatch"),
 ]
 
 SHAPES = [
