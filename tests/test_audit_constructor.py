@@ -50,9 +50,10 @@ def test_the_arguments_the_scenario_leaves_at_their_defaults_are_swept():
     ("multimodal", {"LLaVAModel.pixel_shuffle", "LLaVAModel.forward.runtime_gather_output"}),
     ("moe_router", {"TopKRouter.is_mtp_layer"})])
 def test_each_model_class_gives_its_own_arguments(component, expected):
-    names = {name for name, _ in model_options(component)}
-    assert expected <= names
-    cls = model_class(component)
+    names, cls = {name for name, _ in model_options(component)}, model_class(component)
+    in_release = {name for name in expected if name.rsplit(".", 1)[1] in inspect.signature(
+        getattr(cls, "forward" if ".forward." in name else "__init__")).parameters}
+    assert in_release <= names and (in_release or component == "moe_router")  # 0.16.1: no is_mtp_layer
     assert all(name.startswith(f"{cls.__name__}.") for name in names)
     assert not {name.rsplit(".", 1)[1] for name in names} & STAGE_ARGUMENTS  # a layout's to set
     assert not {name.rsplit(".", 1)[1] for name in names} & passed_by_scenario(component, "__init__")
