@@ -14,7 +14,7 @@ from functools import partial
 from typing import Any
 
 from shardcheck.megatron.cpu.parallel import LayoutUnsupported
-from shardcheck.megatron.scenarios import multimodal, t5
+from shardcheck.megatron.scenarios import multimodal, ssm, t5
 from shardcheck.megatron.scenarios.gpt import GPTSetup, MoEGPTSetup, MTPGPTSetup, train_step
 from shardcheck.megatron.scenarios.moe_router import RouterSetup, router_step
 from shardcheck.megatron.scenarios.multimodal import MultimodalSetup, multimodal_step
@@ -77,11 +77,8 @@ COMPONENTS: dict[str, Component] = {
                             explicit_groups=True,
                             model="megatron.core.models.multimodal.llava_model:LLaVAModel"),
     "gdn": Component(gdn_step, GDNSetup, explicit_groups=True),
-    # MambaMixer takes a pg_collection, but under an explicit tp group the audit's global
-    # values disagree with one rank for a reason not pinned down yet (its gated norm's
-    # sharded_state_dict reads the global tp group; fixing that alone does not clear it):
-    # left off explicit layouts until explained, rather than reported as a finding.
-    "mamba": Component(mamba_step, MambaSetup),
+    "mamba": Component(mamba_step, MambaSetup, check_layout=ssm.check_mamba_layout,
+                       explicit_groups=True),
 }
 
 
