@@ -5,6 +5,7 @@ Part of the rule table (see shardcheck.typecheck.rules for the rule protocol).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 from shardcheck.typecheck.rules import (
@@ -193,16 +194,22 @@ def rank_piece(ctx, pl: Pl, dim: int, total: int, start: int, length: int,
                check_varying: bool) -> dict[int, Placement | None]:
     """Axes on which the piece [start, start+length) is this rank's chunk of ``total``.
 
+    The guess needs one candidate axis: when an untyped axis would match too, the cut may be
+    by that axis's rank (MoE's local experts, by the ep rank), so no axis is guessed.
+
     The whole dim is no rank's chunk: ``x[:, 0]`` of a dim of size 1 on rank 0 is the tensor.
     """
     def matches(a: int) -> bool:
         size = ctx.sizes[a]
         return size > 1 and length < total and (start, length) in rank_chunks(total, size, ctx.index[a])
     by_rank = [a for a, p in enumerate(pl) if replicated(p) and matches(a)]
-    if len(by_rank) == 1:
+    unknown = [a for a, p in enumerate(pl) if p is None and matches(a)]
+    if len(by_rank) == 1 and not unknown:
         return {by_rank[0]: S(dim) if check_varying else RankChunk(dim)}
-    if by_rank:  # ambiguous: several axes have the same size and index here
-        return dict.fromkeys(by_rank)
+    if by_rank:  # ambiguous: several axes (some untyped) have the same size and index here
+        return dict.fromkeys(by_rank + unknown)
+    if spanning := _cut_by_two_axes(ctx, pl, total, start, length):
+        return spanning
     if check_varying and not getattr(ctx, "retyping", False) and any(p is V for p in pl):
         occurrence = ctx.count_varying_cut()
         for a, p in enumerate(pl):
@@ -527,6 +534,19 @@ def _first_dim_cut(operands, placements, ndim: int) -> bool:
         elif i == 2 or not (replicated(p) and (lead > 0 or t.shape[0] == 1)):
             return False
     return True
+
+
+def _cut_by_two_axes(ctx, pl: Pl, total: int, start: int, length: int) -> dict[int, None]:
+    """The piece is this rank's chunk by its rank in a group over two replicated (or untyped)
+    axes (Megatron's tp x ep expert group, dp x cp): a cut the per-axis types cannot say, so
+    both axes become unknown rather than stay replicated."""
+    axes = [a for a, p in enumerate(pl) if (p is None or replicated(p)) and ctx.sizes[a] > 1]
+    for a, b in itertools.combinations(axes, 2):
+        size = ctx.sizes[a] * ctx.sizes[b]
+        orders = {ctx.index[a] * ctx.sizes[b] + ctx.index[b], ctx.index[b] * ctx.sizes[a] + ctx.index[a]}
+        if length < total and any((start, length) in rank_chunks(total, size, i) for i in orders):
+            return {a: None, b: None}
+    return {}
 
 
 def _index_put_rule(ctx, args, kwargs, out):
