@@ -247,3 +247,13 @@ def test_a_varying_value_cut_where_this_ranks_chunk_would_be_stays_varying_downs
         piece = T(8, 4, tp=V, dp=V)[0:4]
         assert [v.rule for v in sc.violations()] == ["split of varying"]
         assert sc.typeof(piece * 2)["tp"] is V
+
+
+def test_a_cut_by_the_rank_of_a_group_over_two_axes_is_no_replica(groups):
+    """Rank 0's quarter of a tensor replicated over tp and dp is its piece by its rank in the
+    tp x dp group (Megatron's local experts, by the tp x ep rank): not a replica on either
+    axis, and no per-axis shard either, so unknown; another fixed piece stays replicated."""
+    with sc.typecheck(sc.Mesh(tp=groups["tp"], dp=groups["dp"]), mode="collect"):
+        x = T(8, 4)
+        assert sc.typeof(x[0:2]) == {}
+        assert sc.typeof(x[2:4]) == {"tp": R, "dp": R}
