@@ -230,3 +230,28 @@ def test_gdn_takes_explicit_groups_clean_where_megatron_is_right():
     [finding] = result.findings
     assert finding.location.startswith("megatron/core/ssm/gated_delta_net")  # 0.19: a package
     assert {c["layout"] for c in finding.cases} == {"tp2", "tp2-dp2@dp-tp"}
+
+
+@pytest.mark.slow
+def test_mamba_takes_explicit_groups_and_matches_one_rank_or_says_why_not():
+    """The Mamba mixer under explicit groups, with an option: the parallel runs agree with one
+    rank on 0.19 and later (parity only: its context-parallel all-to-alls are a checker gap of
+    their own, typed on the plain layouts alike); a release whose mixer disagrees there for a
+    reason not pinned down refuses the layouts in one line, before any rank starts."""
+    from shardcheck.megatron.audit.run import audit
+    from shardcheck.megatron.audit.sweep import Case
+    from shardcheck.megatron.cpu.versions import mamba_takes_conv_module
+    from shardcheck.megatron.scenarios import COMPONENTS
+
+    assert COMPONENTS["mamba"].explicit_groups
+    texts = ["tp2-dp2@dp-tp", "tp2-cp2-sp@cp-tp", "cp2-dp2@dp-cp"]
+    cases = [Case("mamba", options, Layout.parse(t)) for t in texts
+             for options in ((), (("d_has_hdim", True),))]
+    result = audit(cases, typecheck=False)
+    if mamba_takes_conv_module():
+        assert result.outcomes == [] and len(result.not_applicable) == len(texts), result.not_applicable
+        assert all("not pinned down" in line for line in result.not_applicable)
+        return
+    assert not result.errors, [o.error for o in result.errors]
+    assert len(result.outcomes) == len(cases) and result.findings == []
+    assert not any(o.failed for o in result.outcomes)

@@ -179,3 +179,16 @@ def _harness_types_on_rank() -> dict:
 def test_harness_and_viewless_tensors_keep_their_types():
     expected = {"viewless": {"tp": "S(1)", "dp": "R"}, "batch share": {"tp": "R", "dp": "V"}}
     assert spawn_ranks(_harness_types_on_rank, 2) == [expected] * 2  # every rank's own types
+
+
+def test_expert_weights_cut_over_the_tp_ranks_are_typed_on_tp():
+    """With Megatron's default expert tensor parallelism (the experts cut over the dense
+    layers' tp ranks), the mesh's tp axis carries the experts' cut: their fc1 is a column
+    shard and their fc2 a row shard over tp, as the dense MLP's (R before, which made the
+    combine's reduce-scatter input look replicated)."""
+    moe = {"num_moe_experts": 4, "moe_router_topk": 2, "add_bias_linear": False}
+    (types, _), _ = _run(Layout(tp=2, sp=True), moe)
+    experts = {n: _placements(t) for n, (t, _) in types.items() if ".experts." in n}
+    fc1 = [p["tp"] for n, p in experts.items() if "linear_fc1" in n]
+    fc2 = [p["tp"] for n, p in experts.items() if "linear_fc2" in n]
+    assert fc1 and fc2 and all(p == S(0) for p in fc1) and all(p == S(1) for p in fc2), experts

@@ -321,6 +321,27 @@ def copy_into(env: Env, x, y):
 
 # --- aten ops --------------------------------------------------------------------------------
 
+def _masked_roundtrip(env: Env, x, y):
+    """The elements of x where y > 0, taken out (``masked_select``) and put back into zeros
+    (``masked_scatter``): x where y > 0, else 0."""
+    mask = y > 0
+    return torch.zeros_like(x).masked_scatter(mask, x.masked_select(mask))
+
+
+def _masked_sum(env: Env, x, y):
+    """The sum of the elements of x where y > 0, as a [1, 1] tensor."""
+    return x.masked_select(y > 0).sum().reshape(1, 1)
+
+
+def _topk_gradient(env: Env, x):
+    """The gradient of the sum of each row's two largest elements: ones scattered into zeros
+    at their positions (autograd's backward of ``topk``)."""
+    leaf = x.detach().requires_grad_(True)
+    with torch.enable_grad():
+        (grad,) = torch.autograd.grad(leaf.topk(2, dim=1).values.sum(), leaf)
+    return grad * x
+
+
 def _index(x, dim: int):
     idx = torch.arange(x.shape[dim] - 1, -1, -1, device=x.device)
     return x.index_select(dim, idx)
@@ -369,6 +390,9 @@ SPECS: dict[str, OpSpec] = {
     "narrow": OpSpec(lambda env, a, dim: a.narrow(dim, 0, 1), 1, (("dim", DIMS),)),
     "select_row": OpSpec(lambda env, a: a[0].unsqueeze(0), 1),
     "index_select": OpSpec(lambda env, a, dim: _index(a, dim), 1, (("dim", DIMS),)),
+    "masked_roundtrip": OpSpec(_masked_roundtrip, 2),
+    "masked_sum": OpSpec(_masked_sum, 2),
+    "topk_gradient": OpSpec(_topk_gradient, 1),
     # softmax and norms
     "softmax": OpSpec(lambda env, a, dim: torch.softmax(a, dim), 1, (("dim", DIMS),)),
     "log_softmax": OpSpec(lambda env, a, dim: torch.log_softmax(a, dim), 1, (("dim", DIMS),)),

@@ -241,6 +241,7 @@ class Checker(TorchDispatchMode):
         self._ops: dict[int, Any] = {}
         self._paused = False
         self.varying_cuts = 0
+        self.retyping = False  # see _VaryingOn
         self.rank_scalars: dict[int | float, tuple[int, ...]] = {}
         self.branches = rank_branches.RankBranches()
         # with ``sites``: op calls per source location [typed, unknown], and where unknowns began
@@ -456,7 +457,10 @@ class Checker(TorchDispatchMode):
     def _count_site(self, func, args, out, typed: bool) -> None:
         """Per source location: op calls typed and unknown. An unknown result remembers where
         its unknown was made: the first op that gave no type from typed inputs (or none at all),
-        found by following unknown inputs back (``origins``)."""
+        found by following unknown inputs back (``origins``). Ops torch.distributed makes to
+        carry out a collective (the collective itself is typed) are not the caller's."""
+        if _inside_collective():
+            return
         site = self.sites.setdefault(user_location(), [0, 0])
         site[0 if typed else 1] += 1
         if typed:
@@ -595,7 +599,10 @@ class Checker(TorchDispatchMode):
 
 
 class _VaryingOn:
-    """The checker as a rule re-run after a violation sees it: every operand V on one axis."""
+    """The checker as a rule re-run after a violation sees it: every operand V on one axis
+    (``retyping``: the rank-slice heuristic, already reported, cuts the varying value as V)."""
+
+    retyping = True
 
     def __init__(self, checker: Checker, axis: int) -> None:
         self._checker, self._axis = checker, axis

@@ -5,6 +5,7 @@ Part of the rule table (see shardcheck.typecheck.rules for the rule protocol).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 from shardcheck.typecheck.rules import (
@@ -197,17 +198,23 @@ def rank_piece(ctx, pl: Pl, dim: int, total: int, start: int, length: int,
                check_varying: bool) -> dict[int, Placement | None]:
     """Axes on which the piece [start, start+length) is this rank's chunk of ``total``.
 
+    The guess needs one candidate axis: when an untyped axis would match too, the cut may be
+    by that axis's rank (MoE's local experts, by the ep rank), so no axis is guessed.
+
     The whole dim is no rank's chunk: ``x[:, 0]`` of a dim of size 1 on rank 0 is the tensor.
     """
     def matches(a: int) -> bool:
         size = ctx.sizes[a]
         return size > 1 and length < total and (start, length) in rank_chunks(total, size, ctx.index[a])
     by_rank = [a for a, p in enumerate(pl) if replicated(p) and matches(a)]
-    if len(by_rank) == 1:
+    unknown = [a for a, p in enumerate(pl) if p is None and matches(a)]
+    if len(by_rank) == 1 and not unknown:
         return {by_rank[0]: S(dim) if check_varying else RankChunk(dim)}
-    if by_rank:  # ambiguous: several axes have the same size and index here
-        return dict.fromkeys(by_rank)
-    if check_varying and any(p is V for p in pl):
+    if by_rank:  # ambiguous: several axes (some untyped) have the same size and index here
+        return dict.fromkeys(by_rank + unknown)
+    if spanning := _cut_by_two_axes(ctx, pl, total, start, length):
+        return spanning
+    if check_varying and not getattr(ctx, "retyping", False) and any(p is V for p in pl):
         occurrence = ctx.count_varying_cut()
         for a, p in enumerate(pl):
             if p is V and matches(a):
@@ -389,11 +396,42 @@ def _along_dim_rule(self_pos: int, dim_pos: int, index_pos: int) -> Callable:
 
 
 def _scatter_rule(ctx, args, kwargs, out):
-    base = _along_dim_rule(0, 1, 2)(ctx, args, kwargs, out)
+    """scatter / scatter_add: typed by the indexed tensor and the index, joined with the
+    source's placement; into zeros (autograd's backward of a gather or a topk), the result is
+    what the index and the source write."""
     src = args[3] if len(args) > 3 else kwargs.get("src", kwargs.get("value"))
+    if is_tensor(src) and ctx.zero(args[0]):
+        return _written_into_zeros(ctx, args[2], src, norm_dim(args[1], args[0].dim()))
+    base = _along_dim_rule(0, 1, 2)(ctx, args, kwargs, out)
     if base is None or not is_tensor(src):
         return base
     return join(base, ctx.types(src))
+
+
+def _written_into_zeros(ctx, index, src, dim: int) -> Pl | None:
+    """Zeros scattered into along ``dim``: where index and source agree, their placement (a
+    shard along another dim writes this rank's rows, a constant source included); a varying
+    index or source: V; a partial source under a replicated index stays partial (the scatter
+    is linear in it)."""
+    il, sl = ctx.types(index), ctx.types(src)
+    if il is None or sl is None:
+        return None
+    result = []
+    for a, (i, s) in enumerate(zip(il, sl, strict=True)):
+        if i is None or s is None:
+            result.append(None)
+        elif is_partial(i):
+            raise Violation("non-linear on partial", a)
+        elif i is V or s is V:
+            result.append(V)
+        elif replicated(i) and (replicated(s) or is_partial(s)):
+            result.append(s)
+        elif type(i) is Shard and norm_dim(i.dim, index.dim()) != dim and (
+                i == s or (replicated(s) and ctx.const(src))):  # a constant fits any cut
+            result.append(i)
+        else:
+            result.append(None)
+    return tuple(result)
 
 
 def _index_rule(ctx, args, kwargs, out):
@@ -449,6 +487,70 @@ def _nonzero_rule(ctx, args, kwargs, out):
     if any(is_partial(p) for p in pl):
         raise Violation("non-linear on partial", next(a for a, p in enumerate(pl) if is_partial(p)))
     return tuple(None if p is None else R if replicated(p) else V for p in pl)
+
+
+def _masked_rule(ctx, args, kwargs, out):
+    """masked_select(x, mask) and masked_scatter(x, mask, source): elements taken or written in
+    row-major order where the (broadcast) mask is set. Replicated in, replicated out; a partial
+    x (and source) under a replicated mask stays partial (selection is linear); shards along
+    the broadcast shape's first dim give a shard along the result's first dim (each rank's
+    picks, in rank order, are the global picks); any other cut or a varying operand: V.
+    Zeros scattered into (autograd's backward of masked_select) take the source's cut."""
+    operands = [t for t in args[:3] if is_tensor(t)]
+    types = [ctx.types(t) for t in operands]
+    if any(pl is None for pl in types):
+        return None
+    ndim = max(t.dim() for t in operands)
+    into_zeros = len(operands) == 3 and ctx.zero(operands[0])
+    result = []
+    for a in range(len(types[0])):
+        placements = [pl[a] for pl in types]
+        if into_zeros:
+            placements[0] = R if replicated(placements[2]) or is_partial(placements[2]) else None
+        if any(p is None or isinstance(p, Gathered) for i, p in enumerate(placements)
+               if not (i == 0 and into_zeros)):
+            result.append(None)
+        elif is_partial(placements[1]):
+            raise Violation("non-linear on partial", a)
+        elif placements[0] is not None and all(replicated(p) for p in placements):
+            result.append(R)
+        elif replicated(placements[1]) and all(is_partial(p) or (p is R and into_zeros and i == 0)
+                                               for i, p in enumerate(placements) if i != 1):
+            result.append(P)
+        elif _first_dim_cut(operands, placements, ndim):
+            result.append(S(0))
+        else:
+            result.append(V)
+    return tuple(result)
+
+
+def _first_dim_cut(operands, placements, ndim: int) -> bool:
+    """Every operand cut along the broadcast shape's first dim (a plain shard), or replicated
+    and broadcast there (no such dim, or size 1); the source of a scatter (read in order)
+    cut along its first dim; zeros scattered into (None here) fit any cut."""
+    for i, (t, p) in enumerate(zip(operands, placements, strict=True)):
+        lead = 0 if i == 2 else ndim - t.dim()
+        if p is None and i == 0:
+            continue
+        if type(p) is Shard:
+            if norm_dim(p.dim, t.dim()) + lead != 0:
+                return False
+        elif i == 2 or not (replicated(p) and (lead > 0 or t.shape[0] == 1)):
+            return False
+    return True
+
+
+def _cut_by_two_axes(ctx, pl: Pl, total: int, start: int, length: int) -> dict[int, None]:
+    """The piece is this rank's chunk by its rank in a group over two replicated (or untyped)
+    axes (Megatron's tp x ep expert group, dp x cp): a cut the per-axis types cannot say, so
+    both axes become unknown rather than stay replicated."""
+    axes = [a for a, p in enumerate(pl) if (p is None or replicated(p)) and ctx.sizes[a] > 1]
+    for a, b in itertools.combinations(axes, 2):
+        size = ctx.sizes[a] * ctx.sizes[b]
+        orders = {ctx.index[a] * ctx.sizes[b] + ctx.index[b], ctx.index[b] * ctx.sizes[a] + ctx.index[a]}
+        if length < total and any((start, length) in rank_chunks(total, size, i) for i in orders):
+            return {a: None, b: None}
+    return {}
 
 
 def _index_put_rule(ctx, args, kwargs, out):
@@ -600,6 +702,7 @@ RULES: dict[str, Callable] = {
     "index_select": _along_dim_rule(0, 1, 2), "gather": _along_dim_rule(0, 1, 2),
     "scatter": _scatter_rule, "scatter_add": _scatter_rule,
     "index": _index_rule, "index_put": _index_put_rule, "nonzero": _nonzero_rule,
+    "masked_select": _masked_rule, "masked_scatter": _masked_rule,
     "flip": _flip_like(1), "roll": _flip_like(2), "repeat": _repeat_rule,
     "as_strided": _as_strided_rule, "fill": _fill_rule, "copy": _copy_rule,
     "constant_pad_nd": _constant_pad_rule,

@@ -1,7 +1,8 @@
 """``shardcheck audit --set NAME=VALUE``: each value checked against the field it sets.
 
-An option names a field of the component's setup dataclass or, for a component that takes a
-``config``, a field of ``TransformerConfig``. Its value must fit the field's annotation:
+An option names a field of the component's setup dataclass, for a component that takes a
+``config`` a field of ``TransformerConfig``, or an argument of its model class's constructor
+(``GPTModel.rope_scaling``) or forward (``GPTModel.forward.runtime_gather_output``). Its value must fit the field's annotation:
 ``true``/``false`` for a boolean, a number for a number, one of the choices of a ``Literal``
 or an ``Enum`` (given by member name, ``Class.member`` also taken), and for a setup string the
 choices a Megatron constructor declares for it. Annotations that say nothing checkable
@@ -12,11 +13,17 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import inspect
 import typing
 from typing import Any
 
 from shardcheck.megatron.audit.annotations import literal_values, members, type_hints
-from shardcheck.megatron.audit.sweep import megatron_literals
+from shardcheck.megatron.audit.sweep import (
+    ARGUMENT_FIELDS,
+    megatron_literals,
+    model_argument,
+    model_class,
+)
 
 _PLAIN = {type(None): "none", bool: "true or false", int: "an integer", float: "a number",
           str: "a string"}
@@ -47,6 +54,8 @@ def field_annotation(component: str, name: str) -> Any:
 
     setup_cls = COMPONENTS[component].setup
     own = {f.name for f in dataclasses.fields(setup_cls)} - {"config"}
+    if (argument := model_argument(name)) is not None:
+        return _argument_annotation(component, name, *argument)
     if name in own:
         annotation, literals = type_hints(setup_cls)[name], megatron_literals()
         choices = literals.get(name) or literals.get(f"{name}_type")
@@ -59,6 +68,22 @@ def field_annotation(component: str, name: str) -> Any:
         raise OptionError(f"{component} has no option {name!r}: not a field of its setup "
                           f"({', '.join(sorted(own))}) nor of TransformerConfig")
     return type_hints(TransformerConfig).get(name, Any)
+
+
+def _argument_annotation(component: str, name: str, setup_field: str, argument: str) -> Any:
+    """The annotation of the model-class argument that ``name`` sets."""
+    from shardcheck.megatron.scenarios import COMPONENTS
+
+    cls = model_class(component)
+    method = next(m for m, f in ARGUMENT_FIELDS.items() if f == setup_field)
+    if (cls is None or not name.startswith(f"{cls.__name__}.")
+            or setup_field not in {f.name for f in dataclasses.fields(COMPONENTS[component].setup)}):
+        raise OptionError(f"{component} takes no model argument {name!r}")
+    function = getattr(cls, method)
+    if argument not in inspect.signature(function).parameters:
+        raise OptionError(f"{component} has no option {name!r}: {cls.__name__}.{method} takes no "
+                          f"argument {argument!r}")
+    return type_hints(function).get(argument, Any)
 
 
 def _fits(kind: Any, value: Any) -> bool:

@@ -22,11 +22,12 @@ groups to Megatron), then each option under each two-rank layout, then under the
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import enum
+import importlib
 import inspect
 import itertools
-import re
 import typing
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -41,8 +42,12 @@ LAYOUT_FIELDS = frozenset({
     "virtual_pipeline_model_parallel_size", "hierarchical_context_parallel_sizes",
     "hybrid_context_parallel", "pipeline_dtype",
 })
-SKIPPED_SETUP_FIELDS = frozenset({"seed", "config", "model_args"})
-MODEL_CLASS = "GPTModel"  # the constructor whose own arguments a setup's ``model_args`` holds
+# A setup's dicts of the model class's own arguments: ``Class.<arg>`` options go to its
+# constructor, ``Class.forward.<arg>`` options to its forward call.
+ARGUMENT_FIELDS = {"__init__": "model_args", "forward": "forward_args"}
+SKIPPED_SETUP_FIELDS = frozenset({"seed", "config", *ARGUMENT_FIELDS.values()})
+# The model arguments a pipeline layout sets (which stage this rank builds), never swept.
+STAGE_ARGUMENTS = frozenset({"pre_process", "post_process", "add_encoder", "add_decoder"})
 FLOAT_TRY = 0.1
 
 
@@ -63,26 +68,33 @@ class Case:
         return Case(self.component, self.options, layout)
 
 
+def model_argument(name: str) -> tuple[str, str] | None:
+    """``(setup field, argument)`` of an option naming a model class's own argument
+    (``GPTModel.rope_scaling``, ``GPTModel.forward.runtime_gather_output``), else None."""
+    head, dot, rest = name.partition(".")
+    if not dot or not head[:1].isupper():
+        return None
+    method, dot, argument = rest.partition(".")
+    return (ARGUMENT_FIELDS[method], argument) if dot and method in ARGUMENT_FIELDS else ("model_args", rest)
+
+
 def setup_kwargs(setup_cls: type, options: Iterable[tuple[str, Any]]) -> dict[str, Any]:
-    """Split options into the setup's own fields and its ``config`` overrides."""
+    """Split options into the setup's own fields, its ``config`` overrides and the model's own
+    constructor and forward arguments."""
     own = {f.name for f in dataclasses.fields(setup_cls)}
     kwargs: dict[str, Any] = {}
-    config: dict[str, Any] = {}
-    model_args: dict[str, Any] = {}
+    grouped: dict[str, dict[str, Any]] = {}
     for name, value in options:
-        if name in own and name not in ("config", "model_args"):
+        argument = model_argument(name)
+        if name in own and name not in SKIPPED_SETUP_FIELDS - {"seed"}:
             kwargs[name] = value
-        elif name.startswith(f"{MODEL_CLASS}.") and "model_args" in own:
-            model_args[name.split(".", 1)[1]] = value
-        elif "config" in own:
-            config[name] = value
+        elif argument is not None and argument[0] in own:
+            grouped.setdefault(argument[0], {})[argument[1]] = value
+        elif argument is None and "config" in own:
+            grouped.setdefault("config", {})[name] = value
         else:
             raise KeyError(f"{setup_cls.__name__} has no option {name!r}")
-    if config:
-        kwargs["config"] = config
-    if model_args:
-        kwargs["model_args"] = model_args
-    return kwargs
+    return {**kwargs, **grouped}
 
 
 def _literal_choices(annotation: Any) -> tuple | None:
@@ -244,7 +256,7 @@ def changed_config_fields(component: str, options: tuple, layout: Layout) -> fro
 
     setup_cls = COMPONENTS[component].setup
     own = {f.name for f in dataclasses.fields(setup_cls)} - {"config"}
-    if not options or any(name in own or name.startswith(f"{MODEL_CLASS}.") for name, _ in options):
+    if not options or any(name in own or model_argument(name) for name, _ in options):
         return None
     config = setup_kwargs(setup_cls, options).get("config", {})
     gpt_setup = _gpt_setup_class(component)
@@ -278,34 +290,64 @@ def option_bundles(component: str) -> list[tuple[tuple[str, Any], ...]]:
             and accepted_by_config(component, *bundle)]
 
 
-def constructor_options(component: str) -> list[tuple[str, Any]]:
-    """Non-default values of the model constructor's own boolean and ``Literal`` arguments that
-    the scenario leaves at their defaults (``GPTModel.<arg>``), for a component with ``model_args``
-    that sweeps every field (the prefixed components leave shared ones to ``gpt``)."""
-    from megatron.core.models.gpt.gpt_model import GPTModel
-
+def model_class(component: str) -> type | None:
+    """The Megatron model class the component's scenario builds (``Component.model``)."""
     from shardcheck.megatron.scenarios import COMPONENTS
 
-    entry = COMPONENTS[component]
-    if entry.config_prefix or "model_args" not in {f.name for f in dataclasses.fields(entry.setup)}:
+    path = COMPONENTS[component].model
+    if not path:
+        return None
+    module, name = path.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def model_options(component: str) -> list[tuple[str, Any]]:
+    """Non-default values of the model class's own boolean, ``Literal`` and ``Enum`` arguments,
+    of its constructor (``Class.<arg>``) and of its forward (``Class.forward.<arg>``), that the
+    scenario leaves at their defaults; for a component whose setup holds them and that sweeps
+    every field (the prefixed components leave shared ones to ``gpt``)."""
+    from shardcheck.megatron.scenarios import COMPONENTS
+
+    entry, cls = COMPONENTS[component], model_class(component)
+    own = {f.name for f in dataclasses.fields(entry.setup)}
+    if cls is None or entry.config_prefix:
         return []
-    hints = type_hints(GPTModel.__init__)
-    set_by_scenario = _arguments_passed_by_scenario()
     found = []
-    for name, parameter in inspect.signature(GPTModel.__init__).parameters.items():
-        if name in set_by_scenario or parameter.default is inspect.Parameter.empty or name not in hints:
+    for method, setup_field in ARGUMENT_FIELDS.items():
+        if setup_field not in own:
             continue
-        if _is_bool(hints[name]) or _literal_choices(hints[name]) is not None:
-            found += [(f"{MODEL_CLASS}.{name}", v) for v in values_to_try(hints[name], parameter.default)]
+        function, prefix = getattr(cls, method), cls.__name__ + ("" if method == "__init__" else f".{method}")
+        hints, passed = type_hints(function), passed_by_scenario(component, method) | STAGE_ARGUMENTS
+        for name, parameter in inspect.signature(function).parameters.items():
+            if name in passed or parameter.default is inspect.Parameter.empty or name not in hints:
+                continue
+            found += [(f"{prefix}.{name}", v) for v in values_to_try(hints[name], parameter.default)
+                      if not isinstance(v, float)]
     return found
 
 
-def _arguments_passed_by_scenario() -> frozenset[str]:
-    """The GPTModel arguments the GPT scenario sets from its own fields, the layout or the groups."""
-    from shardcheck.megatron.scenarios import gpt
+def passed_by_scenario(component: str, method: str) -> frozenset[str]:
+    """The arguments of the model class's ``method`` that the scenario's module passes itself:
+    every keyword, and the parameters its positional arguments fill, at each call of the class
+    (``__init__``) or of the built model (``forward``: a call of a name ``model``)."""
+    from shardcheck.megatron.scenarios import COMPONENTS
 
-    source = inspect.getsource(gpt.build_gpt)
-    return frozenset(re.findall(r"(\w+)=", source.split("GPTModel(", 1)[1]))
+    cls = model_class(component)
+    callee = cls.__name__ if method == "__init__" else "model"
+    parameters = [name for name in inspect.signature(getattr(cls, method)).parameters if name != "self"]
+    tree = ast.parse(inspect.getsource(inspect.getmodule(COMPONENTS[component].run)))
+    passed: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and _called_name(node.func) == callee:
+            passed |= {keyword.arg for keyword in node.keywords if keyword.arg}
+            passed |= set(parameters[:len(node.args)])
+    return frozenset(passed)
+
+
+def _called_name(func: ast.expr) -> str | None:
+    if isinstance(func, ast.Name):
+        return func.id
+    return func.attr if isinstance(func, ast.Attribute) else None
 
 
 def component_options(component: str) -> list[tuple[str, Any]]:
@@ -316,7 +358,7 @@ def component_options(component: str) -> list[tuple[str, Any]]:
     found = setup_options(setup_cls)
     if "config" in {f.name for f in dataclasses.fields(setup_cls)}:
         found += config_options(component)
-    return found + constructor_options(component)
+    return found + model_options(component)
 
 
 def layouts(max_world: int = 4, explicit: bool = False) -> list[Layout]:

@@ -107,7 +107,24 @@ def parameter_type(param: torch.nn.Parameter, axes: tuple[str, ...] = AXES,
     if expert:
         placements["ep"] = S(0)
         reason += "; expert (allreduce=False): S(0) on ep"
+        if "tp" in placements and _expert_tp_is_tp():  # the tp ranks are the etp ranks
+            placements["tp"] = placements[tp_axis]
     return ParamType({axis: placements[axis] for axis in axes}, reduced, reason)
+
+
+def _expert_tp_is_tp() -> bool:
+    """Whether Megatron cuts the experts over the dense layers' tp ranks (its default
+    ``expert_tensor_parallel_size``): then a mesh's tp axis carries an expert's etp cut."""
+    from megatron.core import parallel_state as ps
+
+    try:
+        etp, tp = ps.get_expert_tensor_parallel_group(), ps.get_tensor_model_parallel_group()
+    except (AssertionError, AttributeError, RuntimeError):  # parallel_state not initialised
+        return False
+    if etp is None or tp is None:
+        return False
+    ranks = torch.distributed.get_process_group_ranks(tp)
+    return len(ranks) > 1 and torch.distributed.get_process_group_ranks(etp) == ranks
 
 
 def tp_layouts(module: torch.nn.Module) -> dict[int, TpLayout]:

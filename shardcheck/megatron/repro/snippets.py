@@ -147,7 +147,7 @@ def run(sizes, pg):
     config = config_for(sizes, num_moe_experts=SETUP["experts"], moe_router_topk=SETUP["topk"],
                         moe_aux_loss_coeff=1.0, moe_router_load_balancing_type="aux_loss",
                         add_bias_linear=False)
-    router = TopKRouter(config, pg)
+    router = TopKRouter(config, pg, **SETUP.get("model_args", {}))
     router.weight.data.copy_(seeded("router", SETUP["experts"], SETUP["hidden"]) * 0.05)
     seq, batch = SETUP["seq"], SETUP["batch"]
     local = tokens(seeded("tokens", seq, batch, SETUP["hidden"])).requires_grad_(True)
@@ -231,7 +231,8 @@ def run(sizes, pg):
                      position_embedding_type=SETUP["position_embedding"], mtp_block_spec=mtp,
                      share_embeddings_and_output_weights=SETUP["share_embeddings"], **SETUP.get("model_args", {}))
     return train(sizes, pg, config, model, batches(pg), SETUP["seq"], lambda model, batch: (
-        model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"]), batch["loss_mask"]))
+        model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"], **SETUP.get("forward_args", {})),
+        batch["loss_mask"]))
 '''
 
 T5 = '''
@@ -259,9 +260,10 @@ def run(sizes, pg):
                     transformer_decoder_layer_spec=decoder_model_with_local_spec(), vocab_size=SETUP["vocab"],
                     max_sequence_length=max(SETUP["encoder_seq"], SETUP["decoder_seq"]), pg_collection=pg,
                     share_embeddings_and_output_weights=SETUP["share_embeddings"],
-                    position_embedding_type=SETUP["position_embedding"])
+                    position_embedding_type=SETUP["position_embedding"], **SETUP.get("model_args", {}))
     return train(sizes, pg, config, model, batches(), SETUP["decoder_seq"], lambda model, batch: (
-        model(**{name: value for name, value in batch.items() if name != "loss_mask"}), batch["loss_mask"]))
+        model(**{name: value for name, value in batch.items() if name != "loss_mask"},
+              **SETUP.get("forward_args", {})), batch["loss_mask"]))
 '''
 
 MULTIMODAL = '''
@@ -299,12 +301,12 @@ def run(sizes, pg):
         vision_projection_layer_spec=MLPSubmodules(linear_fc1=tensor_parallel.ColumnParallelLinear,
                                                    linear_fc2=tensor_parallel.RowParallelLinear),
         vision_projection_type=SETUP["projection"], img_h=SETUP["image_size"], img_w=SETUP["image_size"],
-        patch_dim=SETUP["patch"], pg_collection=pg)
+        patch_dim=SETUP["patch"], pg_collection=pg, **SETUP.get("model_args", {}))
     model.model_type = ModelType.encoder_or_decoder  # as Megatron-LM's get_model sets it
     # LLaVA returns the per-token losses and the loss mask, shifted with the image's positions
     return train(sizes, pg, language, model, batches(), SETUP["combined_seq"], lambda model, batch: model(
         batch["images"], batch["input_ids"], batch["position_ids"], None, labels=batch["labels"],
-        loss_mask=batch["loss_mask"]))
+        loss_mask=batch["loss_mask"], **SETUP.get("forward_args", {})))
 '''
 
 CLIP_NORM = '''

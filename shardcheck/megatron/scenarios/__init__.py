@@ -14,7 +14,7 @@ from functools import partial
 from typing import Any
 
 from shardcheck.megatron.cpu.parallel import LayoutUnsupported
-from shardcheck.megatron.scenarios import multimodal, t5
+from shardcheck.megatron.scenarios import multimodal, ssm, t5
 from shardcheck.megatron.scenarios.gpt import GPTSetup, MoEGPTSetup, MTPGPTSetup, train_step
 from shardcheck.megatron.scenarios.moe_router import RouterSetup, router_step
 from shardcheck.megatron.scenarios.multimodal import MultimodalSetup, multimodal_step
@@ -35,6 +35,8 @@ class Component:
     scenario refuses.
     ``explicit_groups``: it passes the explicit ``ProcessGroupCollection`` that
     ``megatron_parallel`` yields to Megatron, so it runs under layouts with explicit groups.
+    ``model``: ``module:Class`` of the Megatron model it builds, whose own constructor and
+    forward arguments its setup's ``model_args`` and ``forward_args`` pass on.
     """
 
     run: Callable[[Any, Any], dict]
@@ -43,6 +45,7 @@ class Component:
     config_prefix: str | tuple[str, ...] = ""
     check_layout: Callable[[Any], None] | None = None
     explicit_groups: bool = False
+    model: str = ""
 
     def refuses(self, layout: Any) -> str | None:
         """Why the component cannot run under ``layout`` (checked before any rank starts)."""
@@ -58,23 +61,24 @@ class Component:
         return None
 
 
+GPT_MODEL = "megatron.core.models.gpt.gpt_model:GPTModel"
 COMPONENTS: dict[str, Component] = {
-    "gpt": Component(train_step, GPTSetup, explicit_groups=True),
+    "gpt": Component(train_step, GPTSetup, explicit_groups=True, model=GPT_MODEL),
     "output_loss": Component(output_loss, OutputLossSetup, explicit_groups=True),
     "moe": Component(train_step, MoEGPTSetup, experts=True, config_prefix="moe_",
                      explicit_groups=True),
     "mtp": Component(train_step, MTPGPTSetup, config_prefix=("mtp_", "calculate_per_token_loss", "use_mup"),
                      explicit_groups=True),
-    "moe_router": Component(router_step, RouterSetup, experts=True, explicit_groups=True),
-    "t5": Component(t5_step, T5Setup, check_layout=t5.check_layout, explicit_groups=True),
+    "moe_router": Component(router_step, RouterSetup, experts=True, explicit_groups=True,
+                            model="megatron.core.transformer.moe.router:TopKRouter"),
+    "t5": Component(t5_step, T5Setup, check_layout=t5.check_layout, explicit_groups=True,
+                    model="megatron.core.models.T5.t5_model:T5Model"),
     "multimodal": Component(multimodal_step, MultimodalSetup, check_layout=multimodal.check_layout,
-                            explicit_groups=True),
+                            explicit_groups=True,
+                            model="megatron.core.models.multimodal.llava_model:LLaVAModel"),
     "gdn": Component(gdn_step, GDNSetup, explicit_groups=True),
-    # MambaMixer takes a pg_collection, but under an explicit tp group the audit's global
-    # values disagree with one rank for a reason not pinned down yet (its gated norm's
-    # sharded_state_dict reads the global tp group; fixing that alone does not clear it):
-    # left off explicit layouts until explained, rather than reported as a finding.
-    "mamba": Component(mamba_step, MambaSetup),
+    "mamba": Component(mamba_step, MambaSetup, check_layout=ssm.check_mamba_layout,
+                       explicit_groups=True),
 }
 
 

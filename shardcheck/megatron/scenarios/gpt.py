@@ -45,8 +45,10 @@ class GPTSetup:
     clip_grad: float = 0.05
     seed: int = 0
     config: dict[str, Any] = field(default_factory=dict)
-    # GPTModel's own constructor arguments beyond the ones set above, swept as ``GPTModel.<arg>``
+    # GPTModel's own constructor and forward arguments beyond the ones set here, swept as
+    # ``GPTModel.<arg>`` and ``GPTModel.forward.<arg>``
     model_args: dict[str, Any] = field(default_factory=dict)
+    forward_args: dict[str, Any] = field(default_factory=dict)
     base_config: ClassVar[dict[str, Any]] = {}
 
 
@@ -155,12 +157,13 @@ def masked_loss(batch: dict[str, torch.Tensor], output: torch.Tensor):
     return loss_sum, num_tokens, {"lm loss": report}
 
 
-def _forward_step(batches):
+def _forward_step(batches, forward_args: dict[str, Any]):
     batch_iter = iter(batches)
 
     def forward_step(_data_iterator, model):
         batch = next(batch_iter)
-        output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+        output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
+                       **forward_args)
         return output, lambda out: masked_loss(batch, out)
 
     return forward_step
@@ -225,7 +228,8 @@ class Training:
         _fresh_mtp_logs()
         batches = local_batches(self.setup, self.pg)
         reports = get_forward_backward_func()(
-            forward_step_func=_forward_step(batches), data_iterator=None, model=[self.ddp],
+            forward_step_func=_forward_step(batches, self.setup.forward_args), data_iterator=None,
+            model=[self.ddp],
             num_microbatches=len(batches), seq_length=self.setup.seq,
             micro_batch_size=self.setup.micro_batch, forward_only=False,
             **schedule_groups(self.pg, self.config))

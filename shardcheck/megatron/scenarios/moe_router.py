@@ -58,6 +58,8 @@ class RouterSetup:
     topk: int = 2
     padding: bool = False
     seed: int = 0
+    # TopKRouter's own constructor arguments, swept as ``TopKRouter.<arg>``
+    model_args: dict[str, Any] = field(default_factory=dict)
     config: dict[str, Any] = field(default_factory=dict)
 
 
@@ -112,7 +114,7 @@ def router_step(ctx: Any, setup: RouterSetup) -> dict[str, torch.Tensor]:
         options.update(setup.config)
         config = transformer_config(ctx.layout, GPTSetup(hidden=setup.hidden, heads=4, layers=1),
                                     **options)
-        router = TopKRouter(config, pg)
+        router = TopKRouter(config, pg, **setup.model_args)
         router.train()
         load_global_weights(router, seed=setup.seed)
         layout = ctx.layout

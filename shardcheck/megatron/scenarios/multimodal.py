@@ -18,7 +18,7 @@ context-parallel path imports ``megatron.training``, which megatron-core does no
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -57,6 +57,9 @@ class MultimodalSetup:
     loss_mask: bool = False
     projection: Projection = "mlp"
     seed: int = 0
+    # LLaVAModel's own constructor and forward arguments, swept as ``LLaVAModel[.forward].<arg>``
+    model_args: dict[str, Any] = field(default_factory=dict)
+    forward_args: dict[str, Any] = field(default_factory=dict)
 
     @property
     def image_seq(self) -> int:
@@ -123,18 +126,20 @@ def build_llava(ctx: Any, setup: MultimodalSetup, pg: Any = None):
         vision_projection_layer_spec=MLPSubmodules(linear_fc1=ColumnParallelLinear,
                                                    linear_fc2=RowParallelLinear),
         vision_projection_type=setup.projection,
-        img_h=setup.image_size, img_w=setup.image_size, patch_dim=setup.patch, **explicit_kwargs(pg))
+        img_h=setup.image_size, img_w=setup.image_size, patch_dim=setup.patch, **setup.model_args,
+        **explicit_kwargs(pg))
     model.model_type = ModelType.encoder_or_decoder  # set by Megatron-LM's get_model, as here
     return model, language
 
 
-def _forward_step(batches: list[dict[str, torch.Tensor]]):
+def _forward_step(batches: list[dict[str, torch.Tensor]], forward_args: dict[str, Any]):
     batch_iter = iter(batches)
 
     def forward_step(_data_iterator, model):
         batch = next(batch_iter)
         output, loss_mask = model(batch["images"], batch["input_ids"], batch["position_ids"],
-                                  None, labels=batch["labels"], loss_mask=batch["loss_mask"])
+                                  None, labels=batch["labels"], loss_mask=batch["loss_mask"],
+                                  **forward_args)
         return output, lambda out: masked_loss({"loss_mask": loss_mask}, out)
 
     return forward_step
@@ -149,7 +154,7 @@ def multimodal_step(ctx: Any, setup: MultimodalSetup) -> dict[str, torch.Tensor]
         batches = data_parallel_share(global_batches(setup), pg)
         with recorded(model.language_model, lambda _args, kwargs: kwargs["decoder_input"],
                       before=True) as combined:
-            reports = schedule_step(config, model, _forward_step(batches), batches,
+            reports = schedule_step(config, model, _forward_step(batches, setup.forward_args), batches,
                                     setup.combined_seq, setup.micro_batch, pg)
         return {**global_results(ctx, model, config, reports, pg),
                 "combined_embeddings": gathered_microbatches(combined, ctx.layout.sp, pg)}

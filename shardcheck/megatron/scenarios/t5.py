@@ -15,7 +15,7 @@ refuses context parallelism (only Transformer Engine has it).
 from __future__ import annotations
 
 import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -52,6 +52,9 @@ class T5Setup:
     share_embeddings: bool = False
     position_embedding: PositionEmbedding = "learned_absolute"  # type: ignore[valid-type]
     seed: int = 0
+    # T5Model's own constructor and forward arguments, swept as ``T5Model[.forward].<arg>``
+    model_args: dict[str, Any] = field(default_factory=dict)
+    forward_args: dict[str, Any] = field(default_factory=dict)
 
 
 def check_layout(layout: Any) -> None:
@@ -108,16 +111,16 @@ def build_t5(config, setup: T5Setup, pg: Any = None) -> T5Model:
         transformer_decoder_layer_spec=decoder_model_with_local_spec(),
         vocab_size=setup.vocab, max_sequence_length=max(setup.encoder_seq, setup.decoder_seq),
         share_embeddings_and_output_weights=setup.share_embeddings,
-        position_embedding_type=setup.position_embedding, **explicit_kwargs(pg))
+        position_embedding_type=setup.position_embedding, **setup.model_args, **explicit_kwargs(pg))
 
 
-def _forward_step(batches: list[dict[str, torch.Tensor]]):
+def _forward_step(batches: list[dict[str, torch.Tensor]], forward_args: dict[str, Any]):
     batch_iter = iter(batches)
 
     def forward_step(_data_iterator, model):
         batch = next(batch_iter)
         inputs = {k: v for k, v in batch.items() if k != "loss_mask"}
-        return model(**inputs), lambda out: masked_loss(batch, out)
+        return model(**inputs, **forward_args), lambda out: masked_loss(batch, out)
 
     return forward_step
 
@@ -132,7 +135,7 @@ def t5_step(ctx: Any, setup: T5Setup) -> dict[str, torch.Tensor]:
         load_global_weights(model, seed=setup.seed)
         batches = data_parallel_share(global_batches(setup), pg)
         with recorded(model.encoder, lambda out: out) as encoder_outputs:
-            reports = schedule_step(config, model, _forward_step(batches), batches,
+            reports = schedule_step(config, model, _forward_step(batches, setup.forward_args), batches,
                                     setup.decoder_seq, setup.micro_batch, pg)
         return {**global_results(ctx, model, config, reports, pg),
                 "encoder_output": gathered_microbatches(encoder_outputs, ctx.layout.sp, pg)}
