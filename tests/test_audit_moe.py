@@ -71,3 +71,16 @@ def test_device_limited_routing_is_compared_only_where_one_rank_computes_the_sam
     assert [f.kind for f in result.findings] == []
     (why,) = [line for line in result.not_applicable if "moe_router_topk_limited_devices" in line]
     assert "moe_router_num_groups=2 here but 1 on one rank" in why
+
+
+def test_at_dp2_ep2_the_dense_gradients_all_reduced_over_dp_are_reduced_over_ep_too():
+    """Megatron's dp and ep groups are the same ranks there. What remains (0.19; 0.16.1 gives
+    none) is the experts' own gradients: the dispatcher's all_to_all is typed V (an open
+    checker gap)."""
+    case = Case("moe", (("moe_token_dispatcher_type", "alltoall"),), Layout.parse("dp2-ep2"))
+    with pools() as warm:
+        result = audit([case], run_pools=warm)
+    [outcome] = result.outcomes
+    assert not outcome.gaps and not outcome.error
+    lines = [v["line"] for v in outcome.violations]
+    assert all("local_experts" in line and "S(0) on ep, gradient V" in line for line in lines), lines
