@@ -390,8 +390,10 @@ def per_head_scale(head_scale_type: str, count_replicated_once: bool = True,
 # ---- 4. data-parallel gradient all-reduce present or missing -------------------------------
 
 
-def data_parallel(all_reduce_grads: bool) -> dict:
-    """A replicated linear model on per-rank batches; DDP-style averaged gradients."""
+def data_parallel(all_reduce_grads: bool, axes: tuple[str, ...] = ("dp",)) -> dict:
+    """A replicated linear model on per-rank batches; DDP-style averaged gradients. Several
+    ``axes`` name the same group (Megatron's dp and ep at dp2-ep2): the batch differs on each,
+    and the one all-reduce reduces over each."""
     group = dist.group.WORLD
     world, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(0)
@@ -401,10 +403,10 @@ def data_parallel(all_reduce_grads: bool) -> dict:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(HIDDEN, FFN), nn.Tanh(), nn.Linear(FFN, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    with sc.typecheck(sc.Mesh(dp=group), mode="collect"):
-        sc.annotate_parameters(model, dp=sc.R)
-        x_local = sc.annotate(x.chunk(world)[rank], dp=sc.V)
-        y_local = sc.annotate(y.chunk(world)[rank], dp=sc.V)
+    with sc.typecheck(sc.Mesh(**dict.fromkeys(axes, group)), mode="collect"):
+        sc.annotate_parameters(model, **dict.fromkeys(axes, sc.R))
+        x_local = sc.annotate(x.chunk(world)[rank], **dict.fromkeys(axes, sc.V))
+        y_local = sc.annotate(y.chunk(world)[rank], **dict.fromkeys(axes, sc.V))
         F.mse_loss(model(x_local), y_local).backward()
         if all_reduce_grads:
             for p in model.parameters():

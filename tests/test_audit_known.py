@@ -38,6 +38,9 @@ KNOWN = {
         # the last stage, and the softmax sink expanded along the cp-sharded queries fits S
         ("gpt", (("calculate_per_token_loss", True),), "cp2-pp2"): None,
         ("gpt", (("softmax_type", "learnable"),), "cp2"): None,
+        # CP's query, key and value gradients joined: the value's rank chunk beside shards fits
+        ("gpt", (("qk_layernorm", True),), "cp2"): None,
+        ("gpt", (("qk_l2_norm", True),), "cp2"): None,
         # a real bug below parity's tolerance (tests/test_megatron_softmax_offset.py)
         ("gpt", (("softmax_type", "learnable"),), "tp2"):
             ("a5f294d786", "type-only", "megatron/core/optimizer/optimizer.py:156"),
@@ -59,6 +62,8 @@ KNOWN = {
             ("f995319d1f", "type+numeric", "megatron/core/transformer/moe/moe_utils.py:262"),
         ("gpt", (("calculate_per_token_loss", True),), "cp2-pp2"): None,  # checker false alarms,
         ("gpt", (("softmax_type", "learnable"),), "cp2"): None,  # gone as on 0.16
+        ("gpt", (("qk_layernorm", True),), "cp2"): None,
+        ("gpt", (("qk_l2_norm", True),), "cp2"): None,
         ("gpt", (("softmax_type", "learnable"),), "tp2"):
             ("f22ba4a637", "type-only", "megatron/core/optimizer/optimizer.py:270"),
         ("gpt", (("mtp_num_layers", 1),), "tp2"): None,  # checker false alarms, gone as on 0.16,

@@ -55,3 +55,32 @@ def test_alltoall_token_counts_gathered_over_tp_and_ep_give_no_finding():
     places = [place for f in result.findings for place in (f.location, f.checker or "")]
     lines = [int(m[1]) for place in places if (m := re.search(r"token_dispatcher\.py:(\d+)", place))]
     assert not set(lines) & set(_preprocess_lines())
+
+
+def test_device_limited_routing_is_compared_only_where_one_rank_computes_the_same():
+    """``moe_router_topk_limited_devices`` limits each token to experts on k of the ep ranks:
+    on one rank (ep=1) that is no limit, so its case is not applicable; the same routing
+    spelled as expert groups (two groups, one taken) means the same on one rank and agrees."""
+    from test_audit_options import GROUPED, LIMITED
+
+    layout = Layout.parse("dp2-ep2")
+    with pools() as warm:
+        result = audit([Case("moe", LIMITED, layout), Case("moe", GROUPED, layout)], run_pools=warm)
+    assert not result.errors, [o.error for o in result.errors]
+    assert [o.case.options for o in result.outcomes] == [GROUPED]
+    assert [f.kind for f in result.findings] == []
+    (why,) = [line for line in result.not_applicable if "moe_router_topk_limited_devices" in line]
+    assert "moe_router_num_groups=2 here but 1 on one rank" in why
+
+
+def test_at_dp2_ep2_the_dense_gradients_all_reduced_over_dp_are_reduced_over_ep_too():
+    """Megatron's dp and ep groups are the same ranks there. What remains (0.19; 0.16.1 gives
+    none) is the experts' own gradients: the dispatcher's all_to_all is typed V (an open
+    checker gap)."""
+    case = Case("moe", (("moe_token_dispatcher_type", "alltoall"),), Layout.parse("dp2-ep2"))
+    with pools() as warm:
+        result = audit([case], run_pools=warm)
+    [outcome] = result.outcomes
+    assert not outcome.gaps and not outcome.error
+    lines = [v["line"] for v in outcome.violations]
+    assert all("local_experts" in line and "S(0) on ep, gradient V" in line for line in lines), lines

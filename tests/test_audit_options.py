@@ -48,3 +48,19 @@ def test_set_values_are_taken_as_the_fields_they_set_take_them():
         checked_value("moe_router", "padding", "yes")
     with pytest.raises(OptionError, match="takes an integer or none, not 0.5"):
         checked_value("gpt", "num_query_groups", 0.5)
+
+
+LIMITED = (("moe_router_topk_limited_devices", 1),)  # Megatron makes it moe_router_num_groups=ep
+GROUPED = (("moe_router_num_groups", 2), ("moe_router_group_topk", 1))  # the same, spelled out
+
+
+def test_options_that_take_their_meaning_from_a_parallel_size_are_found():
+    pytest.importorskip("megatron.core")
+    from shardcheck.megatron.audit.sweep import layout_dependent_fields
+    from shardcheck.parity.layout import Layout
+
+    expert_parallel = Layout.parse("dp2-ep2")
+    assert layout_dependent_fields("moe", LIMITED, expert_parallel) == {"moe_router_num_groups": (2, 1)}
+    assert layout_dependent_fields("moe", LIMITED, Layout.parse("dp2")) == {}  # ep=1 as on one rank
+    assert layout_dependent_fields("moe", GROUPED, expert_parallel) == {}
+    assert layout_dependent_fields("moe", (), expert_parallel) == {}

@@ -1,6 +1,8 @@
 """Pieces put back together on real Gloo ranks: the halves of a split used as the plain values
 they are (Megatron's fused vocab-parallel cross-entropy), a constant softmax sink concatenated to
-head-sharded scores (softmax off-by-one), each with a buggy variant that is still flagged."""
+head-sharded scores (softmax off-by-one), this rank's chunk of a reduced value joined side by side
+with sequence shards (CP's query, key and value gradients), each with a buggy variant that is
+still flagged."""
 
 import pytest
 import torch
@@ -64,6 +66,22 @@ def softmax_with_sink(kind: str) -> torch.Tensor:
     return _softmax_with_sink(_scores(), sink)
 
 
+def chunk_beside_shards(kind: str) -> torch.Tensor:
+    """Sequence shards joined along the feature dim with this rank's chunk of a summed value,
+    as CP's attention backward joins the query, key and value gradients: the key's normalised
+    after the sum (a plain shard), the value's chunked by rank from it; the query's own
+    contribution (V) beside them, or the first chunk on every rank (wrong on rank 1)."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    summed = sc.annotate(_global(5, TOKENS * n, 2) / n, tp=sc.P)
+    dist.all_reduce(summed)
+    chunk = summed.chunk(n, dim=0)[0 if kind == "first chunk" else r]
+    key = F.layer_norm(sc.rank_slice(_global(6, TOKENS * n, 2), "tp", 0), (2,))
+    if kind == "beside a contribution":
+        own = sc.annotate(torch.full((TOKENS, 2), float(r)), tp=sc.V)
+        return torch.cat([own, key, chunk], dim=1)
+    return torch.cat([key, chunk], dim=1)
+
+
 def _run(program, variant) -> dict:
     with sc.typecheck(sc.Mesh(tp=dist.group.WORLD), mode="collect"):
         value = program(variant)
@@ -74,7 +92,9 @@ def _run(program, variant) -> dict:
 
 VARIANTS = [(fused_cross_entropy, True), (fused_cross_entropy, False), (chunk_by_rank_added, 1),
             (chunk_by_rank_added, 0), (softmax_with_sink, "zeros"),
-            (softmax_with_sink, "own heads"), (softmax_with_sink, "first heads")]
+            (softmax_with_sink, "own heads"), (softmax_with_sink, "first heads"),
+            (chunk_beside_shards, "own chunk"), (chunk_beside_shards, "beside a contribution"),
+            (chunk_beside_shards, "first chunk")]
 
 
 def _ranks() -> dict:
@@ -122,3 +142,26 @@ def test_the_first_heads_offsets_on_every_rank_are_flagged_where_they_are_wrong(
     own = [rank[("softmax_with_sink", "own heads")]["value"] for rank in ranks]
     first = [rank[("softmax_with_sink", "first heads")]["value"] for rank in ranks]
     assert own[0] == first[0] and own[1] != first[1]  # rank 1 really uses the wrong offsets
+
+
+def _joined_globally(ranks, variant: str) -> torch.Tensor:
+    return torch.cat([torch.tensor(rank[("chunk_beside_shards", variant)]["value"]) for rank in ranks])
+
+
+def test_a_ranks_chunk_beside_sequence_shards_is_their_shard_of_the_joined_value(ranks):
+    n = len(ranks)
+    gen = torch.Generator().manual_seed
+    summed, key = torch.randn(TOKENS * n, 2, generator=gen(5)), torch.randn(TOKENS * n, 2, generator=gen(6))
+    reference = torch.cat([F.layer_norm(key, (2,)), summed], dim=1)
+    for rank in ranks:
+        result = rank[("chunk_beside_shards", "own chunk")]
+        assert (result["types"], result["rules"]) == ({"tp": "S(0)"}, [])
+        beside = rank[("chunk_beside_shards", "beside a contribution")]
+        assert (beside["types"], beside["rules"]) == ({"tp": "V"}, [])
+    assert _joined_globally(ranks, "own chunk") == pytest.approx(reference, abs=1e-5)
+
+
+def test_the_first_chunk_on_every_rank_beside_shards_is_flagged_where_it_is_wrong(ranks):
+    assert [rank[("chunk_beside_shards", "first chunk")]["rules"] for rank in ranks] == [
+        [], ["global shape mismatch"]]
+    assert _joined_globally(ranks, "first chunk") != pytest.approx(_joined_globally(ranks, "own chunk"))

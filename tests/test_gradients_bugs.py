@@ -23,6 +23,8 @@ TWO_RANKS = {
     "head_scale_R_foreach": (programs.per_head_scale, "R", True, True),
     "dp_reduced": (programs.data_parallel, True),
     "dp_missing": (programs.data_parallel, False),
+    "dp_ep_reduced": (programs.data_parallel, True, ("dp", "ep")),
+    "dp_ep_missing": (programs.data_parallel, False, ("dp", "ep")),
     "zeros_counted_once": (programs.zero_count, True),
     "zeros_counted_everywhere": (programs.zero_count, False),
 }
@@ -138,6 +140,17 @@ def test_data_parallel_all_reduce_missing(two):
         assert out["max_diff"] > 1e-2
         names = ["0.weight", "0.bias", "2.weight", "2.bias"]
         assert out["violations"] == [(UNREDUCED, name, "dp") for name in names]
+
+
+@pytest.mark.slow
+def test_an_all_reduce_over_two_axes_with_the_same_ranks_reduces_over_both(two):
+    """dp and ep over one group (Megatron at dp2-ep2): the dp all-reduce is the ep one too."""
+    for out in each_rank(two, "dp_ep_reduced"):
+        assert out["max_diff"] < EXACT and out["violations"] == []
+    for out in each_rank(two, "dp_ep_missing"):
+        assert out["max_diff"] > 1e-2
+        names = ["0.weight", "0.bias", "2.weight", "2.bias"]
+        assert out["violations"] == [(UNREDUCED, name, axis) for name in names for axis in ("dp", "ep")]
 
 
 @pytest.mark.slow

@@ -5,7 +5,7 @@ import pytest
 pytest.importorskip("megatron.core")
 
 from hypothesis import find  # noqa: E402
-from hypothesis.errors import NoSuchExample  # noqa: E402
+from hypothesis.errors import NoSuchExample, UnsatisfiedAssumption  # noqa: E402
 
 from shardcheck.fuzz.campaign import fuzz, registered_targets  # noqa: E402
 from shardcheck.megatron.audit import fuzz_targets  # noqa: E402
@@ -38,6 +38,14 @@ def test_a_correct_example_passes_and_the_buggy_one_is_located():
     assert verdict.failure.checker.startswith("checker: mean over shard")
     [(name, observed)] = verdict.observed.items()
     assert observed != verdict.reference[name]
+
+
+def test_an_example_whose_options_mean_another_thing_on_one_rank_is_rejected():
+    """Device-limited routing limits tokens to the experts of k ep ranks: on one rank, no limit."""
+    limited = {"moe_router_topk_limited_devices": 1}
+    with pytest.raises(UnsatisfiedAssumption):
+        fuzz_targets.check_example("moe", {"layout": "dp2-ep2", **limited})
+    assert fuzz_targets.check_example("moe", {"layout": "dp2", **limited}).failure is None
 
 
 def test_fuzzing_the_output_loss_finds_its_bugs_and_shrinks_them(tmp_path):

@@ -28,6 +28,12 @@ def test_mesh_matches_single_and_combined_axes_by_rank_sets():
     assert mesh.axes_of([0, 2]) is None  # a group over other ranks: no axis of this mesh
 
 
+def test_a_group_over_the_ranks_of_two_axes_acts_on_both():
+    mesh = Mesh(rank=1, tp=[0, 1], dp=[1, 3], ep=[1, 3])  # Megatron's ep cut from dp, equal here
+    assert mesh.axes_of([1, 3]) == ("dp", "ep")
+    assert mesh.axes_of([0, 1, 2, 3]) == ("tp", "dp", "ep")
+
+
 def test_mesh_rejects_unknown_axis_names():
     with pytest.raises(ValueError, match="unknown axes"):
         Mesh(rank=0, tp=[0, 1]).placements({"ep": R})

@@ -283,23 +283,35 @@ def _unbind_rule(ctx, args, kwargs, out):
 
 def _pieces(ctx, tensors, joined_dim: int | None = None) -> list:
     """Operands put back together: rank chunks read as R when other pieces are there. Along
-    ``joined_dim`` (cat's) sections are left out: pieces cut differently still line up there."""
+    ``joined_dim`` (cat's) sections are left out: pieces cut differently still line up there.
+    A rank chunk cut along another dim than cat's is not put back together: joined side by
+    side with other tensors it stays this rank's chunk, lined up with their shards of that dim
+    (CP's key gradient, this rank's chunk of the reduced whole, next to the query's)."""
     if len(tensors) < 2:
         return [(t, ADD) for t in tensors]
     items = []
     for t in tensors:
         pl = ctx.types(t)
         if pl is not None:
-            if joined_dim is not None:
-                pl = tuple(V if type(p) is GatheredPiece and norm_dim(p.dim, t.dim()) != joined_dim
-                           else p for p in pl)
-            pl = as_pieces(pl)
-            if joined_dim is not None:
-                pl = tuple(S(p.dim) if type(p) is SectionShard
-                           and norm_dim(p.dim, t.dim()) == joined_dim else p for p in pl)
+            if joined_dim is None:
+                pl = as_pieces(pl)
+            else:
+                pl = tuple(S(p.dim) if type(p) is SectionShard and norm_dim(p.dim, t.dim()) == joined_dim
+                           else _across(p, t.dim(), joined_dim) for p in pl)
             t = Typed(pl, tuple(t.shape), ctx.const(t), t)
         items.append((t, ADD))
     return items
+
+
+def _across(p, ndim: int, joined_dim: int):
+    """A piece's placement when cat joins it along ``joined_dim``: a rank chunk (or gathered
+    piece) of that dim is put back together (R); a gathered piece of another dim lines up with
+    nothing (V); a rank chunk of another dim stays a chunk (see _axis_layout)."""
+    if not isinstance(p, RankChunk):
+        return p
+    if norm_dim(p.dim, ndim) == joined_dim:
+        return R
+    return V if type(p) is GatheredPiece else p
 
 
 def _cat_rule(ctx, args, kwargs, out):

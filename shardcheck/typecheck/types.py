@@ -179,8 +179,15 @@ class Mesh:
         for count in range(1, len(candidates) + 1):
             for combo in itertools.combinations(candidates, count):
                 if _span(self.rank, combo) == ranks:
-                    return tuple(a.name for a in combo)
+                    return self._with_aliases(combo)
         return None
+
+    def _with_aliases(self, combo: tuple[Axis, ...]) -> tuple[str, ...]:
+        """The combination's axes and every other axis over the same ranks as one of them: a
+        group over those ranks acts on each (Megatron's ep and dp at dp2-ep2)."""
+        same = {frozenset(a.ranks) for a in combo}
+        return tuple(a.name for a in self.axes.values()
+                     if a in combo or (a.size > 1 and frozenset(a.ranks) in same))
 
     def placements(self, spec: Mapping[str, Placement]) -> dict[str, Placement]:
         """Validate a {axis name: placement} mapping against this mesh."""

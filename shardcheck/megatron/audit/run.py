@@ -39,7 +39,7 @@ from shardcheck.megatron.audit.divergence import (
 )
 from shardcheck.megatron.audit.rank import run_case
 from shardcheck.megatron.audit.report import Finding
-from shardcheck.megatron.audit.sweep import Case, changed_config_fields
+from shardcheck.megatron.audit.sweep import Case, changed_config_fields, layout_dependent_fields
 from shardcheck.megatron.checks import contracts, explicit
 from shardcheck.megatron.checks.typecheck import checker_available
 from shardcheck.megatron.cpu.parallel import LayoutUnsupported
@@ -55,6 +55,8 @@ RUN_TIMEOUT = 30.0
 INERT = "changes no output at one rank"
 CONFIG_REFUSES = "Megatron's config refuses it"
 FAILS = "fails on one rank"
+LAYOUT_MEANING = ("the config derives its meaning from the parallel sizes, so the one-rank run "
+                  "is another computation")
 
 
 # ---- in the parent ------------------------------------------------------------------------
@@ -191,6 +193,7 @@ class Runner:
         self.read_sets: dict[tuple[str, str], frozenset[str]] = {}  # defaults' reads per layout
         self.prune = True
         self._changed: dict[tuple, frozenset[str] | None] = {}
+        self._meaning: dict[tuple, str | None] = {}
 
     def not_read(self, case: Case) -> frozenset[str] | None:
         """The config fields the case's options change when the component's default run under
@@ -204,6 +207,18 @@ class Runner:
             self._changed[key] = changed_config_fields(case.component, case.options, case.layout)
         changed = self._changed[key]
         return changed if changed is not None and not changed & reads else None
+
+    def other_meaning(self, case: Case) -> str | None:
+        """Why the case's one-rank reference is another computation, else None: its options
+        make config fields depend on the parallel sizes (see
+        :func:`~shardcheck.megatron.audit.sweep.layout_dependent_fields`)."""
+        key = (case.component, case.options, str(case.layout))
+        if key not in self._meaning:
+            fields = layout_dependent_fields(case.component, case.options, case.layout)
+            shown = ", ".join(f"{name}={here!r} here but {alone!r} on one rank"
+                              for name, (here, alone) in sorted(fields.items()))
+            self._meaning[key] = f"{LAYOUT_MEANING} ({shown})" if fields else None
+        return self._meaning[key]
 
     def reference(self, component: str, options: tuple, rng_offset: int = 0) -> dict | str:
         """The one-rank result of a component with options, or the error line when it fails."""
@@ -511,7 +526,8 @@ def _note_unreached(runner: Runner, swept: _Swept, unreached: list[Case]) -> Non
     for case in unreached:
         key = (case.component, case.options)
         if (key not in ran and key not in swept.not_swept and _refusal(case) is None
-                and (case.component, str(case.layout)) not in swept.broken and runner.not_read(case) is None):
+                and (case.component, str(case.layout)) not in swept.broken and runner.not_read(case) is None
+                and runner.other_meaning(case) is None):
             left[key] = left.get(key, 0) + 1
     for key, count in left.items():
         swept.not_swept[key] = f"not reached within the budget or time limit ({count} case(s) left)"
@@ -534,6 +550,9 @@ def _runnable(runner: Runner, swept: _Swept, case: Case, defer_inert: bool) -> b
         swept.not_applicable[where] = f"{case.component} @ {case.layout}: {why}"
         return False
     if key in swept.not_swept:
+        return False
+    if why := runner.other_meaning(case):
+        swept.not_applicable[(case.component, str(case.layout), case.options)] = f"{case.label}: {why}"
         return False
     if runner.not_read(case) is not None:
         swept.pruned.setdefault(key, []).append(str(case.layout))

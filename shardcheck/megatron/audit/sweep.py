@@ -251,6 +251,17 @@ def changed_config_fields(component: str, options: tuple, layout: Layout) -> fro
     does not build."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    built = _built_configs(component, options, layout)
+    if built is None:
+        return None
+    with_options, base = built
+    return frozenset(f.name for f in dataclasses.fields(TransformerConfig)
+                     if not _same_value(getattr(with_options, f.name), getattr(base, f.name)))
+
+
+def _built_configs(component: str, options: tuple, layout: Layout) -> tuple[Any, Any] | None:
+    """The TransformerConfig under ``layout`` with the options and without them; None when the
+    options set a field of the setup itself or a model argument, or a config does not build."""
     from shardcheck.megatron.scenarios import COMPONENTS
     from shardcheck.megatron.scenarios.gpt import transformer_config
 
@@ -261,12 +272,28 @@ def changed_config_fields(component: str, options: tuple, layout: Layout) -> fro
     config = setup_kwargs(setup_cls, options).get("config", {})
     gpt_setup = _gpt_setup_class(component)
     try:
-        built = transformer_config(layout, gpt_setup(config=config))
-        base = transformer_config(layout, gpt_setup())
-    except Exception:  # noqa: BLE001 - a config that does not build is not pruned here
+        return transformer_config(layout, gpt_setup(config=config)), transformer_config(layout, gpt_setup())
+    except Exception:  # noqa: BLE001 - a config that does not build is judged elsewhere
         return None
-    return frozenset(f.name for f in dataclasses.fields(TransformerConfig)
-                     if not _same_value(getattr(built, f.name), getattr(base, f.name)))
+
+
+def layout_dependent_fields(component: str, options: tuple, layout: Layout) -> dict[str, tuple[Any, Any]]:
+    """Config fields whose value the options make depend on the parallel sizes, each with its
+    value under ``layout`` and on one rank: TransformerConfig derives them from the layout
+    (``moe_router_topk_limited_devices`` sets ``moe_router_num_groups`` to the expert-parallel
+    size), so the one-rank run of the same options computes something else. A field that
+    differs without the options too (``expert_tensor_parallel_size``) is the layout's own."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    here, alone = _built_configs(component, options, layout), _built_configs(component, options, Layout())
+    if here is None or alone is None:
+        return {}
+    (ours, base), (one_rank, one_rank_base) = here, alone
+    return {f.name: (getattr(ours, f.name), getattr(one_rank, f.name))
+            for f in dataclasses.fields(TransformerConfig)
+            if f.name not in LAYOUT_FIELDS
+            and not _same_value(getattr(ours, f.name), getattr(one_rank, f.name))
+            and _same_value(getattr(base, f.name), getattr(one_rank_base, f.name))}
 
 
 # Options TransformerConfig accepts only together (its validation refuses each one alone): full

@@ -225,10 +225,16 @@ def globals_follow_explicit(pg: Any) -> Iterator[None]:
     if not (_routing and _routing[-1]):
         yield
         return
-    saved = {var: getattr(ps, var) for var in _GLOBALS.values()}
+    explicit: dict[int, Any] = {}
     for name, var in _GLOBALS.items():
-        if getattr(pg, name, None) is not None:
-            setattr(ps, var, getattr(pg, name))
+        if getattr(pg, name, None) is not None and getattr(ps, var, None) is not None:
+            explicit.setdefault(id(getattr(ps, var)), getattr(pg, name))
+    # every global holding one of those groups follows it: 0.19's data-parallel getters read
+    # aliases of them (``_DATA_PARALLEL_GROUP_WITH_CP_WITH_GTP_REMAT`` without GTP remat)
+    saved = {var: value for var, value in vars(ps).items()
+             if isinstance(value, dist.ProcessGroup) and id(value) in explicit}
+    for var, value in saved.items():
+        setattr(ps, var, explicit[id(value)])
     try:
         yield
     finally:

@@ -7,11 +7,13 @@
   sets on it: ``tensor_model_parallel`` + ``partition_dim`` -> S(partition_dim) on tp (on etp for
   experts; sectioned for fused weights, and from the ``sharded_state_dict`` cut where the
   attribute is missing, see :func:`tp_layouts`); ``sequence_parallel`` -> R, whose gradient
-  must be reduced over tp; expert parameters (``allreduce=False``) -> S(0) on ep; everything
+  must be reduced over tp; expert parameters (``allreduce=False``) -> S(0) on ep and V on dp
+  (whose group spans ranks holding other experts); everything
   else R; every parameter R over dp and V over pp (each pipeline stage holds its own layers,
   so a stage's values are no replica of another's).
-* :func:`input_types`: tokens, labels, loss mask and position ids by role: V over dp, S(seq)
-  over cp (Megatron's load-balanced chunk order: rank r holds chunks r and 2*cp-1-r), R over tp.
+* :func:`input_types`: tokens, labels, loss mask and position ids by role: V over dp and ep
+  (ep is cut from dp x cp), S(seq) over cp (Megatron's load-balanced chunk order: rank r holds
+  chunks r and 2*cp-1-r), R over tp.
 * :func:`annotate_model` / :func:`annotate_batch` apply them in an active ``sc.typecheck``.
 """
 
@@ -104,11 +106,14 @@ def parameter_type(param: torch.nn.Parameter, axes: tuple[str, ...] = AXES,
         reason = "sequence_parallel: replicated, gradient reduced over tp"
     else:
         reason = "replicated"
-    if expert:
+    if expert and "ep" in placements:
         placements["ep"] = S(0)
         reason += "; expert (allreduce=False): S(0) on ep"
         if "tp" in placements and _expert_tp_is_tp():  # the tp ranks are the etp ranks
             placements["tp"] = placements[tp_axis]
+        if "dp" in placements:  # the dp group spans ep ranks, which hold other experts
+            placements["dp"] = V
+            reason += ", V on dp"
     return ParamType({axis: placements[axis] for axis in axes}, reduced, reason)
 
 
@@ -168,13 +173,15 @@ def parameter_types(module: torch.nn.Module, axes: tuple[str, ...] = AXES) -> di
 def input_types(role: str, axes: tuple[str, ...] = AXES, seq_dim: int = 1) -> dict[str, Placement]:
     """The placement per axis of a batch input by role (``tokens``, ``labels``, ...).
 
-    Batches are [batch, seq]: V over dp (each data-parallel rank has its own samples), S(seq)
-    over cp, R over tp and the other axes.
+    Batches are [batch, seq]: V over dp (each data-parallel rank has its own samples) and ep
+    (whose ranks are data-parallel or context-parallel ones), S(seq) over cp, R over tp and
+    the other axes.
     """
     if role not in INPUT_ROLES:
         raise ValueError(f"unknown input role {role!r}; known: {', '.join(INPUT_ROLES)}")
     types: dict[str, Placement] = dict.fromkeys(axes, R)
-    types.update({axis: p for axis, p in (("dp", V), ("cp", S(seq_dim))) if axis in axes})
+    # ep is cut from dp x cp: its ranks hold other samples or other sequence chunks
+    types.update({axis: p for axis, p in (("dp", V), ("ep", V), ("cp", S(seq_dim))) if axis in axes})
     return types
 
 
