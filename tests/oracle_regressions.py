@@ -91,8 +91,8 @@ REGRESSIONS += [
      "undecided", None),
 ]
 
-# masked_select / masked_scatter and the scatter into zeros of topk's backward: unknown
-# before (every op after them untyped, as in the MoE dispatchers); row shards stay row shards
+# masked_select / masked_scatter: unknown before (every op after them untyped, as in the MoE
+# allgather dispatcher); row shards stay row shards
 REGRESSIONS += [
     ("masked select and scatter back of a row shard",
      one("tp2", TS0, ("masked_roundtrip", (0, 1), ()), inputs=2), "right", None),
@@ -101,6 +101,4 @@ REGRESSIONS += [
      Program("tp2", (Input((8, 8), TP), Input((8, 8), R_TP)), (Step("masked_sum", (0, 1), ()),)),
      "right", None),
     ("a mask made from a partial sum", one("tp2", TP, ("masked_roundtrip", (0, 1), ()), inputs=2), "wrong", 0),
-    ("topk's gradient of a row shard", one("tp2", TS0, ("topk_gradient", (0,), ())), "right", None),
-    ("topk of a partial sum", one("tp2", TP, ("topk_gradient", (0,), ())), "wrong", 0),
 ]

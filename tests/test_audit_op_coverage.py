@@ -87,18 +87,3 @@ def test_a_gpt_step_types_nearly_all_of_megatron_cores_op_calls(layout, least, t
     assert not [site for site in outcome.ops["unknown_at"]
                 if site.split(":")[0] in {f"megatron/core/{name}" for name in typed_files}]
 
-
-@pytest.mark.slow
-def test_a_moe_step_under_cp_types_its_dispatcher():
-    """The MoE GPT at cp2: the allgather dispatcher's masked_select, the argsort permute's cut
-    of its varying sorted indices and topk's backward scatter into zeros are typed, so the
-    ops after them are (44% of megatron-core's op calls before those rules)."""
-    pytest.importorskip("megatron.core")
-    from shardcheck.megatron.audit.run import Runner, pools
-
-    with pools() as warm:
-        outcome = Runner(warm, typecheck=True).run(Case("moe", (), Layout.parse("cp2")))
-    assert not outcome.error and not outcome.gaps and not outcome.violations
-    shown = typed_share(outcome.ops)
-    assert shown["typed_share"] >= 0.98, shown
-    assert not [site for site in outcome.ops["unknown_at"] if "moe/" in site], shown

@@ -238,17 +238,6 @@ def test_as_strided_reading_a_contiguous_tensor_whole_as_another_shape_is_a_view
     assert check(groups, lambda g: T(8, tp=S(0)).as_strided((2, 4), strides)) == expected
 
 
-def test_a_varying_value_cut_where_this_ranks_chunk_would_be_stays_varying_downstream(groups):
-    """The rank-slice heuristic reports a cut of a V value that matches this rank's chunk (kept
-    only when several ranks report it, see ``confirmed_across_ranks``); the piece is still the
-    varying value it is, so the ops after it stay typed (MoE's argsort permute cuts its
-    varying sorted indices to a fixed count)."""
-    with sc.typecheck(sc.Mesh(tp=groups["tp"], dp=groups["dp"]), mode="collect"):
-        piece = T(8, 4, tp=V, dp=V)[0:4]
-        assert [v.rule for v in sc.violations()] == ["split of varying"]
-        assert sc.typeof(piece * 2)["tp"] is V
-
-
 def test_a_cut_by_the_rank_of_a_group_over_two_axes_is_no_replica(groups):
     """Rank 0's quarter of a tensor replicated over tp and dp is its piece by its rank in the
     tp x dp group (Megatron's local experts, by the tp x ep rank): not a replica on either

@@ -333,15 +333,6 @@ def _masked_sum(env: Env, x, y):
     return x.masked_select(y > 0).sum().reshape(1, 1)
 
 
-def _topk_gradient(env: Env, x):
-    """The gradient of the sum of each row's two largest elements: ones scattered into zeros
-    at their positions (autograd's backward of ``topk``)."""
-    leaf = x.detach().requires_grad_(True)
-    with torch.enable_grad():
-        (grad,) = torch.autograd.grad(leaf.topk(2, dim=1).values.sum(), leaf)
-    return grad * x
-
-
 def _index(x, dim: int):
     idx = torch.arange(x.shape[dim] - 1, -1, -1, device=x.device)
     return x.index_select(dim, idx)
@@ -392,7 +383,6 @@ SPECS: dict[str, OpSpec] = {
     "index_select": OpSpec(lambda env, a, dim: _index(a, dim), 1, (("dim", DIMS),)),
     "masked_roundtrip": OpSpec(_masked_roundtrip, 2),
     "masked_sum": OpSpec(_masked_sum, 2),
-    "topk_gradient": OpSpec(_topk_gradient, 1),
     # softmax and norms
     "softmax": OpSpec(lambda env, a, dim: torch.softmax(a, dim), 1, (("dim", DIMS),)),
     "log_softmax": OpSpec(lambda env, a, dim: torch.log_softmax(a, dim), 1, (("dim", DIMS),)),

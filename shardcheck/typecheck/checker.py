@@ -241,7 +241,6 @@ class Checker(TorchDispatchMode):
         self._ops: dict[int, Any] = {}
         self._paused = False
         self.varying_cuts = 0
-        self.retyping = False  # see _VaryingOn
         self.rank_scalars: dict[int | float, tuple[int, ...]] = {}
         self.branches = rank_branches.RankBranches()
         # with ``sites``: op calls per source location [typed, unknown], and where unknowns began
@@ -599,10 +598,7 @@ class Checker(TorchDispatchMode):
 
 
 class _VaryingOn:
-    """The checker as a rule re-run after a violation sees it: every operand V on one axis
-    (``retyping``: the rank-slice heuristic, already reported, cuts the varying value as V)."""
-
-    retyping = True
+    """The checker as a rule re-run after a violation sees it: every operand V on one axis."""
 
     def __init__(self, checker: Checker, axis: int) -> None:
         self._checker, self._axis = checker, axis

@@ -214,7 +214,7 @@ def rank_piece(ctx, pl: Pl, dim: int, total: int, start: int, length: int,
         return dict.fromkeys(by_rank + unknown)
     if spanning := _cut_by_two_axes(ctx, pl, total, start, length):
         return spanning
-    if check_varying and not getattr(ctx, "retyping", False) and any(p is V for p in pl):
+    if check_varying and not unknown and any(p is V for p in pl):
         occurrence = ctx.count_varying_cut()
         for a, p in enumerate(pl):
             if p is V and matches(a):
@@ -408,42 +408,11 @@ def _along_dim_rule(self_pos: int, dim_pos: int, index_pos: int) -> Callable:
 
 
 def _scatter_rule(ctx, args, kwargs, out):
-    """scatter / scatter_add: typed by the indexed tensor and the index, joined with the
-    source's placement; into zeros (autograd's backward of a gather or a topk), the result is
-    what the index and the source write."""
-    src = args[3] if len(args) > 3 else kwargs.get("src", kwargs.get("value"))
-    if is_tensor(src) and ctx.zero(args[0]):
-        return _written_into_zeros(ctx, args[2], src, norm_dim(args[1], args[0].dim()))
     base = _along_dim_rule(0, 1, 2)(ctx, args, kwargs, out)
+    src = args[3] if len(args) > 3 else kwargs.get("src", kwargs.get("value"))
     if base is None or not is_tensor(src):
         return base
     return join(base, ctx.types(src))
-
-
-def _written_into_zeros(ctx, index, src, dim: int) -> Pl | None:
-    """Zeros scattered into along ``dim``: where index and source agree, their placement (a
-    shard along another dim writes this rank's rows, a constant source included); a varying
-    index or source: V; a partial source under a replicated index stays partial (the scatter
-    is linear in it)."""
-    il, sl = ctx.types(index), ctx.types(src)
-    if il is None or sl is None:
-        return None
-    result = []
-    for a, (i, s) in enumerate(zip(il, sl, strict=True)):
-        if i is None or s is None:
-            result.append(None)
-        elif is_partial(i):
-            raise Violation("non-linear on partial", a)
-        elif i is V or s is V:
-            result.append(V)
-        elif replicated(i) and (replicated(s) or is_partial(s)):
-            result.append(s)
-        elif type(i) is Shard and norm_dim(i.dim, index.dim()) != dim and (
-                i == s or (replicated(s) and ctx.const(src))):  # a constant fits any cut
-            result.append(i)
-        else:
-            result.append(None)
-    return tuple(result)
 
 
 def _index_rule(ctx, args, kwargs, out):
@@ -506,7 +475,8 @@ def _masked_rule(ctx, args, kwargs, out):
     row-major order where the (broadcast) mask is set. Replicated in, replicated out; a partial
     x (and source) under a replicated mask stays partial (selection is linear); shards along
     the broadcast shape's first dim give a shard along the result's first dim (each rank's
-    picks, in rank order, are the global picks); any other cut or a varying operand: V.
+    picks, in rank order, are the global picks); a varying operand or another cut: unknown (V
+    is often a shard whose rows a rank reordered itself, which V would wrongly call varying).
     Zeros scattered into (autograd's backward of masked_select) take the source's cut."""
     operands = [t for t in args[:3] if is_tensor(t)]
     types = [ctx.types(t) for t in operands]
@@ -531,8 +501,8 @@ def _masked_rule(ctx, args, kwargs, out):
             result.append(P)
         elif _first_dim_cut(operands, placements, ndim):
             result.append(S(0))
-        else:
-            result.append(V)
+        else:  # varying, or picks of a shard cut along another dim (the shard's elements in
+            result.append(None)  # another order): nothing the types can say
     return tuple(result)
 
 

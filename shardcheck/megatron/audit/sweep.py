@@ -158,12 +158,15 @@ def setup_options(setup_cls: type) -> list[tuple[str, Any]]:
 
 
 def _gpt_setup_class(component: str) -> type:
-    """The GPT setup whose configuration the component's ``config`` options modify."""
+    """The GPT setup whose configuration the component's ``config`` options modify (the MoE
+    GPT's for a component with experts, such as the router)."""
     from shardcheck.megatron.scenarios import COMPONENTS
-    from shardcheck.megatron.scenarios.gpt import GPTSetup
+    from shardcheck.megatron.scenarios.gpt import GPTSetup, MoEGPTSetup
 
-    setup_cls = COMPONENTS[component].setup
-    return setup_cls if issubclass(setup_cls, GPTSetup) else GPTSetup
+    entry = COMPONENTS[component]
+    if issubclass(entry.setup, GPTSetup):
+        return entry.setup
+    return MoEGPTSetup if entry.experts else GPTSetup
 
 
 def pinned_config_fields(component: str) -> frozenset[str]:
