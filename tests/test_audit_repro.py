@@ -16,8 +16,10 @@ from planted.megatron_site import (  # noqa: E402
     GDN_OUT_NORM_FIX,
     LLAVA_SP_SLICE,
     MAMBA_CP_ORDER_BUG,
+    ROUTER_PER_TOKEN_AUX_LOSS_FIX,
     T5_CROSS_NORM_NOT_SUMMED,
     TIED_EMBEDDINGS_NOT_SUMMED,
+    TP_WEIGHTS_MARKED_WITHOUT_INIT_FIX,
     planted_env,
 )  # noqa: E402
 
@@ -35,8 +37,8 @@ NO_CONTRACT = "outputs match the one-rank run"
 @dataclass(frozen=True)
 class Known:
     """A confirmed finding of the default audit in megatron-core 0.16.1: its trigger, contract,
-    kind, the checker line the audit recorded, and for a finding without a fix control, a fix
-    planted in megatron-core (see tests/planted/megatron_site.py)."""
+    kind, the checker line the audit recorded, and for a finding whose contract has no fix, its
+    fixed control: a fix planted in megatron-core (see tests/planted/megatron_site.py)."""
 
     component: str
     options: dict
@@ -65,10 +67,12 @@ KNOWN = {
     "router count": Known("moe_router", {"padding": True}, "tp2-sp", "get_tokens_per_expert_and_token_count",
                           "type+numeric", "checker: contract at megatron/core/transformer/moe/router.py:"
                           f"{_at('288', '420')} in contract: {{tp:R}}"),
-    "router per-token aux loss": Known("moe_router", {"calculate_per_token_loss": True}, "tp2-sp"),
+    "router per-token aux loss": Known("moe_router", {"calculate_per_token_loss": True}, "tp2-sp",
+                                       planted_fix=ROUTER_PER_TOKEN_AUX_LOSS_FIX),
     "grad norm without tp metadata": Known("gpt", {"perform_initialization": False}, "tp2", "get_grad_norm_fp32",
                                            "type+numeric", "checker: shard counted as replica at megatron/core/optimizer/"
-                                           "optimizer.py:156 in param_is_not_tensor_parallel_duplicate: {tp:S(0)}"),
+                                           "optimizer.py:156 in param_is_not_tensor_parallel_duplicate: {tp:S(0)}",
+                                           TP_WEIGHTS_MARKED_WITHOUT_INIT_FIX),
     "global tp group": Known("gpt", {}, "tp2-cp2-sp@cp-tp", GLOBAL_GROUP_CONTRACT, "type+numeric",
                              "checker: megatron/core/tensor_parallel/cross_entropy.py:130: all_reduce on "
                              "parallel_state's global tp group [0, 1], but the model's pg_collection.tp is [0, 2]"),
@@ -128,10 +132,9 @@ def test_known_finding_script_reproduces_then_exits_1_with_the_fix(name, tmp_pat
     assert checker_lines == ([finding.checker] if finding.checker else [])  # the checker raised it again
     if not _has_fix(known.contract):  # no fix control: no corrected line, no --fixed
         assert "corrected:" not in buggy.output and "--fixed" not in script
-        if known.planted_fix:  # the unchanged script against a megatron-core with the fix planted
-            fixed = run_repro(path, finding.world_size, launcher="direct", timeout=600,
-                              env=planted_env(tmp_path / "site", known.planted_fix))
-            assert (fixed.status, fixed.returncode) == (FIXED, 1), fixed.output
+        assert known.planted_fix, "every known finding has a fixed control"
+        # the unchanged script against a megatron-core with the fix planted
+        _assert_fixed(path, finding, env=planted_env(tmp_path / "site", known.planted_fix))
         return
     assert _values(buggy.output, "corrected") == pytest.approx(reference, rel=1e-4, abs=1e-6)
     # the fix patched in by the script itself; and the script runs where shardcheck is absent

@@ -56,6 +56,9 @@ BAD_INPUTS = [
     (["findings", "--launcher", "mpirun"], "Invalid value for '--launcher'"),
     (["audit", "--budget", "3", "--time-limit", "1"], "give --budget or --time-limit, not both"),
     (["audit", "--budget", "0"], "Invalid value for '--budget'"),
+    (["audit", "--shard", "3/2"], "--shard '3/2' is not K/N with 1 <= K <= N"),
+    (["audit", "merge"], "Missing argument 'DIRS...'"),
+    (["audit", "merge", "nowhere"], "nowhere: no share.pkl (run `shardcheck audit --shard K/N --out DIR` first)"),
     *[(["audit", "--only", component, "--layouts", "tp2", "--set", option], message)
       for component, option, message in [  # checked against megatron-core's fields
         ("output_loss", "label_smoothing=abc", "output_loss's label_smoothing takes a number, not 'abc'"),
@@ -70,12 +73,22 @@ BAD_INPUTS = [
      "no metric 'lm-loss' in the compared files; they have: lm loss"),
     (["golden", "compare", "golden.json"], "give OLD and NEW"),
     (["golden", "explain", "golden.json", "golden.json"], "Missing option '--model-config'"),
+    (["train", "--", "--num-layers", "2"], "give -n N (the ranks of the parallel run) or --model-config"),
+    (["train", "-n", "0"], "Invalid value for '-n' / '--nproc'"),
+    (["train", "-n", "2", "--megatron", "."], "--megatron .: no megatron/core package in it"),
+    (["train", "-n", "2", "--", "layers"], "unexpected argument 'layers': Megatron flags start with --"),
+    (["train", "-n", "2", "--", "--no-such-flag"], "unknown Megatron flag --no-such-flag"),
+    (["train", "-n", "3", "--", "--tensor-model-parallel-size", "2"], "-n 3 is not a multiple of tp*pp*cp = 2"),
+    (["train", "-n", "2", "--", "--fp8-format", "e4m3"], "--fp8-format cannot run on a CPU: FP8 needs Transformer Engine"),
+    (["train", "-n", "2", "--", "--num-layers", "2"], "give --micro-batch-size: Megatron has no default for it"),
+    (["train", "-n", "2", "--steps", "3", "--resume-at", "3", "--", "--micro-batch-size", "1"],
+     "--resume-at 3 must be before the last step (3)"),
 ]
 
 
 @pytest.mark.parametrize(("args", "message"), BAD_INPUTS, ids=[" ".join(a) for a, _ in BAD_INPUTS])
 def test_bad_input_exits_2_with_one_error_line(args, message, inputs):
-    if "--set" in args:
+    if "--set" in args or args[0] == "train":  # checked against megatron-core's fields, Megatron's flags
         pytest.importorskip("megatron.core")
     result = CliRunner().invoke(main, args)
     lines = result.stderr.strip().splitlines()

@@ -1,3 +1,5 @@
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -35,3 +37,20 @@ def _rank_tensor():
 def test_spawn_ranks_returns_tensors_by_value():
     first, second = spawn_ranks(_rank_tensor, 2)
     assert torch.equal(first, torch.zeros(3)) and torch.equal(second, torch.ones(3))
+
+
+def _late_sub_group():
+    """Rank 0 is done at once; ranks 1 and 2 build a group of their own a second later, through
+    the store that rank 0's process serves."""
+    if dist.get_rank() == 0:
+        dist.new_group([1, 2])
+        return 0.0
+    time.sleep(1)
+    group = dist.new_group([1, 2])
+    t = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(t, group=group)
+    return t.item()
+
+
+def test_a_rank_done_early_waits_for_its_peers_to_finish():
+    assert spawn_ranks(_late_sub_group, 3, timeout=60) == [0.0, 3.0, 3.0]

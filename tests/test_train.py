@@ -92,8 +92,8 @@ def test_moe_with_biases_stops_at_megatron_cores_expert_bias_bug_in_one_line():
     result = CliRunner().invoke(main, ["train", "-n", "2", "--steps", "1", "--", *BASE, *MOE_WITH_BIASES,
                                        "--expert-model-parallel-size", "2"])
     assert result.exit_code == 2, result.output
-    (line,) = [ln for ln in result.output.splitlines() if ln.startswith("shardcheck train:")]
-    assert line.startswith("shardcheck train: one-rank run: rank 0 failed (exit code 1): megatron-core bug: ")
+    (line,) = result.stderr.strip().splitlines()[-1:]
+    assert line.startswith("Error: one-rank run: rank 0 failed (exit code 1): megatron-core bug: ")
     assert "pass --disable-bias-linear" in line
     assert re.search(r" \(at megatron/core/transformer/mlp\.py:\d+\)$", line), line
     assert "Traceback" not in result.output

@@ -82,6 +82,8 @@ def fuzz_command(target: str, budget: int, seed: int | None, no_typecheck: bool,
     """
     resolved = _target(target, not no_typecheck)
     console = Console(stderr=True)
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")  # deprecation notes of
+    # the config fields an example sets, as the audit leaves them out
     try:
         with console.status(f"fuzzing {resolved.name}") as status:
             def show(examples: int, failing: int) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 import click
 
 import shardcheck
+from shardcheck.cli.errors import HarnessFailure, InputError
 from shardcheck.megatron.train.args import RunPlan, TrainInputError, plan_runs
 from shardcheck.megatron.train.config import flags_from_model_config
 from shardcheck.megatron.train.entry import CPU_ENV, ENTRY_ENV
@@ -155,7 +156,7 @@ def train_command(nproc, model_config, steps, megatron_path, entry, out, repeats
     """
     launch = Launch(cpu=not gpu, megatron=megatron_path, entry=entry, timeout=timeout, typecheck=typecheck)
     if megatron_path and not (megatron_path / "megatron" / "core").is_dir():
-        _bad_input(f"--megatron {megatron_path}: no megatron/core package in it")
+        raise InputError(f"--megatron {megatron_path}: no megatron/core package in it")
     try:
         args = list(megatron_args)
         if model_config is not None:
@@ -169,7 +170,7 @@ def train_command(nproc, model_config, steps, megatron_path, entry, out, repeats
         if resume_at is not None and resume_at >= plan.steps:
             raise TrainInputError(f"--resume-at {resume_at} must be before the last step ({plan.steps})")
     except TrainInputError as exc:
-        _bad_input(str(exc))
+        raise InputError(str(exc)) from None
     for line in plan.changes:
         click.echo(f"changed: {line}")
     try:
@@ -188,7 +189,7 @@ def train_command(nproc, model_config, steps, megatron_path, entry, out, repeats
                 click.echo(f"  {line}")
             agree = agree and check.agree
     except (RunFailed, RecordError) as exc:
-        _bad_input(str(exc))
+        raise HarnessFailure(str(exc)) from None
     sys.exit(0 if agree else 1)
 
 
@@ -236,6 +237,3 @@ def _flag(tokens: list[str], flag: str) -> str | None:
     return tokens[tokens.index(flag) + 1] if flag in tokens else None
 
 
-def _bad_input(message: str) -> None:
-    click.echo(f"shardcheck train: {message}", err=True)
-    sys.exit(2)

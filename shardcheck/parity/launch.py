@@ -44,14 +44,37 @@ class RankFailure(Exception):
         return f"rank {self.rank} failed:\n{self.traceback}"
 
 
+def join_gloo(rank: int, world_size: int, port: int) -> dist.TCPStore:
+    """Join the Gloo world whose store rank 0 serves at ``port``, and return its store once
+    every rank has joined.
+
+    Until then no rank starts its work, so none exits while a peer still connects to it: a
+    peer gone mid-connect fails Gloo's connectFullMesh ("Connection closed by peer") or leaves
+    it waiting, as ranks with nothing to send did on a loaded machine. The rank's environment
+    is torchrun's (``RANK``, ``MASTER_PORT``, ...), for the code it runs.
+    """
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=rank == 0, wait_for_workers=False)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+    _arrive(store, "joined", world_size, wait=True)
+    return store
+
+
+def _arrive(store: dist.TCPStore, point: str, world_size: int, wait: bool) -> None:
+    """Count this rank in at ``point``; with ``wait``, return once every rank is there."""
+    if store.add(f"shardcheck/{point}", 1) == world_size:
+        store.set(f"shardcheck/all {point}", "")
+    if wait:
+        store.wait([f"shardcheck/all {point}"])
+
+
 def _rank_main(fn, rank, world_size, port, args, queue) -> None:
-    os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-    )
+    store, done = None, False
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        store = join_gloo(rank, world_size, port)
         queue.put(_by_value((rank, True, fn(*args))))
+        done = True
     except BaseException as exc:  # noqa: BLE001 - everything is reported to the parent
         try:
             queue.put(_by_value((rank, False, (exc, traceback.format_exc()))))
@@ -60,6 +83,21 @@ def _rank_main(fn, rank, world_size, port, args, queue) -> None:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        if store is not None:
+            with contextlib.suppress(RuntimeError):  # the store went with a failed rank 0
+                _leave(store, rank, world_size, done)
+
+
+def _leave(store: dist.TCPStore, rank: int, world_size: int, finished: bool) -> None:
+    """Leave the world together. A rank that finished waits until every rank is done, as its
+    peers may still connect sub-groups to it, through the store rank 0 serves; rank 0 then
+    waits until the others have seen that, so that its store outlives their last use of it.
+    A rank that failed leaves at once: its exit ends the collectives its peers wait in."""
+    _arrive(store, "left", world_size, wait=finished)
+    if rank:
+        _arrive(store, "released", world_size - 1, wait=False)
+    elif finished and world_size > 1:
+        store.wait(["shardcheck/all released"])
 
 
 def _by_value(payload: Any) -> bytes:

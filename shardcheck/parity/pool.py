@@ -44,7 +44,7 @@ import torch.distributed as dist
 
 from shardcheck.parity import collective_log
 from shardcheck.parity.gloo_avg import avg_problems
-from shardcheck.parity.launch import die_with_parent, first_failures, free_port
+from shardcheck.parity.launch import die_with_parent, first_failures, free_port, join_gloo
 from shardcheck.parity.layout import Layout
 from shardcheck.parity.scenario import ScenarioContext, active, build_groups
 from shardcheck.typecheck.checker import typecheck
@@ -125,9 +125,7 @@ def _worker_main(rank: int, world_size: int, port: int, conn: Connection, log_di
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    join_gloo(rank, world_size, port)
     problems = avg_problems() if world_size > 1 else []
     collective_log.install()
     conn.send(("ready", problems))

@@ -47,6 +47,43 @@ cp._undo_attention_load_balancing = cp._redo_attention_load_balancing = in_given
 """
 
 
+# The router's per-token aux-loss fix of megatron-core 0.19: with calculate_per_token_loss the
+# aux loss is scaled by the rank-local token count times the tp x cp size (finalize_model_grads
+# divides by the global count), not by the local count alone. Its logged value is left alone.
+ROUTER_PER_TOKEN_AUX_LOSS_FIX = """
+from megatron.core.transformer.moe.router import TopKRouter
+
+attach = TopKRouter.attach_and_log_load_balancing_loss
+
+def scaled_over_tp_cp(self, activation, aux_loss_coeff, aux_loss, *args, **kwargs):
+    if self.calculate_per_token_loss:
+        size = self.tp_cp_group.size()  # the coefficient only divides the logged value
+        aux_loss, aux_loss_coeff = aux_loss * size, aux_loss_coeff * size
+    return attach(self, activation, aux_loss_coeff, aux_loss, *args, **kwargs)
+
+TopKRouter.attach_and_log_load_balancing_loss = scaled_over_tp_cp
+"""
+
+
+# The fix of megatron-core 0.19 for the gradient norm without initialisation: the tensor-parallel
+# layers mark their weights as tp shards (partition dim and stride) when they do not initialise
+# them too, so the norm counts each shard once per rank instead of as a duplicate.
+TP_WEIGHTS_MARKED_WITHOUT_INIT_FIX = """
+from megatron.core.tensor_parallel import layers
+
+def marking(built, dim):
+    def marked(self, *args, **kwargs):
+        built(self, *args, **kwargs)
+        weight = getattr(self, "weight", None)
+        if weight is not None and not hasattr(weight, "tensor_model_parallel"):
+            layers.set_tensor_model_parallel_attributes(weight, True, dim, kwargs.get("stride", 1))
+    return marked
+
+for cls, dim in ((layers.VocabParallelEmbedding, 0), (layers.ColumnParallelLinear, 0), (layers.RowParallelLinear, 1)):
+    cls.__init__ = marking(cls.__init__, dim)
+"""
+
+
 def planted_env(directory: Path, code: str, base: dict[str, str] | None = None) -> dict[str, str]:
     """Environment (over ``base``) whose Python processes run ``code`` first."""
     directory.mkdir(parents=True, exist_ok=True)

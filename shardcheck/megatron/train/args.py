@@ -216,6 +216,8 @@ def _common_flags(flags: Flags, changes: list[str], steps: int | None, dp: int) 
     if not flags.has("--use-cpu-initialization"):
         flags.set("--use-cpu-initialization")
         changes.append("--use-cpu-initialization added: every layout starts from the same full weights")
+    if flags.value("--micro-batch-size") is None:
+        raise TrainInputError("give --micro-batch-size: Megatron has no default for it")
     if flags.get("--global-batch-size") is None:
         micro = int(flags.value("--micro-batch-size"))
         flags.set("--global-batch-size", str(micro * dp))
