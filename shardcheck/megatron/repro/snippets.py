@@ -230,9 +230,8 @@ def run(sizes, pg):
                      pre_process=pg.pp.rank() == 0, post_process=pg.pp.rank() == pg.pp.size() - 1,
                      position_embedding_type=SETUP["position_embedding"], mtp_block_spec=mtp,
                      share_embeddings_and_output_weights=SETUP["share_embeddings"], **SETUP.get("model_args", {}))
-    return train(sizes, pg, config, model, batches(pg), SETUP["seq"], lambda model, batch: (
-        model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"], **SETUP.get("forward_args", {})),
-        batch["loss_mask"]))
+    return train(sizes, pg, config, model, batches(pg), SETUP["seq"], lambda model, batch: (model(
+        batch["tokens"], batch["position_ids"], None, labels=batch["labels"], **SETUP.get("forward_args", {})), batch["loss_mask"]))
 '''
 
 T5 = '''
