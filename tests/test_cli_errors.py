@@ -90,6 +90,8 @@ BAD_INPUTS = [
 def test_bad_input_exits_2_with_one_error_line(args, message, inputs):
     if "--set" in args or args[0] == "train":  # checked against megatron-core's fields, Megatron's flags
         pytest.importorskip("megatron.core")
+    if args[0] == "train" and "-n" in args and args[-1] != "." and not _training_imports():
+        pytest.skip("megatron.training of another release (see the test below)")
     result = CliRunner().invoke(main, args)
     lines = result.stderr.strip().splitlines()
     assert result.exit_code == 2, result.output
@@ -122,3 +124,25 @@ def test_found_and_clean_keep_their_exit_codes(inputs):
     assert CliRunner().invoke(main, ["golden", "compare", "golden.json", "golden.json"]).exit_code == 0
     assert CliRunner().invoke(main, ["--help"]).exit_code == 0
     assert CliRunner().invoke(main, ["findings", "--no-run", "--root", "store"]).exit_code == 0
+
+
+def _training_imports() -> bool:
+    from shardcheck.megatron.train.args import TrainInputError, megatron_parser
+
+    try:
+        megatron_parser()
+    except TrainInputError:
+        return False
+    return True
+
+
+def test_train_with_a_megatron_training_of_another_release_is_one_line():
+    """megatron-core 0.16.1 first on the path, 0.19's megatron.training after it (the CI's
+    0.16.1 pass): `train` names the mismatch in one line, exit 2."""
+    pytest.importorskip("megatron.core")
+    if _training_imports():
+        pytest.skip("megatron.training imports with this megatron-core")
+    result = CliRunner().invoke(main, ["train", "-n", "2", "--", "--num-layers", "2"])
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "megatron.training does not import" in lines[0], result.stderr

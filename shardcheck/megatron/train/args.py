@@ -73,7 +73,12 @@ def megatron_parser() -> argparse.ArgumentParser:
     patch_typing_override()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "Transformer Engine and Apex are not installed", ...
-        from megatron.training.arguments import add_megatron_arguments
+        try:
+            from megatron.training.arguments import add_megatron_arguments
+        except ImportError as why:  # megatron.training of another release than megatron.core
+            raise TrainInputError(f"megatron.training does not import with this megatron-core "
+                                  f"({why}); shardcheck train needs both from one release, 0.19 "
+                                  "or later, or a Megatron-LM checkout (--megatron)") from None
 
     return add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False, add_help=False))
 
