@@ -487,8 +487,8 @@ def _masked_rule(ctx, args, kwargs, out):
     result = []
     for a in range(len(types[0])):
         placements = [pl[a] for pl in types]
-        if into_zeros:
-            placements[0] = R if replicated(placements[2]) or is_partial(placements[2]) else None
+        if into_zeros:  # zeros fit the source's replica or partial sum
+            placements[0] = placements[2] if replicated(placements[2]) or is_partial(placements[2]) else None
         if any(p is None or isinstance(p, Gathered) for i, p in enumerate(placements)
                if not (i == 0 and into_zeros)):
             result.append(None)
@@ -496,8 +496,7 @@ def _masked_rule(ctx, args, kwargs, out):
             raise Violation("non-linear on partial", a)
         elif placements[0] is not None and all(replicated(p) for p in placements):
             result.append(R)
-        elif replicated(placements[1]) and all(is_partial(p) or (p is R and into_zeros and i == 0)
-                                               for i, p in enumerate(placements) if i != 1):
+        elif replicated(placements[1]) and all(is_partial(p) for i, p in enumerate(placements) if i != 1):
             result.append(P)
         elif _first_dim_cut(operands, placements, ndim):
             result.append(S(0))

@@ -86,7 +86,7 @@ def setup_kwargs(setup_cls: type, options: Iterable[tuple[str, Any]]) -> dict[st
     grouped: dict[str, dict[str, Any]] = {}
     for name, value in options:
         argument = model_argument(name)
-        if name in own and name not in SKIPPED_SETUP_FIELDS - {"seed"}:
+        if name in own and name not in ("config", *ARGUMENT_FIELDS.values()):
             kwargs[name] = value
         elif argument is not None and argument[0] in own:
             grouped.setdefault(argument[0], {})[argument[1]] = value
