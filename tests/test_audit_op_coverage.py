@@ -70,20 +70,18 @@ def test_megatron_ops_counts_only_calls_made_in_megatron_core():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout, least, typed_files", [
-    ("cp2", 0.98, ("distributed/param_and_grad_buffer.py", "utils.py")), ("tp2-sp", 0.96, ("utils.py",))])
-def test_a_gpt_step_types_nearly_all_of_megatron_cores_op_calls(layout, least, typed_files):
-    """The default GPT case on real ranks: parameters typed when DDP lays out its buffers,
-    autograd's as_strided views and Megatron's reused memory buffer typed, the copy Gloo makes
-    when an async reduce-scatter is waited on excused."""
+@pytest.mark.parametrize("component", ["gpt", "output_loss"])
+@pytest.mark.parametrize("layout", ["cp2", "tp2-sp"])
+def test_a_step_types_at_least_99_percent_of_megatron_cores_op_calls(component, layout):
+    """The default case on real ranks: parameters typed when DDP lays out its buffers (and
+    from their data when made), autograd's as_strided views and Megatron's reused memory
+    buffer typed, the RNG state V, the ops Gloo makes when an async reduce-scatter is waited
+    on excused."""
     pytest.importorskip("megatron.core")
     from shardcheck.megatron.audit.run import Runner, pools
 
     with pools() as warm:
-        outcome = Runner(warm, typecheck=True).run(Case("gpt", (), Layout.parse(layout)))
+        outcome = Runner(warm, typecheck=True).run(Case(component, (), Layout.parse(layout)))
     assert not outcome.error and not outcome.gaps and not outcome.violations
     shown = typed_share(outcome.ops)
-    assert shown["typed_share"] >= least, shown
-    assert not [site for site in outcome.ops["unknown_at"]
-                if site.split(":")[0] in {f"megatron/core/{name}" for name in typed_files}]
-
+    assert shown["typed_share"] >= 0.99, shown

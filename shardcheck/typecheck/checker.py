@@ -25,7 +25,7 @@ import torch.distributed as dist
 import typing_extensions
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from shardcheck.typecheck import rank_branches, shape_rules
+from shardcheck.typecheck import rank_branches, shape_rules, unseen
 from shardcheck.typecheck import rules as _rules
 from shardcheck.typecheck.broadcast import record as record_broadcast
 from shardcheck.typecheck.collectives import collective_rule, group_ranks
@@ -246,6 +246,7 @@ class Checker(TorchDispatchMode):
         # with ``sites``: op calls per source location [typed, unknown], and where unknowns began
         self.sites: dict[str, list[int]] | None = {} if sites else None
         self.origins: Counter = Counter()
+        self.landings: Counter = Counter()  # shapes of outputs an async collective lands on at wait
 
     def remember_rank_scalar(self, value: int | float, axes: tuple[int, ...]) -> None:
         """A Python number read (``.item()``) from a value that differs per rank on ``axes``."""
@@ -427,6 +428,7 @@ class Checker(TorchDispatchMode):
         if pl is NO_TENSOR:
             if func in _LANDS_ON_WAIT:
                 args[0]._sc_landing = True
+                self.landings[tuple(args[0].shape)] += 1
             self.typed += 1
             if self.sites is not None:
                 self._count_site(func, args, out, typed=True)
@@ -458,7 +460,7 @@ class Checker(TorchDispatchMode):
         its unknown was made: the first op that gave no type from typed inputs (or none at all),
         found by following unknown inputs back (``origins``). Ops torch.distributed makes to
         carry out a collective (the collective itself is typed) are not the caller's."""
-        if _inside_collective():
+        if _inside_collective() or self._landing(func, args, out):
             return
         site = self.sites.setdefault(user_location(), [0, 0])
         site[0 if typed else 1] += 1
@@ -474,6 +476,17 @@ class Checker(TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 t._sc_origin = origin
 
+    def _landing(self, func, args, out) -> bool:
+        """Whether the op is Gloo landing an async collective when it is waited on: cutting its
+        reduced buffer (one the checker never saw) and copying this rank's piece into the
+        output. Both are the collective's own ops, typed by it."""
+        name = _base_name(func)
+        if name == "copy":
+            return getattr(args[0], "_sc_landing", False)
+        return (name == "split" and isinstance(out, (tuple, list)) and bool(out)
+                and self.landings[tuple(out[0].shape)] > 0
+                and self.types(args[0]) is None and getattr(args[0], "_sc_origin", None) is None)
+
     def _forget(self, mutated, args, kwargs) -> None:
         """An untyped write makes its target unknown, except a collective's own copies (made
         inside torch.distributed, or the copy an async collective makes when waited on)."""
@@ -482,6 +495,7 @@ class Checker(TorchDispatchMode):
                 continue
             if getattr(t, "_sc_landing", False):
                 t._sc_landing = False
+                self.landings[tuple(t.shape)] -= 1
             elif not _inside_collective():
                 self.update_inplace(t, None)
 
@@ -644,6 +658,11 @@ def _base_name(func) -> str:
     return name[:-1] if name.endswith("_") and not name.endswith("__") else name
 
 
+def _no_value(ctx, args, kwargs, out):
+    """A profiler mark (``record_function``): no tensor value to type."""
+    return NO_TENSOR
+
+
 def _resolve(func) -> tuple:
     """(rule, zero kind, mutated (pos, name) args, is_view) for an OpOverload."""
     rule = _USER_RULES.get(func) or _USER_RULES.get(getattr(func, "overloadpacket", None))
@@ -653,7 +672,7 @@ def _resolve(func) -> tuple:
             opname = getattr(func, "_opname", name)
             rule = RULES.get(opname) or RULES.get(name)
         else:
-            rule = collective_rule(func)
+            rule = _no_value if func.namespace == "profiler" else collective_rule(func)
     schema = func._schema
     mutated = tuple((i, a.name) for i, a in enumerate(schema.arguments)
                     if a.alias_info is not None and a.alias_info.is_write)
@@ -678,19 +697,6 @@ def _resolve(func) -> tuple:
 
 # --- public API ------------------------------------------------------------------------------
 
-_TENSOR_DATA = torch._C.TensorBase.__dict__["data"]
-
-
-def _data_with_its_type(t: torch.Tensor, value: torch.Tensor) -> None:
-    """``t.data = value`` (no op reaches the dispatch mode): ``t`` now holds ``value``'s data,
-    and so its type (Megatron swaps a replicated activation for its rank's chunk this way)."""
-    _TENSOR_DATA.__set__(t, value)
-    t._sc = getattr(value, "_sc", None)
-
-
-_TYPED_DATA = property(_TENSOR_DATA.__get__, _data_with_its_type)
-
-
 def current() -> Checker | None:
     """The innermost active checker, or None outside ``typecheck``."""
     return _ACTIVE[-1] if _ACTIVE else None
@@ -704,8 +710,9 @@ def typecheck(mesh: Mesh, mode: str = "raise", sites: bool = False) -> Iterator[
     unknown value back to the op that made it (a few µs more per op).
     """
     checker = Checker(mesh, mode, sites)
+    if not _ACTIVE:
+        unseen.install(_varying_everywhere)
     _ACTIVE.append(checker)
-    torch.Tensor.data = _TYPED_DATA
     rank_branches.watch(checker.rank_read)
     try:
         with checker:
@@ -715,10 +722,15 @@ def typecheck(mesh: Mesh, mode: str = "raise", sites: bool = False) -> Iterator[
         checker.branches.frames.clear()  # the frames hold their locals
         _ACTIVE.remove(checker)
         if not _ACTIVE:
-            del torch.Tensor.data
+            unseen.uninstall()
         _LAST[:] = [checker]
         if mode == "collect" and checker.records:  # silent when clean: parity runs many regions
             print(checker.summary(), file=sys.stderr, flush=True)
+
+
+def _varying_everywhere(t: torch.Tensor) -> torch.Tensor:
+    checker = current()
+    return t if checker is None else annotate(t, **{n: V for n in checker.names})
 
 
 def _checker_for(mesh: Mesh | None) -> Checker:
