@@ -124,6 +124,14 @@ def test_llava_with_a_text_only_sample_matches_one_rank_under_sp(pool):
     assert not reference["combined_embeddings"][:, -3:, 1].any()
 
 
+def test_llava_with_pixel_shuffle_keeps_the_combined_length_and_matches_one_rank_under_sp(pool):
+    """pixel_shuffle folds each 2x2 of patches into one embedding: the text is sized for the
+    shorter image, so the combined sequence needs no padding for sequence parallelism."""
+    shuffled = scenario("multimodal", model_args={"pixel_shuffle": True})
+    reference = _matches_everywhere(pool, shuffled, [TP2_SP])
+    assert reference["combined_embeddings"].shape == (2, 12, 2, 16)
+
+
 def _llava_images_swapped_on_tp_rank_1(ctx):
     """Planted: tensor-parallel rank 1 puts each sample's image into the other sample.
 

@@ -63,8 +63,10 @@ class MultimodalSetup:
 
     @property
     def image_seq(self) -> int:
-        """Embeddings per image: one per patch, plus the class token when kept."""
-        return (self.image_size // self.patch) ** 2 + int(self.keep_class_token)
+        """Embeddings per image: one per patch, plus the class token when kept; a quarter of
+        them under ``pixel_shuffle`` (it folds each 2x2 of patches into one)."""
+        embeddings = (self.image_size // self.patch) ** 2 + int(self.keep_class_token)
+        return embeddings // 4 if self.model_args.get("pixel_shuffle") else embeddings
 
     @property
     def text_seq(self) -> int:
