@@ -69,6 +69,8 @@ KNOWN = {
         ("gpt", (("mtp_num_layers", 1),), "tp2"): None,  # checker false alarms, gone as on 0.16,
         ("gpt", (("num_query_groups", 1),), "tp2"): None,
         ("gpt", (("mlp_chunks_for_training", 2),), "tp2"): None,  # and the MLP run in chunks
+        ("gpt", (("mlp_chunks_for_training", 2),), "tp2-sp"): None,  # pieces of a shard rejoined
+        ("multimodal", (("LLaVAModel.pixel_shuffle", True),), "tp2-sp"): None,  # no SP padding
     },
 }
 RELEASE = ".".join(core.__version__.split(".")[:2])

@@ -29,6 +29,7 @@ from shardcheck.typecheck import rank_branches, shape_rules, unseen
 from shardcheck.typecheck import rules as _rules
 from shardcheck.typecheck.broadcast import record as record_broadcast
 from shardcheck.typecheck.collectives import collective_rule, group_ranks
+from shardcheck.typecheck.position_cuts import PositionCuts
 from shardcheck.typecheck.rules import HELP, NO_TENSOR, Violation
 from shardcheck.typecheck.types import (
     Mesh,
@@ -247,6 +248,7 @@ class Checker(TorchDispatchMode):
         self.sites: dict[str, list[int]] | None = {} if sites else None
         self.origins: Counter = Counter()
         self.landings: Counter = Counter()  # shapes of outputs an async collective lands on at wait
+        self.cuts = PositionCuts()
 
     def remember_rank_scalar(self, value: int | float, axes: tuple[int, ...]) -> None:
         """A Python number read (``.item()``) from a value that differs per rank on ``axes``."""

@@ -263,6 +263,9 @@ def _split_rule(ctx, args, kwargs, out):
     for t in out:
         pieces.append((start, t.shape[dim]))
         start += t.shape[dim]
+    if len(out) > 1 and not in_backward_of("CatBackward0") and any(
+            type(p) is Shard and norm_dim(p.dim, ndim) == dim for p in pl):
+        ctx.cuts.note(list(out), pl)
     return _cut_along(ctx, pl, ndim, dim, pieces, x.shape[dim])
 
 
@@ -330,9 +333,23 @@ def _cat_rule(ctx, args, kwargs, out):
     ungathered = _ungathered(ctx, tensors, dim)
     if ungathered is not None:
         return ungathered
-    return tuple(_joined_sections(ctx, tensors, a, dim)
+    rejoined = _rejoined_cut(ctx, tensors, dim, pl)
+    return tuple(rejoined.get(a) or _joined_sections(ctx, tensors, a, dim)
                  if isinstance(p, Shard) and norm_dim(p.dim, ndim) == dim else p
                  for a, p in enumerate(pl))
+
+
+def _rejoined_cut(ctx, tensors, dim: int, pl: Pl) -> dict[int, Placement]:
+    """Axes on which cat joins, in order, what was made from the pieces of a shard cut by
+    position along ``dim`` (see :mod:`position_cuts`): there the result is the source's shard."""
+    cut_axes = [a for a, p in enumerate(pl) if isinstance(p, Shard) and norm_dim(p.dim, tensors[0].dim()) == dim
+                and all(type((ctx.types(t) or pl)[a]) is Shard for t in tensors)]
+    if not cut_axes:
+        return {}
+    source = ctx.cuts.backward_join() or ctx.cuts.forward_join(tensors)
+    if source is None:
+        return {}
+    return {a: source[a] for a in cut_axes if type(source[a]) is Shard}
 
 
 def _ungathered(ctx, tensors, dim: int) -> Pl | None:
