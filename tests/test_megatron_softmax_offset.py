@@ -7,7 +7,8 @@ from its ``sharded_state_dict`` cut (S(0) over tp) and reports where the norm's 
 drops it (``shard counted as replica``); the numbers agree with the checker: Megatron's norm is
 taken over the global gradients less tp rank 1's offsets, and with the attribute set over all
 of them. The gap is about 3e-7 of the norm in this tiny GPT, below parity's tolerance (and
-near float32 rounding), which is why the audit lists the finding as type-only.
+near float32 rounding); parity sees it in what the norm counts per global tensor
+(``norm_counted/...``, a share of the offsets' squared gradient), so the audit confirms it.
 """
 
 from functools import partial
@@ -79,11 +80,33 @@ def test_megatron_norm_leaves_out_tp_rank_1s_offsets_and_the_attribute_puts_them
     assert fixed == pytest.approx(fixed_total, rel=1e-12)
 
 
-def test_the_checker_reports_the_offset_counted_as_a_replica_and_parity_misses_it():
+def _counted_per_tensor(outputs) -> dict[str, tuple[float, float]]:
+    """Per global tensor: what the norm counted (of the gradients the step clipped), and the
+    square of its clipped global gradient."""
+    clipped = float(outputs["clip_factor"]) ** 2
+    counted = {k.removeprefix("norm_counted/"): float(v) for k, v in outputs.items() if k.startswith("norm_counted/")}
+    return {key: (mass, clipped * float((outputs["grad/" + key].astype(np.float64) ** 2).sum()))
+            for key, mass in counted.items()}
+
+
+def test_what_the_norm_counts_per_tensor_is_each_whole_gradient_but_the_offsets_share():
+    buggy = _counted_per_tensor(run_layout(partial(_step, marked=False), Layout(tp=2)))
+    fixed = _counted_per_tensor(run_layout(partial(_step, marked=True), Layout(tp=2)))
+    assert len(fixed) == len(buggy) > 10
+    for key, (counted, whole) in fixed.items():
+        assert counted == pytest.approx(whole, rel=1e-5), key
+    short = [key for key, (counted, whole) in buggy.items() if counted < whole * (1 - 1e-3)]
+    assert [key.rsplit(".", 1)[-1] for key in short] == ["softmax_offset"]
+
+
+def test_the_checker_reports_the_offset_counted_as_a_replica_and_parity_confirms_it():
     with pools() as warm:
         result = audit([Case("gpt", tuple(LEARNABLE.items()), Layout(tp=2))], run_pools=warm)
     assert not result.errors, [o.error for o in result.errors]
     [finding] = result.findings
-    assert finding.kind == "type-only" and finding.location.startswith("megatron/core/optimizer/optimizer.py:")
+    assert finding.kind == "type+numeric"
+    [effect] = finding.effect
+    assert effect["value"].startswith("norm_counted/") and effect["value"].endswith("softmax_offset")
+    assert effect["observed"] < effect["reference"] * 0.9
     assert finding.checker.startswith("checker: shard counted as replica at megatron/core/optimizer/")
     assert "in param_is_not_tensor_parallel_duplicate: {tp:S(0)}" in finding.checker

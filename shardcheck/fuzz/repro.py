@@ -70,6 +70,13 @@ def show(value):
     return ", ".join(f"{x:.7g}" for x in flat[:8].tolist()) + (", ..." if flat.numel() > 8 else "")
 
 
+def farthest(got, want):
+    """The entry where observed and reference are farthest apart, for a value too long to show."""
+    gap = (got.double() - want.double()).abs().flatten()
+    i = int(gap.argmax())
+    return f"differs most at entry {i}: observed {got.flatten()[i].item():.7g}, reference {want.flatten()[i].item():.7g}"
+
+
 def differs(got, want):
     """Whether observed and reference differ on any rank (the answer is the same on all ranks)."""
     bad = got.shape != want.shape or not torch.allclose(got.double(), want.double(), RTOL, ATOL)
@@ -86,6 +93,8 @@ $corrected_call
     if dist.get_rank() == 0:
         print(f"observed:  {show(got)}")
         print(f"reference: {show(want)}")
+        if reproduces and got.shape == want.shape and got.numel() > 8:
+            print(farthest(got, want))
 $corrected_print
         if reproduces and CHECKER:
             print(CHECKER)

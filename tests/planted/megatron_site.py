@@ -84,6 +84,23 @@ for cls, dim in ((layers.VocabParallelEmbedding, 0), (layers.ColumnParallelLinea
 """
 
 
+# The learnable softmax offset fix: each tp rank holds its own heads' offsets, so mark them
+# as Megatron marks its other shards (the gradient norm then counts every rank's heads).
+SOFTMAX_OFFSET_MARKED_FIX = """
+from megatron.core.transformer import dot_product_attention as attention
+
+built = attention.DotProductAttention.__init__
+
+def marked(self, *args, **kwargs):
+    built(self, *args, **kwargs)
+    offset = getattr(self, "softmax_offset", None)
+    if offset is not None:
+        offset.tensor_model_parallel, offset.partition_dim, offset.partition_stride = True, 0, 1
+
+attention.DotProductAttention.__init__ = marked
+"""
+
+
 def planted_env(directory: Path, code: str, base: dict[str, str] | None = None) -> dict[str, str]:
     """Environment (over ``base``) whose Python processes run ``code`` first."""
     directory.mkdir(parents=True, exist_ok=True)

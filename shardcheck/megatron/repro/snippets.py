@@ -96,14 +96,16 @@ def global_name(name, pg):
     return name, pg.expt_tp if "local_experts." in name else pg.tp
 
 
-def grad_norms(model, pg):
+def grad_norms(model, pg, counted=None):
     """The norm of every parameter's global gradient, in the one-rank model's order: the squares
-    of its shards summed, from the stage (and for an expert the ep rank) that holds it."""
+    of its shards summed, from the stage (and for an expert the ep rank) that holds it; with
+    ``counted`` (the gradients megatron's norm counts), of what the norm counts of it."""
     squares = dict.fromkeys(FULL, torch.zeros(()))
     for local_name, param in model.named_parameters():
         name, group = global_name(local_name, pg)
-        squares[name] = param.main_grad.float().pow(2).sum()
-        if param.shape != FULL[name]:
+        kept = counted is None or id(param.main_grad) in counted
+        squares[name] = param.main_grad.float().pow(2).sum() * float(kept)
+        if counted is not None or param.shape != FULL[name]:
             dist.all_reduce(squares[name], group=group)
     squares = torch.stack(list(squares.values()))
     expert = torch.tensor(["local_experts." in name for name in FULL])
@@ -202,7 +204,9 @@ def train(sizes, pg, config, model, microbatches, seq, losses):
     dist.all_reduce(loss, group=pg.pp)  # the last stage's
     norms = grad_norms(model, pg)
     _, grad_norm, _ = optimizer.step()
-    return torch.cat([torch.tensor([float(grad_norm)]), loss, norms])
+    counted = {id(grad) for chained in getattr(optimizer, "chained_optimizers", [optimizer])  # after the step
+               for grad in (getattr(chained, "get_grads_for_grad_norm", None) or chained.get_main_grads_for_grad_norm)()}
+    return torch.cat([torch.tensor([float(grad_norm)]), loss, norms, grad_norms(model, pg, counted)])
 '''
 
 GPT = '''

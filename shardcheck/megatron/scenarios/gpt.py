@@ -24,7 +24,12 @@ from shardcheck.megatron.cpu.parallel import (
     scenario_groups,
     world_group,
 )
-from shardcheck.megatron.scenarios.reference import gather_global, gradient_of, load_global_weights
+from shardcheck.megatron.scenarios.reference import (
+    counted_in_grad_norm,
+    gather_global,
+    gradient_of,
+    load_global_weights,
+)
 
 
 @dataclass(frozen=True)
@@ -335,5 +340,6 @@ def _step(ctx: Any, model, optimizer) -> dict[str, torch.Tensor]:
     weights, _ = gather_global(model, lambda p: p.data, world_group(ctx))
     out = {f"param/{k}": v for k, v in weights.items()}
     out["grad_norm"] = torch.tensor(float(grad_norm))
+    out.update(counted_in_grad_norm(model, optimizer))
     out["clip_factor"] = torch.tensor(min(1.0, clip / (float(grad_norm) + 1e-6)))
     return out

@@ -172,3 +172,56 @@ def gradient_of(param: torch.nn.Parameter) -> torch.Tensor | None:
     """The gradient Megatron accumulated for ``param``: ``main_grad`` under DDP, else ``grad``."""
     grad = getattr(param, "main_grad", None)
     return grad if grad is not None else param.grad
+
+
+def counted_in_grad_norm(model: torch.nn.Module, optimizer: object) -> dict[str, torch.Tensor]:
+    """Per global tensor, the squared gradient that Megatron's gradient norm counts (called
+    after the step: of the gradients as it clipped them), summed over each optimizer's
+    grad-stats group: on one rank, the whole squared gradient of each.
+    A parameter whose gradient the norm counts on one tp rank only (a shard taken for a
+    replica) shows up as a share of it. Empty when a gradient the norm counts is no model
+    parameter's (the distributed optimizer's shards)."""
+    entries = {id(e.param): e for e in param_shards(model)}
+    counted: dict[str, float] = {}
+    for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
+        mine = _counted_masses(chained, entries)
+        if mine is None:
+            return {}
+        group = chained.get_grad_stats_parallel_group()
+        everyone: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, mine, group=group)
+        for masses in everyone:
+            for key, mass in masses.items():
+                counted[key] = counted.get(key, 0.0) + mass
+    return {f"norm_counted/{key}": torch.tensor(mass) for key, mass in counted.items()}  # of float32 gradients
+
+
+def _counted_masses(optimizer: object, entries: dict[int, ParamShards]) -> dict[str, float] | None:
+    """This rank's squared gradient per key over the gradients ``optimizer``'s norm counts."""
+    owners = {}
+    for main, param in _main_params(optimizer):
+        if id(param) in entries:
+            for grad in (main.grad, getattr(main, "decoupled_grad", None)):
+                if grad is not None:
+                    owners[id(grad)] = entries[id(param)]
+    grads_for_norm = (getattr(optimizer, "get_grads_for_grad_norm", None)  # 0.19
+                      or optimizer.get_main_grads_for_grad_norm)()
+    masses: dict[str, float] = {}
+    for grad in grads_for_norm:
+        entry = owners.get(id(grad))
+        if entry is None:
+            return None
+        for piece in entry.build(grad.detach().reshape(entry.param.shape)):
+            masses[piece.key] = masses.get(piece.key, 0.0) + piece.data.double().square().sum().item()
+    return masses
+
+
+def _main_params(optimizer: object) -> Iterator[tuple[torch.Tensor, torch.nn.Parameter]]:
+    """(the parameter the optimizer steps, the model parameter it stands for)."""
+    halves = getattr(optimizer, "float16_groups", None)
+    mains = getattr(optimizer, "fp32_from_float16_groups", None)
+    if halves is not None and mains is not None:
+        for half_group, main_group in zip(halves, mains, strict=True):
+            yield from zip(main_group, half_group, strict=True)
+    for param in optimizer.get_parameters():
+        yield param, param
