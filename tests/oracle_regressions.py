@@ -102,3 +102,53 @@ REGRESSIONS += [
      "right", None),
     ("a mask made from a partial sum", one("tp2", TP, ("masked_roundtrip", (0, 1), ()), inputs=2), "wrong", 0),
 ]
+
+# a max over a dim of one element is each element itself: linear, a partial sum stays one
+# (was reported "non-linear on partial"); over a dim of several elements it is the bug
+REGRESSIONS += [
+    ("amax over a dim of one element of a partial sum",
+     one("tp2", TP, ("mean", (0,), (("dim", 0),)), ("amax", (1,), (("dim", 0),))), "right", None),
+    ("amax over a dim of a partial sum", one("tp2", TP, ("mean", (0,), (("dim", 0),)), ("amax", (1,), (("dim", 1),))),
+     "wrong", 1),
+]
+
+# a reduce-scatter over the outer axis (dp) of rows the inner axis (tp) shards: dp's chunks sit
+# inside tp's, which S(0) on both does not say (was typed S(0) there); scattered over the inner
+# axis, inside the outer one's rows, it is S(0)
+REGRESSIONS += [
+    ("reduce-scatter over the outer axis of rows the inner one shards",
+     one("tp2-dp2", (("tp", "S(0)"), ("dp", "R")), ("reduce_scatter_tensor", (0,), (("g", "dp"), ("op", "avg")))),
+     "undecided", 0),
+    ("reduce-scatter over the inner axis of rows the outer one shards",
+     one("tp2-dp2", (("tp", "R"), ("dp", "S(0)")), ("reduce_scatter_tensor", (0,), (("g", "tp"), ("op", "avg")))),
+     "right", None),
+]
+
+# x.chunk(n)[get_rank(group)] of a value not replicated on the group: one rank's chunk of each
+# rank's own part is no layout (was: the part's type kept); V claims nothing. Of a replicated
+# value it is the rank's shard; a piece picked by a fixed index keeps the part's type
+REGRESSIONS += [
+    ("a by-rank pick of a chunk of a partial sum", one("tp2", TP, ("slice_by_rank", (0,), (*G, ("dim", 0)))),
+     "undecided", 0),
+    ("a by-rank pick of a row chunk of a column shard", one("tp2", TS1, ("slice_by_rank", (0,), (*G, ("dim", 0)))),
+     "undecided", 0),
+    ("a pick by the rank over both axes of a dim-0 shard of one",
+     one("tp2-dp2", (("tp", "R"), ("dp", "S(0)")), ("slice_by_rank", (0,), (("g", "world"), ("dim", 1)))),
+     "undecided", 0),
+    ("a by-rank pick of a chunk of a replicated value", one("tp2", R_TP, ("slice_by_rank", (0,), (*G, ("dim", 0)))),
+     "right", None),
+    ("a by-tp-rank pick of a chunk of a value partial over dp",
+     one("tp2-dp2", (("tp", "R"), ("dp", "P")), ("slice_by_rank", (0,), (*G, ("dim", 1)))), "right", None),
+    ("a fixed pick of a chunk of a partial sum", one("tp2", TP, ("chunk", (0,), (("dim", 0), ("i", 1)))),
+     "right", None),
+]
+
+# zeros one rank added a value into, then an op on them: the value itself, or that rank's
+# contribution (was: read as the value, R, on every rank); a copy of them summed is the value
+REGRESSIONS += [
+    ("an op on zeros one rank added into",
+     one("tp2", R_TP, ("accumulate_on_first_rank", (0,), G), ("neg", (1,), ())), "undecided", None),
+    ("a copy of zeros one rank added into, then summed",
+     one("tp2", R_TP, ("accumulate_on_first_rank", (0,), G), ("clone", (1,), ()), ("all_reduce", (2,), G)),
+     "right", None),
+]

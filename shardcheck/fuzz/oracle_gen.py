@@ -31,14 +31,7 @@ TRIES = 8
 ATEN = tuple(name for name in SPECS if name not in COLLECTIVES)
 # Ops whose disagreements with the numbers are open checker gaps (docs/oracle.md): the
 # benchmark draws them, the CI share leaves them out and tests that they still disagree.
-KNOWN_GAPS = {
-    "accumulate_on_first_rank": "zeros one rank added a value into are that rank's contribution: "
-                                "summed over the axis they are typed right, but an op on them (neg, "
-                                "matmul) reads them as the value itself (R) on every rank",
-    "slice_by_rank": "a by-rank slice of a value that is not replicated (a partial sum, a shard "
-                     "along another dim) keeps its type; each rank's chunk of its own part is no "
-                     "layout of the global value",
-}
+KNOWN_GAPS: dict[str, str] = {}
 
 
 _PLACEMENT = st.sampled_from(PLACEMENTS)

@@ -241,6 +241,8 @@ class Checker(TorchDispatchMode):
         self._ops: dict[int, Any] = {}
         self._paused = False
         self.varying_cuts = 0
+        self.accumulating = False  # whether any op made ACC zeros yet (see _after_accumulation)
+        self._pieces: tuple | None = None  # the latest split's pieces (see remember_pieces)
         self.rank_scalars: dict[int | float, tuple[int, ...]] = {}
         self.branches = rank_branches.RankBranches()
         # with ``sites``: op calls per source location [typed, unknown], and where unknowns began
@@ -263,7 +265,32 @@ class Checker(TorchDispatchMode):
         if not names:
             return None
         axes = tuple(self.names.index(n) for n in names)
-        return lambda frame: self.branches.decided(frame, axes)
+        return rank_branches.RankUse(lambda frame: self.branches.decided(frame, axes),
+                                     lambda frame, at, rank: self.picked_by_rank(frame, at, rank, axes))
+
+    def remember_pieces(self, pieces, source: tuple) -> None:
+        """The pieces a split just made of a value typed ``source``, and the user code's call
+        that made them (see :meth:`picked_by_rank`)."""
+        frame = rank_branches.user_frame(sys._getframe(1))
+        if frame is not None:
+            self._pieces = (id(frame), frame.f_code, frame.f_lasti, [weakref.ref(t) for t in pieces], source)
+
+    def picked_by_rank(self, frame, at: int, rank: int, axes: tuple[int, ...]) -> None:
+        """The subscript at offset ``at`` of ``frame`` picks this rank's piece of the split
+        that frame just made: of a value not replicated on the group's axes, one rank's chunk
+        of each rank's own part (of a sum, of a shard along another dim) is no layout of a
+        global value, so the piece is V there. Of a replicated value it is the rank's shard,
+        which the slice rules tell by the piece's place already."""
+        made = self._pieces
+        if made is None or made[0] != id(frame) or made[1] is not frame.f_code:
+            return
+        _, code, call, pieces, source = made
+        if all(_rules.replicated(source[a]) for a in axes) or not 0 <= rank < len(pieces):
+            return
+        piece = pieces[rank]()
+        pl = self.types(piece)
+        if pl is not None and rank_branches.subscripts_result(code, call, at):
+            self.set_type(piece, _varied_on(pl, set(axes)), self._flags(piece))
 
     def _after_rank_branch(self, pl, args, flags: int, axes: tuple[int, ...]):
         """An op run by a frame that branched on the rank: its ranks may run other ops, so
@@ -290,12 +317,15 @@ class Checker(TorchDispatchMode):
 
     def _varied_by_scalars(self, pl, args, kwargs):
         """An op given a Python number that differs per rank on some axes: V there."""
-        axes = self._rank_scalar_axes(args, kwargs)
-        if not axes:
-            return pl
-        def vary(one):
-            return None if one is None else tuple(V if a in axes else p for a, p in enumerate(one))
-        return [vary(one) for one in pl] if isinstance(pl, list) else vary(pl)
+        return _varied_on(pl, self._rank_scalar_axes(args, kwargs))
+
+    def _after_accumulation(self, pl, args):
+        """An op on zeros a value was added into (ACC), other than a view or copy of them or
+        their SUM all-reduce: on a replicated axis they are the value itself or one rank's
+        contribution, which a rank cannot tell, so the result is V there."""
+        axes = {a for t in args if isinstance(t, torch.Tensor) and self.accumulated(t)
+                for a, p in enumerate(self.types(t)) if _rules.replicated(p)}
+        return _varied_on(pl, axes)
 
     def count_varying_cut(self) -> int:
         """Number this by-rank cut of a varying tensor (the same on every rank of an SPMD run)."""
@@ -442,6 +472,8 @@ class Checker(TorchDispatchMode):
         flags = self._value_flags(zero_kind, func, args) if zero_kind and pl is not None else 0
         if zero_kind == _ADD and pl is not None:
             flags = self._accumulation(args, flags)
+        if self.accumulating and pl is not None and flags != ACC and func.namespace == "aten":
+            pl = self._after_accumulation(pl, args)
         if branched and pl is not None:
             pl = self._after_rank_branch(pl, args, flags, branched)
         if mutated:
@@ -504,6 +536,7 @@ class Checker(TorchDispatchMode):
         """zeros + x (in place or not), x a value of its own: ACC."""
         if (len(args) >= 2 and isinstance(args[1], torch.Tensor) and self.zero(args[0])
                 and not self.zero(args[1])):
+            self.accumulating = True
             return ACC
         return flags
 
@@ -620,6 +653,16 @@ def _retyped_after(checker: Checker, violation: Violation, rule, args, kwargs, o
         return rule(_VaryingOn(checker, violation.axis), args, kwargs, out)
     except Violation:
         return None
+
+
+def _varied_on(pl, axes):
+    """``pl`` (one result's placements, or a list of them) V on ``axes``."""
+    if not axes:
+        return pl
+
+    def vary(one):
+        return None if one is None else tuple(V if a in axes else p for a, p in enumerate(one))
+    return [vary(one) for one in pl] if isinstance(pl, list) else vary(pl)
 
 
 def _flat(args: Any) -> Iterator[Any]:

@@ -121,21 +121,41 @@ def _gather_step(into_tensor: bool, source: torch.Tensor) -> Callable[[Placement
     return step
 
 
-def _scatter_step(op: str, dim: int = 0) -> Callable[[Placement, int], Placement | None]:
-    """reduce-scatter: the reduced value's chunk along ``dim``."""
+def _scatter_step(op: str, dim: int = 0, nested: bool = False) -> Callable[[Placement, int], Placement | None]:
+    """reduce-scatter: the reduced value's chunk along ``dim``; V when ``nested`` (see
+    :func:`_scatters_inside`)."""
+    chunk = V if nested else S(dim)
+
     def step(p: Placement, a: int) -> Placement | None:
         if op == SUM:
             if p is R or p is I:
                 raise Violation("scatter of replicated", a)
             if p is PAVG:
                 raise Violation("mean over shard", a)
-            return S(dim) if is_sum(p) or p is V else None
+            return chunk if is_sum(p) or p is V else None
         if op == AVG:
             if is_sum(p):  # a chunk of the sum over n: neither a shard nor a partial sum
                 raise Violation("mean of partial", a)
-            return S(dim) if p in (R, I, V, PAVG) else None
+            return chunk if p in (R, I, V, PAVG) else None
         return None
     return step
+
+
+def _scatters_inside(ctx, pl: Pl, axes: list[int], dim: int, ndim: int) -> bool:
+    """Whether a reduce-scatter over ``axes`` along ``dim`` cuts inside the shards of an inner
+    axis outside the group (rows tp shards, scattered over dp): the group's chunks then sit
+    inside that axis' pieces, a nesting no placement says (S(d) on both has the outer axis
+    outside)."""
+    if not axes:
+        return False
+    outer = min(axis_stride(ctx, a) for a in axes)
+    return any(b not in axes and ctx.sizes[b] > 1 and isinstance(p, Shard)
+               and p.dim % max(ndim, 1) == dim % max(ndim, 1) and axis_stride(ctx, b) < outer
+               for b, p in enumerate(pl))
+
+
+def _reduce_scatter_of(ctx, pl: Pl, axes: list[int], op: str, dim: int, ndim: int) -> Callable:
+    return _scatter_step(op, dim, _scatters_inside(ctx, pl, axes, dim, ndim))
 
 
 def _broadcast_step(p: Placement, a: int) -> Placement | None:
@@ -270,7 +290,8 @@ def _reduce_scatter(ctx, args, kwargs, out):
     pl = pieces[0] if pieces and all(p == pieces[0] for p in pieces) else None
     if pl is None or dim is None:
         return _typed_update(ctx, outputs, None, (), None)
-    return _typed_update(ctx, outputs, pl, _axes(ctx, group), _scatter_step(op, dim))
+    axes = _axes(ctx, group)
+    return _typed_update(ctx, outputs, pl, axes, _reduce_scatter_of(ctx, pl, axes, op, dim, inputs[0][0].dim()))
 
 
 def _reduce_scatter_base(ctx, args, kwargs, out):
@@ -279,7 +300,8 @@ def _reduce_scatter_base(ctx, args, kwargs, out):
     if pl is None:
         return _typed_update(ctx, [output], None, (), None)
     axes = _axes(ctx, group)
-    return _typed_update(ctx, [output], pl, axes, _scatter_step(op, _stacked_dim(ctx, inp, group)))
+    step = _reduce_scatter_of(ctx, pl, axes, op, _stacked_dim(ctx, inp, group), inp.dim())
+    return _typed_update(ctx, [output], pl, axes, step)
 
 
 def _stacked_dim(ctx, inp: torch.Tensor, group) -> int:
@@ -399,13 +421,15 @@ def _functional(step_of: Callable[[tuple, dict], Callable], group_pos: int) -> C
     return rule
 
 
-def _functional_stacked(ctx, args, group_pos: int, step_of: Callable[[int], Callable]) -> Pl | None:
-    """A functional reduce-scatter or all-to-all, told where its input's dim-0 blocks came from."""
+def _functional_stacked(ctx, args, group_pos: int, step_of: Callable[..., Callable]) -> Pl | None:
+    """A functional reduce-scatter or all-to-all, told where its input's dim-0 blocks came
+    from: ``step_of(pl, axes, dim)`` gives the step."""
     pl = ctx.types(args[0])
     if pl is None:
         return None
     group = args[group_pos]
-    return _on_axes(pl, _axes(ctx, group), step_of(_stacked_dim(ctx, args[0], group)))
+    axes = _axes(ctx, group)
+    return _on_axes(pl, axes, step_of(pl, axes, _stacked_dim(ctx, args[0], group)))
 
 
 def _functional_all_reduce_(ctx, args, kwargs, out):
@@ -450,8 +474,9 @@ FUNCTIONAL_RULES: dict[str, Callable] = {
     "all_reduce": _functional(lambda a, k: _all_reduce_step(_reduce_op(a[1])), 2),
     "all_reduce_": _functional_all_reduce_,
     "all_gather_into_tensor": _functional_gather,
-    "reduce_scatter_tensor": lambda ctx, a, k, out: _functional_stacked(ctx, a, 3, lambda d: _scatter_step(_reduce_op(a[1]), d)),
-    "all_to_all_single": lambda ctx, a, k, out: _functional_stacked(ctx, a, 3, _exchange_step),
+    "reduce_scatter_tensor": lambda ctx, a, k, out: _functional_stacked(
+        ctx, a, 3, lambda pl, axes, d: _reduce_scatter_of(ctx, pl, axes, _reduce_op(a[1]), d, a[0].dim())),
+    "all_to_all_single": lambda ctx, a, k, out: _functional_stacked(ctx, a, 3, lambda pl, axes, d: _exchange_step(d)),
     "broadcast": _functional_broadcast,
     "wait_tensor": _waited,
     "_wrap_tensor_autograd": _same_type,

@@ -263,6 +263,7 @@ def _split_rule(ctx, args, kwargs, out):
     for t in out:
         pieces.append((start, t.shape[dim]))
         start += t.shape[dim]
+    ctx.remember_pieces(out, pl)
     return _cut_along(ctx, pl, ndim, dim, pieces, x.shape[dim])
 
 
@@ -273,6 +274,7 @@ def _unbind_rule(ctx, args, kwargs, out):
         return None
     ndim = x.dim()
     dim = norm_dim(arg(args, kwargs, 1, "dim", 0), ndim)
+    ctx.remember_pieces(out, pl)
     pieces = _cut_along(ctx, pl, ndim, dim, [(k, 1) for k in range(len(out))], len(out))
     # a rank-slice guess along the unbound dim has no dim left to shard: the piece of a
     # replicated tensor is what every rank holds, R
