@@ -152,3 +152,49 @@ REGRESSIONS += [
      one("tp2", R_TP, ("accumulate_on_first_rank", (0,), G), ("clone", (1,), ()), ("all_reduce", (2,), G)),
      "right", None),
 ]
+
+# a SUM reduce-scatter of zeros one rank added into: that rank's contribution, summed (was
+# reported "scatter of replicated"); added on every rank, a double count
+REGRESSIONS += [
+    ("reduce-scatter of zeros one rank added into",
+     one("tp2", R_TP, ("accumulate_on_first_rank", (0,), G), ("reduce_scatter_list", (1,), (*G, ("dim", 0)))),
+     "right", None),
+    ("reduce-scatter of zeros every rank added into",
+     one("tp2", R_TP, ("zeros_plus", (0,), ()), ("reduce_scatter_tensor", (1,), (*G, ("op", "sum")))), "wrong", 1),
+]
+
+# a dim sharded on both axes (dp outside tp), continued: sections on both axes nest (the outer
+# axis' sections hold the inner axis' joined pieces); the functional gather over the outer axis
+# leaves the inner one's pieces as sections (was S); a list gather over the inner axis leaves
+# the outer one's shard whole (was sections); Megatron's last-dim reduce-scatter keeps a rank's
+# rows of blocks stacked on dim 0 (was the stacked sections); a gather over both axes of a value
+# they shard along different dims stacks a grid of blocks (was G(1) and R), V
+S0_BOTH = (("tp", "S(0)"), ("dp", "S(0)"))
+TP_P_DP_S0 = (("tp", "P"), ("dp", "S(0)"))
+REGRESSIONS += [
+    ("cat of a value sharded twice with itself", one("tp2-dp2", S0_BOTH, ("cat", (0, 0), (("dim", 0),))),
+     "right", None),
+    ("functional gather over the outer axis of rows sharded twice",
+     one("tp2-dp2", S0_BOTH, ("f_all_gather", (0,), (("g", "dp"), ("dim", 0)))), "right", None),
+    ("list gather over the inner axis of rows sharded twice",
+     one("tp2-dp2", S0_BOTH, ("all_gather_list", (0,), (*G, ("dim", 0)))), "right", None),
+    ("Megatron's last-dim reduce-scatter of a partial sum of row shards",
+     one("tp2-dp2", TP_P_DP_S0, ("reduce_scatter_last_dim", (0,), G)), "right", None),
+    ("functional reduce-scatter along dim 1 of a partial sum of row shards",
+     one("tp2-dp2", TP_P_DP_S0, ("f_reduce_scatter", (0,), (*G, ("dim", 1)))), "right", None),
+    ("gather over both axes of a value they shard along different dims",
+     one("tp2-dp2", (("tp", "S(1)"), ("dp", "S(0)")), ("all_gather_into_tensor", (0,), (("g", "world"),))),
+     "undecided", 0),
+]
+
+# the judge: a product of partial sums reported where it reads x - x (zero on one rank, parts
+# that cancel on the ranks): the numbers fit by the cancellation, they cannot tell (was a false
+# alarm); a send into a buffer shaped like a transposed value (was a rank error: Gloo needs
+# contiguous buffers)
+REGRESSIONS += [
+    ("a product of partial sums next to a value zero on one rank",
+     one("tp2-dp2", (("tp", "P"), ("dp", "P")), ("all_reduce", (0,), (*G, ("op", "avg"))), ("sub", (0, 1), ()),
+         ("div", (2, 1), ())), "undecided", None),
+    ("send and receive of a transposed value", one("tp2", R_TP, ("transpose", (0,), ()), ("send_recv", (1,), G)),
+     "undecided", None),
+]

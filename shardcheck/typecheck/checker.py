@@ -64,7 +64,8 @@ ACC = 4
 # How an op's result relates to its inputs' known values: made zero; constant, zero when its
 # value arg is 0; as its input; as its source (copy_); constant when all tensor inputs are;
 # a Python number made a tensor (torch.tensor(0.0)).
-_ZERO, _FILL, _KEEP, _COPY, _ARITH, _LIFT, _ADD = 1, 2, 3, 4, 5, 6, 7  # _ADD: _ARITH, and see ACC
+_ZERO, _FILL, _KEEP, _COPY, _ARITH, _LIFT, _ADD, _JOIN = 1, 2, 3, 4, 5, 6, 7, 8  # _ADD: _ARITH, and see ACC
+# _JOIN (cat, stack): zeros when every piece is, ACC when each is zeros or ACC, CONST when all are
 _FILL_VALUE_POS = {"full": 1, "full_like": 1, "fill": 1, "new_full": 2, "scalar_tensor": 0}
 _KEEPS_ZERO = {
     "view", "_unsafe_view", "reshape", "permute", "transpose", "t", "unsqueeze", "squeeze",
@@ -548,6 +549,8 @@ class Checker(TorchDispatchMode):
             return CONST
         if kind == _KEEP:
             return self._flags(args[0])
+        if kind == _JOIN:
+            return _joined_flags({self._flags(t) for t in args[0]})
         if kind == _ZERO:
             return ZERO
         if kind == _COPY:
@@ -655,6 +658,15 @@ def _retyped_after(checker: Checker, violation: Violation, rule, args, kwargs, o
         return None
 
 
+def _joined_flags(kinds: set[int]) -> int:
+    """What is known of pieces joined (cat, stack) whose own flags are ``kinds``."""
+    if kinds == {ZERO}:
+        return ZERO
+    if ACC in kinds and kinds <= {ACC, ZERO}:
+        return ACC
+    return CONST if kinds <= {CONST, ZERO} else 0
+
+
 def _varied_on(pl, axes):
     """``pl`` (one result's placements, or a list of them) V on ``axes``."""
     if not axes:
@@ -712,6 +724,8 @@ def _resolve(func) -> tuple:
         zero_kind = _KEEP
     elif name == "copy":
         zero_kind = _COPY
+    elif name in ("cat", "stack"):
+        zero_kind = _JOIN
     elif name in _rules.CONST_PRESERVING:
         zero_kind = _ADD if name == "add" else _ARITH
     elif name in ("lift_fresh", "lift_fresh_copy"):

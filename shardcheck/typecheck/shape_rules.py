@@ -333,8 +333,19 @@ def _cat_rule(ctx, args, kwargs, out):
     if ungathered is not None:
         return ungathered
     return tuple(_joined_sections(ctx, tensors, a, dim)
-                 if isinstance(p, Shard) and norm_dim(p.dim, ndim) == dim else p
-                 for a, p in enumerate(pl))
+                 if isinstance(p, Shard) and norm_dim(p.dim, ndim) == dim and not _gathered_inside(ctx, tensors, a, dim)
+                 else p for a, p in enumerate(pl))
+
+
+def _gathered_inside(ctx, tensors, a: int, dim: int) -> bool:
+    """Whether ``tensors`` are the pieces of a list all-gather along ``dim`` over axes inside
+    (faster than) axis ``a``, joined in order: a's shard of that dim is whole again, as when
+    a tensor all-gather's blocks are joined (see _ungathered)."""
+    pls = [ctx.types(t) for t in tensors]
+    gathered = [b for b, p in enumerate(pls[0]) if type(p) is GatheredPiece and norm_dim(p.dim, tensors[0].dim()) == dim]
+    return (bool(gathered) and len(tensors) == prod(ctx.sizes[b] for b in gathered)
+            and all(type(pl[b]) is GatheredPiece for pl in pls[1:] for b in gathered)
+            and max(axis_stride(ctx, b) for b in gathered) < axis_stride(ctx, a))
 
 
 def _ungathered(ctx, tensors, dim: int) -> Pl | None:
