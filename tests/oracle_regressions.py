@@ -198,3 +198,9 @@ REGRESSIONS += [
     ("send and receive of a transposed value", one("tp2", R_TP, ("transpose", (0,), ()), ("send_recv", (1,), G)),
      "undecided", None),
 ]
+
+# a cut inside one rank's block of gathered blocks (was typed R, as a whole block is): V
+REGRESSIONS += [
+    ("a row of gathered column blocks",
+     one("tp2", TS1, ("all_gather_into_tensor", (0,), G), ("narrow", (1,), (("dim", 0),))), "undecided", 1),
+]

@@ -65,7 +65,7 @@ ACC = 4
 # value arg is 0; as its input; as its source (copy_); constant when all tensor inputs are;
 # a Python number made a tensor (torch.tensor(0.0)).
 _ZERO, _FILL, _KEEP, _COPY, _ARITH, _LIFT, _ADD, _JOIN = 1, 2, 3, 4, 5, 6, 7, 8  # _ADD: _ARITH, and see ACC
-# _JOIN (cat, stack): zeros when every piece is, ACC when each is zeros or ACC, CONST when all are
+# _JOIN (cat, stack): zeros when every piece is, ACC when each is zeros or ACC
 _FILL_VALUE_POS = {"full": 1, "full_like": 1, "fill": 1, "new_full": 2, "scalar_tensor": 0}
 _KEEPS_ZERO = {
     "view", "_unsafe_view", "reshape", "permute", "transpose", "t", "unsqueeze", "squeeze",
@@ -659,12 +659,11 @@ def _retyped_after(checker: Checker, violation: Violation, rule, args, kwargs, o
 
 
 def _joined_flags(kinds: set[int]) -> int:
-    """What is known of pieces joined (cat, stack) whose own flags are ``kinds``."""
+    """What is known of pieces joined (cat, stack) whose own flags are ``kinds`` (constants of
+    each its own are no constant)."""
     if kinds == {ZERO}:
         return ZERO
-    if ACC in kinds and kinds <= {ACC, ZERO}:
-        return ACC
-    return CONST if kinds <= {CONST, ZERO} else 0
+    return ACC if ACC in kinds and kinds <= {ACC, ZERO} else 0
 
 
 def _varied_on(pl, axes):

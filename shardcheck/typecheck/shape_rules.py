@@ -174,11 +174,22 @@ def _cut_along(ctx, pl: Pl, ndim: int, dim: int, pieces: list[tuple[int, int]], 
             elif isinstance(p, Shard) and norm_dim(p.dim, ndim) == dim:
                 per_axis.append(V)
             elif isinstance(p, Gathered):
-                per_axis.append(R if dim == 0 else None)
+                per_axis.append(_gathered_cut(ctx, pl, p, dim, start, length, total))
             else:
                 per_axis.append(p)
         results.append(tuple(per_axis))
     return results
+
+
+def _gathered_cut(ctx, pl: Pl, p: Gathered, dim: int, start: int, length: int, total: int) -> Placement | None:
+    """A cut of gathered blocks (stacked on dim 0, one per rank of the gathered axes): a whole
+    block is R (rank k's, the same on every rank: Megatron chunks them to join them along the
+    shard dim again); a cut inside a block or across blocks lines up with nothing (V); a cut
+    along another dim, unknown."""
+    if dim != 0:
+        return None
+    blocks = prod(ctx.sizes[a] for a, q in enumerate(pl) if isinstance(q, Gathered) and q.dim == p.dim)
+    return R if length * blocks == total and start % length == 0 else V
 
 
 def rank_chunks(total: int, parts: int, index: int) -> set[tuple[int, int]]:
