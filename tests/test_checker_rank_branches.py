@@ -40,6 +40,22 @@ def accumulated_on_first_rank_then_summed() -> torch.Tensor:
     return acc
 
 
+def accumulated_on_first_rank_then_scaled() -> torch.Tensor:
+    """An op on one rank's contribution: the value itself or that rank's part, V there."""
+    x = _replicated()
+    acc = torch.zeros_like(x)
+    if dist.get_rank() == 0:
+        acc += x
+    return acc * 2
+
+
+def accumulated_on_every_rank_then_scaled() -> torch.Tensor:
+    """Zeros every rank adds into (an optimizer's zero states): the value itself, R."""
+    acc = torch.zeros_like(_replicated())
+    acc += _replicated()
+    return acc * 2
+
+
 def rank_as_an_index() -> torch.Tensor:
     return _replicated().chunk(dist.get_world_size(), 0)[dist.get_rank()] * 2
 
@@ -89,7 +105,7 @@ def _tp_rank() -> int:
 
 
 PROGRAMS = [changed_on_first_rank, own_rows_by_branch, accumulated_on_first_rank_then_summed,
-            rank_as_an_index, partial_chunk_by_rank, partial_chunk_by_a_rank_helper, partial_halves_both_used,
+            accumulated_on_first_rank_then_scaled, accumulated_on_every_rank_then_scaled, rank_as_an_index, partial_chunk_by_rank, partial_chunk_by_a_rank_helper, partial_halves_both_used,
             branch_decided_elsewhere, partial_after_a_branch]
 
 
@@ -117,6 +133,8 @@ V, R, P, S0 = {"tp": "V"}, {"tp": "R"}, {"tp": "P"}, {"tp": "S(0)"}
     ("changed_on_first_rank", [V, R]),
     ("own_rows_by_branch", [S0, S0]),
     ("accumulated_on_first_rank_then_summed", [R, R]),
+    ("accumulated_on_first_rank_then_scaled", [V, R]),  # the other rank scaled zeros
+    ("accumulated_on_every_rank_then_scaled", [R, R]),
     ("rank_as_an_index", [S0, S0]),
     ("partial_chunk_by_rank", [V, V]),
     ("partial_chunk_by_a_rank_helper", [V, V]),

@@ -61,6 +61,10 @@ CONST, ZERO = 1, 2
 # Replicated zeros that one value was added into (``acc = zeros; if rank == 0: acc += x``): a
 # rank cannot tell whether the others added too (a sum over the axis, P) or hold zeros.
 ACC = 4
+# ACC added in a branch on the rank (``if rank == 0: acc += x``): likely one rank's contribution
+# alone, so an op on it other than its sum is V (see _after_accumulation). Added by every rank
+# (Adam's zero states, a token count summed per microbatch) ACC stays the value itself.
+ONE_RANK = 8
 # How an op's result relates to its inputs' known values: made zero; constant, zero when its
 # value arg is 0; as its input; as its source (copy_); constant when all tensor inputs are;
 # a Python number made a tensor (torch.tensor(0.0)).
@@ -242,7 +246,7 @@ class Checker(TorchDispatchMode):
         self._ops: dict[int, Any] = {}
         self._paused = False
         self.varying_cuts = 0
-        self.accumulating = False  # whether any op made ACC zeros yet (see _after_accumulation)
+        self.accumulating = False  # whether any op made ACC | ONE_RANK zeros yet (see _after_accumulation)
         self._pieces: tuple | None = None  # the latest split's pieces (see remember_pieces)
         self.rank_scalars: dict[int | float, tuple[int, ...]] = {}
         self.branches = rank_branches.RankBranches()
@@ -297,7 +301,7 @@ class Checker(TorchDispatchMode):
         """An op run by a frame that branched on the rank: its ranks may run other ops, so
         its result is V on those axes, unless its rule proves the layout: this rank's piece of
         a replicated value (a slice by rank), zeros only this rank added into (ACC), V."""
-        if flags == ACC:
+        if flags & ACC:
             return pl
         source = self.types(args[0]) if args and isinstance(args[0], torch.Tensor) else None
 
@@ -321,10 +325,11 @@ class Checker(TorchDispatchMode):
         return _varied_on(pl, self._rank_scalar_axes(args, kwargs))
 
     def _after_accumulation(self, pl, args):
-        """An op on zeros a value was added into (ACC), other than a view or copy of them or
-        their SUM all-reduce: on a replicated axis they are the value itself or one rank's
-        contribution, which a rank cannot tell, so the result is V there."""
-        axes = {a for t in args if isinstance(t, torch.Tensor) and self.accumulated(t)
+        """An op on zeros a value was added into in a branch on the rank (ACC | ONE_RANK),
+        other than a view or copy of them or their SUM all-reduce or reduce-scatter: on a
+        replicated axis they are the value itself or one rank's contribution, which a rank
+        cannot tell, so the result is V there."""
+        axes = {a for t in args if isinstance(t, torch.Tensor) and self._flags(t) & ONE_RANK
                 for a, p in enumerate(self.types(t)) if _rules.replicated(p)}
         return _varied_on(pl, axes)
 
@@ -350,7 +355,7 @@ class Checker(TorchDispatchMode):
 
     def accumulated(self, t: Any) -> bool:
         """Whether ``t`` is zeros that one value was added into (see ACC)."""
-        return self._flags(t) == ACC
+        return bool(self._flags(t) & ACC)
 
     def _flags(self, t: Any) -> int:
         st = getattr(t, "_sc", None)
@@ -473,8 +478,11 @@ class Checker(TorchDispatchMode):
         flags = self._value_flags(zero_kind, func, args) if zero_kind and pl is not None else 0
         if zero_kind == _ADD and pl is not None:
             flags = self._accumulation(args, flags)
-        if self.accumulating and pl is not None and flags != ACC and func.namespace == "aten":
+        if self.accumulating and pl is not None and not flags & ACC and func.namespace == "aten":
             pl = self._after_accumulation(pl, args)
+        if branched and flags == ACC:
+            flags = ACC | ONE_RANK
+            self.accumulating = True
         if branched and pl is not None:
             pl = self._after_rank_branch(pl, args, flags, branched)
         if mutated:
@@ -537,7 +545,6 @@ class Checker(TorchDispatchMode):
         """zeros + x (in place or not), x a value of its own: ACC."""
         if (len(args) >= 2 and isinstance(args[1], torch.Tensor) and self.zero(args[0])
                 and not self.zero(args[1])):
-            self.accumulating = True
             return ACC
         return flags
 
@@ -602,7 +609,7 @@ class Checker(TorchDispatchMode):
         pl = self.types(x)
         if pl is None:
             return "?"
-        known = {CONST: " const", ZERO: " zero", ACC: " accumulated"}.get(self._flags(x), "")
+        known = {CONST: " const", ZERO: " zero", ACC: " accumulated"}.get(self._flags(x) & ~ONE_RANK, "")
         inner = ", ".join(f"{n}:{'?' if p is None else p}"
                           for n, p in zip(self.names, pl, strict=True))
         return "{" + inner + "}" + known
@@ -663,7 +670,8 @@ def _joined_flags(kinds: set[int]) -> int:
     each its own are no constant)."""
     if kinds == {ZERO}:
         return ZERO
-    return ACC if ACC in kinds and kinds <= {ACC, ZERO} else 0
+    added = {k for k in kinds if k & ACC}
+    return max(added) if added and kinds <= added | {ZERO} else 0
 
 
 def _varied_on(pl, axes):
