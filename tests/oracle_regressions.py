@@ -204,3 +204,10 @@ REGRESSIONS += [
     ("a row of gathered column blocks",
      one("tp2", TS1, ("all_gather_into_tensor", (0,), G), ("narrow", (1,), (("dim", 0),))), "undecided", 1),
 ]
+
+# a rank's chunk joined with itself along its dim (seed 1): its copies make no whole (was
+# typed R, as distinct chunks put back together are): V
+REGRESSIONS += [
+    ("a by-rank chunk joined with itself", one("tp2", R_TP, ("slice_by_rank", (0,), (*G, ("dim", 1))),
+                                               ("cat", (1, 1), (("dim", 1),))), "undecided", 1),
+]

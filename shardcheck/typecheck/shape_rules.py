@@ -8,6 +8,8 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 
+import torch
+
 from shardcheck.typecheck.rules import (
     ADD,
     BlockShard,
@@ -309,21 +311,29 @@ def _pieces(ctx, tensors, joined_dim: int | None = None) -> list:
             if joined_dim is None:
                 pl = as_pieces(pl)
             else:
+                repeated = sum(_same_view(t, u) for u in tensors) > 1
                 pl = tuple(S(p.dim) if type(p) is SectionShard and norm_dim(p.dim, t.dim()) == joined_dim
-                           else _across(p, t.dim(), joined_dim) for p in pl)
+                           else _across(p, t.dim(), joined_dim, repeated) for p in pl)
             t = Typed(pl, tuple(t.shape), ctx.const(t), t)
         items.append((t, ADD))
     return items
 
 
-def _across(p, ndim: int, joined_dim: int):
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` view the same elements the same way."""
+    return (a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() and a.shape == b.shape
+            and a.storage_offset() == b.storage_offset() and a.stride() == b.stride())
+
+
+def _across(p, ndim: int, joined_dim: int, repeated: bool = False):
     """A piece's placement when cat joins it along ``joined_dim``: a rank chunk (or gathered
-    piece) of that dim is put back together (R); a gathered piece of another dim lines up with
-    nothing (V); a rank chunk of another dim stays a chunk (see _axis_layout)."""
+    piece) of that dim is put back together (R), unless the same piece comes again (its
+    copies make no whole: V); a gathered piece of another dim lines up with nothing (V); a
+    rank chunk of another dim stays a chunk (see _axis_layout)."""
     if not isinstance(p, RankChunk):
         return p
     if norm_dim(p.dim, ndim) == joined_dim:
-        return R
+        return V if repeated else R
     return V if type(p) is GatheredPiece else p
 
 
