@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 from shardcheck.fuzz.oracle import check
-from shardcheck.fuzz.oracle_gen import KNOWN_GAPS, programs
+from shardcheck.fuzz.oracle_gen import programs
 from shardcheck.parity.pool import RankPool
 
 
@@ -66,9 +66,6 @@ def main() -> int:
                   str(outcomes["miss"]), str(outcomes["undecided"]), str(outcomes["error"]),
                   f"{total / elapsed:.1f}")
     Console().print(table)
-    gap_free = [(p, v) for p, v in disagreements if not any(s.op in KNOWN_GAPS for s in p.steps)]
-    print(f"disagreements in programs without a known-gap op ({', '.join(sorted(KNOWN_GAPS))}): "
-          f"{len(gap_free)} of {len(disagreements)}")
     for program, verdict in disagreements[:20]:
         print(f"{verdict.outcome}: {verdict.why}\n  {program!r}")
     if args.save:

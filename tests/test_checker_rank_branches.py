@@ -4,12 +4,15 @@ own slice picked in a branch, zeros one rank accumulates into and then all-reduc
 used as an index only, and code that reads the rank without branching on it; past the
 branch the rules hold again."""
 
+import dis
+
 import pytest
 import torch
 import torch.distributed as dist
 
 import shardcheck as sc
 from shardcheck.parity.launch import spawn_ranks
+from shardcheck.typecheck import rank_branches
 
 
 def _replicated() -> torch.Tensor:
@@ -37,8 +40,44 @@ def accumulated_on_first_rank_then_summed() -> torch.Tensor:
     return acc
 
 
+def accumulated_on_first_rank_then_scaled() -> torch.Tensor:
+    """An op on one rank's contribution: the value itself or that rank's part, V there."""
+    x = _replicated()
+    acc = torch.zeros_like(x)
+    if dist.get_rank() == 0:
+        acc += x
+    return acc * 2
+
+
+def accumulated_on_every_rank_then_scaled() -> torch.Tensor:
+    """Zeros every rank adds into (an optimizer's zero states): the value itself, R."""
+    acc = torch.zeros_like(_replicated())
+    acc += _replicated()
+    return acc * 2
+
+
 def rank_as_an_index() -> torch.Tensor:
     return _replicated().chunk(dist.get_world_size(), 0)[dist.get_rank()] * 2
+
+
+def _partial() -> torch.Tensor:
+    return sc.annotate(torch.randn(4, 6, generator=torch.Generator().manual_seed(2)), tp=sc.P)
+
+
+def partial_chunk_by_rank() -> torch.Tensor:
+    """One rank's chunk of each rank's part of a sum: no layout of the sum (V)."""
+    return _partial().chunk(dist.get_world_size(), 0)[dist.get_rank()] * 2
+
+
+def partial_chunk_by_a_rank_helper() -> torch.Tensor:
+    """The rank read through a helper (``get_tensor_model_parallel_rank()``)."""
+    return _partial().chunk(dist.get_world_size(), 0)[_tp_rank()] * 2
+
+
+def partial_halves_both_used() -> torch.Tensor:
+    """Both pieces of a split by fixed indices (Megatron's fused cross entropy): a sum still."""
+    halves = _partial().chunk(2, 0)
+    return halves[0] + halves[1]
 
 
 def branch_decided_elsewhere() -> torch.Tensor:
@@ -61,8 +100,13 @@ def _is_first() -> bool:
     return dist.get_rank(dist.group.WORLD) == 0
 
 
+def _tp_rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
 PROGRAMS = [changed_on_first_rank, own_rows_by_branch, accumulated_on_first_rank_then_summed,
-            rank_as_an_index, branch_decided_elsewhere, partial_after_a_branch]
+            accumulated_on_first_rank_then_scaled, accumulated_on_every_rank_then_scaled, rank_as_an_index, partial_chunk_by_rank, partial_chunk_by_a_rank_helper, partial_halves_both_used,
+            branch_decided_elsewhere, partial_after_a_branch]
 
 
 def _ranks() -> dict:
@@ -81,7 +125,7 @@ def ranks():
     return spawn_ranks(_ranks, 2)
 
 
-V, R, S0 = {"tp": "V"}, {"tp": "R"}, {"tp": "S(0)"}
+V, R, P, S0 = {"tp": "V"}, {"tp": "R"}, {"tp": "P"}, {"tp": "S(0)"}
 
 
 @pytest.mark.parametrize(("program", "types"), [
@@ -89,7 +133,12 @@ V, R, S0 = {"tp": "V"}, {"tp": "R"}, {"tp": "S(0)"}
     ("changed_on_first_rank", [V, R]),
     ("own_rows_by_branch", [S0, S0]),
     ("accumulated_on_first_rank_then_summed", [R, R]),
+    ("accumulated_on_first_rank_then_scaled", [V, R]),  # the other rank scaled zeros
+    ("accumulated_on_every_rank_then_scaled", [R, R]),
     ("rank_as_an_index", [S0, S0]),
+    ("partial_chunk_by_rank", [V, V]),
+    ("partial_chunk_by_a_rank_helper", [V, V]),
+    ("partial_halves_both_used", [P, P]),
     ("branch_decided_elsewhere", [R, R]),
 ])
 def test_types_after_a_branch_on_the_rank(ranks, program, types):
@@ -106,3 +155,36 @@ def test_a_rule_broken_past_the_branch_is_reported(ranks):
 
 def test_get_rank_is_itself_again_outside_the_region(ranks):
     assert [rank["get_rank outside"] for rank in ranks] == ["int", "int"]
+
+
+def _call_and_subscript(fn) -> tuple[int, int]:
+    """Offsets of ``fn``'s call of ``chunk`` and of its last subscript."""
+    instructions = list(dis.get_instructions(fn))
+    chunk = next(i for i, ins in enumerate(instructions) if ins.argval == "chunk")
+    call = next(ins.offset for ins in instructions[chunk:] if ins.opname == "CALL")
+    return call, [ins.offset for ins in instructions if ins.opname == "BINARY_SUBSCR"][-1]
+
+
+def _picked(x, rank):
+    return x.chunk(2)[rank()]
+
+
+def _handed_on(x, rank):
+    return tuple(x.chunk(2))[rank()]
+
+
+def _added_to(x, y, rank):
+    return (x.chunk(2) + y)[rank()]
+
+
+def _stored(x, rank):
+    pieces = x.chunk(2)
+    return pieces[rank()]
+
+
+@pytest.mark.parametrize(("fn", "picks"), [(_picked, True), (_handed_on, False), (_added_to, False),
+                                           (_stored, False)])
+def test_a_subscript_picks_a_pieces_only_straight_from_the_split(fn, picks):
+    """The checker types a by-rank pick of a split's piece only where the subscript indexes
+    the split's own result (a stored, handed-on or combined result may be another sequence)."""
+    assert rank_branches.subscripts_result(fn.__code__, *_call_and_subscript(fn)) is picks

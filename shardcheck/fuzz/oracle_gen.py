@@ -29,21 +29,10 @@ PLACEMENTS = ("R", "P", "S(0)", "S(1)", "I", "V")
 SHAPE = (8, 8)
 TRIES = 8
 ATEN = tuple(name for name in SPECS if name not in COLLECTIVES)
-# Ops whose disagreements with the numbers are open checker gaps (docs/oracle.md): the
-# benchmark draws them, the CI share leaves them out and tests that they still disagree.
-KNOWN_GAPS = {
-    "accumulate_on_first_rank": "zeros one rank added a value into are that rank's contribution: "
-                                "summed over the axis they are typed right, but an op on them (neg, "
-                                "matmul) reads them as the value itself (R) on every rank",
-    "slice_by_rank": "a by-rank slice of a value that is not replicated (a partial sum, a shard "
-                     "along another dim) keeps its type; each rank's chunk of its own part is no "
-                     "layout of the global value",
-}
 
 
 _PLACEMENT = st.sampled_from(PLACEMENTS)
-_OPS = {gaps: st.one_of(st.sampled_from([op for op in ATEN if gaps or op not in KNOWN_GAPS]),
-                        st.sampled_from(COLLECTIVES)) for gaps in (True, False)}
+_OPS = st.one_of(st.sampled_from(ATEN), st.sampled_from(COLLECTIVES))
 _CHOICES = {choices: st.sampled_from(choices) for spec in SPECS.values() for _, choices in spec.params}
 _GROUPS = {groups: st.sampled_from(groups) for groups in (("tp",), ("tp", "dp", "world"))}
 
@@ -55,8 +44,8 @@ def inputs(draw, layout: str) -> Input:
 
 
 @st.composite
-def steps(draw, count: int, groups: tuple[str, ...], gaps: bool = True) -> Step:
-    op = draw(_OPS[gaps])
+def steps(draw, count: int, groups: tuple[str, ...]) -> Step:
+    op = draw(_OPS)
     spec = SPECS[op]
     args = tuple(draw(st.integers(0, count - 1)) for _ in range(spec.arity))
     params = tuple((key, draw(_GROUPS[groups] if key == "g" else _CHOICES[choices])) for key, choices in spec.params)
@@ -64,11 +53,9 @@ def steps(draw, count: int, groups: tuple[str, ...], gaps: bool = True) -> Step:
 
 
 @st.composite
-def programs(draw, layouts: tuple[str, ...] = ("tp2", "tp4", "tp2-dp2"), valid_only: bool = True,
-             gaps: bool = True) -> Program:
+def programs(draw, layouts: tuple[str, ...] = ("tp2", "tp4", "tp2-dp2"), valid_only: bool = True) -> Program:
     """A program whose every step runs, in shapes, on a rank of ``layout`` and on one rank
-    (each step is drawn again, up to a few times, until it does). ``gaps``: draw the ops of
-    KNOWN_GAPS too."""
+    (each step is drawn again, up to a few times, until it does)."""
     layout = draw(st.sampled_from(layouts))
     groups = ("tp", "dp", "world") if len(LAYOUTS[layout]) > 1 else ("tp",)
     ins = tuple(draw(inputs(layout)) for _ in range(draw(st.integers(1, 3))))
@@ -78,7 +65,7 @@ def programs(draw, layouts: tuple[str, ...] = ("tp2", "tp4", "tp2-dp2"), valid_o
     body: list[Step] = []
     for _ in range(draw(st.integers(1, 5))):
         for _ in range(TRIES):
-            step = draw(steps(len(ins) + len(body), groups, gaps))
+            step = draw(steps(len(ins) + len(body), groups))
             out = runs(step.op, envs, [[v[j] for j in step.args] for v in values], dict(step.params))
             if out is not None:
                 break

@@ -224,7 +224,7 @@ def exchange(env: Env, x, g: str):
 
 def send_recv(env: Env, x, g: str):
     """Pipeline-style: the group's first rank sends its value to each other rank (send/recv)."""
-    y = x.clone()
+    y = x.clone(memory_format=torch.contiguous_format)  # Gloo receives into contiguous buffers only
     if not _moves(env, g):
         return y
     if env.rank(g) == 0:

@@ -62,10 +62,15 @@ CONST, ZERO = 1, 2
 # Replicated zeros that one value was added into (``acc = zeros; if rank == 0: acc += x``): a
 # rank cannot tell whether the others added too (a sum over the axis, P) or hold zeros.
 ACC = 4
+# ACC added in a branch on the rank (``if rank == 0: acc += x``): likely one rank's contribution
+# alone, so an op on it other than its sum is V (see _after_accumulation). Added by every rank
+# (Adam's zero states, a token count summed per microbatch) ACC stays the value itself.
+ONE_RANK = 8
 # How an op's result relates to its inputs' known values: made zero; constant, zero when its
 # value arg is 0; as its input; as its source (copy_); constant when all tensor inputs are;
 # a Python number made a tensor (torch.tensor(0.0)).
-_ZERO, _FILL, _KEEP, _COPY, _ARITH, _LIFT, _ADD = 1, 2, 3, 4, 5, 6, 7  # _ADD: _ARITH, and see ACC
+_ZERO, _FILL, _KEEP, _COPY, _ARITH, _LIFT, _ADD, _JOIN = 1, 2, 3, 4, 5, 6, 7, 8  # _ADD: _ARITH, and see ACC
+# _JOIN (cat, stack): zeros when every piece is, ACC when each is zeros or ACC
 _FILL_VALUE_POS = {"full": 1, "full_like": 1, "fill": 1, "new_full": 2, "scalar_tensor": 0}
 _KEEPS_ZERO = {
     "view", "_unsafe_view", "reshape", "permute", "transpose", "t", "unsqueeze", "squeeze",
@@ -242,6 +247,8 @@ class Checker(TorchDispatchMode):
         self._ops: dict[int, Any] = {}
         self._paused = False
         self.varying_cuts = 0
+        self.accumulating = False  # whether any op made ACC | ONE_RANK zeros yet (see _after_accumulation)
+        self._pieces: tuple | None = None  # the latest split's pieces (see remember_pieces)
         self.rank_scalars: dict[int | float, tuple[int, ...]] = {}
         self.branches = rank_branches.RankBranches()
         # with ``sites``: op calls per source location [typed, unknown], and where unknowns began
@@ -266,13 +273,38 @@ class Checker(TorchDispatchMode):
         if not names:
             return None
         axes = tuple(self.names.index(n) for n in names)
-        return lambda frame: self.branches.decided(frame, axes)
+        return rank_branches.RankUse(lambda frame: self.branches.decided(frame, axes),
+                                     lambda frame, at, rank: self.picked_by_rank(frame, at, rank, axes))
+
+    def remember_pieces(self, pieces, source: tuple) -> None:
+        """The pieces a split just made of a value typed ``source``, and the user code's call
+        that made them (see :meth:`picked_by_rank`)."""
+        frame = rank_branches.user_frame(sys._getframe(1))
+        if frame is not None:
+            self._pieces = (id(frame), frame.f_code, frame.f_lasti, [weakref.ref(t) for t in pieces], source)
+
+    def picked_by_rank(self, frame, at: int, rank: int, axes: tuple[int, ...]) -> None:
+        """The subscript at offset ``at`` of ``frame`` picks this rank's piece of the split
+        that frame just made: of a value not replicated on the group's axes, one rank's chunk
+        of each rank's own part (of a sum, of a shard along another dim) is no layout of a
+        global value, so the piece is V there. Of a replicated value it is the rank's shard,
+        which the slice rules tell by the piece's place already."""
+        made = self._pieces
+        if made is None or made[0] != id(frame) or made[1] is not frame.f_code:
+            return
+        _, code, call, pieces, source = made
+        if all(_rules.replicated(source[a]) for a in axes) or not 0 <= rank < len(pieces):
+            return
+        piece = pieces[rank]()
+        pl = self.types(piece)
+        if pl is not None and rank_branches.subscripts_result(code, call, at):
+            self.set_type(piece, _varied_on(pl, set(axes)), self._flags(piece))
 
     def _after_rank_branch(self, pl, args, flags: int, axes: tuple[int, ...]):
         """An op run by a frame that branched on the rank: its ranks may run other ops, so
         its result is V on those axes, unless its rule proves the layout: this rank's piece of
         a replicated value (a slice by rank), zeros only this rank added into (ACC), V."""
-        if flags == ACC:
+        if flags & ACC:
             return pl
         source = self.types(args[0]) if args and isinstance(args[0], torch.Tensor) else None
 
@@ -293,12 +325,16 @@ class Checker(TorchDispatchMode):
 
     def _varied_by_scalars(self, pl, args, kwargs):
         """An op given a Python number that differs per rank on some axes: V there."""
-        axes = self._rank_scalar_axes(args, kwargs)
-        if not axes:
-            return pl
-        def vary(one):
-            return None if one is None else tuple(V if a in axes else p for a, p in enumerate(one))
-        return [vary(one) for one in pl] if isinstance(pl, list) else vary(pl)
+        return _varied_on(pl, self._rank_scalar_axes(args, kwargs))
+
+    def _after_accumulation(self, pl, args):
+        """An op on zeros a value was added into in a branch on the rank (ACC | ONE_RANK),
+        other than a view or copy of them or their SUM all-reduce or reduce-scatter: on a
+        replicated axis they are the value itself or one rank's contribution, which a rank
+        cannot tell, so the result is V there."""
+        axes = {a for t in args if isinstance(t, torch.Tensor) and self._flags(t) & ONE_RANK
+                for a, p in enumerate(self.types(t)) if _rules.replicated(p)}
+        return _varied_on(pl, axes)
 
     def count_varying_cut(self) -> int:
         """Number this by-rank cut of a varying tensor (the same on every rank of an SPMD run)."""
@@ -322,7 +358,7 @@ class Checker(TorchDispatchMode):
 
     def accumulated(self, t: Any) -> bool:
         """Whether ``t`` is zeros that one value was added into (see ACC)."""
-        return self._flags(t) == ACC
+        return bool(self._flags(t) & ACC)
 
     def _flags(self, t: Any) -> int:
         st = getattr(t, "_sc", None)
@@ -446,6 +482,11 @@ class Checker(TorchDispatchMode):
         flags = self._value_flags(zero_kind, func, args) if zero_kind and pl is not None else 0
         if zero_kind == _ADD and pl is not None:
             flags = self._accumulation(args, flags)
+        if self.accumulating and pl is not None and not flags & ACC and func.namespace == "aten":
+            pl = self._after_accumulation(pl, args)
+        if branched and flags == ACC:
+            flags = ACC | ONE_RANK
+            self.accumulating = True
         if branched and pl is not None:
             pl = self._after_rank_branch(pl, args, flags, branched)
         if mutated:
@@ -531,6 +572,8 @@ class Checker(TorchDispatchMode):
             return CONST
         if kind == _KEEP:
             return self._flags(args[0])
+        if kind == _JOIN:
+            return _joined_flags({self._flags(t) for t in args[0]})
         if kind == _ZERO:
             return ZERO
         if kind == _COPY:
@@ -582,7 +625,7 @@ class Checker(TorchDispatchMode):
         pl = self.types(x)
         if pl is None:
             return "?"
-        known = {CONST: " const", ZERO: " zero", ACC: " accumulated"}.get(self._flags(x), "")
+        known = {CONST: " const", ZERO: " zero", ACC: " accumulated"}.get(self._flags(x) & ~ONE_RANK, "")
         inner = ", ".join(f"{n}:{'?' if p is None else p}"
                           for n, p in zip(self.names, pl, strict=True))
         return "{" + inner + "}" + known
@@ -638,6 +681,25 @@ def _retyped_after(checker: Checker, violation: Violation, rule, args, kwargs, o
         return None
 
 
+def _joined_flags(kinds: set[int]) -> int:
+    """What is known of pieces joined (cat, stack) whose own flags are ``kinds`` (constants of
+    each its own are no constant)."""
+    if kinds == {ZERO}:
+        return ZERO
+    added = {k for k in kinds if k & ACC}
+    return max(added) if added and kinds <= added | {ZERO} else 0
+
+
+def _varied_on(pl, axes):
+    """``pl`` (one result's placements, or a list of them) V on ``axes``."""
+    if not axes:
+        return pl
+
+    def vary(one):
+        return None if one is None else tuple(V if a in axes else p for a, p in enumerate(one))
+    return [vary(one) for one in pl] if isinstance(pl, list) else vary(pl)
+
+
 def _flat(args: Any) -> Iterator[Any]:
     for a in args:
         if isinstance(a, (list, tuple)):
@@ -690,6 +752,8 @@ def _resolve(func) -> tuple:
         zero_kind = _KEEP
     elif name == "copy":
         zero_kind = _COPY
+    elif name in ("cat", "stack"):
+        zero_kind = _JOIN
     elif name in _rules.CONST_PRESERVING:
         zero_kind = _ADD if name == "add" else _ARITH
     elif name in ("lift_fresh", "lift_fresh_copy"):

@@ -32,7 +32,7 @@ from shardcheck.typecheck.rules import (
     mark_gathered_rows,
     stacks_as_pieces,
 )
-from shardcheck.typecheck.types import I, Placement, R, S, Shard, V
+from shardcheck.typecheck.types import I, P, Placement, R, S, Shard, V
 
 SUM, AVG, PRODUCT, MIN, MAX = "sum", "avg", "product", "min", "max"
 _C10D_OPS = {0: SUM, 1: AVG, 2: PRODUCT, 3: MIN, 4: MAX}  # c10d::ReduceOp::RedOpType
@@ -121,21 +121,41 @@ def _gather_step(into_tensor: bool, source: torch.Tensor) -> Callable[[Placement
     return step
 
 
-def _scatter_step(op: str, dim: int = 0) -> Callable[[Placement, int], Placement | None]:
-    """reduce-scatter: the reduced value's chunk along ``dim``."""
+def _scatter_step(op: str, dim: int = 0, nested: bool = False) -> Callable[[Placement, int], Placement | None]:
+    """reduce-scatter: the reduced value's chunk along ``dim``; V when ``nested`` (see
+    :func:`_scatters_inside`)."""
+    chunk = V if nested else S(dim)
+
     def step(p: Placement, a: int) -> Placement | None:
         if op == SUM:
             if p is R or p is I:
                 raise Violation("scatter of replicated", a)
             if p is PAVG:
                 raise Violation("mean over shard", a)
-            return S(dim) if is_sum(p) or p is V else None
+            return chunk if is_sum(p) or p is V else None
         if op == AVG:
             if is_sum(p):  # a chunk of the sum over n: neither a shard nor a partial sum
                 raise Violation("mean of partial", a)
-            return S(dim) if p in (R, I, V, PAVG) else None
+            return chunk if p in (R, I, V, PAVG) else None
         return None
     return step
+
+
+def _scatters_inside(ctx, pl: Pl, axes: list[int], dim: int, ndim: int) -> bool:
+    """Whether a reduce-scatter over ``axes`` along ``dim`` cuts inside the shards of an inner
+    axis outside the group (rows tp shards, scattered over dp): the group's chunks then sit
+    inside that axis' pieces, a nesting no placement says (S(d) on both has the outer axis
+    outside)."""
+    if not axes:
+        return False
+    outer = min(axis_stride(ctx, a) for a in axes)
+    return any(b not in axes and ctx.sizes[b] > 1 and isinstance(p, Shard)
+               and p.dim % max(ndim, 1) == dim % max(ndim, 1) and axis_stride(ctx, b) < outer
+               for b, p in enumerate(pl))
+
+
+def _reduce_scatter_of(ctx, pl: Pl, axes: list[int], op: str, dim: int, ndim: int) -> Callable:
+    return _scatter_step(op, dim, _scatters_inside(ctx, pl, axes, dim, ndim))
 
 
 def _broadcast_step(p: Placement, a: int) -> Placement | None:
@@ -186,27 +206,32 @@ def _allreduce(ctx, args, kwargs, out):
         return _buffer_update(ctx, tensors, group, _all_reduce_step(op))
     axes, step = _axes(ctx, group), _all_reduce_step(op)
     for t, pl in zip(tensors, pls, strict=True):
-        if op == SUM and (ctx.zero(t) or ctx.accumulated(t)):
-            _sum_of_contributions(ctx, t, pl, axes)
+        if op == SUM and _contributions(ctx, [t]):
+            _sum_of_contributions(ctx, t, pl, axes, [t], step, torch.ops.c10d.allreduce_.default)
         else:
             _typed_update(ctx, [t], pl, axes, step)
     return NO_TENSOR
 
 
-def _sum_of_contributions(ctx, t: torch.Tensor, pl: Pl, axes: list[int]) -> None:
-    """A SUM all-reduce of replicated zeros, or of zeros one value was added into: zeros sum
-    to zeros, and a value added on some ranks only is their contribution (Megatron adds the
-    loss on the last pipeline stage only). Added on every rank it is a double count: each
-    rank reports it, and the report stands when ranks at two coordinates make it."""
+def _contributions(ctx, tensors) -> bool:
+    """Whether ``tensors`` are replicated zeros, or zeros one value was added into (ACC)."""
+    return all(ctx.zero(t) or ctx.accumulated(t) for t in tensors)
+
+
+def _sum_of_contributions(ctx, source: torch.Tensor, pl: Pl, axes: list[int], outputs, step, func) -> Any:
+    """A SUM all-reduce or reduce-scatter (``step``) of replicated zeros, or of zeros one value
+    was added into: zeros sum to zeros, and a value added on some ranks only is their
+    contribution (Megatron adds the loss on the last pipeline stage only), a sum over the axis.
+    Added on every rank it is a double count: each rank reports it, and the report stands
+    when ranks at two coordinates make it."""
     for a in axes:
         if pl[a] is R or pl[a] is I:
             occurrence = ctx.count_varying_cut()  # on every rank, zeros or not: numbered alike
-            if ctx.accumulated(t):
+            if ctx.accumulated(source):
                 ctx._report(Violation("double count", a, "zeros this rank added a replicated value "
                                       "into: a double count if every rank added it", occurrence,
-                                      unconfirmed=True), torch.ops.c10d.allreduce_.default, (t,))
-    step = _all_reduce_step(SUM)
-    _typed_update(ctx, [t], pl, axes, lambda p, a: R if p is R or p is I else step(p, a))
+                                      unconfirmed=True), func, (source,))
+    return _typed_update(ctx, outputs, pl, axes, lambda p, a: step(P if p is R or p is I else p, a))
 
 
 def _buffer_update(ctx, tensors, group, step) -> Any:
@@ -236,7 +261,15 @@ def _allgather_base(ctx, args, kwargs, out):
     axes = _axes(ctx, group)
     mark_gathered_rows(ctx, output, pl, axes, len(group_ranks(group)))
     return _typed_update(ctx, [output], _inner_rows_as_sections(ctx, pl, axes, inp), axes,
-                         _gather_step(True, inp))
+                         _gather_step_over(pl, axes, inp))
+
+
+def _gather_step_over(pl: Pl, axes: list[int], source: torch.Tensor) -> Callable:
+    """The tensor all-gather's step, V on every axis of a group over axes that shard different
+    dims: the blocks it stacks, in the group's rank order, are a grid of them that no
+    placement per axis says."""
+    dims = {p.dim % max(source.dim(), 1) for p in (pl[a] for a in axes) if isinstance(p, Shard)}
+    return _to_varying if len(dims) > 1 else _gather_step(True, source)
 
 
 def _inner_rows_as_sections(ctx, pl: Pl, axes: list[int], inp: torch.Tensor) -> Pl:
@@ -259,7 +292,7 @@ def _functional_gather(ctx, args, kwargs, out):
         return None
     axes = _axes(ctx, args[2])
     mark_gathered_rows(ctx, out, pl, axes, args[1])
-    return _on_axes(pl, axes, _gather_step(True, args[0]))
+    return _on_axes(_inner_rows_as_sections(ctx, pl, axes, args[0]), axes, _gather_step_over(pl, axes, args[0]))
 
 
 def _reduce_scatter(ctx, args, kwargs, out):
@@ -270,7 +303,11 @@ def _reduce_scatter(ctx, args, kwargs, out):
     pl = pieces[0] if pieces and all(p == pieces[0] for p in pieces) else None
     if pl is None or dim is None:
         return _typed_update(ctx, outputs, None, (), None)
-    return _typed_update(ctx, outputs, pl, _axes(ctx, group), _scatter_step(op, dim))
+    axes = _axes(ctx, group)
+    step = _reduce_scatter_of(ctx, pl, axes, op, dim, inputs[0][0].dim())
+    if op == SUM and _contributions(ctx, inputs[0]):
+        return _sum_of_contributions(ctx, inputs[0][0], pl, axes, outputs, step, torch.ops.c10d.reduce_scatter_.default)
+    return _typed_update(ctx, outputs, pl, axes, step)
 
 
 def _reduce_scatter_base(ctx, args, kwargs, out):
@@ -279,7 +316,22 @@ def _reduce_scatter_base(ctx, args, kwargs, out):
     if pl is None:
         return _typed_update(ctx, [output], None, (), None)
     axes = _axes(ctx, group)
-    return _typed_update(ctx, [output], pl, axes, _scatter_step(op, _stacked_dim(ctx, inp, group)))
+    step = _reduce_scatter_of(ctx, pl, axes, op, _stacked_dim(ctx, inp, group), inp.dim())
+    pl = _sections_scattered(ctx, pl, axes, group, output.shape[0] if output.dim() else 0)
+    if op == SUM and _contributions(ctx, [inp]):
+        return _sum_of_contributions(ctx, inp, pl, axes, [output], step, torch.ops.c10d._reduce_scatter_base_.default)
+    return _typed_update(ctx, [output], pl, axes, step)
+
+
+def _sections_scattered(ctx, pl: Pl, axes: list[int], group, rows: int) -> Pl:
+    """A reduce-scatter keeps this rank's ``rows`` of dim 0: an axis outside the group whose
+    pieces are sections of dim 0 (blocks stacked there, see mark_stacked) keeps the section
+    this rank's chunk is (S(0)), or nothing that lines up (V)."""
+    if not any(type(pl[b]) is SectionShard and pl[b].dim == 0 for b in range(len(pl)) if b not in axes):
+        return pl
+    start = group_ranks(group).index(ctx.mesh.rank) * rows
+    return tuple(p if a in axes or type(p) is not SectionShard or p.dim != 0 else p.piece(start, rows) or V
+                 for a, p in enumerate(pl))
 
 
 def _stacked_dim(ctx, inp: torch.Tensor, group) -> int:
@@ -400,12 +452,24 @@ def _functional(step_of: Callable[[tuple, dict], Callable], group_pos: int) -> C
 
 
 def _functional_stacked(ctx, args, group_pos: int, step_of: Callable[[int], Callable]) -> Pl | None:
-    """A functional reduce-scatter or all-to-all, told where its input's dim-0 blocks came from."""
+    """A functional all-to-all, told where its input's dim-0 blocks came from."""
     pl = ctx.types(args[0])
     if pl is None:
         return None
     group = args[group_pos]
     return _on_axes(pl, _axes(ctx, group), step_of(_stacked_dim(ctx, args[0], group)))
+
+
+def _functional_reduce_scatter(ctx, args, kwargs, out):
+    """reduce_scatter_tensor(input, op, group_size, group), told where the input's dim-0
+    blocks came from."""
+    pl = ctx.types(args[0])
+    if pl is None:
+        return None
+    group = args[3]
+    axes = _axes(ctx, group)
+    step = _reduce_scatter_of(ctx, pl, axes, _reduce_op(args[1]), _stacked_dim(ctx, args[0], group), args[0].dim())
+    return _on_axes(_sections_scattered(ctx, pl, axes, group, out.shape[0] if out.dim() else 0), axes, step)
 
 
 def _functional_all_reduce_(ctx, args, kwargs, out):
@@ -450,7 +514,7 @@ FUNCTIONAL_RULES: dict[str, Callable] = {
     "all_reduce": _functional(lambda a, k: _all_reduce_step(_reduce_op(a[1])), 2),
     "all_reduce_": _functional_all_reduce_,
     "all_gather_into_tensor": _functional_gather,
-    "reduce_scatter_tensor": lambda ctx, a, k, out: _functional_stacked(ctx, a, 3, lambda d: _scatter_step(_reduce_op(a[1]), d)),
+    "reduce_scatter_tensor": _functional_reduce_scatter,
     "all_to_all_single": lambda ctx, a, k, out: _functional_stacked(ctx, a, 3, _exchange_step),
     "broadcast": _functional_broadcast,
     "wait_tensor": _waited,

@@ -8,6 +8,9 @@ calling frame branches on the rank. The ops that frame runs inside the branch (f
 that tests the rank to where the branches meet again) are typed V on those axes unless their
 rule proves otherwise (see ``Checker._after_rank_branch``). A comparison stored in a variable
 and tested later, or a branch that calls a function, is not followed.
+
+A rank read as the index of a subscript (``x.chunk(n)[get_rank(group)]``) tells the checker
+which of the pieces a split just made each rank picks (``Checker.picked_by_rank``).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import functools
 import os
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
@@ -99,9 +103,7 @@ class RankBranches:
 
     def axes_here(self) -> tuple[int, ...]:
         """The axes on which the code running the current op is under a branch on the rank."""
-        frame = sys._getframe(1)
-        while frame is not None and frame.f_code.co_filename.startswith(MACHINERY):
-            frame = frame.f_back
+        frame = user_frame(sys._getframe(1))
         known = self.frames.get(id(frame)) if frame is not None else None
         if known is None or known[0] is not frame:
             return ()
@@ -109,9 +111,58 @@ class RankBranches:
         return tuple(sorted({a for start, end, axes in known[1] if start < at < end for a in axes}))
 
 
+def user_frame(frame: FrameType | None) -> FrameType | None:
+    """The first frame from ``frame`` up that runs user code (not torch's or the checker's)."""
+    while frame is not None and frame.f_code.co_filename.startswith(MACHINERY):
+        frame = frame.f_back
+    return frame
+
+
 @functools.lru_cache(maxsize=256)
 def _instructions(code) -> tuple[dis.Instruction, ...]:
     return tuple(dis.get_instructions(code))
+
+
+def _after(instructions: tuple[dis.Instruction, ...], offset: int) -> int:
+    """The index of the first instruction past ``offset``."""
+    return next((i for i, ins in enumerate(instructions) if ins.offset > offset), len(instructions))
+
+
+def subscript_site(frame: FrameType) -> tuple[FrameType, int] | None:
+    """(frame, offset) of the subscript that the value of the call running in ``frame`` is
+    the index of (``pieces[get_rank(group)]``), through the returns of the functions that
+    hand it on (``get_tensor_model_parallel_rank()``); None when it is used otherwise."""
+    while frame is not None:
+        instructions = _instructions(frame.f_code)
+        at = _after(instructions, frame.f_lasti)
+        while at < len(instructions) and instructions[at].opname == "JUMP_FORWARD":  # out of an if-else
+            at = _after(instructions, instructions[at].argval - 1)
+        following = instructions[at].opname if at < len(instructions) else None
+        if following != "RETURN_VALUE":
+            return (frame, instructions[at].offset) if following == "BINARY_SUBSCR" else None
+        frame = frame.f_back
+    return None
+
+
+_PURE_PUSHES = {"PUSH_NULL", "LOAD_FAST", "LOAD_CONST", "LOAD_GLOBAL", "LOAD_DEREF", "LOAD_NAME"}
+
+
+def subscripts_result(code, call: int, subscript: int) -> bool:
+    """Whether the subscript at offset ``subscript`` indexes the value that the call at
+    offset ``call`` left on the stack, the code in between only computing the index: it
+    pushes first, and nothing there pops down to that value (nor jumps)."""
+    instructions = _instructions(code)
+    between = [ins for ins in instructions[_after(instructions, call):] if ins.offset < subscript]
+    if not between or between[0].opname not in _PURE_PUSHES:
+        return False
+    depth = 0
+    for ins in between:
+        if "JUMP" in ins.opname:
+            return False
+        depth += dis.stack_effect(ins.opcode, ins.arg if ins.opcode >= dis.HAVE_ARGUMENT else None)
+        if depth < 1:
+            return False
+    return depth == 1
 
 
 def branch_span(code, offset: int) -> tuple[int, int] | None:
@@ -136,22 +187,37 @@ def _forward_test(ins: dis.Instruction) -> bool:
             and ins.argval > ins.offset)
 
 
+@dataclass(frozen=True)
+class RankUse:
+    """What the checker is told of a rank read for some mesh axes: ``decided(frame)`` when
+    ``frame`` compares or tests it, ``picked(frame, subscript, rank)`` when it is the index
+    of the subscript at that offset (see :func:`subscript_site`)."""
+
+    decided: Callable[[FrameType], None]
+    picked: Callable[[FrameType, int, int], None]
+
+
 _get_rank = dist.get_rank
-_installed: list[Callable[[Any], tuple[int, ...] | None]] = []
+_installed: list[Callable[[Any], RankUse | None]] = []
 
 
 def _watched_get_rank(group: Any = None) -> int:
     rank = _get_rank(group)
-    caller = sys._getframe(1).f_code.co_filename
-    if not _installed or rank < 0 or caller.startswith(MACHINERY):
+    caller = sys._getframe(1)
+    if not _installed or rank < 0 or caller.f_code.co_filename.startswith(MACHINERY):
         return rank
-    seen = _installed[-1](group)
-    return rank if seen is None else RankNumber(rank, seen)
+    use = _installed[-1](group)
+    if use is None:
+        return rank
+    site = subscript_site(caller)
+    if site is not None:
+        use.picked(*site, rank)
+    return RankNumber(rank, use.decided)
 
 
-def watch(on_read: Callable[[Any], Callable[[FrameType], None] | None]) -> None:
-    """Make ``get_rank`` return RankNumbers; ``on_read(group)`` gives the callback for a
-    comparison of the rank read for ``group`` (None: return a plain int)."""
+def watch(on_read: Callable[[Any], RankUse | None]) -> None:
+    """Make ``get_rank`` return RankNumbers; ``on_read(group)`` says what to tell of the rank
+    read for ``group`` (None: return a plain int)."""
     if not _installed:
         dist.get_rank = dist.distributed_c10d.get_rank = _watched_get_rank
     _installed.append(on_read)

@@ -662,8 +662,16 @@ def reduction(kind: str, dim_pos: int = 1, keep_pos: int = 2) -> Callable:
         pl = tuple(moved(p, norm_dim(p.dim, max(ndim, 1))) if isinstance(p, Shard) and p.dim < 0
                    else p for p in pl)  # S(-1) and S(ndim-1) are the same shard
         even = ctx.const(x)  # equal shards of a constant sum to equal shares
-        return tuple(_reduce_axis(kind, p, a, dims, keep, even) for a, p in enumerate(pl))
+        reduce_kind = "sum" if kind == "max" and _over_single_elements(x, pl, dims) else kind
+        return tuple(_reduce_axis(reduce_kind, p, a, dims, keep, even) for a, p in enumerate(pl))
     return rule
+
+
+def _over_single_elements(x: torch.Tensor, pl: Pl, dims: set[int]) -> bool:
+    """A reduction over dims of one element that no axis shards (so one globally too): a max
+    there is each element itself, linear as a sum."""
+    return x.dim() > 0 and all(x.shape[d] == 1 for d in dims) and not any(
+        isinstance(p, Shard) and p.dim in dims for p in pl)
 
 
 def _reduce_axis(kind: str, p: Placement | None, a: int, dims: set[int], keep: bool,

@@ -8,6 +8,8 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 
+import torch
+
 from shardcheck.typecheck.rules import (
     ADD,
     BlockShard,
@@ -174,11 +176,22 @@ def _cut_along(ctx, pl: Pl, ndim: int, dim: int, pieces: list[tuple[int, int]], 
             elif isinstance(p, Shard) and norm_dim(p.dim, ndim) == dim:
                 per_axis.append(V)
             elif isinstance(p, Gathered):
-                per_axis.append(R if dim == 0 else None)
+                per_axis.append(_gathered_cut(ctx, pl, p, dim, start, length, total))
             else:
                 per_axis.append(p)
         results.append(tuple(per_axis))
     return results
+
+
+def _gathered_cut(ctx, pl: Pl, p: Gathered, dim: int, start: int, length: int, total: int) -> Placement | None:
+    """A cut of gathered blocks (stacked on dim 0, one per rank of the gathered axes): a whole
+    block is R (rank k's, the same on every rank: Megatron chunks them to join them along the
+    shard dim again); a cut inside a block or across blocks lines up with nothing (V); a cut
+    along another dim, unknown."""
+    if dim != 0:
+        return None
+    blocks = prod(ctx.sizes[a] for a, q in enumerate(pl) if isinstance(q, Gathered) and q.dim == p.dim)
+    return R if length * blocks == total and start % length == 0 else V
 
 
 def rank_chunks(total: int, parts: int, index: int) -> set[tuple[int, int]]:
@@ -263,6 +276,7 @@ def _split_rule(ctx, args, kwargs, out):
     for t in out:
         pieces.append((start, t.shape[dim]))
         start += t.shape[dim]
+    ctx.remember_pieces(out, pl)
     if len(out) > 1 and not in_backward_of("CatBackward0") and any(
             type(p) is Shard and norm_dim(p.dim, ndim) == dim for p in pl):
         ctx.cuts.note(list(out), pl)
@@ -276,6 +290,7 @@ def _unbind_rule(ctx, args, kwargs, out):
         return None
     ndim = x.dim()
     dim = norm_dim(arg(args, kwargs, 1, "dim", 0), ndim)
+    ctx.remember_pieces(out, pl)
     pieces = _cut_along(ctx, pl, ndim, dim, [(k, 1) for k in range(len(out))], len(out))
     # a rank-slice guess along the unbound dim has no dim left to shard: the piece of a
     # replicated tensor is what every rank holds, R
@@ -299,21 +314,29 @@ def _pieces(ctx, tensors, joined_dim: int | None = None) -> list:
             if joined_dim is None:
                 pl = as_pieces(pl)
             else:
+                repeated = sum(_same_view(t, u) for u in tensors) > 1
                 pl = tuple(S(p.dim) if type(p) is SectionShard and norm_dim(p.dim, t.dim()) == joined_dim
-                           else _across(p, t.dim(), joined_dim) for p in pl)
+                           else _across(p, t.dim(), joined_dim, repeated) for p in pl)
             t = Typed(pl, tuple(t.shape), ctx.const(t), t)
         items.append((t, ADD))
     return items
 
 
-def _across(p, ndim: int, joined_dim: int):
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` view the same elements the same way."""
+    return (a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() and a.shape == b.shape
+            and a.storage_offset() == b.storage_offset() and a.stride() == b.stride())
+
+
+def _across(p, ndim: int, joined_dim: int, repeated: bool = False):
     """A piece's placement when cat joins it along ``joined_dim``: a rank chunk (or gathered
-    piece) of that dim is put back together (R); a gathered piece of another dim lines up with
-    nothing (V); a rank chunk of another dim stays a chunk (see _axis_layout)."""
+    piece) of that dim is put back together (R), unless the same piece comes again (its
+    copies make no whole: V); a gathered piece of another dim lines up with nothing (V); a
+    rank chunk of another dim stays a chunk (see _axis_layout)."""
     if not isinstance(p, RankChunk):
         return p
     if norm_dim(p.dim, ndim) == joined_dim:
-        return R
+        return V if repeated else R
     return V if type(p) is GatheredPiece else p
 
 
@@ -335,8 +358,19 @@ def _cat_rule(ctx, args, kwargs, out):
         return ungathered
     rejoined = _rejoined_cut(ctx, tensors, dim, pl)
     return tuple(rejoined.get(a) or _joined_sections(ctx, tensors, a, dim)
-                 if isinstance(p, Shard) and norm_dim(p.dim, ndim) == dim else p
-                 for a, p in enumerate(pl))
+                 if isinstance(p, Shard) and norm_dim(p.dim, ndim) == dim and not _gathered_inside(ctx, tensors, a, dim)
+                 else p for a, p in enumerate(pl))
+
+
+def _gathered_inside(ctx, tensors, a: int, dim: int) -> bool:
+    """Whether ``tensors`` are the pieces of a list all-gather along ``dim`` over axes inside
+    (faster than) axis ``a``, joined in order: a's shard of that dim is whole again, as when
+    a tensor all-gather's blocks are joined (see _ungathered)."""
+    pls = [ctx.types(t) for t in tensors]
+    gathered = [b for b, p in enumerate(pls[0]) if type(p) is GatheredPiece and norm_dim(p.dim, tensors[0].dim()) == dim]
+    return (bool(gathered) and len(tensors) == prod(ctx.sizes[b] for b in gathered)
+            and all(type(pl[b]) is GatheredPiece for pl in pls[1:] for b in gathered)
+            and max(axis_stride(ctx, b) for b in gathered) < axis_stride(ctx, a))
 
 
 def _rejoined_cut(ctx, tensors, dim: int, pl: Pl) -> dict[int, Placement]:
