@@ -289,12 +289,15 @@ class Checker(TorchDispatchMode):
         return axes
 
     def _varied_by_scalars(self, pl, args, kwargs):
-        """An op given a Python number that differs per rank on some axes: V there."""
+        """An op given a Python number that differs per rank on some axes: V there, where its
+        result was typed (an unknown stays unknown: the number may be a rank's own count of
+        rows of a value cut there, whose sum over the ranks V would lose)."""
         axes = self._rank_scalar_axes(args, kwargs)
         if not axes:
             return pl
         def vary(one):
-            return None if one is None else tuple(V if a in axes else p for a, p in enumerate(one))
+            return None if one is None else tuple(V if a in axes and p is not None else p
+                                                  for a, p in enumerate(one))
         return [vary(one) for one in pl] if isinstance(pl, list) else vary(pl)
 
     def count_varying_cut(self) -> int:
