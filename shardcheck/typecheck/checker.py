@@ -288,16 +288,19 @@ class Checker(TorchDispatchMode):
                 axes.update(self.rank_scalars[x])
         return axes
 
-    def _varied_by_scalars(self, pl, args, kwargs):
+    def _varied_by_scalars(self, pl, func, args, kwargs):
         """An op given a Python number that differs per rank on some axes: V there, where its
         result was typed (an unknown stays unknown: the number may be a rank's own count of
-        rows of a value cut there, whose sum over the ranks V would lose)."""
+        rows of a value cut there, whose sum over the ranks V would lose), except a slice of
+        a sectioned dim, whose rule told its own sections (counts that differ by rank) apart."""
         axes = self._rank_scalar_axes(args, kwargs)
         if not axes:
             return pl
+        source = self.types(args[0]) if _base_name(func) == "slice" else None
         def vary(one):
-            return None if one is None else tuple(V if a in axes and p is not None else p
-                                                  for a, p in enumerate(one))
+            return None if one is None else tuple(
+                V if a in axes and p is not None and not (source and isinstance(source[a], _rules.SectionShard))
+                else p for a, p in enumerate(one))
         return [vary(one) for one in pl] if isinstance(pl, list) else vary(pl)
 
     def count_varying_cut(self) -> int:
@@ -435,7 +438,7 @@ class Checker(TorchDispatchMode):
                 self._count_site(func, args, out, typed=True)
             return out
         if self.rank_scalars and pl is not None:
-            pl = self._varied_by_scalars(pl, args, kwargs)
+            pl = self._varied_by_scalars(pl, func, args, kwargs)
         if pl is None:
             self.unknown[id(func)] += 1
         else:
