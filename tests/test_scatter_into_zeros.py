@@ -79,21 +79,3 @@ def test_rows_scattered_into_zeros_of_every_row_claim_no_cut(pool):
     as_row_shard = rebuild("tp2", [value for value, _, _ in results], [("S", 0)])
     assert as_row_shard.shape != into_zeros_of_the_whole(_scores()).shape  # S(0) would be wrong
     assert [types for _, types, _ in results] == [None, None]
-
-
-def _own_values_put_in_place(op: str):
-    """Each rank's own values (V) put into zeros of a row shard's shape, by a row-shard index or
-    mask: a rank's own values again, with no global value claimed."""
-    with sc.typecheck(sc.Mesh(rank=0, tp=[0, 1])):
-        scores = sc.annotate(_scores().chunk(2)[0].clone(), tp=sc.S(0))
-        own = sc.annotate(torch.randn(TOKENS // 2, TOPK, dtype=torch.float64), tp=sc.V)
-        if op == "scatter":
-            out = torch.zeros(TOKENS // 2, EXPERTS, dtype=torch.float64).scatter(1, scores.topk(TOPK).indices, own)
-        else:
-            out = torch.zeros_like(scores).T.contiguous().masked_scatter(routing_map(scores).bool().T, own.flatten())
-        return sc.typeof(out).get("tp")
-
-
-@pytest.mark.parametrize("op", ["scatter", "masked_scatter"])
-def test_own_values_put_into_zeros_stay_a_ranks_own(op):
-    assert _own_values_put_in_place(op) is sc.V

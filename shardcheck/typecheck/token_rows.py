@@ -26,8 +26,8 @@ import torch
 
 from shardcheck.typecheck import backward_rules, shape_rules
 from shardcheck.typecheck.checker import RULES, register_rule
-from shardcheck.typecheck.rules import BlockShard, SectionShard, arg, is_partial, norm_dim
-from shardcheck.typecheck.types import S, Shard, V
+from shardcheck.typecheck.rules import BlockShard, SectionShard, arg, norm_dim
+from shardcheck.typecheck.types import S, Shard
 
 aten = torch.ops.aten
 
@@ -164,13 +164,11 @@ def _masked(ctx, args, kwargs, out):
             dim = _cut_alike(ctx, a, (x, mask), x.shape)
             if dim is not None:
                 result[a] = _sections(_mask_counts(mask, dim))
-        elif scatter and ctx.zero(x) and ctx.types(args[2]) is not None:
+        elif scatter and ctx.zero(x):
             dim = _cut_alike(ctx, a, (mask,), x.shape)
-            source = ctx.types(args[2])[a]
-            if dim is not None and _is_sections(source, _mask_counts(mask, dim)):
+            source = ctx.types(args[2])
+            if dim is not None and source is not None and _is_sections(source[a], _mask_counts(mask, dim)):
                 result[a] = S(dim)
-            elif source is V and not is_partial(ctx.types(mask)[a]):
-                result[a] = V  # a rank's own values (a gradient of each rank's own loss) put in place
     return tuple(result)
 
 
