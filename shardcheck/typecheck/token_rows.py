@@ -8,7 +8,8 @@ section lengths are this rank's counts per expert (they differ by rank; a rank's
 section bounds is a plain shard of that expert's rows).
 
 The index that permutes (the argsort of the flat expert-major routing map, cut to its set
-entries, taken modulo the rows) holds positions of this rank's own rows; it is marked with the
+entries, taken modulo the rows; in 0.16 the row positions masked by the map) holds positions
+of this rank's own rows; it is marked with the
 axes, the counts and the number of rows (``_sc_grouped``). Reading rows by a marked index
 (``index_select``, ``gather``) gives the sectioned rows; adding sectioned rows back by it into
 zeros of the rows (``scatter_add``, ``index_add``) gives the row shard again. ``masked_select``
@@ -26,8 +27,8 @@ import torch
 
 from shardcheck.typecheck import backward_rules, shape_rules
 from shardcheck.typecheck.checker import RULES, register_rule
-from shardcheck.typecheck.rules import BlockShard, SectionShard, arg, norm_dim
-from shardcheck.typecheck.types import S, Shard
+from shardcheck.typecheck.rules import BlockShard, SectionShard, arg, is_partial, norm_dim
+from shardcheck.typecheck.types import S, Shard, V
 
 aten = torch.ops.aten
 
@@ -156,6 +157,8 @@ def _masked(ctx, args, kwargs, out):
     if pl is None or ctx.types(mask) is None:
         return pl
     scatter = len(args) > 2
+    if not scatter and _row_positions(x):
+        return _mark_positions(ctx, x, mask, out, pl)
     result = list(pl)
     for a, p in enumerate(pl):
         if p is not None:
@@ -170,6 +173,23 @@ def _masked(ctx, args, kwargs, out):
             if dim is not None and source is not None and _is_sections(source[a], _mask_counts(mask, dim)):
                 result[a] = S(dim)
     return tuple(result)
+
+
+def _row_positions(x: torch.Tensor) -> bool:
+    """``arange(rows)`` repeated for every group: ``arange(n).unsqueeze(0).expand(groups, -1)``."""
+    return (x.dim() == 2 and x.stride(0) == 0 and not x.is_floating_point()
+            and torch.equal(x[0], torch.arange(x.shape[1], dtype=x.dtype)))
+
+
+def _mark_positions(ctx, x, mask, out, pl):
+    """The positions of a mask's set entries, group by group (0.16's permute): where the mask
+    is cut along the rows, an index of this rank's own rows (V: each rank's own positions)."""
+    axes = tuple(a for a in range(ctx.n) if _cut_alike(ctx, a, (mask,), x.shape) == 1
+                 and ctx.types(x)[a] is not None and not is_partial(ctx.types(x)[a]))
+    if not axes:
+        return pl
+    out._sc_grouped = Grouped(ctx.key, axes, _mask_counts(mask, 1), x.shape[1], False)
+    return tuple(V if a in axes else p for a, p in enumerate(pl))
 
 
 register_rule(aten.sort, _sort)
