@@ -31,6 +31,7 @@ from shardcheck.typecheck.rules import BlockShard, SectionShard, arg, is_partial
 from shardcheck.typecheck.types import S, Shard, V
 
 aten = torch.ops.aten
+_SLICE = RULES["slice"]
 
 
 @dataclass(frozen=True)
@@ -50,13 +51,17 @@ class Grouped:
         return sum(self.counts)
 
 
+def _mark(t: torch.Tensor) -> Grouped | None:
+    return t.__dict__.get("_sc_grouped")  # a tensor's own dict: no failed attribute lookup
+
+
 def _grouped(ctx, t: torch.Tensor) -> Grouped | None:
     """The mark of ``t``, or of the 1-D index that ``t`` expands along dim 1."""
-    mark = getattr(t, "_sc_grouped", None)
+    mark = _mark(t)
     base = t._base
     if mark is None and base is not None and t.dim() == 2 and t.stride(1) == 0 and base.dim() == 1 \
             and base.shape[0] == t.shape[0]:
-        mark = getattr(base, "_sc_grouped", None)
+        mark = _mark(base)
     return mark if mark is not None and mark.key is ctx.key else None
 
 
@@ -88,8 +93,8 @@ def _sort(ctx, args, kwargs, out):
 
 def _slice(ctx, args, kwargs, out):
     """The set entries of a sorted map (its first ones) keep its mark."""
-    pl = RULES["slice"](ctx, args, kwargs, out)
-    mark = getattr(args[0], "_sc_grouped", None)
+    pl = _SLICE(ctx, args, kwargs, out)
+    mark = _mark(args[0])
     if (mark is not None and mark.key is ctx.key and args[0].dim() == 1
             and (arg(args, kwargs, 2, "start", 0) or 0) == 0 and arg(args, kwargs, 4, "step", 1) == 1
             and out.shape[0] == mark.length):
@@ -100,7 +105,7 @@ def _slice(ctx, args, kwargs, out):
 def _remainder(ctx, args, kwargs, out):
     """Flat positions modulo the rows: row positions."""
     pl = RULES["remainder"](ctx, args, kwargs, out)
-    mark = getattr(args[0], "_sc_grouped", None)
+    mark = _mark(args[0]) if isinstance(args[0], torch.Tensor) else None
     if (mark is not None and mark.key is ctx.key and mark.flat and isinstance(args[1], int)
             and args[1] == mark.rows):
         out._sc_grouped = Grouped(mark.key, mark.axes, mark.counts, mark.rows, False)
