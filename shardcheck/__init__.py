@@ -7,6 +7,7 @@ from shardcheck.parity.scenario import ScenarioContext, current_context, replica
 from shardcheck.typecheck import (
     backward_rules,  # noqa: F401  (they register their rules)
     norm_tracking,  # noqa: F401  (they register their rules)
+    token_rows,  # noqa: F401  (they register their rules)
 )
 from shardcheck.typecheck.checker import (
     Coverage,

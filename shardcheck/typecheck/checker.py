@@ -323,9 +323,16 @@ class Checker(TorchDispatchMode):
                 axes.update(self.rank_scalars[x])
         return axes
 
-    def _varied_by_scalars(self, pl, args, kwargs):
-        """An op given a Python number that differs per rank on some axes: V there."""
-        return _varied_on(pl, self._rank_scalar_axes(args, kwargs))
+    def _varied_by_scalars(self, pl, func, args, kwargs):
+        """An op given a Python number that differs per rank on some axes: V there, where its
+        result was typed (an unknown stays unknown: the number may be a rank's own count of
+        rows of a value cut there, whose sum over the ranks V would lose), except a slice of
+        a sectioned dim, whose rule told its own sections (counts that differ by rank) apart."""
+        axes = self._rank_scalar_axes(args, kwargs)
+        source = self.types(args[0]) if axes and _base_name(func) == "slice" else None
+        if source:
+            axes = {a for a in axes if not isinstance(source[a], _rules.SectionShard)}
+        return _varied_on(pl, axes, typed_only=True)
 
     def _after_accumulation(self, pl, args):
         """An op on zeros a value was added into in a branch on the rank (ACC | ONE_RANK),
@@ -472,7 +479,7 @@ class Checker(TorchDispatchMode):
                 self._count_site(func, args, out, typed=True)
             return out
         if self.rank_scalars and pl is not None:
-            pl = self._varied_by_scalars(pl, args, kwargs)
+            pl = self._varied_by_scalars(pl, func, args, kwargs)
         if pl is None:
             self.unknown[id(func)] += 1
         else:
@@ -690,13 +697,15 @@ def _joined_flags(kinds: set[int]) -> int:
     return max(added) if added and kinds <= added | {ZERO} else 0
 
 
-def _varied_on(pl, axes):
-    """``pl`` (one result's placements, or a list of them) V on ``axes``."""
+def _varied_on(pl, axes, typed_only: bool = False):
+    """``pl`` (one result's placements, or a list of them) V on ``axes`` (``typed_only``: on
+    those of them it typed)."""
     if not axes:
         return pl
 
     def vary(one):
-        return None if one is None else tuple(V if a in axes else p for a, p in enumerate(one))
+        return None if one is None else tuple(
+            V if a in axes and (p is not None or not typed_only) else p for a, p in enumerate(one))
     return [vary(one) for one in pl] if isinstance(pl, list) else vary(pl)
 
 

@@ -459,11 +459,34 @@ def _along_dim_rule(self_pos: int, dim_pos: int, index_pos: int) -> Callable:
 
 
 def _scatter_rule(ctx, args, kwargs, out):
-    base = _along_dim_rule(0, 1, 2)(ctx, args, kwargs, out)
+    """scatter(self, dim, index, src or value). Into zeros (a one-hot routing map, the
+    backward of a gather), the zeros fit the cut of index and source along another dim than
+    ``dim`` where the zeros have the index's extent: each rank writes its own rows."""
     src = args[3] if len(args) > 3 else kwargs.get("src", kwargs.get("value"))
+    base = _along_dim_rule(0, 1, 2)(ctx, args, kwargs, out)
+    if base is not None and ctx.zero(args[0]):
+        base = _rows_written_into_zeros(ctx, args, src, base)
     if base is None or not is_tensor(src):
         return base
     return join(base, ctx.types(src))
+
+
+def _rows_written_into_zeros(ctx, args, src, base: Pl) -> Pl:
+    x, index = args[0], args[2]
+    dim = norm_dim(args[1], x.dim())
+    il = ctx.types(index)
+    sl = ctx.types(src) if is_tensor(src) else None
+    def cut_of(t, p) -> int | None:
+        return norm_dim(p.dim, t.dim()) if type(p) is Shard else None
+    result = []
+    for a, (p, i) in enumerate(zip(base, il, strict=True)):
+        cut = cut_of(index, i)
+        if cut is not None and cut != dim and x.shape[cut] == index.shape[cut] and (
+                sl is None or (src.dim() == index.dim() and cut_of(src, sl[a]) == cut)):
+            result.append(S(cut))
+        else:
+            result.append(p)
+    return tuple(result)
 
 
 def _index_rule(ctx, args, kwargs, out):

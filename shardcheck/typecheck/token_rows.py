@@ -1,0 +1,209 @@
+"""Rows a rank groups by expert itself: MoE's permutation of its own tokens, and its inverse.
+
+Where the tokens are a row shard (context parallelism), each rank routes its own rows: the
+permutation lists, expert after expert, this rank's rows routed to that expert, in row order.
+Rows of a shard are in rank order, so the one-rank permutation is the same list with every
+expert's section cut over the ranks: the permuted rows are a ``SectionShard`` of dim 0 whose
+section lengths are this rank's counts per expert (they differ by rank; a rank's cut at its own
+section bounds is a plain shard of that expert's rows).
+
+The index that permutes (the argsort of the flat expert-major routing map, cut to its set
+entries, taken modulo the rows; in 0.16 the row positions masked by the map) holds positions
+of this rank's own rows; it is marked with the
+axes, the counts and the number of rows (``_sc_grouped``). Reading rows by a marked index
+(``index_select``, ``gather``) gives the sectioned rows; adding sectioned rows back by it into
+zeros of the rows (``scatter_add``, ``index_add``) gives the row shard again. ``masked_select``
+of a value cut along a later dim than its first by a mask cut alike lists its picks in the
+same order: a ``SectionShard`` by the mask's counts per leading index, which
+``masked_scatter`` into zeros puts back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import prod
+
+import torch
+
+from shardcheck.typecheck import backward_rules, shape_rules
+from shardcheck.typecheck.checker import RULES, register_rule
+from shardcheck.typecheck.rules import BlockShard, SectionShard, arg, is_partial, norm_dim
+from shardcheck.typecheck.types import S, Shard, V
+
+aten = torch.ops.aten
+_SLICE = RULES["slice"]
+
+
+@dataclass(frozen=True)
+class Grouped:
+    """An index of this rank's own rows on ``axes``, ``counts`` per group, of ``rows`` rows;
+    ``flat``: positions in the flat group-major map (group * rows + row), not yet modulo."""
+
+    key: tuple
+    axes: tuple[int, ...]
+    counts: tuple[int, ...]
+    rows: int
+    flat: bool
+
+
+    @property
+    def length(self) -> int:
+        return sum(self.counts)
+
+
+def _mark(t: torch.Tensor) -> Grouped | None:
+    return t.__dict__.get("_sc_grouped")  # a tensor's own dict: no failed attribute lookup
+
+
+def _grouped(ctx, t: torch.Tensor) -> Grouped | None:
+    """The mark of ``t``, or of the 1-D index that ``t`` expands along dim 1."""
+    mark = _mark(t)
+    base = t._base
+    if mark is None and base is not None and t.dim() == 2 and t.stride(1) == 0 and base.dim() == 1 \
+            and base.shape[0] == t.shape[0]:
+        mark = _mark(base)
+    return mark if mark is not None and mark.key is ctx.key else None
+
+
+def _sections(counts: tuple[int, ...]) -> Shard:
+    return S(0) if len(counts) == 1 else SectionShard(0, counts)
+
+
+def _is_sections(p, counts: tuple[int, ...]) -> bool:
+    want = _sections(counts)
+    return type(p) is type(want) and p == want
+
+
+def _sort(ctx, args, kwargs, out):
+    """A stable descending sort of a flat bool map cut into group blocks over an axis (the
+    expert-major routing map): its set entries come first, group by group."""
+    x = args[0]
+    pl = RULES["sort"](ctx, args, kwargs, out)
+    xl = ctx.types(x)
+    if pl is None or xl is None or x.dim() != 1:
+        return pl
+    blocks = {a: p for a, p in enumerate(xl) if type(p) is BlockShard and p.dim == 0}
+    if (blocks and x.dtype == torch.bool and kwargs.get("stable") and kwargs.get("descending")
+            and len({p.outer for p in blocks.values()}) == 1):
+        groups = next(iter(blocks.values())).outer
+        counts = tuple(int(c) for c in x.view(groups, -1).sum(1))
+        out[1]._sc_grouped = Grouped(ctx.key, tuple(blocks), counts, x.numel() // groups, True)
+    return pl
+
+
+def _slice(ctx, args, kwargs, out):
+    """The set entries of a sorted map (its first ones) keep its mark."""
+    pl = _SLICE(ctx, args, kwargs, out)
+    mark = _mark(args[0])
+    if (mark is not None and mark.key is ctx.key and args[0].dim() == 1
+            and (arg(args, kwargs, 2, "start", 0) or 0) == 0 and arg(args, kwargs, 4, "step", 1) == 1
+            and out.shape[0] == mark.length):
+        out._sc_grouped = mark
+    return pl
+
+
+def _remainder(ctx, args, kwargs, out):
+    """Flat positions modulo the rows: row positions."""
+    pl = RULES["remainder"](ctx, args, kwargs, out)
+    mark = _mark(args[0]) if isinstance(args[0], torch.Tensor) else None
+    if (mark is not None and mark.key is ctx.key and mark.flat and isinstance(args[1], int)
+            and args[1] == mark.rows):
+        out._sc_grouped = Grouped(mark.key, mark.axes, mark.counts, mark.rows, False)
+    return pl
+
+
+def _read_by_rows(ctx, args, kwargs, out):
+    """index_select / gather of the rows of a row shard by a marked index: sectioned rows."""
+    pl = shape_rules.RULES["index_select"](ctx, args, kwargs, out)
+    x, index = args[0], args[2]
+    mark = _grouped(ctx, index)
+    xl = ctx.types(x)
+    if (pl is None or xl is None or mark is None or mark.flat or norm_dim(args[1], x.dim()) != 0
+            or x.shape[0] != mark.rows):
+        return pl
+    return tuple(_sections(mark.counts) if a in mark.axes and type(xl[a]) is Shard
+                 and norm_dim(xl[a].dim, x.dim()) == 0 else p for a, p in enumerate(pl))
+
+
+def _add_rows_back(ctx, args, kwargs, out):
+    """Sectioned rows added by their marked index into zeros of the rows: the row shard."""
+    pl = backward_rules._add_into(ctx, args, kwargs, out)
+    zeros, index, source = args[0], args[2], args[3]
+    mark = _grouped(ctx, index)
+    sl = ctx.types(source) if isinstance(source, torch.Tensor) else None
+    if (pl is None or sl is None or mark is None or mark.flat or not ctx.zero(zeros)
+            or norm_dim(args[1], zeros.dim()) != 0 or zeros.shape[0] != mark.rows):
+        return pl
+    return tuple(S(0) if a in mark.axes and _is_sections(sl[a], mark.counts) else p
+                 for a, p in enumerate(pl))
+
+
+def _mask_counts(mask: torch.Tensor, dim: int) -> tuple[int, ...]:
+    return tuple(int(c) for c in mask.reshape(prod(mask.shape[:dim]), -1).sum(1))
+
+
+def _cut_alike(ctx, a: int, tensors, shape) -> int | None:
+    """The dim (past the first) every tensor of ``shape`` is cut along on axis ``a``."""
+    dims = set()
+    for t in tensors:
+        p = ctx.types(t)[a]
+        if type(p) is not Shard or t.shape != shape:
+            return None
+        dims.add(norm_dim(p.dim, t.dim()))
+    return dims.pop() if len(dims) == 1 and min(dims) > 0 else None
+
+
+def _masked(ctx, args, kwargs, out):
+    """masked_select of a value cut along a later dim by a mask cut alike: the picks of each
+    leading index in turn, each cut over the ranks. masked_scatter of such picks into zeros
+    by that mask: the value cut along that dim again."""
+    pl = shape_rules.RULES["masked_select"](ctx, args, kwargs, out)
+    x, mask = args[0], args[1]
+    if pl is None or ctx.types(mask) is None:
+        return pl
+    scatter = len(args) > 2
+    if not scatter and _row_positions(x):
+        return _mark_positions(ctx, x, mask, out, pl)
+    result = list(pl)
+    for a, p in enumerate(pl):
+        if p is not None:
+            continue
+        if not scatter and ctx.types(x) is not None:
+            dim = _cut_alike(ctx, a, (x, mask), x.shape)
+            if dim is not None:
+                result[a] = _sections(_mask_counts(mask, dim))
+        elif scatter and ctx.zero(x):
+            dim = _cut_alike(ctx, a, (mask,), x.shape)
+            source = ctx.types(args[2])
+            if dim is not None and source is not None and _is_sections(source[a], _mask_counts(mask, dim)):
+                result[a] = S(dim)
+    return tuple(result)
+
+
+def _row_positions(x: torch.Tensor) -> bool:
+    """``arange(rows)`` repeated for every group: ``arange(n).unsqueeze(0).expand(groups, -1)``."""
+    return (x.dim() == 2 and x.stride(0) == 0 and not x.is_floating_point()
+            and torch.equal(x[0], torch.arange(x.shape[1], dtype=x.dtype)))
+
+
+def _mark_positions(ctx, x, mask, out, pl):
+    """The positions of a mask's set entries, group by group (0.16's permute): where the mask
+    is cut along the rows, an index of this rank's own rows (V: each rank's own positions)."""
+    axes = tuple(a for a in range(ctx.n) if _cut_alike(ctx, a, (mask,), x.shape) == 1
+                 and ctx.types(x)[a] is not None and not is_partial(ctx.types(x)[a]))
+    if not axes:
+        return pl
+    out._sc_grouped = Grouped(ctx.key, axes, _mask_counts(mask, 1), x.shape[1], False)
+    return tuple(V if a in axes else p for a, p in enumerate(pl))
+
+
+register_rule(aten.sort, _sort)
+register_rule(aten.slice, _slice)
+register_rule(aten.remainder, _remainder)
+register_rule(aten.index_select, _read_by_rows)
+register_rule(aten.gather, _read_by_rows)
+for _op in (aten.index_add, aten.index_add_, aten.scatter_add, aten.scatter_add_):
+    register_rule(_op, _add_rows_back)
+register_rule(aten.masked_select, _masked)
+register_rule(aten.masked_scatter, _masked)
+register_rule(aten.masked_scatter_, _masked)
