@@ -41,9 +41,10 @@ KNOWN = {
         # CP's query, key and value gradients joined: the value's rank chunk beside shards fits
         ("gpt", (("qk_layernorm", True),), "cp2"): None,
         ("gpt", (("qk_l2_norm", True),), "cp2"): None,
-        # a real bug below parity's tolerance (tests/test_megatron_softmax_offset.py)
+        # a real bug below the norm's tolerance, seen in what it counts per tensor
+        # (tests/test_megatron_softmax_offset.py)
         ("gpt", (("softmax_type", "learnable"),), "tp2"):
-            ("a5f294d786", "type-only", "megatron/core/optimizer/optimizer.py:156"),
+            ("10e68cc332", "type+numeric", "megatron/core/distributed/data_parallel_base.py:18"),
         # checker false alarms, gone: the MTP hidden states chunked into as many pieces as
         # tp ranks (a rank-chunk guess in a matmul), one key head repeated to the query heads
         ("gpt", (("mtp_num_layers", 1),), "tp2"): None,
@@ -65,7 +66,7 @@ KNOWN = {
         ("gpt", (("qk_layernorm", True),), "cp2"): None,
         ("gpt", (("qk_l2_norm", True),), "cp2"): None,
         ("gpt", (("softmax_type", "learnable"),), "tp2"):
-            ("f22ba4a637", "type-only", "megatron/core/optimizer/optimizer.py:270"),
+            ("10e68cc332", "type+numeric", "megatron/core/distributed/data_parallel_base.py:18"),
         ("gpt", (("mtp_num_layers", 1),), "tp2"): None,  # checker false alarms, gone as on 0.16,
         ("gpt", (("num_query_groups", 1),), "tp2"): None,
         ("gpt", (("mlp_chunks_for_training", 2),), "tp2"): None,  # and the MLP run in chunks

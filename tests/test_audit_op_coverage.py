@@ -70,8 +70,8 @@ def test_megatron_ops_counts_only_calls_made_in_megatron_core():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("component", ["gpt", "output_loss"])
-@pytest.mark.parametrize("layout", ["cp2", "tp2-sp"])
+@pytest.mark.parametrize("component, layout", [
+    ("gpt", "cp2"), ("gpt", "tp2-sp"), ("output_loss", "cp2"), ("output_loss", "tp2-sp"), ("moe", "tp2-sp")])
 def test_a_step_types_at_least_99_percent_of_megatron_cores_op_calls(component, layout):
     """The default case on real ranks: parameters typed when DDP lays out its buffers (and
     from their data when made), autograd's as_strided views and Megatron's reused memory
