@@ -209,6 +209,8 @@ def mesh_key(mesh: Mesh) -> tuple:
 
 def _storage_range(t: torch.Tensor) -> tuple[int, int]:
     start = t.storage_offset()
+    if t.is_contiguous():
+        return start, start + t.numel()
     extent = 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True) if s > 0)
     return start, start + (extent if t.numel() else 0)
 
@@ -344,19 +346,30 @@ class Checker(TorchDispatchMode):
         views = getattr(root, "_sc_views", None)
         if not views and root is t:
             return
-        aliases = [root] + [w() for w in views or ()]
-        lo, hi = _storage_range(t)
-        for alias in aliases:
-            if alias is None or alias is t:
-                continue
-            alias_pl = self.types(alias)
-            if alias_pl is None:
-                continue
-            a_lo, a_hi = _storage_range(alias)
-            if a_hi <= lo or hi <= a_lo:
-                continue
-            self.set_type(alias, self._alias_type(alias, alias_pl, t, old, pl, transform),
-                          flags if _same_region(alias, t) else 0)
+        span = _storage_range(t)
+        self._retype_alias(root, t, span, old, pl, transform, flags)
+        if views:
+            alive = []
+            for ref in views:
+                alias = ref()
+                if alias is not None:
+                    alive.append(ref)
+                    self._retype_alias(alias, t, span, old, pl, transform, flags)
+            views[:] = alive  # the dead ones dropped on the way
+
+    def _retype_alias(self, alias, t, span: tuple[int, int], old, pl, transform, flags: int) -> None:
+        """After ``t`` (spanning ``span`` of its storage) was written, retype ``alias``
+        where the two overlap."""
+        if alias is t:
+            return
+        st = getattr(alias, "_sc", None)
+        if st is None or st[0] is not self.key:
+            return
+        a_lo, a_hi = _storage_range(alias)
+        if a_hi <= span[0] or span[1] <= a_lo:
+            return
+        self.set_type(alias, self._alias_type(alias, st[1], t, old, pl, transform),
+                      flags if _same_region(alias, t) else 0)
 
     def _alias_type(self, alias, alias_pl, t, old, pl, transform) -> tuple | None:
         if transform is not None:
