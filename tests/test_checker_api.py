@@ -138,6 +138,20 @@ def test_register_rule_types_an_op():
     finally:
         from shardcheck.typecheck.checker import _USER_RULES
         del _USER_RULES[op]
+    with sc.typecheck(MESH):  # the next region resolves the op again: no rule
+        assert sc.typeof(sc.annotate(torch.randn(3), tp=S(0))._neg_view()) == {}
+
+
+def test_a_number_read_from_a_per_rank_value_makes_what_it_enters_vary():
+    with sc.typecheck(MESH):
+        count = sc.annotate(torch.tensor([2.0, 3.0]), tp=P, dp=R).sum().item()  # differs per tp rank
+        same = sc.annotate(torch.tensor([7.0]), tp=R, dp=R).item()
+        x = sc.annotate(torch.randn(8), tp=R, dp=R)
+        assert sc.typeof(torch.full((2,), count)) == {"tp": V, "dp": R}
+        assert sc.typeof(x.narrow(0, int(count), 1)) == {"tp": V, "dp": R}
+        assert sc.typeof(torch.full((2,), same)) == {"tp": R, "dp": R}
+        assert sc.typeof(x[:int(same)]) == {"tp": R, "dp": R}
+        assert sc.typeof(x * x) == {"tp": R, "dp": R}  # no number given
 
 
 def test_backward_kernels_type_the_gradients():

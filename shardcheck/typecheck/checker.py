@@ -28,7 +28,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from shardcheck.typecheck import rank_branches, shape_rules
 from shardcheck.typecheck import rules as _rules
 from shardcheck.typecheck.broadcast import record as record_broadcast
-from shardcheck.typecheck.collectives import collective_rule, group_ranks
+from shardcheck.typecheck.collectives import (
+    C10D_RULES,
+    FUNCTIONAL_RULES,
+    collective_rule,
+    group_ranks,
+)
 from shardcheck.typecheck.rules import HELP, NO_TENSOR, Violation
 from shardcheck.typecheck.types import (
     Mesh,
@@ -51,6 +56,11 @@ _SKIP_PREFIXES = (
 )
 RULES: dict[str, Callable] = {**_rules.RULES, **shape_rules.RULES}
 _USER_RULES: dict[Any, Callable] = {}
+# By id(op), what the dispatch needs of it (see _resolve), kept between regions while the rule
+# tables stay as they were resolved with; and the op itself (for coverage's names).
+_ENTRIES: dict[int, tuple] = {}
+_OPS: dict[int, Any] = {}
+_RESOLVED_WITH: list[dict] = []
 _MESH_KEYS: dict[tuple, tuple] = {}
 _ACTIVE: list[Checker] = []
 _LAST: list[Checker] = []
@@ -229,6 +239,7 @@ class Checker(TorchDispatchMode):
             raise ValueError(f"mode must be 'raise' or 'collect', not {mode!r}")
         self.mesh, self.mode = mesh, mode
         self.key = mesh_key(mesh)
+        _entries_current()
         self.names = mesh.names
         self.n = len(self.names)
         self.sizes = tuple(a.size for a in mesh.axes.values())
@@ -239,8 +250,6 @@ class Checker(TorchDispatchMode):
         self.unknown: Counter = Counter()
         self.records: list[ViolationRecord] = []
         self._seen: set[tuple[str, str]] = set()
-        self._entries: dict[int, tuple] = {}
-        self._ops: dict[int, Any] = {}
         self._paused = False
         self.varying_cuts = 0
         self.rank_scalars: dict[int | float, tuple[int, ...]] = {}
@@ -328,11 +337,10 @@ class Checker(TorchDispatchMode):
         return st[2] if st is not None and st[0] is self.key else 0
 
     def set_type(self, t: torch.Tensor, pl: tuple | None, flags: int = 0) -> None:
-        if pl is None or all(p is None for p in pl):
-            if getattr(t, "_sc", None) is not None:
-                t._sc = None
-        else:
+        if pl is not None and pl.count(None) != len(pl):
             t._sc = (self.key, pl, flags)
+        elif getattr(t, "_sc", None) is not None:
+            t._sc = None
 
     def update_inplace(self, t: torch.Tensor, pl: tuple | None,
                        transform: Callable[[tuple], tuple] | None = None,
@@ -417,11 +425,11 @@ class Checker(TorchDispatchMode):
         if self._paused:
             return out
         record_broadcast(func, args, out)
-        entry = self._entries.get(id(func))  # OpOverloads live forever; id() hashes fastest
+        entry = _ENTRIES.get(id(func))  # OpOverloads live forever; id() hashes fastest
         if entry is None:
-            entry = self._entries[id(func)] = _resolve(func)
-            self._ops[id(func)] = func
-        rule, zero_kind, mutated, is_view = entry
+            entry = _ENTRIES[id(func)] = _resolve(func)
+            _OPS[id(func)] = func
+        rule, zero_kind, mutated, is_view, takes_numbers = entry
         if rule is None:
             self.unknown[id(func)] += 1
             if self.sites is not None:
@@ -444,7 +452,7 @@ class Checker(TorchDispatchMode):
             if self.sites is not None:
                 self._count_site(func, args, out, typed=True)
             return out
-        if self.rank_scalars and pl is not None:
+        if self.rank_scalars and takes_numbers and pl is not None:
             pl = self._varied_by_scalars(pl, args, kwargs)
         if pl is None:
             self.unknown[id(func)] += 1
@@ -597,7 +605,7 @@ class Checker(TorchDispatchMode):
     def coverage(self, top: int = 10) -> Coverage:
         names = Counter()
         for key, count in self.unknown.items():
-            names[str(self._ops[key])] += count
+            names[str(_OPS[key])] += count
         by_site = sorted(((loc, t, u) for loc, (t, u) in (self.sites or {}).items()), key=lambda x: -x[2])
         return Coverage(self.typed, sum(self.unknown.values()), names.most_common(top),
                         by_site, self.origins.most_common(top))
@@ -657,8 +665,16 @@ def _base_name(func) -> str:
     return name[:-1] if name.endswith("_") and not name.endswith("__") else name
 
 
+def _entries_current() -> None:
+    """Drop the resolved ops if a rule table changed since (a rule set or deleted by hand)."""
+    tables = [_USER_RULES, RULES, C10D_RULES, FUNCTIONAL_RULES]
+    if _RESOLVED_WITH != tables:
+        _ENTRIES.clear()
+        _RESOLVED_WITH[:] = [dict(table) for table in tables]
+
+
 def _resolve(func) -> tuple:
-    """(rule, zero kind, mutated (pos, name) args, is_view) for an OpOverload."""
+    """(rule, zero kind, mutated (pos, name) args, is_view, takes_numbers) for an OpOverload."""
     rule = _USER_RULES.get(func) or _USER_RULES.get(getattr(func, "overloadpacket", None))
     name = _base_name(func)
     if rule is None:
@@ -673,20 +689,33 @@ def _resolve(func) -> tuple:
     is_view = (not mutated and bool(schema.returns) and schema.returns[0].alias_info is not None)
     if func.namespace == "c10d" and rule is None and schema.arguments:
         mutated = ((0, schema.arguments[0].name),)
-    zero_kind = 0
+    takes_numbers = any(str(a.type) not in _NEVER_NUMBERS for a in schema.arguments)
+    return rule, _zero_kind(name), mutated, is_view, takes_numbers
+
+
+# Argument types whose values are never a Python number (any other may be: int, float, Scalar).
+_NEVER_NUMBERS = frozenset({
+    "Tensor", "Optional[Tensor]", "List[Tensor]", "List[Optional[Tensor]]", "bool", "Optional[bool]",
+    "List[int]", "Optional[List[int]]", "List[bool]", "List[float]", "Optional[List[float]]",
+    "Device", "Optional[Device]", "Generator", "Optional[Generator]", "str", "Optional[str]",
+    "List[str]", "Storage"})
+
+
+def _zero_kind(name: str) -> int:
+    """How the result's known value follows from the inputs' (see CONST, ZERO)."""
     if name in _rules.ZERO_MAKERS:
-        zero_kind = _ZERO
-    elif name in _rules.FILL_OPS:
-        zero_kind = _FILL
-    elif name in _KEEPS_ZERO:
-        zero_kind = _KEEP
-    elif name == "copy":
-        zero_kind = _COPY
-    elif name in _rules.CONST_PRESERVING:
-        zero_kind = _ADD if name == "add" else _ARITH
-    elif name in ("lift_fresh", "lift_fresh_copy"):
-        zero_kind = _LIFT
-    return rule, zero_kind, mutated, is_view
+        return _ZERO
+    if name in _rules.FILL_OPS:
+        return _FILL
+    if name in _KEEPS_ZERO:
+        return _KEEP
+    if name == "copy":
+        return _COPY
+    if name in _rules.CONST_PRESERVING:
+        return _ADD if name == "add" else _ARITH
+    if name in ("lift_fresh", "lift_fresh_copy"):
+        return _LIFT
+    return 0
 
 
 # --- public API ------------------------------------------------------------------------------
@@ -822,8 +851,7 @@ def rank_slice(x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
 def register_rule(op: Any, rule: Callable) -> None:
     """Type ``op`` (an OpOverload or OpOverloadPacket) with ``rule(ctx, args, kwargs, out)``."""
     _USER_RULES[op] = rule
-    for checker in _ACTIVE:
-        checker._entries.clear()
+    _ENTRIES.clear()
 
 
 def contract(args: Mapping[int | str, Mapping[str, Placement | str]] | None = None,
