@@ -225,6 +225,29 @@ def _storage_range(t: torch.Tensor) -> tuple[int, int]:
     return start, start + (extent if t.numel() else 0)
 
 
+# Counts the events that may have moved a tensor over its storage (new offset, shape or strides)
+# unseen by the spans cached in _view_spans: a region entered, an in-place view op or an out=
+# op dispatched, ``.data =``.
+_LAYOUT_EPOCH = [0]
+
+
+def _view_spans(root: torch.Tensor, views: list) -> list[tuple[int, int, Any]]:
+    """(start, end, weakref) of the storage each live view of ``root`` spans, cached on
+    ``root`` while no layout can have changed and no view was dropped (new ones are added)."""
+    cached = getattr(root, "_sc_spans", None)
+    if cached is None or cached[0] != _LAYOUT_EPOCH[0] or cached[1] > len(views):
+        cached = (_LAYOUT_EPOCH[0], 0, [])
+    elif cached[1] == len(views):
+        return cached[2]
+    spans = cached[2]
+    for ref in views[cached[1]:]:
+        view = ref()
+        if view is not None:
+            spans.append((*_storage_range(view), ref))
+    root._sc_spans = (cached[0], len(views), spans)
+    return spans
+
+
 def _same_region(a: torch.Tensor, b: torch.Tensor) -> bool:
     return (a.storage_offset() == b.storage_offset() and a.shape == b.shape
             and a.stride() == b.stride())
@@ -240,6 +263,7 @@ class Checker(TorchDispatchMode):
         self.mesh, self.mode = mesh, mode
         self.key = mesh_key(mesh)
         _entries_current()
+        _LAYOUT_EPOCH[0] += 1  # tensors may have moved since the last region
         self.names = mesh.names
         self.n = len(self.names)
         self.sizes = tuple(a.size for a in mesh.axes.values())
@@ -356,14 +380,11 @@ class Checker(TorchDispatchMode):
             return
         span = _storage_range(t)
         self._retype_alias(root, t, span, old, pl, transform, flags)
-        if views:
-            alive = []
-            for ref in views:
+        for a_lo, a_hi, ref in _view_spans(root, views) if views else ():
+            if a_lo < span[1] and span[0] < a_hi:
                 alias = ref()
                 if alias is not None:
-                    alive.append(ref)
                     self._retype_alias(alias, t, span, old, pl, transform, flags)
-            views[:] = alive  # the dead ones dropped on the way
 
     def _retype_alias(self, alias, t, span: tuple[int, int], old, pl, transform, flags: int) -> None:
         """After ``t`` (spanning ``span`` of its storage) was written, retype ``alias``
@@ -417,19 +438,22 @@ class Checker(TorchDispatchMode):
         views.append(weakref.ref(view))
         if len(views) % 64 == 0:
             views[:] = [w for w in views if w() is not None]
+            root._sc_spans = None
 
     # --- dispatch ----------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if self._paused:
-            return out
-        record_broadcast(func, args, out)
         entry = _ENTRIES.get(id(func))  # OpOverloads live forever; id() hashes fastest
         if entry is None:
             entry = _ENTRIES[id(func)] = _resolve(func)
             _OPS[id(func)] = func
-        rule, zero_kind, mutated, is_view, takes_numbers = entry
+        rule, zero_kind, mutated, is_view, takes_numbers, moves_views = entry
+        if moves_views:
+            _LAYOUT_EPOCH[0] += 1
+        if self._paused:
+            return out
+        record_broadcast(func, args, out)
         if rule is None:
             self.unknown[id(func)] += 1
             if self.sites is not None:
@@ -674,7 +698,8 @@ def _entries_current() -> None:
 
 
 def _resolve(func) -> tuple:
-    """(rule, zero kind, mutated (pos, name) args, is_view, takes_numbers) for an OpOverload."""
+    """(rule, zero kind, mutated (pos, name) args, is_view, takes_numbers, moves_views) for an
+    OpOverload."""
     rule = _USER_RULES.get(func) or _USER_RULES.get(getattr(func, "overloadpacket", None))
     name = _base_name(func)
     if rule is None:
@@ -690,7 +715,9 @@ def _resolve(func) -> tuple:
     if func.namespace == "c10d" and rule is None and schema.arguments:
         mutated = ((0, schema.arguments[0].name),)
     takes_numbers = any(str(a.type) not in _NEVER_NUMBERS for a in schema.arguments)
-    return rule, _zero_kind(name), mutated, is_view, takes_numbers
+    # an in-place view op (t_, resize_, set_, ...) or an out= op (which resizes its output)
+    moves_views = torch.Tag.inplace_view in func.tags or any(a.is_out for a in schema.arguments)
+    return rule, _zero_kind(name), mutated, is_view, takes_numbers, moves_views
 
 
 # Argument types whose values are never a Python number (any other may be: int, float, Scalar).
@@ -728,6 +755,7 @@ def _data_with_its_type(t: torch.Tensor, value: torch.Tensor) -> None:
     and so its type (Megatron swaps a replicated activation for its rank's chunk this way)."""
     _TENSOR_DATA.__set__(t, value)
     t._sc = getattr(value, "_sc", None)
+    _LAYOUT_EPOCH[0] += 1
 
 
 _TYPED_DATA = property(_TENSOR_DATA.__get__, _data_with_its_type)
