@@ -448,7 +448,7 @@ class Checker(TorchDispatchMode):
         if entry is None:
             entry = _ENTRIES[id(func)] = _resolve(func)
             _OPS[id(func)] = func
-        rule, zero_kind, mutated, is_view, takes_numbers, moves_views = entry
+        rule, zero_kind, mutated, is_view, moves_views = entry
         if moves_views:
             _LAYOUT_EPOCH[0] += 1
         if self._paused:
@@ -476,7 +476,7 @@ class Checker(TorchDispatchMode):
             if self.sites is not None:
                 self._count_site(func, args, out, typed=True)
             return out
-        if self.rank_scalars and takes_numbers and pl is not None:
+        if self.rank_scalars and pl is not None:
             pl = self._varied_by_scalars(pl, args, kwargs)
         if pl is None:
             self.unknown[id(func)] += 1
@@ -698,8 +698,7 @@ def _entries_current() -> None:
 
 
 def _resolve(func) -> tuple:
-    """(rule, zero kind, mutated (pos, name) args, is_view, takes_numbers, moves_views) for an
-    OpOverload."""
+    """(rule, zero kind, mutated (pos, name) args, is_view, moves_views) for an OpOverload."""
     rule = _USER_RULES.get(func) or _USER_RULES.get(getattr(func, "overloadpacket", None))
     name = _base_name(func)
     if rule is None:
@@ -714,18 +713,9 @@ def _resolve(func) -> tuple:
     is_view = (not mutated and bool(schema.returns) and schema.returns[0].alias_info is not None)
     if func.namespace == "c10d" and rule is None and schema.arguments:
         mutated = ((0, schema.arguments[0].name),)
-    takes_numbers = any(str(a.type) not in _NEVER_NUMBERS for a in schema.arguments)
     # an in-place view op (t_, resize_, set_, ...) or an out= op (which resizes its output)
     moves_views = torch.Tag.inplace_view in func.tags or any(a.is_out for a in schema.arguments)
-    return rule, _zero_kind(name), mutated, is_view, takes_numbers, moves_views
-
-
-# Argument types whose values are never a Python number (any other may be: int, float, Scalar).
-_NEVER_NUMBERS = frozenset({
-    "Tensor", "Optional[Tensor]", "List[Tensor]", "List[Optional[Tensor]]", "bool", "Optional[bool]",
-    "List[int]", "Optional[List[int]]", "List[bool]", "List[float]", "Optional[List[float]]",
-    "Device", "Optional[Device]", "Generator", "Optional[Generator]", "str", "Optional[str]",
-    "List[str]", "Storage"})
+    return rule, _zero_kind(name), mutated, is_view, moves_views
 
 
 def _zero_kind(name: str) -> int:
