@@ -256,6 +256,8 @@ def _same_region(a: torch.Tensor, b: torch.Tensor) -> bool:
 class Checker(TorchDispatchMode):
     """Types every dispatched op on ``mesh``; ``mode`` is "raise" or "collect"."""
 
+    rerun = False  # see _VaryingOn
+
     def __init__(self, mesh: Mesh, mode: str = "raise", sites: bool = False) -> None:
         super().__init__()
         if mode not in ("raise", "collect"):
@@ -643,7 +645,11 @@ class Checker(TorchDispatchMode):
 
 
 class _VaryingOn:
-    """The checker as a rule re-run after a violation sees it: every operand V on one axis."""
+    """The checker as a rule re-run after a violation sees it: every operand V on one axis.
+    ``rerun`` tells a rule that it ran on these operands already (its reports are made and its
+    exchanges with the other ranks done)."""
+
+    rerun = True
 
     def __init__(self, checker: Checker, axis: int) -> None:
         self._checker, self._axis = checker, axis
