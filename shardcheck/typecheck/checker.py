@@ -577,14 +577,14 @@ class Checker(TorchDispatchMode):
     # --- violations --------------------------------------------------------------------
     def _report(self, violation: Violation, func, args) -> None:
         location = user_location()
-        message = self.describe(violation, location, func, args)
         if self.mode == "raise" and not violation.unconfirmed:
-            raise SpmdTypeError(message, violation.rule, location, str(func))
-        if (location, violation.rule) not in self._seen:
+            raise SpmdTypeError(self.describe(violation, location, func, args), violation.rule,
+                                location, str(func))
+        if (location, violation.rule) not in self._seen:  # a message for the first one only
             self._seen.add((location, violation.rule))
             axis = violation.axis
             self.records.append(ViolationRecord(
-                violation.rule, location, str(func), message,
+                violation.rule, location, str(func), self.describe(violation, location, func, args),
                 self.names[axis] if axis >= 0 else None, self.index[axis] if axis >= 0 else None,
                 violation.occurrence))
 
