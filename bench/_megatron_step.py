@@ -3,7 +3,9 @@
 Used by checker_overhead.py. Each rank builds the GPT once, then alternates unchecked and
 checked steps (forward, backward and ``finalize_model_grads`` through Megatron's schedule, then
 the optimizer step); a checked step runs inside the audit's checked region
-(:func:`shardcheck.megatron.checks.typecheck.checked_region`), entered once per step.
+(:func:`shardcheck.megatron.checks.typecheck.checked_region`), entered once per step. Each step
+is timed in CPU time of the rank's process (its Gloo threads included) and in wall time: on a
+shared machine a rank waits for a core, and the other rank for it, which wall time counts.
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ SIZES = {"audit GPT (hidden 32, seq 16)": {},
          "GPT hidden 256, seq 128": {"hidden": 256, "heads": 8, "seq": 128, "vocab": 1024}}
 
 
-def step_seconds(ctx: Any, sizes: dict[str, int], steps: int) -> dict[str, float]:
-    """On each rank: median seconds of an unchecked and of a checked training step."""
+def step_seconds(ctx: Any, sizes: dict[str, int], steps: int) -> dict[str, tuple[float, float]]:
+    """On each rank: median (CPU, wall) seconds of an unchecked and of a checked training step."""
     from shardcheck.megatron.checks.typecheck import checked_region
     from shardcheck.megatron.cpu.parallel import megatron_parallel
     from shardcheck.megatron.scenarios.gpt import GPTSetup, build_training
@@ -29,16 +31,17 @@ def step_seconds(ctx: Any, sizes: dict[str, int], steps: int) -> dict[str, float
         training = build_training(ctx, GPTSetup(**sizes), pg)
         _timed(training, nullcontext())  # warm-up: first-call costs of both
         _timed(training, checked_region(ctx))
-        times: dict[str, list[float]] = {"unchecked": [], "checked": []}
+        times: dict[str, list[tuple[float, float]]] = {"unchecked": [], "checked": []}
         for _ in range(steps):
             times["unchecked"].append(_timed(training, nullcontext()))
             times["checked"].append(_timed(training, checked_region(ctx)))
-    return {name: statistics.median(values) for name, values in times.items()}
+    return {name: tuple(statistics.median(sample[i] for sample in samples) for i in (0, 1))
+            for name, samples in times.items()}
 
 
-def _timed(training: Any, region: AbstractContextManager) -> float:
-    start = time.perf_counter()
+def _timed(training: Any, region: AbstractContextManager) -> tuple[float, float]:
+    cpu, wall = time.process_time(), time.perf_counter()
     with region:
         training.forward_backward()
         training.optimizer.step()
-    return time.perf_counter() - start
+    return time.process_time() - cpu, time.perf_counter() - wall

@@ -138,6 +138,20 @@ def test_register_rule_types_an_op():
     finally:
         from shardcheck.typecheck.checker import _USER_RULES
         del _USER_RULES[op]
+    with sc.typecheck(MESH):  # the next region resolves the op again: no rule
+        assert sc.typeof(sc.annotate(torch.randn(3), tp=S(0))._neg_view()) == {}
+
+
+def test_a_number_read_from_a_per_rank_value_makes_what_it_enters_vary():
+    with sc.typecheck(MESH):
+        count = sc.annotate(torch.tensor([2.0, 3.0]), tp=P, dp=R).sum().item()  # differs per tp rank
+        same = sc.annotate(torch.tensor([7.0]), tp=R, dp=R).item()
+        x = sc.annotate(torch.randn(8), tp=R, dp=R)
+        assert sc.typeof(torch.full((2,), count)) == {"tp": V, "dp": R}
+        assert sc.typeof(x.narrow(0, int(count), 1)) == {"tp": V, "dp": R}
+        assert sc.typeof(torch.full((2,), same)) == {"tp": R, "dp": R}
+        assert sc.typeof(x[:int(same)]) == {"tp": R, "dp": R}
+        assert sc.typeof(x * x) == {"tp": R, "dp": R}  # no number given
 
 
 def test_backward_kernels_type_the_gradients():
@@ -211,3 +225,17 @@ def test_coverage_by_site_traces_unknowns_to_the_op_that_made_them():
     [(origin, count)] = cov.origins
     assert origin.startswith(f"{here}{line + 4} linalg_inv") and count == cov.unknown
     assert cov.within(here).unknown == cov.unknown and cov.within("/nowhere").typed == 0
+
+
+def test_a_view_moved_over_its_storage_is_retyped_where_it_now_lies():
+    """Writes retype the views they overlap, found by the storage each view spans (cached
+    between writes): a view moved by ``.data =`` is found where it moved to."""
+    with sc.typecheck(MESH):
+        buffer = sc.annotate(torch.zeros(8), tp=R, dp=R)
+        head, tail = buffer[:4], buffer[4:]
+        tail.add_(sc.annotate(torch.ones(4), tp=R, dp=R))  # the views' spans are cached
+        head.data = buffer[4:]  # its type comes along: R
+        tail.copy_(sc.annotate(torch.ones(4), tp=V, dp=R))  # now written through head too
+        assert sc.typeof(head) == {"tp": V, "dp": R}
+        buffer[:4].copy_(sc.annotate(torch.ones(4), tp=P, dp=R))  # no longer head's storage
+        assert sc.typeof(head) == {"tp": V, "dp": R}

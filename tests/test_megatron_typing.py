@@ -192,3 +192,36 @@ def test_expert_weights_cut_over_the_tp_ranks_are_typed_on_tp():
     fc1 = [p["tp"] for n, p in experts.items() if "linear_fc1" in n]
     fc2 = [p["tp"] for n, p in experts.items() if "linear_fc2" in n]
     assert fc1 and fc2 and all(p == S(0) for p in fc1) and all(p == S(1) for p in fc2), experts
+
+
+def _kept_types_on_rank(layout: Layout) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from shardcheck.megatron.checks.typecheck import _types_by_id
+
+    with megatron_parallel(RankContext(layout, dist.get_rank())):
+        setup = GPTSetup()
+        model = _build(transformer_config(layout, setup), setup)
+        attention = model.decoder.layers[0].self_attention
+        first = _types_by_id(model)
+        found = {"kept": _types_by_id(model) is first}
+        attention.linear_qkv.weight.partition_dim = 1  # an attribute the type is read from
+        found["after attribute"] = repr(_types_by_id(model)[id(attention.linear_qkv.weight)].placements)
+        old = attention.linear_proj.weight
+        attention.linear_proj.weight = torch.nn.Parameter(old.detach().clone())  # no attributes
+        found["replaced"] = repr(_types_by_id(model)[id(attention.linear_proj.weight)].placements)
+        found["fresh"] = repr({name: t.placements for name, t in parameter_types(model).items()})
+        found["cached"] = repr({name: _types_by_id(model)[id(p)].placements
+                                for name, p in model.named_parameters()})
+        return found
+
+
+def test_parameter_types_are_kept_between_steps_until_what_they_are_read_from_changes():
+    """A checked region reads every parameter's type at each step: they are kept per module,
+    and read again when a parameter's attributes change or a parameter is replaced."""
+    for found in spawn_ranks(_kept_types_on_rank, 2, Layout(tp=2, sp=True)):
+        assert found["kept"]
+        assert _placements(found["after attribute"])["tp"] == S(1)
+        assert _placements(found["replaced"])["tp"] == S(1)  # from its checkpoint cut, no attribute
+        assert found["cached"] == found["fresh"]

@@ -28,7 +28,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from shardcheck.typecheck import rank_branches, shape_rules, unseen
 from shardcheck.typecheck import rules as _rules
 from shardcheck.typecheck.broadcast import record as record_broadcast
-from shardcheck.typecheck.collectives import collective_rule, group_ranks
+from shardcheck.typecheck.collectives import (
+    C10D_RULES,
+    FUNCTIONAL_RULES,
+    collective_rule,
+    group_ranks,
+)
 from shardcheck.typecheck.position_cuts import PositionCuts
 from shardcheck.typecheck.rules import HELP, NO_TENSOR, Violation
 from shardcheck.typecheck.types import (
@@ -52,6 +57,11 @@ _SKIP_PREFIXES = (
 )
 RULES: dict[str, Callable] = {**_rules.RULES, **shape_rules.RULES}
 _USER_RULES: dict[Any, Callable] = {}
+# By id(op), what the dispatch needs of it (see _resolve), kept between regions while the rule
+# tables stay as they were resolved with; and the op itself (for coverage's names).
+_ENTRIES: dict[int, tuple] = {}
+_OPS: dict[int, Any] = {}
+_RESOLVED_WITH: list[dict] = []
 _MESH_KEYS: dict[tuple, tuple] = {}
 _ACTIVE: list[Checker] = []
 _LAST: list[Checker] = []
@@ -215,8 +225,33 @@ def mesh_key(mesh: Mesh) -> tuple:
 
 def _storage_range(t: torch.Tensor) -> tuple[int, int]:
     start = t.storage_offset()
+    if t.is_contiguous():
+        return start, start + t.numel()
     extent = 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True) if s > 0)
     return start, start + (extent if t.numel() else 0)
+
+
+# Counts the events that may have moved a tensor over its storage (new offset, shape or strides)
+# unseen by the spans cached in _view_spans: a region entered, an in-place view op or an out=
+# op dispatched, ``.data =``.
+_LAYOUT_EPOCH = [0]
+
+
+def _view_spans(root: torch.Tensor, views: list) -> list[tuple[int, int, Any]]:
+    """(start, end, weakref) of the storage each live view of ``root`` spans, cached on
+    ``root`` while no layout can have changed and no view was dropped (new ones are added)."""
+    cached = getattr(root, "_sc_spans", None)
+    if cached is None or cached[0] != _LAYOUT_EPOCH[0] or cached[1] > len(views):
+        cached = (_LAYOUT_EPOCH[0], 0, [])
+    elif cached[1] == len(views):
+        return cached[2]
+    spans = cached[2]
+    for ref in views[cached[1]:]:
+        view = ref()
+        if view is not None:
+            spans.append((*_storage_range(view), ref))
+    root._sc_spans = (cached[0], len(views), spans)
+    return spans
 
 
 def _same_region(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -227,12 +262,16 @@ def _same_region(a: torch.Tensor, b: torch.Tensor) -> bool:
 class Checker(TorchDispatchMode):
     """Types every dispatched op on ``mesh``; ``mode`` is "raise" or "collect"."""
 
+    rerun = False  # see _VaryingOn
+
     def __init__(self, mesh: Mesh, mode: str = "raise", sites: bool = False) -> None:
         super().__init__()
         if mode not in ("raise", "collect"):
             raise ValueError(f"mode must be 'raise' or 'collect', not {mode!r}")
         self.mesh, self.mode = mesh, mode
         self.key = mesh_key(mesh)
+        _entries_current()
+        _LAYOUT_EPOCH[0] += 1  # tensors may have moved since the last region
         self.names = mesh.names
         self.n = len(self.names)
         self.sizes = tuple(a.size for a in mesh.axes.values())
@@ -243,8 +282,6 @@ class Checker(TorchDispatchMode):
         self.unknown: Counter = Counter()
         self.records: list[ViolationRecord] = []
         self._seen: set[tuple[str, str]] = set()
-        self._entries: dict[int, tuple] = {}
-        self._ops: dict[int, Any] = {}
         self._paused = False
         self.varying_cuts = 0
         self.accumulating = False  # whether any op made ACC | ONE_RANK zeros yet (see _after_accumulation)
@@ -372,11 +409,10 @@ class Checker(TorchDispatchMode):
         return st[2] if st is not None and st[0] is self.key else 0
 
     def set_type(self, t: torch.Tensor, pl: tuple | None, flags: int = 0) -> None:
-        if pl is None or all(p is None for p in pl):
-            if getattr(t, "_sc", None) is not None:
-                t._sc = None
-        else:
+        if pl is not None and pl.count(None) != len(pl):
             t._sc = (self.key, pl, flags)
+        elif getattr(t, "_sc", None) is not None:
+            t._sc = None
 
     def update_inplace(self, t: torch.Tensor, pl: tuple | None,
                        transform: Callable[[tuple], tuple] | None = None,
@@ -390,19 +426,27 @@ class Checker(TorchDispatchMode):
         views = getattr(root, "_sc_views", None)
         if not views and root is t:
             return
-        aliases = [root] + [w() for w in views or ()]
-        lo, hi = _storage_range(t)
-        for alias in aliases:
-            if alias is None or alias is t:
-                continue
-            alias_pl = self.types(alias)
-            if alias_pl is None:
-                continue
-            a_lo, a_hi = _storage_range(alias)
-            if a_hi <= lo or hi <= a_lo:
-                continue
-            self.set_type(alias, self._alias_type(alias, alias_pl, t, old, pl, transform),
-                          flags if _same_region(alias, t) else 0)
+        span = _storage_range(t)
+        self._retype_alias(root, t, span, old, pl, transform, flags)
+        for a_lo, a_hi, ref in _view_spans(root, views) if views else ():
+            if a_lo < span[1] and span[0] < a_hi:
+                alias = ref()
+                if alias is not None:
+                    self._retype_alias(alias, t, span, old, pl, transform, flags)
+
+    def _retype_alias(self, alias, t, span: tuple[int, int], old, pl, transform, flags: int) -> None:
+        """After ``t`` (spanning ``span`` of its storage) was written, retype ``alias``
+        where the two overlap."""
+        if alias is t:
+            return
+        st = getattr(alias, "_sc", None)
+        if st is None or st[0] is not self.key:
+            return
+        a_lo, a_hi = _storage_range(alias)
+        if a_hi <= span[0] or span[1] <= a_lo:
+            return
+        self.set_type(alias, self._alias_type(alias, st[1], t, old, pl, transform),
+                      flags if _same_region(alias, t) else 0)
 
     def _alias_type(self, alias, alias_pl, t, old, pl, transform) -> tuple | None:
         if transform is not None:
@@ -442,19 +486,22 @@ class Checker(TorchDispatchMode):
         views.append(weakref.ref(view))
         if len(views) % 64 == 0:
             views[:] = [w for w in views if w() is not None]
+            root._sc_spans = None
 
     # --- dispatch ----------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        entry = _ENTRIES.get(id(func))  # OpOverloads live forever; id() hashes fastest
+        if entry is None:
+            entry = _ENTRIES[id(func)] = _resolve(func)
+            _OPS[id(func)] = func
+        rule, zero_kind, mutated, is_view, moves_views = entry
+        if moves_views:
+            _LAYOUT_EPOCH[0] += 1
         if self._paused:
             return out
         record_broadcast(func, args, out)
-        entry = self._entries.get(id(func))  # OpOverloads live forever; id() hashes fastest
-        if entry is None:
-            entry = self._entries[id(func)] = _resolve(func)
-            self._ops[id(func)] = func
-        rule, zero_kind, mutated, is_view = entry
         if rule is None:
             self.unknown[id(func)] += 1
             if self.sites is not None:
@@ -596,14 +643,14 @@ class Checker(TorchDispatchMode):
     # --- violations --------------------------------------------------------------------
     def _report(self, violation: Violation, func, args) -> None:
         location = user_location()
-        message = self.describe(violation, location, func, args)
         if self.mode == "raise" and not violation.unconfirmed:
-            raise SpmdTypeError(message, violation.rule, location, str(func))
-        if (location, violation.rule) not in self._seen:
+            raise SpmdTypeError(self.describe(violation, location, func, args), violation.rule,
+                                location, str(func))
+        if (location, violation.rule) not in self._seen:  # a message for the first one only
             self._seen.add((location, violation.rule))
             axis = violation.axis
             self.records.append(ViolationRecord(
-                violation.rule, location, str(func), message,
+                violation.rule, location, str(func), self.describe(violation, location, func, args),
                 self.names[axis] if axis >= 0 else None, self.index[axis] if axis >= 0 else None,
                 violation.occurrence))
 
@@ -650,7 +697,7 @@ class Checker(TorchDispatchMode):
     def coverage(self, top: int = 10) -> Coverage:
         names = Counter()
         for key, count in self.unknown.items():
-            names[str(self._ops[key])] += count
+            names[str(_OPS[key])] += count
         by_site = sorted(((loc, t, u) for loc, (t, u) in (self.sites or {}).items()), key=lambda x: -x[2])
         return Coverage(self.typed, sum(self.unknown.values()), names.most_common(top),
                         by_site, self.origins.most_common(top))
@@ -664,7 +711,11 @@ class Checker(TorchDispatchMode):
 
 
 class _VaryingOn:
-    """The checker as a rule re-run after a violation sees it: every operand V on one axis."""
+    """The checker as a rule re-run after a violation sees it: every operand V on one axis.
+    ``rerun`` tells a rule that it ran on these operands already (its reports are made and its
+    exchanges with the other ranks done)."""
+
+    rerun = True
 
     def __init__(self, checker: Checker, axis: int) -> None:
         self._checker, self._axis = checker, axis
@@ -736,8 +787,16 @@ def _no_value(ctx, args, kwargs, out):
     return NO_TENSOR
 
 
+def _entries_current() -> None:
+    """Drop the resolved ops if a rule table changed since (a rule set or deleted by hand)."""
+    tables = [_USER_RULES, RULES, C10D_RULES, FUNCTIONAL_RULES]
+    if _RESOLVED_WITH != tables:
+        _ENTRIES.clear()
+        _RESOLVED_WITH[:] = [dict(table) for table in tables]
+
+
 def _resolve(func) -> tuple:
-    """(rule, zero kind, mutated (pos, name) args, is_view) for an OpOverload."""
+    """(rule, zero kind, mutated (pos, name) args, is_view, moves_views) for an OpOverload."""
     rule = _USER_RULES.get(func) or _USER_RULES.get(getattr(func, "overloadpacket", None))
     name = _base_name(func)
     if rule is None:
@@ -752,22 +811,28 @@ def _resolve(func) -> tuple:
     is_view = (not mutated and bool(schema.returns) and schema.returns[0].alias_info is not None)
     if func.namespace == "c10d" and rule is None and schema.arguments:
         mutated = ((0, schema.arguments[0].name),)
-    zero_kind = 0
+    # an in-place view op (t_, resize_, set_, ...) or an out= op (which resizes its output)
+    moves_views = torch.Tag.inplace_view in func.tags or any(a.is_out for a in schema.arguments)
+    return rule, _zero_kind(name), mutated, is_view, moves_views
+
+
+def _zero_kind(name: str) -> int:
+    """How the result's known value follows from the inputs' (see CONST, ZERO)."""
     if name in _rules.ZERO_MAKERS:
-        zero_kind = _ZERO
-    elif name in _rules.FILL_OPS:
-        zero_kind = _FILL
-    elif name in _KEEPS_ZERO:
-        zero_kind = _KEEP
-    elif name == "copy":
-        zero_kind = _COPY
-    elif name in ("cat", "stack"):
-        zero_kind = _JOIN
-    elif name in _rules.CONST_PRESERVING:
-        zero_kind = _ADD if name == "add" else _ARITH
-    elif name in ("lift_fresh", "lift_fresh_copy"):
-        zero_kind = _LIFT
-    return rule, zero_kind, mutated, is_view
+        return _ZERO
+    if name in _rules.FILL_OPS:
+        return _FILL
+    if name in _KEEPS_ZERO:
+        return _KEEP
+    if name == "copy":
+        return _COPY
+    if name in ("cat", "stack"):
+        return _JOIN
+    if name in _rules.CONST_PRESERVING:
+        return _ADD if name == "add" else _ARITH
+    if name in ("lift_fresh", "lift_fresh_copy"):
+        return _LIFT
+    return 0
 
 
 # --- public API ------------------------------------------------------------------------------
@@ -786,7 +851,7 @@ def typecheck(mesh: Mesh, mode: str = "raise", sites: bool = False) -> Iterator[
     """
     checker = Checker(mesh, mode, sites)
     if not _ACTIVE:
-        unseen.install(_varying_everywhere)
+        unseen.install(_varying_everywhere, _layout_moved)
     _ACTIVE.append(checker)
     rank_branches.watch(checker.rank_read)
     try:
@@ -801,6 +866,11 @@ def typecheck(mesh: Mesh, mode: str = "raise", sites: bool = False) -> Iterator[
         _LAST[:] = [checker]
         if mode == "collect" and checker.records:  # silent when clean: parity runs many regions
             print(checker.summary(), file=sys.stderr, flush=True)
+
+
+def _layout_moved() -> None:
+    """A tensor now lies elsewhere (``t.data = value``): the cached storage spans are stale."""
+    _LAYOUT_EPOCH[0] += 1
 
 
 def _varying_everywhere(t: torch.Tensor) -> torch.Tensor:
@@ -896,8 +966,7 @@ def rank_slice(x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
 def register_rule(op: Any, rule: Callable) -> None:
     """Type ``op`` (an OpOverload or OpOverloadPacket) with ``rule(ctx, args, kwargs, out)``."""
     _USER_RULES[op] = rule
-    for checker in _ACTIVE:
-        checker._entries.clear()
+    _ENTRIES.clear()
 
 
 def contract(args: Mapping[int | str, Mapping[str, Placement | str]] | None = None,

@@ -9,7 +9,6 @@ seeded, and checks each gradient against its parameter: explicitly with
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
@@ -44,16 +43,15 @@ class _GradientState:
     named: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)
 
 
-_STATE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _NAMES = WeakIdKeyDictionary()
 """Parameter -> name, for parameters named by annotate_parameters, check_gradients or a step."""
 
 
 def _state(checker: _checker.Checker) -> _GradientState:
     checker = getattr(checker, "_checker", checker)  # a rule re-run sees the checker wrapped
-    state = _STATE.get(checker)
+    state = getattr(checker, "_gradient_state", None)  # read at every op of a norm's rules
     if state is None:
-        state = _STATE[checker] = _GradientState()
+        state = checker._gradient_state = _GradientState()
     return state
 
 

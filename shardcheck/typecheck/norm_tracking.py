@@ -202,12 +202,8 @@ def _allreduce(ctx, args, kwargs, out):
     t = tensors[0]
     term = _term(t)
     axes = _collectives._axes(ctx, group)
-    everyone = _exchange(ctx, group, axes, term)
-    errors = [] if everyone is None else accounting_errors(
-        everyone, [ctx.names[a] for a in axes], [ctx.sizes[a] for a in axes])
-    if term is not None and term.power != 2 and axes:
-        errors.append(_summed_norms(term, ctx.names[axes[0]]))
-    report(ctx, errors, "all_reduce of a gradient norm")
+    if not ctx.rerun:  # a re-run after a violation exchanged and reported already
+        _check_accounting(ctx, group, axes, term)
     if term is None:
         return _base_allreduce(ctx, args, kwargs, out)
     t._sc_norm = None
@@ -216,6 +212,16 @@ def _allreduce(ctx, args, kwargs, out):
         pl[a] = R
     ctx.update_inplace(t, tuple(pl))
     return NO_TENSOR
+
+
+def _check_accounting(ctx, group, axes: list[int], term: NormTerm | None) -> None:
+    """Exchange what the ranks counted and report what they counted wrong."""
+    everyone = _exchange(ctx, group, axes, term)
+    errors = [] if everyone is None else accounting_errors(
+        everyone, [ctx.names[a] for a in axes], [ctx.sizes[a] for a in axes])
+    if term is not None and term.power != 2 and axes:
+        errors.append(_summed_norms(term, ctx.names[axes[0]]))
+    report(ctx, errors, "all_reduce of a gradient norm")
 
 
 def _exchange(ctx, group, axes, term: NormTerm | None) -> list[Counted] | None:

@@ -17,9 +17,14 @@ _PARAMETER_NEW = torch.nn.Parameter.__dict__["__new__"]
 _GET_RNG_STATE = torch.random.get_rng_state
 
 
+_DATA_SWAPPED: list[Callable[[], None]] = []
+
+
 def _data_with_its_type(t: torch.Tensor, value: torch.Tensor) -> None:
     _TENSOR_DATA.__set__(t, value)
     t._sc = getattr(value, "_sc", None)
+    for swapped in _DATA_SWAPPED:
+        swapped()
 
 
 def _parameter_with_its_type(cls, data: torch.Tensor | None = None, requires_grad: bool = True):
@@ -29,9 +34,10 @@ def _parameter_with_its_type(cls, data: torch.Tensor | None = None, requires_gra
     return param
 
 
-def install(varying: Callable[[torch.Tensor], torch.Tensor]) -> None:
+def install(varying: Callable[[torch.Tensor], torch.Tensor], data_swapped: Callable[[], None]) -> None:
     """Type the tensors above; ``varying(t)`` types ``t`` V on every axis of the innermost
-    checker."""
+    checker, ``data_swapped()`` is told of each ``t.data = value``."""
+    _DATA_SWAPPED[:] = [data_swapped]
     torch.Tensor.data = property(_TENSOR_DATA.__get__, _data_with_its_type)
     torch.nn.Parameter.__new__ = _parameter_with_its_type
 

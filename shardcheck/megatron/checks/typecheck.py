@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import io
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -49,12 +50,25 @@ def layout_mesh(ctx: Any):
     return Mesh(rank=ctx.rank, **groups)
 
 
-def _types_by_id(module: torch.nn.Module) -> dict[int, Any]:
-    """Each parameter's :class:`~shardcheck.megatron.checks.typing.ParamType`, by parameter id."""
-    from shardcheck.megatron.checks.typing import parameter_types
+_TYPES_KEPT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
+
+def _types_by_id(module: torch.nn.Module) -> dict[int, Any]:
+    """Each parameter's :class:`~shardcheck.megatron.checks.typing.ParamType`, by parameter id.
+
+    Reading them walks Megatron's ``sharded_state_dict`` (milliseconds a step): they are kept
+    per module, and read again when what they are read from changed (a parameter replaced,
+    reshaped or given other attributes: :func:`~shardcheck.megatron.checks.typing.type_inputs`)."""
+    from shardcheck.megatron.checks.typing import parameter_types, type_inputs
+
+    inputs = type_inputs(module)
+    kept = _TYPES_KEPT.get(module)
+    if kept is not None and kept[0] == inputs:
+        return kept[1]
     types = parameter_types(module)
-    return {id(param): types[name] for name, param in module.named_parameters()}
+    by_id = {id(param): types[name] for name, param in module.named_parameters()}
+    _TYPES_KEPT[module] = (inputs, by_id)
+    return by_id
 
 
 @contextlib.contextmanager

@@ -163,6 +163,21 @@ def _cut_dims(piece: Any) -> list[int]:
     return [d for d, size in enumerate(piece.local_shape) if size != piece.global_shape[lead + d]]
 
 
+_TYPED_FROM = ("allreduce", "tensor_model_parallel", "partition_dim", "sequence_parallel")
+_UNSET = "<unset>"
+
+
+def type_inputs(module: torch.nn.Module) -> tuple:
+    """What :func:`parameter_types` reads of ``module``: each parameter's name, identity, shape
+    and the Megatron attributes :func:`parameter_type` reads, and whether the experts are cut
+    over the tp ranks. Equal inputs give equal types, so the types of a module may be kept
+    between steps while its inputs stay the same."""
+    named = list(module.named_parameters())
+    params = tuple((name, id(p), tuple(p.shape), tuple(getattr(p, a, _UNSET) for a in _TYPED_FROM))
+                   for name, p in named)
+    return params, any(is_expert(p) for _, p in named) and _expert_tp_is_tp()
+
+
 def parameter_types(module: torch.nn.Module, axes: tuple[str, ...] = AXES) -> dict[str, ParamType]:
     """Every named parameter's :class:`ParamType`, with the layouts of :func:`tp_layouts`."""
     layouts = tp_layouts(module)
