@@ -2,7 +2,6 @@
 
 - ``t.data = value``: ``t`` now holds ``value``'s data, and so its type (Megatron swaps a
   replicated activation for its rank's chunk this way).
-- ``nn.Parameter(data)``: the parameter is ``data`` (it shares its storage), so it takes its type.
 - ``torch.get_rng_state()``: the generator's state, V on every axis (ranks may seed apart).
 """
 
@@ -13,7 +12,6 @@ from collections.abc import Callable
 import torch
 
 _TENSOR_DATA = torch._C.TensorBase.__dict__["data"]
-_PARAMETER_NEW = torch.nn.Parameter.__dict__["__new__"]
 _GET_RNG_STATE = torch.random.get_rng_state
 
 
@@ -27,19 +25,11 @@ def _data_with_its_type(t: torch.Tensor, value: torch.Tensor) -> None:
         swapped()
 
 
-def _parameter_with_its_type(cls, data: torch.Tensor | None = None, requires_grad: bool = True):
-    param = _PARAMETER_NEW.__func__(cls, data, requires_grad)
-    if data is not None and getattr(data, "_sc", None) is not None:
-        param._sc = data._sc
-    return param
-
-
 def install(varying: Callable[[torch.Tensor], torch.Tensor], data_swapped: Callable[[], None]) -> None:
     """Type the tensors above; ``varying(t)`` types ``t`` V on every axis of the innermost
     checker, ``data_swapped()`` is told of each ``t.data = value``."""
     _DATA_SWAPPED[:] = [data_swapped]
     torch.Tensor.data = property(_TENSOR_DATA.__get__, _data_with_its_type)
-    torch.nn.Parameter.__new__ = _parameter_with_its_type
 
     def rng_state() -> torch.Tensor:
         return varying(_GET_RNG_STATE())
@@ -49,5 +39,4 @@ def install(varying: Callable[[torch.Tensor], torch.Tensor], data_swapped: Calla
 
 def uninstall() -> None:
     del torch.Tensor.data
-    torch.nn.Parameter.__new__ = _PARAMETER_NEW
     torch.get_rng_state = torch.random.get_rng_state = _GET_RNG_STATE
