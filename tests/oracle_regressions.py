@@ -211,3 +211,31 @@ REGRESSIONS += [
     ("a by-rank chunk joined with itself", one("tp2", R_TP, ("slice_by_rank", (0,), (*G, ("dim", 1))),
                                                ("cat", (1, 1), (("dim", 1),))), "undecided", 1),
 ]
+
+# a gather of sections (a dim joined from pieces each cut over the axis) stacks each rank's
+# part of every section in turn, in rank order: no layout of the joined value (was R), V; the
+# mean over an axis of zeros one rank added into is the value over n on every rank, a partial
+# sum of equal shares (was R); added on every rank it is the value; what a scatter delivers is
+# the root's, which the other ranks cannot type on the axes outside the group (was the
+# receiving buffer's type there), V; an add into an empty view adds nothing (was reported)
+TI_DS1 = (("tp", "I"), ("dp", "S(1)"))
+REGRESSIONS += [
+    ("Megatron's last-dim gather of sections", one("tp2-dp2", TI_DS1, ("cat", (0, 0), (("dim", 1),)),
+                                                   ("gather_last_dim", (1,), (("g", "dp"),))), "undecided", 1),
+    ("gather of rows gathered over the outer axis, over the inner one",
+     one("tp2-dp2", S0_BOTH, ("all_gather_into_tensor", (0,), (("g", "dp"),)),
+         ("all_gather_into_tensor", (1,), G)), "undecided", 1),
+    ("mean all-reduce of zeros one rank added into",
+     one("tp2", R_TP, ("accumulate_on_first_rank", (0,), G), ("all_reduce", (1,), (*G, ("op", "avg")))),
+     "right", None),
+    ("mean all-reduce of zeros every rank added into",
+     one("tp2", R_TP, ("zeros_plus", (0,), ()), ("all_reduce", (1,), (*G, ("op", "avg")))), "right", None),
+    ("a scatter over tp of a value dp shards, gathered",
+     one("tp2-dp2", (("tp", "R"), ("dp", "S(1)")), ("scatter", (0,), (*G, ("dim", 1))),
+         ("all_gather_into_tensor", (1,), G)), "undecided", None),
+    ("an add of a partial sum into an empty view",
+     Program("tp2", (Input((8, 8), TP), Input((8, 8), R_TP)),
+             (Step("sum", (1,), (("dim", 0),)), Step("add_into_view", (2, 0), (("dim", 0),)))), "right", None),
+    ("an add of a partial sum into a view", Program("tp2", (Input((8, 8), TP), Input((8, 8), R_TP)),
+                                             (Step("add_into_view", (1, 0), (("dim", 0),)),)), "wrong", 0),
+]

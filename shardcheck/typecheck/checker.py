@@ -404,6 +404,10 @@ class Checker(TorchDispatchMode):
         """Whether ``t`` is zeros that one value was added into (see ACC)."""
         return bool(self._flags(t) & ACC)
 
+    def added_on_some_ranks(self, t: Any) -> bool:
+        """Whether ``t`` is zeros a value was added into in a branch on the rank."""
+        return bool(self._flags(t) & ONE_RANK)
+
     def _flags(self, t: Any) -> int:
         st = getattr(t, "_sc", None)
         return st[2] if st is not None and st[0] is self.key else 0
@@ -514,9 +518,10 @@ class Checker(TorchDispatchMode):
         except Violation as violation:
             if func.namespace == "_c10d_functional" and isinstance(out, torch.Tensor):
                 torch.ops._c10d_functional.wait_tensor(out)  # raise with no work in flight
-            if violation.axis not in branched:  # a rule's premise: every rank runs the op
+            empty = _holds_nothing(out)  # no element: no rule broken, and a write changes nothing
+            if not empty and violation.axis not in branched:  # a rule's premise: every rank runs it
                 self._report(violation, func, args)
-            pl = _retyped_after(self, violation, rule, args, kwargs, out)
+            pl = NO_TENSOR if empty and mutated else _retyped_after(self, violation, rule, args, kwargs, out)
         if pl is NO_TENSOR:
             if func in _LANDS_ON_WAIT:
                 args[0]._sc_landing = True
@@ -766,6 +771,13 @@ def _flat(args: Any) -> Iterator[Any]:
             yield from _flat(a)
         else:
             yield a
+
+
+def _holds_nothing(out: Any) -> bool:
+    """Whether an op's results have no element (an add into an empty view, say)."""
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    tensors = [t for t in outs if isinstance(t, torch.Tensor)]
+    return bool(tensors) and all(t.numel() == 0 for t in tensors)
 
 
 def _mutated_tensors(mutated, args, kwargs) -> Iterator[torch.Tensor]:

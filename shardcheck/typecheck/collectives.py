@@ -109,6 +109,8 @@ def _gather_step(into_tensor: bool, source: torch.Tensor) -> Callable[[Placement
     def step(p: Placement, a: int) -> Placement | None:
         if p is R or p is I:
             raise Violation("gather of replicated", a)
+        if type(p) is SectionShard:  # in rank order: each rank's part of every section in turn
+            return V
         if stacks_as_pieces(p, source):
             return R
         if isinstance(p, BlockShard):
@@ -208,6 +210,9 @@ def _allreduce(ctx, args, kwargs, out):
     for t, pl in zip(tensors, pls, strict=True):
         if op == SUM and _contributions(ctx, [t]):
             _sum_of_contributions(ctx, t, pl, axes, [t], step, torch.ops.c10d.allreduce_.default)
+        elif op == AVG and (ctx.zero(t) or ctx.added_on_some_ranks(t)):
+            # the value (zeros if none) over n on every rank: a partial sum of equal shares
+            _typed_update(ctx, [t], pl, axes, lambda p, a: step(P if p is R or p is I else p, a))
         else:
             _typed_update(ctx, [t], pl, axes, step)
     return NO_TENSOR
@@ -412,13 +417,11 @@ def _reduce(ctx, args, kwargs, out):
 
 
 def _to_root_or_from_root(ctx, args, kwargs, out):
-    """scatter and gather: what a rank receives is one rank's value (V on the group's axes).
-    The non-root ranks see no list, so no more can be said the same way on every rank."""
-    outputs = [t for t in _flat_tensors(args[0])]
-    axes = _axes(ctx, args[2])
-    for t in outputs:
-        old = ctx.types(t) or (None,) * ctx.n
-        ctx.update_inplace(t, tuple(V if a in axes else p for a, p in enumerate(old)))
+    """scatter and gather: what a rank receives is one rank's value, V on the group's axes;
+    on the other axes it is what the root held, which the ranks without the list cannot see:
+    V there too (the receiving buffer's own type says nothing of it)."""
+    for t in _flat_tensors(args[0]):
+        ctx.update_inplace(t, (V,) * ctx.n)
     return NO_TENSOR
 
 
