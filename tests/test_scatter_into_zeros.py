@@ -79,3 +79,61 @@ def test_rows_scattered_into_zeros_of_every_row_claim_no_cut(pool):
     as_row_shard = rebuild("tp2", [value for value, _, _ in results], [("S", 0)])
     assert as_row_shard.shape != into_zeros_of_the_whole(_scores()).shape  # S(0) would be wrong
     assert [types for _, types, _ in results] == [None, None]
+
+
+def _mask(scores: torch.Tensor) -> torch.Tensor:
+    return routing_map(scores).bool()
+
+
+def _picks(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Values to put where the mask is set (the probabilities' gradient, in row-major order)."""
+    return (scores * 10).masked_select(mask)
+
+
+# mask, source: each "rows" (this rank's rows and their picks: S(0)), "whole" (every rank the
+# one-rank value: R), "own" (a rank's own values, as a gradient under context parallelism: V)
+MASKED = {("whole", "whole"): ("R",), ("rows", "rows"): ("S", 0), ("rows", "own"): ("V",),
+          ("whole", "own"): ("V",), ("own", "whole"): ("V",), ("own", "own"): ("V",)}
+
+
+def _masked_on_rank(ctx, mask_kind: str, source_kind: str):
+    """zeros.masked_scatter(mask, source) with the mask and source of the kinds named."""
+    mesh = sc.Mesh(rank=ctx.rank, tp=ctx.groups["tp"])
+    with sc.typecheck(mesh, mode="collect") as checker:
+        scores = _scores()
+        rows = scores.chunk(2)[ctx.rank].clone()
+        whole, own = _mask(scores), _mask(_scores(5 + ctx.rank).chunk(2)[0])
+        mask = {"whole": (whole, sc.R), "rows": (_mask(rows), sc.S(0)), "own": (own, sc.V),
+                "partial": (_mask(rows), sc.P)}[mask_kind]
+        mask = sc.annotate(mask[0], tp=mask[1])
+        count = int(mask.sum())
+        source = {"whole": lambda: (_picks(scores, whole)[:count].clone(), sc.R),
+                  "rows": lambda: (_picks(rows, mask), sc.S(0)),
+                  "own": lambda: (torch.randn(count, generator=torch.Generator().manual_seed(ctx.rank),
+                                              dtype=torch.float64), sc.V)}[source_kind]()
+        source = sc.annotate(*source[:1], tp=source[1])
+        zeros = torch.zeros(TOKENS if mask_kind == "whole" else TOKENS // 2, EXPERTS, dtype=torch.float64)
+        out = zeros.masked_scatter(mask, source)
+        pl = checker.types(out)
+        records = [r.rule for r in checker.records]
+    return out.detach().clone(), None if pl is None else encode(pl[0]), records
+
+
+@pytest.mark.parametrize("kinds", sorted(MASKED))
+def test_masked_scatter_into_zeros_is_typed_from_its_mask_and_source(pool, kinds):
+    """Replicated or row-cut mask and source rebuild the one-rank value; a rank's own values,
+    or values put where a rank's own mask says, differ per rank with no global value: V."""
+    results = pool.run("tp2", _masked_on_rank, *kinds)
+    assert [(pl, records) for _, pl, records in results] == [(MASKED[kinds], [])] * 2
+    values = [value for value, _, _ in results]
+    if MASKED[kinds] == ("V",):
+        assert not torch.equal(values[0], values[1])  # R would be wrong
+        return
+    mask = _mask(_scores())
+    truth = torch.zeros(TOKENS, EXPERTS, dtype=torch.float64).masked_scatter(mask, _picks(_scores(), mask))
+    assert torch.equal(rebuild("tp2", values, [MASKED[kinds]]), truth)
+
+
+def test_masked_scatter_by_a_partial_mask_is_a_violation(pool):
+    assert [records for _, _, records in pool.run("tp2", _masked_on_rank, "partial", "own")] == \
+        [["non-linear on partial"]] * 2

@@ -5,6 +5,7 @@ run, forward and backward, and what it claims nothing of."""
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import shardcheck as sc
 from shardcheck.parity.pool import RankPool
@@ -74,6 +75,38 @@ def _on_rank(ctx, zeros_rows=None, positions="argsort"):
     return {n: v.detach().clone() for n, v in values.items()}, {n: t and t[0] for n, t in types.items()}, counts, records
 
 
+def _router() -> torch.Tensor:
+    return torch.randn(HIDDEN, EXPERTS, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+
+
+def _routed(tokens, router, grad):
+    """The router's scores of the tokens, routed through the experts; the output times the
+    upstream gradient, summed and differentiated: the router weight's gradient."""
+    router = router.detach().requires_grad_(True)
+    (moe(tokens, tokens @ router, _inputs()[3]) * grad).sum().backward()
+    return router
+
+
+def _router_on_rank(ctx, reduced: bool):
+    """Each rank's upstream gradient its own (V: the gradient of its part of the loss, as under
+    context parallelism), so the probabilities' backward scatters V into zeros (masked_scatter,
+    scatter). The router's gradient is V; summed over the ranks (DDP's reduction), R; left
+    unsummed, the gradient check finds it."""
+    mesh = sc.Mesh(rank=ctx.rank, tp=ctx.groups["tp"])
+    with sc.typecheck(mesh, mode="collect") as checker:
+        tokens, _, grad, _ = _inputs()
+        rows = sc.annotate(tokens.chunk(2)[ctx.rank].clone(), tp=sc.S(0))
+        own = sc.annotate(grad.chunk(2)[ctx.rank].clone(), tp=sc.V)
+        router = _routed(rows, sc.annotate(_router(), tp=sc.R), own)
+        sc.annotate(router, tp=sc.R)
+        summed = checker.types(router.grad)
+        if reduced:
+            dist.all_reduce(router.grad, group=ctx.groups["tp"])
+        found = [f.rule for f in sc.check_gradients([("router", router)])]
+        records = [r.rule for r in checker.records]
+    return router.grad.detach().clone(), summed, checker.types(router.grad), found, records
+
+
 def _rebuild(placement, parts: list[torch.Tensor]) -> torch.Tensor:
     """The global value of the ranks' parts; sections are each rank's own (they differ by rank)."""
     if placement is sc.P:
@@ -117,3 +150,16 @@ def test_rows_put_back_into_zeros_of_every_token_claim_no_shard(pool):
     as_shard = torch.cat([values["out"] for values, *_ in results])
     assert as_shard.shape != truth.shape
     assert all(types["out"] in (None, sc.V) for _, types, _, _ in results)  # no claim
+
+
+def test_own_gradients_through_the_router_are_varying_and_their_sum_is_the_one_rank_gradient(pool):
+    truth = _routed(_inputs()[0], _router(), _inputs()[2]).grad
+    for grad, before, after, found, records in pool.run("tp2", _router_on_rank, True):
+        assert (before, after, found) == ((sc.V,), (sc.R,), []) and "unreduced gradient" not in records
+        assert torch.allclose(grad, truth)
+
+
+def test_an_unsummed_router_gradient_is_found(pool):
+    results = pool.run("tp2", _router_on_rank, False)
+    assert not torch.allclose(results[0][0], _routed(_inputs()[0], _router(), _inputs()[2]).grad)
+    assert all(after == (sc.V,) and found == ["unreduced gradient"] for _, _, after, found, _ in results)

@@ -18,6 +18,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import Any
 
 import torch
@@ -204,6 +205,14 @@ def user_location() -> str:
     return "<unknown>"
 
 
+def _user_frame() -> FrameType | None:
+    """The innermost frame outside torch and shardcheck (see :func:`user_location`)."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_SKIP_PREFIXES):
+        frame = frame.f_back
+    return frame
+
+
 def _inside_collective() -> bool:
     """Whether the op runs inside torch.distributed (a collective moving its own data)."""
     frame = sys._getframe(1)
@@ -286,7 +295,8 @@ class Checker(TorchDispatchMode):
         self.varying_cuts = 0
         self.accumulating = False  # whether any op made ACC | ONE_RANK zeros yet (see _after_accumulation)
         self._pieces: tuple | None = None  # the latest split's pieces (see remember_pieces)
-        self.rank_scalars: dict[int | float, tuple[int, ...]] = {}
+        # by value: the axes a number read from a per-rank value differs on, and the frame that read it
+        self.rank_scalars: dict[int | float, tuple[tuple[int, ...], tuple | None]] = {}
         self.branches = rank_branches.RankBranches()
         # with ``sites``: op calls per source location [typed, unknown], and where unknowns began
         self.sites: dict[str, list[int]] | None = {} if sites else None
@@ -295,10 +305,12 @@ class Checker(TorchDispatchMode):
         self.cuts = PositionCuts()
 
     def remember_rank_scalar(self, value: int | float, axes: tuple[int, ...]) -> None:
-        """A Python number read (``.item()``) from a value that differs per rank on ``axes``."""
+        """A Python number read (``.item()``) from a value that differs per rank on ``axes``, and
+        the user code's frame that read it (see :meth:`_rank_scalar_axes`)."""
         if len(self.rank_scalars) >= 256:
             self.rank_scalars.pop(next(iter(self.rank_scalars)))
-        self.rank_scalars[value] = axes
+        frame = _user_frame()
+        self.rank_scalars[value] = (axes, None if frame is None else (id(frame), frame.f_code))
 
     def rank_read(self, group: Any) -> Callable | None:
         """What to do when the rank read for ``group`` (of some mesh axes) is compared: the
@@ -354,10 +366,19 @@ class Checker(TorchDispatchMode):
         return [branched(one) for one in pl] if isinstance(pl, list) else branched(pl)
 
     def _rank_scalar_axes(self, args, kwargs) -> set[int]:
+        """The axes the Python numbers given to an op differ on. A number is matched by value,
+        while the frame that read it runs (the number is its local, or an argument of what it
+        calls): once that code returned, an equal number is most likely another one (a size,
+        an offset: finalize_model_grads cuts its coalesced buffer at a parameter's numel equal
+        to a token count a dispatcher read), and it is forgotten."""
         axes: set[int] = set()
         for x in (*args, *kwargs.values()):
             if isinstance(x, int | float) and not isinstance(x, bool) and x in self.rank_scalars:
-                axes.update(self.rank_scalars[x])
+                varies, reader = self.rank_scalars[x]
+                if reader is None or _running(reader):
+                    axes.update(varies)
+                else:
+                    del self.rank_scalars[x]
         return axes
 
     def _varied_by_scalars(self, pl, func, args, kwargs):
@@ -763,6 +784,17 @@ def _varied_on(pl, axes, typed_only: bool = False):
         return None if one is None else tuple(
             V if a in axes and (p is not None or not typed_only) else p for a, p in enumerate(one))
     return [vary(one) for one in pl] if isinstance(pl, list) else vary(pl)
+
+
+def _running(frame_key: tuple) -> bool:
+    """Whether the frame of ``frame_key`` (its id and code) is on the current stack."""
+    frame_id, code = frame_key
+    frame = sys._getframe(1)
+    while frame is not None:
+        if id(frame) == frame_id and frame.f_code is code:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _flat(args: Any) -> Iterator[Any]:

@@ -461,7 +461,8 @@ def _along_dim_rule(self_pos: int, dim_pos: int, index_pos: int) -> Callable:
 def _scatter_rule(ctx, args, kwargs, out):
     """scatter(self, dim, index, src or value). Into zeros (a one-hot routing map, the
     backward of a gather), the zeros fit the cut of index and source along another dim than
-    ``dim`` where the zeros have the index's extent: each rank writes its own rows."""
+    ``dim`` where the zeros have the index's extent: each rank writes its own rows; a rank's
+    own values (V: the gradient of its own part of the loss) written into zeros stay V."""
     src = args[3] if len(args) > 3 else kwargs.get("src", kwargs.get("value"))
     base = _along_dim_rule(0, 1, 2)(ctx, args, kwargs, out)
     if base is not None and ctx.zero(args[0]):
@@ -484,6 +485,8 @@ def _rows_written_into_zeros(ctx, args, src, base: Pl) -> Pl:
         if cut is not None and cut != dim and x.shape[cut] == index.shape[cut] and (
                 sl is None or (src.dim() == index.dim() and cut_of(src, sl[a]) == cut)):
             result.append(S(cut))
+        elif sl is not None and sl[a] is V and i is not None and not is_partial(i):
+            result.append(V)
         else:
             result.append(p)
     return tuple(result)

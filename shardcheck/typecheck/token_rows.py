@@ -15,7 +15,7 @@ axes, the counts and the number of rows (``_sc_grouped``). Reading rows by a mar
 zeros of the rows (``scatter_add``, ``index_add``) gives the row shard again. ``masked_select``
 of a value cut along a later dim than its first by a mask cut alike lists its picks in the
 same order: a ``SectionShard`` by the mask's counts per leading index, which
-``masked_scatter`` into zeros puts back.
+``masked_scatter`` into zeros puts back; a rank's own values (V) it puts into zeros stay V.
 """
 
 from __future__ import annotations
@@ -156,7 +156,9 @@ def _cut_alike(ctx, a: int, tensors, shape) -> int | None:
 def _masked(ctx, args, kwargs, out):
     """masked_select of a value cut along a later dim by a mask cut alike: the picks of each
     leading index in turn, each cut over the ranks. masked_scatter of such picks into zeros
-    by that mask: the value cut along that dim again."""
+    by that mask: the value cut along that dim again. A rank's own values (V: a gradient of
+    its own part of the loss) put into zeros, or values put where a rank's own mask says, are
+    a rank's own values: V (summed over the ranks, as DDP sums gradients, a global value)."""
     pl = shape_rules.RULES["masked_select"](ctx, args, kwargs, out)
     x, mask = args[0], args[1]
     if pl is None or ctx.types(mask) is None:
@@ -172,11 +174,13 @@ def _masked(ctx, args, kwargs, out):
             dim = _cut_alike(ctx, a, (x, mask), x.shape)
             if dim is not None:
                 result[a] = _sections(_mask_counts(mask, dim))
-        elif scatter and ctx.zero(x):
+        elif scatter and ctx.zero(x) and ctx.types(args[2]) is not None:
             dim = _cut_alike(ctx, a, (mask,), x.shape)
-            source = ctx.types(args[2])
-            if dim is not None and source is not None and _is_sections(source[a], _mask_counts(mask, dim)):
+            source, where = ctx.types(args[2])[a], ctx.types(mask)[a]
+            if dim is not None and _is_sections(source, _mask_counts(mask, dim)):
                 result[a] = S(dim)
+            elif V in (source, where) and source is not None and not is_partial(source):
+                result[a] = V  # a rank's own values, or values put at a rank's own places
     return tuple(result)
 
 
