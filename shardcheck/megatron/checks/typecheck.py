@@ -173,6 +173,44 @@ def _tp_duplicates_checked() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def _initial_weights_typed(axes: tuple[str, ...]) -> Iterator[None]:
+    """Megatron's CPU initialisation builds the whole weight alike on every rank and copies
+    this rank's chunk along ``partition_dim`` into the parameter (through ``weight.data``),
+    before it marks the parameter's other roles (``allreduce`` is set after it): there the
+    parameter is S(partition_dim) on tp and R on cp, its other axes unknown until its metadata
+    types it (when DDP lays out its buffers, or on first use). A chunk of strided pieces, or
+    one cut over a group of another size than tp, is left untyped."""
+    import inspect
+
+    from megatron.core.tensor_parallel import layers
+
+    import shardcheck as sc
+    from shardcheck.typecheck.checker import current
+    from shardcheck.typecheck.types import R, S
+
+    original = layers._initialize_affine_weight_cpu
+    signature = inspect.signature(original)
+
+    def typed(*args: Any, **kwargs: Any) -> Any:
+        call = signature.bind(*args, **kwargs)
+        call.apply_defaults()
+        given = call.arguments
+        whole = given["output_size"] if given["partition_dim"] == 0 else given["input_size"]
+        checker = current()
+        placements = {"cp": R} if "cp" in axes else {}
+        if (checker is not None and "tp" in axes and given["stride"] == 1
+                and whole == given["per_partition_size"] * checker.sizes[checker.names.index("tp")]):
+            placements["tp"] = S(given["partition_dim"])
+        if checker is not None and placements:
+            sc.annotate(given["weight"], **placements)
+        return original(*args, **kwargs)
+
+    typed.__name__, typed.__wrapped__ = original.__name__, original  # type: ignore[attr-defined]
+    with _replaced_everywhere(original, typed):
+        yield
+
+
+@contextlib.contextmanager
 def _context_parallel_cuts_typed(axes: tuple[str, ...]) -> Iterator[None]:
     """Type what Megatron cuts for this CP rank with a rank-dependent index (which the checker
     reads as replicated data): the batch by role, and the rotary position embedding as
@@ -453,6 +491,7 @@ def checked_region(ctx: Any, ops: dict | None = None) -> Iterator[list[dict]]:
     mesh = layout_mesh(ctx)
     with contextlib.ExitStack() as stack:
         stack.enter_context(_parameters_typed_on_first_use(mesh.names))
+        stack.enter_context(_initial_weights_typed(mesh.names))
         stack.enter_context(_context_parallel_cuts_typed(mesh.names))
         stack.enter_context(_sequence_rolls_typed())
         stack.enter_context(_object_collectives_untyped())
