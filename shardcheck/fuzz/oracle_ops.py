@@ -271,6 +271,12 @@ def f_all_to_all(env: Env, x, g: str):
     return _functional(env, g, x, lambda group: fc.all_to_all_single(x.contiguous(), None, None, group))
 
 
+def f_hp_to_sp(env: Env, x, g: str):
+    """all_to_all_hp2sp through the functional all-to-all: its dim-0 blocks joined along dim 1."""
+    out = f_all_to_all(env, x, g)
+    return torch.cat(torch.split(out, out.shape[0] // env.size(g), dim=0), dim=1)
+
+
 # --- idioms ----------------------------------------------------------------------------------
 
 def slice_by_rank(env: Env, x, g: str, dim: int = 0):
@@ -413,6 +419,7 @@ SPECS: dict[str, OpSpec] = {
     "f_reduce_scatter": OpSpec(f_reduce_scatter, 1, (("g", GROUPS), ("dim", DIMS))),
     "f_broadcast": OpSpec(f_broadcast, 1, (("g", GROUPS),)),
     "f_all_to_all": OpSpec(f_all_to_all, 1, (("g", GROUPS),)),
+    "f_hp_to_sp": OpSpec(f_hp_to_sp, 1, (("g", GROUPS),)),
     # idioms
     "slice_by_rank": OpSpec(slice_by_rank, 1, (("g", GROUPS), ("dim", DIMS))),
     "add_on_first_rank": OpSpec(add_on_first_rank, 2, (("g", GROUPS),)),
@@ -425,6 +432,6 @@ COLLECTIVES = ("all_reduce", "all_gather_list", "all_gather_into_tensor", "gathe
                "reduce_scatter_tensor", "reduce_scatter_list", "reduce_scatter_last_dim", "broadcast",
                "scatter", "gather", "reduce", "all_to_all_single", "all_to_all_list", "sp_to_hp",
                "hp_to_sp", "exchange", "send_recv", "f_all_reduce", "f_all_gather", "f_reduce_scatter",
-               "f_broadcast", "f_all_to_all")
+               "f_broadcast", "f_all_to_all", "f_hp_to_sp")
 
 OPS: dict[str, Callable] = {name: spec.fn for name, spec in SPECS.items()}
