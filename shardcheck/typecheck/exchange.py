@@ -54,14 +54,18 @@ def mark_exchanged(ctx, output: torch.Tensor, pl: Pl, axes: list[int], inp: torc
     output._sc_exchanged = Exchanged(ctx.key, a, ctx.sizes[a], norm_dim(p.dim, inp.dim()), nested)
 
 
-def rejoined_rows(ctx, tensors, dim: int, pl: Pl) -> Pl | None:
+def rejoined_rows(ctx, tensors, dim: int) -> Pl | None:
     """The dim-0 blocks of a marked all-to-all output joined along its input's shard dim, in
-    order: S(0) on the group's axis (V when nested). An axis outside the group that shards
-    that dim keeps its shard when it is outside (slower than) the group's axis; inside it, its
-    pieces are joined in another order (V)."""
+    order: S(0) on the group's axis (V when nested). The other axes keep the output's types
+    (rows of its rows, see ``nested``); one that shards the joined dim keeps its shard when it
+    is outside (slower than) the group's axis; inside it, its pieces are joined in another
+    order (V)."""
     base = tensors[0]._base
     mark = base.__dict__.get("_sc_exchanged") if base is not None else None
     if mark is None or mark.key is not ctx.key or mark.dim != dim or len(tensors) != mark.count:
+        return None
+    pl = ctx.types(base)
+    if pl is None:
         return None
     first = tensors[0]
     if (any(t._base is not base for t in tensors) or chunk_dim(tensors) != 0
