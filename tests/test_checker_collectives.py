@@ -110,6 +110,14 @@ def hp2sp(x, g, order=(0, 1), dim=1, axis="tp", splits=None):
     return torch.cat([blocks[i] for i in order], dim=dim)
 
 
+def hp2sp_list(x, g, order=(0, 1), copies=False):
+    """hp2sp in the list form: the dim-0 chunks sent, the blocks received joined along dim 1."""
+    pieces = [c.clone() if copies else c for c in x.chunk(2)]
+    outs = [torch.empty_like(p) for p in pieces]
+    dist.all_to_all(outs, pieces, group=g["tp"])
+    return torch.cat([outs[i] for i in order], dim=1)
+
+
 def all_to_all_list(x, g):
     outs = [torch.empty(2), torch.empty(2)]
     dist.all_to_all(outs, list(x.chunk(2)), group=g["tp"])
@@ -168,6 +176,10 @@ ROWS = [
     ("hp2sp joined along another dim than the shard's",
      lambda g: hp2sp(T(4, 2, 4, tp=S(2)), g, dim=1), V),
     ("hp2sp of a row shard", lambda g: hp2sp(T(4, 4, tp=S(0)), g), V),
+    ("hp2sp, list form", lambda g: hp2sp_list(T(4, 4, tp=S(1)), g), S(0)),
+    ("hp2sp, list form, joined in reverse order", lambda g: hp2sp_list(T(4, 4, tp=S(1)), g, order=(1, 0)), V),
+    ("hp2sp, list form, of copies of the chunks", lambda g: hp2sp_list(T(4, 4, tp=S(1)), g, copies=True), V),
+    ("hp2sp, list form, of a row shard", lambda g: hp2sp_list(T(4, 4, tp=S(0)), g), V),
     ("hp2sp with uneven splits", lambda g: hp2sp(T(4, 4, tp=S(1)), g, splits=[1, 3]), V),
     ("broadcast", lambda g: broadcast(T(4, tp=V), g), R),
     ("functional broadcast", lambda g: fc.broadcast(T(4, tp=V), 0, g["tp"]) * 1, R),

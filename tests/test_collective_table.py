@@ -71,10 +71,11 @@ def _one(layout, name, g, placements, steps=()):
 RESHARDS = [
     pytest.param(_one(layout, name, g, {a: shard for a in ON[g]}), id=f"{layout}/{g}/{name}/{shard}")
     for layout, g in (("tp2", "tp"), ("tp4", "tp"), ("tp2-dp2", "tp"), ("tp2-dp2", "dp"))
-    for name, shard in (("sp_to_hp", "S(0)"), ("hp_to_sp", "S(1)"), ("f_hp_to_sp", "S(1)"))
+    for name, shard in (("sp_to_hp", "S(0)"), ("hp_to_sp", "S(1)"), ("f_hp_to_sp", "S(1)"),
+                        ("all_to_all_list_hp_to_sp", "S(1)"))
 ] + [  # dp (outer) shards the rows or the columns too: tp's row blocks sit inside dp's rows
     pytest.param(_one("tp2-dp2", name, "tp", {"tp": "S(1)", "dp": dp}), id=f"tp2-dp2/tp/{name}/S(1),dp={dp}")
-    for name in ("hp_to_sp", "f_hp_to_sp") for dp in ("S(0)", "S(1)")
+    for name in ("hp_to_sp", "f_hp_to_sp", "all_to_all_list_hp_to_sp") for dp in ("S(0)", "S(1)")
 ]
 
 
@@ -86,7 +87,7 @@ def test_an_even_all_to_all_of_a_shard_is_typed_as_the_shard_it_makes(pool, prog
     assert verdict.outcome == "right", f"{verdict.outcome}: {verdict.why} {verdict.steps}"
 
 
-@pytest.mark.parametrize("name", ["hp_to_sp", "f_hp_to_sp"])
+@pytest.mark.parametrize("name", ["hp_to_sp", "f_hp_to_sp", "all_to_all_list_hp_to_sp"])
 def test_the_resharded_rows_times_a_column_shard_are_reported(pool, name):
     """A wrong use: hp2sp's row shard multiplied by a column shard (S(1)): this rank's rows
     times its own columns, a block no placement says."""

@@ -14,7 +14,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardcheck.typecheck.exchange import copy_mark, even_splits, mark_exchanged
+from shardcheck.typecheck.exchange import (
+    copy_mark,
+    even_splits,
+    mark_exchanged,
+    mark_exchanged_pieces,
+)
 from shardcheck.typecheck.rules import (
     NO_TENSOR,
     PAVG,
@@ -384,8 +389,11 @@ def _alltoall(ctx, args, kwargs, out):
     pls = [ctx.types(t) for t in inputs]
     pl = as_pieces(pls[0]) if pls and all(p is not None for p in pls) else None
     if pl is None:
+        mark_exchanged_pieces(ctx, outputs, inputs, (), [])
         return _typed_update(ctx, outputs, None, (), None)
-    return _typed_update(ctx, outputs, pl, _axes(ctx, group), _to_varying)
+    axes = _axes(ctx, group)
+    mark_exchanged_pieces(ctx, outputs, inputs, pl, axes)
+    return _typed_update(ctx, outputs, pl, axes, _to_varying)
 
 
 def _broadcast(ctx, args, kwargs, out):
