@@ -7,7 +7,7 @@ import torch.distributed._functional_collectives as fc
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import shardcheck as sc
-from shardcheck.typecheck.rules import PAVG, PEVEN
+from shardcheck.typecheck.rules import PAVG, PEVEN, SectionShard
 
 R, P, V, S = sc.R, sc.P, sc.V, sc.S
 SUM, AVG, MAX = dist.ReduceOp.SUM, dist.ReduceOp.AVG, dist.ReduceOp.MAX
@@ -102,6 +102,22 @@ def all_to_all(x, g):
     return out
 
 
+def hp2sp(x, g, order=(0, 1), dim=1, axis="tp", splits=None):
+    """Megatron's all_to_all_hp2sp: all-to-all, then its dim-0 blocks joined along ``dim``."""
+    out = torch.empty(sum(splits) if splits else x.shape[0], *x.shape[1:])
+    dist.all_to_all_single(out, x, output_split_sizes=splits, input_split_sizes=splits, group=g[axis])
+    blocks = out.split(out.shape[0] // 2, dim=0)
+    return torch.cat([blocks[i] for i in order], dim=dim)
+
+
+def hp2sp_list(x, g, order=(0, 1), copies=False):
+    """hp2sp in the list form: the dim-0 chunks sent, the blocks received joined along dim 1."""
+    pieces = [c.clone() if copies else c for c in x.chunk(2)]
+    outs = [torch.empty_like(p) for p in pieces]
+    dist.all_to_all(outs, pieces, group=g["tp"])
+    return torch.cat([outs[i] for i in order], dim=1)
+
+
 def all_to_all_list(x, g):
     outs = [torch.empty(2), torch.empty(2)]
     dist.all_to_all(outs, list(x.chunk(2)), group=g["tp"])
@@ -154,6 +170,17 @@ ROWS = [
     ("reduce_scatter list along dim 1", lambda g: reduce_scatter_cols(T(4, 4, tp=P), g), S(1)),
     ("reduce_scatter list of copies", lambda g: reduce_scatter_copies(T(4, 4, tp=P), g), None),
     ("all_to_all list", lambda g: all_to_all_list(T(4, tp=V), g), V),
+    ("hp2sp: the exchanged blocks of S(1) joined along dim 1", lambda g: hp2sp(T(4, 4, tp=S(1)), g), S(0)),
+    ("hp2sp of S(-1)", lambda g: hp2sp(T(4, 2, 4, tp=S(-1)), g, dim=-1), S(0)),
+    ("hp2sp joined in reverse order", lambda g: hp2sp(T(4, 4, tp=S(1)), g, order=(1, 0)), V),
+    ("hp2sp joined along another dim than the shard's",
+     lambda g: hp2sp(T(4, 2, 4, tp=S(2)), g, dim=1), V),
+    ("hp2sp of a row shard", lambda g: hp2sp(T(4, 4, tp=S(0)), g), V),
+    ("hp2sp, list form", lambda g: hp2sp_list(T(4, 4, tp=S(1)), g), S(0)),
+    ("hp2sp, list form, joined in reverse order", lambda g: hp2sp_list(T(4, 4, tp=S(1)), g, order=(1, 0)), V),
+    ("hp2sp, list form, of copies of the chunks", lambda g: hp2sp_list(T(4, 4, tp=S(1)), g, copies=True), V),
+    ("hp2sp, list form, of a row shard", lambda g: hp2sp_list(T(4, 4, tp=S(0)), g), V),
+    ("hp2sp with uneven splits", lambda g: hp2sp(T(4, 4, tp=S(1)), g, splits=[1, 3]), V),
     ("broadcast", lambda g: broadcast(T(4, tp=V), g), R),
     ("functional broadcast", lambda g: fc.broadcast(T(4, tp=V), 0, g["tp"]) * 1, R),
     ("barrier keeps types", lambda g: keep(T(4, tp=P), lambda: dist.barrier(group=g["tp"])), P),
@@ -174,6 +201,20 @@ ROWS = [
 @pytest.mark.parametrize(("program", "expected"), [r[1:] for r in ROWS], ids=[r[0] for r in ROWS])
 def test_collective_rule(groups, program, expected):
     assert check(groups, program) == expected
+
+
+@pytest.mark.parametrize(("axis", "tp", "dp", "expected"), [
+    ("dp", S(1), R, {"tp": SectionShard(1, (8, 8)), "dp": V}),  # the dp blocks are copies
+    ("tp", S(1), S(0), {"tp": S(0), "dp": S(0)}),  # tp's row blocks inside dp's rows
+    ("dp", S(0), S(1), {"tp": S(0), "dp": V}),  # dp's row blocks would sit inside tp's
+    ("tp", S(1), S(1), {"tp": S(0), "dp": S(1)}),  # dp's columns, outside tp's, kept
+    ("dp", S(1), S(1), {"tp": V, "dp": S(0)}),  # tp's columns, inside dp's, joined in dp's order
+])
+def test_hp2sp_with_another_axis_sharding_a_dim(groups, axis, tp, dp, expected):
+    """On a tp x dp mesh (tp inner): an axis outside the group keeps its shard of the rows or
+    of the columns only where its pieces nest as the mesh's order says."""
+    with sc.typecheck(sc.Mesh(tp=groups["tp"], dp=groups["dp"]), mode="collect"):
+        assert sc.typeof(hp2sp(T(8, 8, tp=tp, dp=dp), groups, axis=axis)) == expected
 
 
 def test_group_over_several_axes_reduces_each(groups):

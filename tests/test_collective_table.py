@@ -60,3 +60,37 @@ def test_collective_row(pool, program):
         pytest.skip("Gloo AVG is wrong in this torch (pytorch #162338)")
     verdict = check(pool, program)
     assert verdict.agrees, f"{verdict.outcome}: {verdict.why}"
+
+
+def _one(layout, name, g, placements, steps=()):
+    axes = AXES[layout]
+    inputs = tuple(Input((8, 8), tuple((a, placements.get(a, "R")) for a in axes)) for _ in range(2))
+    return Program(layout, inputs, (Step(name, (0,), (("g", g),)), *steps), seed=7)
+
+
+RESHARDS = [
+    pytest.param(_one(layout, name, g, {a: shard for a in ON[g]}), id=f"{layout}/{g}/{name}/{shard}")
+    for layout, g in (("tp2", "tp"), ("tp4", "tp"), ("tp2-dp2", "tp"), ("tp2-dp2", "dp"))
+    for name, shard in (("sp_to_hp", "S(0)"), ("hp_to_sp", "S(1)"), ("f_hp_to_sp", "S(1)"),
+                        ("all_to_all_list_hp_to_sp", "S(1)"))
+] + [  # dp (outer) shards the rows or the columns too: tp's row blocks sit inside dp's rows
+    pytest.param(_one("tp2-dp2", name, "tp", {"tp": "S(1)", "dp": dp}), id=f"tp2-dp2/tp/{name}/S(1),dp={dp}")
+    for name in ("hp_to_sp", "f_hp_to_sp", "all_to_all_list_hp_to_sp") for dp in ("S(0)", "S(1)")
+]
+
+
+@pytest.mark.parametrize("program", RESHARDS)
+def test_an_even_all_to_all_of_a_shard_is_typed_as_the_shard_it_makes(pool, program):
+    """sp2hp (S(0) -> S(1)) and hp2sp (S(1) -> S(0), the exchanged blocks joined along dim 1
+    again) are claimed, and the claim rebuilds the one-rank value: right, not undecided."""
+    verdict = check(pool, program)
+    assert verdict.outcome == "right", f"{verdict.outcome}: {verdict.why} {verdict.steps}"
+
+
+@pytest.mark.parametrize("name", ["hp_to_sp", "f_hp_to_sp", "all_to_all_list_hp_to_sp"])
+def test_the_resharded_rows_times_a_column_shard_are_reported(pool, name):
+    """A wrong use: hp2sp's row shard multiplied by a column shard (S(1)): this rank's rows
+    times its own columns, a block no placement says."""
+    program = _one("tp2", name, "tp", {"tp": "S(1)"}, (Step("matmul", (2, 1)),))
+    verdict = check(pool, program)
+    assert (verdict.outcome, verdict.first_wrong, verdict.flagged) == ("wrong", 1, (1, "mixed shards")), verdict.why

@@ -195,6 +195,18 @@ def all_to_all_list(env: Env, x, g: str, dim: int = 0):
     return torch.cat(outs, dim)
 
 
+def all_to_all_list_hp_to_sp(env: Env, x, g: str):
+    """hp2sp in the list form: rank k sends its dim-0 chunk j to rank j and joins what it
+    receives along dim 1."""
+    pieces = _chunks(x, env.size(g), 0)
+    outs = [_buffer(p) for p in pieces]
+    if _moves(env, g):
+        dist.all_to_all(outs, pieces, group=env.group(g))
+    elif env.mode == "single":
+        outs[0].copy_(pieces[0])
+    return torch.cat(outs, 1)
+
+
 def sp_to_hp(env: Env, x, g: str):
     """Megatron's all_to_all_sp2hp: [s/n, h] sharded on s to [s, h/n] sharded on h."""
     n = env.size(g)
@@ -269,6 +281,12 @@ def f_all_to_all(env: Env, x, g: str):
     if x.shape[0] % env.size(g):
         raise ValueError("dim 0 does not split")
     return _functional(env, g, x, lambda group: fc.all_to_all_single(x.contiguous(), None, None, group))
+
+
+def f_hp_to_sp(env: Env, x, g: str):
+    """all_to_all_hp2sp through the functional all-to-all: its dim-0 blocks joined along dim 1."""
+    out = f_all_to_all(env, x, g)
+    return torch.cat(torch.split(out, out.shape[0] // env.size(g), dim=0), dim=1)
 
 
 # --- idioms ----------------------------------------------------------------------------------
@@ -404,6 +422,7 @@ SPECS: dict[str, OpSpec] = {
     "reduce": OpSpec(reduce, 1, (("g", GROUPS),)),
     "all_to_all_single": OpSpec(all_to_all_single, 1, (("g", GROUPS),)),
     "all_to_all_list": OpSpec(all_to_all_list, 1, (("g", GROUPS), ("dim", DIMS))),
+    "all_to_all_list_hp_to_sp": OpSpec(all_to_all_list_hp_to_sp, 1, (("g", GROUPS),)),
     "sp_to_hp": OpSpec(sp_to_hp, 1, (("g", GROUPS),)),
     "hp_to_sp": OpSpec(hp_to_sp, 1, (("g", GROUPS),)),
     "exchange": OpSpec(exchange, 1, (("g", GROUPS),)),
@@ -413,6 +432,7 @@ SPECS: dict[str, OpSpec] = {
     "f_reduce_scatter": OpSpec(f_reduce_scatter, 1, (("g", GROUPS), ("dim", DIMS))),
     "f_broadcast": OpSpec(f_broadcast, 1, (("g", GROUPS),)),
     "f_all_to_all": OpSpec(f_all_to_all, 1, (("g", GROUPS),)),
+    "f_hp_to_sp": OpSpec(f_hp_to_sp, 1, (("g", GROUPS),)),
     # idioms
     "slice_by_rank": OpSpec(slice_by_rank, 1, (("g", GROUPS), ("dim", DIMS))),
     "add_on_first_rank": OpSpec(add_on_first_rank, 2, (("g", GROUPS),)),
@@ -423,8 +443,8 @@ SPECS: dict[str, OpSpec] = {
 
 COLLECTIVES = ("all_reduce", "all_gather_list", "all_gather_into_tensor", "gather_last_dim",
                "reduce_scatter_tensor", "reduce_scatter_list", "reduce_scatter_last_dim", "broadcast",
-               "scatter", "gather", "reduce", "all_to_all_single", "all_to_all_list", "sp_to_hp",
-               "hp_to_sp", "exchange", "send_recv", "f_all_reduce", "f_all_gather", "f_reduce_scatter",
-               "f_broadcast", "f_all_to_all")
+               "scatter", "gather", "reduce", "all_to_all_single", "all_to_all_list",
+               "all_to_all_list_hp_to_sp", "sp_to_hp", "hp_to_sp", "exchange", "send_recv", "f_all_reduce",
+               "f_all_gather", "f_reduce_scatter", "f_broadcast", "f_all_to_all", "f_hp_to_sp")
 
 OPS: dict[str, Callable] = {name: spec.fn for name, spec in SPECS.items()}

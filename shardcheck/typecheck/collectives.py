@@ -14,6 +14,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shardcheck.typecheck.exchange import (
+    copy_mark,
+    even_splits,
+    mark_exchanged,
+    mark_exchanged_pieces,
+)
 from shardcheck.typecheck.rules import (
     NO_TENSOR,
     PAVG,
@@ -340,8 +346,13 @@ def _sections_scattered(ctx, pl: Pl, axes: list[int], group, rows: int) -> Pl:
 
 
 def _stacked_dim(ctx, inp: torch.Tensor, group) -> int:
-    """The dim the blocks of ``inp``'s dim 0 were cut from (see :func:`mark_stacked`), else 0."""
+    """The dim the blocks of ``inp``'s dim 0 were cut from (see :func:`mark_stacked`), else 0;
+    a view of the whole stacked tensor as it is (the backward of a reshape) is it."""
     mark = getattr(inp, "_sc_stacked", None)
+    base = inp._base
+    if (mark is None and base is not None and base.shape == inp.shape and inp.is_contiguous()
+            and base.is_contiguous() and base.storage_offset() == inp.storage_offset()):
+        mark = getattr(base, "_sc_stacked", None)
     if mark is None or mark[0] is not ctx.key or mark[2] != len(group_ranks(group)):
         return 0
     return mark[1]
@@ -351,14 +362,26 @@ def _alltoall_base(ctx, args, kwargs, out):
     output, inp, group = args[0], args[1], args[2]
     pl = ctx.types(inp)
     if pl is None:
+        output.__dict__.pop("_sc_exchanged", None)
         return _typed_update(ctx, [output], None, (), None)
-    return _typed_update(ctx, [output], pl, _axes(ctx, group), _exchange_step(_stacked_dim(ctx, inp, group)))
+    return _typed_update(ctx, [output], pl, *_exchange(ctx, output, inp, pl, group, args[3], args[4]))
+
+
+def _exchange(ctx, output: torch.Tensor, inp: torch.Tensor, pl: Pl, group, output_splits, input_splits) -> tuple:
+    """The axes and step of an all-to-all (``output`` marked, see :mod:`exchange`). Uneven
+    splits move blocks that line up with no shard: V."""
+    axes = _axes(ctx, group)
+    count = len(group_ranks(group))
+    even = inp.dim() > 0 and even_splits(output_splits, input_splits, inp.shape[0], count)
+    mark_exchanged(ctx, output, pl, axes, inp, even)
+    return axes, _exchange_step(_stacked_dim(ctx, inp, group) if even and len(axes) == 1 else 0)
 
 
 def _exchange_step(stacked: int) -> Callable[[Placement, int], Placement | None]:
     """all-to-all of dim-0 blocks: rank k gets block k of every rank. Blocks stacked from the
     chunks of a dim ``stacked`` of a sequence shard (Megatron's sp2hp) give the shard of that
-    dim; anything else is a value of each rank's own (V)."""
+    dim; anything else is a value of each rank's own (V; the blocks of a shard of another dim
+    are S(0) once joined along that dim again, see :mod:`exchange`)."""
     def step(p: Placement, a: int) -> Placement | None:
         if stacked and isinstance(p, Shard) and p.dim == 0:
             return S(stacked)
@@ -371,8 +394,11 @@ def _alltoall(ctx, args, kwargs, out):
     pls = [ctx.types(t) for t in inputs]
     pl = as_pieces(pls[0]) if pls and all(p is not None for p in pls) else None
     if pl is None:
+        mark_exchanged_pieces(ctx, outputs, inputs, (), [])
         return _typed_update(ctx, outputs, None, (), None)
-    return _typed_update(ctx, outputs, pl, _axes(ctx, group), _to_varying)
+    axes = _axes(ctx, group)
+    mark_exchanged_pieces(ctx, outputs, inputs, pl, axes)
+    return _typed_update(ctx, outputs, pl, axes, _to_varying)
 
 
 def _broadcast(ctx, args, kwargs, out):
@@ -454,13 +480,13 @@ def _functional(step_of: Callable[[tuple, dict], Callable], group_pos: int) -> C
     return rule
 
 
-def _functional_stacked(ctx, args, group_pos: int, step_of: Callable[[int], Callable]) -> Pl | None:
-    """A functional all-to-all, told where its input's dim-0 blocks came from."""
+def _functional_all_to_all(ctx, args, kwargs, out):
+    """all_to_all_single(input, output_split_sizes, input_split_sizes, group), told where its
+    input's dim-0 blocks came from."""
     pl = ctx.types(args[0])
     if pl is None:
         return None
-    group = args[group_pos]
-    return _on_axes(pl, _axes(ctx, group), step_of(_stacked_dim(ctx, args[0], group)))
+    return _on_axes(pl, *_exchange(ctx, out, args[0], pl, args[3], args[1], args[2]))
 
 
 def _functional_reduce_scatter(ctx, args, kwargs, out):
@@ -486,6 +512,7 @@ def _waited(ctx, args, kwargs, out):
     mark = getattr(args[0], "_sc_gathered", None)
     if mark is not None:
         out._sc_gathered = mark
+    copy_mark(args[0], out)
     return ctx.types(args[0])
 
 
@@ -518,7 +545,7 @@ FUNCTIONAL_RULES: dict[str, Callable] = {
     "all_reduce_": _functional_all_reduce_,
     "all_gather_into_tensor": _functional_gather,
     "reduce_scatter_tensor": _functional_reduce_scatter,
-    "all_to_all_single": lambda ctx, a, k, out: _functional_stacked(ctx, a, 3, _exchange_step),
+    "all_to_all_single": _functional_all_to_all,
     "broadcast": _functional_broadcast,
     "wait_tensor": _waited,
     "_wrap_tensor_autograd": _same_type,

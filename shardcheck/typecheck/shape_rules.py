@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import torch
 
+from shardcheck.typecheck.exchange import rejoined_pieces, rejoined_rows
 from shardcheck.typecheck.rules import (
     ADD,
     BlockShard,
@@ -353,6 +354,9 @@ def _cat_rule(ctx, args, kwargs, out):
         raise Violation("mixed shards", a, f"the pieces are the rows of a gathered dim-0 shard, "
                                            f"joined along dim {dim}")
     mark_stacked(ctx, out, tensors, dim)
+    exchanged = rejoined_rows(ctx, tensors, dim) or rejoined_pieces(ctx, tensors, dim)
+    if exchanged is not None:
+        return exchanged
     ungathered = _ungathered(ctx, tensors, dim)
     if ungathered is not None:
         return ungathered
