@@ -184,7 +184,6 @@ def _initial_weights_typed(axes: tuple[str, ...]) -> Iterator[None]:
 
     from megatron.core.tensor_parallel import layers
 
-    import shardcheck as sc
     from shardcheck.typecheck.checker import current
     from shardcheck.typecheck.types import R, S
 
@@ -201,9 +200,13 @@ def _initial_weights_typed(axes: tuple[str, ...]) -> Iterator[None]:
         if (checker is not None and "tp" in axes and given["stride"] == 1
                 and whole == given["per_partition_size"] * checker.sizes[checker.names.index("tp")]):
             placements["tp"] = S(given["partition_dim"])
-        if checker is not None and placements:
-            sc.annotate(given["weight"], **placements)
-        return original(*args, **kwargs)
+        if checker is None or not placements:
+            return original(*args, **kwargs)
+        known = tuple(placements.get(axis) for axis in checker.names)
+        checker.set_type(given["weight"], known)
+        result = original(*args, **kwargs)
+        checker.set_type(given["weight"], known)  # not the master weight's type on the other axes
+        return result
 
     typed.__name__, typed.__wrapped__ = original.__name__, original  # type: ignore[attr-defined]
     with _replaced_everywhere(original, typed):
