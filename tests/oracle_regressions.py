@@ -239,3 +239,29 @@ REGRESSIONS += [
     ("an add of a partial sum into a view", Program("tp2", (Input((8, 8), TP), Input((8, 8), R_TP)),
                                              (Step("add_into_view", (1, 0), (("dim", 0),)),)), "wrong", 0),
 ]
+
+# pieces of a list reduce-scatter laid out in memory in another order than their elements'
+# (chunks of a transposed value): Gloo reduces them wrong, with no error (was S(0)), unknown; a tensor all-gather over dp of
+# blocks gathered over tp interleaves them (was G(1) kept), V; the functional reduce-scatter and
+# all-reduce of zeros one rank added into sum their contribution (was "scatter of replicated")
+REGRESSIONS += [
+    ("list reduce-scatter of chunks of a transposed value",
+     one("tp4", TP, ("transpose", (0,), ()), ("reduce_scatter_list", (1,), (*G, ("dim", 0)))), "undecided", 1),
+    ("list reduce-scatter of contiguous chunks", one("tp4", TP, ("reduce_scatter_list", (0,), (*G, ("dim", 0)))),
+     "right", None),
+    ("a gather over dp of blocks gathered over tp",
+     one("tp2-dp2", (("tp", "S(1)"), ("dp", "S(0)")), ("all_gather_into_tensor", (0,), G),
+         ("all_gather_into_tensor", (1,), (("g", "dp"),))), "undecided", 1),
+    ("functional reduce-scatter of zeros one rank added into",
+     one("tp4", R_TP, ("accumulate_on_first_rank", (0,), G), ("f_reduce_scatter", (1,), (*G, ("dim", 0)))),
+     "right", None),
+    ("functional reduce-scatter of zeros every rank added into",
+     one("tp4", R_TP, ("zeros_plus", (0,), ()), ("f_reduce_scatter", (1,), (*G, ("dim", 0)))), "wrong", 1),
+    ("functional all-reduce of zeros one rank added into",
+     one("tp2", R_TP, ("accumulate_on_first_rank", (0,), G), ("f_all_reduce", (1,), G)), "right", None),
+    # a broadcast copy into a buffer shaped like a shard fills a shard of the broadcast value
+    # (was R: the buffer's new_empty read as a fresh R tensor, the copy as its source's type)
+    ("a broadcast copy into a buffer shaped like a row shard",
+     Program("tp4", (Input((8, 8), R_TP), Input((8, 8), TS0)),
+             (Step("narrow", (0,), (("dim", 0),)), Step("copy_into", (1, 2), ()))), "right", None),
+]

@@ -212,15 +212,11 @@ def _allreduce(ctx, args, kwargs, out):
     pls = [ctx.types(t) for t in tensors]
     if any(pl is None for pl in pls):
         return _buffer_update(ctx, tensors, group, _all_reduce_step(op))
-    axes, step = _axes(ctx, group), _all_reduce_step(op)
+    axes = _axes(ctx, group)
     for t, pl in zip(tensors, pls, strict=True):
-        if op == SUM and _contributions(ctx, [t]):
-            _sum_of_contributions(ctx, t, pl, axes, [t], step, torch.ops.c10d.allreduce_.default)
-        elif op == AVG and (ctx.zero(t) or ctx.added_on_some_ranks(t)):
-            # the value (zeros if none) over n on every rank: a partial sum of equal shares
-            _typed_update(ctx, [t], pl, axes, lambda p, a: step(P if p is R or p is I else p, a))
-        else:
-            _typed_update(ctx, [t], pl, axes, step)
+        step = _of_contributions(ctx, [t], pl, axes, op, _all_reduce_step(op), torch.ops.c10d.allreduce_.default,
+                                 all_reduce=True)
+        _typed_update(ctx, [t], pl, axes, step)
     return NO_TENSOR
 
 
@@ -229,20 +225,27 @@ def _contributions(ctx, tensors) -> bool:
     return all(ctx.zero(t) or ctx.accumulated(t) for t in tensors)
 
 
-def _sum_of_contributions(ctx, source: torch.Tensor, pl: Pl, axes: list[int], outputs, step, func) -> Any:
-    """A SUM all-reduce or reduce-scatter (``step``) of replicated zeros, or of zeros one value
-    was added into: zeros sum to zeros, and a value added on some ranks only is their
-    contribution (Megatron adds the loss on the last pipeline stage only), a sum over the axis.
-    Added on every rank it is a double count: each rank reports it, and the report stands
-    when ranks at two coordinates make it."""
-    for a in axes:
-        if pl[a] is R or pl[a] is I:
-            occurrence = ctx.count_varying_cut()  # on every rank, zeros or not: numbered alike
-            if ctx.accumulated(source):
-                ctx._report(Violation("double count", a, "zeros this rank added a replicated value "
-                                      "into: a double count if every rank added it", occurrence,
-                                      unconfirmed=True), func, (source,))
-    return _typed_update(ctx, outputs, pl, axes, lambda p, a: step(P if p is R or p is I else p, a))
+def _of_contributions(ctx, sources: list, pl: Pl, axes: list[int], op: str, step, func,
+                      all_reduce: bool = False) -> Callable:
+    """``step`` of a reduction (all-reduce or reduce-scatter, any form) of ``sources``, for
+    replicated zeros or zeros one value was added into: zeros sum to zeros, and a value added
+    on some ranks only is their contribution (Megatron adds the loss on the last pipeline
+    stage only), a sum over the axis. Added on every rank it is a double count: each rank
+    reports it, and the report stands when ranks at two coordinates make it. Averaged by an
+    all-reduce, zeros or a value added in a branch on the rank are the value over n on every
+    rank: a partial sum of equal shares."""
+    source = sources[0]
+    if op == SUM and _contributions(ctx, sources):
+        for a in axes:
+            if pl[a] is R or pl[a] is I:
+                occurrence = ctx.count_varying_cut()  # on every rank, zeros or not: numbered alike
+                if ctx.accumulated(source):
+                    ctx._report(Violation("double count", a, "zeros this rank added a replicated value "
+                                          "into: a double count if every rank added it", occurrence,
+                                          unconfirmed=True), func, (source,))
+    elif not (all_reduce and op == AVG and all(ctx.zero(t) or ctx.added_on_some_ranks(t) for t in sources)):
+        return step
+    return lambda p, a: step(P if p is R or p is I else p, a)
 
 
 def _buffer_update(ctx, tensors, group, step) -> Any:
@@ -285,7 +288,10 @@ def _gather_step_over(pl: Pl, axes: list[int], source: torch.Tensor) -> Callable
 
 def _inner_rows_as_sections(ctx, pl: Pl, axes: list[int], inp: torch.Tensor) -> Pl:
     """Gathering dim-0 shards over ``axes``: an axis inside them (faster) that shards dim 0
-    too now holds its piece of each gathered block, in order: sections of dim 0."""
+    too now holds its piece of each gathered block, in order: sections of dim 0. An axis
+    outside the group whose blocks were stacked on dim 0 already (gathered blocks) has them
+    interleaved with the group's now, in no order a placement says: V."""
+    pl = tuple(V if a not in axes and isinstance(p, Gathered) else p for a, p in enumerate(pl))
     if not any(isinstance(pl[a], Shard) and pl[a].dim % max(inp.dim(), 1) == 0 for a in axes):
         return pl
     outer = min(axis_stride(ctx, a) for a in axes)
@@ -312,13 +318,20 @@ def _reduce_scatter(ctx, args, kwargs, out):
     pieces = [ctx.types(t) for row in inputs for t in row]
     pieces = [None if p is None else as_pieces(p) for p in pieces]
     pl = pieces[0] if pieces and all(p == pieces[0] for p in pieces) else None
-    if pl is None or dim is None:
+    if pl is None or dim is None or not all(_row_major(t) for row in inputs for t in row):
         return _typed_update(ctx, outputs, None, (), None)
     axes = _axes(ctx, group)
     step = _reduce_scatter_of(ctx, pl, axes, op, dim, inputs[0][0].dim())
-    if op == SUM and _contributions(ctx, inputs[0]):
-        return _sum_of_contributions(ctx, inputs[0][0], pl, axes, outputs, step, torch.ops.c10d.reduce_scatter_.default)
+    step = _of_contributions(ctx, inputs[0], pl, axes, op, step, torch.ops.c10d.reduce_scatter_.default)
     return _typed_update(ctx, outputs, pl, axes, step)
+
+
+def _row_major(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements lie in memory in its own order (gaps allowed, as in a column
+    chunk). Gloo's list reduce-scatter reduces a piece laid out otherwise (a chunk of a
+    transposed tensor) in another order than its elements', with no error: unknown."""
+    strides = [st for size, st in zip(t.shape, t.stride(), strict=True) if size > 1]
+    return all(a >= b for a, b in zip(strides, strides[1:], strict=False))
 
 
 def _reduce_scatter_base(ctx, args, kwargs, out):
@@ -329,8 +342,7 @@ def _reduce_scatter_base(ctx, args, kwargs, out):
     axes = _axes(ctx, group)
     step = _reduce_scatter_of(ctx, pl, axes, op, _stacked_dim(ctx, inp, group), inp.dim())
     pl = _sections_scattered(ctx, pl, axes, group, output.shape[0] if output.dim() else 0)
-    if op == SUM and _contributions(ctx, [inp]):
-        return _sum_of_contributions(ctx, inp, pl, axes, [output], step, torch.ops.c10d._reduce_scatter_base_.default)
+    step = _of_contributions(ctx, [inp], pl, axes, op, step, torch.ops.c10d._reduce_scatter_base_.default)
     return _typed_update(ctx, [output], pl, axes, step)
 
 
@@ -471,15 +483,6 @@ def _no_data_change(ctx, args, kwargs, out):
 
 # --- functional collectives (out of place, group by name) -----------------------------------
 
-def _functional(step_of: Callable[[tuple, dict], Callable], group_pos: int) -> Callable:
-    def rule(ctx, args, kwargs, out):
-        pl = ctx.types(args[0])
-        if pl is None:
-            return None
-        return _on_axes(pl, _axes(ctx, args[group_pos]), step_of(args, kwargs))
-    return rule
-
-
 def _functional_all_to_all(ctx, args, kwargs, out):
     """all_to_all_single(input, output_split_sizes, input_split_sizes, group), told where its
     input's dim-0 blocks came from."""
@@ -497,15 +500,29 @@ def _functional_reduce_scatter(ctx, args, kwargs, out):
         return None
     group = args[3]
     axes = _axes(ctx, group)
-    step = _reduce_scatter_of(ctx, pl, axes, _reduce_op(args[1]), _stacked_dim(ctx, args[0], group), args[0].dim())
+    op = _reduce_op(args[1])
+    step = _reduce_scatter_of(ctx, pl, axes, op, _stacked_dim(ctx, args[0], group), args[0].dim())
+    step = _of_contributions(ctx, [args[0]], pl, axes, op, step, torch.ops._c10d_functional.reduce_scatter_tensor.default)
     return _on_axes(_sections_scattered(ctx, pl, axes, group, out.shape[0] if out.dim() else 0), axes, step)
+
+
+def _functional_all_reduce_step(ctx, args, pl: Pl) -> tuple[list[int], Callable]:
+    """all_reduce(input, op, group): the group's axes and the step."""
+    axes, op = _axes(ctx, args[2]), _reduce_op(args[1])
+    return axes, _of_contributions(ctx, [args[0]], pl, axes, op, _all_reduce_step(op),
+                                   torch.ops._c10d_functional.all_reduce.default, all_reduce=True)
+
+
+def _functional_all_reduce(ctx, args, kwargs, out):
+    pl = ctx.types(args[0])
+    return None if pl is None else _on_axes(pl, *_functional_all_reduce_step(ctx, args, pl))
 
 
 def _functional_all_reduce_(ctx, args, kwargs, out):
     pl = ctx.types(args[0])
     if pl is None:
         return _typed_update(ctx, [args[0]], None, (), None)
-    return _typed_update(ctx, [args[0]], pl, _axes(ctx, args[2]), _all_reduce_step(_reduce_op(args[1])))
+    return _typed_update(ctx, [args[0]], pl, *_functional_all_reduce_step(ctx, args, pl))
 
 
 def _waited(ctx, args, kwargs, out):
@@ -541,7 +558,7 @@ C10D_RULES: dict[str, Callable] = {
 }
 
 FUNCTIONAL_RULES: dict[str, Callable] = {
-    "all_reduce": _functional(lambda a, k: _all_reduce_step(_reduce_op(a[1])), 2),
+    "all_reduce": _functional_all_reduce,
     "all_reduce_": _functional_all_reduce_,
     "all_gather_into_tensor": _functional_gather,
     "reduce_scatter_tensor": _functional_reduce_scatter,

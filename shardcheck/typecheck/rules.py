@@ -634,6 +634,14 @@ def _like_rule(ctx, args, kwargs, out):
     return (R,) * ctx.n if pl is None else without_partial(pl)
 
 
+def _new_factory_rule(ctx, args, kwargs, out):
+    """x.new_empty(size) & co: shaped like ``x`` (``x.new_empty(x.shape)``), laid out like it
+    as ``empty_like(x)`` is; any other size is a fresh tensor, the same on every rank (R)."""
+    if isinstance(args[0], torch.Tensor) and tuple(out.shape) == tuple(args[0].shape):
+        return _like_rule(ctx, args, kwargs, out)
+    return (R,) * ctx.n
+
+
 def _dropout_rule(ctx, args, kwargs, out):
     pl = ctx.types(args[0])
     return None if pl is None else [pl, without_partial(pl)]
@@ -1041,9 +1049,9 @@ ACTIVATION_BACKWARD = [
 ]
 FACTORIES = [
     "zeros", "ones", "full", "empty", "empty_strided", "arange", "eye", "scalar_tensor",
-    "linspace", "logspace", "new_zeros", "new_ones", "new_full", "new_empty",
-    "new_empty_strided", "lift_fresh", "tensor",
+    "linspace", "logspace", "lift_fresh", "tensor",
 ]
+NEW_FACTORIES = ["new_zeros", "new_ones", "new_full", "new_empty", "new_empty_strided"]
 LIKE_FACTORIES = ["zeros_like", "ones_like", "full_like", "empty_like"]
 RANDOM_FACTORIES = ["rand", "randn", "randint", "randperm"]
 RANDOM_FROM_TEMPLATE = [
@@ -1081,6 +1089,7 @@ def _base_table() -> dict[str, Callable]:
     table.update(dict.fromkeys(RANDOM_FACTORIES, _varying_rule))
     table.update(dict.fromkeys(RANDOM_FROM_TEMPLATE, _keep_layout))
     table.update(dict.fromkeys(LIKE_FACTORIES, _like_rule))
+    table.update(dict.fromkeys(NEW_FACTORIES, _new_factory_rule))
     table.update(_reduce)
     table.update({
         "add": _add_rule, "sub": _add_rule, "rsub": _add_rule,

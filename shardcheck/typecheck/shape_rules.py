@@ -686,12 +686,25 @@ def same_elements(a, b) -> bool:
 
 
 def _copy_rule(ctx, args, kwargs, out):
+    """The source's type; a replicated source broadcast along a dim the destination shards
+    fills the destination's shard of the broadcast value (as ``dst + src`` would)."""
     dst, src = args[0], args[1]
     pl = ctx.types(src)
     if pl is None:
         return None
     lead = dst.dim() - src.dim()
-    return shift_shards(pl, lambda d: norm_dim(d, src.dim()) + lead)
+    pl = shift_shards(pl, lambda d: norm_dim(d, src.dim()) + lead)
+    old = ctx.types(dst)
+    if old is None or tuple(src.shape) == tuple(dst.shape):
+        return pl
+    return tuple(o if replicated(p) and isinstance(o, Shard) and _broadcast_along(src, dst, o.dim) else p
+                 for p, o in zip(pl, old, strict=True))
+
+
+def _broadcast_along(src: torch.Tensor, dst: torch.Tensor, dim: int) -> bool:
+    """Whether ``src``, broadcast to ``dst``'s shape, repeats itself along ``dst``'s ``dim``."""
+    d = norm_dim(dim, dst.dim()) - (dst.dim() - src.dim())
+    return d < 0 or (src.shape[d] == 1 and dst.shape[norm_dim(dim, dst.dim())] > 1)
 
 
 def _fill_rule(ctx, args, kwargs, out):
