@@ -255,6 +255,23 @@ def _view_spans(root: torch.Tensor, views: list) -> list[tuple[int, int, Any]]:
     return spans
 
 
+def _overlapping(t: torch.Tensor, span: tuple[int, int], spans: list) -> list:
+    """The weakrefs of the views in ``spans`` (see _view_spans) that overlap ``span``, ``t``'s,
+    cached on ``t`` while that spans list only grew (a gradient buffer's views are many, and
+    the same few of them are written again and again)."""
+    cached = getattr(t, "_sc_overlaps", None)
+    if cached is not None and cached[0] is spans and cached[1] == span:
+        if cached[2] == len(spans):
+            return cached[3]
+        found, seen = cached[3], cached[2]
+    else:
+        found, seen = [], 0
+    lo, hi = span
+    found = found + [ref for a_lo, a_hi, ref in spans[seen:] if a_lo < hi and lo < a_hi]
+    t._sc_overlaps = (spans, span, len(spans), found)
+    return found
+
+
 def _same_region(a: torch.Tensor, b: torch.Tensor) -> bool:
     return (a.storage_offset() == b.storage_offset() and a.shape == b.shape
             and a.stride() == b.stride())
@@ -429,11 +446,10 @@ class Checker(TorchDispatchMode):
             return
         span = _storage_range(t)
         self._retype_alias(root, t, span, old, pl, transform, flags)
-        for a_lo, a_hi, ref in _view_spans(root, views) if views else ():
-            if a_lo < span[1] and span[0] < a_hi:
-                alias = ref()
-                if alias is not None:
-                    self._retype_alias(alias, t, span, old, pl, transform, flags)
+        for ref in _overlapping(t, span, _view_spans(root, views)) if views else ():
+            alias = ref()
+            if alias is not None:
+                self._retype_alias(alias, t, span, old, pl, transform, flags)
 
     def _retype_alias(self, alias, t, span: tuple[int, int], old, pl, transform, flags: int) -> None:
         """After ``t`` (spanning ``span`` of its storage) was written, retype ``alias``
