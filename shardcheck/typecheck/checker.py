@@ -584,6 +584,14 @@ class Checker(TorchDispatchMode):
             for t in _mutated_tensors(mutated, args, kwargs):
                 self.update_inplace(t, pl, None, flags)
             return out
+        if isinstance(out, torch.Tensor):  # _type_outputs of one tensor, inlined
+            if pl.count(None) != len(pl):
+                out._sc = (self.key, pl, flags)
+            elif getattr(out, "_sc", None) is not None:
+                out._sc = None
+            if is_view:
+                self.register_view(out, args[0])
+            return out
         self._type_outputs(out, pl, flags, args[0] if is_view else None)
         return out
 
