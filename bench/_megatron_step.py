@@ -1,9 +1,10 @@
 """One Megatron GPT training step on warm Gloo ranks, with and without the type checker.
 
-Used by checker_overhead.py. Each rank builds the GPT once, then alternates unchecked and
-checked steps (forward, backward and ``finalize_model_grads`` through Megatron's schedule, then
-the optimizer step); a checked step runs inside the audit's checked region
-(:func:`shardcheck.megatron.checks.typecheck.checked_region`), entered once per step. Each step
+Used by checker_overhead.py. Each rank builds the GPT once, then takes unchecked, checked and
+floor steps in turn (forward, backward and ``finalize_model_grads`` through Megatron's
+schedule, then the optimizer step); a checked step runs inside the audit's checked region
+(:func:`shardcheck.megatron.checks.typecheck.checked_region`), entered once per step, a floor
+step under a dispatch mode that only calls each op (the cost of any Python dispatch mode). Each step
 is timed in CPU time of the rank's process (its Gloo threads included) and in wall time: on a
 shared machine a rank waits for a core, and the other rank for it, which wall time counts.
 """
@@ -16,25 +17,32 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 LAYOUT = "tp2-sp"
-# The audit's tiny GPT, and one with more work per op (the checker's cost is per op call).
+# The audit's tiny GPT, and two with more work per op (the checker's cost is per op call); all
+# three have 2 layers, micro-batch 2 and 2 microbatches. Real GPTs are far larger (hidden 1024
+# and up, sequences of thousands of tokens): their ratio lies below the last row's.
 SIZES = {"audit GPT (hidden 32, seq 16)": {},
-         "GPT hidden 256, seq 128": {"hidden": 256, "heads": 8, "seq": 128, "vocab": 1024}}
+         "GPT hidden 256, seq 128": {"hidden": 256, "heads": 8, "seq": 128, "vocab": 1024},
+         "GPT hidden 512, seq 256": {"hidden": 512, "heads": 8, "seq": 256, "vocab": 2048}}
 
 
 def step_seconds(ctx: Any, sizes: dict[str, int], steps: int) -> dict[str, tuple[float, float]]:
-    """On each rank: median (CPU, wall) seconds of an unchecked and of a checked training step."""
+    """On each rank: median (CPU, wall) seconds of an unchecked, a checked and a floor step."""
+    from _workloads import BareMode
+
     from shardcheck.megatron.checks.typecheck import checked_region
     from shardcheck.megatron.cpu.parallel import megatron_parallel
     from shardcheck.megatron.scenarios.gpt import GPTSetup, build_training
 
     with megatron_parallel(ctx) as pg:
         training = build_training(ctx, GPTSetup(**sizes), pg)
-        _timed(training, nullcontext())  # warm-up: first-call costs of both
-        _timed(training, checked_region(ctx))
-        times: dict[str, list[tuple[float, float]]] = {"unchecked": [], "checked": []}
+        regions = {"unchecked": nullcontext, "checked": lambda: checked_region(ctx),
+                   "floor": BareMode}
+        for region in regions.values():  # warm-up: first-call costs of each
+            _timed(training, region())
+        times: dict[str, list[tuple[float, float]]] = {name: [] for name in regions}
         for _ in range(steps):
-            times["unchecked"].append(_timed(training, nullcontext()))
-            times["checked"].append(_timed(training, checked_region(ctx)))
+            for name, region in regions.items():
+                times[name].append(_timed(training, region()))
     return {name: tuple(statistics.median(sample[i] for sample in samples) for i in (0, 1))
             for name, samples in times.items()}
 

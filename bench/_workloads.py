@@ -8,8 +8,17 @@ from collections.abc import Callable
 from contextlib import nullcontext
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 SIZE, OPS, REPEATS = 256, 200, 25
+
+
+class BareMode(TorchDispatchMode):
+    """The floor: a dispatch mode that only calls the op (with torch's Dynamo-disabling
+    wrapper around it, as any TorchDispatchMode subclass gets by default)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
 
 
 def tensors() -> dict[str, torch.Tensor]:

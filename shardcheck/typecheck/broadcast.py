@@ -24,7 +24,6 @@ ELEMENTWISE = {
 }
 VIEWS = {"view", "_unsafe_view", "reshape", "_reshape_alias"}
 MOVES = {"transpose", "permute"}
-_KINDS: dict[int, str] = {}  # id(OpOverload) -> "expand", "keep", "view", "move" or ""
 
 Blocks = dict[int, int]  # dim (negative) -> the number of blocks it holds one value in (1: whole)
 
@@ -51,7 +50,8 @@ def fits_shard(t: torch.Tensor, dim: int, outer: int = 1) -> bool:
     return found is not None and outer % found == 0
 
 
-def _kind(func) -> str:
+def op_kind(func) -> str:
+    """What :func:`record` does for ``func``: "expand", "keep", "view", "move" or "" (nothing)."""
     name = func.__name__.split(".")[0]
     if name == "expand":
         return "expand"
@@ -145,15 +145,17 @@ def _moved(func, args: tuple, out: torch.Tensor, blocks: Blocks) -> Blocks:
     return {k - ndim: blocks[d - ndim] for k, d in enumerate(order) if d - ndim in blocks}
 
 
-def record(func, args: tuple, out: Any) -> None:
-    """Tag ``out`` with the dims it is a broadcast along, for expand, elementwise ops and views."""
-    kind = _KINDS.get(id(func))  # OpOverloads live forever; id() hashes fastest
-    if kind is None:
-        kind = _KINDS[id(func)] = _kind(func)
-    if not kind or not isinstance(out, torch.Tensor) or out.dim() == 0:
+def record(kind: str, func, args: tuple, out: Any) -> None:
+    """Tag ``out`` with the dims it is a broadcast along, for expand, elementwise ops and views
+    (``kind``: what :func:`op_kind` says of ``func``, not "")."""
+    if not isinstance(out, torch.Tensor) or out.dim() == 0:
         return
-    if kind != "expand" and not any(getattr(a, "_sc_broadcast", None) is not None for a in args):
-        return
+    if kind != "expand":
+        for a in args:
+            if getattr(a, "_sc_broadcast", None) is not None:
+                break
+        else:
+            return
     if kind in ("view", "move"):
         blocks = broadcast_blocks(args[0])
         blocks = (_viewed(args[0].shape, out.shape, blocks) if kind == "view"

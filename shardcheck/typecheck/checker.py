@@ -28,6 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardcheck.typecheck import rank_branches, shape_rules, unseen
 from shardcheck.typecheck import rules as _rules
+from shardcheck.typecheck.broadcast import op_kind as broadcast_kind
 from shardcheck.typecheck.broadcast import record as record_broadcast
 from shardcheck.typecheck.collectives import (
     C10D_RULES,
@@ -263,6 +264,23 @@ def _view_spans(root: torch.Tensor, views: list) -> list[tuple[int, int, Any]]:
     return spans
 
 
+def _overlapping(t: torch.Tensor, span: tuple[int, int], spans: list) -> list:
+    """The weakrefs of the views in ``spans`` (see _view_spans) that overlap ``span``, ``t``'s,
+    cached on ``t`` while that spans list only grew (a gradient buffer's views are many, and
+    the same few of them are written again and again)."""
+    cached = getattr(t, "_sc_overlaps", None)
+    if cached is not None and cached[0] is spans and cached[1] == span:
+        if cached[2] == len(spans):
+            return cached[3]
+        found, seen = cached[3], cached[2]
+    else:
+        found, seen = [], 0
+    lo, hi = span
+    found = found + [ref for a_lo, a_hi, ref in spans[seen:] if a_lo < hi and lo < a_hi]
+    t._sc_overlaps = (spans, span, len(spans), found)
+    return found
+
+
 def _same_region(a: torch.Tensor, b: torch.Tensor) -> bool:
     return (a.storage_offset() == b.storage_offset() and a.shape == b.shape
             and a.stride() == b.stride())
@@ -453,11 +471,10 @@ class Checker(TorchDispatchMode):
             return
         span = _storage_range(t)
         self._retype_alias(root, t, span, old, pl, transform, flags)
-        for a_lo, a_hi, ref in _view_spans(root, views) if views else ():
-            if a_lo < span[1] and span[0] < a_hi:
-                alias = ref()
-                if alias is not None:
-                    self._retype_alias(alias, t, span, old, pl, transform, flags)
+        for ref in _overlapping(t, span, _view_spans(root, views)) if views else ():
+            alias = ref()
+            if alias is not None:
+                self._retype_alias(alias, t, span, old, pl, transform, flags)
 
     def _retype_alias(self, alias, t, span: tuple[int, int], old, pl, transform, flags: int) -> None:
         """After ``t`` (spanning ``span`` of its storage) was written, retype ``alias``
@@ -514,26 +531,34 @@ class Checker(TorchDispatchMode):
             root._sc_spans = None
 
     # --- dispatch ----------------------------------------------------------------------
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        """No Dynamo-disabling wrapper around ``__torch_dispatch__`` (a few µs an op): Dynamo
+        compiles no frame while a dispatch mode is on the stack anyway."""
+        return False
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
         entry = _ENTRIES.get(id(func))  # OpOverloads live forever; id() hashes fastest
         if entry is None:
             entry = _ENTRIES[id(func)] = _resolve(func)
             _OPS[id(func)] = func
-        rule, zero_kind, mutated, is_view, moves_views = entry
+        call, rule, zero_kind, mutated, is_view, moves_views, kind, aten = entry
+        out = call(*args, **kwargs) if kwargs else call(*args)
         if moves_views:
             _LAYOUT_EPOCH[0] += 1
         if self._paused:
             return out
-        record_broadcast(func, args, out)
+        if kind:
+            record_broadcast(kind, func, args, out)
+        kwargs = kwargs or {}
         if rule is None:
             self.unknown[id(func)] += 1
             if self.sites is not None:
                 self._count_site(func, args, out, typed=False)
-            self._forget(mutated, args, kwargs)
+            if mutated:
+                self._forget(mutated, args, kwargs)
             return out
-        branched = self.branches.axes_here() if self.branches.frames and func.namespace == "aten" else ()
+        branched = self.branches.axes_here() if aten and self.branches.frames else ()
         try:
             pl = rule(self, args, kwargs, out)
         except Violation as violation:
@@ -551,29 +576,47 @@ class Checker(TorchDispatchMode):
             if self.sites is not None:
                 self._count_site(func, args, out, typed=True)
             return out
-        if self.rank_scalars and pl is not None:
-            pl = self._varied_by_scalars(pl, func, args, kwargs)
         if pl is None:
             self.unknown[id(func)] += 1
-        else:
-            self.typed += 1
+            if self.sites is not None:
+                self._count_site(func, args, out, typed=False)
+            if mutated:
+                self._forget(mutated, args, kwargs)
+            else:
+                self._type_outputs(out, None, 0, None)
+            return out
+        return self._typed(func, args, kwargs, out, pl, entry, branched)
+
+    def _typed(self, func, args, kwargs, out, pl, entry: tuple, branched: tuple[int, ...]):
+        """Type ``out`` (or the tensors an in-place op wrote) ``pl``, the rule's verdict, and
+        what is known of its value, after the rank's own numbers, accumulations and branches."""
+        zero_kind, mutated, is_view, aten = entry[2], entry[3], entry[4], entry[7]
+        if self.rank_scalars:
+            pl = self._varied_by_scalars(pl, func, args, kwargs)
+        self.typed += 1
         if self.sites is not None:
-            self._count_site(func, args, out, typed=pl is not None)
-        flags = self._value_flags(zero_kind, func, args) if zero_kind and pl is not None else 0
-        if zero_kind == _ADD and pl is not None:
+            self._count_site(func, args, out, typed=True)
+        flags = self._value_flags(zero_kind, func, args) if zero_kind else 0
+        if zero_kind == _ADD:
             flags = self._accumulation(args, flags)
-        if self.accumulating and pl is not None and not flags & ACC and func.namespace == "aten":
+        if self.accumulating and not flags & ACC and aten:
             pl = self._after_accumulation(pl, args)
-        if branched and flags == ACC:
-            flags = ACC | ONE_RANK
-            self.accumulating = True
-        if branched and pl is not None:
+        if branched:
+            if flags == ACC:
+                flags = ACC | ONE_RANK
+                self.accumulating = True
             pl = self._after_rank_branch(pl, args, flags, branched)
         if mutated:
-            if pl is None:
-                self._forget(mutated, args, kwargs)
-            for t in _mutated_tensors(mutated, args, kwargs) if pl is not None else ():
+            for t in _mutated_tensors(mutated, args, kwargs):
                 self.update_inplace(t, pl, None, flags)
+            return out
+        if isinstance(out, torch.Tensor):  # _type_outputs of one tensor, inlined
+            if pl.count(None) != len(pl):
+                out._sc = (self.key, pl, flags)
+            elif getattr(out, "_sc", None) is not None:
+                out._sc = None
+            if is_view:
+                self.register_view(out, args[0])
             return out
         self._type_outputs(out, pl, flags, args[0] if is_view else None)
         return out
@@ -646,9 +689,12 @@ class Checker(TorchDispatchMode):
 
     def _value_flags(self, kind: int, func, args) -> int:
         if kind == _ARITH or kind == _ADD:
-            for a in args:
-                if isinstance(a, torch.Tensor) and not self.const(a):
-                    return 0
+            key = self.key
+            for a in args:  # self.const(a) for each tensor, inlined: most ops take this path
+                if isinstance(a, torch.Tensor):
+                    st = getattr(a, "_sc", None)
+                    if st is None or st[0] is not key or (st[2] != CONST and st[2] != ZERO):
+                        return 0
             return CONST
         if kind == _KEEP:
             return self._flags(args[0])
@@ -840,7 +886,9 @@ def _entries_current() -> None:
 
 
 def _resolve(func) -> tuple:
-    """(rule, zero kind, mutated (pos, name) args, is_view, moves_views) for an OpOverload."""
+    """What the dispatch needs of an op: (the callable that runs it, rule, zero kind, mutated
+    (pos, name) args, is_view, moves_views, broadcast kind, in aten). A plain OpOverload runs
+    as its C++ op (``OpOverload.__call__`` is a Python frame that only calls it)."""
     rule = _USER_RULES.get(func) or _USER_RULES.get(getattr(func, "overloadpacket", None))
     name = _base_name(func)
     if rule is None:
@@ -857,7 +905,9 @@ def _resolve(func) -> tuple:
         mutated = ((0, schema.arguments[0].name),)
     # an in-place view op (t_, resize_, set_, ...) or an out= op (which resizes its output)
     moves_views = torch.Tag.inplace_view in func.tags or any(a.is_out for a in schema.arguments)
-    return rule, _zero_kind(name), mutated, is_view, moves_views
+    call = func._op if type(func) is torch._ops.OpOverload else func
+    return (call, rule, _zero_kind(name), mutated, is_view, moves_views, broadcast_kind(func),
+            func.namespace == "aten")
 
 
 def _zero_kind(name: str) -> int:
@@ -903,7 +953,7 @@ def typecheck(mesh: Mesh, mode: str = "raise", sites: bool = False) -> Iterator[
             yield checker
     finally:
         rank_branches.unwatch(checker.rank_read)
-        checker.branches.frames.clear()  # the frames hold their locals
+        checker.branches.clear()  # the frames hold their locals
         _ACTIVE.remove(checker)
         if not _ACTIVE:
             unseen.uninstall()

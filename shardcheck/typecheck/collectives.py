@@ -8,6 +8,7 @@ group acts on; a group that matches no combination of mesh axes is an "unknown a
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -57,9 +58,16 @@ def process_group(group: Any) -> dist.ProcessGroup:
     return group if isinstance(group, dist.ProcessGroup) else dist.ProcessGroup.unbox(group)
 
 
+_GROUP_RANKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # a group's ranks never change
+
+
 def group_ranks(group: Any) -> tuple[int, ...]:
     """Global ranks of a ProcessGroup given as a ScriptObject, a ProcessGroup or a name."""
-    return tuple(dist.get_process_group_ranks(process_group(group)))
+    pg = process_group(group)
+    ranks = _GROUP_RANKS.get(pg)
+    if ranks is None:
+        ranks = _GROUP_RANKS[pg] = tuple(dist.get_process_group_ranks(pg))
+    return ranks
 
 
 class UnknownAxis(Violation):

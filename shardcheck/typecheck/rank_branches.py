@@ -88,6 +88,8 @@ class RankBranches:
     def __init__(self) -> None:
         # id(frame) -> (frame, [(jump, merge, axes)]); empty until code branches on the rank
         self.frames: dict[int, tuple[FrameType, list[tuple[int, int, tuple[int, ...]]]]] = {}
+        # (frame, jump, merge) of each span in ``frames``, flat (see axes_here)
+        self._spans: list[tuple[FrameType, int, int]] = []
 
     def decided(self, frame: FrameType, axes: tuple[int, ...]) -> None:
         span = branch_span(frame.f_code, frame.f_lasti)
@@ -98,11 +100,27 @@ class RankBranches:
             if len(self.frames) >= _DECISIONS_KEPT:
                 self.frames.pop(next(iter(self.frames)))
             known = self.frames[id(frame)] = (frame, [])
+            self._spans = [(f, start, end) for f, spans in self.frames.values()
+                           for start, end, _ in spans]
         if (*span, axes) not in known[1]:  # a branch in a loop is one span
             known[1].append((*span, axes))
+            self._spans.append((frame, *span))
+
+    def clear(self) -> None:
+        """Forget the frames (they hold their locals)."""
+        self.frames.clear()
+        self._spans = []
 
     def axes_here(self) -> tuple[int, ...]:
-        """The axes on which the code running the current op is under a branch on the rank."""
+        """The axes on which the code running the current op is under a branch on the rank.
+
+        The stack is walked only while some kept frame runs inside one of its branches (it
+        seldom does): the op's own frame can be under a branch only then."""
+        for kept, start, end in self._spans:
+            if start < kept.f_lasti < end:
+                break
+        else:
+            return ()
         frame = user_frame(sys._getframe(1))
         known = self.frames.get(id(frame)) if frame is not None else None
         if known is None or known[0] is not frame:
