@@ -610,14 +610,6 @@ class Checker(TorchDispatchMode):
             for t in _mutated_tensors(mutated, args, kwargs):
                 self.update_inplace(t, pl, None, flags)
             return out
-        if isinstance(out, torch.Tensor):  # _type_outputs of one tensor, inlined
-            if pl.count(None) != len(pl):
-                out._sc = (self.key, pl, flags)
-            elif getattr(out, "_sc", None) is not None:
-                out._sc = None
-            if is_view:
-                self.register_view(out, args[0])
-            return out
         self._type_outputs(out, pl, flags, args[0] if is_view else None)
         return out
 
@@ -689,12 +681,9 @@ class Checker(TorchDispatchMode):
 
     def _value_flags(self, kind: int, func, args) -> int:
         if kind == _ARITH or kind == _ADD:
-            key = self.key
-            for a in args:  # self.const(a) for each tensor, inlined: most ops take this path
-                if isinstance(a, torch.Tensor):
-                    st = getattr(a, "_sc", None)
-                    if st is None or st[0] is not key or (st[2] != CONST and st[2] != ZERO):
-                        return 0
+            for a in args:
+                if isinstance(a, torch.Tensor) and not self.const(a):
+                    return 0
             return CONST
         if kind == _KEEP:
             return self._flags(args[0])

@@ -242,17 +242,17 @@ def _of_contributions(ctx, sources: list, pl: Pl, axes: list[int], op: str, step
     reports it, and the report stands when ranks at two coordinates make it. Averaged by an
     all-reduce, zeros or a value added in a branch on the rank are the value over n on every
     rank: a partial sum of equal shares."""
-    source = sources[0]
-    if op == SUM and _contributions(ctx, sources):
-        for a in axes:
-            if pl[a] is R or pl[a] is I:
-                occurrence = ctx.count_varying_cut()  # on every rank, zeros or not: numbered alike
-                if ctx.accumulated(source):
-                    ctx._report(Violation("double count", a, "zeros this rank added a replicated value "
-                                          "into: a double count if every rank added it", occurrence,
-                                          unconfirmed=True), func, (source,))
-    elif not (all_reduce and op == AVG and all(ctx.zero(t) or ctx.added_on_some_ranks(t) for t in sources)):
+    summed = op == SUM and _contributions(ctx, sources)
+    averaged = all_reduce and op == AVG and all(ctx.zero(t) or ctx.added_on_some_ranks(t) for t in sources)
+    if not (summed or averaged):
         return step
+    for a in axes if summed else ():
+        if pl[a] is R or pl[a] is I:
+            occurrence = ctx.count_varying_cut()  # on every rank, zeros or not: numbered alike
+            if ctx.accumulated(sources[0]):
+                ctx._report(Violation("double count", a, "zeros this rank added a replicated value "
+                                      "into: a double count if every rank added it", occurrence,
+                                      unconfirmed=True), func, (sources[0],))
     return lambda p, a: step(P if p is R or p is I else p, a)
 
 
