@@ -91,11 +91,12 @@ def _start_elementwise(ctx, args, kwargs, out, base: str) -> tuple | None:
 # --- rules for the ops a norm is made of ----------------------------------------------------
 
 def _wrap(name: str, tagged_rule) -> None:
-    """Register ``tagged_rule`` for aten ``name`` and ``name_``; it falls back to the base rule."""
+    """Register ``tagged_rule`` for aten ``name`` and ``name_``; it falls back to the base rule.
+    A tagged rule tests its cheapest premise first: it runs at every mul and add."""
     base = RULES[name]
 
     def rule(ctx, args, kwargs, out):
-        pl = tagged_rule(ctx, args, kwargs, out) if has_named_parameters(ctx) else None
+        pl = tagged_rule(ctx, args, kwargs, out)
         return base(ctx, args, kwargs, out) if pl is None else pl
     for packet in (name, name + "_"):
         if hasattr(aten, packet):
@@ -170,9 +171,12 @@ def _stack(ctx, args, kwargs, out):
 
 
 def _add(ctx, args, kwargs, out):
-    if not all(isinstance(a, torch.Tensor) for a in args[:2]):
+    a, b = args[0], args[1]
+    if _term(a) is None and _term(b) is None:
         return None
-    return _merge(ctx, out, list(args[:2]))
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+        return None
+    return _merge(ctx, out, [a, b])
 
 
 def _foreach_norm(ctx, args, kwargs, out):

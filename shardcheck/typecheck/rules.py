@@ -386,27 +386,27 @@ def elementwise(ctx, items: list[tuple[Any, str]]) -> Pl | None:
 def _same_simple_layout(ctx, items: list[tuple[Any, str]]) -> Pl | None:
     """The common case, fast: every typed operand has the same placements, no P, and any
     shard is on tensors of equal rank. Returns None when the general rule must decide."""
+    if ctx.rerun:  # its types are not the tensors' own: the general rule reads them
+        return None
     first = None
     ndim = -1
+    key = ctx.key
     for value, _ in items:
         if not isinstance(value, torch.Tensor):
             if isinstance(value, Typed):
                 return None
             continue
-        pl = ctx.types(value)
-        if pl is None:
+        st = getattr(value, "_sc", None)  # ctx.types(value), inlined: it runs at every op
+        if st is None or st[0] is not key:
             return None
+        pl = st[1]
         if first is None:
-            first = pl
+            first, ndim = pl, value.dim()
             for p in pl:
                 if p is not R and p is not V and p is not I and type(p) is not Shard:
                     return None
-        elif pl != first:
+        elif pl != first or value.dim() != ndim:
             return None
-        if ndim != value.dim():
-            if ndim >= 0:
-                return None
-            ndim = value.dim()
     return first
 
 
@@ -574,8 +574,7 @@ def _sections_of(o: _Operand, a: int) -> tuple[int, ...]:
 def _roles(*roles: str) -> Callable:
     """A rule for an op whose leading positional args take the given roles."""
     def rule(ctx, args, kwargs, out):
-        items = [(args[i] if i < len(args) else None, role) for i, role in enumerate(roles)]
-        return elementwise(ctx, items)
+        return elementwise(ctx, list(zip(args, roles, strict=False)))  # an arg not given is no operand
     return rule
 
 

@@ -76,8 +76,13 @@ def _parameters_typed_on_first_use(axes: tuple[str, ...]) -> Iterator[None]:
     import shardcheck as sc
     from shardcheck.typecheck.checker import current
     typed: set[int] = set()
+    walked: weakref.WeakSet = weakref.WeakSet()  # modules whose whole tree was typed
 
     def type_parameters(module: torch.nn.Module, _args: Any) -> None:
+        if module in walked and all(p is None or id(p) in typed
+                                    for p in module._parameters.values()):
+            return  # a parameter set on a submodule since is typed when that one runs
+        walked.add(module)
         fresh = {name: p for name, p in module.named_parameters() if id(p) not in typed}
         if not fresh:
             return
@@ -112,19 +117,22 @@ _HOLDERS: dict[tuple[str, int], tuple[int, list]] = {}
 def holders(prefix: str, original: Any) -> list:
     """The loaded modules named ``prefix...`` that hold ``original`` under its own name.
 
-    Scanning every loaded module takes tens of ms (a few have a slow module ``__getattr__``),
-    and a checked region looks up several functions: the modules are scanned again only when
-    more were loaded, and the ones found are checked to hold it still."""
+    A module's own namespace is read (``vars``), never its attributes: a few have a slow
+    module ``__getattr__``. A checked region looks up several functions: the modules are
+    scanned again only when more were loaded, and the ones found are checked to hold it still."""
     import sys
 
-    key, count = (prefix, id(original)), len(sys.modules)
+    key, count, name = (prefix, id(original)), len(sys.modules), original.__name__
     cached = _HOLDERS.get(key)
     if cached is None or cached[0] != count:
-        found = [module for module in list(sys.modules.values())
-                 if getattr(module, "__name__", "").startswith(prefix)
-                 and getattr(module, original.__name__, None) is original]
+        found = [module for module_name, module in list(sys.modules.items())
+                 if module_name.startswith(prefix) and _holds(module, name, original)]
         _HOLDERS[key] = cached = (count, found)
-    return [module for module in cached[1] if getattr(module, original.__name__, None) is original]
+    return [module for module in cached[1] if _holds(module, name, original)]
+
+
+def _holds(module: Any, name: str, value: Any) -> bool:
+    return getattr(module, "__dict__", {}).get(name) is value
 
 
 @contextlib.contextmanager
