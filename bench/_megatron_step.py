@@ -17,12 +17,13 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 LAYOUT = "tp2-sp"
-# The audit's tiny GPT, and two with more work per op (the checker's cost is per op call); all
-# three have 2 layers, micro-batch 2 and 2 microbatches. Real GPTs are far larger (hidden 1024
-# and up, sequences of thousands of tokens): their ratio lies below the last row's.
+# The audit's tiny GPT, and three with more work per op (the checker's cost is per op call); all
+# have 2 layers, micro-batch 2 and 2 microbatches. The last is the smallest of real GPTs' width
+# (hidden 1024 and up); their sequences are longer still, so their ratio lies below its row's.
 SIZES = {"audit GPT (hidden 32, seq 16)": {},
          "GPT hidden 256, seq 128": {"hidden": 256, "heads": 8, "seq": 128, "vocab": 1024},
-         "GPT hidden 512, seq 256": {"hidden": 512, "heads": 8, "seq": 256, "vocab": 2048}}
+         "GPT hidden 512, seq 256": {"hidden": 512, "heads": 8, "seq": 256, "vocab": 2048},
+         "GPT hidden 1024, seq 512": {"hidden": 1024, "heads": 16, "seq": 512, "vocab": 4096}}
 
 
 def step_seconds(ctx: Any, sizes: dict[str, int], steps: int) -> dict[str, tuple[float, float]]:
