@@ -788,6 +788,10 @@ class _VaryingOn:
         pl = self._checker.types(t)
         return None if pl is None else pl[:self._axis] + (V,) + pl[self._axis + 1:]
 
+    def count_varying_cut(self) -> int:
+        """The cut was numbered when the rule first ran (on every rank): the same number."""
+        return self._checker.varying_cuts
+
 
 def _retyped_after(checker: Checker, violation: Violation, rule, args, kwargs, out):
     """In collect mode, a violating op's result is V on the broken axis (its values differ per
