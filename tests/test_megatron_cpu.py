@@ -242,3 +242,32 @@ def test_gdn_gated_norm_runs_its_own_source_uncompiled(patched):
     assert not hasattr(GatedDeltaNet._apply_gated_norm, "_torchdynamo_orig_callable")
     expected = norm(x.reshape(-1, 4)) * torch.nn.functional.silu(gate.reshape(-1, 4))
     assert torch.equal(out, expected)
+
+
+def test_compiled_functions_run_as_the_functions_they_wrap(patched):
+    """Megatron's jit_fuser (torch.compile) would compile C++ for seconds at each first call:
+    loaded compiled functions run as their own source, later ones are never compiled, with the
+    same numbers as the formula they hold."""
+    from megatron.core import jit
+    from megatron.core.transformer import torch_norm
+
+    norm = torch_norm.L2Norm(4, eps=1e-6)
+    assert "_torchdynamo_orig_callable" not in vars(torch_norm.L2Norm._norm)
+    assert torch_norm.L2Norm._norm.__code__.co_filename == torch_norm.__file__
+    x = torch.randn(3, 4)
+    assert torch.equal(norm(x), x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+    def later(t):
+        return t + 1
+
+    assert jit.jit_fuser(later) is later
+
+
+def test_removing_the_patches_restores_the_compiled_functions():
+    from megatron.core import jit
+    from megatron.core.transformer import torch_norm
+
+    compiled, fuser = torch_norm.L2Norm._norm, jit.jit_fuser
+    cpu.apply_cpu_patches()
+    cpu.remove_cpu_patches()
+    assert (torch_norm.L2Norm._norm, jit.jit_fuser) == (compiled, fuser)

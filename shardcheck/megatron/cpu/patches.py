@@ -63,6 +63,12 @@ computes. Each patch below replaces one such place with its CPU equivalent and n
     inference helpers at module level: when Triton is missing, a stand-in module whose
     functions refuse to run (they are only used for inference) lets it import. Needs
     ``einops``.
+14. ``compiled_functions``: every other function and method Megatron's ``jit_fuser`` wrapped
+    in ``torch.compile`` (the L2 norm of ``qk_l2_norm``, the fused cross-entropy, bias-GeLU,
+    ...): its first call compiled C++ for 15-20 s in every rank process, long enough for a
+    case to read as hung. The loaded ones run as the functions they wrap, and modules loaded
+    after get Megatron's own no-op ``jit_fuser``. Under the type checker they ran uncompiled
+    already (Dynamo compiles nothing while a dispatch mode is on the stack).
 
 Each patch finds its target by what the code does, not by where one release kept it: a kernel
 is set in the module whose globals the layer's code reads, a replaced function in every loaded
@@ -80,6 +86,7 @@ import copy
 import importlib
 import inspect
 import sys
+import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from typing import Any
@@ -467,13 +474,38 @@ def _gated_norm_class(mock: Any, kernels: Any) -> type:
                 {"sharded_state_dict": body["sharded_state_dict"], "__doc__": body.get("__doc__")})
 
 
+def _compiled_original(value: Any) -> Any:
+    """The plain function a ``torch.compile``-d function wraps, or None (read from a function's
+    own namespace: a MagicMock stand-in has every attribute)."""
+    if not isinstance(value, types.FunctionType):
+        return None
+    return vars(value).get("_torchdynamo_orig_callable")
+
+
 def _eager_methods(cls: type) -> None:
     """Run the methods Megatron's ``jit_fuser`` compiled (``torch.compile``) as plain functions."""
     for klass in cls.__mro__:
         for name, value in list(vars(klass).items()):
-            eager = getattr(value, "_torchdynamo_orig_callable", None)
+            eager = _compiled_original(value)
             if eager is not None:
                 _set(klass, name, eager)
+
+
+def _patch_compiled_functions() -> None:
+    """Megatron's ``jit_fuser`` is ``torch.compile``: on a CPU each compiled function's first
+    call builds C++ for 15-20 s in every rank process, a case's whole time limit. Modules
+    loaded later get Megatron's own no-op decorator; loaded ones their plain functions back."""
+    jit = _module("megatron.core.jit")
+    _set(jit, "jit_fuser", _attribute(jit, "noop_decorator"))
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("megatron.core") or not isinstance(module, types.ModuleType):
+            continue
+        for attr, value in list(vars(module).items()):
+            eager = _compiled_original(value)
+            if eager is not None:
+                _set(module, attr, eager)
+            elif isinstance(value, type) and value.__module__ == name:
+                _eager_methods(value)
 
 
 _GDN_KERNELS = frozenset({"l2norm", "chunk_gated_delta_rule", "causal_conv1d_fn", "causal_conv1d"})
@@ -512,6 +544,7 @@ PATCHES: tuple[tuple[str, Callable[[], None]], ...] = (
     ("host_copy", _patch_host_copy), ("uneven_collectives", _patch_uneven_collectives),
     ("llava_te_attention", _patch_llava_te_attention), ("clip_norm", _patch_clip_norm),
     ("gdn_kernels", _patch_gdn_kernels), ("mamba_kernels", _patch_mamba_kernels),
+    ("compiled_functions", _patch_compiled_functions),
 )
 
 
