@@ -9,6 +9,12 @@ block k of the whole tensor: S(0). The collective marks its output (``_sc_exchan
 ``cat`` rule asks :func:`rejoined_rows`. The list form sent the consecutive dim-0 chunks of
 such a shard receives the blocks as separate tensors, each marked with its place
 (``_sc_exchanged_piece``); joined along d in that order they are S(0) alike.
+
+The other way (``all_to_all_sp2hp``, Mamba's ``cp2hp``): the dim-d chunks of a tensor stacked
+on dim 0 and exchanged give rank k chunk k of every rank's rows, S(d) on the group's axis. An
+axis that shards dim d of the chunked tensor too holds the group's pieces inside its own:
+its shard ``outside`` the group's (see :class:`~shardcheck.typecheck.types.Shard`), which
+the rows joined back make plain again.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shardcheck.typecheck.rules import Pl, axis_stride, chunk_dim, norm_dim
+from shardcheck.typecheck.rules import Pl, axis_stride, chunk_dim, inside, moved, norm_dim
 from shardcheck.typecheck.types import S, Shard, V
 
 
@@ -50,7 +56,7 @@ def mark_exchanged(ctx, output: torch.Tensor, pl: Pl, axes: list[int], inp: torc
         return
     (a,) = axes
     p = pl[a]
-    if type(p) is not Shard or norm_dim(p.dim, inp.dim()) == 0:
+    if type(p) is not Shard or p.outside or norm_dim(p.dim, inp.dim()) == 0:
         return
     output._sc_exchanged = Exchanged(ctx.key, a, ctx.sizes[a], norm_dim(p.dim, inp.dim()),
                                      _nested(ctx, pl, a, inp.dim()))
@@ -78,13 +84,24 @@ def rejoined_rows(ctx, tensors, dim: int) -> Pl | None:
 
 
 def _rejoined(ctx, mark: Exchanged, pl: Pl, dim: int, ndim: int) -> Pl:
-    outer = axis_stride(ctx, mark.axis)
     result = list(pl)
     result[mark.axis] = V if mark.nested else S(0)
     for b, p in enumerate(pl):
         if b != mark.axis and isinstance(p, Shard) and norm_dim(p.dim, ndim) == dim:
-            result[b] = p if type(p) is Shard and axis_stride(ctx, b) > outer else V
+            result[b] = moved(p, p.dim, False) if type(p) is Shard and inside(ctx, pl, mark.axis, b) else V
     return tuple(result)
+
+
+def columns_inside(ctx, pl: Pl, source: Pl | None, a: int, dim: int, ndim: int) -> Pl:
+    """The output's types, off the group's axis ``a``, of an even all-to-all of the dim-``dim``
+    chunks of a tensor typed ``source`` stacked on dim 0: an axis that shards ``dim`` there
+    (plainly) holds a's pieces inside its own, outside them against the mesh order where it
+    is the faster one. The others keep ``pl``."""
+    if source is None:
+        return pl
+    return tuple(S(q.dim, axis_stride(ctx, b) < axis_stride(ctx, a))
+                 if b != a and type(q) is Shard and not q.outside and norm_dim(q.dim, ndim) == dim
+                 else p for b, (p, q) in enumerate(zip(pl, source, strict=True)))
 
 
 def mark_exchanged_pieces(ctx, outputs, inputs, pl: Pl, axes: list[int]) -> None:
@@ -98,7 +115,7 @@ def mark_exchanged_pieces(ctx, outputs, inputs, pl: Pl, axes: list[int]) -> None
         return
     (a,) = axes
     p = pl[a]
-    if type(p) is not Shard or norm_dim(p.dim, inputs[0].dim()) == 0 or any(
+    if type(p) is not Shard or p.outside or norm_dim(p.dim, inputs[0].dim()) == 0 or any(
             t.shape != inputs[0].shape for t in outputs):
         return
     source = _chunked(ctx, inputs)

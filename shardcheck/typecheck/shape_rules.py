@@ -32,6 +32,7 @@ from shardcheck.typecheck.rules import (
     is_tensor,
     join,
     looked_up_table,
+    mark_cut,
     mark_stacked,
     moved,
     norm_dim,
@@ -70,7 +71,7 @@ def view_shard(in_shape, out_shape, p: Shard) -> Shard | None:
         elif start < pre < start * size:
             if candidates or pre % start or piece % prod(out_shape[j + 1:]):
                 break
-            return BlockShard(j, pre // start) if type(p) is not SectionShard else None
+            return BlockShard(j, pre // start, p.outside) if type(p) is not SectionShard else None
         start *= size
     if not candidates:
         return None
@@ -79,7 +80,7 @@ def view_shard(in_shape, out_shape, p: Shard) -> Shard | None:
     if type(p) is SectionShard:  # sections survive only where the fused dim stays whole
         whole = out_shape[j] == inner and prod(out_shape[j + 1:]) == prod(in_shape[d + 1:])
         return moved(p, j) if whole else None
-    return RankChunk(j) if type(p) is RankChunk else S(j)  # a guess stays one
+    return RankChunk(j) if type(p) is RankChunk else S(j, p.outside)  # a guess stays one
 
 
 def _view_rule(ctx, args, kwargs, out):
@@ -175,13 +176,23 @@ def _cut_along(ctx, pl: Pl, ndim: int, dim: int, pieces: list[tuple[int, int]], 
                 section = p.piece(start, length)
                 per_axis.append(V if section is None else moved(section, dim))
             elif isinstance(p, Shard) and norm_dim(p.dim, ndim) == dim:
-                per_axis.append(V)
+                per_axis.append(_cut_by_rank_inside(ctx, a, p, by_rank))
             elif isinstance(p, Gathered):
                 per_axis.append(_gathered_cut(ctx, pl, p, dim, start, length, total))
             else:
                 per_axis.append(p)
         results.append(tuple(per_axis))
     return results
+
+
+def _cut_by_rank_inside(ctx, a: int, p: Shard, by_rank: dict) -> Placement:
+    """A plain shard of the dim cut into this rank's chunk on another axis (a rank slice of
+    each of axis ``a``'s pieces, Mamba's cp slice of a tp weight): a's pieces hold that axis'
+    chunks, outside them (see :class:`Shard`). Any other cut of a shard: V."""
+    cut = [b for b, q in by_rank.items() if isinstance(q, Shard)]
+    if type(p) is not Shard or p.outside or len(cut) != 1:
+        return V
+    return S(p.dim, axis_stride(ctx, a) < axis_stride(ctx, cut[0]))
 
 
 def _gathered_cut(ctx, pl: Pl, p: Gathered, dim: int, start: int, length: int, total: int) -> Placement | None:
@@ -250,6 +261,8 @@ def _slice_rule(ctx, args, kwargs, out):
     length = out.shape[dim]
     if step != 1:
         start = -1  # a strided slice is no rank's chunk
+    else:
+        mark_cut(ctx, [out], pl, dim, size)
     return _cut_along(ctx, pl, ndim, dim, [(start, length)], size, by_rank_slice=True)[0]
 
 
@@ -278,6 +291,7 @@ def _split_rule(ctx, args, kwargs, out):
         pieces.append((start, t.shape[dim]))
         start += t.shape[dim]
     ctx.remember_pieces(out, pl)
+    mark_cut(ctx, out, pl, dim, x.shape[dim])
     if len(out) > 1 and not in_backward_of("CatBackward0") and any(
             type(p) is Shard and norm_dim(p.dim, ndim) == dim for p in pl):
         ctx.cuts.note(list(out), pl)
@@ -316,7 +330,7 @@ def _pieces(ctx, tensors, joined_dim: int | None = None) -> list:
                 pl = as_pieces(pl)
             else:
                 repeated = sum(_same_view(t, u) for u in tensors) > 1
-                pl = tuple(S(p.dim) if type(p) is SectionShard and norm_dim(p.dim, t.dim()) == joined_dim
+                pl = tuple(S(p.dim, p.outside) if type(p) is SectionShard and norm_dim(p.dim, t.dim()) == joined_dim
                            else _across(p, t.dim(), joined_dim, repeated) for p in pl)
             t = Typed(pl, tuple(t.shape), ctx.const(t), t)
         items.append((t, ADD))
@@ -418,6 +432,7 @@ def _joined_sections(ctx, tensors, a: int, dim: int) -> Placement:
     backward joins the gradients of its two halves so). A piece cut otherwise does not line
     up with the others: V."""
     sections: list[int] = []
+    outside = set()
     for t in tensors:
         if t.shape[dim] == 0:
             continue
@@ -425,7 +440,10 @@ def _joined_sections(ctx, tensors, a: int, dim: int) -> Placement:
         if type(p) not in (Shard, SectionShard) or norm_dim(p.dim, t.dim()) != dim:
             return V
         sections += p.sections if type(p) is SectionShard else [t.shape[dim]]
-    return SectionShard(dim, tuple(sections)) if len(sections) > 1 else S(dim)
+        outside.add(p.outside)
+    if len(outside) > 1:
+        return V
+    return SectionShard(dim, tuple(sections), *outside) if len(sections) > 1 else S(dim, *outside)
 
 
 def _stack_rule(ctx, args, kwargs, out):
@@ -739,7 +757,7 @@ def _repeat_rule(ctx, args, kwargs, out):
     for p in pl:
         if isinstance(p, Shard):
             d = norm_dim(p.dim, x.dim()) + lead
-            result.append(V if reps[d] != 1 else S(d))
+            result.append(V if reps[d] != 1 else S(d, p.outside))
         else:
             result.append(None if isinstance(p, Gathered) else p)
     return tuple(result)
