@@ -405,17 +405,20 @@ def _exchange(ctx, output: torch.Tensor, inp: torch.Tensor, pl: Pl, group, outpu
     mark = _stacked_mark(ctx, inp, group) if even and len(axes) == 1 else None
     if mark is None:
         return pl, axes, _exchange_step(0)
-    return columns_inside(ctx, pl, mark[3], axes[0], mark[1], inp.dim()), axes, _exchange_step(mark[1])
+    pl, sections = columns_inside(ctx, pl, mark[3], axes[0], mark[1], inp.dim())
+    return pl, axes, _exchange_step(mark[1], sections)
 
 
-def _exchange_step(stacked: int) -> Callable[[Placement, int], Placement | None]:
+def _exchange_step(stacked: int, sections: tuple | None = None) -> Callable[[Placement, int], Placement | None]:
     """all-to-all of dim-0 blocks: rank k gets block k of every rank. Blocks stacked from the
     chunks of a dim ``stacked`` of a sequence shard (Megatron's sp2hp) give the shard of that
-    dim; anything else is a value of each rank's own (V; the blocks of a shard of another dim
-    are S(0) once joined along that dim again, see :mod:`exchange`)."""
+    dim (in ``sections`` where each chunk holds a piece of each, see
+    :func:`~shardcheck.typecheck.exchange.columns_inside`); anything else is a value of each
+    rank's own (V; the blocks of a shard of another dim are S(0) once joined along that dim
+    again, see :mod:`exchange`)."""
     def step(p: Placement, a: int) -> Placement | None:
         if stacked and isinstance(p, Shard) and p.dim == 0:
-            return S(stacked)
+            return SectionShard(stacked, sections) if sections else S(stacked)
         return V
     return step
 

@@ -23,8 +23,18 @@ from dataclasses import dataclass
 
 import torch
 
-from shardcheck.typecheck.rules import Pl, axis_stride, chunk_dim, inside, moved, norm_dim
-from shardcheck.typecheck.types import S, Shard, V
+from shardcheck.typecheck.rules import (
+    InterleavedShard,
+    Pl,
+    SectionShard,
+    axis_stride,
+    chunk_dim,
+    inside,
+    interleaved,
+    moved,
+    norm_dim,
+)
+from shardcheck.typecheck.types import Placement, S, Shard, V
 
 
 @dataclass(frozen=True)
@@ -39,6 +49,7 @@ class Exchanged:
     dim: int
     nested: bool
     source: Pl | None = None  # the list form: the type of the tensor the sent chunks cut
+    sections: tuple | None = None  # the input's sections along dim (a SectionShard)
 
 
 def even_splits(output_splits, input_splits, rows: int, count: int) -> bool:
@@ -56,10 +67,11 @@ def mark_exchanged(ctx, output: torch.Tensor, pl: Pl, axes: list[int], inp: torc
         return
     (a,) = axes
     p = pl[a]
-    if type(p) is not Shard or p.outside or norm_dim(p.dim, inp.dim()) == 0:
+    if type(p) not in (Shard, SectionShard) or p.outside or norm_dim(p.dim, inp.dim()) == 0:
         return
     output._sc_exchanged = Exchanged(ctx.key, a, ctx.sizes[a], norm_dim(p.dim, inp.dim()),
-                                     _nested(ctx, pl, a, inp.dim()))
+                                     _nested(ctx, pl, a, inp.dim()), None,
+                                     p.sections if type(p) is SectionShard else None)
 
 
 def rejoined_rows(ctx, tensors, dim: int) -> Pl | None:
@@ -88,20 +100,42 @@ def _rejoined(ctx, mark: Exchanged, pl: Pl, dim: int, ndim: int) -> Pl:
     result[mark.axis] = V if mark.nested else S(0)
     for b, p in enumerate(pl):
         if b != mark.axis and isinstance(p, Shard) and norm_dim(p.dim, ndim) == dim:
-            result[b] = moved(p, p.dim, False) if type(p) is Shard and inside(ctx, pl, mark.axis, b) else V
+            result[b] = _joined_outside(ctx, mark, pl, b) if inside(ctx, pl, mark.axis, b) else V
     return tuple(result)
 
 
-def columns_inside(ctx, pl: Pl, source: Pl | None, a: int, dim: int, ndim: int) -> Pl:
+def _joined_outside(ctx, mark: Exchanged, pl: Pl, b: int) -> Placement:
+    """Axis ``b``'s shard once the group's pieces inside it are joined: whole again, its
+    sections' chunks grouped by chunk where the group's pieces held a piece of each section
+    (see InterleavedShard). Sections that do not match the group's: V."""
+    p = pl[b]
+    if mark.sections is None:
+        return moved(p, p.dim, False) if type(p) is Shard else V
+    if type(p) is not SectionShard or p.sections != mark.sections:
+        return V
+    return interleaved(p.dim, p.sections, mark.count)
+
+
+def columns_inside(ctx, pl: Pl, source: Pl | None, a: int, dim: int, ndim: int) -> tuple[Pl, tuple | None]:
     """The output's types, off the group's axis ``a``, of an even all-to-all of the dim-``dim``
     chunks of a tensor typed ``source`` stacked on dim 0: an axis that shards ``dim`` there
     (plainly) holds a's pieces inside its own, outside them against the mesh order where it
-    is the faster one. The others keep ``pl``."""
+    is the faster one. Of a shard whose sections' chunks are grouped by chunk, one group per
+    rank of ``a`` (see InterleavedShard), rank k gets chunk k of each section: both axes hold
+    their piece of each section, sections given too. The others keep ``pl``."""
     if source is None:
-        return pl
-    return tuple(S(q.dim, axis_stride(ctx, b) < axis_stride(ctx, a))
-                 if b != a and type(q) is Shard and not q.outside and norm_dim(q.dim, ndim) == dim
-                 else p for b, (p, q) in enumerate(zip(pl, source, strict=True)))
+        return pl, None
+    result, sections = list(pl), None
+    for b, q in enumerate(source):
+        if b == a or not isinstance(q, Shard) or q.outside or norm_dim(q.dim, ndim) != dim:
+            continue
+        outside = axis_stride(ctx, b) < axis_stride(ctx, a)
+        if type(q) is Shard:
+            result[b] = S(q.dim, outside)
+        elif type(q) is InterleavedShard and q.count == ctx.sizes[a]:
+            result[b] = SectionShard(q.dim, q.chunks, outside)
+            sections = q.chunks
+    return tuple(result), sections
 
 
 def mark_exchanged_pieces(ctx, outputs, inputs, pl: Pl, axes: list[int]) -> None:

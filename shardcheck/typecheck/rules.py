@@ -105,7 +105,7 @@ class SectionShard(Shard):
         return f"S({self.dim}, sections={list(self.sections)}{', outside' if self.outside else ''})"
 
     def __eq__(self, other: object) -> bool:
-        return (isinstance(other, SectionShard) and other.dim == self.dim
+        return (type(other) is type(self) and other.dim == self.dim
                 and other.sections == self.sections and other.outside == self.outside)
 
     def __hash__(self) -> int:
@@ -122,6 +122,48 @@ class SectionShard(Shard):
         return S(self.dim, self.outside) if len(inner) == 1 else SectionShard(self.dim, inner, self.outside)
 
 
+class InterleavedShard(SectionShard):
+    """A fused dim (sections of local lengths ``chunks`` times ``count``) with each section cut
+    into ``count`` chunks and the chunks grouped by chunk: chunk 0 of every section, then
+    chunk 1, ... (GDN's head permutation before its one all-to-all over cp). As a
+    SectionShard, its sections are those chunks in that order; sent to the ``count`` ranks
+    of a group by an all-to-all, rank k gets chunk k of every section."""
+
+    __slots__ = ("count",)
+
+    def __init__(self, dim: int, chunks: tuple[int, ...], count: int, outside: bool = False) -> None:
+        super().__init__(dim, tuple(chunks) * count, outside)
+        self.count = count
+
+    @property
+    def chunks(self) -> tuple[int, ...]:
+        return self.sections[:len(self.sections) // self.count]
+
+    def __repr__(self) -> str:
+        return f"S({self.dim}, sections={list(self.chunks)} x {self.count}{', outside' if self.outside else ''})"
+
+    def __hash__(self) -> int:
+        return hash(("S", self.dim, self.sections, self.count, self.outside))
+
+
+def interleaved(dim: int, chunks: tuple[int, ...], count: int, outside: bool = False) -> Shard:
+    """The shard of sections ``chunks`` x ``count`` grouped by chunk; one section is a plain shard."""
+    if len(chunks) == 1:
+        return S(dim, outside)
+    return InterleavedShard(dim, chunks, count, outside)
+
+
+def interleaves(index: torch.Tensor, sections: tuple[int, ...], count: int) -> bool:
+    """Whether ``index`` picks, from a dim of ``sections``, chunk 0 of every section, then
+    chunk 1, ..., each section cut into ``count`` chunks."""
+    if index.dim() != 1 or index.numel() != sum(sections) or any(size % count for size in sections):
+        return False
+    starts = [sum(sections[:i]) for i in range(len(sections))]
+    order = [start + k * (size // count) + j for k in range(count)
+             for start, size in zip(starts, sections, strict=True) for j in range(size // count)]
+    return torch.equal(index.cpu(), torch.tensor(order, dtype=index.dtype))
+
+
 def outer_of(p: Shard) -> int:
     return p.outer if type(p) is BlockShard else 1
 
@@ -131,6 +173,8 @@ def moved(p: Shard, dim: int, outside: bool | None = None) -> Shard:
     outside = p.outside if outside is None else outside
     if type(p) is BlockShard:
         return BlockShard(dim, p.outer, outside)
+    if type(p) is InterleavedShard:
+        return InterleavedShard(dim, p.chunks, p.count, outside)
     if type(p) is RankChunk:
         return RankChunk(dim)
     return SectionShard(dim, p.sections, outside) if type(p) is SectionShard else S(dim, outside)
