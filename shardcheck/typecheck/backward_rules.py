@@ -12,14 +12,19 @@ from shardcheck.typecheck.checker import RULES, register_rule
 from shardcheck.typecheck.rules import (
     MUL,
     NL,
+    InterleavedShard,
+    RankChunk,
+    SectionShard,
     _reduce_axis,
     arg,
     elementwise,
+    interleaves,
     norm_dim,
+    replicated,
     shift_shards,
 )
-from shardcheck.typecheck.shape_rules import _along_dim_rule
-from shardcheck.typecheck.types import S, Shard, V
+from shardcheck.typecheck.shape_rules import _along_dim_rule, rank_chunks
+from shardcheck.typecheck.types import P, S, Shard, V
 
 aten = torch.ops.aten
 _REDUCTION_KIND = {1: "mean", 2: "sum"}  # at::Reduction: 0 none, 1 mean, 2 sum
@@ -46,13 +51,35 @@ def _logits_loss(ctx, args, kwargs, out):
 
 
 def _slice_backward(ctx, args, kwargs, out):
-    """slice_backward(grad, input_sizes, dim, start, end, step): grad padded with zeros."""
+    """slice_backward(grad, input_sizes, dim, start, end, step): grad padded with zeros. The
+    gradient of this rank's chunk on an axis that cuts the dim (a rank slice), put at that
+    chunk's place, is a partial sum there; a shard outside that axis' pieces is whole again
+    (see :class:`~shardcheck.typecheck.types.Shard`). Any other shard of the dim: V."""
     pl = ctx.types(args[0])
     if pl is None:
         return None
-    dim = norm_dim(args[2], len(args[1]))
-    return tuple(V if isinstance(p, Shard) and norm_dim(p.dim, len(args[1])) == dim else p
-                 for p in pl)
+    ndim = len(args[1])
+    dim = norm_dim(args[2], ndim)
+    cut = [b for b, p in enumerate(pl) if _padded_at_rank(ctx, b, p, args, dim)]
+    return tuple(_slice_gradient(p, b, cut, dim, ndim) for b, p in enumerate(pl))
+
+
+def _padded_at_rank(ctx, b: int, p, args, dim: int) -> bool:
+    total, length = args[1][dim], args[0].shape[dim]
+    start = norm_dim(args[3], total) if args[3] is not None else 0
+    return (type(p) in (Shard, RankChunk) and not p.outside and norm_dim(p.dim, len(args[1])) == dim
+            and args[5] == 1 and ctx.sizes[b] > 1 and length < total
+            and (start, length) in rank_chunks(total, ctx.sizes[b], ctx.index[b]))
+
+
+def _slice_gradient(p, b: int, cut: list[int], dim: int, ndim: int):
+    if not isinstance(p, Shard) or norm_dim(p.dim, ndim) != dim:
+        return p
+    if len(cut) != 1:
+        return V
+    if b in cut:
+        return P
+    return S(p.dim) if type(p) is Shard and p.outside else V
 
 
 def _select_backward(ctx, args, kwargs, out):
@@ -88,8 +115,18 @@ def _add_into(ctx, args, kwargs, out):
         dim = norm_dim(args[1], args[0].dim())
         return pl if pl is None else tuple(
             S(dim) if p is V and type(s) is Shard and norm_dim(s.dim, args[3].dim()) == dim and i is V
-            else p for p, s, i in zip(pl, source, index, strict=True))
+            else _regrouped(s, i, args[2], dim, args[3].dim()) or p
+            for p, s, i in zip(pl, source, index, strict=True))
     return _scatter_add(ctx, args, kwargs, out)
+
+
+def _regrouped(s, i, index: torch.Tensor, dim: int, ndim: int) -> SectionShard | None:
+    """The backward of an index_select that grouped a sectioned shard's chunks by chunk (see
+    InterleavedShard): the gradient added back by the same replicated index is that shard."""
+    if type(s) is not InterleavedShard or s.outside or norm_dim(s.dim, ndim) != dim or not replicated(i):
+        return None
+    sections = tuple(size * s.count for size in s.chunks)
+    return SectionShard(dim, sections) if interleaves(index, sections, s.count) else None
 
 
 for _op in (aten.index_add, aten.index_add_, aten.scatter_add, aten.scatter_add_):

@@ -321,6 +321,7 @@ class Checker(TorchDispatchMode):
         self.origins: Counter = Counter()
         self.landings: Counter = Counter()  # shapes of outputs an async collective lands on at wait
         self.cuts = PositionCuts()
+        self.reshaped: dict[tuple, tuple] = {}  # forward views by (output, input) shape, see shape_rules
 
     def remember_rank_scalar(self, value: int | float, axes: tuple[int, ...]) -> None:
         """A Python number read (``.item()``) from a value that differs per rank on ``axes``, and

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from shardcheck.typecheck.exchange import (
+    columns_inside,
     copy_mark,
     even_splits,
     mark_exchanged,
@@ -366,16 +367,22 @@ def _sections_scattered(ctx, pl: Pl, axes: list[int], group, rows: int) -> Pl:
 
 
 def _stacked_dim(ctx, inp: torch.Tensor, group) -> int:
-    """The dim the blocks of ``inp``'s dim 0 were cut from (see :func:`mark_stacked`), else 0;
-    a view of the whole stacked tensor as it is (the backward of a reshape) is it."""
+    """The dim the blocks of ``inp``'s dim 0 were cut from (see :func:`mark_stacked`), else 0."""
+    mark = _stacked_mark(ctx, inp, group)
+    return 0 if mark is None else mark[1]
+
+
+def _stacked_mark(ctx, inp: torch.Tensor, group) -> tuple | None:
+    """``inp``'s :func:`mark_stacked` mark for a collective over ``group``, else None; a view
+    of the whole stacked tensor as it is (the backward of a reshape) has it."""
     mark = getattr(inp, "_sc_stacked", None)
     base = inp._base
     if (mark is None and base is not None and base.shape == inp.shape and inp.is_contiguous()
             and base.is_contiguous() and base.storage_offset() == inp.storage_offset()):
         mark = getattr(base, "_sc_stacked", None)
     if mark is None or mark[0] is not ctx.key or mark[2] != len(group_ranks(group)):
-        return 0
-    return mark[1]
+        return None
+    return mark
 
 
 def _alltoall_base(ctx, args, kwargs, out):
@@ -384,27 +391,34 @@ def _alltoall_base(ctx, args, kwargs, out):
     if pl is None:
         output.__dict__.pop("_sc_exchanged", None)
         return _typed_update(ctx, [output], None, (), None)
-    return _typed_update(ctx, [output], pl, *_exchange(ctx, output, inp, pl, group, args[3], args[4]))
+    return _typed_update(ctx, [output], *_exchange(ctx, output, inp, pl, group, args[3], args[4]))
 
 
 def _exchange(ctx, output: torch.Tensor, inp: torch.Tensor, pl: Pl, group, output_splits, input_splits) -> tuple:
-    """The axes and step of an all-to-all (``output`` marked, see :mod:`exchange`). Uneven
-    splits move blocks that line up with no shard: V."""
+    """The input's types as the output keeps them, the axes and the step of an all-to-all
+    (``output`` marked, see :mod:`exchange`). Uneven splits move blocks that line up with no
+    shard: V."""
     axes = _axes(ctx, group)
     count = len(group_ranks(group))
     even = inp.dim() > 0 and even_splits(output_splits, input_splits, inp.shape[0], count)
     mark_exchanged(ctx, output, pl, axes, inp, even)
-    return axes, _exchange_step(_stacked_dim(ctx, inp, group) if even and len(axes) == 1 else 0)
+    mark = _stacked_mark(ctx, inp, group) if even and len(axes) == 1 else None
+    if mark is None:
+        return pl, axes, _exchange_step(0)
+    pl, sections = columns_inside(ctx, pl, mark[3], axes[0], mark[1], inp.dim())
+    return pl, axes, _exchange_step(mark[1], sections)
 
 
-def _exchange_step(stacked: int) -> Callable[[Placement, int], Placement | None]:
+def _exchange_step(stacked: int, sections: tuple | None = None) -> Callable[[Placement, int], Placement | None]:
     """all-to-all of dim-0 blocks: rank k gets block k of every rank. Blocks stacked from the
     chunks of a dim ``stacked`` of a sequence shard (Megatron's sp2hp) give the shard of that
-    dim; anything else is a value of each rank's own (V; the blocks of a shard of another dim
-    are S(0) once joined along that dim again, see :mod:`exchange`)."""
+    dim (in ``sections`` where each chunk holds a piece of each, see
+    :func:`~shardcheck.typecheck.exchange.columns_inside`); anything else is a value of each
+    rank's own (V; the blocks of a shard of another dim are S(0) once joined along that dim
+    again, see :mod:`exchange`)."""
     def step(p: Placement, a: int) -> Placement | None:
         if stacked and isinstance(p, Shard) and p.dim == 0:
-            return S(stacked)
+            return SectionShard(stacked, sections) if sections else S(stacked)
         return V
     return step
 
@@ -497,7 +511,7 @@ def _functional_all_to_all(ctx, args, kwargs, out):
     pl = ctx.types(args[0])
     if pl is None:
         return None
-    return _on_axes(pl, *_exchange(ctx, out, args[0], pl, args[3], args[1], args[2]))
+    return _on_axes(*_exchange(ctx, out, args[0], pl, args[3], args[1], args[2]))
 
 
 def _functional_reduce_scatter(ctx, args, kwargs, out):

@@ -9,6 +9,12 @@ block k of the whole tensor: S(0). The collective marks its output (``_sc_exchan
 ``cat`` rule asks :func:`rejoined_rows`. The list form sent the consecutive dim-0 chunks of
 such a shard receives the blocks as separate tensors, each marked with its place
 (``_sc_exchanged_piece``); joined along d in that order they are S(0) alike.
+
+The other way (``all_to_all_sp2hp``, Mamba's ``cp2hp``): the dim-d chunks of a tensor stacked
+on dim 0 and exchanged give rank k chunk k of every rank's rows, S(d) on the group's axis. An
+axis that shards dim d of the chunked tensor too holds the group's pieces inside its own:
+its shard ``outside`` the group's (see :class:`~shardcheck.typecheck.types.Shard`), which
+the rows joined back make plain again.
 """
 
 from __future__ import annotations
@@ -17,8 +23,18 @@ from dataclasses import dataclass
 
 import torch
 
-from shardcheck.typecheck.rules import Pl, axis_stride, chunk_dim, norm_dim
-from shardcheck.typecheck.types import S, Shard, V
+from shardcheck.typecheck.rules import (
+    InterleavedShard,
+    Pl,
+    SectionShard,
+    axis_stride,
+    chunk_dim,
+    inside,
+    interleaved,
+    moved,
+    norm_dim,
+)
+from shardcheck.typecheck.types import Placement, S, Shard, V
 
 
 @dataclass(frozen=True)
@@ -33,6 +49,7 @@ class Exchanged:
     dim: int
     nested: bool
     source: Pl | None = None  # the list form: the type of the tensor the sent chunks cut
+    sections: tuple | None = None  # the input's sections along dim (a SectionShard)
 
 
 def even_splits(output_splits, input_splits, rows: int, count: int) -> bool:
@@ -50,10 +67,11 @@ def mark_exchanged(ctx, output: torch.Tensor, pl: Pl, axes: list[int], inp: torc
         return
     (a,) = axes
     p = pl[a]
-    if type(p) is not Shard or norm_dim(p.dim, inp.dim()) == 0:
+    if type(p) not in (Shard, SectionShard) or p.outside or norm_dim(p.dim, inp.dim()) == 0:
         return
     output._sc_exchanged = Exchanged(ctx.key, a, ctx.sizes[a], norm_dim(p.dim, inp.dim()),
-                                     _nested(ctx, pl, a, inp.dim()))
+                                     _nested(ctx, pl, a, inp.dim()), None,
+                                     p.sections if type(p) is SectionShard else None)
 
 
 def rejoined_rows(ctx, tensors, dim: int) -> Pl | None:
@@ -78,13 +96,46 @@ def rejoined_rows(ctx, tensors, dim: int) -> Pl | None:
 
 
 def _rejoined(ctx, mark: Exchanged, pl: Pl, dim: int, ndim: int) -> Pl:
-    outer = axis_stride(ctx, mark.axis)
     result = list(pl)
     result[mark.axis] = V if mark.nested else S(0)
     for b, p in enumerate(pl):
         if b != mark.axis and isinstance(p, Shard) and norm_dim(p.dim, ndim) == dim:
-            result[b] = p if type(p) is Shard and axis_stride(ctx, b) > outer else V
+            result[b] = _joined_outside(ctx, mark, pl, b) if inside(ctx, pl, mark.axis, b) else V
     return tuple(result)
+
+
+def _joined_outside(ctx, mark: Exchanged, pl: Pl, b: int) -> Placement:
+    """Axis ``b``'s shard once the group's pieces inside it are joined: whole again, its
+    sections' chunks grouped by chunk where the group's pieces held a piece of each section
+    (see InterleavedShard). Sections that do not match the group's: V."""
+    p = pl[b]
+    if mark.sections is None:
+        return moved(p, p.dim, False) if type(p) is Shard else V
+    if type(p) is not SectionShard or p.sections != mark.sections:
+        return V
+    return interleaved(p.dim, p.sections, mark.count)
+
+
+def columns_inside(ctx, pl: Pl, source: Pl | None, a: int, dim: int, ndim: int) -> tuple[Pl, tuple | None]:
+    """The output's types, off the group's axis ``a``, of an even all-to-all of the dim-``dim``
+    chunks of a tensor typed ``source`` stacked on dim 0: an axis that shards ``dim`` there
+    (plainly) holds a's pieces inside its own, outside them against the mesh order where it
+    is the faster one. Of a shard whose sections' chunks are grouped by chunk, one group per
+    rank of ``a`` (see InterleavedShard), rank k gets chunk k of each section: both axes hold
+    their piece of each section, sections given too. The others keep ``pl``."""
+    if source is None:
+        return pl, None
+    result, sections = list(pl), None
+    for b, q in enumerate(source):
+        if b == a or not isinstance(q, Shard) or q.outside or norm_dim(q.dim, ndim) != dim:
+            continue
+        outside = axis_stride(ctx, b) < axis_stride(ctx, a)
+        if type(q) is Shard:
+            result[b] = S(q.dim, outside)
+        elif type(q) is InterleavedShard and q.count == ctx.sizes[a]:
+            result[b] = SectionShard(q.dim, q.chunks, outside)
+            sections = q.chunks
+    return tuple(result), sections
 
 
 def mark_exchanged_pieces(ctx, outputs, inputs, pl: Pl, axes: list[int]) -> None:
@@ -98,7 +149,7 @@ def mark_exchanged_pieces(ctx, outputs, inputs, pl: Pl, axes: list[int]) -> None
         return
     (a,) = axes
     p = pl[a]
-    if type(p) is not Shard or norm_dim(p.dim, inputs[0].dim()) == 0 or any(
+    if type(p) is not Shard or p.outside or norm_dim(p.dim, inputs[0].dim()) == 0 or any(
             t.shape != inputs[0].shape for t in outputs):
         return
     source = _chunked(ctx, inputs)

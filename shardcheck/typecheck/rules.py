@@ -73,19 +73,19 @@ class BlockShard(Shard):
 
     __slots__ = ("outer",)
 
-    def __init__(self, dim: int, outer: int) -> None:
-        super().__init__(dim)
+    def __init__(self, dim: int, outer: int, outside: bool = False) -> None:
+        super().__init__(dim, outside)
         self.outer = outer
 
     def __repr__(self) -> str:
-        return f"S({self.dim}, blocks={self.outer})"
+        return f"S({self.dim}, blocks={self.outer}{', outside' if self.outside else ''})"
 
     def __eq__(self, other: object) -> bool:
         return (isinstance(other, BlockShard) and other.dim == self.dim
-                and other.outer == self.outer)
+                and other.outer == self.outer and other.outside == self.outside)
 
     def __hash__(self) -> int:
-        return hash(("S", self.dim, self.outer))
+        return hash(("S", self.dim, self.outer, self.outside))
 
 
 class SectionShard(Shard):
@@ -97,19 +97,19 @@ class SectionShard(Shard):
 
     __slots__ = ("sections",)
 
-    def __init__(self, dim: int, sections: tuple[int, ...]) -> None:
-        super().__init__(dim)
+    def __init__(self, dim: int, sections: tuple[int, ...], outside: bool = False) -> None:
+        super().__init__(dim, outside)
         self.sections = tuple(sections)
 
     def __repr__(self) -> str:
-        return f"S({self.dim}, sections={list(self.sections)})"
+        return f"S({self.dim}, sections={list(self.sections)}{', outside' if self.outside else ''})"
 
     def __eq__(self, other: object) -> bool:
-        return (isinstance(other, SectionShard) and other.dim == self.dim
-                and other.sections == self.sections)
+        return (type(other) is type(self) and other.dim == self.dim
+                and other.sections == self.sections and other.outside == self.outside)
 
     def __hash__(self) -> int:
-        return hash(("S", self.dim, self.sections))
+        return hash(("S", self.dim, self.sections, self.outside))
 
     def piece(self, start: int, length: int) -> Shard | None:
         """The shard of the local range [start, start+length) if it is whole sections."""
@@ -119,20 +119,84 @@ class SectionShard(Shard):
         if start not in bounds or start + length not in bounds:
             return None
         inner = self.sections[bounds.index(start):bounds.index(start + length)]
-        return S(self.dim) if len(inner) == 1 else SectionShard(self.dim, inner)
+        return S(self.dim, self.outside) if len(inner) == 1 else SectionShard(self.dim, inner, self.outside)
+
+
+class InterleavedShard(SectionShard):
+    """A fused dim (sections of local lengths ``chunks`` times ``count``) with each section cut
+    into ``count`` chunks and the chunks grouped by chunk: chunk 0 of every section, then
+    chunk 1, ... (GDN's head permutation before its one all-to-all over cp). As a
+    SectionShard, its sections are those chunks in that order; sent to the ``count`` ranks
+    of a group by an all-to-all, rank k gets chunk k of every section."""
+
+    __slots__ = ("count",)
+
+    def __init__(self, dim: int, chunks: tuple[int, ...], count: int, outside: bool = False) -> None:
+        super().__init__(dim, tuple(chunks) * count, outside)
+        self.count = count
+
+    @property
+    def chunks(self) -> tuple[int, ...]:
+        return self.sections[:len(self.sections) // self.count]
+
+    def __repr__(self) -> str:
+        return f"S({self.dim}, sections={list(self.chunks)} x {self.count}{', outside' if self.outside else ''})"
+
+    def __hash__(self) -> int:
+        return hash(("S", self.dim, self.sections, self.count, self.outside))
+
+
+def interleaved(dim: int, chunks: tuple[int, ...], count: int, outside: bool = False) -> Shard:
+    """The shard of sections ``chunks`` x ``count`` grouped by chunk; one section is a plain shard."""
+    if len(chunks) == 1:
+        return S(dim, outside)
+    return InterleavedShard(dim, chunks, count, outside)
+
+
+def interleaves(index: torch.Tensor, sections: tuple[int, ...], count: int) -> bool:
+    """Whether ``index`` picks, from a dim of ``sections``, chunk 0 of every section, then
+    chunk 1, ..., each section cut into ``count`` chunks."""
+    if index.dim() != 1 or index.numel() != sum(sections) or any(size % count for size in sections):
+        return False
+    starts = [sum(sections[:i]) for i in range(len(sections))]
+    order = [start + k * (size // count) + j for k in range(count)
+             for start, size in zip(starts, sections, strict=True) for j in range(size // count)]
+    return torch.equal(index.cpu(), torch.tensor(order, dtype=index.dtype))
 
 
 def outer_of(p: Shard) -> int:
     return p.outer if type(p) is BlockShard else 1
 
 
-def moved(p: Shard, dim: int) -> Shard:
-    """The same kind of shard on another dim."""
+def moved(p: Shard, dim: int, outside: bool | None = None) -> Shard:
+    """The same kind of shard on another dim (``outside`` as given, else as ``p``'s)."""
+    outside = p.outside if outside is None else outside
     if type(p) is BlockShard:
-        return BlockShard(dim, p.outer)
+        return BlockShard(dim, p.outer, outside)
+    if type(p) is InterleavedShard:
+        return InterleavedShard(dim, p.chunks, p.count, outside)
     if type(p) is RankChunk:
         return RankChunk(dim)
-    return SectionShard(dim, p.sections) if type(p) is SectionShard else S(dim)
+    return SectionShard(dim, p.sections, outside) if type(p) is SectionShard else S(dim, outside)
+
+
+def nested_outside(pl: tuple, a: int, ndim: int) -> bool:
+    """Whether axis ``a``'s shard holds, inside its pieces, those of another axis that shards
+    the same dim, against the mesh order (see :class:`Shard`); alone on its dim it is plain."""
+    p = pl[a]
+    return (isinstance(p, Shard) and p.outside
+            and any(b != a and isinstance(q, Shard) and norm_dim(q.dim, ndim) == norm_dim(p.dim, ndim)
+                    for b, q in enumerate(pl)))
+
+
+def inside(ctx, pl: tuple, b: int, a: int) -> bool:
+    """Whether axis ``b``'s pieces of a dim that axis ``a`` shards too sit inside ``a``'s: by
+    the mesh order (the faster axis inside), unless one of them is ``outside``."""
+    if isinstance(pl[a], Shard) and pl[a].outside:
+        return True
+    if isinstance(pl[b], Shard) and pl[b].outside:
+        return False
+    return axis_stride(ctx, b) < axis_stride(ctx, a)
 
 
 def as_pieces(pl: tuple) -> tuple:
@@ -158,11 +222,34 @@ def chunk_dim(pieces) -> int | None:
 def mark_stacked(ctx, out: torch.Tensor, tensors, dim: int) -> None:
     """cat along dim 0 of the consecutive chunks of one tensor along another dim (Megatron's
     split-the-last-dim-and-stack before a reduce-scatter or all-to-all): remember the dim, so
-    the collective that takes the blocks apart knows where they came from."""
+    the collective that takes the blocks apart knows where they came from, and the type of
+    the tensor the chunks were cut from, where known (see :func:`mark_cut`)."""
     if dim == 0 and len(tensors) > 1:
         c = chunk_dim(tensors)
         if c not in (None, 0):
-            out._sc_stacked = (ctx.key, c, len(tensors))
+            out._sc_stacked = (ctx.key, c, len(tensors), _cut_source(ctx, tensors, c))
+
+
+def mark_cut(ctx, pieces, pl: tuple, dim: int, total: int) -> None:
+    """Remember, on pieces cut along ``dim`` (of length ``total``) from a tensor typed ``pl``
+    that some axis shards there, that tensor's type: their types say only V there."""
+    keep = any(isinstance(p, Shard) and norm_dim(p.dim, pieces[0].dim()) == dim for p in pl)
+    for t in pieces:
+        if keep:
+            t._sc_cut = (ctx.key, pl, dim, total)
+        else:
+            t.__dict__.pop("_sc_cut", None)
+
+
+def _cut_source(ctx, tensors, dim: int) -> tuple | None:
+    """The type of the tensor that ``tensors`` (its consecutive chunks along ``dim``) are all of."""
+    marks = [t.__dict__.get("_sc_cut") for t in tensors]
+    first = marks[0]
+    if first is None or first[0] is not ctx.key or first[2] != dim \
+            or first[3] != sum(t.shape[dim] for t in tensors):
+        return None
+    return first[1] if all(m is not None and m[0] is first[0] and m[1] == first[1] and m[2:] == first[2:]
+                           for m in marks) else None
 
 
 def axis_stride(ctx, a: int) -> int:
@@ -528,7 +615,8 @@ def _shard_layout(tensors: list[_Operand], a: int, out_ndim: int) -> Placement:
     for o in tensors:
         p = o.pl[a]
         if isinstance(p, Shard):
-            shard_dims.add((norm_dim(p.dim, len(o.shape)) + out_ndim - len(o.shape), outer_of(p)))
+            shard_dims.add((norm_dim(p.dim, len(o.shape)) + out_ndim - len(o.shape), outer_of(p),
+                            nested_outside(o.pl, a, len(o.shape))))
             guessed = guessed and type(p) is RankChunk
         if p is V:
             varying = True
@@ -537,7 +625,7 @@ def _shard_layout(tensors: list[_Operand], a: int, out_ndim: int) -> Placement:
     if len(shard_dims) > 1:
         raise Violation("mixed shards", a)
     if shard_dims:
-        ((d, outer),) = shard_dims
+        ((d, outer, outside),) = shard_dims
         for o in tensors:
             if (replicated(o.pl[a]) or is_partial(o.pl[a])) and not o.const:
                 local = d - (out_ndim - len(o.shape))
@@ -546,14 +634,14 @@ def _shard_layout(tensors: list[_Operand], a: int, out_ndim: int) -> Placement:
         if varying:
             return V
         if outer > 1:
-            return BlockShard(d, outer)
-        return RankChunk(d) if guessed else _common_sections(tensors, a, d)
+            return BlockShard(d, outer, outside)
+        return RankChunk(d) if guessed else _common_sections(tensors, a, d, outside)
     if varying:
         return V
     return I if invariant_only and tensors else R
 
 
-def _common_sections(tensors: list[_Operand], a: int, d: int) -> Shard:
+def _common_sections(tensors: list[_Operand], a: int, d: int, outside: bool) -> Shard:
     """S(d), keeping the sections of its sharded operands. Operands cut into different sections
     (a plain shard is one section) hold their global values in different orders, so their
     local elements do not line up: a fused weight's output plus a bias cut as one slice."""
@@ -562,7 +650,7 @@ def _common_sections(tensors: list[_Operand], a: int, d: int) -> Shard:
     if sectioned and len(layouts) > 1:
         shown = " vs ".join(str(list(s)) for s in sorted(layouts))
         raise Violation("mixed shards", a, f"local sections {shown} along the sharded dim")
-    return SectionShard(d, next(iter(layouts))) if sectioned else S(d)
+    return SectionShard(d, next(iter(layouts)), outside) if sectioned else S(d, outside)
 
 
 def _sections_of(o: _Operand, a: int) -> tuple[int, ...]:
@@ -838,9 +926,9 @@ def _axis_contract(pls, a: int, out_spec: str) -> Placement | None:
             raise Violation("partial product", a)
         return V if V in ps else P
     letters, shard = set(), None
-    for p, (_, spec, _) in zip(ps, pls, strict=True):
+    for p, (pl, spec, _) in zip(ps, pls, strict=True):
         if isinstance(p, Shard):
-            letters.add((spec[norm_dim(p.dim, len(spec))], outer_of(p)))
+            letters.add((spec[norm_dim(p.dim, len(spec))], outer_of(p), nested_outside(pl, a, len(spec))))
             shard = p
     if len(letters) > 1:
         raise Violation("mixed shards", a)
@@ -848,11 +936,11 @@ def _axis_contract(pls, a: int, out_spec: str) -> Placement | None:
         return V
     if not letters:
         return I if all(p is I for p in ps) else R
-    ((letter, outer),) = letters
+    ((letter, outer, outside),) = letters
     for p, (_, spec, t) in zip(ps, pls, strict=True):
         if replicated(p) and letter in spec and not fits_shard(t, spec.index(letter), outer):
             raise Violation("global shape mismatch", a)
-    return moved(shard, out_spec.index(letter)) if letter in out_spec else P
+    return moved(shard, out_spec.index(letter), outside) if letter in out_spec else P
 
 
 def _mm(ctx, args, kwargs, out):

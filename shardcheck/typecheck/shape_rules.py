@@ -28,10 +28,13 @@ from shardcheck.typecheck.rules import (
     cut_into_rows,
     elementwise,
     in_backward_of,
+    interleaved,
+    interleaves,
     is_partial,
     is_tensor,
     join,
     looked_up_table,
+    mark_cut,
     mark_stacked,
     moved,
     norm_dim,
@@ -52,12 +55,14 @@ def prod(xs) -> int:
     return n
 
 
-def view_shard(in_shape, out_shape, p: Shard) -> Shard | None:
+def view_shard(in_shape, out_shape, p: Shard, prefer: int | None = None) -> Shard | None:
     """Where a shard lands after a reshape, or None when it cannot be said.
 
     The ranks' pieces start at a flat offset ``pre`` (the product of the dims before the
     sharded one, times its blocks). An output dim starting exactly there is sharded plainly;
     one that ``pre`` falls inside holds the pieces in blocks (a merge with an inner shard).
+    Of several dims starting there (dims of size 1 before it), the one of the piece's length,
+    unless ``prefer`` names another (see :func:`_reshaped_back`).
     """
     d, outer = norm_dim(p.dim, len(in_shape)), outer_of(p)
     pre = prod(in_shape[:d]) * outer
@@ -70,16 +75,30 @@ def view_shard(in_shape, out_shape, p: Shard) -> Shard | None:
         elif start < pre < start * size:
             if candidates or pre % start or piece % prod(out_shape[j + 1:]):
                 break
-            return BlockShard(j, pre // start) if type(p) is not SectionShard else None
+            return BlockShard(j, pre // start, p.outside) if not isinstance(p, SectionShard) else None
         start *= size
     if not candidates:
         return None
-    j = next((j for j in candidates if out_shape[j] == inner),
-             next((j for j in candidates if out_shape[j] > 1), candidates[0]))
-    if type(p) is SectionShard:  # sections survive only where the fused dim stays whole
-        whole = out_shape[j] == inner and prod(out_shape[j + 1:]) == prod(in_shape[d + 1:])
-        return moved(p, j) if whole else None
-    return RankChunk(j) if type(p) is RankChunk else S(j)  # a guess stays one
+    j = prefer if prefer in candidates else next(
+        (j for j in candidates if out_shape[j] == inner),
+        next((j for j in candidates if out_shape[j] > 1), candidates[0]))
+    if isinstance(p, SectionShard):
+        return _sections_viewed(p, in_shape, out_shape, d, j)
+    return RankChunk(j) if type(p) is RankChunk else S(j, p.outside)  # a guess stays one
+
+
+def _sections_viewed(p: SectionShard, in_shape, out_shape, d: int, j: int) -> Shard | None:
+    """A fused dim ``d`` viewed as dim ``j`` over the same elements: its sections survive where
+    each is a whole number of dim-``j`` rows (the fused dim whole, or cut into heads, or heads
+    merged into it again); else None. Chunks grouped by chunk survive only whole."""
+    rows_in, rows_out = prod(in_shape[d + 1:]), prod(out_shape[j + 1:])
+    if out_shape[j] * rows_out != in_shape[d] * rows_in or any(size * rows_in % rows_out for size in p.sections):
+        return None
+    if rows_in == rows_out:
+        return moved(p, j)
+    if type(p) is not SectionShard:
+        return None
+    return SectionShard(j, tuple(size * rows_in // rows_out for size in p.sections), p.outside)
 
 
 def _view_rule(ctx, args, kwargs, out):
@@ -90,8 +109,20 @@ def _view_rule(ctx, args, kwargs, out):
     in_shape, out_shape = x.shape, out.shape
     if in_shape == out_shape:
         return pl
-    return tuple(view_shard(in_shape, out_shape, p) if isinstance(p, Shard)
-                 else (None if isinstance(p, Gathered) else p) for p in pl)
+    prefer = _reshaped_back(ctx, x, out, pl)
+    return tuple(view_shard(in_shape, out_shape, p, prefer[a]) if isinstance(p, Shard)
+                 else (None if isinstance(p, Gathered) else p) for a, p in enumerate(pl))
+
+
+def _reshaped_back(ctx, x: torch.Tensor, out: torch.Tensor, pl: Pl) -> tuple:
+    """The dims, by axis, that the shards of the forward input of the view that this one undoes
+    sat on (a gradient reshaped back: GDN's one local head repeated, then merged, [1, 2] <->
+    [2], where the piece's length alone would name the repeats); in the forward, remembered."""
+    if torch._C._current_graph_task_id() >= 0:
+        return ctx.reshaped.get((tuple(x.shape), tuple(out.shape)), (None,) * len(pl))
+    ctx.reshaped[(tuple(out.shape), tuple(x.shape))] = tuple(
+        norm_dim(p.dim, x.dim()) if isinstance(p, Shard) else None for p in pl)
+    return (None,) * len(pl)
 
 
 def _permute_rule(ctx, args, kwargs, out):
@@ -166,7 +197,8 @@ def _cut_along(ctx, pl: Pl, ndim: int, dim: int, pieces: list[tuple[int, int]], 
     results = []
     by_position = in_backward_of("CatBackward0")
     for start, length in pieces:
-        by_rank = {} if by_position else rank_piece(ctx, pl, dim, total, start, length, by_rank_slice)
+        by_rank = {} if by_position else rank_piece(ctx, pl, dim, total, start, length, by_rank_slice,
+                                                   None if by_rank_slice else len(pieces))
         per_axis = []
         for a, p in enumerate(pl):
             if a in by_rank:
@@ -175,13 +207,23 @@ def _cut_along(ctx, pl: Pl, ndim: int, dim: int, pieces: list[tuple[int, int]], 
                 section = p.piece(start, length)
                 per_axis.append(V if section is None else moved(section, dim))
             elif isinstance(p, Shard) and norm_dim(p.dim, ndim) == dim:
-                per_axis.append(V)
+                per_axis.append(_cut_by_rank_inside(ctx, a, p, by_rank))
             elif isinstance(p, Gathered):
                 per_axis.append(_gathered_cut(ctx, pl, p, dim, start, length, total))
             else:
                 per_axis.append(p)
         results.append(tuple(per_axis))
     return results
+
+
+def _cut_by_rank_inside(ctx, a: int, p: Shard, by_rank: dict) -> Placement:
+    """A plain shard of the dim cut into this rank's chunk on another axis (a rank slice of
+    each of axis ``a``'s pieces, Mamba's cp slice of a tp weight): a's pieces hold that axis'
+    chunks, outside them (see :class:`Shard`). Any other cut of a shard: V."""
+    cut = [b for b, q in by_rank.items() if isinstance(q, Shard)]
+    if type(p) is not Shard or p.outside or len(cut) != 1:
+        return V
+    return S(p.dim, axis_stride(ctx, a) < axis_stride(ctx, cut[0]))
 
 
 def _gathered_cut(ctx, pl: Pl, p: Gathered, dim: int, start: int, length: int, total: int) -> Placement | None:
@@ -209,17 +251,20 @@ def rank_chunks(total: int, parts: int, index: int) -> set[tuple[int, int]]:
 
 
 def rank_piece(ctx, pl: Pl, dim: int, total: int, start: int, length: int,
-               check_varying: bool) -> dict[int, Placement | None]:
+               check_varying: bool, parts: int | None = None) -> dict[int, Placement | None]:
     """Axes on which the piece [start, start+length) is this rank's chunk of ``total``.
 
     The guess needs one candidate axis: when an untyped axis would match too, the cut may be
     by that axis's rank (MoE's local experts, by the ep rank), so no axis is guessed.
 
-    The whole dim is no rank's chunk: ``x[:, 0]`` of a dim of size 1 on rank 0 is the tensor.
+    The whole dim is no rank's chunk: ``x[:, 0]`` of a dim of size 1 on rank 0 is the tensor;
+    nor is a piece of a split into another number of ``parts`` than the axis has ranks (GDN's
+    sections [8, 8, 16], whose last is rank 1's half by chance).
     """
     def matches(a: int) -> bool:
         size = ctx.sizes[a]
-        return size > 1 and length < total and (start, length) in rank_chunks(total, size, ctx.index[a])
+        return (size > 1 and length < total and parts in (None, size)
+                and (start, length) in rank_chunks(total, size, ctx.index[a]))
     by_rank = [a for a, p in enumerate(pl) if replicated(p) and matches(a)]
     unknown = [a for a, p in enumerate(pl) if p is None and matches(a)]
     if len(by_rank) == 1 and not unknown:
@@ -250,6 +295,8 @@ def _slice_rule(ctx, args, kwargs, out):
     length = out.shape[dim]
     if step != 1:
         start = -1  # a strided slice is no rank's chunk
+    else:
+        mark_cut(ctx, [out], pl, dim, size)
     return _cut_along(ctx, pl, ndim, dim, [(start, length)], size, by_rank_slice=True)[0]
 
 
@@ -278,6 +325,7 @@ def _split_rule(ctx, args, kwargs, out):
         pieces.append((start, t.shape[dim]))
         start += t.shape[dim]
     ctx.remember_pieces(out, pl)
+    mark_cut(ctx, out, pl, dim, x.shape[dim])
     if len(out) > 1 and not in_backward_of("CatBackward0") and any(
             type(p) is Shard and norm_dim(p.dim, ndim) == dim for p in pl):
         ctx.cuts.note(list(out), pl)
@@ -316,7 +364,7 @@ def _pieces(ctx, tensors, joined_dim: int | None = None) -> list:
                 pl = as_pieces(pl)
             else:
                 repeated = sum(_same_view(t, u) for u in tensors) > 1
-                pl = tuple(S(p.dim) if type(p) is SectionShard and norm_dim(p.dim, t.dim()) == joined_dim
+                pl = tuple(S(p.dim, p.outside) if type(p) is SectionShard and norm_dim(p.dim, t.dim()) == joined_dim
                            else _across(p, t.dim(), joined_dim, repeated) for p in pl)
             t = Typed(pl, tuple(t.shape), ctx.const(t), t)
         items.append((t, ADD))
@@ -418,6 +466,7 @@ def _joined_sections(ctx, tensors, a: int, dim: int) -> Placement:
     backward joins the gradients of its two halves so). A piece cut otherwise does not line
     up with the others: V."""
     sections: list[int] = []
+    outside = set()
     for t in tensors:
         if t.shape[dim] == 0:
             continue
@@ -425,7 +474,10 @@ def _joined_sections(ctx, tensors, a: int, dim: int) -> Placement:
         if type(p) not in (Shard, SectionShard) or norm_dim(p.dim, t.dim()) != dim:
             return V
         sections += p.sections if type(p) is SectionShard else [t.shape[dim]]
-    return SectionShard(dim, tuple(sections)) if len(sections) > 1 else S(dim)
+        outside.add(p.outside)
+    if len(outside) > 1:
+        return V
+    return SectionShard(dim, tuple(sections), *outside) if len(sections) > 1 else S(dim, *outside)
 
 
 def _stack_rule(ctx, args, kwargs, out):
@@ -460,6 +512,31 @@ def _along_dim_rule(self_pos: int, dim_pos: int, index_pos: int) -> Callable:
                 result.append(p)
         return tuple(result)
     return rule
+
+
+_picked_along = _along_dim_rule(0, 1, 2)
+
+
+def _index_select_rule(ctx, args, kwargs, out):
+    """index_select(x, dim, index), typed as gather is, except where a replicated index groups
+    the chunks of a sectioned shard's sections by chunk, as many as an axis has ranks (see
+    :class:`InterleavedShard`)."""
+    pl = _picked_along(ctx, args, kwargs, out)
+    if pl is None:
+        return None
+    x, index = args[0], args[2]
+    dim = norm_dim(args[1], x.dim())
+    return tuple(_interleaved_by(ctx, p, q, i, index, dim, x.dim())
+                 for p, q, i in zip(pl, ctx.types(x), ctx.types(index), strict=True))
+
+
+def _interleaved_by(ctx, p, q, i, index: torch.Tensor, dim: int, ndim: int) -> Placement | None:
+    if type(q) is not SectionShard or q.outside or norm_dim(q.dim, ndim) != dim or not replicated(i):
+        return p
+    counts = [n for n in set(ctx.sizes) if n > 1 and interleaves(index, q.sections, n)]
+    if len(counts) != 1:
+        return p
+    return interleaved(dim, tuple(size // counts[0] for size in q.sections), counts[0])
 
 
 def _scatter_rule(ctx, args, kwargs, out):
@@ -739,7 +816,7 @@ def _repeat_rule(ctx, args, kwargs, out):
     for p in pl:
         if isinstance(p, Shard):
             d = norm_dim(p.dim, x.dim()) + lead
-            result.append(V if reps[d] != 1 else S(d))
+            result.append(V if reps[d] != 1 else S(d, p.outside))
         else:
             result.append(None if isinstance(p, Gathered) else p)
     return tuple(result)
@@ -774,7 +851,7 @@ RULES: dict[str, Callable] = {
     "slice": _slice_rule, "select": _select_rule, "split": _split_rule,
     "split_with_sizes": _split_rule, "unbind": _unbind_rule,
     "cat": _cat_rule, "stack": _stack_rule,
-    "index_select": _along_dim_rule(0, 1, 2), "gather": _along_dim_rule(0, 1, 2),
+    "index_select": _index_select_rule, "gather": _along_dim_rule(0, 1, 2),
     "scatter": _scatter_rule, "scatter_add": _scatter_rule,
     "index": _index_rule, "index_put": _index_put_rule, "nonzero": _nonzero_rule,
     "masked_select": _masked_rule, "masked_scatter": _masked_rule,

@@ -66,27 +66,32 @@ I: Placement = _Invariant()  # noqa: E741
 
 
 class Shard(Placement):
-    """S(d): the global value is the concatenation of the ranks' values along dim d."""
+    """S(d): the global value is the concatenation of the ranks' values along dim d.
 
-    __slots__ = ("dim",)
+    Where two axes shard one dim, the slower one's pieces hold the faster one's (Megatron's
+    cp outside tp), unless the faster one is ``outside``: its pieces hold the other's (a
+    column block of tp cut into cp pieces by an all-to-all over cp)."""
 
-    def __init__(self, dim: int) -> None:
+    __slots__ = ("dim", "outside")
+
+    def __init__(self, dim: int, outside: bool = False) -> None:
         self.dim = dim
+        self.outside = outside
 
     def __repr__(self) -> str:
-        return f"S({self.dim})"
+        return f"S({self.dim}, outside)" if self.outside else f"S({self.dim})"
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Shard) and other.dim == self.dim
+        return isinstance(other, Shard) and other.dim == self.dim and other.outside == self.outside
 
     def __hash__(self) -> int:
-        return hash(("S", self.dim))
+        return hash(("S", self.dim, self.outside))
 
 
 @cache
-def S(dim: int) -> Shard:  # noqa: N802 - the type's own name
-    """The interned S(dim) placement."""
-    return Shard(dim)
+def S(dim: int, outside: bool = False) -> Shard:  # noqa: N802 - the type's own name
+    """The interned S(dim) placement (``outside``: see :class:`Shard`)."""
+    return Shard(dim, outside)
 
 
 def parse_placement(text: str) -> Placement:
