@@ -120,3 +120,36 @@ def test_expert_gradients_of_rows_not_routed_to_their_ranks_are_found(variant):
     ranks = spawn_ranks(_routed, 2, variant, timeout=300)
     assert all(r[0] == ["V", "V"] and UNREDUCED in r[1] for r in ranks), [r[:2] for r in ranks]
     assert not _matches_one_rank(ranks)
+
+
+def _route() -> tuple:
+    from shardcheck.typecheck.routed import Route, Routed
+
+    route = Route(table=((3, 0), (2, 4)), sent=(5, 4), grouping=("rows",))  # rank 0 sent no rows of group 1
+    return route, Routed(0, route, route.received, sc.V)
+
+
+def test_routed_parts_cut_at_their_bounds_and_complete_per_group():
+    from shardcheck.typecheck.routed import joined
+
+    route, rows = _route()
+    assert rows.parts == ((0, 0), (1, 0), (1, 1))
+    group0, group1 = rows.piece(0, 5), rows.piece(5, 4)
+    assert group0.parts == ((0, 0), (1, 0)) and group0.complete() and group1.complete()
+    assert rows.piece(0, 4) is None and not rows.complete()  # inside a part; two groups
+    assert not rows.piece(0, 3).complete()  # group 0 without rank 1's rows
+    assert not joined([group0, group0], 0).complete()  # rank 0's and 1's rows twice
+    assert joined([group1, group0], 0).parts == ((1, 1), (0, 0), (1, 0))
+
+
+def test_a_contraction_over_routed_rows_is_complete_only_over_one_group_s_every_part():
+    from shardcheck.typecheck.rules import _routed_contract
+
+    route, rows = _route()
+    group0 = rows.piece(0, 5)
+    assert _routed_contract([group0.at(1), group0], ["mk", "kn"], "mn") == sc.S(0)  # dW = dy^T x
+    assert _routed_contract([rows.at(1), rows], ["mk", "kn"], "mn") == sc.P  # two groups summed
+    assert _routed_contract([group0, sc.S(0)], ["nk", "km"], "nm") == group0  # x @ W of the rank's group
+    assert _routed_contract([group0, sc.R], ["nk", "km"], "nm") == group0
+    assert _routed_contract([group0, sc.V], ["nk", "km"], "nm") == sc.V
+    assert _routed_contract([group0.at(1), rows.piece(5, 4)], ["mk", "kn"], "mn") == sc.V  # other rows
