@@ -221,14 +221,17 @@ def _row_positions(x: torch.Tensor) -> bool:
 
 
 def _mark_positions(ctx, x, mask, out, pl):
-    """The positions of a mask's set entries, group by group (0.16's permute): where the mask
-    is cut along the rows, an index of this rank's own rows (V: each rank's own positions)."""
-    axes = tuple(a for a in range(ctx.n) if _cut_alike(ctx, a, (mask,), x.shape) == 1
-                 and ctx.types(x)[a] is not None and not is_partial(ctx.types(x)[a]))
-    if not axes:
+    """The positions of a mask's set entries, group by group (0.16's permute): an index of
+    this rank's own rows, cut so on the axes the mask is cut along the rows (V: each rank's own
+    positions), and V where the mask is a rank's own (V)."""
+    xl, ml = ctx.types(x), ctx.types(mask)
+    if xl is None:
         return pl
+    axes = tuple(a for a in range(ctx.n) if _cut_alike(ctx, a, (mask,), x.shape) == 1
+                 and xl[a] is not None and not is_partial(xl[a]))
     out._sc_grouped = Grouped(ctx.key, axes, _mask_counts(mask, 1), x.shape[1], False)
-    return tuple(V if a in axes else p for a, p in enumerate(pl))
+    return tuple(V if a in axes or (ml[a] is V and xl[a] is not None and not is_partial(xl[a])) else p
+                 for a, p in enumerate(pl))
 
 
 register_rule(aten.sort, _sort)
