@@ -12,6 +12,7 @@ from shardcheck.megatron.checks.typing import (  # noqa: E402
     input_types,
     mesh_from_parallel_state,
     mesh_from_pg_collection,
+    parameter_type,
     parameter_types,
 )
 from shardcheck.megatron.cpu.parallel import megatron_parallel  # noqa: E402
@@ -127,7 +128,28 @@ def test_expert_weights_are_sharded_over_ep():
     assert experts and all(p["ep"] == S(0) and p["tp"] == R for p in experts.values())
     router = _placements(types["decoder.layers.0.mlp.router.weight"][0])
     assert router["ep"] == R
-    assert axes["ep"] == (0, 1)
+    assert axes["ep"] == (0, 1) == axes["dp"]
+    assert all(p["dp"] == S(0) for p in experts.values())  # the dp ranks are the ep ranks
+
+
+def _expert_type_on_rank(layout: Layout) -> tuple:
+    import torch
+    import torch.distributed as dist
+
+    with megatron_parallel(RankContext(layout, dist.get_rank())):
+        weight = torch.nn.Parameter(torch.zeros(2, 2))
+        weight.allreduce = False  # what Megatron marks its expert parameters with
+        axes = {name: axis.ranks for name, axis in mesh_from_parallel_state().axes.items()}
+        return parameter_type(weight).placements, axes
+
+
+def test_expert_weights_are_typed_on_cp_and_dp_by_their_ranks():
+    """At cp2-ep2 and cp2-dp2-ep2 the ep group is the cp ranks, which hold different experts:
+    S(0) on cp too; the dp ranks (one, or two holding the same experts) replicate them."""
+    for layout in (Layout(cp=2, ep=2), Layout(cp=2, dp=2, ep=2)):
+        for placements, axes in spawn_ranks(_expert_type_on_rank, layout.world_size, layout):
+            assert axes["cp"] == axes["ep"] and len(set(axes["dp"]) & set(axes["ep"])) == 1, axes
+            assert placements["cp"] == placements["ep"] == S(0) and placements["dp"] == R, (layout, placements)
 
 
 def _explicit_mesh_axes(layout):

@@ -22,6 +22,7 @@ from shardcheck.typecheck.exchange import (
     mark_exchanged,
     mark_exchanged_pieces,
 )
+from shardcheck.typecheck.routing import routed_types
 from shardcheck.typecheck.rules import (
     NO_TENSOR,
     PAVG,
@@ -388,6 +389,11 @@ def _stacked_mark(ctx, inp: torch.Tensor, group) -> tuple | None:
 def _alltoall_base(ctx, args, kwargs, out):
     output, inp, group = args[0], args[1], args[2]
     pl = ctx.types(inp)
+    routed = routed_types(ctx, output, inp, pl, process_group(group), group_ranks(group),
+                          _axes(ctx, group), args[3], args[4])
+    if routed is not None:
+        output.__dict__.pop("_sc_exchanged", None)
+        return _typed_update(ctx, [output], routed, (), None)
     if pl is None:
         output.__dict__.pop("_sc_exchanged", None)
         return _typed_update(ctx, [output], None, (), None)

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from shardcheck.typecheck.broadcast import fits_shard
+from shardcheck.typecheck.routed import Routed
 from shardcheck.typecheck.types import I, P, Placement, R, S, Shard, Singleton, V
 
 aten = torch.ops.aten
@@ -177,6 +178,8 @@ def moved(p: Shard, dim: int, outside: bool | None = None) -> Shard:
         return InterleavedShard(dim, p.chunks, p.count, outside)
     if type(p) is RankChunk:
         return RankChunk(dim)
+    if type(p) is Routed:
+        return p.at(dim)
     return SectionShard(dim, p.sections, outside) if type(p) is SectionShard else S(dim, outside)
 
 
@@ -645,12 +648,25 @@ def _common_sections(tensors: list[_Operand], a: int, d: int, outside: bool) -> 
     """S(d), keeping the sections of its sharded operands. Operands cut into different sections
     (a plain shard is one section) hold their global values in different orders, so their
     local elements do not line up: a fused weight's output plus a bias cut as one slice."""
+    routed = [o.pl[a] for o in tensors if type(o.pl[a]) is Routed]
+    if routed:
+        return _common_route(tensors, a, d, routed)
     layouts = {_sections_of(o, a) for o in tensors if isinstance(o.pl[a], Shard)}
     sectioned = any(type(o.pl[a]) is SectionShard for o in tensors)
     if sectioned and len(layouts) > 1:
         shown = " vs ".join(str(list(s)) for s in sorted(layouts))
         raise Violation("mixed shards", a, f"local sections {shown} along the sharded dim")
     return SectionShard(d, next(iter(layouts)), outside) if sectioned else S(d, outside)
+
+
+def _common_route(tensors: list[_Operand], a: int, d: int, routed: list[Routed]) -> Shard:
+    """Routed rows meet the same rows routed alike (their source V unless they agree), else
+    rows that do not line up with theirs."""
+    if len(routed) != sum(isinstance(o.pl[a], Shard) for o in tensors) or any(
+            not routed[0].lines_up(p) for p in routed):
+        raise Violation("mixed shards", a, "rows routed between the ranks meet other rows")
+    sources = {p.source for p in routed}
+    return routed[0].at(d, sources.pop() if len(sources) == 1 else V)
 
 
 def _sections_of(o: _Operand, a: int) -> tuple[int, ...]:
@@ -913,6 +929,8 @@ def _guessed_contract(pls, a: int, out_spec: str) -> Placement | None:
 
 def _axis_contract(pls, a: int, out_spec: str) -> Placement | None:
     ps = [pl[a] for pl, _, _ in pls]
+    if any(type(p) is Routed for p in ps):
+        return _routed_contract(ps, [spec for _, spec, _ in pls], out_spec)
     partial = False
     for p in ps:
         if p is None or type(p) is Gathered:
@@ -941,6 +959,27 @@ def _axis_contract(pls, a: int, out_spec: str) -> Placement | None:
         if replicated(p) and letter in spec and not fits_shard(t, spec.index(letter), outer):
             raise Violation("global shape mismatch", a)
     return moved(shard, out_spec.index(letter), outside) if letter in out_spec else P
+
+
+def _routed_contract(ps: list, specs: list[str], out_spec: str) -> Placement:
+    """A contraction of routed rows (see :mod:`routed`) with rows routed alike and with
+    replicated operands or the rank's own group's (a shard of another dim): row-wise, the
+    routed rows; over the rows, one local group's complete value (S(0)) or a share of a sum
+    over all rows (P). Anything else: V."""
+    routed = [(p, spec[norm_dim(p.dim, len(spec))]) for p, spec in zip(ps, specs, strict=True) if type(p) is Routed]
+    first, letter = routed[0]
+    if any(not first.lines_up(p) or row != letter for p, row in routed):
+        return V
+    others = [(p, spec) for p, spec in zip(ps, specs, strict=True) if type(p) is not Routed]
+    if not all(replicated(p) or (type(p) is Shard and spec[norm_dim(p.dim, len(spec))] != letter)
+               for p, spec in others):
+        return V
+    if letter in out_spec:
+        sources = {p.source for p, _ in routed}
+        return first.at(out_spec.index(letter), sources.pop() if len(sources) == 1 else V)
+    if any(isinstance(p, Shard) for p, _ in others):
+        return V
+    return S(0) if first.complete() else P
 
 
 def _mm(ctx, args, kwargs, out):

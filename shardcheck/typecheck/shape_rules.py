@@ -11,6 +11,7 @@ from collections.abc import Callable
 import torch
 
 from shardcheck.typecheck.exchange import rejoined_pieces, rejoined_rows
+from shardcheck.typecheck.routed import Routed, joined
 from shardcheck.typecheck.rules import (
     ADD,
     BlockShard,
@@ -203,7 +204,7 @@ def _cut_along(ctx, pl: Pl, ndim: int, dim: int, pieces: list[tuple[int, int]], 
         for a, p in enumerate(pl):
             if a in by_rank:
                 per_axis.append(by_rank[a])
-            elif isinstance(p, SectionShard) and norm_dim(p.dim, ndim) == dim:
+            elif isinstance(p, (SectionShard, Routed)) and norm_dim(p.dim, ndim) == dim:
                 section = p.piece(start, length)
                 per_axis.append(V if section is None else moved(section, dim))
             elif isinstance(p, Shard) and norm_dim(p.dim, ndim) == dim:
@@ -364,7 +365,7 @@ def _pieces(ctx, tensors, joined_dim: int | None = None) -> list:
                 pl = as_pieces(pl)
             else:
                 repeated = sum(_same_view(t, u) for u in tensors) > 1
-                pl = tuple(S(p.dim, p.outside) if type(p) is SectionShard and norm_dim(p.dim, t.dim()) == joined_dim
+                pl = tuple(S(p.dim, p.outside) if type(p) in (SectionShard, Routed) and norm_dim(p.dim, t.dim()) == joined_dim
                            else _across(p, t.dim(), joined_dim, repeated) for p in pl)
             t = Typed(pl, tuple(t.shape), ctx.const(t), t)
         items.append((t, ADD))
@@ -463,8 +464,12 @@ def _ungathered(ctx, tensors, dim: int) -> Pl | None:
 def _joined_sections(ctx, tensors, a: int, dim: int) -> Placement:
     """cat along a dim the pieces are cut along on axis ``a``: every rank holds its part of
     each piece, in order, so the result is a fused dim with the pieces as its sections (GLU's
-    backward joins the gradients of its two halves so). A piece cut otherwise does not line
-    up with the others: V."""
+    backward joins the gradients of its two halves so); routed rows of one route join their
+    parts (see :mod:`routed`). A piece cut otherwise does not line up with the others: V."""
+    pieces = [ctx.types(t)[a] for t in tensors if t.shape[dim] or type(ctx.types(t)[a]) is Routed]
+    if any(type(p) is Routed for p in pieces):
+        routed = all(type(p) is Routed and norm_dim(p.dim, tensors[0].dim()) == dim for p in pieces)
+        return (routed and joined(pieces, dim)) or V
     sections: list[int] = []
     outside = set()
     for t in tensors:

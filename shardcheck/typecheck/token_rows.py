@@ -16,6 +16,10 @@ zeros of the rows (``scatter_add``, ``index_add``) gives the row shard again. ``
 of a value cut along a later dim than its first by a mask cut alike lists its picks in the
 same order: a ``SectionShard`` by the mask's counts per leading index, which
 ``masked_scatter`` into zeros puts back; a rank's own values (V) it puts into zeros stay V.
+
+A flat view of a whole [groups, rows] map sorted so is marked too (with no axes: the rows are
+each rank's own). Rows read by a marked index, and a flat group-major value read by the flat
+positions, are marked grouped (``routing.mark_rows``): an all-to-all may route them by group.
 """
 
 from __future__ import annotations
@@ -27,11 +31,13 @@ import torch
 
 from shardcheck.typecheck import backward_rules, shape_rules
 from shardcheck.typecheck.checker import RULES, register_rule
+from shardcheck.typecheck.routing import mark_rows
 from shardcheck.typecheck.rules import BlockShard, SectionShard, arg, is_partial, norm_dim
 from shardcheck.typecheck.types import S, Shard, V
 
 aten = torch.ops.aten
 _SLICE = RULES["slice"]
+_INDEX = RULES["index"]
 
 
 @dataclass(frozen=True)
@@ -75,31 +81,42 @@ def _is_sections(p, counts: tuple[int, ...]) -> bool:
 
 
 def _sort(ctx, args, kwargs, out):
-    """A stable descending sort of a flat bool map cut into group blocks over an axis (the
-    expert-major routing map): its set entries come first, group by group."""
+    """A stable descending sort of a flat bool map of groups (the expert-major routing map: cut
+    into group blocks over an axis, or a flat view of the [groups, rows] map): its set entries
+    come first, group by group."""
     x = args[0]
     pl = RULES["sort"](ctx, args, kwargs, out)
     xl = ctx.types(x)
     if pl is None or xl is None or x.dim() != 1:
         return pl
     blocks = {a: p for a, p in enumerate(xl) if type(p) is BlockShard and p.dim == 0}
-    if (blocks and x.dtype == torch.bool and kwargs.get("stable") and kwargs.get("descending")
-            and len({p.outer for p in blocks.values()}) == 1):
-        groups = next(iter(blocks.values())).outer
+    groups = _groups(x, blocks)
+    if groups and x.dtype == torch.bool and kwargs.get("stable") and kwargs.get("descending"):
         counts = tuple(int(c) for c in x.view(groups, -1).sum(1))
         out[1]._sc_grouped = Grouped(ctx.key, tuple(blocks), counts, x.numel() // groups, True)
     return pl
 
 
+def _groups(x: torch.Tensor, blocks: dict) -> int:
+    """The number of groups of a flat map: its blocks' (one count), else its 2-D base's rows."""
+    if blocks:
+        outers = {p.outer for p in blocks.values()}
+        return outers.pop() if len(outers) == 1 else 0
+    base = x._base
+    return base.shape[0] if base is not None and base.dim() == 2 and base.numel() == x.numel() else 0
+
+
 def _slice(ctx, args, kwargs, out):
-    """The set entries of a sorted map (its first ones) keep its mark."""
-    pl = _SLICE(ctx, args, kwargs, out)
+    """The set entries of a sorted map (its first ones) keep its mark, and its type: they are
+    cut by count, not by rank (no rank's chunk, even where the count is one)."""
     mark = _mark(args[0])
     if (mark is not None and mark.key is ctx.key and args[0].dim() == 1
             and (arg(args, kwargs, 2, "start", 0) or 0) == 0 and arg(args, kwargs, 4, "step", 1) == 1
             and out.shape[0] == mark.length):
         out._sc_grouped = mark
-    return pl
+        pl = ctx.types(args[0])
+        return None if pl is None else tuple(V if isinstance(p, Shard) else p for p in pl)
+    return _SLICE(ctx, args, kwargs, out)
 
 
 def _remainder(ctx, args, kwargs, out):
@@ -121,8 +138,21 @@ def _read_by_rows(ctx, args, kwargs, out):
     if (pl is None or xl is None or mark is None or mark.flat or norm_dim(args[1], x.dim()) != 0
             or x.shape[0] != mark.rows):
         return pl
+    mark_rows(out, mark)
     return tuple(_sections(mark.counts) if a in mark.axes and type(xl[a]) is Shard
                  and norm_dim(xl[a].dim, x.dim()) == 0 else p for a, p in enumerate(pl))
+
+
+def _read_flat(ctx, args, kwargs, out):
+    """A flat group-major value (a transposed map's values) read by the flat positions of its
+    set entries: the entries group by group, grouped as the marked rows."""
+    pl = _INDEX(ctx, args, kwargs, out)
+    x, indices = args[0], args[1]
+    mark = _mark(indices[0]) if len(indices) == 1 and isinstance(indices[0], torch.Tensor) else None
+    if (mark is not None and mark.key is ctx.key and mark.flat and x.dim() == 1
+            and x.shape[0] == len(mark.counts) * mark.rows):
+        mark_rows(out, mark)
+    return pl
 
 
 def _add_rows_back(ctx, args, kwargs, out):
@@ -191,20 +221,24 @@ def _row_positions(x: torch.Tensor) -> bool:
 
 
 def _mark_positions(ctx, x, mask, out, pl):
-    """The positions of a mask's set entries, group by group (0.16's permute): where the mask
-    is cut along the rows, an index of this rank's own rows (V: each rank's own positions)."""
-    axes = tuple(a for a in range(ctx.n) if _cut_alike(ctx, a, (mask,), x.shape) == 1
-                 and ctx.types(x)[a] is not None and not is_partial(ctx.types(x)[a]))
-    if not axes:
+    """The positions of a mask's set entries, group by group (0.16's permute): an index of
+    this rank's own rows, cut so on the axes the mask is cut along the rows (V: each rank's own
+    positions), and V where the mask is a rank's own (V)."""
+    xl, ml = ctx.types(x), ctx.types(mask)
+    if xl is None:
         return pl
+    axes = tuple(a for a in range(ctx.n) if _cut_alike(ctx, a, (mask,), x.shape) == 1
+                 and xl[a] is not None and not is_partial(xl[a]))
     out._sc_grouped = Grouped(ctx.key, axes, _mask_counts(mask, 1), x.shape[1], False)
-    return tuple(V if a in axes else p for a, p in enumerate(pl))
+    return tuple(V if a in axes or (ml[a] is V and xl[a] is not None and not is_partial(xl[a])) else p
+                 for a, p in enumerate(pl))
 
 
 register_rule(aten.sort, _sort)
 register_rule(aten.slice, _slice)
 register_rule(aten.remainder, _remainder)
 register_rule(aten.index_select, _read_by_rows)
+register_rule(aten.index.Tensor, _read_flat)
 register_rule(aten.gather, _read_by_rows)
 for _op in (aten.index_add, aten.index_add_, aten.scatter_add, aten.scatter_add_):
     register_rule(_op, _add_rows_back)

@@ -7,8 +7,9 @@
   sets on it: ``tensor_model_parallel`` + ``partition_dim`` -> S(partition_dim) on tp (on etp for
   experts; sectioned for fused weights, and from the ``sharded_state_dict`` cut where the
   attribute is missing, see :func:`tp_layouts`); ``sequence_parallel`` -> R, whose gradient
-  must be reduced over tp; expert parameters (``allreduce=False``) -> S(0) on ep and V on dp
-  (whose group spans ranks holding other experts); everything
+  must be reduced over tp; expert parameters (``allreduce=False``) -> S(0) on ep and, by the
+  ranks of their groups, on cp and dp: S(0) over the ep ranks, V over a group spanning other
+  ep ranks (which hold other experts), R otherwise; everything
   else R; every parameter R over dp and V over pp (each pipeline stage holds its own layers,
   so a stage's values are no replica of another's).
 * :func:`input_types`: tokens, labels, loss mask and position ids by role: V over dp and ep
@@ -111,10 +112,32 @@ def parameter_type(param: torch.nn.Parameter, axes: tuple[str, ...] = AXES,
         reason += "; expert (allreduce=False): S(0) on ep"
         if "tp" in placements and _expert_tp_is_tp():  # the tp ranks are the etp ranks
             placements["tp"] = placements[tp_axis]
-        if "dp" in placements:  # the dp group spans ep ranks, which hold other experts
-            placements["dp"] = V
-            reason += ", V on dp"
+        for axis, placement in _expert_placements_by_ranks().items():
+            if axis in placements:
+                placements[axis] = placement
+                reason += f", {placement!r} on {axis}"
     return ParamType({axis: placements[axis] for axis in axes}, reduced, reason)
+
+
+def _expert_placements_by_ranks() -> dict[str, Placement]:
+    """An expert's placement on cp and dp, from their groups' ranks against the ep group's:
+    over the ep ranks themselves, S(0) as on ep; sharing other ep ranks (which hold other
+    experts), V; else R (the ranks hold the same experts). dp is V where the groups are
+    unknown (parallel_state not initialised)."""
+    from megatron.core import parallel_state as ps
+
+    getters = {"cp": ps.get_context_parallel_group, "dp": ps.get_data_parallel_group}
+    try:
+        ep = set(_ranks(ps.get_expert_model_parallel_group()))
+        groups = {axis: set(_ranks(get())) for axis, get in getters.items()}
+    except (AssertionError, AttributeError, RuntimeError):  # parallel_state not initialised
+        return {"dp": V}
+    return {axis: S(0) if ranks == ep else V if len(ranks & ep) > 1 else R
+            for axis, ranks in groups.items()}
+
+
+def _ranks(group: Any) -> list[int]:
+    return torch.distributed.get_process_group_ranks(group)
 
 
 def _expert_tp_is_tp() -> bool:
@@ -169,13 +192,14 @@ _UNSET = "<unset>"
 
 def type_inputs(module: torch.nn.Module) -> tuple:
     """What :func:`parameter_types` reads of ``module``: each parameter's name, identity, shape
-    and the Megatron attributes :func:`parameter_type` reads, and whether the experts are cut
-    over the tp ranks. Equal inputs give equal types, so the types of a module may be kept
+    and the Megatron attributes :func:`parameter_type` reads, whether the experts are cut over
+    the tp ranks and how the cp and dp groups lie against ep. Equal inputs give equal types, so the types of a module may be kept
     between steps while its inputs stay the same."""
     named = list(module.named_parameters())
     params = tuple((name, id(p), tuple(p.shape), tuple(getattr(p, a, _UNSET) for a in _TYPED_FROM))
                    for name, p in named)
-    return params, any(is_expert(p) for _, p in named) and _expert_tp_is_tp()
+    experts = any(is_expert(p) for _, p in named)
+    return params, experts and _expert_tp_is_tp(), experts and tuple(_expert_placements_by_ranks().items())
 
 
 def parameter_types(module: torch.nn.Module, axes: tuple[str, ...] = AXES) -> dict[str, ParamType]:
