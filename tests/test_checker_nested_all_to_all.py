@@ -56,11 +56,16 @@ def _mixed(cp_outside: bool) -> tuple[dict[str, str], list[str], torch.Tensor, t
         hidden = all_to_all_sp2hp(x, cp)
         mixed = (hidden * _weight_piece(weight, t, k, cp_outside)).cumsum(0)
         rows = all_to_all_hp2sp(mixed, cp)
-        (rows * rows).sum().backward()
-        types = {"sp2hp": sc.typeof(hidden), "hp2sp": sc.typeof(rows), "x.grad": sc.typeof(x.grad)}
-        found = sorted({v.rule for v in sc.violations()})
+        return _outcome(x, hidden, rows)
+
+
+def _outcome(x: torch.Tensor, hidden: torch.Tensor, rows: torch.Tensor) -> tuple:
+    """Inside the checked region: backward from ``rows``, then the types of the all-to-alls'
+    results and of x's gradient, the rules broken, the result and x's gradient."""
+    (rows * rows).sum().backward()
+    types = {"sp2hp": sc.typeof(hidden), "hp2sp": sc.typeof(rows), "x.grad": sc.typeof(x.grad)}
     shown = {name: ", ".join(f"{a}:{p!r}" for a, p in pl.items()) for name, pl in types.items()}
-    return shown, found, rows.detach().clone(), x.grad.detach().clone()
+    return shown, sorted({v.rule for v in sc.violations()}), rows.detach().clone(), x.grad.detach().clone()
 
 
 def _one_rank() -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,11 +115,7 @@ def _sections(permuted: bool) -> tuple[dict[str, str], list[str], torch.Tensor, 
         hidden = all_to_all_sp2hp(x.index_select(1, order) if permuted else x, cp)
         a, b = hidden.split(COLS // 4, dim=1)
         rows = all_to_all_hp2sp((a * b * _weight_piece(weight, t, k, False)).cumsum(0), cp)
-        (rows * rows).sum().backward()
-        types = {"sp2hp": sc.typeof(hidden), "hp2sp": sc.typeof(rows), "x.grad": sc.typeof(x.grad)}
-        found = sorted({v.rule for v in sc.violations()})
-    shown = {name: ", ".join(f"{a}:{p!r}" for a, p in pl.items()) for name, pl in types.items()}
-    return shown, found, rows.detach().clone(), x.grad.detach().clone()
+        return _outcome(x, hidden, rows)
 
 
 def _sections_one_rank() -> tuple[torch.Tensor, torch.Tensor]:
