@@ -264,4 +264,9 @@ REGRESSIONS += [
     ("a broadcast copy into a buffer shaped like a row shard",
      Program("tp4", (Input((8, 8), R_TP), Input((8, 8), TS0)),
              (Step("narrow", (0,), (("dim", 0),)), Step("copy_into", (1, 2), ()))), "right", None),
+    # typed S(1, outside) on tp, S(1) on dp (right): the oracle rebuilt it in the mesh's order,
+    # dp's pieces holding tp's, and counted a miss; a shard marked outside joins last
+    ("a by-dp-rank pick of a column chunk of a tp column shard",
+     one("tp2-dp2", (("tp", "S(1)"), ("dp", "R")), ("slice_by_rank", (0,), (("g", "dp"), ("dim", 1)))),
+     "right", None),
 ]

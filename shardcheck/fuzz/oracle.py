@@ -44,6 +44,7 @@ from shardcheck.typecheck.types import Mesh, Placement, Shard, parse_placement
 LAYOUTS: dict[str, tuple[str, ...]] = {"tp2": ("tp",), "tp4": ("tp",), "tp2-dp2": ("tp", "dp")}
 GROUP_AXES: dict[str, tuple[str, ...]] = {"tp": ("tp",), "dp": ("dp",), "world": ("tp", "dp")}
 SEED_SCALE = 1.0
+OUTSIDE = "outside"  # an encoded shard that holds the other axes' pieces of its dim
 
 
 @dataclass(frozen=True)
@@ -211,12 +212,8 @@ def encode(p: Placement | None) -> tuple | None:
     """A placement as plain data (the checker's own kinds included), to leave the rank."""
     if p is None:
         return None
-    if type(p) is rules.BlockShard:
-        return ("B", p.dim, p.outer)
-    if type(p) is rules.SectionShard:
-        return ("SEC", p.dim, p.sections)
     if isinstance(p, Shard):
-        return ("S", p.dim)
+        return _shard_kind(p) + ((OUTSIDE,) if p.outside else ())
     if isinstance(p, rules.Gathered):
         return ("G", p.dim)
     if p is rules.PAVG:
@@ -305,6 +302,21 @@ def tolerance(reference: torch.Tensor) -> float:
     return 1e-6 * max(1.0, scale)  # float64 values; a cast to float32 and back stays within
 
 
+def _shard_kind(p: Shard) -> tuple:
+    if type(p) is rules.BlockShard:
+        return ("B", p.dim, p.outer)
+    if type(p) is rules.SectionShard:
+        return ("SEC", p.dim, p.sections)
+    return ("S", p.dim)
+
+
+def _join_order(types: Sequence[tuple | None]) -> list[int]:
+    """The axes in the order their pieces join, innermost first: by the mesh (fastest first),
+    except that a shard marked outside holds the other axes' pieces of its dim, so it joins
+    after them."""
+    return sorted(range(len(types)), key=lambda a: types[a] is not None and types[a][-1] == OUTSIDE)
+
+
 def rebuild(layout: str, values: Sequence[torch.Tensor], types: Sequence[tuple | None]) -> torch.Tensor | None:
     """The global value of per-rank ``values`` under ``types`` (one encoded placement per axis),
     or None when the types give none (V, unknown) or the replicas disagree."""
@@ -324,7 +336,7 @@ def rebuild(layout: str, values: Sequence[torch.Tensor], types: Sequence[tuple |
         if items is None:
             return None
         types = [("R",) if a in stacked else t for a, t in enumerate(types)]
-    return _merge_axes(items, sizes, lambda a, parts: _combine(types[a], parts))
+    return _merge_axes(items, sizes, lambda a, parts: _combine(types[a], parts), _join_order(types))
 
 
 def _rebuild_in_order(items: dict, types, sizes) -> torch.Tensor | None:
@@ -337,13 +349,15 @@ def _rebuild_in_order(items: dict, types, sizes) -> torch.Tensor | None:
         whole = None if whole is None else _unstack({(): whole}, [a], sizes, types[a][1])
         return None if whole is None else whole[()]
 
-    return _merge_axes(items, sizes, combine)
+    return _merge_axes(items, sizes, combine, _join_order(types))
 
 
-def _merge_axes(items: dict, sizes, combine) -> torch.Tensor | None:
-    """Join the pieces keyed by coordinate one axis at a time (``combine(axis, parts)``, None
-    when they don't join) into the single global value."""
-    for a, size in enumerate(sizes):
+def _merge_axes(items: dict, sizes, combine, order: list[int] | None = None) -> torch.Tensor | None:
+    """Join the pieces keyed by coordinate one axis at a time, in ``order`` (innermost first;
+    the mesh's by default), (``combine(axis, parts)``, None when they don't join) into the
+    single global value."""
+    for a in order if order is not None else range(len(sizes)):
+        size = sizes[a]
         merged = {}
         for key in {k[:a] + (None,) + k[a + 1:] for k in items}:
             whole = combine(a, [items[key[:a] + (c,) + key[a + 1:]] for c in range(size)])
