@@ -16,7 +16,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from shardcheck.typecheck import checker as _checker
 from shardcheck.typecheck import collectives as _collectives
@@ -28,7 +27,7 @@ from shardcheck.typecheck.gradients import (
     report,
 )
 from shardcheck.typecheck.norm_accounting import AccountingError, Counted, accounting_errors
-from shardcheck.typecheck.rules import NO_TENSOR
+from shardcheck.typecheck.rules import NO_TENSOR, gathered_objects
 from shardcheck.typecheck.types import P, R
 
 aten = torch.ops.aten
@@ -230,16 +229,11 @@ def _check_accounting(ctx, group, axes: list[int], term: NormTerm | None) -> Non
 
 def _exchange(ctx, group, axes, term: NormTerm | None) -> list[Counted] | None:
     """What every rank of ``group`` counted; None where ranks cannot talk (fake groups)."""
-    pg = _collectives.process_group(group)
-    if dist.get_backend(pg) == "fake":
-        return None
     params = {} if term is None else {
         name: tuple("R" if pl[a] is R else repr(pl[a]) for a in axes)
         for name, pl in term.params.items()}
-    mine = Counted(tuple(ctx.index[a] for a in axes), params)
-    everyone: list = [None] * dist.get_world_size(pg)
-    dist.all_gather_object(everyone, mine, group=pg)
-    if not any(c.params for c in everyone):
+    everyone = gathered_objects(_collectives.process_group(group), Counted(tuple(ctx.index[a] for a in axes), params))
+    if everyone is None or not any(c.params for c in everyone):
         return None
     return everyone
 

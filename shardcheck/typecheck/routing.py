@@ -14,10 +14,9 @@ value routed so would reach the experts once per rank.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from shardcheck.typecheck.routed import Route, Routed
-from shardcheck.typecheck.rules import Pl, SectionShard, norm_dim
+from shardcheck.typecheck.rules import Pl, SectionShard, gathered_objects, norm_dim
 from shardcheck.typecheck.types import Shard, V
 
 
@@ -35,23 +34,14 @@ def routed_types(ctx, output: torch.Tensor, inp: torch.Tensor, pl: Pl | None, gr
         return None
     grouping = inp.__dict__.get("_sc_rows_of")
     mine = (grouping[2], tuple(input_splits)) if grouping is not None and grouping[0] is ctx.key else None
-    offers = _exchanged(ctx, group, len(ranks), mine)
+    with ctx.paused():
+        offers = gathered_objects(group, mine)
     if pl is None or offers is None:
         return None
     if mine is not None:
         route = _route(offers, ranks.index(ctx.mesh.rank), tuple(output_splits), grouping)
         return None if route is None else _on(pl, axes, lambda p: _dispatched(p, route, inp.dim()))
     return _combined(pl, axes, tuple(output_splits), tuple(input_splits))
-
-
-def _exchanged(ctx, group, count: int, mine) -> list | None:
-    """What every rank of ``group`` sends; None where ranks cannot talk (fake groups)."""
-    if dist.get_backend(group) == "fake":
-        return None
-    everyone: list = [None] * count
-    with ctx.paused():
-        dist.all_gather_object(everyone, mine, group=group)
-    return everyone
 
 
 def _route(offers: list, k: int, output_splits: tuple[int, ...], grouping) -> Route | None:

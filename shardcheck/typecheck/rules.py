@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from shardcheck.typecheck.broadcast import fits_shard
 from shardcheck.typecheck.routed import Routed
@@ -362,6 +363,16 @@ HELP: dict[str, tuple[str, str]] = {
 
 def arg(args: tuple, kwargs: dict, pos: int, name: str, default: Any = None) -> Any:
     return args[pos] if len(args) > pos else kwargs.get(name, default)
+
+
+def gathered_objects(group: dist.ProcessGroup, mine: Any) -> list | None:
+    """What every rank of ``group`` sends (``mine`` here), in group order; None where ranks
+    cannot talk (fake groups)."""
+    if dist.get_backend(group) == "fake":
+        return None
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    return everyone
 
 
 def is_tensor(x: Any) -> bool:
