@@ -27,6 +27,10 @@ CASES = [
     Case("moe", (("moe_router_score_function", "sigmoid"),), Layout.parse("tp2-sp")),
     Case("moe", (), Layout.parse("tp2-dp2-ep2-sp")),
     Case("moe", (("moe_token_dispatcher_type", "alltoall"),), Layout.parse("tp2-sp")),
+    # ep over the cp ranks: a cut by the one rank index of both (the CP attention backward's
+    # chunks, the dispatcher's local experts) is the rank's chunk on each
+    Case("moe", (("moe_token_dispatcher_type", "alltoall"),), Layout.parse("cp2-dp2-ep2")),
+    Case("moe", (), Layout.parse("cp2-dp2-ep2")),
 ]
 
 

@@ -305,6 +305,7 @@ class Checker(TorchDispatchMode):
         self.check_gradients_on_step = True  # sc.check_gradients before every optimizer.step()
         self.index = tuple(a.ranks.index(mesh.rank) if mesh.rank in a.ranks else -1
                            for a in mesh.axes.values())
+        self.rank_sets = tuple(frozenset(a.ranks) for a in mesh.axes.values())
         self.typed = 0
         self.unknown: Counter = Counter()
         self.records: list[ViolationRecord] = []

@@ -268,8 +268,9 @@ def rank_piece(ctx, pl: Pl, dim: int, total: int, start: int, length: int,
                 and (start, length) in rank_chunks(total, size, ctx.index[a]))
     by_rank = [a for a, p in enumerate(pl) if replicated(p) and matches(a)]
     unknown = [a for a, p in enumerate(pl) if p is None and matches(a)]
-    if len(by_rank) == 1 and not unknown:
-        return {by_rank[0]: S(dim) if check_varying else RankChunk(dim)}
+    if by_rank and not unknown and len({ctx.rank_sets[a] for a in by_rank}) == 1:
+        # one axis, or axes over the same ranks (cp and ep at cp2-dp2-ep2): one rank index
+        return dict.fromkeys(by_rank, S(dim) if check_varying else RankChunk(dim))
     if by_rank:  # ambiguous: several axes (some untyped) have the same size and index here
         return dict.fromkeys(by_rank + unknown)
     if spanning := _cut_by_two_axes(ctx, pl, total, start, length):

@@ -115,8 +115,17 @@ def _slice(ctx, args, kwargs, out):
             and out.shape[0] == mark.length):
         out._sc_grouped = mark
         pl = ctx.types(args[0])
-        return None if pl is None else tuple(V if isinstance(p, Shard) else p for p in pl)
+        return None if pl is None else tuple(_set_entries(p, a in mark.axes) for a, p in enumerate(pl))
     return _SLICE(ctx, args, kwargs, out)
+
+
+def _set_entries(p, own_rows: bool):
+    """On an axis the map's rows were cut over (``own_rows``), the set entries are the rank's
+    own: V. A map cut into whole groups (the rank's experts of replicated rows, MoE's allgather
+    dispatcher) leaves a rank its groups' entries: an uneven cut this rule cannot say."""
+    if not isinstance(p, Shard):
+        return p
+    return V if own_rows or type(p) is not Shard else None
 
 
 def _remainder(ctx, args, kwargs, out):
