@@ -7,8 +7,6 @@ each rank's own tokens by its own routing map (an argsort: V) and adds them back
 after the experts: its output is the sequence shard it was given.
 """
 
-import inspect
-import re
 
 import pytest
 
@@ -42,23 +40,15 @@ def test_moe_gpt_under_sp_and_expert_parallelism_gives_no_finding():
     assert [(f.kind, f.checker) for f in result.findings] == []
 
 
-def _preprocess_lines() -> range:
-    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
-
-    lines, start = inspect.getsourcelines(MoEAlltoAllTokenDispatcher.preprocess)
-    return range(start, start + len(lines))
-
-
-def test_alltoall_token_counts_gathered_over_tp_and_ep_give_no_finding():
-    """The alltoall dispatcher gathers every rank's partial token counts over tp x ep."""
+def test_alltoall_token_counts_and_rows_gathered_over_tp_and_ep_give_no_finding():
+    """The alltoall dispatcher gathers every rank's partial token counts over tp x ep, and the
+    rows routed to a rank over tp with its split sizes (pieces the checker leaves unknown)."""
     case = Case("moe", (("moe_token_dispatcher_type", "alltoall"),), Layout.parse("tp2-dp2-ep2-sp"))
     with pools() as warm:
         result = audit([case], run_pools=warm)
     assert not result.errors, [o.error for o in result.errors]
     assert [o.case for o in result.outcomes] == [case]  # it ran: no finding is not "nothing ran"
-    places = [place for f in result.findings for place in (f.location, f.checker or "")]
-    lines = [int(m[1]) for place in places if (m := re.search(r"token_dispatcher\.py:(\d+)", place))]
-    assert not set(lines) & set(_preprocess_lines())
+    assert [(f.kind, f.checker) for f in result.findings] == []
 
 
 def test_device_limited_routing_is_compared_only_where_one_rank_computes_the_same():
@@ -78,13 +68,11 @@ def test_device_limited_routing_is_compared_only_where_one_rank_computes_the_sam
 
 
 def test_at_dp2_ep2_the_dense_gradients_all_reduced_over_dp_are_reduced_over_ep_too():
-    """Megatron's dp and ep groups are the same ranks there. What remains (0.19; 0.16.1 gives
-    none) is the experts' own gradients: the dispatcher's all_to_all is typed V (an open
-    checker gap)."""
+    """Megatron's dp and ep groups are the same ranks there; the experts' own gradients come
+    through the dispatcher's all_to_all as routed rows (S(0) per local expert)."""
     case = Case("moe", (("moe_token_dispatcher_type", "alltoall"),), Layout.parse("dp2-ep2"))
     with pools() as warm:
         result = audit([case], run_pools=warm)
     [outcome] = result.outcomes
     assert not outcome.gaps and not outcome.error
-    lines = [v["line"] for v in outcome.violations]
-    assert all("local_experts" in line and "S(0) on ep, gradient V" in line for line in lines), lines
+    assert [v["line"] for v in outcome.violations] == []

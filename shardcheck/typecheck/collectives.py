@@ -126,7 +126,7 @@ def _gather_step(into_tensor: bool, source: torch.Tensor) -> Callable[[Placement
         if p is R or p is I:
             raise Violation("gather of replicated", a)
         if type(p) is SectionShard:  # in rank order: each rank's part of every section in turn
-            return V
+            return V if into_tensor else None
         if stacks_as_pieces(p, source):
             return R
         if isinstance(p, BlockShard):
