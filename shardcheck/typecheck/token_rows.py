@@ -24,16 +24,17 @@ positions, are marked grouped (``routing.mark_rows``): an all-to-all may route t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from math import prod
 
 import torch
 
 from shardcheck.typecheck import backward_rules, shape_rules
 from shardcheck.typecheck.checker import RULES, register_rule
+from shardcheck.typecheck.routed import Route, Routed
 from shardcheck.typecheck.routing import mark_rows
 from shardcheck.typecheck.rules import BlockShard, SectionShard, arg, is_partial, norm_dim
-from shardcheck.typecheck.types import S, Shard, V
+from shardcheck.typecheck.types import P, R, S, Shard, V
 
 aten = torch.ops.aten
 _SLICE = RULES["slice"]
@@ -43,13 +44,15 @@ _INDEX = RULES["index"]
 @dataclass(frozen=True)
 class Grouped:
     """An index of this rank's own rows on ``axes``, ``counts`` per group, of ``rows`` rows;
-    ``flat``: positions in the flat group-major map (group * rows + row), not yet modulo."""
+    ``flat``: positions in the flat group-major map (group * rows + row), not yet modulo;
+    ``picked``: axes on which the map held this rank's whole groups of replicated rows."""
 
     key: tuple
     axes: tuple[int, ...]
     counts: tuple[int, ...]
     rows: int
     flat: bool
+    picked: tuple[int, ...] = ()
 
 
     @property
@@ -93,8 +96,31 @@ def _sort(ctx, args, kwargs, out):
     groups = _groups(x, blocks)
     if groups and x.dtype == torch.bool and kwargs.get("stable") and kwargs.get("descending"):
         counts = tuple(int(c) for c in x.view(groups, -1).sum(1))
-        out[1]._sc_grouped = Grouped(ctx.key, tuple(blocks), counts, x.numel() // groups, True)
+        picked = () if blocks else _whole_groups(ctx, x)
+        out[1]._sc_grouped = Grouped(ctx.key, tuple(blocks), counts, x.numel() // groups, True, picked)
     return pl
+
+
+def _whole_groups(ctx, x: torch.Tensor) -> tuple[int, ...]:
+    """Axes on which the [groups, rows] map that ``x`` flattens holds this rank's whole groups."""
+    base = x._base
+    pl = ctx.types(base) if base is not None and base.dim() == 2 else None
+    return () if pl is None else tuple(a for a in range(ctx.n) if _cut_into_groups(ctx, pl, a))
+
+
+def _cut_into_groups(ctx, pl, a: int) -> bool:
+    return type(pl[a]) is Shard and norm_dim(pl[a].dim, 2) == 0 and ctx.sizes[a] > 1
+
+
+def _picked_rows(counts: tuple[int, ...], rows: int) -> Routed:
+    """Rows a rank picked of replicated rows for its whole groups: every row of those groups,
+    each on one rank, as if routed to it (one source: all rows are everywhere)."""
+    route = Route((counts,), (), ("whole groups", counts, rows))
+    return Routed(0, route, route.received, R)
+
+
+def _all_picked(p, counts: tuple[int, ...], rows: int) -> bool:
+    return type(p) is Routed and p.dim == 0 and p == _picked_rows(counts, rows).at(0, p.source)
 
 
 def _groups(x: torch.Tensor, blocks: dict) -> int:
@@ -129,13 +155,18 @@ def _set_entries(p, own_rows: bool):
 
 
 def _remainder(ctx, args, kwargs, out):
-    """Flat positions modulo the rows: row positions."""
+    """Flat positions modulo the rows: row positions. Where the map held this rank's whole
+    groups, they are its groups' rows of every row, as picked (see :func:`_picked_rows`)."""
     pl = RULES["remainder"](ctx, args, kwargs, out)
     mark = _mark(args[0]) if isinstance(args[0], torch.Tensor) else None
-    if (mark is not None and mark.key is ctx.key and mark.flat and isinstance(args[1], int)
-            and args[1] == mark.rows):
-        out._sc_grouped = Grouped(mark.key, mark.axes, mark.counts, mark.rows, False)
-    return pl
+    if (mark is None or mark.key is not ctx.key or not mark.flat or not isinstance(args[1], int)
+            or args[1] != mark.rows):
+        return pl
+    out._sc_grouped = replace(mark, flat=False)
+    xl = ctx.types(args[0]) or (None,) * ctx.n  # the set entries are unknown where picked
+    if not mark.picked or any(p is None or is_partial(p) for a, p in enumerate(xl) if a not in mark.picked):
+        return pl
+    return tuple(_picked_rows(mark.counts, mark.rows) if a in mark.picked else p for a, p in enumerate(xl))
 
 
 def _read_by_rows(ctx, args, kwargs, out):
@@ -149,7 +180,9 @@ def _read_by_rows(ctx, args, kwargs, out):
         return pl
     mark_rows(out, mark)
     return tuple(_sections(mark.counts) if a in mark.axes and type(xl[a]) is Shard
-                 and norm_dim(xl[a].dim, x.dim()) == 0 else p for a, p in enumerate(pl))
+                 and norm_dim(xl[a].dim, x.dim()) == 0
+                 else _picked_rows(mark.counts, mark.rows) if a in mark.picked and xl[a] is R
+                 else p for a, p in enumerate(pl))
 
 
 def _read_flat(ctx, args, kwargs, out):
@@ -165,7 +198,8 @@ def _read_flat(ctx, args, kwargs, out):
 
 
 def _add_rows_back(ctx, args, kwargs, out):
-    """Sectioned rows added by their marked index into zeros of the rows: the row shard."""
+    """Sectioned rows added by their marked index into zeros of the rows: the row shard. Rows
+    picked for a rank's whole groups added back so: its groups' share of every row (P)."""
     pl = backward_rules._add_into(ctx, args, kwargs, out)
     zeros, index, source = args[0], args[2], args[3]
     mark = _grouped(ctx, index)
@@ -173,8 +207,9 @@ def _add_rows_back(ctx, args, kwargs, out):
     if (pl is None or sl is None or mark is None or mark.flat or not ctx.zero(zeros)
             or norm_dim(args[1], zeros.dim()) != 0 or zeros.shape[0] != mark.rows):
         return pl
-    return tuple(S(0) if a in mark.axes and _is_sections(sl[a], mark.counts) else p
-                 for a, p in enumerate(pl))
+    return tuple(S(0) if a in mark.axes and _is_sections(sl[a], mark.counts)
+                 else P if a in mark.picked and _all_picked(sl[a], mark.counts, mark.rows)
+                 else p for a, p in enumerate(pl))
 
 
 def _mask_counts(mask: torch.Tensor, dim: int) -> tuple[int, ...]:
@@ -207,9 +242,11 @@ def _masked(ctx, args, kwargs, out):
         return _mark_positions(ctx, x, mask, out, pl)
     result = list(pl)
     for a, p in enumerate(pl):
-        if p is not None:
+        if _groups_picked(ctx, a, x if not scatter else None, mask):
+            result[a] = _picks_of_groups(ctx, a, args, mask, scatter)
+        elif p is not None:
             continue
-        if not scatter and ctx.types(x) is not None:
+        elif not scatter and ctx.types(x) is not None:
             dim = _cut_alike(ctx, a, (x, mask), x.shape)
             if dim is not None:
                 result[a] = _sections(_mask_counts(mask, dim))
@@ -223,6 +260,26 @@ def _masked(ctx, args, kwargs, out):
     return tuple(result)
 
 
+def _groups_picked(ctx, a: int, x: torch.Tensor | None, mask: torch.Tensor) -> bool:
+    """Whether the [groups, rows] mask (and the value it picks from) hold this rank's whole
+    groups on axis ``a`` (MoE's allgather dispatcher: its local experts' columns, transposed)."""
+    tensors = (mask,) if x is None else (mask, x)
+    return mask.dim() == 2 and all(t.shape == mask.shape and ctx.types(t) is not None
+                                   and _cut_into_groups(ctx, ctx.types(t), a) for t in tensors)
+
+
+def _picks_of_groups(ctx, a: int, args, mask: torch.Tensor, scatter: bool):
+    """masked_select of a rank's whole groups by their mask: the picked rows of those groups
+    (see :func:`_picked_rows`); masked_scatter of such picks into zeros: the groups again."""
+    counts, rows = _mask_counts(mask, 1), mask.shape[1]
+    if not scatter:
+        return _picked_rows(counts, rows)
+    source = ctx.types(args[2]) if isinstance(args[2], torch.Tensor) else None
+    if ctx.zero(args[0]) and source is not None and _all_picked(source[a], counts, rows):
+        return S(0)
+    return None
+
+
 def _row_positions(x: torch.Tensor) -> bool:
     """``arange(rows)`` repeated for every group: ``arange(n).unsqueeze(0).expand(groups, -1)``."""
     return (x.dim() == 2 and x.stride(0) == 0 and not x.is_floating_point()
@@ -232,15 +289,18 @@ def _row_positions(x: torch.Tensor) -> bool:
 def _mark_positions(ctx, x, mask, out, pl):
     """The positions of a mask's set entries, group by group (0.16's permute): an index of
     this rank's own rows, cut so on the axes the mask is cut along the rows (V: each rank's own
-    positions), and V where the mask is a rank's own (V)."""
+    positions), V where the mask is a rank's own (V), and its groups' rows of every row where
+    the mask holds this rank's whole groups (see :func:`_picked_rows`)."""
     xl, ml = ctx.types(x), ctx.types(mask)
     if xl is None:
         return pl
     axes = tuple(a for a in range(ctx.n) if _cut_alike(ctx, a, (mask,), x.shape) == 1
                  and xl[a] is not None and not is_partial(xl[a]))
-    out._sc_grouped = Grouped(ctx.key, axes, _mask_counts(mask, 1), x.shape[1], False)
-    return tuple(V if a in axes or (ml[a] is V and xl[a] is not None and not is_partial(xl[a])) else p
-                 for a, p in enumerate(pl))
+    picked = tuple(a for a in range(ctx.n) if xl[a] is R and _cut_into_groups(ctx, ml, a))
+    counts, rows = _mask_counts(mask, 1), x.shape[1]
+    out._sc_grouped = Grouped(ctx.key, axes, counts, rows, False, picked)
+    return tuple(V if a in axes or (ml[a] is V and xl[a] is not None and not is_partial(xl[a]))
+                 else _picked_rows(counts, rows) if a in picked else p for a, p in enumerate(pl))
 
 
 register_rule(aten.sort, _sort)
