@@ -13,6 +13,7 @@ the ep rank; at the gradients).
 import pytest
 import torch
 import torch.distributed as dist
+from moe_values import moe_values
 
 import shardcheck as sc
 from shardcheck.parity.launch import spawn_ranks
@@ -24,11 +25,7 @@ MISMATCH = "gradient type mismatch"
 
 
 def _values():
-    gen = torch.Generator().manual_seed(1)
-    tokens = torch.randn(2 * TOKENS, HIDDEN, generator=gen, dtype=torch.float64)
-    router = torch.randn(HIDDEN, EXPERTS, generator=gen, dtype=torch.float64)
-    experts = torch.randn(EXPERTS, HIDDEN, HIDDEN, generator=gen, dtype=torch.float64)
-    return tokens, router, experts
+    return moe_values(2 * TOKENS, HIDDEN, EXPERTS, seed=1)
 
 
 def _routing(tokens: torch.Tensor, router: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,6 +11,7 @@ the numbers differ from one rank, and the checker says so.
 import pytest
 import torch
 import torch.distributed as dist
+from moe_values import moe_values
 
 import shardcheck as sc
 from shardcheck.parity.launch import spawn_ranks
@@ -22,11 +23,7 @@ UNREDUCED = "unreduced gradient"
 
 
 def _values():
-    gen = torch.Generator().manual_seed(0)
-    tokens = torch.randn(2 * TOKENS, HIDDEN, generator=gen, dtype=torch.float64)
-    router = torch.randn(HIDDEN, EXPERTS, generator=gen, dtype=torch.float64)
-    experts = torch.randn(EXPERTS, HIDDEN, HIDDEN, generator=gen, dtype=torch.float64)
-    return tokens, router, experts
+    return moe_values(2 * TOKENS, HIDDEN, EXPERTS, seed=0)
 
 
 def _routing_map(tokens: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
