@@ -242,8 +242,10 @@ def _masked(ctx, args, kwargs, out):
         return _mark_positions(ctx, x, mask, out, pl)
     result = list(pl)
     for a, p in enumerate(pl):
-        if _groups_picked(ctx, a, x if not scatter else None, mask):
-            result[a] = _picks_of_groups(ctx, a, args, mask, scatter)
+        picks = _picks_of_groups(ctx, a, args, mask, scatter) if _groups_picked(
+            ctx, a, x if not scatter else None, mask) else None
+        if picks is not None:
+            result[a] = picks
         elif p is not None:
             continue
         elif not scatter and ctx.types(x) is not None:
@@ -270,7 +272,8 @@ def _groups_picked(ctx, a: int, x: torch.Tensor | None, mask: torch.Tensor) -> b
 
 def _picks_of_groups(ctx, a: int, args, mask: torch.Tensor, scatter: bool):
     """masked_select of a rank's whole groups by their mask: the picked rows of those groups
-    (see :func:`_picked_rows`); masked_scatter of such picks into zeros: the groups again."""
+    (see :func:`_picked_rows`); masked_scatter of such picks into zeros: the groups again
+    (None for any other source: a mask cut along its rows is typed as before)."""
     counts, rows = _mask_counts(mask, 1), mask.shape[1]
     if not scatter:
         return _picked_rows(counts, rows)
