@@ -35,10 +35,11 @@ $(MEGATRON_OLDEST_DIR): | $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
-# The whole suite on the default megatron-core, then the Megatron tests on the oldest release.
+# The whole suite on the default megatron-core, then on the oldest release the Megatron tests
+# that are not slow and the slow ones of megatron-core's own bugs (release_specific).
 test: $(STAMP) lint $(MEGATRON_OLDEST_DIR)
 	$(BIN)/python -m pytest
-	PYTHONPATH=$(MEGATRON_OLDEST_DIR) $(BIN)/python -m pytest -m megatron
+	PYTHONPATH=$(MEGATRON_OLDEST_DIR) $(BIN)/python -m pytest -m "megatron and (not slow or release_specific)"
 
 # Rerun every pasted output of README.md and docs/ (docs/docs-check.md); make test runs it too.
 docs-check: $(STAMP)

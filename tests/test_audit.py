@@ -42,6 +42,7 @@ def known(warm):
     return audit([case for case, _, _ in KNOWN.values()], run_pools=warm)
 
 
+@pytest.mark.release_specific
 @pytest.mark.parametrize("name", list(KNOWN))
 def test_known_bug_is_found_with_location_numbers_and_corrected_control(known, name):
     case, where, checker = KNOWN[name]

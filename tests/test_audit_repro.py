@@ -122,6 +122,7 @@ def _farthest(output: str) -> tuple[list[float], list[float]]:
 
 
 @pytest.mark.slow
+@pytest.mark.release_specific
 @pytest.mark.parametrize("name", [
     pytest.param(name, marks=fixed_in("0.19", name) if name in FIXED_IN_019 else ()) for name in KNOWN])
 def test_known_finding_script_reproduces_then_exits_1_with_the_fix(name, tmp_path, no_shardcheck):

@@ -163,6 +163,7 @@ MEGATRON_BUGS = [pytest.param("cp2", "process_mtp_loss", marks=pytest.mark.skipi
                  pytest.param("pp2", "_allreduce_position_embedding_grads")]
 
 
+@pytest.mark.release_specific
 @pytest.mark.parametrize(("layout", "contract"), MEGATRON_BUGS)
 def test_mtp_script_reproduces_megatron_core_bug_then_exits_1_with_the_fix(layout, contract, tmp_path):
     finding = _finding({}, layout, contract)
