@@ -82,7 +82,7 @@ def _parameters_typed_on_first_use(axes: tuple[str, ...]) -> Iterator[None]:
         if module in walked and all(p is None or id(p) in typed
                                     for p in module._parameters.values()):
             return  # a parameter set on a submodule since is typed when that one runs
-        walked.add(module)
+        walked.update(module.modules())  # typed below with the whole tree: no walk of each
         fresh = {name: p for name, p in module.named_parameters() if id(p) not in typed}
         if not fresh:
             return
