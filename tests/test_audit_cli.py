@@ -45,3 +45,19 @@ def test_reproduce_command_reruns_one_finding_and_writes_the_report(tmp_path):
     assert f"torchrun --standalone --nproc-per-node=2 {script}" in (tmp_path / "report.md").read_text()
     [stored] = FindingStore(tmp_path / "store").all()
     assert (stored.id, stored.origin, stored.repro) == (finding["id"], "audit", str(script))
+
+
+def test_every_option_the_sweep_sets_reads_back_from_its_reproduce_command():
+    """What a reproduce command says (``--set name=value``) sets the case's own options: a
+    choice spelled like a keyword (gpt's position_embedding='none') stays the string."""
+    from shardcheck.cli.audit import _fixed_options
+    from shardcheck.megatron.audit.report import reproduce_command
+    from shardcheck.megatron.audit.sweep import components_plan
+    from shardcheck.megatron.scenarios import COMPONENTS
+    from shardcheck.parity.layout import Layout
+
+    cases = [case for case in components_plan(COMPONENTS, [Layout.parse("tp2")]) if case.options]
+    assert any(dict(case.options).get("position_embedding") == "none" for case in cases)
+    for case in cases:
+        pairs = tuple(reproduce_command(case).split("--set ")[1:])
+        assert _fixed_options([case.component], tuple(p.strip() for p in pairs)) == case.options, case

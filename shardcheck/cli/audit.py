@@ -29,20 +29,19 @@ def _layouts(text: str | None):
 def _fixed_options(component_names: list[str], pairs: tuple[str, ...]) -> tuple:
     """The ``--set`` options, each checked against the field it sets in every component audited
     before any case runs, with its value as the field takes it (an Enum member from its name)."""
-    from shardcheck.megatron.audit.fixed_options import OptionError, checked_value
-    from shardcheck.megatron.audit.sweep import parse_value
+    from shardcheck.megatron.audit.fixed_options import OptionError, value_from_text
 
     parsed = []
     for pair in pairs:
         name, sep, value = pair.partition("=")
         if not sep or not name.strip():
             raise click.BadParameter(f"{pair!r} is not NAME=VALUE", param_hint="--set")
-        parsed.append((name.strip(), parse_value(value)))
+        parsed.append((name.strip(), value))
     try:
-        checked = [tuple((n, checked_value(c, n, v)) for n, v in parsed) for c in component_names]
+        options = [tuple((n, value_from_text(c, n, v)) for n, v in parsed) for c in component_names]
     except OptionError as exc:
         raise click.BadParameter(str(exc), param_hint="--set") from None
-    return checked[0]
+    return options[0]
 
 
 def _plan(only: tuple[str, ...], layouts_text: str | None, sets: tuple[str, ...], budget: int | None):

@@ -23,6 +23,7 @@ from shardcheck.megatron.audit.sweep import (
     megatron_literals,
     model_argument,
     model_class,
+    parse_value,
 )
 
 _PLAIN = {type(None): "none", bool: "true or false", int: "an integer", float: "a number",
@@ -46,6 +47,20 @@ def checked_value(component: str, name: str, value: Any) -> Any:
     if not all(_checkable(kind) for kind in kinds):
         return value
     raise OptionError(f"{component}'s {name} takes {_describe(kinds)}, not {value!r}")
+
+
+def value_from_text(component: str, name: str, text: str) -> Any:
+    """The value ``--set name=text`` gives: an Enum member or a string choice the field names
+    by ``text`` (gpt's position_embedding 'none', InferenceCudaGraphScope.none), else ``text``
+    read as true/false/none or a number (:func:`parse_value`), checked by :func:`checked_value`."""
+    raw = text.strip()
+    kinds = members(field_annotation(component, name))
+    member = _enum_member(kinds, raw)
+    if member is not None:
+        return member
+    if any(raw in literal_values(kind) for kind in kinds if typing.get_origin(kind) is typing.Literal):
+        return raw
+    return checked_value(component, name, parse_value(text))
 
 
 def field_annotation(component: str, name: str) -> Any:

@@ -13,6 +13,7 @@ when only parity did, ``type-only`` when only the checker did.
 
 from __future__ import annotations
 
+import enum
 import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -209,7 +210,8 @@ def checker_line(location: str, members: Sequence, baseline_violations: set[tupl
 
 
 def reproduce_command(case: Case) -> str:
-    sets = " ".join(f"--set {name}={value}" for name, value in case.options)
+    sets = " ".join(f"--set {name}={value.name if isinstance(value, enum.Enum) else value}"
+                    for name, value in case.options)  # --set takes an Enum member by its name
     return f"shardcheck audit --only {case.component} --layouts {case.layout} {sets}".rstrip()
 
 
