@@ -113,12 +113,12 @@ REGRESSIONS += [
 ]
 
 # a reduce-scatter over the outer axis (dp) of rows the inner axis (tp) shards: dp's chunks sit
-# inside tp's, which S(0) on both does not say (was typed S(0) there); scattered over the inner
-# axis, inside the outer one's rows, it is S(0)
+# inside tp's, which S(0) on both does not say (was typed S(0) there, then V on dp); tp's shard
+# holds them, S(0, outside); scattered over the inner axis, inside the outer one's rows, it is S(0)
 REGRESSIONS += [
     ("reduce-scatter over the outer axis of rows the inner one shards",
      one("tp2-dp2", (("tp", "S(0)"), ("dp", "R")), ("reduce_scatter_tensor", (0,), (("g", "dp"), ("op", "avg")))),
-     "undecided", 0),
+     "right", None),
     ("reduce-scatter over the inner axis of rows the outer one shards",
      one("tp2-dp2", (("tp", "R"), ("dp", "S(0)")), ("reduce_scatter_tensor", (0,), (("g", "tp"), ("op", "avg")))),
      "right", None),

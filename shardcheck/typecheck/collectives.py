@@ -36,9 +36,11 @@ from shardcheck.typecheck.rules import (
     as_pieces,
     axis_stride,
     chunk_dim,
+    inside,
     is_partial,
     is_sum,
     mark_gathered_rows,
+    nested_outside,
     stacks_as_pieces,
 )
 from shardcheck.typecheck.types import I, P, Placement, R, S, Shard, V
@@ -141,7 +143,7 @@ def _gather_step(into_tensor: bool, source: torch.Tensor) -> Callable[[Placement
 
 def _scatter_step(op: str, dim: int = 0, nested: bool = False) -> Callable[[Placement, int], Placement | None]:
     """reduce-scatter: the reduced value's chunk along ``dim``; V when ``nested`` (see
-    :func:`_scatters_inside`)."""
+    :func:`_reduce_scatter_of`)."""
     chunk = V if nested else S(dim)
 
     def step(p: Placement, a: int) -> Placement | None:
@@ -159,21 +161,30 @@ def _scatter_step(op: str, dim: int = 0, nested: bool = False) -> Callable[[Plac
     return step
 
 
-def _scatters_inside(ctx, pl: Pl, axes: list[int], dim: int, ndim: int) -> bool:
-    """Whether a reduce-scatter over ``axes`` along ``dim`` cuts inside the shards of an inner
-    axis outside the group (rows tp shards, scattered over dp): the group's chunks then sit
-    inside that axis' pieces, a nesting no placement says (S(d) on both has the outer axis
-    outside)."""
+def _holding_axes(ctx, pl: Pl, axes: list[int], dim: int, ndim: int) -> list[int]:
+    """The axes outside the group, inside it (faster) by the mesh order, that shard ``dim``:
+    a reduce-scatter over ``axes`` along ``dim`` cuts inside their pieces (rows cp shards,
+    scattered over tp by sequence parallelism where the ranks number cp fastest)."""
     if not axes:
-        return False
+        return []
     outer = min(axis_stride(ctx, a) for a in axes)
-    return any(b not in axes and ctx.sizes[b] > 1 and isinstance(p, Shard)
-               and p.dim % max(ndim, 1) == dim % max(ndim, 1) and axis_stride(ctx, b) < outer
-               for b, p in enumerate(pl))
+    return [b for b, p in enumerate(pl)
+            if b not in axes and ctx.sizes[b] > 1 and isinstance(p, Shard)
+            and p.dim % max(ndim, 1) == dim % max(ndim, 1) and axis_stride(ctx, b) < outer]
 
 
-def _reduce_scatter_of(ctx, pl: Pl, axes: list[int], op: str, dim: int, ndim: int) -> Callable:
-    return _scatter_step(op, dim, _scatters_inside(ctx, pl, axes, dim, ndim))
+def _reduce_scatter_of(ctx, pl: Pl, axes: list[int], op: str, dim: int, ndim: int) -> tuple[Pl, Callable]:
+    """The input's types as the output keeps them off the group, and the group's step. An axis
+    whose pieces the group's chunks sit inside, against the mesh order, holds them: its shard
+    ``outside`` (see :class:`Shard`). With more than one such axis, a group of several axes or
+    a shard of another kind, that nesting has no placement: V on the group."""
+    holding = _holding_axes(ctx, pl, axes, dim, ndim)
+    if not holding:
+        return pl, _scatter_step(op, dim)
+    b = holding[0]
+    if len(holding) > 1 or len(axes) != 1 or type(pl[b]) is not Shard or nested_outside(pl, b, ndim):
+        return pl, _scatter_step(op, dim, nested=True)
+    return pl[:b] + (S(pl[b].dim, True),) + pl[b + 1:], _scatter_step(op, dim)
 
 
 def _broadcast_step(p: Placement, a: int) -> Placement | None:
@@ -297,20 +308,32 @@ def _gather_step_over(pl: Pl, axes: list[int], source: torch.Tensor) -> Callable
 
 
 def _inner_rows_as_sections(ctx, pl: Pl, axes: list[int], inp: torch.Tensor) -> Pl:
-    """Gathering dim-0 shards over ``axes``: an axis inside them (faster) that shards dim 0
-    too now holds its piece of each gathered block, in order: sections of dim 0. An axis
-    outside the group whose blocks were stacked on dim 0 already (gathered blocks) has them
-    interleaved with the group's now, in no order a placement says: V."""
+    """Gathering dim-0 shards over ``axes``: an axis whose pieces sit inside the group's (see
+    :func:`~shardcheck.typecheck.rules.inside`) and that shards dim 0 too now holds its piece
+    of each gathered block, in order: sections of dim 0; one whose pieces held the group's
+    holds its piece whole. An axis outside the group whose blocks were stacked on dim 0
+    already (gathered blocks) has them interleaved with the group's now, in no order a
+    placement says: V."""
     pl = tuple(V if a not in axes and isinstance(p, Gathered) else p for a, p in enumerate(pl))
     if not any(isinstance(pl[a], Shard) and pl[a].dim % max(inp.dim(), 1) == 0 for a in axes):
         return pl
-    outer = min(axis_stride(ctx, a) for a in axes)
     count = 1
     for a in axes:
         count *= ctx.sizes[a]
-    return tuple(SectionShard(0, (inp.shape[0],) * count)
-                 if a not in axes and type(p) is Shard and p.dim % max(inp.dim(), 1) == 0
-                 and ctx.sizes[a] > 1 and axis_stride(ctx, a) < outer else p for a, p in enumerate(pl))
+    return tuple(_rows_around_gathered(ctx, pl, b, axes, inp.shape[0], count)
+                 if b not in axes and type(p) is Shard and p.dim % max(inp.dim(), 1) == 0
+                 and ctx.sizes[b] > 1 else p for b, p in enumerate(pl))
+
+
+def _rows_around_gathered(ctx, pl: Pl, b: int, axes: list[int], rows: int, count: int) -> Shard:
+    """Axis ``b``'s dim-0 shard once the group's pieces of dim 0 are gathered: sections (its
+    piece of each block) where its pieces sat inside the group's, else its piece, whole. With
+    a group of several axes the mesh order decides."""
+    if len(axes) == 1:
+        held = inside(ctx, pl, b, axes[0])
+    else:
+        held = axis_stride(ctx, b) < min(axis_stride(ctx, a) for a in axes)
+    return SectionShard(0, (rows,) * count) if held else S(pl[b].dim)
 
 
 def _functional_gather(ctx, args, kwargs, out):
@@ -331,9 +354,9 @@ def _reduce_scatter(ctx, args, kwargs, out):
     if pl is None or dim is None or not all(_row_major(t) for row in inputs for t in row):
         return _typed_update(ctx, outputs, None, (), None)
     axes = _axes(ctx, group)
-    step = _reduce_scatter_of(ctx, pl, axes, op, dim, inputs[0][0].dim())
+    kept, step = _reduce_scatter_of(ctx, pl, axes, op, dim, inputs[0][0].dim())
     step = _of_contributions(ctx, inputs[0], pl, axes, op, step, torch.ops.c10d.reduce_scatter_.default)
-    return _typed_update(ctx, outputs, pl, axes, step)
+    return _typed_update(ctx, outputs, kept, axes, step)
 
 
 def _row_major(t: torch.Tensor) -> bool:
@@ -350,10 +373,10 @@ def _reduce_scatter_base(ctx, args, kwargs, out):
     if pl is None:
         return _typed_update(ctx, [output], None, (), None)
     axes = _axes(ctx, group)
-    step = _reduce_scatter_of(ctx, pl, axes, op, _stacked_dim(ctx, inp, group), inp.dim())
-    pl = _sections_scattered(ctx, pl, axes, group, output.shape[0] if output.dim() else 0)
+    kept, step = _reduce_scatter_of(ctx, pl, axes, op, _stacked_dim(ctx, inp, group), inp.dim())
+    kept = _sections_scattered(ctx, kept, axes, group, output.shape[0] if output.dim() else 0)
     step = _of_contributions(ctx, [inp], pl, axes, op, step, torch.ops.c10d._reduce_scatter_base_.default)
-    return _typed_update(ctx, [output], pl, axes, step)
+    return _typed_update(ctx, [output], kept, axes, step)
 
 
 def _sections_scattered(ctx, pl: Pl, axes: list[int], group, rows: int) -> Pl:
@@ -529,9 +552,9 @@ def _functional_reduce_scatter(ctx, args, kwargs, out):
     group = args[3]
     axes = _axes(ctx, group)
     op = _reduce_op(args[1])
-    step = _reduce_scatter_of(ctx, pl, axes, op, _stacked_dim(ctx, args[0], group), args[0].dim())
+    kept, step = _reduce_scatter_of(ctx, pl, axes, op, _stacked_dim(ctx, args[0], group), args[0].dim())
     step = _of_contributions(ctx, [args[0]], pl, axes, op, step, torch.ops._c10d_functional.reduce_scatter_tensor.default)
-    return _on_axes(_sections_scattered(ctx, pl, axes, group, out.shape[0] if out.dim() else 0), axes, step)
+    return _on_axes(_sections_scattered(ctx, kept, axes, group, out.shape[0] if out.dim() else 0), axes, step)
 
 
 def _functional_all_reduce_step(ctx, args, pl: Pl) -> tuple[list[int], Callable]:
