@@ -1,8 +1,8 @@
-"""A 0-dim value the checked region computed without a type (from data the checker cannot see
+"""A scalar the checked region computed without a type (from data the checker cannot see
 through, like activations received from another pipeline stage) may differ per rank: added
 into replicated zeros and SUM all-reduced, it is a count of each rank's own (MTP's acceptance
-counts at dp2-pp2), not a double count. A 0-dim tensor made before the region is still read
-as a constant. Checked on Gloo ranks against the numbers."""
+counts at dp2-pp2), not a double count. A one-element tensor made before the region is still
+read as a constant. Checked on Gloo ranks against the numbers."""
 
 import torch
 import torch.distributed as dist
@@ -48,11 +48,14 @@ def test_a_count_of_tokens_every_rank_holds_summed_over_the_group_is_a_double_co
     assert all(r["count"] == 2 * _one_rank_count([0]) != _one_rank_count([0]) for r in ranks)
 
 
-def test_a_zero_dim_tensor_made_before_the_region_is_still_a_constant():
-    scale, unseen = torch.tensor(0.5), torch.randn(3)
+def test_a_one_element_tensor_made_before_the_region_is_still_a_constant():
+    """A coefficient, or a loss scale (Megatron's optimizer keeps ``torch.tensor([1.0])``)."""
+    coefficient, loss_scale, unseen = torch.tensor(0.5), torch.tensor([1.0]), torch.randn(3)
     with sc.typecheck(sc.Mesh(rank=0, dp=[0, 1])):
         x = sc.annotate(torch.ones(3), dp=sc.R)
-        assert sc.typeof(x * scale) == {"dp": sc.R}
+        assert sc.typeof(x * coefficient) == {"dp": sc.R}
+        assert sc.typeof(x * loss_scale) == {"dp": sc.R}
         computed = unseen.sum()  # no type: the sum of a tensor the region never typed
         assert sc.typeof(computed) == {}
         assert sc.typeof(x * computed) == {}
+        assert sc.typeof(x * computed.view(1)) == {}

@@ -149,7 +149,7 @@ def test_typecheck_of_a_correct_tp2_run_prints_no_checker_line():
 def test_typecheck_of_the_dropped_gradient_all_reduce_names_each_parameter_at_the_step(tmp_path):
     status, lines = _checker_lines(["--megatron", str(_megatron_copy(tmp_path)), "--", *BASE])
     assert status == 1
-    assert any(re.fullmatch(r"checker: misdeclared parameter at megatron/core/optimizer/optimizer\.py:\d+ "
+    assert any(re.fullmatch(r"checker: unreduced gradient at megatron/core/optimizer/optimizer\.py:\d+ "
                             r"in optimizer\.step: module\.decoder\.final_layernorm\.bias: parameter R "
                             r"on dp, gradient V  \[ranks 0, 1\]", ln) for ln in lines), lines
 

@@ -453,19 +453,20 @@ class Checker(TorchDispatchMode):
         st = getattr(t, "_sc", None)
         return st[2] if st is not None and st[0] is self.key else 0
 
-    def computed_untyped(self, t: Any) -> bool:
-        """Whether ``t`` is a 0-dim value this region computed or wrote without a type: unlike
-        a 0-dim tensor made before the region, it may differ per rank."""
-        return getattr(t, "_sc_untyped", None) is self.key
+    def unseen_scalar(self, t: torch.Tensor) -> bool:
+        """Whether untyped ``t`` is a scalar made before the region (one element: a loss scale,
+        a coefficient of the model's), read as a constant of unknown value; one this region
+        computed or wrote without a type is not: it may differ per rank."""
+        return t.numel() == 1 and getattr(t, "_sc_untyped", None) is not self.key
 
     def set_type(self, t: torch.Tensor, pl: tuple | None, flags: int = 0) -> None:
-        """Type ``t``; with no type, a 0-dim ``t`` is marked computed untyped."""
+        """Type ``t``; with no type, a one-element ``t`` is no longer an unseen scalar."""
         if pl is not None and pl.count(None) != len(pl):
             t._sc = (self.key, pl, flags)
             return
         if getattr(t, "_sc", None) is not None:
             t._sc = None
-        if t.dim() == 0:
+        if t.numel() == 1:
             t._sc_untyped = self.key
 
     def update_inplace(self, t: torch.Tensor, pl: tuple | None,
@@ -568,7 +569,7 @@ class Checker(TorchDispatchMode):
                 self._count_site(func, args, out, typed=False)
             if mutated:
                 self._forget(mutated, args, kwargs)
-            elif isinstance(out, torch.Tensor) and out.dim() == 0 and self.types(out) is None:
+            elif isinstance(out, torch.Tensor) and out.numel() == 1 and self.types(out) is None:
                 out._sc_untyped = self.key
             return out
         branched = self.branches.axes_here() if aten and self.branches.frames else ()

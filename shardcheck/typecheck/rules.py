@@ -465,7 +465,7 @@ def elementwise(ctx, items: list[tuple[Any, str]]) -> Pl | None:
         if is_tensor(value):
             pl = ctx.types(value)
             if pl is None:
-                if value.dim() != 0 or ctx.computed_untyped(value):
+                if not ctx.unseen_scalar(value):
                     return None
                 ops.append(_Operand(None, role, None, (), True))  # a constant of unknown value
                 continue

@@ -730,7 +730,7 @@ def _written_rule(ctx, args):
         return None
     vl = ctx.types(values)
     if vl is None:
-        if values.dim() != 0 or ctx.computed_untyped(values):
+        if not ctx.unseen_scalar(values):
             return None
         zero = values.item() == 0
         return tuple(None if is_partial(p) and not zero else p for p in xl)
