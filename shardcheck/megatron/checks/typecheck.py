@@ -498,6 +498,7 @@ def checked_region(ctx: Any, ops: dict | None = None) -> Iterator[list[dict]]:
         yield found
         return
     import shardcheck as sc
+    from shardcheck.megatron.checks.pipeline_types import received_activations_typed
 
     mesh = layout_mesh(ctx)
     with contextlib.ExitStack() as stack:
@@ -508,6 +509,7 @@ def checked_region(ctx: Any, ops: dict | None = None) -> Iterator[list[dict]]:
         stack.enter_context(_object_collectives_untyped())
         stack.enter_context(_harness_values_typed(mesh.names))
         stack.enter_context(_received_tensors_untyped())
+        stack.enter_context(received_activations_typed())
         stack.enter_context(_gradient_buffers_typed(mesh.names))
         stack.enter_context(_tp_duplicates_checked())
         stack.enter_context(_memory_buffers_typed())
