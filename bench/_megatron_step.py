@@ -1,18 +1,23 @@
 """One Megatron GPT training step on warm Gloo ranks, with and without the type checker.
 
-Used by checker_overhead.py. Each rank builds the GPT once, then takes unchecked, checked and
-floor steps in turn (forward, backward and ``finalize_model_grads`` through Megatron's
-schedule, then the optimizer step); a checked step runs inside the audit's checked region
-(:func:`shardcheck.megatron.checks.typecheck.checked_region`), entered once per step, a floor
-step under a dispatch mode that only calls each op (the cost of any Python dispatch mode). Each step
-is timed in CPU time of the rank's process (its Gloo threads included) and in wall time: on a
-shared machine a rank waits for a core, and the other rank for it, which wall time counts.
+Used by checker_overhead.py. Each rank builds the GPT once, then takes blocks of unchecked,
+checked and floor steps in turn (forward, backward and ``finalize_model_grads`` through
+Megatron's schedule, then the optimizer step); a checked step runs inside the audit's checked
+region (:func:`shardcheck.megatron.checks.typecheck.checked_region`), entered once per step, a
+floor step under a dispatch mode that only calls each op (the cost of any Python dispatch mode).
+Steps run in blocks of consecutive steps of one kind, each block timed whole: what a checked
+step leaves for later (its garbage, collected during a following step) is billed to checking,
+not to whichever step comes next (single alternating steps moved up to a quarter of a step
+between kinds). Blocks are timed in CPU time of the rank's process (its Gloo threads included)
+and in wall time: on a shared machine a rank waits for a core, and the other rank for it,
+which wall time counts.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -26,8 +31,9 @@ SIZES = {"audit GPT (hidden 32, seq 16)": {},
          "GPT hidden 1024, seq 512": {"hidden": 1024, "heads": 16, "seq": 512, "vocab": 4096}}
 
 
-def step_seconds(ctx: Any, sizes: dict[str, int], steps: int) -> dict[str, tuple[float, float]]:
-    """On each rank: median (CPU, wall) seconds of an unchecked, a checked and a floor step."""
+def step_seconds(ctx: Any, sizes: dict[str, int], rounds: int, block: int) -> dict[str, tuple[float, float]]:
+    """On each rank: (CPU, wall) seconds of an unchecked, a checked and a floor step, each the
+    median over ``rounds`` of a block of ``block`` consecutive steps of that kind."""
     from _workloads import BareMode
 
     from shardcheck.megatron.checks.typecheck import checked_region
@@ -39,18 +45,20 @@ def step_seconds(ctx: Any, sizes: dict[str, int], steps: int) -> dict[str, tuple
         regions = {"unchecked": nullcontext, "checked": lambda: checked_region(ctx),
                    "floor": BareMode}
         for region in regions.values():  # warm-up: first-call costs of each
-            _timed(training, region())
+            _timed(training, region, 1)
         times: dict[str, list[tuple[float, float]]] = {name: [] for name in regions}
-        for _ in range(steps):
+        for _ in range(rounds):
             for name, region in regions.items():
-                times[name].append(_timed(training, region()))
+                times[name].append(_timed(training, region, block))
     return {name: tuple(statistics.median(sample[i] for sample in samples) for i in (0, 1))
             for name, samples in times.items()}
 
 
-def _timed(training: Any, region: AbstractContextManager) -> tuple[float, float]:
+def _timed(training: Any, region: Callable[[], AbstractContextManager], steps: int) -> tuple[float, float]:
+    """(CPU, wall) seconds per step of ``steps`` consecutive steps, each in a new ``region()``."""
     cpu, wall = time.process_time(), time.perf_counter()
-    with region:
-        training.forward_backward()
-        training.optimizer.step()
-    return time.process_time() - cpu, time.perf_counter() - wall
+    for _ in range(steps):
+        with region():
+            training.forward_backward()
+            training.optimizer.step()
+    return (time.process_time() - cpu) / steps, (time.perf_counter() - wall) / steps

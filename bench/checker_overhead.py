@@ -32,7 +32,7 @@ HERE = Path(__file__).parent
 DEPS = HERE / ".deps"
 GOAL_US = 10.0
 STEP_GOAL = 1.3  # a checked Megatron step costs at most this times an unchecked one
-STEPS = 7
+ROUNDS, BLOCK = 3, 3  # per kind of step: the median of 3 blocks of 3 consecutive steps
 PRELOAD = ("megatron.core.models.gpt.gpt_model", "megatron.core.optimizer",
            "megatron.core.pipeline_parallel.schedules")
 FLOOR = "bare TorchDispatchMode (floor)"
@@ -81,13 +81,13 @@ def megatron_step() -> None:
 
     layout = Layout.parse(LAYOUT)
     table = Table(title=f"Megatron GPT training step, {LAYOUT} on {layout.world_size} Gloo ranks "
-                        f"(forward, backward, optimizer step; median of {STEPS}, slower rank)")
+                        f"(forward, backward, optimizer step; median of {ROUNDS} blocks of {BLOCK} steps, slower rank)")
     for column in ("model", "unchecked CPU ms", "checked CPU ms", "checked / unchecked",
                    "floor / unchecked", "wall: checked / unchecked"):
         table.add_column(column, justify="left" if column == "model" else "right")
     with RankPool(layout.world_size, timeout=900, preload=PRELOAD) as pool:
         for name, sizes in SIZES.items():
-            ranks = pool.run(layout, step_seconds, sizes, STEPS)
+            ranks = pool.run(layout, step_seconds, sizes, ROUNDS, BLOCK)
             (plain, plain_wall), (checked, checked_wall), (floor, _) = (
                 tuple(max(r[key][i] for r in ranks) for i in (0, 1))
                 for key in ("unchecked", "checked", "floor"))
