@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import contextlib
 import pickle
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from shardcheck.megatron.checks.attributes import attributes_set
 
 TYPE_TAG = 0x5C1D  # the type messages' own tag: Megatron's transfers use 0
 MESSAGE_BYTES = 512  # two bytes of length, then the pickled {axis: placement}
@@ -141,17 +143,9 @@ def _finishing(reqs: Any, finishers: list[Callable[[], None]], slots: list[str])
     return [_Waited(work, finish) for work, finish in zip(reqs, finishers, strict=True)]
 
 
-@contextlib.contextmanager
-def received_activations_typed() -> Iterator[None]:
+def received_activations_typed() -> contextlib.AbstractContextManager:
     """Inside: Megatron's pipeline transfers send their tensors' types (see the module)."""
     from megatron.core.pipeline_parallel import p2p_communication
 
-    saved = {name: getattr(p2p_communication, name) for name in _P2P_FUNCTIONS
-             if hasattr(p2p_communication, name)}
-    for name, original in saved.items():
-        setattr(p2p_communication, name, _typed_transfers(original))
-    try:
-        yield
-    finally:
-        for name, original in saved.items():
-            setattr(p2p_communication, name, original)
+    return attributes_set([(p2p_communication, name, _typed_transfers(getattr(p2p_communication, name)))
+                           for name in _P2P_FUNCTIONS if hasattr(p2p_communication, name)])

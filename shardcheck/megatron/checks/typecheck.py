@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from shardcheck.megatron.checks.attributes import attributes_set
+
 MESH_AXES = ("tp", "cp", "dp", "ep", "pp")
 
 
@@ -135,18 +137,10 @@ def _holds(module: Any, name: str, value: Any) -> bool:
     return getattr(module, "__dict__", {}).get(name) is value
 
 
-@contextlib.contextmanager
-def _replaced_everywhere(original: Any, replacement: Any) -> Iterator[None]:
+def _replaced_everywhere(original: Any, replacement: Any) -> contextlib.AbstractContextManager:
     """Replace a megatron-core function in every megatron module that refers to it."""
-
-    sites = holders("megatron", original)
-    for module in sites:
-        setattr(module, original.__name__, replacement)
-    try:
-        yield
-    finally:
-        for module in sites:
-            setattr(module, original.__name__, original)
+    return attributes_set([(module, original.__name__, replacement)
+                           for module in holders("megatron", original)])
 
 
 @contextlib.contextmanager
@@ -355,8 +349,6 @@ def _object_collectives_untyped() -> Iterator[None]:
 
     from shardcheck.typecheck.checker import current
 
-    originals = {name: getattr(dist, name) for name in OBJECT_COLLECTIVES}
-
     def untyped(original):
         def run(*args: Any, **kwargs: Any) -> Any:
             checker = current()
@@ -364,13 +356,8 @@ def _object_collectives_untyped() -> Iterator[None]:
                 return original(*args, **kwargs)
         return run
 
-    for name, original in originals.items():
-        setattr(dist, name, untyped(original))
-    try:
+    with attributes_set([(dist, name, untyped(getattr(dist, name))) for name in OBJECT_COLLECTIVES]):
         yield
-    finally:
-        for name, original in originals.items():
-            setattr(dist, name, original)
 
 
 @contextlib.contextmanager
@@ -409,13 +396,9 @@ def _received_tensors_untyped() -> Iterator[None]:
              for name in ("batch_isend_irecv", "recv", "irecv")]
     replaced = {id(original): (batched if name == "batch_isend_irecv" else receiving)(original)
                 for _, name, original in saved}
-    for namespace, name, original in saved:
-        setattr(namespace, name, replaced[id(original)])  # one object per function in both
-    try:
+    # one object per function in both namespaces
+    with attributes_set([(namespace, name, replaced[id(original)]) for namespace, name, original in saved]):
         yield
-    finally:
-        for namespace, name, original in saved:
-            setattr(namespace, name, original)
 
 
 @contextlib.contextmanager
@@ -446,15 +429,9 @@ def _harness_values_typed(axes: tuple[str, ...]) -> Iterator[None]:
     if "cp" in axes:
         positions = cp_attention.load_balanced_positions
         patches.append((positions, typed(positions, {"cp": S(0)})))
-    sites = [(module, old.__name__, new) for old, new in patches
-             for module in holders("shardcheck.megatron", old)]
-    for module, name, new in sites:
-        setattr(module, name, new)
-    try:
+    with attributes_set([(module, old.__name__, new) for old, new in patches
+                         for module in holders("shardcheck.megatron", old)]):
         yield
-    finally:
-        for module, name, new in sites:
-            setattr(module, name, inspect_original(new, patches))
 
 
 def _batches_typed(original: Any, axes: tuple[str, ...]) -> Any:
@@ -480,10 +457,6 @@ def _sequence_typed(original: Any) -> Any:
         local = original(tensor, sp, group)
         return sc.annotate(local, tp=S(0)) if sp else local
     return run
-
-
-def inspect_original(new: Any, patches: list) -> Any:
-    return next(old for old, patched in patches if patched is new)
 
 
 @contextlib.contextmanager
