@@ -119,11 +119,11 @@ def _typed_transfers(original: Callable[..., Any]) -> Callable[..., Any]:
         checker = current()
         if checker is None:
             return reqs
-        transfers = [(kwargs[slot], kwargs[peer], is_send) for slot, peer, is_send in _SLOTS
-                     if kwargs.get(slot) is not None]
+        present = [(slot, peer, is_send) for slot, peer, is_send in _SLOTS if kwargs.get(slot) is not None]
         with checker.paused():
-            finishers = _exchange(checker, kwargs["group"], transfers)
-        return _finishing(reqs, finishers, [slot for slot, _, _ in _SLOTS if kwargs.get(slot) is not None])
+            finishers = _exchange(checker, kwargs["group"],
+                                  [(kwargs[slot], kwargs[peer], is_send) for slot, peer, is_send in present])
+        return _finishing(reqs, finishers, [slot for slot, _, _ in present])
     run.__name__ = original.__name__
     return run
 

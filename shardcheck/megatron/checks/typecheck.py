@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from shardcheck.megatron.checks.attributes import attributes_set
+from shardcheck.megatron.checks.pipeline_types import received_activations_typed
 
 MESH_AXES = ("tp", "cp", "dp", "ep", "pp")
 
@@ -471,7 +472,6 @@ def checked_region(ctx: Any, ops: dict | None = None) -> Iterator[list[dict]]:
         yield found
         return
     import shardcheck as sc
-    from shardcheck.megatron.checks.pipeline_types import received_activations_typed
 
     mesh = layout_mesh(ctx)
     with contextlib.ExitStack() as stack:
