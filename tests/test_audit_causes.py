@@ -2,6 +2,8 @@
 one bug reached by several option paths is one finding; "seen in" says what changes the result."""
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 
@@ -120,15 +122,44 @@ def test_independent_cases_names_a_case_that_lacks_the_trigger():
     assert independent_cases(finding) == [{"layout": "tp2", "options": {}}]
 
 
-def test_a_default_runs_findings_hold_no_case_independent_of_its_trigger():
-    """Over the findings.json of a full run (``SHARDCHECK_AUDIT_FINDINGS=audit-out/findings.json``
-    after ``make audit``): no finding's cases include one whose options lack its trigger's."""
-    import os
-    from pathlib import Path
+CARRIED_FINDINGS = Path(__file__).parent / "data" / "audit" / "findings.json"
 
-    path = os.environ.get("SHARDCHECK_AUDIT_FINDINGS")
-    if not path:
-        pytest.skip("set SHARDCHECK_AUDIT_FINDINGS to a default run's findings.json")
-    data = json.loads(Path(path).read_text())
+
+def _findings_file(which: str) -> Path:
+    """The carried findings.json of a real audit run (tests/data/audit/README.md), or the one
+    ``$SHARDCHECK_AUDIT_FINDINGS`` names (e.g. ``audit-out/findings.json`` after ``make audit``)."""
+    if which == "carried":
+        return CARRIED_FINDINGS
+    if not os.environ.get("SHARDCHECK_AUDIT_FINDINGS"):
+        pytest.skip("set SHARDCHECK_AUDIT_FINDINGS to a default run's findings.json to check it too")
+    return Path(os.environ["SHARDCHECK_AUDIT_FINDINGS"])
+
+
+@pytest.mark.parametrize("which", ["carried", "SHARDCHECK_AUDIT_FINDINGS"])
+def test_a_real_runs_findings_hold_no_case_independent_of_its_trigger(which):
+    """Over a real audit run's findings.json: no finding's cases include one whose options lack its trigger's."""
+    data = json.loads(_findings_file(which).read_text())
     assert data["findings"] and data["coverage"]
     assert {f["id"]: independent_cases(f) for f in data["findings"]} == {f["id"]: [] for f in data["findings"]}
+
+
+def _cases(entries: list[dict]) -> frozenset:
+    return frozenset((c["layout"], tuple(sorted(c["options"].items()))) for c in entries)
+
+
+def test_causes_splits_the_carried_runs_failing_cases_into_its_findings_again():
+    """The carried run (output_loss under tp2 and tp2-sp) has three findings at one place, one per
+    independent option: causes() over all their failing cases gives those three causes again."""
+    data = json.loads(CARRIED_FINDINGS.read_text())
+    places: dict[tuple[str, str], list[frozenset]] = {}
+    for finding in data["findings"]:
+        found = [finding["cases"], *(same["cases"] for same in finding["same_fix"])]
+        places.setdefault((finding["location"], finding["contract"]), []).extend(map(_cases, found))
+    assert [len(found) for found in places.values()] == [3]
+    for found in places.values():
+        members = [_failing(tuple(options), layout) for cases in found for layout, options in cases]
+        assert {_cases(audit_case_entries(cause)) for cause in causes(members)} == set(found)
+
+
+def audit_case_entries(cause: list[Outcome]) -> list[dict]:
+    return [{"layout": str(o.case.layout), "options": dict(o.case.options)} for o in cause]
