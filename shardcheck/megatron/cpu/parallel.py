@@ -10,7 +10,12 @@ groups it builds are checked against the layout's own groups when the context ha
 
 Groups are created once per layout and process: the state is saved after the first
 initialisation and restored on the next run of the same layout, so that a long sweep does not
-open Gloo groups without end. ``destroy_model_parallel`` runs after every scenario.
+open Gloo groups without end. ``destroy_model_parallel`` runs after every scenario (it destroys
+only the extra ``*_GLOO`` groups, which are not made here). Each Gloo group keeps a thread polling its
+sockets, so a rank process also reuses groups between layouts: a one-rank group is made once,
+and a field's group (Megatron's ``group_desc``) over ranks it had in an earlier layout is the
+group made then. Groups of different fields stay distinct objects, over the same ranks too:
+:mod:`~shardcheck.megatron.checks.explicit` tells fields apart by their group objects.
 
 A layout with explicit groups (``tp2-dp2@dp-tp``) initialises ``parallel_state`` with its
 global (default-order) groups, and :func:`megatron_parallel` yields the
@@ -32,6 +37,7 @@ from shardcheck.megatron.cpu.patches import apply_cpu_patches
 DEFAULT_ORDER = "tp-cp-ep-dp-pp"
 _saved: dict[tuple, dict[str, Any]] = {}
 _created: dict[tuple[int, ...], int] = {}
+_reusable: dict[tuple, dist.ProcessGroup] = {}
 
 
 class LayoutUnsupported(ValueError):
@@ -55,9 +61,34 @@ def _state_names(parallel_state) -> list[str]:
             and n.upper() == n]
 
 
+def _reuse_key(ranks: list[int] | None, kwargs: dict[str, Any]) -> tuple | None:
+    """The key of a group this rank may reuse: a one-rank group by its rank, another by its
+    ranks and field (``group_desc``); None for a non-member, a field-less group or pg_options."""
+    if not ranks or dist.get_rank() not in ranks or kwargs.get("pg_options") is not None:
+        return None
+    field = kwargs.get("group_desc") if len(ranks) > 1 else None
+    if len(ranks) > 1 and field is None:
+        return None
+    return tuple(ranks), field, kwargs.get("backend"), kwargs.get("timeout")
+
+
+def _reused(key: tuple, handed: set[tuple]) -> dist.ProcessGroup | None:
+    """The live group made earlier under ``key``, unless that field already got it in this
+    initialisation (two groups of one field stay distinct; one-rank groups are shared).
+
+    Every member of a group takes the same decision: creating a group over some ranks needs
+    all of them, so they all made (and kept) the same groups over those ranks before.
+    """
+    group = _reusable.get(key)
+    if group is None or group not in dist.distributed_c10d._world.pg_map:
+        return None
+    return None if key[1] is not None and key in handed else group
+
+
 @contextmanager
 def _local_groups() -> Iterator[None]:
-    """Megatron creates each group among its members only, under a name its members agree on.
+    """Megatron creates each group among its members only, under a name its members agree on,
+    or gets one this process made before (:func:`_reused`).
 
     torch names a locally synchronised group by its ranks and the number of groups this process
     already has, which differs between ranks that ran different layouts in a pool; the name
@@ -67,10 +98,18 @@ def _local_groups() -> Iterator[None]:
 
     c10d = dist.distributed_c10d
     original_create, original_name = parallel_state.create_group, c10d._process_group_name
+    handed: set[tuple] = set()
 
     def local_group(ranks=None, **kwargs):
         kwargs["use_local_synchronization"] = True
-        return original_create(ranks, **kwargs)
+        key = _reuse_key(ranks, kwargs)
+        if key is None:
+            return original_create(ranks, **kwargs)
+        group = _reused(key, handed)
+        if group is None:
+            group = _reusable[key] = original_create(ranks, **kwargs)
+        handed.add(key)
+        return group
 
     def agreed_name(ranks, use_hashed_name):
         if not use_hashed_name:
