@@ -1,13 +1,14 @@
 """``shardcheck train --model-config``: functional tests' MODEL_ARGS shrunk into small CPU jobs.
 
-Run on copies the repository carries (tests/data/train_configs) and, where ../shared is
-there, on the real configs of Megatron's functional tests (dense, MoE and CP cases).
+Run on the real configs the repository carries (tests/data/train_configs, and the training
+cases of the golden subset tests/data/megatron-golden) and, where the full golden data set
+is there, on the real configs of Megatron's functional tests (dense, MoE and CP cases);
+without it those are skipped with the reason.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
-import os
 from pathlib import Path
 
 import pytest
@@ -17,10 +18,20 @@ if Version(importlib.metadata.version("megatron-core")).release[:2] < (0, 19):  
     pytest.skip("megatron.training ships with megatron-core 0.19 on (0.16.1 has megatron/core only)",
                 allow_module_level=True)
 
-from shardcheck.megatron.train.args import plan_runs
-from shardcheck.megatron.train.config import MAX_RANKS, flags_from_model_config
+from golden_data import full_data_root, head  # noqa: E402
+
+from shardcheck.megatron.train.args import plan_runs  # noqa: E402
+from shardcheck.megatron.train.config import MAX_RANKS, flags_from_model_config  # noqa: E402
 
 CARRIED = Path(__file__).parent / "data" / "train_configs"
+CARRIED_NAMES = ["gpt3_mcore_cp2_pp2_ep2_te_4experts2parallel_nondeterministic", "gpt3_mcore_reruns_disable",
+                 "gpt3_mcore_te_tp2_pp2_cp2"]
+# the training cases of the carried golden subset that run on a CPU (the top-2 router case
+# uses Megatron-FSDP, refused below; the hybrid inference case is not a training job)
+GOLDEN_SUBSET = ["gpt/gpt3_mcore_tp1_pp2_fp16", "moe/gpt3_mcore_te_tp2_pp1_te_a2a_ovlp_8experts_etp1_ep4",
+                 "moe/gpt3_moe_mcore_te_ep8_resume_torch_dist_dist_optimizer",
+                 "hybrid/hybrid_mr_mcore_te_tp1_pp1_cp1_dgx_a100_1N8G"]
+FSDP = "moe/gpt3_mcore_te_tp2_zp_z3_resume_torch_dist_te_8experts2parallel_top2router"
 REAL = ["gpt/gpt3_mcore_te_tp2_pp2_cp2", "gpt/gpt3_mcore_te_tp2_pp1_cp2_nondeterministic",
         "gpt/gpt3_mcore_reruns_disable", "moe/gpt3_mcore_cp2_pp2_ep2_te_4experts2parallel_nondeterministic",
         "moe/gpt3_mcore_te_tp2_pp1_frozen_resume_torch_dist_te_8experts2parallel_dist_optimizer"]
@@ -30,27 +41,16 @@ def _value(flags: list[str], flag: str) -> str | None:
     return flags[flags.index(flag) + 1] if flag in flags else None
 
 
-def _shared_head() -> Path:
-    """The real golden data's head/ folder, as tests/golden_data.py finds it (may not exist)."""
-    if os.environ.get("SHARDCHECK_GOLDEN_DATA"):
-        return Path(os.environ["SHARDCHECK_GOLDEN_DATA"]) / "head"
-    for parent in Path(__file__).resolve().parents:
-        if (parent / "shared" / "data" / "megatron-golden").is_dir():
-            return parent / "shared" / "data" / "megatron-golden" / "head"
-    return CARRIED / "absent"
+def _carried_configs() -> list[Path]:
+    return sorted(CARRIED.glob("*.yaml")) + [head(f"{name}/model_config.yaml") for name in GOLDEN_SUBSET]
 
 
-SHARED = _shared_head()
+def test_the_carried_configs_are_all_here():
+    assert [p.stem for p in sorted(CARRIED.glob("*.yaml"))] == CARRIED_NAMES
+    assert all(p.is_file() for p in _carried_configs()) and len(_carried_configs()) == 7
 
 
-def _configs() -> list[Path]:
-    carried = sorted(CARRIED.glob("*.yaml"))
-    real = [SHARED / name / "model_config.yaml" for name in REAL]
-    return carried + [p for p in real if p.exists()]
-
-
-@pytest.mark.parametrize("path", _configs(), ids=lambda p: p.parent.name if p.name == "model_config.yaml" else p.stem)
-def test_a_functional_test_config_shrinks_into_a_runnable_cpu_plan(path):
+def _shrinks_into_a_runnable_cpu_plan(path: Path) -> None:
     from shardcheck.golden.config import load_model_config
 
     original = load_model_config(path).model_args
@@ -69,12 +69,32 @@ def test_a_functional_test_config_shrinks_into_a_runnable_cpu_plan(path):
     assert any("--hidden-size" in line for line in shrunk.mapping)
 
 
-def test_the_carried_copies_are_the_real_configs_where_both_exist():
-    for carried in CARRIED.glob("*.yaml"):
-        real = [SHARED / group / carried.stem / "model_config.yaml" for group in ("gpt", "moe")]
-        for path in real:
-            if path.exists():
-                assert path.read_text() == carried.read_text()
+@pytest.mark.parametrize("path", _carried_configs(),
+                         ids=lambda p: p.parent.name if p.name == "model_config.yaml" else p.stem)
+def test_a_carried_functional_test_config_shrinks_into_a_runnable_cpu_plan(path):
+    _shrinks_into_a_runnable_cpu_plan(path)
+
+
+@pytest.mark.parametrize("name", REAL, ids=lambda name: name.split("/")[1])
+def test_a_real_functional_test_config_shrinks_into_a_runnable_cpu_plan(name):
+    path = full_data_root() / "head" / name / "model_config.yaml"
+    assert path.is_file(), f"{name} is not in the full golden data set"
+    _shrinks_into_a_runnable_cpu_plan(path)
+
+
+def test_a_config_that_needs_megatron_fsdp_is_refused_with_the_reason():
+    from shardcheck.megatron.train.args import TrainInputError
+
+    shrunk = flags_from_model_config(head(f"{FSDP}/model_config.yaml"))
+    with pytest.raises(TrainInputError, match="--use-megatron-fsdp cannot run on a CPU"):
+        plan_runs(shrunk.flags, shrunk.nproc, 2)
+
+
+def test_the_carried_copies_are_the_real_configs():
+    root = full_data_root() / "head"
+    for carried in sorted(CARRIED.glob("*.yaml")):
+        [real] = [p for group in ("gpt", "moe") if (p := root / group / carried.stem / "model_config.yaml").exists()]
+        assert real.read_text() == carried.read_text(), carried.name
 
 
 def test_parallel_sizes_shrink_to_at_most_eight_ranks(tmp_path):
