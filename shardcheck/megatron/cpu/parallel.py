@@ -63,13 +63,14 @@ def _state_names(parallel_state) -> list[str]:
 
 def _reuse_key(ranks: list[int] | None, kwargs: dict[str, Any]) -> tuple | None:
     """The key of a group this rank may reuse: a one-rank group by its rank, another by its
-    ranks and field (``group_desc``); None for a non-member, a field-less group or pg_options."""
+    ranks (sorted, as torch sorts them) and field (``group_desc``); None for a non-member, a
+    field-less group or pg_options."""
     if not ranks or dist.get_rank() not in ranks or kwargs.get("pg_options") is not None:
         return None
     field = kwargs.get("group_desc") if len(ranks) > 1 else None
     if len(ranks) > 1 and field is None:
         return None
-    return tuple(ranks), field, kwargs.get("backend"), kwargs.get("timeout")
+    return tuple(sorted(ranks)), field, kwargs.get("backend"), kwargs.get("timeout")
 
 
 def _reused(key: tuple, handed: set[tuple]) -> dist.ProcessGroup | None:
