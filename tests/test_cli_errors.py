@@ -11,6 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from shardcheck.cli import main
+from shardcheck.fuzz.findings import Finding, FindingStore
 
 SCENARIOS = '''
 import torch
@@ -25,11 +26,19 @@ def raises(ctx, n=2):
 
 @pytest.fixture
 def inputs(tmp_path, monkeypatch):
-    """A folder with a scenario module, a golden-values file and an empty findings store."""
+    """A folder with a scenario module, a golden-values file, an empty findings store, stores
+    with a record that is not JSON (corrupt) or lacks fields (partial), one with a good record
+    (valid), and a regular file where commands are told to write a folder (afile)."""
     (tmp_path / "bad_scenarios.py").write_text(SCENARIOS)
     series = {"start_step": 1, "end_step": 3, "step_interval": 1, "values": {"1": 2.0, "2": 1.5, "3": 1.25}}
     (tmp_path / "golden.json").write_text(json.dumps({"lm loss": series}))
     (tmp_path / "script.py").write_text("print('hello')\n")
+    (tmp_path / "afile").write_text("a file, not a folder\n")
+    for store, text in (("corrupt", "{not json"), ("partial", '{"title": "t", "target": "x"}')):
+        (tmp_path / store / "findings").mkdir(parents=True)
+        (tmp_path / store / "findings" / "0123456789.json").write_text(text)
+    FindingStore(tmp_path / "valid").save(Finding("t", "bad_scenarios:tensor_out", "bad_scenarios.py:4", "parity",
+                                                  "tp2", {}, 1.0, 2.0, id="abcdef0123"))
     monkeypatch.chdir(tmp_path)
     return tmp_path
 
@@ -47,6 +56,9 @@ BAD_INPUTS = [
     (["parity", "bad_scenarios:tensor_out", "--layouts", "tp3x"], "malformed layout 'tp3x'"),
     (["parity", "bad_scenarios:tensor_out", "--layouts", "tp2"],
      "scenario tensor_out returned a Tensor, expected a dict of output name -> tensor"),
+    (["parity", "bad_scenarios:tensor_out", "--timeout", "0"], "Invalid value for '--timeout'"),
+    (["parity", "bad_scenarios:tensor_out", "--timeout", "-5"], "Invalid value for '--timeout'"),
+    (["parity", "bad_scenarios:tensor_out", "--noise-runs", "-1"], "Invalid value for '--noise-runs'"),
     (["fuzz", "no-such-target"], "unknown fuzz target 'no-such-target'"),
     (["fuzz", "no_such_module:f"], "cannot import 'no_such_module'"),
     (["fuzz", "bad_scenarios:tensor_out", "--budget", "0"], "Invalid value for '--budget'"),
@@ -54,9 +66,19 @@ BAD_INPUTS = [
      "scenario tensor_out returned a Tensor, expected a dict of output name -> tensor"),
     (["repro", "0123456789", "--root", "store"], "no finding with id '0123456789'"),
     (["findings", "--launcher", "mpirun"], "Invalid value for '--launcher'"),
+    (["fuzz", "bad_scenarios:tensor_out", "--root", "afile/store"], "cannot write to afile/store: "),
+    (["findings", "--root", "corrupt"],
+     "corrupt findings store entry corrupt/findings/0123456789.json: not valid JSON"),
+    (["findings", "--no-run", "--root", "partial"], "corrupt findings store entry partial/findings/0123456789.json: "
+     "missing field(s) location, contract, layout, config, observed, reference"),
+    (["repro", "0123", "--root", "corrupt"], "corrupt findings store entry corrupt/findings/0123456789.json"),
+    (["repro", "abcdef0123", "--root", "valid", "-o", "afile/repro.py"], "cannot write to afile: "),
     (["audit", "--budget", "3", "--time-limit", "1"], "give --budget or --time-limit, not both"),
     (["audit", "--budget", "0"], "Invalid value for '--budget'"),
     (["audit", "--shard", "3/2"], "--shard '3/2' is not K/N with 1 <= K <= N"),
+    *[(["audit", "--only", "output_loss", "--layouts", "tp2", "--set", "label_smoothing=0.1", *where], message)
+      for where, message in [(["--out", "afile/out"], "cannot write to afile/out: "),
+                             (["--root", "afile/store"], "cannot write to afile/store/findings: ")]],
     (["audit", "merge"], "Missing argument 'DIRS...'"),
     (["audit", "merge", "nowhere"], "nowhere: no share.pkl (run `shardcheck audit --shard K/N --out DIR` first)"),
     *[(["audit", "--only", component, "--layouts", "tp2", "--set", option], message)
@@ -72,6 +94,8 @@ BAD_INPUTS = [
     (["golden", "compare", "golden.json", "golden.json", "--metric", "lm-loss"],
      "no metric 'lm-loss' in the compared files; they have: lm loss"),
     (["golden", "compare", "golden.json"], "give OLD and NEW"),
+    (["golden", "compare", "golden.json", "golden.json", "--html", "afile/report.html"],
+     "cannot write afile/report.html: Not a directory"),
     (["golden", "explain", "golden.json", "golden.json"], "Missing option '--model-config'"),
     (["train", "--", "--num-layers", "2"], "give -n N (the ranks of the parallel run) or --model-config"),
     (["train", "-n", "0"], "Invalid value for '-n' / '--nproc'"),
@@ -83,6 +107,7 @@ BAD_INPUTS = [
     (["train", "-n", "2", "--", "--num-layers", "2"], "give --micro-batch-size: Megatron has no default for it"),
     (["train", "-n", "2", "--steps", "3", "--resume-at", "3", "--", "--micro-batch-size", "1"],
      "--resume-at 3 must be before the last step (3)"),
+    (["train", "-n", "2", "--out", "afile/out", "--", "--micro-batch-size", "1"], "cannot write to afile/out: "),
 ]
 
 
@@ -124,6 +149,30 @@ def test_found_and_clean_keep_their_exit_codes(inputs):
     assert CliRunner().invoke(main, ["golden", "compare", "golden.json", "golden.json"]).exit_code == 0
     assert CliRunner().invoke(main, ["--help"]).exit_code == 0
     assert CliRunner().invoke(main, ["findings", "--no-run", "--root", "store"]).exit_code == 0
+
+
+@pytest.fixture(scope="module")
+def planted_store(tmp_path_factory):
+    """A store with the planted masked-mean bug's finding and its repro script, fuzzed once."""
+    root = tmp_path_factory.mktemp("planted") / "store"
+    found = CliRunner().invoke(main, ["fuzz", "planted.targets:masked_mean", "--seed", "0", "--budget", "30",
+                                      "--root", str(root)])
+    assert found.exit_code == 1, found.output
+    return root
+
+
+def test_findings_exits_1_while_a_stored_finding_reproduces(planted_store):
+    result = CliRunner().invoke(main, ["findings", "--root", str(planted_store)])
+    assert result.exit_code == 1, result.output
+    assert "reproduces" in result.output
+    assert CliRunner().invoke(main, ["findings", "--no-run", "--root", str(planted_store)]).exit_code == 0
+
+
+def test_findings_exits_0_once_no_stored_finding_reproduces(planted_store, monkeypatch):
+    monkeypatch.setenv("PLANTED_FIXES", "masked_mean_loss")  # the scripts' ranks run the fixed code
+    result = CliRunner().invoke(main, ["findings", "--root", str(planted_store)])
+    assert result.exit_code == 0, result.output
+    assert "fixed" in result.output and "reproduces" not in result.output
 
 
 def _training_imports() -> bool:

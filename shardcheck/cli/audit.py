@@ -9,7 +9,8 @@ from pathlib import Path
 
 import click
 
-from shardcheck.cli.errors import EXIT_FOUND, InputError
+from shardcheck.cli.errors import EXIT_FOUND, InputError, input_errors, writable_folder
+from shardcheck.fuzz.findings import StoreError
 
 DEFAULT_TIME_LIMIT_MIN = 12.0
 
@@ -85,6 +86,7 @@ def _plan(only: tuple[str, ...], layouts_text: str | None, sets: tuple[str, ...]
               help="Run the K-th of N deterministic shares of the plan (every share runs the "
                    "defaults); `shardcheck audit merge DIR...` joins the shares' --out folders.")
 @click.pass_context
+@input_errors(StoreError)
 def audit_command(ctx: click.Context, budget: int | None, time_limit: float | None, only: tuple[str, ...],
                   layouts_text: str | None, sets: tuple[str, ...], out_dir: str, as_json: bool,
                   no_typecheck: bool, megatron_path: str | None, root: str, shard_text: str | None) -> None:
@@ -109,6 +111,7 @@ def audit_command(ctx: click.Context, budget: int | None, time_limit: float | No
         from shardcheck.megatron.audit.shards import shard
 
         cases = shard(cases, *share)
+    _check_writable(out_dir, root)
     limit = None if budget is not None or sets else 60 * (time_limit or DEFAULT_TIME_LIMIT_MIN)
     if time_limit is not None:
         limit = 60 * time_limit
@@ -139,6 +142,7 @@ def _share(text: str | None) -> tuple[int, int] | None:
               help="The findings store shared with fuzz, repro and findings.")
 @click.option("--megatron", "megatron_path", default=None, metavar="PATH",
               help="The megatron-core the shares audited, when not the installed one.")
+@input_errors(StoreError)
 def merge_command(dirs: tuple[str, ...], out_dir: str, as_json: bool, root: str,
                   megatron_path: str | None) -> None:
     """Join the --out folders of `shardcheck audit --shard K/N` (all N shares) into the report
@@ -152,8 +156,15 @@ def merge_command(dirs: tuple[str, ...], out_dir: str, as_json: bool, root: str,
     except ShareError as exc:
         raise InputError(str(exc)) from None
     source = _audited(megatron_path)
+    _check_writable(out_dir, root)
     started = time.monotonic()
     _finish(merge_shares(dirs), started, out_dir, root, source, as_json)
+
+
+def _check_writable(out_dir: str, root: str) -> None:
+    """Refuse, before any case runs, an --out folder or a store the audit cannot write."""
+    writable_folder(out_dir)
+    writable_folder(Path(root) / "findings")
 
 
 def _finish(result, started: float, out_dir: str, root: str, source, as_json: bool,

@@ -7,9 +7,13 @@ shardcheck itself keeps its traceback (it is a bug to report) and exits 2 as wel
 
 from __future__ import annotations
 
+import functools
 import re
 import sys
+import tempfile
 import traceback
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import click
@@ -33,6 +37,35 @@ class HarnessFailure(click.ClickException):
     """
 
     exit_code = EXIT_ERROR
+
+
+def input_errors(*kinds: type[Exception]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A command decorator: the exceptions ``kinds`` of the core become :class:`InputError`."""
+    def decorate(command: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(command)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return command(*args, **kwargs)
+            except kinds as exc:
+                raise InputError(str(exc)) from None
+        return wrapper
+    return decorate
+
+
+def writable_folder(path: Path | str) -> Path:
+    """Check, before a command's work starts and without creating anything, that it can make
+    and fill the folder ``path``: the nearest folder of it or above it that exists takes a file.
+    One ``Error: cannot write to PATH: REASON`` line when not."""
+    folder = Path(path)
+    existing = next(p for p in (folder.absolute(), *folder.absolute().parents) if p.exists())
+    if not existing.is_dir():
+        raise InputError(f"cannot write to {path}: {existing} is not a folder")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as exc:
+        raise InputError(f"cannot write to {path}: {exc.strerror or exc}") from None
+    return folder
 
 
 def last_line(traceback_text: str) -> str:

@@ -14,10 +14,22 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from shardcheck.cli.errors import InputError, reference_failure
+from shardcheck.cli.errors import (
+    EXIT_FOUND,
+    InputError,
+    input_errors,
+    reference_failure,
+    writable_folder,
+)
 from shardcheck.fuzz.campaign import FuzzError, FuzzTarget, fuzz, registered_targets, resolve_target
-from shardcheck.fuzz.findings import DEFAULT_ROOT, Finding, FindingStore, package_location
-from shardcheck.fuzz.repro import ReproError, run_repro
+from shardcheck.fuzz.findings import (
+    DEFAULT_ROOT,
+    Finding,
+    FindingStore,
+    StoreError,
+    package_location,
+)
+from shardcheck.fuzz.repro import REPRODUCES, ReproError, run_repro
 from shardcheck.parity.layout import LayoutError
 from shardcheck.parity.pool import PoolFailure
 
@@ -74,6 +86,7 @@ def _short(location: str) -> str:
 @click.option("--no-typecheck", is_flag=True,
               help="Parity only: for a scenario whose inputs carry no declared types.")
 @_root_option
+@input_errors(StoreError)
 def fuzz_command(target: str, budget: int, seed: int | None, no_typecheck: bool, root: str) -> None:
     """Search TARGET's layouts, configurations and inputs for failures; shrink and store them.
 
@@ -81,6 +94,7 @@ def fuzz_command(target: str, budget: int, seed: int | None, no_typecheck: bool,
     failure is found.
     """
     resolved = _target(target, not no_typecheck)
+    writable_folder(root)
     console = Console(stderr=True)
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")  # deprecation notes of
     # the config fields an example sets, as the audit leaves them out
@@ -100,7 +114,7 @@ def fuzz_command(target: str, budget: int, seed: int | None, no_typecheck: bool,
                f"{len(campaign.findings)} finding(s), {len(campaign.new)} new")
     if campaign.findings:
         _show_findings(campaign.findings)
-        sys.exit(1)
+        sys.exit(EXIT_FOUND)
 
 
 def _pool_failure(exc: BaseException) -> PoolFailure | None:
@@ -115,12 +129,14 @@ def _pool_failure(exc: BaseException) -> PoolFailure | None:
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default=None,
               help="Where to write the script (default: ROOT/repro/<id>.py).")
 @_root_option
+@input_errors(StoreError)
 def repro_command(finding_id: str, output: str | None, root: str) -> None:
     """Write the self-contained torchrun script that reproduces finding FINDING_ID."""
     store = FindingStore(root)
     try:
         finding = store.load(finding_id)
-        path = _write_script(finding, output or Path(root) / "repro" / f"{finding.id}.py")
+        path = Path(output) if output else Path(root) / "repro" / f"{finding.id}.py"
+        path = _write_script(finding, writable_folder(path.parent) / path.name)
     except (KeyError, ReproError) as exc:
         raise InputError(exc.args[0]) from None
     if output is None:
@@ -144,14 +160,21 @@ def _write_script(finding: Finding, path: Path | str) -> Path:
 @click.option("--launcher", type=click.Choice(["direct", "torchrun"]), default="direct", show_default=True,
               help="How to start the scripts' ranks: directly (faster), or under torchrun.")
 @_root_option
+@input_errors(StoreError)
 def findings_command(no_run: bool, launcher: str, root: str) -> None:
-    """List the stored findings with their status, by rerunning their repro scripts."""
+    """List the stored findings with their status, by rerunning their repro scripts.
+
+    Exits 1 when a finding still reproduces, else 0; with --no-run nothing is rerun, so it
+    lists them and exits 0.
+    """
     findings = FindingStore(root).all()
     if not findings:
         click.echo(f"no findings in {Path(root) / 'findings'}")
         return
     statuses = None if no_run else {f.id: _status(f, launcher) for f in findings}
     _show_findings(findings, statuses)
+    if statuses and REPRODUCES in statuses.values():
+        sys.exit(EXIT_FOUND)
 
 
 def _status(finding: Finding, launcher: str) -> str:

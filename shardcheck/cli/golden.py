@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import json
 import sys
 from pathlib import Path
@@ -10,7 +9,7 @@ from pathlib import Path
 import click
 from rich.console import Console
 
-from shardcheck.cli.errors import InputError
+from shardcheck.cli.errors import input_errors
 from shardcheck.golden import report
 from shardcheck.golden.compare import FileComparison, compare_git, compare_paths
 from shardcheck.golden.config import DEFAULT_METRICS, ModelConfig, load_model_config
@@ -27,17 +26,7 @@ def _console() -> Console:
     return Console(width=None if sys.stdout.isatty() else 180, highlight=False)
 
 
-def _clean_errors(command):
-    """Turn GoldenInputError into one ``Error:`` line on stderr and exit status 2."""
-
-    @functools.wraps(command)
-    def wrapper(*args, **kwargs):
-        try:
-            return command(*args, **kwargs)
-        except GoldenInputError as err:
-            raise InputError(str(err)) from None
-
-    return wrapper
+_clean_errors = input_errors(GoldenInputError)  # one ``Error:`` line on stderr, exit status 2
 
 
 @click.group()

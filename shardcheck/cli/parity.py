@@ -43,9 +43,11 @@ def parse_layouts(text: str) -> list[Layout]:
 @click.argument("target", metavar="MODULE:FUNCTION")
 @click.option("--layouts", default="tp2,tp2-sp,cp2,dp2,tp2-dp2", show_default=True,
               help="Comma-separated layouts, e.g. tp2,tp2-sp,cp2,dp2,tp2-dp2.")
-@click.option("--timeout", type=float, default=120.0, show_default=True, help="Seconds per run.")
-@click.option("--noise-runs", type=int, default=2, show_default=True,
-              help="Perturbed reference runs that estimate rounding noise.")
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=120.0, show_default=True,
+              help="Seconds per run.")
+@click.option("--noise-runs", type=click.IntRange(min=0), default=2, show_default=True,
+              help="Perturbed reference runs that estimate rounding noise (0: the tolerance of the "
+                   "dtype alone).")
 def parity_command(target: str, layouts: str, timeout: float, noise_runs: int) -> None:
     """Compare a scenario under each layout with its one-rank reference."""
     chosen = parse_layouts(layouts)

@@ -12,7 +12,7 @@ from pathlib import Path
 import click
 
 import shardcheck
-from shardcheck.cli.errors import HarnessFailure, InputError
+from shardcheck.cli.errors import HarnessFailure, InputError, writable_folder
 from shardcheck.megatron.train.args import RunPlan, TrainInputError, plan_runs
 from shardcheck.megatron.train.config import flags_from_model_config
 from shardcheck.megatron.train.entry import CPU_ENV, ENTRY_ENV
@@ -171,6 +171,8 @@ def train_command(nproc, model_config, steps, megatron_path, entry, out, repeats
             raise TrainInputError(f"--resume-at {resume_at} must be before the last step ({plan.steps})")
     except TrainInputError as exc:
         raise InputError(str(exc)) from None
+    if out is not None:
+        writable_folder(out)
     for line in plan.changes:
         click.echo(f"changed: {line}")
     try:

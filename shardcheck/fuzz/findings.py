@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -108,9 +108,31 @@ class Finding:
 
     @classmethod
     def from_json(cls, text: str) -> Finding:
-        data = json.loads(text)
+        """The finding a record holds; ValueError saying what is wrong when it holds none."""
+        try:
+            data = json.loads(text)
+        except ValueError as exc:
+            raise ValueError(f"not valid JSON ({exc})") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"not a JSON object but a {type(data).__name__}")
+        required = [f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING]
+        missing = [name for name in required if name not in data]
+        if missing:
+            raise ValueError(f"missing field(s) {', '.join(missing)}")
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in known})
+
+
+class StoreError(ValueError):
+    """A file in the findings store that holds no finding; its message names the file."""
+
+
+def _read(path: Path) -> Finding:
+    """The finding stored in ``path``; :class:`StoreError` when the file holds none."""
+    try:
+        return Finding.from_json(path.read_text())
+    except (ValueError, TypeError) as exc:  # TypeError: a field of the wrong type
+        raise StoreError(f"corrupt findings store entry {path}: {exc}") from None
 
 
 class FindingStore:
@@ -145,18 +167,18 @@ class FindingStore:
 
     def _stored(self, finding_id: str) -> Finding | None:
         path = self.path(finding_id)
-        return Finding.from_json(path.read_text()) if path.exists() else None
+        return _read(path) if path.exists() else None
 
     def load(self, finding_id: str) -> Finding:
         """The finding with this id (a unique prefix is enough); KeyError when there is none."""
         if finding_id and self.path(finding_id).exists():
-            return Finding.from_json(self.path(finding_id).read_text())
+            return _read(self.path(finding_id))
         matches = sorted(self.dir.glob(f"{finding_id}*.json")) if finding_id else []
         if len(matches) != 1:
             reason = "no finding" if not matches else f"{len(matches)} findings"
             raise KeyError(f"{reason} with id {finding_id!r} in {self.dir}")
-        return Finding.from_json(matches[0].read_text())
+        return _read(matches[0])
 
     def all(self) -> list[Finding]:
         """Every stored finding, by id."""
-        return [Finding.from_json(p.read_text()) for p in sorted(self.dir.glob("*.json"))]
+        return [_read(p) for p in sorted(self.dir.glob("*.json"))]
