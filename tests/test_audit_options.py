@@ -64,3 +64,40 @@ def test_options_that_take_their_meaning_from_a_parallel_size_are_found():
     assert layout_dependent_fields("moe", LIMITED, Layout.parse("dp2")) == {}  # ep=1 as on one rank
     assert layout_dependent_fields("moe", GROUPED, expert_parallel) == {}
     assert layout_dependent_fields("moe", (), expert_parallel) == {}
+
+
+def test_an_option_whose_config_does_not_build_is_listed_as_not_swept_with_why(monkeypatch):
+    """Neither a value megatron-core rejects nor one the sweep's own build fails on is dropped
+    silently: each is left out of the plan and listed, with the exception's last line."""
+    pytest.importorskip("megatron.core")
+    from shardcheck.megatron.audit.sweep import BUILD_FAILS, CONFIG_REJECTS, sweep_plan
+    from shardcheck.megatron.scenarios import gpt
+    from shardcheck.parity.layout import Layout
+
+    built = gpt.transformer_config
+
+    def breaks_on_qk_layernorm(layout, setup, **extra):
+        if setup.config.get("qk_layernorm"):
+            raise RuntimeError("our build broke")
+        return built(layout, setup, **extra)
+
+    monkeypatch.setattr(gpt, "transformer_config", breaks_on_qk_layernorm)
+    cases, unbuilt = sweep_plan(["gpt"], [Layout(tp=2)])
+    ours = ("gpt", (("qk_layernorm", True),))
+    assert unbuilt[ours] == f"{BUILD_FAILS}: RuntimeError: our build broke"
+    assert unbuilt[("gpt", (("fp8_param", True),))] == (
+        f"{CONFIG_REJECTS}: ValueError: fp8_param must be used together with fp8 mode.")
+    assert not {(case.component, case.options) for case in cases} & set(unbuilt)
+
+
+def test_the_audit_lists_the_plans_unbuilt_options_as_not_swept():
+    pytest.importorskip("megatron.core")
+    from shardcheck.megatron.audit.run import audit
+
+    class NoRanks:  # no case runs: only the CPU patch status is asked for
+        def run(self, layout, function, *args, **kwargs):
+            return [{}]
+
+    unbuilt = {("gpt", (("fp8_param", True),)): "TransformerConfig rejects it: ValueError: needs fp8"}
+    result = audit([], unbuilt=unbuilt, run_pools=NoRanks())
+    assert result.not_swept == ["gpt {'fp8_param': True}: TransformerConfig rejects it: ValueError: needs fp8"]

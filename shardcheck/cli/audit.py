@@ -46,7 +46,8 @@ def _fixed_options(component_names: list[str], pairs: tuple[str, ...]) -> tuple:
 
 
 def _plan(only: tuple[str, ...], layouts_text: str | None, sets: tuple[str, ...], budget: int | None):
-    from shardcheck.megatron.audit.sweep import Case, components_plan, runs_under
+    """The cases to run, and the options left out because their config does not build."""
+    from shardcheck.megatron.audit.sweep import Case, runs_under, sweep_plan
     from shardcheck.megatron.scenarios import COMPONENTS
 
     unknown = [c for c in only if c not in COMPONENTS]
@@ -58,8 +59,8 @@ def _plan(only: tuple[str, ...], layouts_text: str | None, sets: tuple[str, ...]
     if sets:
         options = _fixed_options(names, sets)
         return [Case(c, options, layout) for layout in layout_list for c in names
-                if runs_under(c, layout)]
-    return components_plan(names, layout_list)
+                if runs_under(c, layout)], {}
+    return sweep_plan(names, layout_list)
 
 
 @click.group("audit", invoke_without_command=True)
@@ -106,7 +107,7 @@ def audit_command(ctx: click.Context, budget: int | None, time_limit: float | No
     from shardcheck.megatron.audit.run import audit
 
     started = time.monotonic()
-    cases = _plan(only, layouts_text, sets, budget)
+    cases, unbuilt = _plan(only, layouts_text, sets, budget)
     if share is not None:
         from shardcheck.megatron.audit.shards import shard
 
@@ -116,7 +117,8 @@ def audit_command(ctx: click.Context, budget: int | None, time_limit: float | No
     if time_limit is not None:
         limit = 60 * time_limit
     with _progress(len(cases) if budget is None else min(budget, len(cases)), as_json) as show:
-        result = audit(cases, budget=budget, time_limit=limit, typecheck=not no_typecheck, progress=show)
+        result = audit(cases, budget=budget, time_limit=limit, typecheck=not no_typecheck, progress=show,
+                       unbuilt=unbuilt)
     if share is not None:
         from shardcheck.megatron.audit.shards import save_share
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import re
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
@@ -419,15 +419,19 @@ Progress = Callable[[Case, int], None]
 
 def audit(cases: Iterable[Case], *, budget: int | None = None, time_limit: float | None = None,
           typecheck: bool = True, progress: Progress | None = None,
-          run_pools: Pools | None = None, prune: bool = True) -> AuditResult:
+          run_pools: Pools | None = None, prune: bool = True,
+          unbuilt: Mapping[tuple, str] | None = None) -> AuditResult:
     """Run the cases (screening options on one rank first, pruning the cases whose options
-    the component's default run under the layout never read), then build the findings."""
+    the component's default run under the layout never read), then build the findings.
+    ``unbuilt`` (``(component, options) -> why``, the plan's options whose config does not
+    build) are listed as not swept."""
     started = time.monotonic()
     with nullcontext(run_pools) if run_pools else pools() as owned:
         patches = owned.run(Layout(), cpu_patch_status)[0]
         runner = Runner(owned, typecheck and checker_available())
         runner.prune = prune
         swept = _sweep(runner, cases, budget, time_limit, progress, started)
+        swept.not_swept.update(unbuilt or {})
         findings = _findings(runner, swept.outcomes)
     return _result(findings, swept.outcomes, swept.not_swept, swept.not_applicable.values(), swept.pruned,
                    time.monotonic() - started, swept.stopped_early, patches)

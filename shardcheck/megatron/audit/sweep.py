@@ -6,9 +6,10 @@ Options are found by introspection, never hand-picked:
   (tried at 0.1) and strings whose choices a Megatron constructor declares as a ``Literal``;
 * for components that take a ``config``: every boolean, ``Literal`` and ``Enum`` field of
   ``TransformerConfig`` (and so of ``ModelParallelConfig``), except the fields a layout sets
-  and the fields the component pins for the CPU. A value that ``TransformerConfig`` itself
-  rejects is dropped here; :mod:`shardcheck.megatron.audit.run` then drops values that fail or
-  change nothing at one rank.
+  and the fields the component pins for the CPU. A value whose config does not build on one
+  rank (``TransformerConfig`` rejects it, or the sweep's own build fails) is not swept, with the
+  reason (:func:`sweep_plan`); :mod:`shardcheck.megatron.audit.run` then leaves out values that
+  fail or change nothing at one rank.
 
 Layouts: every grid of tp, cp, dp, pp in {1, 2} up to ``max_world`` ranks, each with and
 without sequence parallelism when tp > 1, and with ep=2 where dp*cp allows it; and, for each
@@ -28,6 +29,7 @@ import enum
 import importlib
 import inspect
 import itertools
+import traceback
 import typing
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -199,9 +201,14 @@ def integer_values(annotation: Any, default: Any) -> list[Any]:
     return [default + 1] if isinstance(default, int) and not isinstance(default, bool) else []
 
 
-def config_options(component: str) -> list[tuple[str, Any]]:
-    """Non-default values of TransformerConfig's boolean, Literal and Enum fields that it
-    accepts, and of its integer fields (see :func:`integer_values`; the first value accepted)."""
+Unbuilt = dict[tuple[tuple[str, Any], ...], str]  # options whose config does not build -> why
+
+
+def config_options(component: str) -> tuple[list[tuple[str, Any]], Unbuilt]:
+    """Non-default values of TransformerConfig's boolean, Literal and Enum fields, and of its
+    integer fields (see :func:`integer_values`; the first value accepted): those whose config
+    builds on one rank, and the others with why (an integer field none of whose values builds
+    is listed at its first value)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from shardcheck.megatron.scenarios import COMPONENTS
@@ -215,26 +222,44 @@ def config_options(component: str) -> list[tuple[str, Any]]:
             continue
         found += [(f.name, v) for v in values_to_try(hints[f.name], f.default)
                   if not isinstance(v, float)]
-    accepted = [option for option in found if accepted_by_config(component, option)]
+    unbuilt = {(option,): why for option in found if (why := config_failure(component, option))}
+    accepted = [option for option in found if (option,) not in unbuilt]
     for f in dataclasses.fields(TransformerConfig):
         if f.name in skip | SIZE_FIELDS or f.default is dataclasses.MISSING or not f.name.startswith(prefix):
             continue
-        accepted += [(f.name, v) for v in integer_values(hints[f.name], f.default)
-                     if accepted_by_config(component, (f.name, v))][:1]
-    return accepted
+        tried = [((f.name, v), config_failure(component, (f.name, v)))
+                 for v in integer_values(hints[f.name], f.default)]
+        accepted += [option for option, why in tried if why is None][:1]
+        if tried and all(why for _, why in tried):
+            unbuilt[(tried[0][0],)] = f"{tried[0][1]} (and every other value tried)"
+    return accepted, unbuilt
 
 
-def accepted_by_config(component: str, *options: tuple[str, Any]) -> bool:
-    """Whether TransformerConfig's own validation accepts the options together on one rank."""
+def config_failure(component: str, *options: tuple[str, Any]) -> str | None:
+    """Why the component's config with the options together does not build on one rank, else
+    None: ``TransformerConfig`` rejects them, or the sweep's own build fails (a bug in shardcheck)."""
     from shardcheck.megatron.scenarios import COMPONENTS
     from shardcheck.megatron.scenarios.gpt import transformer_config
 
     setup = COMPONENTS[component].setup(**setup_kwargs(COMPONENTS[component].setup, options))
     try:
         transformer_config(Layout(), _gpt_setup_class(component)(config=getattr(setup, "config", {})))
-    except Exception:  # noqa: BLE001 - any rejection means the value is not usable here
-        return False
-    return True
+    except Exception as exc:  # noqa: BLE001 - any failure leaves the value out, with its reason
+        return _build_failure(exc)
+    return None
+
+
+CONFIG_REJECTS = "TransformerConfig rejects it"
+BUILD_FAILS = "the sweep cannot build its config (a bug in shardcheck)"
+
+
+def _build_failure(exc: BaseException) -> str:
+    """Why a config did not build: megatron-core's own rejection (raised in its code) or a
+    failure of shardcheck's build, with the exception's last line."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    megatron = any("/megatron/core/" in frame.filename for frame in frames)
+    last = traceback.format_exception_only(type(exc), exc)[-1].strip()
+    return f"{CONFIG_REJECTS if megatron else BUILD_FAILS}: {last}"
 
 
 def _same_value(a: Any, b: Any) -> bool:
@@ -276,7 +301,7 @@ def _built_configs(component: str, options: tuple, layout: Layout) -> tuple[Any,
     gpt_setup = _gpt_setup_class(component)
     try:
         return transformer_config(layout, gpt_setup(config=config)), transformer_config(layout, gpt_setup())
-    except Exception:  # noqa: BLE001 - a config that does not build is judged elsewhere
+    except Exception:  # noqa: BLE001 - not dropped: the case runs, and its run reports the failure
         return None
 
 
@@ -311,13 +336,20 @@ BUNDLES: tuple[tuple[tuple[str, Any], ...], ...] = (
 
 def option_bundles(component: str) -> list[tuple[tuple[str, Any], ...]]:
     """The :data:`BUNDLES` that the component's config takes and accepts (none without a config)."""
+    return screened_bundles(component)[0]
+
+
+def screened_bundles(component: str) -> tuple[list[tuple[tuple[str, Any], ...]], Unbuilt]:
+    """The :data:`BUNDLES` of the component's config fields whose config builds, and the others
+    with why (none without a config)."""
     from shardcheck.megatron.scenarios import COMPONENTS
 
     entry = COMPONENTS[component]
     if "config" not in {f.name for f in dataclasses.fields(entry.setup)}:
-        return []
-    return [bundle for bundle in BUNDLES if all(name.startswith(entry.config_prefix) for name, _ in bundle)
-            and accepted_by_config(component, *bundle)]
+        return [], {}
+    taken = [bundle for bundle in BUNDLES if all(name.startswith(entry.config_prefix) for name, _ in bundle)]
+    unbuilt = {bundle: why for bundle in taken if (why := config_failure(component, *bundle))}
+    return [bundle for bundle in taken if bundle not in unbuilt], unbuilt
 
 
 def model_class(component: str) -> type | None:
@@ -382,13 +414,20 @@ def _called_name(func: ast.expr) -> str | None:
 
 def component_options(component: str) -> list[tuple[str, Any]]:
     """All candidate single options of a component, setup fields first."""
+    return screened_options(component)[0]
+
+
+def screened_options(component: str) -> tuple[list[tuple[str, Any]], Unbuilt]:
+    """The component's candidate single options (setup fields first), and the config values
+    left out because their config does not build, with why."""
     from shardcheck.megatron.scenarios import COMPONENTS
 
     setup_cls = COMPONENTS[component].setup
-    found = setup_options(setup_cls)
+    found, unbuilt = setup_options(setup_cls), {}
     if "config" in {f.name for f in dataclasses.fields(setup_cls)}:
-        found += config_options(component)
-    return found + model_options(component)
+        config, unbuilt = config_options(component)
+        found += config
+    return found + model_options(component), unbuilt
 
 
 def layouts(max_world: int = 4, explicit: bool = False) -> list[Layout]:
@@ -468,9 +507,18 @@ def plan(components: Mapping[str, list[tuple[str, Any]]], layout_list: list[Layo
 
 def components_plan(names: Iterable[str], layout_list: list[Layout]) -> list[Case]:
     """The whole plan for the named components: every single option and bundle they accept."""
-    names = list(names)
-    return plan({c: component_options(c) for c in names}, layout_list, None,
-                bundles={c: option_bundles(c) for c in names})
+    return sweep_plan(names, layout_list)[0]
+
+
+def sweep_plan(names: Iterable[str], layout_list: list[Layout]) -> tuple[list[Case], dict[tuple, str]]:
+    """:func:`components_plan`, and the option sets it leaves out because their config does not
+    build on one rank, as ``(component, options) -> why`` (the audit lists them as not swept)."""
+    options, bundles, unbuilt = {}, {}, {}
+    for component in names:
+        options[component], left_out = screened_options(component)
+        bundles[component], left_out_bundles = screened_bundles(component)
+        unbuilt |= {(component, key): why for key, why in (left_out | left_out_bundles).items()}
+    return plan(options, layout_list, None, bundles=bundles), unbuilt
 
 
 def _interleave(option_sets: list[tuple[str, tuple]], tier_layouts: list[Layout]) -> Iterator[Case]:
