@@ -57,8 +57,13 @@ def test_torch_norm_under_sequence_parallel_is_plain_layernorm_marked_sp(patched
 
 
 def test_torch_norm_without_sequence_parallel_is_unchanged(patched):
-    norm = WrappedTorchNorm(_config(), 8)
-    assert not any(getattr(p, "sequence_parallel", False) for p in norm.parameters())
+    norm = WrappedTorchNorm(_config(normalization="RMSNorm"), 8, eps=1e-3)
+    assert type(norm) is torch.nn.RMSNorm and norm.eps == 1e-3  # the caller's config and arguments
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(8))
+    x = torch.randn(4, 8)
+    assert torch.equal(norm(x), torch.nn.functional.rms_norm(x, (8,), norm.weight, 1e-3))
+    assert not any(hasattr(p, "sequence_parallel") for p in norm.parameters())  # not marked
 
 
 def test_device_mode_sends_cuda_requests_to_the_cpu_with_equal_values(patched):
