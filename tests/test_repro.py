@@ -94,7 +94,7 @@ def test_cli_repro_writes_the_script_and_findings_reports_its_status(tmp_path):
 
     CliRunner().invoke(main, ["repro", finding.id, "--root", str(tmp_path)])
     listed = CliRunner().invoke(main, ["findings", "--root", str(tmp_path)])
-    assert listed.exit_code == 0 and REPRODUCES in listed.output
+    assert listed.exit_code == 1 and REPRODUCES in listed.output  # 1: a stored finding still reproduces
 
 
 def test_cli_repro_of_unknown_finding_is_one_line(tmp_path):
