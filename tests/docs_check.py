@@ -4,26 +4,33 @@ A fenced block is checked when the line just before it is an HTML comment (see d
 
     <!-- docs-check -->             a transcript: each ``$ command`` line runs, in one bash session
                                     per block, and the lines up to the next ``$`` are its output
-    <!-- docs-check: slow -->       a transcript run only by ``make docs-check-all``
+    <!-- docs-check: megatron 0.16.1 -->  a transcript run on the megatron-core 0.16.1 overlay
+                                    (.venv/megatron-core-0.16.1), skipped where it is absent
     <!-- docs-check: unordered -->  ranks print concurrently: lines are compared as a sorted list
     <!-- docs-check: file NAME -->  the block's text is written to NAME for the transcripts after it
     <!-- docs-check: golden -->     a transcript on the real Megatron golden data ($GOLDEN), skipped
                                     where the data is absent
+    <!-- docs-check: example DIR -->  an audit's output from a past run, not rerun: its counts and
+                                    findings are compared with DIR/findings.json of that run
     <!-- docs-check: skip WHY -->   shown but not rerun, for the reason given
 
-Every transcript (a block with a ``$ `` line) must carry one of these comments. Transcripts run
+Every transcript (a block with a ``$ `` line) must carry one of these comments, and one that is
+not rerun must be a dated example: a visible line "Example from YYYY-MM-DD, commit abc1234" just
+above it. An output without a ``$`` line (a fenced block with no language tag, or ``text``)
+needs a comment with a reason or that dated line. Transcripts run
 from a scratch folder standing for the repository root (its top-level entries are links to the
 checkout's), where ``shardcheck`` and ``python`` are this interpreter. Outputs are normalised
 before comparison: paths of the checkout and the scratch folder are dropped, durations become
 ``<t>``; a line ``...`` in the shown output stands for any lines.
 
-``python tests/docs_check.py [--update] [--slow] FILE...`` prints the differences (or writes the
+``python tests/docs_check.py [--update] FILE...`` prints the differences (or writes the
 real outputs back into the files).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -41,6 +48,9 @@ SEPARATOR = "@@docs-check-output-ends@@"
 DURATION = re.compile(r"\b\d+(?:\.\d+)?\s?(?:ms|s|min|h)\b")
 HEX = re.compile(r"0x[0-9a-f]{6,}")
 COMMAND_TIMEOUT_S = 3000
+OUTPUT_TAGS = ("", "text", "console", "output")
+DATED = re.compile(r"Example from (?P<date>\d{4}-\d{2}-\d{2}), commit (?P<commit>[0-9a-f]{7,40})\b")
+MEGATRON_OVERLAYS = {"0.16.1": REPO / ".venv" / "megatron-core-0.16.1"}
 
 
 def golden_data() -> Path | None:
@@ -60,6 +70,8 @@ class Block:
     args: str | None  # None: no docs-check comment
     lines: list[str]
     start: int  # index in the document's lines of the block's first content line
+    tag: str = ""  # the fence's language tag
+    prose: list[str] = field(default_factory=list)  # the lines above it, up to the previous block
 
     @property
     def name(self) -> str:
@@ -74,8 +86,30 @@ class Block:
         return (self.args or "").split()
 
     @property
-    def slow(self) -> bool:
-        return "slow" in self.words
+    def looks_like_output(self) -> bool:
+        """Not a transcript, not code with a language tag, not a ``file`` block: a pasted output."""
+        return not self.is_transcript and self.tag in OUTPUT_TAGS and self.file is None
+
+    @property
+    def dated(self) -> re.Match | None:
+        """The visible "Example from DATE, commit C" line above the block."""
+        return next(filter(None, map(DATED.search, reversed(self.prose))), None)
+
+    @property
+    def example(self) -> str | None:
+        """The folder of the findings.json behind an ``example DIR`` block."""
+        return self.words[1] if self.words[:1] == ["example"] and len(self.words) > 1 else None
+
+    @property
+    def megatron(self) -> Path | None:
+        """The megatron-core overlay a ``megatron VERSION`` transcript runs on."""
+        if self.words[:1] != ["megatron"] or len(self.words) < 2:
+            return None
+        return MEGATRON_OVERLAYS.get(self.words[1], REPO / ".venv" / f"megatron-core-{self.words[1]}")
+
+    @property
+    def rerun(self) -> bool:
+        return self.is_transcript and self.args is not None and self.skipped is None and self.example is None
 
     @property
     def skipped(self) -> str | None:
@@ -107,7 +141,7 @@ class Command:
 def blocks(doc: Path) -> list[Block]:
     """The fenced blocks of a document, each with the docs-check comment just before it."""
     lines = doc.read_text().splitlines()
-    found, index = [], 0
+    found, index, previous_end = [], 0, 0
     while index < len(lines):
         opening = FENCE.match(lines[index])
         if not opening:
@@ -116,13 +150,75 @@ def blocks(doc: Path) -> list[Block]:
         end = next((j for j in range(index + 1, len(lines)) if lines[j].startswith(opening["fence"])), len(lines))
         marker = MARKER.match(lines[index - 1].strip()) if index else None
         found.append(Block(doc, index + 1, (marker["args"] or "") if marker else None,
-                           lines[index + 1:end], index + 1))
-        index = end + 1
+                           lines[index + 1:end], index + 1, lines[index][len(opening["fence"]):].strip(),
+                           lines[previous_end:index]))
+        index = previous_end = end + 1
     return found
 
 
 def all_blocks() -> list[Block]:
     return [block for doc in DOCUMENTS for block in blocks(doc)]
+
+
+AUDIT_LINE = re.compile(r"^audit: (\d+) cases run, (\d+) failed to run, (\d+) options not swept")
+VERDICT_LINE = re.compile(r"^(\d+) finding\(s\) confirmed by parity, (\d+) type-only(?:, (\d+) crash\(es\))?")
+FINDING_LINE = re.compile(r"^\[(\d+)\] ([0-9a-f]{10}) (\S+)  (.*)$")
+FIELDS = ("trigger:", "effect:", "checker:", "corrected control:", "reproduce:", "script:")
+
+
+def shown_audit(lines: list[str]) -> dict:
+    """What a pasted audit output claims: its counts and each finding's number, id, kind, location, title."""
+    counts = next((m.groups() for m in map(AUDIT_LINE.match, lines) if m), ())
+    verdict = next((m.groups() for m in map(VERDICT_LINE.match, lines) if m), ())
+    findings = []
+    for index, line in enumerate(lines):
+        if match := FINDING_LINE.match(line):
+            title = lines[index + 1].strip() if index + 1 < len(lines) else ""
+            untitled = match[3] == "type-only" or not lines[index + 1].startswith("    ") or title.startswith(FIELDS)
+            location = match[4].rsplit("  (", 1)[0] if match[3] == "type-only" else match[4]
+            findings.append({"n": int(match[1]), "id": match[2], "kind": match[3], "location": location,
+                             "title": None if untitled else title})
+    return {"counts": [int(c) for c in counts],
+            "verdict": [int(v or 0) for v in verdict], "findings": findings}
+
+
+def audit_of_findings(data: dict) -> dict:
+    """The same claims, from an audit's findings.json, numbered as ``shardcheck audit`` prints them."""
+    summary, found = data["summary"], data["findings"]
+    order = [f for f in found if f["kind"] not in ("type-only", "crash")]
+    order += [f for f in found if f["kind"] == "crash"] + [f for f in found if f["kind"] == "type-only"]
+    counts = [summary["cases run"], summary["cases failed to run"], summary["options not swept"]]
+    kinds = [sum(f["kind"] not in ("type-only", "crash") for f in found),
+             sum(f["kind"] == "type-only" for f in found), sum(f["kind"] == "crash" for f in found)]
+    return {"counts": counts, "verdict": kinds, "findings": [
+        {"n": n, "id": f["id"], "kind": f["kind"], "title": f["title"],
+         "location": f["location"] if f["kind"] != "type-only" else f["checker"]} for n, f in enumerate(order, 1)]}
+
+
+def audit_differences(block: Block) -> list[str]:
+    """Where an ``example DIR`` block's output differs from DIR/findings.json of its run."""
+    shown, real = shown_audit(block.lines), audit_of_findings(json.loads((REPO / block.example / "findings.json").read_text()))
+    problems = [f"{what}: shown {shown[what]}, findings.json {real[what]}"
+                for what in ("counts", "verdict") if shown[what] != real[what]]
+    by_n = {f["n"]: f for f in real["findings"]}
+    for finding in shown["findings"]:
+        want = by_n.get(finding["n"], {})
+        problems += [f"[{finding['n']}] {key}: shown {finding[key]!r}, findings.json {want.get(key)!r}"
+                     for key in ("id", "kind", "location", "title")
+                     if finding[key] is not None and finding[key] != want.get(key)]
+    if not shown["counts"] or not shown["verdict"]:
+        problems.append("no 'audit: N cases run' line or no 'N finding(s) confirmed' line")
+    output = REPO / block.example / "output.txt"
+    shown_lines = [line for line in block.lines if not line.startswith("$ ") and line != "..."]
+    if output.exists() and not is_excerpt(normalise(shown_lines), normalise(output.read_text().splitlines())):
+        problems.append(f"the shown lines are not, in their order, lines of {block.example}/output.txt")
+    return problems
+
+
+def is_excerpt(shown: list[str], output: list[str]) -> bool:
+    """Whether every shown line is a line of the output, in the output's order (whole lines left out)."""
+    lines = iter(output)
+    return all(any(line == real for real in lines) for line in shown)
 
 
 def normalise(lines: list[str], roots: tuple[str, ...] = ()) -> list[str]:
@@ -180,10 +276,16 @@ class Workspace:
             if block.file and block.line < before.line:
                 (self.root / block.file).write_text("\n".join(block.lines) + "\n")
 
+    def block_env(self, block: Block) -> dict[str, str]:
+        """The environment of a block: a ``megatron VERSION`` one imports that overlay first."""
+        if block.megatron is None:
+            return self.env
+        return {**self.env, "PYTHONPATH": os.pathsep.join([str(block.megatron), self.env["PYTHONPATH"]])}
+
     def run(self, block: Block) -> list[list[str]]:
         """Each command's output lines, in one bash session (stdout and stderr together)."""
         script = "".join(f"{c.text}\n__rc=$?; echo {SEPARATOR}; (exit $__rc)\n" for c in block.commands())
-        proc = subprocess.Popen(["bash", "-c", script], cwd=self.root, env=self.env, stdout=subprocess.PIPE,
+        proc = subprocess.Popen(["bash", "-c", script], cwd=self.root, env=self.block_env(block), stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, start_new_session=True)
         try:
             stdout, stderr = proc.communicate(timeout=COMMAND_TIMEOUT_S)
@@ -218,21 +320,17 @@ def _joined(block: Block) -> Block:
     lines = list(block.lines)
     for command in block.commands():
         lines[command.offset] = f"$ {{ {command.text.rstrip(';')} ; }} 2>&1"
-    return Block(block.doc, block.line, block.args, lines, block.start)
+    return Block(block.doc, block.line, block.args, lines, block.start, block.tag)
 
 
-def _runnable(block: Block, slow: bool) -> bool:
-    return block.is_transcript and block.args is not None and block.skipped is None and (slow or not block.slow)
-
-
-def update(doc: Path, slow: bool = False) -> None:
-    """Write the real outputs of the document's checked transcripts (``slow`` ones too) back into it."""
+def update(doc: Path) -> None:
+    """Write the real outputs of the document's checked transcripts back into it."""
     lines = doc.read_text().splitlines()
     doc_blocks = blocks(doc)
     workspace = Workspace()
     replacements = []
     try:
-        for block in [b for b in doc_blocks if _runnable(b, slow)]:
+        for block in [b for b in doc_blocks if b.rerun]:
             workspace.write_files(doc_blocks, block)
             outputs = workspace.run(_joined(block))
             new = []
@@ -259,16 +357,14 @@ def _shown(actual: list[str], roots: tuple[str, ...]) -> list[str]:
 
 if __name__ == "__main__":
     args = sys.argv[1:]
-    slow = "--slow" in args
-    args = [a for a in args if a != "--slow"]
     if args[:1] == ["--update"]:
         for name in args[1:]:
-            update(Path(name).resolve(), slow)
+            update(Path(name).resolve())
     else:
         for name in args:
             space = Workspace()
             for b in blocks(Path(name).resolve()):
-                if _runnable(b, slow):
+                if b.rerun:
                     space.write_files(blocks(b.doc), b)
                     print(f"== {b.name}", *check(b, space), sep="\n")
             space.close()
