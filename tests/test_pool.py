@@ -4,6 +4,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -111,12 +112,29 @@ def test_point_to_point_ops_accept_the_logged_isend_and_irecv(pool):
     assert pool.run("pp2", _pipeline_exchange) == [1.0, 0.0]
 
 
-def test_a_warm_run_takes_milliseconds(pool):
+def children(pid: int) -> set[int]:
+    """The live child processes of ``pid`` (its threads' children, read from /proc)."""
+    found = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        found |= {int(c) for c in (task / "children").read_text().split()}
+    return {c for c in found if alive(c)}
+
+
+def _whoami(ctx):
+    return ctx.rank, os.getpid(), os.getppid(), children(os.getpid())
+
+
+def test_a_warm_run_reuses_the_forked_ranks_and_forks_nothing(pool):
+    """The speed of a warm run (bench/pool_latency.py measures it against torchrun) comes from
+    this: every job runs in the ranks forked at start, and no process is started for it."""
     pool.run("tp2", _tp_sum, 1.0)
-    start = time.perf_counter()
-    for _ in range(5):
-        pool.run("tp2", _tp_sum, 1.0)
-    assert (time.perf_counter() - start) / 5 < 0.5
+    pids, before = pool.pids, children(os.getpid())
+    assert set(pids) <= before
+    runs = [pool.run(layout, _whoami) for layout in ("tp2", "tp2", "tp2-dp2", "tp1")]
+    for run in runs:
+        assert [(rank, pid, parent, grandchildren) for rank, pid, parent, grandchildren in run] == [
+            (rank, pids[rank], os.getpid(), set()) for rank in range(len(run))]
+    assert pool.pids == pids and children(os.getpid()) == before
 
 
 def test_a_rank_that_raises_is_reported_and_the_pool_keeps_serving(pool):
