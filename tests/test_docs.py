@@ -7,6 +7,7 @@ findings.json of its run, carried in the repository.
 import collections
 import json
 import os
+import re
 
 import pytest
 from docs_check import (
@@ -21,6 +22,7 @@ from docs_check import (
     blocks,
     check,
     golden_data,
+    is_excerpt,
     matches,
     normalise,
     shown_audit,
@@ -182,3 +184,13 @@ def test_a_megatron_version_block_imports_that_overlay_first(tmp_path):
         assert space.block_env(block)["PYTHONPATH"].split(os.pathsep)[:2] == [str(block.megatron), str(REPO)]
     finally:
         space.close()
+
+
+def test_a_copy_of_a_transcript_rerun_elsewhere_is_an_excerpt_of_it():
+    """A block skipped as 'rerun in PAGE' shows lines of the transcript of PAGE with the same command, in order."""
+    copies = [b for b in all_blocks() if b.skipped and re.search(r"rerun in \S+\.md", b.skipped)]
+    assert copies, "README.md's train example"
+    for copy in copies:
+        page = REPO / re.search(r"rerun in (\S+\.md)", copy.skipped)[1]
+        [original] = [b for b in blocks(page) if b.rerun and b.lines[:1] == copy.lines[:1]]
+        assert is_excerpt(copy.lines, original.lines), copy.name
