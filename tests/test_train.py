@@ -71,6 +71,40 @@ def test_correct_layout_agrees_with_one_rank_at_every_step(layout, dense):
     assert set(dense_reference.steps[0].param_norms) <= set(run.steps[0].param_norms)
 
 
+def _sized(flags: list[str], **values: str) -> list[str]:
+    """``flags`` with the values of some of its flags replaced (``seq_length="64"``: --seq-length 64)."""
+    out = list(flags)
+    for name, value in values.items():
+        out[out.index("--" + name.replace("_", "-")) + 1] = value
+    return out
+
+
+# the README's job (section 7): 64-token sequences, 2 a micro-batch, where the CP halves of a
+# sequence hold different numbers of tokens after EOD masking
+EOD_JOB = [*_sized(BASE, seq_length="64", max_position_embeddings="64", micro_batch_size="2"),
+           *LAYOUTS["cp2"][1], "--eod-mask-loss"]
+
+
+@pytest.mark.parametrize("per_token", [False, True], ids=["per-rank-loss", "per-token-loss"])
+def test_context_parallel_with_eod_masking_differs_from_one_rank_unless_the_loss_is_per_token(per_token):
+    """Without --calculate-per-token-loss each CP rank divides its loss by its own count of
+    unmasked tokens before the gradients are averaged over CP: step 1's gradient parts ways
+    (its loss does not). With it the same job agrees. (CP2 without EOD masking agrees:
+    test_correct_layout_agrees_with_one_rank_at_every_step[cp2].)"""
+    flags = [*EOD_JOB, "--calculate-per-token-loss"] if per_token else EOD_JOB
+    result = CliRunner().invoke(main, ["train", "-n", "2", "--steps", "1", "--", *flags])
+    lines = result.output.splitlines()
+    if per_token:
+        assert (result.exit_code, lines[-1]) == (0, "verdict: AGREE"), result.output
+        assert not any(ln.startswith("first ") for ln in lines)
+        return
+    assert (result.exit_code, lines[-1]) == (1, "verdict: DIFFER"), result.output
+    assert next(ln for ln in lines if ln.startswith("first metric to part ways: ")).startswith(
+        "first metric to part ways: step 1, grad norm: ")
+    assert next(ln for ln in lines if ln.startswith("first parameter to part ways: ")).startswith(
+        "first parameter to part ways: step 1, gradient norm of decoder.")
+
+
 def test_moe_with_expert_parallelism_agrees_and_counts_tokens_per_expert(tmp_path):
     plan = plan_runs(BASE + MOE + ["--expert-model-parallel-size", "2"], 2, STEPS)
     reference = run_training(plan.reference, 1, LAUNCH, "one-rank run", save_init=tmp_path)
