@@ -70,3 +70,34 @@ def pytest_collection_modifyitems(items):
         whole, functions = _megatron_use(str(item.path))
         if whole or getattr(item, "originalname", item.name) in functions:
             item.add_marker(pytest.mark.megatron)
+
+
+_AUDIT_POOLS: list = []
+
+
+@pytest.fixture(scope="session")
+def audit_pools():
+    """The audit's warm rank pools, shared by every test that audits, and with them the one-rank
+    references computed on them; closed after the last test that uses them."""
+    pytest.importorskip("megatron.core")
+    from shardcheck.megatron.audit.run import PRELOAD, Pools
+
+    for module in PRELOAD:  # imported before the ranks fork, as the audit itself does
+        __import__(module)
+    shared = Pools()
+    _AUDIT_POOLS.append(shared)
+    yield shared
+    shared.close()
+
+
+def pytest_runtest_teardown(item, nextitem):
+    """Close the shared audit pools once no later test needs them: idle ranks' Gloo threads
+    cost CPU for the rest of the run."""
+    if _AUDIT_POOLS and "audit_pools" in item.fixturenames and not any(
+            "audit_pools" in later.fixturenames for later in _later_items(item)):
+        _AUDIT_POOLS.pop().close()
+
+
+def _later_items(item):
+    items = item.session.items
+    return items[items.index(item) + 1:]

@@ -10,7 +10,7 @@ import pytest
 
 core = pytest.importorskip("megatron.core")
 
-from shardcheck.megatron.audit.run import PRELOAD, audit, pools  # noqa: E402
+from shardcheck.megatron.audit.run import PRELOAD, audit  # noqa: E402
 from shardcheck.megatron.audit.sweep import Case  # noqa: E402
 from shardcheck.parity.layout import Layout  # noqa: E402
 
@@ -90,16 +90,10 @@ KNOWN = {
 RELEASE = ".".join(core.__version__.split(".")[:2])
 
 
-@pytest.fixture(scope="module")
-def warm():
-    with pools() as shared:
-        yield shared
-
-
 @pytest.mark.parametrize("trigger", list(KNOWN.get(RELEASE, {})), ids=str)
-def test_each_known_finding_is_found_again_by_its_trigger(warm, trigger):
+def test_each_known_finding_is_found_again_by_its_trigger(audit_pools, trigger):
     component, options, layout = trigger
-    result = audit([Case(component, options, Layout.parse(layout))], run_pools=warm)
+    result = audit([Case(component, options, Layout.parse(layout))], run_pools=audit_pools)
     assert not result.errors and not result.not_swept, (result.errors, result.not_swept)
     expected = KNOWN[RELEASE][trigger]
     assert [(f.id, f.kind, f.location) for f in result.findings] == ([expected] if expected else [])

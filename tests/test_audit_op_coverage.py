@@ -73,16 +73,14 @@ def test_megatron_ops_counts_only_calls_made_in_megatron_core():
 @pytest.mark.parametrize("component, layout, least", [
     ("gpt", "cp2", 0.99), ("gpt", "tp2-sp", 0.99), ("moe", "tp2-sp", 0.99), ("moe", "cp2", 0.99),
     ("output_loss", "cp2", 0.99), ("output_loss", "tp2-sp", 0.99)])
-def test_a_step_types_nearly_all_of_megatron_cores_op_calls(component, layout, least):
+def test_a_step_types_nearly_all_of_megatron_cores_op_calls(component, layout, least, audit_pools):
     """The default case on real ranks: parameters typed when DDP lays out its buffers,
     autograd's as_strided views and Megatron's reused memory
     buffer typed, the RNG state V, the ops Gloo makes when an async reduce-scatter is waited
     on excused."""
-    pytest.importorskip("megatron.core")
-    from shardcheck.megatron.audit.run import Runner, pools
+    from shardcheck.megatron.audit.run import Runner
 
-    with pools() as warm:
-        outcome = Runner(warm, typecheck=True).run(Case(component, (), Layout.parse(layout)))
+    outcome = Runner(audit_pools, typecheck=True).run(Case(component, (), Layout.parse(layout)))
     assert not outcome.error and not outcome.gaps and not outcome.violations
     shown = typed_share(outcome.ops)
     assert shown["typed_share"] >= least, shown

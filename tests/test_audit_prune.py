@@ -5,7 +5,7 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
-from shardcheck.megatron.audit.run import audit, pools  # noqa: E402
+from shardcheck.megatron.audit.run import audit  # noqa: E402
 from shardcheck.megatron.audit.sweep import Case, changed_config_fields  # noqa: E402
 from shardcheck.parity.layout import Layout  # noqa: E402
 
@@ -16,10 +16,9 @@ READ = [(("calculate_per_token_loss", True),), (("padding", True),)]  # a config
 
 
 @pytest.fixture(scope="module")
-def both():
+def both(audit_pools):
     cases = [Case("moe_router", options, TP2SP) for options in [(), *UNREAD, *READ]]
-    with pools() as shared:
-        yield audit(cases, run_pools=shared), audit(cases, run_pools=shared, prune=False)
+    return audit(cases, run_pools=audit_pools), audit(cases, run_pools=audit_pools, prune=False)
 
 
 def test_options_the_default_run_never_read_are_pruned_and_the_others_run(both):

@@ -32,22 +32,21 @@ def test_a_malformed_shard_is_refused(text):
 
 
 @pytest.mark.slow
-def test_three_shares_merged_give_the_whole_runs_findings(tmp_path):
+def test_three_shares_merged_give_the_whole_runs_findings(tmp_path, audit_pools):
     pytest.importorskip("megatron.core")
-    from shardcheck.megatron.audit.run import audit, merge_shares, pools
+    from shardcheck.megatron.audit.run import audit, merge_shares
     from shardcheck.megatron.audit.shards import save_share
     from shardcheck.megatron.audit.sweep import component_options, plan
 
     cases = plan({c: component_options(c) for c in ("output_loss", "moe_router")},
                  [Layout(tp=2), Layout(tp=2, sp=True)], None)
-    with pools() as warm:
-        whole = audit(cases, run_pools=warm)
-        dirs = []
-        for k in (1, 2, 3):
-            share = audit(shard(cases, k, 3), run_pools=warm)
-            save_share(share, k, 3, tmp_path / f"share{k}")
-            dirs.append(tmp_path / f"share{k}")
-        joined = merge_shares(dirs, run_pools=warm)
+    whole = audit(cases, run_pools=audit_pools)
+    dirs = []
+    for k in (1, 2, 3):
+        share = audit(shard(cases, k, 3), run_pools=audit_pools)
+        save_share(share, k, 3, tmp_path / f"share{k}")
+        dirs.append(tmp_path / f"share{k}")
+    joined = merge_shares(dirs, run_pools=audit_pools)
     assert len(whole.findings) >= 4  # label smoothing, gathered logits, padding, per-token loss
     assert [asdict(f) for f in joined.findings] == [asdict(f) for f in whole.findings]
     assert _without_ops(joined.coverage()) == _without_ops(whole.coverage())

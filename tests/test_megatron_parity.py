@@ -25,7 +25,9 @@ def _check(pool, scenario_fn, layouts):
 
 
 def test_plain_gpt_train_step_has_no_finding_on_correct_layouts(pool):
-    layouts = ["tp2", "tp2-sp", "dp2", "cp2", "tp2-dp2", "cp2-dp2"]
+    """The parity engine on a Megatron scenario: a sequence shard over tp, CP's load-balanced
+    chunks and a dp split rebuilt (the other correct layouts are test_audit's)."""
+    layouts = ["tp2-sp", "cp2-dp2"]
     result = _check(pool, scenario("gpt"), layouts)
     assert compared_clean(result, layouts), str(result)
 

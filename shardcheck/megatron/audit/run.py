@@ -62,11 +62,14 @@ LAYOUT_MEANING = ("the config derives its meaning from the parallel sizes, so th
 # ---- in the parent ------------------------------------------------------------------------
 
 class Pools:
-    """One warm rank pool per world size, started on first use."""
+    """One warm rank pool per world size, started on first use, and the one-rank references
+    computed on them (the same megatron-core for the pools' life, so every audit over these
+    pools reuses them)."""
 
     def __init__(self, timeout: float = RUN_TIMEOUT) -> None:
         self.timeout = timeout
         self._pools: dict[int, RankPool] = {}
+        self.references: dict[tuple[str, tuple, int], dict | str] = {}
 
     def run(self, layout: Layout, fn: Callable[..., Any], *args: Any) -> list[Any]:
         if layout.world_size not in self._pools:
@@ -189,7 +192,7 @@ class Runner:
     def __init__(self, runner_pools: Pools, typecheck: bool) -> None:
         self.pools = runner_pools
         self.typecheck = typecheck
-        self.references: dict[tuple[str, tuple, int], dict | str] = {}
+        self.references = runner_pools.references
         self.read_sets: dict[tuple[str, str], frozenset[str]] = {}  # defaults' reads per layout
         self.prune = True
         self._changed: dict[tuple, frozenset[str] | None] = {}
