@@ -15,9 +15,10 @@ SPLIT = (("account_for_embedding_in_pipeline_split", True),)  # 3 middle layers 
 
 
 @pytest.fixture(scope="module")
-def result():
+def result(audit_pools):
     return audit([Case("multimodal", (), Layout(tp=2)), Case("multimodal", AFFINE, Layout(tp=2)),
-                  Case("gpt", SPLIT, Layout(pp=2)), Case("gpt", (("loss_mask", True),), Layout(pp=2))])
+                  Case("gpt", SPLIT, Layout(pp=2)), Case("gpt", (("loss_mask", True),), Layout(pp=2))],
+                 run_pools=audit_pools)
 
 
 def test_a_crash_only_a_layout_causes_is_a_finding_with_its_frame(result):
@@ -27,6 +28,8 @@ def test_a_crash_only_a_layout_causes_is_a_finding_with_its_frame(result):
     assert "RuntimeError" in crash.contract and "one rank" in crash.one_rank
     assert crash.reproduce == "shardcheck audit --only multimodal --layouts tp2 --set projection=affine"
     assert crash.effect == [] and crash.corrected is None
+    # a shape mismatch in a forward is no argument check (tests/test_audit_refusals.py)
+    assert not [entry for entry in result.refused if entry.startswith("multimodal")]
     # the defaults run under tp2: the crash is the option's
     assert any(o.case == Case("multimodal", (), Layout(tp=2)) and not o.error for o in result.outcomes)
 
@@ -35,5 +38,7 @@ def test_a_layout_megatrons_config_refuses_is_not_applicable_not_a_crash(result)
     assert not [f for f in result.findings if f.trigger["component"] == "gpt"]
     # the refusal closes that option under pp2, not the layout: another option still runs there
     assert any(o.case.options == (("loss_mask", True),) and not o.error for o in result.outcomes)
-    assert any(entry.startswith("gpt[account_for_embedding_in_pipeline_split=True] @ pp2: Megatron's "
-                                "config refuses it: ValueError") for entry in result.not_applicable)
+    assert any(entry.startswith("gpt[account_for_embedding_in_pipeline_split=True] @ pp2: "
+                                "megatron-core refuses it: ValueError") for entry in result.refused)
+    assert any(entry.startswith("gpt[account_for_embedding_in_pipeline_split=True] @ pp2: "
+                                "megatron-core refuses it: ValueError") for entry in result.not_applicable)

@@ -345,6 +345,16 @@ def _ops_by_layout(coverage: dict[str, dict[str, Any]]) -> list[str]:
     return lines + [""]
 
 
+def _listed_sections(summary: dict[str, Any]) -> list[tuple[str, list[str]]]:
+    """The report's closing lists, titled; the configurations megatron-core refuses apart from
+    the rest of ``not_applicable`` (which holds them too)."""
+    refused = summary.get("refused") or []
+    applicable = [entry for entry in summary.get("not_applicable") or [] if entry not in refused]
+    return [("Not swept", summary.get("not_swept") or []), ("Not read", summary.get("not_read") or []),
+            ("Configurations megatron-core refuses", refused), ("Not applicable", applicable),
+            ("Errors", summary.get("errors") or [])]
+
+
 def markdown(findings: Sequence[Finding], summary: dict[str, Any], source=None) -> str:
     confirmed = [f for f in findings if f.kind not in ("type-only", CRASH)]
     crashes = [f for f in findings if f.kind == CRASH]
@@ -368,11 +378,9 @@ def markdown(findings: Sequence[Finding], summary: dict[str, Any], source=None) 
               "a layout the checker cannot express yet: report it to the checker if parity keeps agreeing).", ""]
     for n, f in enumerate(typed_only, len(confirmed) + len(crashes) + 1):
         lines += _finding_lines(n, f)
-    for section in ("not_swept", "not_read", "not_applicable", "errors"):
-        entries = summary.get(section) or []
+    for title, entries in _listed_sections(summary):
         if entries:
-            lines += [f"## {section.replace('_', ' ').capitalize()} ({len(entries)})", ""]
-            lines += [f"- {entry}" for entry in entries] + [""]
+            lines += [f"## {title} ({len(entries)})", ""] + [f"- {entry}" for entry in entries] + [""]
     patches = summary.get("cpu patches") or {}
     if patches:
         lines += [f"## CPU patches ({len(patches)})", ""]

@@ -53,7 +53,7 @@ PRELOAD = ("megatron.core.pipeline_parallel.schedules", "megatron.core.optimizer
            "shardcheck.megatron.scenarios", "megatron.core.ssm.gated_delta_net")
 RUN_TIMEOUT = 30.0
 INERT = "changes no output at one rank"
-CONFIG_REFUSES = "Megatron's config refuses it"
+CONFIG_REFUSES = "megatron-core refuses it"
 FAILS = "fails on one rank"
 LAYOUT_MEANING = ("the config derives its meaning from the parallel sizes, so the one-rank run "
                   "is another computation")
@@ -129,7 +129,7 @@ class Outcome:
     errors: dict[str, float] = field(default_factory=dict)
     reference_digest: str | None = None  # the one-rank outputs' hash: which options change them
     frame: str | None = None  # an error's innermost megatron-core frame
-    config_check: bool = False  # the error was raised while a config validated itself
+    config_check: bool = False  # megatron-core's check of its arguments raised it
     ops: dict | None = None  # op calls in megatron-core over all ranks: typed, unknown, unknown_at
 
     @property
@@ -143,13 +143,20 @@ class Outcome:
 
     @property
     def refusal(self) -> str | None:
-        """Why the scenario (``LayoutUnsupported``) or Megatron's config validation (an error
-        raised in a config's ``__post_init__``) refused the layout on its ranks, else None."""
+        """Why the scenario (``LayoutUnsupported``) or megatron-core's check of its arguments
+        (:func:`_in_config_check`) refused the case on its ranks, else None."""
         if self.error and self.error.split(":")[0].endswith(LayoutUnsupported.__name__):
             return self.error.split(":", 1)[1].strip()
         if self.error and self.config_check:
-            return f"{CONFIG_REFUSES}: {self.error}"
+            return f"{CONFIG_REFUSES}: {self.error}" + (f" ({self.frame})" if self.frame else "")
         return None
+
+
+_FRAME = re.compile(r'^ +File "([^"]*)", line \d+, in (\S+)', re.MULTILINE)
+_MEGATRON = "/megatron/core/"
+REFUSED_TYPES = ("AssertionError", "ValueError")  # Python's exceptions for a refused argument
+CONSTRUCTORS = ("__init__", "__post_init__")
+VALIDATOR = re.compile(r"_?(ensure|validate|check|verify)(_|$)")  # ensure_divisibility, _validate_x
 
 
 def _megatron_frame(failure: PoolFailure) -> str | None:
@@ -162,12 +169,39 @@ def _megatron_frame(failure: PoolFailure) -> str | None:
     return None
 
 
+def _raised_type(text: str) -> str:
+    """The class name (unqualified) of the exception a traceback ends with."""
+    last = list(_FRAME.finditer(text))
+    after = text[last[-1].end():] if last else text
+    line = next((ln for ln in after.splitlines() if ln and not ln.startswith(" ")), "")
+    return line.split(":", 1)[0].rsplit(".", 1)[-1]
+
+
 def _in_config_check(failure: PoolFailure) -> bool:
-    """Whether the first traceback passes through a megatron-core config's ``__post_init__``
-    (its own check, or a validator it calls: 0.19 moved some into helpers)."""
-    for text in (failure.tracebacks[rank] for rank in sorted(failure.tracebacks)):
-        return bool(re.search(r'File "[^"]*/megatron/core/[^"]*", line \d+, in __post_init__', text))
-    return False
+    """Whether megatron-core refused its arguments: the error passed through a config's
+    ``__post_init__`` (its own check, or a validator it calls), or megatron-core itself raised
+    an AssertionError or ValueError in an argument check (:func:`_argument_check`)."""
+    whole = failure.tracebacks[min(failure.tracebacks)] if failure.tracebacks else ""
+    if re.search(r'File "[^"]*/megatron/core/[^"]*", line \d+, in __post_init__', whole):
+        return True
+    text = whole.rsplit("Traceback (most recent call last):", 1)[-1]  # the last exception's
+    frames = _FRAME.findall(text)
+    raised = _raised_type(text)
+    return (failure.kind == "error" and bool(frames) and _MEGATRON in frames[-1][0]
+            and raised in REFUSED_TYPES and _argument_check(frames, raised))
+
+
+def _argument_check(frames: list[tuple[str, str]], raised: str) -> bool:
+    """Whether the innermost frame, megatron-core's, checks arguments: a constructor; a
+    validator (``ensure_divisibility``, ``validate_*``) under a constructor; or, for a
+    ValueError, the one megatron-core function the caller called, raising in its own body
+    before calling into megatron-core (a schedule refusing its config)."""
+    functions = [function for path, function in frames if _MEGATRON in path]
+    if functions[-1] in CONSTRUCTORS:
+        return True
+    if VALIDATOR.match(functions[-1]) and any(f in CONSTRUCTORS for f in functions[:-1]):
+        return True
+    return raised == "ValueError" and len(functions) == 1
 
 
 def digest(outputs: dict[str, torch.Tensor]) -> str:
@@ -360,19 +394,26 @@ class AuditResult:
     def errors(self) -> list[Outcome]:
         return [o for o in self.outcomes if o.error]
 
+    @property
+    def refused(self) -> list[str]:
+        """The entries of ``not_applicable`` that megatron-core's argument checks refused."""
+        return [entry for entry in self.not_applicable if f": {CONFIG_REFUSES}: " in entry]
+
     def summary(self) -> dict[str, Any]:
         ran = [o for o in self.outcomes if not o.error]
         return {
             "cases run": len(ran), "cases failed to run": len(self.errors),
             "options not swept": len(self.not_swept),
-            "layouts a component does not support": len(self.not_applicable),
+            "layouts a component does not support": len(self.not_applicable) - len(self.refused),
+            "configurations megatron-core refuses": len(self.refused),
             "cases pruned (options the component's default run never read there)":
                 sum(len(lays) for lays in self.pruned.values()),
             "findings": len(self.findings),
             "wall time (s)": round(self.seconds, 1),
             "stopped at the budget or time limit": self.stopped_early,
             "not_swept": self.not_swept,
-            "not_applicable": self.not_applicable,
+            "not_applicable": self.not_applicable,  # the refused ones too
+            "refused": self.refused,
             "not_read": [f"{c}: {len(sets)} option set(s) never read: {'; '.join(sets)}"
                          for c, sets in self.not_read.items()],
             "cannot run on this version": self.unavailable,

@@ -1,0 +1,79 @@
+"""megatron-core's own checks of its arguments (a constructor's divisibility assertion, the
+schedule refusing overlapped p2p without interleaving) are configurations it refuses, listed
+with their reason, not crash findings; an error deeper in the code stays a crash
+(tests/test_audit_crash.py runs one)."""
+
+import json
+
+import pytest
+
+pytest.importorskip("megatron.core")
+
+from shardcheck.megatron.audit import report as audit_report  # noqa: E402
+from shardcheck.megatron.audit.run import _in_config_check, audit  # noqa: E402
+from shardcheck.megatron.audit.sweep import Case  # noqa: E402
+from shardcheck.parity.layout import Layout  # noqa: E402
+from shardcheck.parity.pool import PoolFailure  # noqa: E402
+
+pytestmark = pytest.mark.slow
+DIVIDE = Case("gpt", (("ffn_hidden_size", 1),), Layout.parse("tp2"))
+OVERLAP = Case("gpt", (("overlap_p2p_comm", True),), Layout.parse("pp2"))
+REFUSES = "megatron-core refuses it"
+
+
+@pytest.fixture(scope="module")
+def result(audit_pools):
+    return audit([DIVIDE, OVERLAP], run_pools=audit_pools, typecheck=False)
+
+
+def _entry(result, case: Case) -> str:
+    [entry] = [e for e in result.refused if e.startswith(f"{case.label}: ")]
+    return entry
+
+
+def test_a_constructors_divisibility_check_is_a_refusal_not_a_crash(result):
+    assert not result.findings and not result.outcomes  # nothing crashed, nothing to compare
+    assert _entry(result, DIVIDE).startswith(
+        f"{DIVIDE.label}: {REFUSES}: AssertionError: 1 is not divisible by 2 when instantiating")
+    assert _entry(result, DIVIDE).endswith(" in ensure_divisibility)")  # megatron-core's frame
+
+
+def test_the_schedules_check_of_its_config_is_a_refusal_not_a_crash(result):
+    assert _entry(result, OVERLAP).startswith(
+        f"{OVERLAP.label}: {REFUSES}: ValueError: Non-interleaved pipeline parallelism does not "
+        "support overlapping p2p communication (megatron/core/pipeline_parallel/schedules.py:")
+    assert _entry(result, OVERLAP).endswith(" in forward_backward_pipelining_without_interleaving)")
+
+
+def test_the_report_lists_and_counts_the_refusals_apart_from_the_layouts(result, tmp_path):
+    audit_report.write(tmp_path, result.findings, result.summary())
+    summary = json.loads((tmp_path / "findings.json").read_text())["summary"]
+    assert summary["configurations megatron-core refuses"] == 2 and summary["findings"] == 0
+    assert summary["layouts a component does not support"] == 0
+    assert sorted(summary["refused"]) == sorted([_entry(result, DIVIDE), _entry(result, OVERLAP)])
+    text = (tmp_path / "report.md").read_text()
+    section = text.split("## Configurations megatron-core refuses (2)\n\n", 1)[1].split("\n\n")[0]
+    assert sorted(section.splitlines()) == sorted(f"- {e}" for e in summary["refused"])
+    assert "## Not applicable" not in text and "## Crashes only a layout causes: one rank runs the same case (0)" in text
+
+
+def _failure(*frames: str, raised: str) -> PoolFailure:
+    lines = "".join(f'  File "/site-packages/megatron/core/{f.split(":")[0]}", line 9, in {f.split(":")[1]}\n    x\n'
+                    for f in frames)
+    return PoolFailure("error", raised, {0: f"Traceback (most recent call last):\n{lines}{raised}\n"})
+
+
+@pytest.mark.parametrize(("frames", "raised"), [
+    (("models/gpt/gpt_model.py:forward", "transformer/attention.py:forward"), "AssertionError: shapes"),
+    (("pipeline_parallel/schedules.py:forward_backward_no_pipelining", "pipeline_parallel/schedules.py:forward_step"),
+     "ValueError: mid-step"),
+    (("tensor_parallel/layers.py:__init__",), "IndexError: list index out of range"),
+    (("transformer/mlp.py:forward", "utils.py:ensure_divisibility"), "AssertionError: 3 is not divisible by 2"),
+], ids=["assert-in-forward", "valueerror-below-the-entry", "indexerror-in-init", "check-outside-a-constructor"])
+def test_an_error_in_the_middle_of_a_computation_is_no_argument_check(frames, raised):
+    assert not _in_config_check(_failure(*frames, raised=raised))
+
+
+def test_a_check_a_constructor_calls_is_an_argument_check():
+    assert _in_config_check(_failure("tensor_parallel/layers.py:__init__", "utils.py:divide",
+                                     "utils.py:ensure_divisibility", raised="AssertionError: 1 is not divisible by 2"))
