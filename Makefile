@@ -10,7 +10,7 @@ MEGATRON_VERSION := 0.19.2
 MEGATRON_OLDEST := 0.16.1
 MEGATRON_OLDEST_DIR := $(VENV)/megatron-core-$(MEGATRON_OLDEST)
 
-.PHONY: test lint bench audit clean docs-check docs-check-all
+.PHONY: test lint bench audit clean docs-check
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -44,10 +44,6 @@ test: $(STAMP) lint $(MEGATRON_OLDEST_DIR)
 # Rerun every pasted output of README.md and docs/ (docs/docs-check.md); make test runs it too.
 docs-check: $(STAMP)
 	$(BIN)/python -m pytest tests/test_docs.py
-
-# The slow transcripts as well: the Megatron audit and fuzzing of Megatron components.
-docs-check-all: $(STAMP)
-	SHARDCHECK_DOCS_ALL=1 $(BIN)/python -m pytest tests/test_docs.py -p no:timeout
 
 # spmd_types 0.3.1, for the checker-overhead comparison only: its own folder, never a torch.
 SPMD_TYPES := bench/.deps/spmd_types
