@@ -69,6 +69,8 @@ def test_correct_layout_agrees_with_one_rank_at_every_step(layout, dense):
     assert verdict.agree, verdict.lines()
     assert len(run.steps) == STEPS and verdict.steps == STEPS
     assert set(dense_reference.steps[0].param_norms) <= set(run.steps[0].param_norms)
+    # the model check passed on every rank; a pipeline stage's layers are merged with the other's
+    assert run.layers == dense_reference.layers == {0: "SelfAttention + MLP", 1: "SelfAttention + MLP"}
 
 
 def _sized(flags: list[str], **values: str) -> list[str]:
@@ -118,6 +120,7 @@ def test_moe_with_expert_parallelism_agrees_and_counts_tokens_per_expert(tmp_pat
             f"decoder.layers.{i}.mlp.router": 4 * 32 * 2 for i in range(2)}
     # expert names are global: both experts of rank 1 appear under their global index
     assert "decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.weight" in run.steps[0].param_norms
+    assert run.layers == reference.layers == {i: "SelfAttention + MoELayer (4 experts)" for i in range(2)}
 
 
 def test_moe_with_biases_stops_at_megatron_cores_expert_bias_bug_in_one_line():

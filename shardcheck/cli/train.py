@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import sys
 import tempfile
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import click
@@ -16,6 +17,7 @@ from shardcheck.cli.errors import HarnessFailure, InputError, writable_folder
 from shardcheck.megatron.train.args import RunPlan, TrainInputError, plan_runs
 from shardcheck.megatron.train.config import flags_from_model_config
 from shardcheck.megatron.train.entry import CPU_ENV, ENTRY_ENV
+from shardcheck.megatron.train.model_check import MARKER, summary
 from shardcheck.megatron.train.record import RECORD_ENV, SAVE_INIT_ENV, TYPECHECK_ENV
 from shardcheck.parity.launch import run_script
 from shardcheck.train import (
@@ -59,9 +61,24 @@ class RunFailed(Exception):
     """A rank of one run failed or hung; the message is one line."""
 
 
+class ModelMismatch(RunFailed):
+    """The built model lacks what a flag asks for (the ranks' model check); the message is one line."""
+
+
+@dataclass
+class TrainedRun(Run):
+    """A recorded run and the module classes of its layers (global index -> line; -1 the MTP block)."""
+
+    layers: dict[int, str] = field(default_factory=dict)
+
+    def built(self) -> str:
+        return summary(self.layers)
+
+
 def run_training(args: list[str], nproc: int, launch: Launch, label: str,
-                 save_init: Path | None = None) -> Run:
-    """Run Megatron's ``pretrain`` with ``args`` on ``nproc`` ranks; return its recorded steps.
+                 save_init: Path | None = None) -> TrainedRun:
+    """Run Megatron's ``pretrain`` with ``args`` on ``nproc`` ranks; return its recorded steps
+    and layers. A model that misses what its flags ask for raises :class:`ModelMismatch`.
 
     With ``save_init``, the weights before the first step are saved there (Megatron's
     torch_dist checkpoint of iteration 0), for :func:`start_from` to load in another layout.
@@ -73,11 +90,33 @@ def run_training(args: list[str], nproc: int, launch: Launch, label: str,
         outcome = run_script("-m", ["shardcheck.megatron.train.entry", *args], nproc, launch.timeout,
                              env=env, log_stdout=True)
         if outcome.failed:
+            mismatch = _model_mismatch(outcome)
+            if mismatch:
+                raise ModelMismatch(mismatch)
             raise RunFailed(f"{label}: {_failure(outcome)}")
         try:
-            return load_run(Path(folder))
+            run = load_run(Path(folder))
         except RecordError as exc:
             raise RunFailed(f"{label}: {exc} (did the entry script call pretrain?)") from exc
+        return TrainedRun(**vars(run), layers=_recorded_layers(Path(folder)))
+
+
+def _model_mismatch(outcome) -> str | None:
+    """The model check's one line, when a rank stopped on it."""
+    for rank in outcome.failed:
+        for line in reversed(rank.stderr.splitlines()):
+            head, _, message = line.partition(f"{MARKER}: ")
+            if message and (not head or head.endswith(".")):
+                return message.strip()
+    return None
+
+
+def _recorded_layers(folder: Path) -> dict[int, str]:
+    """Every rank's layer lines, merged (pipeline stages hold different layers)."""
+    layers: dict[int, str] = {}
+    for path in sorted(folder.glob("rank*.json")):
+        layers.update({int(k): v for k, v in json.loads(path.read_text()).get("layers", {}).items()})
+    return layers
 
 
 def start_from(initial: Path) -> list[str]:
@@ -166,7 +205,7 @@ def train_command(nproc, model_config, steps, megatron_path, entry, out, repeats
             args, nproc = shrunk.flags + args, shrunk.nproc
         if nproc is None:
             raise TrainInputError("give -n N (the ranks of the parallel run) or --model-config")
-        plan = plan_runs(args, nproc, steps, cpu=launch.cpu)
+        plan = plan_runs(args, nproc, steps, cpu=launch.cpu, own_entry=entry is None)
         if resume_at is not None and resume_at >= plan.steps:
             raise TrainInputError(f"--resume-at {resume_at} must be before the last step ({plan.steps})")
     except TrainInputError as exc:
@@ -230,9 +269,19 @@ def _compare(plan: RunPlan, launch: Launch, out: Path | None, repeats: int, rtol
             write_golden(reference, out / f"golden_values_1rank{suffix}.json")
         if verdict is None:
             verdict, first = compare_runs(parallel, reference, Tolerance(rtol=rtol)), parallel
+            _report_built(plan.world, parallel, reference, out)
             for note in parallel.notes:
                 click.echo(f"note: {note}")
     return verdict, first
+
+
+def _report_built(world: int, parallel: TrainedRun, reference: TrainedRun, out: Path | None) -> None:
+    """One line per run: the module classes of its layers (what was compared)."""
+    lines = [f"built: {world}-rank run: {parallel.built()}", f"built: one-rank run: {reference.built()}"]
+    for line in lines:
+        click.echo(line)
+    if out is not None:
+        (out / "layers.txt").write_text("\n".join(lines) + "\n")
 
 
 def _flag(tokens: list[str], flag: str) -> str | None:

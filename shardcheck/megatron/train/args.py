@@ -31,6 +31,18 @@ IMPOSSIBLE = {
     "--enable-cuda-graph": "CUDA graphs need a GPU",
     "--use-megatron-fsdp": "Megatron-FSDP's CPU path is not supported here",
 }
+# model-shaping flags shardcheck's own entry point does not build yet: refused (Megatron-LM's
+# pretrain_gpt.py, given with --entry, builds them; the model check guards what slips through)
+NOT_BUILT = {
+    "--experimental-attention-variant": "experimental attention variants (gated delta net, sparse attention)",
+    "--multi-latent-attention": "multi-latent attention",
+    "--mtp-num-layers": "the multi-token prediction block",
+    "--hybrid-layer-pattern": "hybrid (Mamba) layer patterns",
+    "--hybrid-override-pattern": "hybrid (Mamba) layer patterns",
+    "--heterogeneous-layers-config-path": "heterogeneous layer specs",
+    "--heterogeneous-layers-config-encoded-json": "heterogeneous layer specs",
+    "--spec": "a layer spec module named by --spec",
+}
 # flags that select a fused CUDA kernel: switched to Megatron's plain torch path
 UNFUSED = {
     "--no-gradient-accumulation-fusion": "gradient-accumulation fusion is a CUDA extension",
@@ -158,9 +170,16 @@ class RunPlan:
         return int(self.parallel[self.parallel.index("--train-iters") + 1])
 
 
-def plan_runs(user_args: Sequence[str], nproc: int, steps: int | None, cpu: bool = True) -> RunPlan:
-    """The N-rank and one-rank arguments for ``user_args``, and one line per change."""
+def plan_runs(user_args: Sequence[str], nproc: int, steps: int | None, cpu: bool = True,
+              own_entry: bool = False) -> RunPlan:
+    """The N-rank and one-rank arguments for ``user_args``, and one line per change.
+
+    ``own_entry``: the runs use shardcheck's GPT entry point, which refuses :data:`NOT_BUILT`
+    (the command line's default; without it, the flags are the entry script's to build).
+    """
     flags = Flags(user_args, megatron_parser())
+    if own_entry:
+        _refuse_not_built(flags)
     changes: list[str] = []
     sizes = {name: int(flags.value(name) or 1) for name in PARALLEL_SIZES}
     tp, pp, cp = (sizes[n] for n in PARALLEL_SIZES[:3])
@@ -176,6 +195,13 @@ def plan_runs(user_args: Sequence[str], nproc: int, steps: int | None, cpu: bool
         changes.append("the parallel run starts from the one-rank run's initial weights (Megatron's own "
                        "torch_dist save and load): Megatron seeds each pipeline stage and expert rank apart")
     return RunPlan(nproc, flags.tokens(), reference.tokens(), changes, {**sizes, "dp": dp}, same_init)
+
+
+def _refuse_not_built(flags: Flags) -> None:
+    for flag, what in NOT_BUILT.items():
+        if flags.has(flag):
+            raise TrainInputError(f"{flag}: shardcheck's entry point does not build {what} yet; run "
+                                  "Megatron-LM's own pretrain_gpt.py with --entry PATH/pretrain_gpt.py")
 
 
 def _cpu_flags(flags: Flags, changes: list[str]) -> None:

@@ -35,25 +35,36 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
     args = get_args()
     config = core_transformer_config_from_args(args)
     return GPTModel(
-        config=config, transformer_layer_spec=_layer_spec(args, config),
+        config=config, transformer_layer_spec=_layer_spec(args, config, vp_stage),
         vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
         pre_process=pre_process, post_process=post_process, parallel_output=True,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
-        rotary_base=args.rotary_base, vp_stage=vp_stage)
+        rotary_base=args.rotary_base, rope_scaling=args.use_rope_scaling, vp_stage=vp_stage)
 
 
-def _layer_spec(args: Any, config: Any) -> Any:
+def _layer_spec(args: Any, config: Any, vp_stage: int | None = None) -> Any:
+    """Megatron's layer spec; with experts, its decoder-block spec (``--moe-layer-freq``'s pattern)."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
-    if args.transformer_impl == "transformer_engine":
+    te = args.transformer_impl == "transformer_engine"
+    if args.num_experts:
+        spec = specs.get_gpt_decoder_block_spec(config, use_transformer_engine=te, normalization=args.normalization,
+                                                qk_l2_norm=getattr(args, "qk_l2_norm", False), vp_stage=vp_stage)
+    elif te:
         return specs.get_gpt_layer_with_transformer_engine_spec(
-            args.num_experts, args.moe_grouped_gemm, args.qk_layernorm)
-    spec = specs.get_gpt_layer_local_spec(args.num_experts, args.moe_grouped_gemm, args.qk_layernorm)
+            args.num_experts, args.moe_grouped_gemm, args.qk_layernorm, qk_l2_norm=getattr(args, "qk_l2_norm", False))
+    else:
+        spec = specs.get_gpt_layer_local_spec(args.num_experts, args.moe_grouped_gemm, args.qk_layernorm,
+                                              qk_l2_norm=getattr(args, "qk_l2_norm", False))
     if os.environ.get(CPU_ENV) == "1":
         from shardcheck.megatron.cpu.cp_attention import local_spec_for
 
-        spec = local_spec_for(config, spec)  # TE's CP attention has no CPU kernel: the stand-in
+        # TE's CP attention has no CPU kernel: the stand-in
+        if hasattr(spec, "layer_specs"):
+            spec.layer_specs = [local_spec_for(config, layer) for layer in spec.layer_specs]
+        else:
+            spec = local_spec_for(config, spec)
     return spec
 
 
@@ -125,6 +136,7 @@ def main() -> None:
     script = os.environ.get(ENTRY_ENV)
     if script:
         sys.argv = [script, *sys.argv[1:]]
+        sys.path.insert(0, os.path.dirname(os.path.abspath(script)))  # as `python SCRIPT` does
         runpy.run_path(script, run_name="__main__")
     else:
         _pretrain()

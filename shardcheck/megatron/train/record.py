@@ -7,6 +7,8 @@ Three wrappers, installed before ``pretrain`` runs, observe without changing any
   each parameter's gradient (``main_grad``, reduced by ``finalize_model_grads``) as a sum of
   squares, keyed by the parameter's global name and, for a tensor-parallel shard, its rank in
   the tensor-parallel group, so that the parent can add shards and drop replicas;
+- the model ``setup_model_and_optimizer`` built is checked against the flags
+  (:mod:`shardcheck.megatron.train.model_check`) and its layers' module classes recorded;
 - a forward hook on each MoE router counts the tokens each expert received, keyed by which
   tokens this rank holds (its data-parallel and context-parallel ranks, and its tensor-parallel
   rank under sequence parallelism).
@@ -22,6 +24,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from shardcheck.megatron.train.model_check import check_built_model
 
 RECORD_ENV = "SHARDCHECK_TRAIN_RECORD"
 SAVE_INIT_ENV = "SHARDCHECK_TRAIN_SAVE_INIT"
@@ -39,6 +43,7 @@ class StepRecorder:
         self.model: list[Any] = []
         self.token_counts: dict[str, list[int]] = {}
         self.violations: list[str] = []
+        self.layers: dict[int, str] = {}
 
     # --- what the wrappers report -------------------------------------------------------
     def grads_seen(self, model: list[Any]) -> None:
@@ -64,7 +69,8 @@ class StepRecorder:
         rank = dist.get_rank() if dist.is_initialized() else 0
         meta = _rank_meta()
         path = self.folder / f"rank{rank}.json"
-        path.write_text(json.dumps({"rank": rank, **meta, "steps": self.steps, "violations": self.violations}))
+        path.write_text(json.dumps({"rank": rank, **meta, "steps": self.steps, "violations": self.violations,
+                                    "layers": self.layers}))
 
     # --- installing ------------------------------------------------------------------------
     def install(self) -> None:
@@ -112,6 +118,7 @@ class StepRecorder:
     def _wrap_setup(self, setup: Callable[..., Any]) -> Callable[..., Any]:
         def recorded(*args: Any, **kwargs: Any) -> Any:
             model, optimizer, scheduler = setup(*args, **kwargs)
+            self.layers = check_built_model(model)  # the flags' model, or one line and stop
             if os.environ.get(SAVE_INIT_ENV):
                 save_initial_weights(model, optimizer, scheduler, os.environ[SAVE_INIT_ENV])
             self.model = list(model)

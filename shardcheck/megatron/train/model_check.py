@@ -1,0 +1,190 @@
+"""Check the model ``pretrain`` built against the flags that shaped it, on every rank.
+
+An entry point that drops a model-shaping flag builds another model than the user asked for,
+and the runs then agree about that model. After ``setup_model_and_optimizer`` built the model,
+:func:`mismatches` compares (a) the model's ``TransformerConfig`` with the one Megatron derives
+from the arguments, field by field, and (b) the modules of each layer with those the flags ask
+for (experts where ``--moe-layer-freq`` puts them, gated delta nets where
+``--linear-attention-freq`` does, multi-latent or sparse attention, the MTP block). Every rank
+checks its own layers; the ranks share what they found, so that all stop with the same line.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+# TransformerConfig field -> the flag that sets it
+CONFIG_FLAGS = {
+    "num_layers": "--num-layers", "hidden_size": "--hidden-size", "ffn_hidden_size": "--ffn-hidden-size",
+    "num_attention_heads": "--num-attention-heads", "num_query_groups": "--num-query-groups",
+    "kv_channels": "--kv-channels", "num_moe_experts": "--num-experts", "moe_layer_freq": "--moe-layer-freq",
+    "moe_router_topk": "--moe-router-topk",
+    "moe_shared_expert_intermediate_size": "--moe-shared-expert-intermediate-size",
+    "multi_latent_attention": "--multi-latent-attention", "mtp_num_layers": "--mtp-num-layers",
+    "experimental_attention_variant": "--experimental-attention-variant",
+    "linear_attention_freq": "--linear-attention-freq", "normalization": "--normalization",
+    "layernorm_zero_centered_gamma": "--apply-layernorm-1p", "qk_layernorm": "--qk-layernorm",
+    "gated_linear_unit": "--swiglu", "add_bias_linear": "--disable-bias-linear",
+}
+MARKER = "ModelMismatchError"
+
+
+class ModelMismatchError(Exception):
+    """The built model is not the one the flags ask for; the message is one line."""
+
+
+def layer_lines(chunks: Sequence[Any]) -> dict[int, str]:
+    """Global layer index -> ``attention + MLP`` module classes, for this rank's layers."""
+    lines = {}
+    for chunk in chunks:
+        for layer in _layers(chunk):
+            lines[layer.layer_number - 1] = _describe(layer)
+        if getattr(chunk, "mtp", None) is not None:
+            lines[-1] = f"{type(chunk.mtp).__name__} ({len(chunk.mtp.layers)} layer(s))"
+    return lines
+
+
+def summary(lines: dict[int, str]) -> str:
+    """One line for a whole model: ``layers 0-1: SelfAttention + MLP; mtp: ...``, runs merged."""
+    parts: list[str] = []
+    numbered = sorted(i for i in lines if i >= 0)
+    start = 0
+    while start < len(numbered):
+        end = start
+        while end + 1 < len(numbered) and lines[numbered[end + 1]] == lines[numbered[start]]:
+            end += 1
+        first, last = numbered[start], numbered[end]
+        span = f"layer {first}" if first == last else f"layers {first}-{last}"
+        parts.append(f"{span}: {lines[first]}")
+        start = end + 1
+    if -1 in lines:
+        parts.append(f"mtp: {lines[-1]}")
+    return "; ".join(parts) or "no layers recorded"
+
+
+def mismatches(chunks: Sequence[Any], args: Any) -> list[str]:
+    """What of the flags ``args`` this rank's built model chunks do not have, one line each."""
+    from megatron.training.argument_utils import core_transformer_config_from_args
+
+    expected = core_transformer_config_from_args(args)
+    found: list[str] = []
+    for chunk in chunks:
+        found += _config_mismatches(expected, chunk.config)
+        if getattr(chunk, "position_embedding_type", args.position_embedding_type) != args.position_embedding_type:
+            found.append(f"--position-embedding-type asks for {args.position_embedding_type}, but the built "
+                         f"model's is {chunk.position_embedding_type}")
+        for layer in _layers(chunk):
+            found += _layer_mismatches(layer, expected)
+        found += _mtp_mismatches(chunk, expected)
+    return found
+
+
+def _config_mismatches(expected: Any, built: Any) -> list[str]:
+    found = []
+    for name, flag in CONFIG_FLAGS.items():
+        want, have = getattr(expected, name, None), getattr(built, name, None)
+        if want != have:
+            found.append(f"{flag} asks for {name} = {want!r}, but the built model's config has {have!r}")
+    return found
+
+
+def _layers(chunk: Any) -> list[Any]:
+    decoder = getattr(chunk, "decoder", None)
+    return list(getattr(decoder, "layers", []))
+
+
+def _describe(layer: Any) -> str:
+    attention = getattr(layer, "self_attention", None)
+    mlp = getattr(layer, "mlp", None)
+    text = f"{type(attention).__name__} + {type(mlp).__name__}"
+    core = getattr(attention, "core_attention", None)
+    if core is not None and type(core).__name__ == "DSAttention":
+        text = text.replace(type(attention).__name__, f"{type(attention).__name__}(DSAttention)", 1)
+    if hasattr(mlp, "experts") and hasattr(mlp, "router"):
+        text += f" ({mlp.config.num_moe_experts} experts)"
+    return text
+
+
+def _layer_mismatches(layer: Any, config: Any) -> list[str]:
+    index = layer.layer_number - 1
+    found = []
+    for flag, wants, what, ok in _attention_wants(config, index) + _mlp_wants(config, index):
+        module = layer.mlp if what == "MLP" else layer.self_attention
+        if not ok(module):
+            found.append(f"{flag} asks for {wants}, but the built model's {what} is "
+                         f"{type(module).__name__} (layer {index})")
+    return found
+
+
+Want = tuple[str, str, str, Callable[[Any], bool]]
+
+
+def _attention_wants(config: Any, index: int) -> list[Want]:
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet
+    from megatron.core.transformer.multi_latent_attention import MultiLatentAttention
+
+    variant = config.experimental_attention_variant
+    if variant == "gated_delta_net":
+        from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
+            get_linear_attention_pattern,
+        )
+
+        if get_linear_attention_pattern(config)[index]:
+            return [("--experimental-attention-variant gated_delta_net", "a gated delta net at this layer "
+                     "(--linear-attention-freq)", "attention", lambda m: isinstance(m, GatedDeltaNet))]
+    wants: list[Want] = []
+    if config.multi_latent_attention:
+        wants.append(("--multi-latent-attention", "multi-latent attention", "attention",
+                      lambda m: isinstance(m, MultiLatentAttention)))
+    if variant == "dsa":
+        wants.append(("--experimental-attention-variant dsa", "DeepSeek sparse attention", "attention",
+                      lambda m: type(getattr(m, "core_attention", None)).__name__ == "DSAttention"))
+    return wants
+
+
+def _mlp_wants(config: Any, index: int) -> list[Want]:
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    if not config.num_moe_experts:
+        return [("--num-experts (not given)", "a dense MLP", "MLP", lambda m: not isinstance(m, MoELayer))]
+    from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
+        get_moe_layer_pattern,
+    )
+
+    if get_moe_layer_pattern(config)[index]:
+        return [("--num-experts", f"{config.num_moe_experts} experts at this layer (--moe-layer-freq)", "MLP",
+                 lambda m: isinstance(m, MoELayer))]
+    return [("--moe-layer-freq", "a dense MLP at this layer", "MLP", lambda m: not isinstance(m, MoELayer))]
+
+
+def _mtp_mismatches(chunk: Any, config: Any) -> list[str]:
+    if not config.mtp_num_layers or not hasattr(chunk, "decoder"):
+        return []
+    from megatron.core.transformer.multi_token_prediction import mtp_on_this_rank
+
+    if not mtp_on_this_rank(config.pipeline_model_parallel_layout, config.mtp_num_layers, ignore_virtual=False,
+                            vp_stage=getattr(chunk, "vp_stage", None)):
+        return []
+    if getattr(chunk, "mtp", None) is None:
+        return [f"--mtp-num-layers {config.mtp_num_layers} asks for a multi-token prediction block, but the "
+                "built model has none"]
+    return []
+
+
+def check_built_model(model: Sequence[Any]) -> dict[int, str]:
+    """Raise :class:`ModelMismatchError` (on every rank alike) when the model misses a flag;
+    return this rank's layer lines."""
+    import torch.distributed as dist
+    from megatron.core.utils import unwrap_model
+    from megatron.training import get_args
+
+    chunks = unwrap_model(list(model))
+    found = mismatches(chunks, get_args())
+    if dist.is_initialized():
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, found)
+        found = [line for lines in everyone for line in lines]
+    if found:
+        raise ModelMismatchError(found[0])
+    return layer_lines(chunks)

@@ -1,0 +1,156 @@
+"""``shardcheck train`` builds the model the flags ask for, or says in one line that it did not.
+
+Flags shardcheck's entry point does not build are refused before any rank starts; a model
+that lacks what its flags ask for (an entry script that drops a module) stops both runs with
+one line naming the flag; a correct run prints the module classes of both runs' layers.
+Megatron-LM's own ``pretrain_gpt.py`` (tests/data/megatron-lm-entry) runs as ``--entry``.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from packaging.version import Version
+
+if Version(importlib.metadata.version("megatron-core")).release[:2] < (0, 19):  # read, not imported
+    pytest.skip("megatron.training ships with megatron-core 0.19 on (0.16.1 has megatron/core only)",
+                allow_module_level=True)
+
+from shardcheck.cli import main
+from shardcheck.cli.train import _model_mismatch
+from shardcheck.megatron.train.args import NOT_BUILT, TrainInputError, plan_runs
+from shardcheck.megatron.train.model_check import summary
+from shardcheck.parity.launch import RankExit, ScriptRun
+
+pytestmark = pytest.mark.timeout(900)
+
+BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+        "--max-position-embeddings", "32", "--micro-batch-size", "1", "--global-batch-size", "4",
+        "--lr", "1e-3", "--vocab-size", "1024", "--seed", "1234"]
+TP2 = ["--tensor-model-parallel-size", "2"]
+MOE_EP2 = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-token-dispatcher-type", "alltoall",
+           "--disable-bias-linear", "--expert-model-parallel-size", "2"]
+MEGATRON_LM_ENTRY = Path(__file__).parent / "data" / "megatron-lm-entry" / "pretrain_gpt.py"
+REFUSED = {
+    "--experimental-attention-variant": ["gated_delta_net", "--linear-attention-freq", "2"],
+    "--multi-latent-attention": [],
+    "--mtp-num-layers": ["1"],
+    "--hybrid-layer-pattern": ["M*"],
+    "--hybrid-override-pattern": ["M*"],
+    "--heterogeneous-layers-config-path": ["layers.json"],
+    "--heterogeneous-layers-config-encoded-json": ["{}"],
+    "--spec": ["megatron.core.models.gpt.gpt_layer_specs", "get_gpt_layer_local_spec"],
+}
+
+
+def _invoke(*args: str):
+    return CliRunner().invoke(main, ["train", *args])
+
+
+def _one_error_line(result) -> str:
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    return result.stderr.strip().splitlines()[-1]
+
+
+def test_every_flag_the_entry_point_does_not_build_is_listed():
+    assert set(REFUSED) == set(NOT_BUILT)
+
+
+@pytest.mark.parametrize("flag", sorted(REFUSED))
+def test_a_flag_the_entry_point_does_not_build_is_refused_in_one_line_before_any_run(flag):
+    result = _invoke("-n", "2", "--", *BASE, flag, *REFUSED[flag])
+    line = _one_error_line(result)
+    assert line.startswith(f"Error: {flag}: shardcheck's entry point does not build ")
+    assert line.endswith("yet; run Megatron-LM's own pretrain_gpt.py with --entry PATH/pretrain_gpt.py")
+    assert "changed:" not in result.output  # refused while planning, before any rank started
+
+
+def test_with_an_entry_script_those_flags_are_the_scripts_to_build():
+    plan_runs([*BASE, "--mtp-num-layers", "1"], 2, 1)
+    with pytest.raises(TrainInputError, match="--mtp-num-layers"):
+        plan_runs([*BASE, "--mtp-num-layers", "1"], 2, 1, own_entry=True)
+
+
+def test_layer_summary_merges_runs_of_equal_layers_and_names_the_mtp_block():
+    lines = {0: "SelfAttention + MLP", 1: "SelfAttention + MLP", 2: "GatedDeltaNet + MoELayer (4 experts)",
+             3: "SelfAttention + MLP", -1: "MultiTokenPredictionBlock (1 layer(s))"}
+    assert summary(lines) == ("layers 0-1: SelfAttention + MLP; layer 2: GatedDeltaNet + MoELayer (4 experts); "
+                              "layer 3: SelfAttention + MLP; mtp: MultiTokenPredictionBlock (1 layer(s))")
+    assert summary({}) == "no layers recorded"
+
+
+def test_the_model_checks_line_is_found_in_a_failed_ranks_output_and_nothing_else_is():
+    trace = ("Traceback (most recent call last):\n  File \"x.py\", line 1, in <module>\n"
+             "shardcheck.megatron.train.model_check.ModelMismatchError: --mtp-num-layers 1 asks for it\n")
+    outcome = ScriptRun([RankExit(0, 1, "RuntimeError: other\n"), RankExit(1, 1, trace)], 60)
+    assert _model_mismatch(outcome) == "--mtp-num-layers 1 asks for it"
+    assert _model_mismatch(ScriptRun([RankExit(0, 1, "ValueError: NotModelMismatchError: x\n")], 60)) is None
+
+
+DROPS_EXPERTS = """\
+from megatron.core.models.gpt import gpt_layer_specs
+from shardcheck.megatron.train import entry
+
+# planted: the layer spec built without the experts --num-experts asks for
+entry._layer_spec = lambda args, config, *_: gpt_layer_specs.get_gpt_layer_local_spec(None, False, False)
+entry._pretrain()
+"""
+OUR_OLD_ENTRY = """\
+from shardcheck.megatron.train import entry
+
+entry._pretrain()  # shardcheck's entry point, which builds neither MTP nor multi-latent attention
+"""
+MISSING = {
+    "experts dropped": (DROPS_EXPERTS, MOE_EP2, "Error: --num-experts asks for 4 experts at this layer "
+                        "(--moe-layer-freq), but the built model's MLP is MLP (layer 0)"),
+    "no mtp block": (OUR_OLD_ENTRY, [*TP2, "--mtp-num-layers", "1", "--position-embedding-type", "rope"], "Error: --mtp-num-layers 1 asks for "
+                     "a multi-token prediction block, but the built model has none"),
+    "no mla": (OUR_OLD_ENTRY, [*TP2, "--multi-latent-attention"], "Error: --multi-latent-attention asks "
+               "for multi-latent attention, but the built model's attention is SelfAttention (layer 0)"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MISSING))
+def test_a_built_model_that_lacks_what_its_flags_ask_for_stops_in_one_line(case, tmp_path):
+    """The model check runs on whatever ``pretrain`` built, an entry script's model included."""
+    script, flags, expected = MISSING[case]
+    entry = tmp_path / "entry.py"
+    entry.write_text(script)
+    result = _invoke("-n", "2", "--steps", "1", "--entry", str(entry), "--", *BASE, *flags)
+    assert _one_error_line(result) == expected
+
+
+def test_a_correct_tp2_run_prints_and_writes_the_layers_both_runs_built(tmp_path):
+    result = _invoke("-n", "2", "--steps", "1", "--out", str(tmp_path), "--", *BASE, *TP2)
+    assert result.exit_code == 0, result.output
+    built = ["built: 2-rank run: layers 0-1: SelfAttention + MLP",
+             "built: one-rank run: layers 0-1: SelfAttention + MLP"]
+    lines = result.output.splitlines()
+    assert [ln for ln in lines if ln.startswith("built:")] == built
+    assert (tmp_path / "layers.txt").read_text().splitlines() == built
+    assert lines[-1] == "verdict: AGREE"
+
+
+def test_megatron_lms_pretrain_gpt_runs_as_the_entry_and_agrees_at_tp2():
+    """Its folder goes first on sys.path, as under ``python pretrain_gpt.py``: it imports its
+    gpt_builders.py and model_provider.py."""
+    result = _invoke("-n", "2", "--steps", "2", "--entry", str(MEGATRON_LM_ENTRY), "--", *BASE, *TP2)
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert "built: 2-rank run: layers 0-1: SelfAttention + MLP" in lines
+    assert lines[-1] == "verdict: AGREE"
+
+
+def test_moe_layer_freq_puts_experts_on_every_other_layer_and_agrees_under_expert_parallelism():
+    """shardcheck's entry point used to put experts on every layer whatever --moe-layer-freq said
+    (the model check's first catch); it builds Megatron's decoder-block spec now."""
+    result = _invoke("-n", "2", "--steps", "1", "--", *BASE, *MOE_EP2, "--moe-layer-freq", "2")
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert ("built: 2-rank run: layer 0: SelfAttention + MoELayer (4 experts); layer 1: SelfAttention + MLP"
+            in lines)
+    assert lines[-1] == "verdict: AGREE"
