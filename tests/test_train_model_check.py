@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.metadata
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from click.testing import CliRunner
@@ -154,3 +155,31 @@ def test_moe_layer_freq_puts_experts_on_every_other_layer_and_agrees_under_exper
     assert ("built: 2-rank run: layer 0: SelfAttention + MoELayer (4 experts); layer 1: SelfAttention + MLP"
             in lines)
     assert lines[-1] == "verdict: AGREE"
+
+
+class SelfAttention:
+    """Stands for megatron-core's SelfAttention: a layer's attention that is no linear attention."""
+
+
+def _layers(attentions: list[object]) -> list[object]:
+    from megatron.core.transformer.mlp import MLP
+
+    return [SimpleNamespace(layer_number=i + 1, self_attention=a, mlp=MLP.__new__(MLP))
+            for i, a in enumerate(attentions)]
+
+
+def test_gated_delta_nets_are_expected_where_linear_attention_freq_puts_them():
+    """--linear-attention-freq 2: linear attention at layers 0 and 2, full attention at 1 and 3."""
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet
+
+    from shardcheck.megatron.train.model_check import _layer_mismatches
+
+    config = SimpleNamespace(num_layers=4, experimental_attention_variant="gated_delta_net",
+                             linear_attention_freq=2, multi_latent_attention=False, num_moe_experts=None)
+    gdn = GatedDeltaNet.__new__(GatedDeltaNet)
+    hybrid = _layers([gdn, SelfAttention(), gdn, SelfAttention()])
+    assert [line for layer in hybrid for line in _layer_mismatches(layer, config)] == []
+    plain = _layers([SelfAttention()] * 4)
+    assert [line for layer in plain for line in _layer_mismatches(layer, config)] == [
+        f"--experimental-attention-variant gated_delta_net asks for a gated delta net at this layer "
+        f"(--linear-attention-freq), but the built model's attention is SelfAttention (layer {i})" for i in (0, 2)]
