@@ -4,7 +4,6 @@ A transcript or output that is not rerun is a dated example; an audit's is check
 findings.json of its run, carried in the repository.
 """
 
-import collections
 import json
 import os
 import re
@@ -29,17 +28,6 @@ from docs_check import (
 )
 
 TRANSCRIPTS = [b for b in all_blocks() if b.rerun]
-# Pages not labelled yet: how many of their blocks may still be transcripts not rerun or outputs
-# without a $ line, neither dated nor excused (docs/docs-check.md). Lower a count as you label.
-NOT_YET_LABELLED = {
-    'docs/golden.md': 6,
-    'docs/gradients.md': 5,
-    'docs/megatron.md': 5,
-    'docs/oracle.md': 1,
-    'docs/parity.md': 3,
-    'docs/run.md': 1,
-    'docs/typecheck.md': 5,
-}
 _workspaces: dict = {}
 
 
@@ -86,13 +74,10 @@ def test_every_transcript_is_marked_checked_or_skipped_with_a_reason():
 
 def test_every_transcript_not_rerun_and_every_pasted_output_is_dated_or_excused():
     """Not rerun (``skip``, ``example``, or an output without a ``$`` line): an 'Example from' line."""
-    unlabelled = [b for b in all_blocks() if _unlabelled(b)]
-    per_page = collections.Counter(str(b.doc.relative_to(REPO)) for b in unlabelled)
-    over = [b.name for b in unlabelled if per_page[str(b.doc.relative_to(REPO))] > NOT_YET_LABELLED.get(
-        str(b.doc.relative_to(REPO)), 0)]
-    assert over == [], ("transcripts not rerun or outputs without a $ line, and without a visible 'Example "
-                        "from YYYY-MM-DD, commit C' line (or, for an output, a 'docs-check: skip WHY' "
-                        "comment): docs/docs-check.md")
+    unlabelled = [b.name for b in all_blocks() if _unlabelled(b)]
+    assert unlabelled == [], ("transcripts not rerun or outputs without a $ line, and without a visible "
+                              "'Example from YYYY-MM-DD, commit C' line (or, for an output, a 'docs-check: "
+                              "skip WHY' comment): docs/docs-check.md")
 
 
 def test_an_output_block_is_told_from_code_and_needs_its_date(tmp_path):
