@@ -38,7 +38,6 @@ MEGATRON_LM_ENTRY = Path(__file__).parent / "data" / "megatron-lm-entry" / "pret
 REFUSED = {
     "--experimental-attention-variant": ["gated_delta_net", "--linear-attention-freq", "2"],
     "--multi-latent-attention": [],
-    "--mtp-num-layers": ["1"],
     "--hybrid-layer-pattern": ["M*"],
     "--hybrid-override-pattern": ["M*"],
     "--heterogeneous-layers-config-path": ["layers.json"],
@@ -71,9 +70,15 @@ def test_a_flag_the_entry_point_does_not_build_is_refused_in_one_line_before_any
 
 
 def test_with_an_entry_script_those_flags_are_the_scripts_to_build():
-    plan_runs([*BASE, "--mtp-num-layers", "1"], 2, 1)
-    with pytest.raises(TrainInputError, match="--mtp-num-layers"):
-        plan_runs([*BASE, "--mtp-num-layers", "1"], 2, 1, own_entry=True)
+    plan_runs([*BASE, "--multi-latent-attention"], 2, 1)
+    with pytest.raises(TrainInputError, match="--multi-latent-attention"):
+        plan_runs([*BASE, "--multi-latent-attention"], 2, 1, own_entry=True)
+
+
+def test_mtp_on_a_custom_pipeline_layout_is_refused_in_one_line():
+    result = _invoke("-n", "2", "--", *BASE, "--mtp-num-layers", "1", "--pipeline-model-parallel-layout", "Et|tmL")
+    assert _one_error_line(result).startswith("Error: --mtp-num-layers with --pipeline-model-parallel-layout: "
+                                              "shardcheck's entry point does not build MTP layers")
 
 
 def test_layer_summary_merges_runs_of_equal_layers_and_names_the_mtp_block():
@@ -100,17 +105,23 @@ from shardcheck.megatron.train import entry
 entry._layer_spec = lambda args, config, *_: gpt_layer_specs.get_gpt_layer_local_spec(None, False, False)
 entry._pretrain()
 """
-OUR_OLD_ENTRY = """\
+DROPS_MTP = """\
 from shardcheck.megatron.train import entry
 
-entry._pretrain()  # shardcheck's entry point, which builds neither MTP nor multi-latent attention
+entry._mtp_spec = lambda *_: None  # planted: shardcheck's entry point before it built the MTP block
+entry._pretrain()
+"""
+OUR_ENTRY = """\
+from shardcheck.megatron.train import entry
+
+entry._pretrain()  # shardcheck's entry point, which does not build multi-latent attention
 """
 MISSING = {
     "experts dropped": (DROPS_EXPERTS, MOE_EP2, "Error: --num-experts asks for 4 experts at this layer "
                         "(--moe-layer-freq), but the built model's MLP is MLP (layer 0)"),
-    "no mtp block": (OUR_OLD_ENTRY, [*TP2, "--mtp-num-layers", "1", "--position-embedding-type", "rope"], "Error: --mtp-num-layers 1 asks for "
+    "no mtp block": (DROPS_MTP, [*TP2, "--mtp-num-layers", "1", "--position-embedding-type", "rope"], "Error: --mtp-num-layers 1 asks for "
                      "a multi-token prediction block, but the built model has none"),
-    "no mla": (OUR_OLD_ENTRY, [*TP2, "--multi-latent-attention"], "Error: --multi-latent-attention asks "
+    "no mla": (OUR_ENTRY, [*TP2, "--multi-latent-attention"], "Error: --multi-latent-attention asks "
                "for multi-latent attention, but the built model's attention is SelfAttention (layer 0)"),
 }
 
@@ -183,3 +194,14 @@ def test_gated_delta_nets_are_expected_where_linear_attention_freq_puts_them():
     assert [line for layer in plain for line in _layer_mismatches(layer, config)] == [
         f"--experimental-attention-variant gated_delta_net asks for a gated delta net at this layer "
         f"(--linear-attention-freq), but the built model's attention is SelfAttention (layer {i})" for i in (0, 2)]
+
+
+def test_an_mtp_job_builds_the_mtp_block_and_agrees_at_tp2():
+    """--mtp-num-layers used to crash in cross_entropy (an IndexError): the block was never built."""
+    result = _invoke("-n", "2", "--steps", "2", "--", *BASE, *TP2, "--mtp-num-layers", "1",
+                     "--position-embedding-type", "rope")
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert ("built: one-rank run: layers 0-1: SelfAttention + MLP; mtp: MultiTokenPredictionBlock (1 layer(s))"
+            in lines)
+    assert lines[-1] == "verdict: AGREE"

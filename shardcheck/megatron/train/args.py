@@ -36,7 +36,6 @@ IMPOSSIBLE = {
 NOT_BUILT = {
     "--experimental-attention-variant": "experimental attention variants (gated delta net, sparse attention)",
     "--multi-latent-attention": "multi-latent attention",
-    "--mtp-num-layers": "the multi-token prediction block",
     "--hybrid-layer-pattern": "hybrid (Mamba) layer patterns",
     "--hybrid-override-pattern": "hybrid (Mamba) layer patterns",
     "--heterogeneous-layers-config-path": "heterogeneous layer specs",
@@ -198,10 +197,12 @@ def plan_runs(user_args: Sequence[str], nproc: int, steps: int | None, cpu: bool
 
 
 def _refuse_not_built(flags: Flags) -> None:
-    for flag, what in NOT_BUILT.items():
-        if flags.has(flag):
-            raise TrainInputError(f"{flag}: shardcheck's entry point does not build {what} yet; run "
-                                  "Megatron-LM's own pretrain_gpt.py with --entry PATH/pretrain_gpt.py")
+    built = {flag: what for flag, what in NOT_BUILT.items() if flags.has(flag)}
+    if flags.has("--mtp-num-layers") and flags.has("--pipeline-model-parallel-layout"):
+        built["--mtp-num-layers with --pipeline-model-parallel-layout"] = "MTP layers a pipeline layout places"
+    for flag, what in built.items():
+        raise TrainInputError(f"{flag}: shardcheck's entry point does not build {what} yet; run "
+                              "Megatron-LM's own pretrain_gpt.py with --entry PATH/pretrain_gpt.py")
 
 
 def _cpu_flags(flags: Flags, changes: list[str]) -> None:

@@ -1,9 +1,11 @@
 """A GPT pretraining entry point for ``megatron.training.pretrain``, written for ``shardcheck train``.
 
 It does what Megatron-LM's ``pretrain_gpt.py`` does for a GPT on mock data: a model provider
-(Megatron's local or Transformer Engine layer spec), a dataset provider (``MockGPTDataset``
-built on every rank), a forward step that cuts each rank's context-parallel share of the batch,
-and the per-token language-model loss. Run as one rank of a job::
+(Megatron's local or Transformer Engine layer spec; its decoder-block spec with experts, so
+that ``--moe-layer-freq`` places them; the MTP block of ``--mtp-num-layers``), a dataset
+provider (``MockGPTDataset`` built on every rank), a forward step that cuts each rank's
+context-parallel share of the batch, and the per-token language-model loss. Run as one rank
+of a job::
 
     python -m shardcheck.megatron.train.entry MEGATRON-ARGS...
 
@@ -36,6 +38,7 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
     config = core_transformer_config_from_args(args)
     return GPTModel(
         config=config, transformer_layer_spec=_layer_spec(args, config, vp_stage),
+        mtp_block_spec=_mtp_spec(args, config, vp_stage),
         vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
         pre_process=pre_process, post_process=post_process, parallel_output=True,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
@@ -57,15 +60,36 @@ def _layer_spec(args: Any, config: Any, vp_stage: int | None = None) -> Any:
     else:
         spec = specs.get_gpt_layer_local_spec(args.num_experts, args.moe_grouped_gemm, args.qk_layernorm,
                                               qk_l2_norm=getattr(args, "qk_l2_norm", False))
-    if os.environ.get(CPU_ENV) == "1":
-        from shardcheck.megatron.cpu.cp_attention import local_spec_for
+    if hasattr(spec, "layer_specs"):  # TE's CP attention has no CPU kernel: the stand-in
+        spec.layer_specs = [_cpu_layer(config, layer) for layer in spec.layer_specs]
+        return spec
+    return _cpu_layer(config, spec)
 
-        # TE's CP attention has no CPU kernel: the stand-in
-        if hasattr(spec, "layer_specs"):
-            spec.layer_specs = [local_spec_for(config, layer) for layer in spec.layer_specs]
-        else:
-            spec = local_spec_for(config, spec)
-    return spec
+
+def _cpu_layer(config: Any, spec: Any) -> Any:
+    """``spec`` with the CPU stand-in for TE's CP attention, under the CPU layer."""
+    if os.environ.get(CPU_ENV) != "1":
+        return spec
+    from shardcheck.megatron.cpu.cp_attention import local_spec_for
+
+    return local_spec_for(config, spec)
+
+
+def _mtp_spec(args: Any, config: Any, vp_stage: int | None) -> Any:
+    """The multi-token prediction block's spec (``--mtp-num-layers``): layers like the last decoder
+    layer, on the stage that holds them (None elsewhere, and without the flag)."""
+    if not args.mtp_num_layers:
+        return None
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    te = args.transformer_impl == "transformer_engine"
+    if args.num_experts:
+        last = specs.get_gpt_decoder_layer_specs(config, te, normalization=args.normalization,
+                                                 qk_l2_norm=getattr(args, "qk_l2_norm", False))[-1]
+    else:
+        last = _layer_spec(args, config, vp_stage)
+    return specs.get_gpt_mtp_block_spec(config, _cpu_layer(config, last), use_transformer_engine=te,
+                                        vp_stage=vp_stage)
 
 
 def datasets_provider(num_samples: list[int], vp_stage: int | None = None) -> tuple[Any, Any, Any]:
