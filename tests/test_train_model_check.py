@@ -205,3 +205,18 @@ def test_an_mtp_job_builds_the_mtp_block_and_agrees_at_tp2():
     assert ("built: one-rank run: layers 0-1: SelfAttention + MLP; mtp: MultiTokenPredictionBlock (1 layer(s))"
             in lines)
     assert lines[-1] == "verdict: AGREE"
+
+
+def test_a_layer_that_is_no_transformer_layer_is_named_by_its_class_and_not_judged():
+    """A hybrid model's Mamba layer (an --entry script's HybridModel): listed, not checked."""
+    from shardcheck.megatron.train.model_check import _layer_mismatches, layer_lines
+
+    class MambaLayer:
+        layer_number = 1
+
+    config = SimpleNamespace(num_layers=1, experimental_attention_variant=None, multi_latent_attention=True,
+                             num_moe_experts=None)
+    assert _layer_mismatches(MambaLayer(), config) == []
+    chunk = SimpleNamespace(decoder=SimpleNamespace(layers=[MambaLayer(), *_layers([SelfAttention()])[:1]]))
+    chunk.decoder.layers[1].layer_number = 2
+    assert layer_lines([chunk]) == {0: "MambaLayer", 1: "SelfAttention + MLP"}

@@ -38,8 +38,8 @@ def layer_lines(chunks: Sequence[Any]) -> dict[int, str]:
     """Global layer index -> ``attention + MLP`` module classes, for this rank's layers."""
     lines = {}
     for chunk in chunks:
-        for layer in _layers(chunk):
-            lines[layer.layer_number - 1] = _describe(layer)
+        for i, layer in enumerate(_layers(chunk)):
+            lines[getattr(layer, "layer_number", i + 1) - 1] = _describe(layer)
         if getattr(chunk, "mtp", None) is not None:
             lines[-1] = f"{type(chunk.mtp).__name__} ({len(chunk.mtp.layers)} layer(s))"
     return lines
@@ -94,7 +94,13 @@ def _layers(chunk: Any) -> list[Any]:
     return list(getattr(decoder, "layers", []))
 
 
+def _is_transformer_layer(layer: Any) -> bool:
+    return all(hasattr(layer, name) for name in ("layer_number", "self_attention", "mlp"))
+
+
 def _describe(layer: Any) -> str:
+    if not _is_transformer_layer(layer):  # a hybrid model's Mamba layer, say: its class
+        return type(layer).__name__
     attention = getattr(layer, "self_attention", None)
     mlp = getattr(layer, "mlp", None)
     text = f"{type(attention).__name__} + {type(mlp).__name__}"
@@ -107,6 +113,8 @@ def _describe(layer: Any) -> str:
 
 
 def _layer_mismatches(layer: Any, config: Any) -> list[str]:
+    if not _is_transformer_layer(layer):
+        return []
     index = layer.layer_number - 1
     found = []
     for flag, wants, what, ok in _attention_wants(config, index) + _mlp_wants(config, index):
