@@ -8,17 +8,12 @@ Megatron-LM's own ``pretrain_gpt.py`` (tests/data/megatron-lm-entry) runs as ``-
 
 from __future__ import annotations
 
-import importlib.metadata
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 from click.testing import CliRunner
-from packaging.version import Version
-
-if Version(importlib.metadata.version("megatron-core")).release[:2] < (0, 19):  # read, not imported
-    pytest.skip("megatron.training ships with megatron-core 0.19 on (0.16.1 has megatron/core only)",
-                allow_module_level=True)
+from test_train import BASE  # skips this module where test_train is skipped (megatron-core < 0.19)
 
 from shardcheck.cli import main
 from shardcheck.cli.train import _model_mismatch
@@ -28,9 +23,6 @@ from shardcheck.parity.launch import RankExit, ScriptRun
 
 pytestmark = pytest.mark.timeout(900)
 
-BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-        "--max-position-embeddings", "32", "--micro-batch-size", "1", "--global-batch-size", "4",
-        "--lr", "1e-3", "--vocab-size", "1024", "--seed", "1234"]
 TP2 = ["--tensor-model-parallel-size", "2"]
 MOE_EP2 = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-token-dispatcher-type", "alltoall",
            "--disable-bias-linear", "--expert-model-parallel-size", "2"]
