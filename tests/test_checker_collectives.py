@@ -7,7 +7,7 @@ import torch.distributed._functional_collectives as fc
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import shardcheck as sc
-from shardcheck.typecheck.rules import PAVG, PEVEN, SectionShard
+from shardcheck.typecheck.types import PAVG, PEVEN, SectionShard
 
 R, P, V, S = sc.R, sc.P, sc.V, sc.S
 SUM, AVG, MAX = dist.ReduceOp.SUM, dist.ReduceOp.AVG, dist.ReduceOp.MAX

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 import shardcheck as sc
 from shardcheck.parity.launch import spawn_ranks
-from shardcheck.typecheck.rules import SectionShard
+from shardcheck.typecheck.types import SectionShard
 
 pytest.importorskip("megatron.core")
 

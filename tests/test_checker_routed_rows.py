@@ -120,14 +120,14 @@ def test_expert_gradients_of_rows_not_routed_to_their_ranks_are_found(variant):
 
 
 def _route() -> tuple:
-    from shardcheck.typecheck.routed import Route, Routed
+    from shardcheck.typecheck.types import Route, Routed
 
     route = Route(table=((3, 0), (2, 4)), sent=(5, 4), grouping=("rows",))  # rank 0 sent no rows of group 1
     return route, Routed(0, route, route.received, sc.V)
 
 
 def test_routed_parts_cut_at_their_bounds_and_complete_per_group():
-    from shardcheck.typecheck.routed import joined
+    from shardcheck.typecheck.types import joined
 
     route, rows = _route()
     assert rows.parts == ((0, 0), (1, 0), (1, 1))

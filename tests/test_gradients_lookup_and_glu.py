@@ -16,7 +16,7 @@ from torch import nn
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import shardcheck as sc
-from shardcheck.typecheck.rules import SectionShard
+from shardcheck.typecheck.types import SectionShard
 
 R, V, S = sc.R, sc.V, sc.S
 VOCAB, ROWS, HIDDEN, HALF = 16, 8, 4, 4  # ROWS: this rank's rows; HALF: its part of each GLU half

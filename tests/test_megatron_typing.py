@@ -20,8 +20,7 @@ from shardcheck.megatron.cpu.runner import RankContext  # noqa: E402
 from shardcheck.megatron.scenarios.gpt import GPTSetup, build_gpt, transformer_config  # noqa: E402
 from shardcheck.parity.launch import spawn_ranks  # noqa: E402
 from shardcheck.parity.layout import Layout
-from shardcheck.typecheck.rules import SectionShard  # noqa: E402
-from shardcheck.typecheck.types import R, S, V  # noqa: E402
+from shardcheck.typecheck.types import R, S, SectionShard, V  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

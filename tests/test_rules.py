@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 import shardcheck as sc
-from shardcheck.typecheck.rules import PAVG, PEVEN, BlockShard, SectionShard
+from shardcheck.typecheck.types import PAVG, PEVEN, BlockShard, SectionShard
 
 MESH = sc.Mesh(rank=0, tp=[0, 1])
 R, P, V, S = sc.R, sc.P, sc.V, sc.S

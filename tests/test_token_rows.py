@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 import shardcheck as sc
 from shardcheck.parity.pool import RankPool
-from shardcheck.typecheck.rules import SectionShard
+from shardcheck.typecheck.types import SectionShard
 
 TOKENS, EXPERTS, TOPK, HIDDEN = 8, 4, 2, 3
 

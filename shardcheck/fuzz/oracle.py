@@ -36,9 +36,20 @@ import torch
 
 from shardcheck.fuzz.oracle_ops import OPS, Env
 from shardcheck.parity.layout import Layout
-from shardcheck.typecheck import rules
 from shardcheck.typecheck.checker import typecheck
-from shardcheck.typecheck.types import Mesh, Placement, Shard, parse_placement
+from shardcheck.typecheck.types import (
+    PAVG,
+    PEVEN,
+    BlockShard,
+    Gathered,
+    Mesh,
+    P,
+    Placement,
+    SectionShard,
+    Shard,
+    V,
+    parse_placement,
+)
 
 # The mesh axes of each layout, fastest-varying first; "world" spans both axes of tp2-dp2.
 LAYOUTS: dict[str, tuple[str, ...]] = {"tp2": ("tp",), "tp4": ("tp",), "tp2-dp2": ("tp", "dp")}
@@ -149,10 +160,10 @@ def _split(value: torch.Tensor, placement: str, n: int, salt: tuple) -> list[tor
     gen = torch.Generator().manual_seed(hash((*salt, tuple(value.shape), round(float(value.sum()), 6))) % 2**31)
     if isinstance(p, Shard):
         return list(value.chunk(n, p.dim))
-    if p is rules.P:
+    if p is P:
         parts = [torch.randn(value.shape, generator=gen, dtype=value.dtype) for _ in range(n - 1)]
         return [*parts, value - sum(parts, torch.zeros_like(value))]
-    if p is rules.V:
+    if p is V:
         return [torch.randn(value.shape, generator=gen, dtype=value.dtype) for _ in range(n)]
     return [value.clone() for _ in range(n)]
 
@@ -214,11 +225,11 @@ def encode(p: Placement | None) -> tuple | None:
         return None
     if isinstance(p, Shard):
         return _shard_kind(p) + ((OUTSIDE,) if p.outside else ())
-    if isinstance(p, rules.Gathered):
+    if isinstance(p, Gathered):
         return ("G", p.dim)
-    if p is rules.PAVG:
+    if p is PAVG:
         return ("PAVG",)
-    if p is rules.PEVEN:
+    if p is PEVEN:
         return ("P",)
     return (p.symbol,)
 
@@ -303,9 +314,9 @@ def tolerance(reference: torch.Tensor) -> float:
 
 
 def _shard_kind(p: Shard) -> tuple:
-    if type(p) is rules.BlockShard:
+    if type(p) is BlockShard:
         return ("B", p.dim, p.outer)
-    if type(p) is rules.SectionShard:
+    if type(p) is SectionShard:
         return ("SEC", p.dim, p.sections)
     return ("S", p.dim)
 

@@ -12,9 +12,6 @@ from shardcheck.typecheck.checker import RULES, register_rule
 from shardcheck.typecheck.rules import (
     MUL,
     NL,
-    InterleavedShard,
-    RankChunk,
-    SectionShard,
     _reduce_axis,
     arg,
     elementwise,
@@ -24,7 +21,7 @@ from shardcheck.typecheck.rules import (
     shift_shards,
 )
 from shardcheck.typecheck.shape_rules import _along_dim_rule, rank_chunks
-from shardcheck.typecheck.types import P, S, Shard, V
+from shardcheck.typecheck.types import InterleavedShard, P, RankChunk, S, SectionShard, Shard, V
 
 aten = torch.ops.aten
 _REDUCTION_KIND = {1: "mean", 2: "sum"}  # at::Reduction: 0 none, 1 mean, 2 sum

@@ -37,15 +37,18 @@ from shardcheck.typecheck.collectives import (
     group_ranks,
 )
 from shardcheck.typecheck.position_cuts import PositionCuts
-from shardcheck.typecheck.rules import HELP, NO_TENSOR, Violation
+from shardcheck.typecheck.rules import NO_TENSOR
 from shardcheck.typecheck.types import (
     Mesh,
     Placement,
+    S,
+    SectionShard,
     Shard,
     V,
     parse_alternatives,
     parse_placement,
 )
+from shardcheck.typecheck.violations import HELP, Violation
 
 _HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _DISTRIBUTED = os.path.join(os.path.dirname(torch.__file__), "distributed") + os.sep
@@ -409,7 +412,7 @@ class Checker(TorchDispatchMode):
         axes = self._rank_scalar_axes(args, kwargs)
         source = self.types(args[0]) if axes and _base_name(func) == "slice" else None
         if source:
-            axes = {a for a in axes if not isinstance(source[a], _rules.SectionShard)}
+            axes = {a for a in axes if not isinstance(source[a], SectionShard)}
         return _varied_on(pl, axes, typed_only=True)
 
     def _after_accumulation(self, pl, args):
@@ -1060,7 +1063,7 @@ def rank_slice(x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
     length = x.shape[dim] // size
     with checker.paused():
         piece = x.narrow(dim, index * length, length)
-    checker.set_type(piece, pl[:a] + (_rules.S(dim % x.dim()),) + pl[a + 1:], checker._flags(x))
+    checker.set_type(piece, pl[:a] + (S(dim % x.dim()),) + pl[a + 1:], checker._flags(x))
     return piece
 
 

@@ -25,14 +25,6 @@ from shardcheck.typecheck.exchange import (
 from shardcheck.typecheck.routing import routed_types
 from shardcheck.typecheck.rules import (
     NO_TENSOR,
-    PAVG,
-    PEVEN,
-    BlockShard,
-    Gathered,
-    GatheredPiece,
-    Pl,
-    SectionShard,
-    Violation,
     as_pieces,
     axis_stride,
     chunk_dim,
@@ -43,7 +35,23 @@ from shardcheck.typecheck.rules import (
     nested_outside,
     stacks_as_pieces,
 )
-from shardcheck.typecheck.types import I, P, Placement, R, S, Shard, V
+from shardcheck.typecheck.types import (
+    PAVG,
+    PEVEN,
+    BlockShard,
+    Gathered,
+    GatheredPiece,
+    I,
+    P,
+    Pl,
+    Placement,
+    R,
+    S,
+    SectionShard,
+    Shard,
+    V,
+)
+from shardcheck.typecheck.violations import Violation
 
 SUM, AVG, PRODUCT, MIN, MAX = "sum", "avg", "product", "min", "max"
 _C10D_OPS = {0: SUM, 1: AVG, 2: PRODUCT, 3: MIN, 4: MAX}  # c10d::ReduceOp::RedOpType

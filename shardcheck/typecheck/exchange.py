@@ -23,18 +23,17 @@ from dataclasses import dataclass
 
 import torch
 
-from shardcheck.typecheck.rules import (
+from shardcheck.typecheck.rules import axis_stride, chunk_dim, inside, moved, norm_dim
+from shardcheck.typecheck.types import (
     InterleavedShard,
     Pl,
+    Placement,
+    S,
     SectionShard,
-    axis_stride,
-    chunk_dim,
-    inside,
+    Shard,
+    V,
     interleaved,
-    moved,
-    norm_dim,
 )
-from shardcheck.typecheck.types import Placement, S, Shard, V
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The all-to-all of rows grouped by destination, and back: where :class:`routed.Routed` comes from.
+"""The all-to-all of rows grouped by destination, and back: where :class:`types.Routed` comes from.
 
 Rows a rank read by its grouped index (``token_rows``) are marked with their groups' counts
 (``_sc_rows_of``). At an uneven all-to-all (split sizes given) the ranks of the group exchange
@@ -15,9 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from shardcheck.typecheck.routed import Route, Routed
-from shardcheck.typecheck.rules import Pl, SectionShard, gathered_objects, norm_dim
-from shardcheck.typecheck.types import Shard, V
+from shardcheck.typecheck.rules import gathered_objects, norm_dim
+from shardcheck.typecheck.types import Pl, Route, Routed, SectionShard, Shard, V
 
 
 def mark_rows(out: torch.Tensor, mark) -> None:

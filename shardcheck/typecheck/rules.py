@@ -15,144 +15,27 @@ import torch
 import torch.distributed as dist
 
 from shardcheck.typecheck.broadcast import fits_shard
-from shardcheck.typecheck.routed import Routed
-from shardcheck.typecheck.types import I, P, Placement, R, S, Shard, Singleton, V
+from shardcheck.typecheck.types import (
+    PAVG,
+    PEVEN,
+    BlockShard,
+    Gathered,
+    I,
+    InterleavedShard,
+    P,
+    Pl,
+    Placement,
+    R,
+    RankChunk,
+    Routed,
+    S,
+    SectionShard,
+    Shard,
+    V,
+)
+from shardcheck.typecheck.violations import Violation
 
 aten = torch.ops.aten
-
-
-class _PartialAverage(Singleton):
-    """A mean over one rank's shard: only an AVG all-reduce turns it into R."""
-
-    __slots__ = ()
-    symbol, pickle_name = "P(avg)", "PAVG"
-
-
-class _EvenPartial(Singleton):
-    """A partial sum of which every rank holds the same share (a sum over equal shards of a
-    constant, e.g. the token count of an all-ones mask): the global value is n times the
-    local one. It is a P; :func:`elementwise` and the positively homogeneous ops know more."""
-
-    __slots__ = ()
-    symbol, pickle_name = "P(even)", "PEVEN"
-
-
-class Gathered(Placement):
-    """All-gathered along dim 0 from shards on ``dim``: rank blocks stacked on dim 0."""
-
-    __slots__ = ("dim",)
-
-    def __init__(self, dim: int) -> None:
-        self.dim = dim
-
-    def __repr__(self) -> str:
-        return f"G({self.dim})"
-
-
-class RankChunk(Shard):
-    """S(d) from the rank-slice heuristic on a split: this rank's chunk of an R tensor.
-
-    It acts as S(d), except where the pieces of the split are put back together (cat,
-    list collectives): there it is what it really holds on every rank, R.
-    """
-
-    __slots__ = ()
-
-
-class GatheredPiece(RankChunk):
-    """Element j of a list all_gather of S(d): rank j's piece, the same on every rank. Put
-    back together along d (cat) the pieces are R; along another dim they line up with nothing
-    of the global value (V)."""
-
-    __slots__ = ()
-
-
-class BlockShard(Shard):
-    """S(d) of a merged dim whose sharded factor is inner: dim d holds ``outer`` blocks, and
-    in each block the ranks' pieces are concatenated in rank order. Megatron's attention
-    builds it: [s, b, np, hn] -> [s, b*np, hn] with np sharded is S(1) with b blocks; the
-    reverse view makes it S on np again."""
-
-    __slots__ = ("outer",)
-
-    def __init__(self, dim: int, outer: int, outside: bool = False) -> None:
-        super().__init__(dim, outside)
-        self.outer = outer
-
-    def __repr__(self) -> str:
-        return f"S({self.dim}, blocks={self.outer}{', outside' if self.outside else ''})"
-
-    def __eq__(self, other: object) -> bool:
-        return (isinstance(other, BlockShard) and other.dim == self.dim
-                and other.outer == self.outer and other.outside == self.outside)
-
-    def __hash__(self) -> int:
-        return hash(("S", self.dim, self.outer, self.outside))
-
-
-class SectionShard(Shard):
-    """S(d) of a fused dim: the global dim concatenates sections (e.g. query, key, value), each
-    sharded over the axis, and every rank holds its piece of each section, in order;
-    ``sections`` are the local lengths. Megatron's fused column-parallel weights are laid out
-    so (their ``sharded_state_dict`` splits them per section); cutting such a dim at section
-    boundaries gives S(d) pieces."""
-
-    __slots__ = ("sections",)
-
-    def __init__(self, dim: int, sections: tuple[int, ...], outside: bool = False) -> None:
-        super().__init__(dim, outside)
-        self.sections = tuple(sections)
-
-    def __repr__(self) -> str:
-        return f"S({self.dim}, sections={list(self.sections)}{', outside' if self.outside else ''})"
-
-    def __eq__(self, other: object) -> bool:
-        return (type(other) is type(self) and other.dim == self.dim
-                and other.sections == self.sections and other.outside == self.outside)
-
-    def __hash__(self) -> int:
-        return hash(("S", self.dim, self.sections, self.outside))
-
-    def piece(self, start: int, length: int) -> Shard | None:
-        """The shard of the local range [start, start+length) if it is whole sections."""
-        bounds = [0]
-        for size in self.sections:
-            bounds.append(bounds[-1] + size)
-        if start not in bounds or start + length not in bounds:
-            return None
-        inner = self.sections[bounds.index(start):bounds.index(start + length)]
-        return S(self.dim, self.outside) if len(inner) == 1 else SectionShard(self.dim, inner, self.outside)
-
-
-class InterleavedShard(SectionShard):
-    """A fused dim (sections of local lengths ``chunks`` times ``count``) with each section cut
-    into ``count`` chunks and the chunks grouped by chunk: chunk 0 of every section, then
-    chunk 1, ... (GDN's head permutation before its one all-to-all over cp). As a
-    SectionShard, its sections are those chunks in that order; sent to the ``count`` ranks
-    of a group by an all-to-all, rank k gets chunk k of every section."""
-
-    __slots__ = ("count",)
-
-    def __init__(self, dim: int, chunks: tuple[int, ...], count: int, outside: bool = False) -> None:
-        super().__init__(dim, tuple(chunks) * count, outside)
-        self.count = count
-
-    @property
-    def chunks(self) -> tuple[int, ...]:
-        return self.sections[:len(self.sections) // self.count]
-
-    def __repr__(self) -> str:
-        return f"S({self.dim}, sections={list(self.chunks)} x {self.count}{', outside' if self.outside else ''})"
-
-    def __hash__(self) -> int:
-        return hash(("S", self.dim, self.sections, self.count, self.outside))
-
-
-def interleaved(dim: int, chunks: tuple[int, ...], count: int, outside: bool = False) -> Shard:
-    """The shard of sections ``chunks`` x ``count`` grouped by chunk; one section is a plain shard."""
-    if len(chunks) == 1:
-        return S(dim, outside)
-    return InterleavedShard(dim, chunks, count, outside)
 
 
 def interleaves(index: torch.Tensor, sections: tuple[int, ...], count: int) -> bool:
@@ -283,80 +166,7 @@ def rows_side_by_side(ctx, tensors, dim: int) -> tuple[int, ...]:
     return mark[1]
 
 
-PAVG: Placement = _PartialAverage()
-PEVEN: Placement = _EvenPartial()
 NO_TENSOR = ()  # a typed result without tensor outputs (e.g. ``.item()``)
-
-Pl = tuple  # per-axis placements, None where unknown
-
-
-class Violation(Exception):
-    """A rule's verdict: ``rule`` broken on mesh axis ``axis`` (an index)."""
-
-    def __init__(self, rule: str, axis: int, why: str = "", occurrence: int | None = None,
-                 unconfirmed: bool = False) -> None:
-        super().__init__(rule)
-        self.rule, self.axis, self.why, self.occurrence = rule, axis, why, occurrence
-        # a report that stands only when ranks at two or more coordinates make it (see
-        # checker.confirmed_across_ranks): recorded, never raised by one rank alone
-        self.unconfirmed = unconfirmed
-
-
-HELP: dict[str, tuple[str, str]] = {
-    "non-linear on partial": (
-        "the op is not linear: applied to each rank's partial sum it differs from the op of the sum",
-        "all_reduce over {axis} before {op}"),
-    "affine on partial": (
-        "adding a non-zero replicated/sharded value to a partial sum adds it once per rank",
-        "all_reduce over {axis} first, or add the term on one rank only"),
-    "partial product": (
-        "a product of per-rank partial sums is not the product of the sums",
-        "all_reduce over {axis} one of the operands first"),
-    "division by partial": (
-        "each rank divides by its own partial of the divisor, not by the global value",
-        "all_reduce the divisor over {axis} before dividing"),
-    "mean over shard": (
-        "a mean over one rank's shard is a partial average: only an AVG all-reduce completes it",
-        "sum over the shard and divide by the global count, or all_reduce(AVG) over {axis}"),
-    "normalization over shard": (
-        "the op normalises along a dim that is split over the ranks, using only the local part",
-        "all_gather over {axis} first, or compute the statistics with collectives"),
-    "global shape mismatch": (
-        "a replicated full-size operand is combined with one rank's slice of a sharded one",
-        "slice the replicated operand by rank (sc.rank_slice) or all_gather the sharded one over {axis}"),
-    "mixed shards": (
-        "the operands are split along different dims, so their local pieces do not line up",
-        "redistribute one operand over {axis} so both are sharded on the same dim"),
-    "shard counted as replica": (
-        "the value is cut over the axis, but the code takes it for a replica and counts only "
-        "one rank's piece (e.g. in a norm over parameters)",
-        "count every rank's piece: mark the value as sharded over {axis}"),
-    "double count": (
-        "a SUM all-reduce of a replicated value adds n copies of the same value",
-        "drop this all_reduce, or reduce the partial value instead"),
-    "gather of replicated": (
-        "all_gather of a replicated value concatenates n copies of it",
-        "drop the all_gather over {axis}, or gather the sharded value"),
-    "scatter of replicated": (
-        "reduce_scatter of a replicated value sums n copies of it",
-        "slice by rank instead (sc.rank_slice), or reduce-scatter the partial value"),
-    "split of varying": (
-        "the tensor already differs per rank, so taking this rank's chunk of it keeps only a "
-        "fraction of each rank's data",
-        "split the replicated value, or check which group's rank indexes the split"),
-    "broadcast of partial": (
-        "a broadcast sends one rank's partial sum to every rank: the other ranks' parts are lost",
-        "all_reduce over {axis} instead of broadcasting"),
-    "mean of partial": (
-        "an AVG reduction of partial sums divides their sum by the axis size",
-        "reduce with SUM over {axis}"),
-    "unknown axis": (
-        "the collective runs on a group whose ranks match no axis of the mesh",
-        "use the process group of the axis the data is laid out on"),
-    "assertion": ("sc.assert_type found another type", "fix the program or the assertion"),
-    "contract": ("an argument does not have the type the function's contract requires",
-                 "convert the argument before the call"),
-}
 
 
 # --- helpers -------------------------------------------------------------------------------

@@ -11,17 +11,9 @@ from collections.abc import Callable
 import torch
 
 from shardcheck.typecheck.exchange import rejoined_pieces, rejoined_rows
-from shardcheck.typecheck.routed import Routed, joined
 from shardcheck.typecheck.rules import (
     ADD,
-    BlockShard,
-    Gathered,
-    GatheredPiece,
-    Pl,
-    RankChunk,
-    SectionShard,
     Typed,
-    Violation,
     arg,
     as_pieces,
     axis_stride,
@@ -29,7 +21,6 @@ from shardcheck.typecheck.rules import (
     cut_into_rows,
     elementwise,
     in_backward_of,
-    interleaved,
     interleaves,
     is_partial,
     is_tensor,
@@ -46,7 +37,24 @@ from shardcheck.typecheck.rules import (
     rows_side_by_side,
     shift_shards,
 )
-from shardcheck.typecheck.types import P, Placement, R, S, Shard, V
+from shardcheck.typecheck.types import (
+    BlockShard,
+    Gathered,
+    GatheredPiece,
+    P,
+    Pl,
+    Placement,
+    R,
+    RankChunk,
+    Routed,
+    S,
+    SectionShard,
+    Shard,
+    V,
+    interleaved,
+    joined,
+)
+from shardcheck.typecheck.violations import Violation
 
 
 def prod(xs) -> int:

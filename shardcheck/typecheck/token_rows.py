@@ -31,10 +31,9 @@ import torch
 
 from shardcheck.typecheck import backward_rules, shape_rules
 from shardcheck.typecheck.checker import RULES, register_rule
-from shardcheck.typecheck.routed import Route, Routed
 from shardcheck.typecheck.routing import mark_rows
-from shardcheck.typecheck.rules import BlockShard, SectionShard, arg, is_partial, norm_dim
-from shardcheck.typecheck.types import P, R, S, Shard, V
+from shardcheck.typecheck.rules import arg, is_partial, norm_dim
+from shardcheck.typecheck.types import BlockShard, P, R, Route, Routed, S, SectionShard, Shard, V
 
 aten = torch.ops.aten
 _SLICE = RULES["slice"]

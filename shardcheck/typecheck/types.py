@@ -1,4 +1,5 @@
-"""SPMD placement types and the mesh of named process-group axes they refer to."""
+"""The SPMD type lattice (R, P, V, I, S and their refinements: P(avg), P(even), block, section
+and routed shards, gathered blocks) and the mesh of named process-group axes they refer to."""
 
 from __future__ import annotations
 
@@ -92,6 +93,148 @@ class Shard(Placement):
 def S(dim: int, outside: bool = False) -> Shard:  # noqa: N802 - the type's own name
     """The interned S(dim) placement (``outside``: see :class:`Shard`)."""
     return Shard(dim, outside)
+
+
+# --- refinements of P and S ----------------------------------------------------------------
+
+class _PartialAverage(Singleton):
+    """A mean over one rank's shard: only an AVG all-reduce turns it into R."""
+
+    __slots__ = ()
+    symbol, pickle_name = "P(avg)", "PAVG"
+
+
+class _EvenPartial(Singleton):
+    """A partial sum of which every rank holds the same share (a sum over equal shards of a
+    constant, e.g. the token count of an all-ones mask): the global value is n times the
+    local one. It is a P; :func:`elementwise` and the positively homogeneous ops know more."""
+
+    __slots__ = ()
+    symbol, pickle_name = "P(even)", "PEVEN"
+
+
+class Gathered(Placement):
+    """All-gathered along dim 0 from shards on ``dim``: rank blocks stacked on dim 0."""
+
+    __slots__ = ("dim",)
+
+    def __init__(self, dim: int) -> None:
+        self.dim = dim
+
+    def __repr__(self) -> str:
+        return f"G({self.dim})"
+
+
+class RankChunk(Shard):
+    """S(d) from the rank-slice heuristic on a split: this rank's chunk of an R tensor.
+
+    It acts as S(d), except where the pieces of the split are put back together (cat,
+    list collectives): there it is what it really holds on every rank, R.
+    """
+
+    __slots__ = ()
+
+
+class GatheredPiece(RankChunk):
+    """Element j of a list all_gather of S(d): rank j's piece, the same on every rank. Put
+    back together along d (cat) the pieces are R; along another dim they line up with nothing
+    of the global value (V)."""
+
+    __slots__ = ()
+
+
+class BlockShard(Shard):
+    """S(d) of a merged dim whose sharded factor is inner: dim d holds ``outer`` blocks, and
+    in each block the ranks' pieces are concatenated in rank order. Megatron's attention
+    builds it: [s, b, np, hn] -> [s, b*np, hn] with np sharded is S(1) with b blocks; the
+    reverse view makes it S on np again."""
+
+    __slots__ = ("outer",)
+
+    def __init__(self, dim: int, outer: int, outside: bool = False) -> None:
+        super().__init__(dim, outside)
+        self.outer = outer
+
+    def __repr__(self) -> str:
+        return f"S({self.dim}, blocks={self.outer}{', outside' if self.outside else ''})"
+
+    def __eq__(self, other: object) -> bool:
+        return (isinstance(other, BlockShard) and other.dim == self.dim
+                and other.outer == self.outer and other.outside == self.outside)
+
+    def __hash__(self) -> int:
+        return hash(("S", self.dim, self.outer, self.outside))
+
+
+class SectionShard(Shard):
+    """S(d) of a fused dim: the global dim concatenates sections (e.g. query, key, value), each
+    sharded over the axis, and every rank holds its piece of each section, in order;
+    ``sections`` are the local lengths. Megatron's fused column-parallel weights are laid out
+    so (their ``sharded_state_dict`` splits them per section); cutting such a dim at section
+    boundaries gives S(d) pieces."""
+
+    __slots__ = ("sections",)
+
+    def __init__(self, dim: int, sections: tuple[int, ...], outside: bool = False) -> None:
+        super().__init__(dim, outside)
+        self.sections = tuple(sections)
+
+    def __repr__(self) -> str:
+        return f"S({self.dim}, sections={list(self.sections)}{', outside' if self.outside else ''})"
+
+    def __eq__(self, other: object) -> bool:
+        return (type(other) is type(self) and other.dim == self.dim
+                and other.sections == self.sections and other.outside == self.outside)
+
+    def __hash__(self) -> int:
+        return hash(("S", self.dim, self.sections, self.outside))
+
+    def piece(self, start: int, length: int) -> Shard | None:
+        """The shard of the local range [start, start+length) if it is whole sections."""
+        bounds = [0]
+        for size in self.sections:
+            bounds.append(bounds[-1] + size)
+        if start not in bounds or start + length not in bounds:
+            return None
+        inner = self.sections[bounds.index(start):bounds.index(start + length)]
+        return S(self.dim, self.outside) if len(inner) == 1 else SectionShard(self.dim, inner, self.outside)
+
+
+class InterleavedShard(SectionShard):
+    """A fused dim (sections of local lengths ``chunks`` times ``count``) with each section cut
+    into ``count`` chunks and the chunks grouped by chunk: chunk 0 of every section, then
+    chunk 1, ... (GDN's head permutation before its one all-to-all over cp). As a
+    SectionShard, its sections are those chunks in that order; sent to the ``count`` ranks
+    of a group by an all-to-all, rank k gets chunk k of every section."""
+
+    __slots__ = ("count",)
+
+    def __init__(self, dim: int, chunks: tuple[int, ...], count: int, outside: bool = False) -> None:
+        super().__init__(dim, tuple(chunks) * count, outside)
+        self.count = count
+
+    @property
+    def chunks(self) -> tuple[int, ...]:
+        return self.sections[:len(self.sections) // self.count]
+
+    def __repr__(self) -> str:
+        return f"S({self.dim}, sections={list(self.chunks)} x {self.count}{', outside' if self.outside else ''})"
+
+    def __hash__(self) -> int:
+        return hash(("S", self.dim, self.sections, self.count, self.outside))
+
+
+def interleaved(dim: int, chunks: tuple[int, ...], count: int, outside: bool = False) -> Shard:
+    """The shard of sections ``chunks`` x ``count`` grouped by chunk; one section is a plain shard."""
+    if len(chunks) == 1:
+        return S(dim, outside)
+    return InterleavedShard(dim, chunks, count, outside)
+
+
+PAVG: Placement = _PartialAverage()
+PEVEN: Placement = _EvenPartial()
+
+Pl = tuple  # per-axis placements, None where unknown
 
 
 def parse_placement(text: str) -> Placement:
@@ -208,3 +351,98 @@ def _span(origin: int, axes: tuple[Axis, ...]) -> frozenset[int]:
     for axis in axes:
         reach = {r + (a - origin) for r in reach for a in axis.ranks}
     return frozenset(reach)
+
+
+# --- rows routed between ranks by group --------------------------------------------------
+#
+# Rows routed between the ranks of an axis by group (MoE's token dispatch), as a placement.
+#
+# Each rank lists its own rows group after group (``token_rows``' grouped index: the rows it
+# routes to each expert). An uneven all-to-all that sends rank k the rows of its block of ``L``
+# consecutive groups (its local experts) gives rank k every rank's rows of those groups, each
+# row on one rank only: the global rows, cut over the ranks by destination. ``Routed`` says so,
+# with the parts (source rank, local group) in local order; their row counts are the route's
+# table, which the ranks exchange at the all-to-all (see :mod:`routing`).
+#
+# Row-wise ops keep the placement (a matmul by the rank's own group's weight, S on the axis by
+# the convention of expert weights, too); parts of one route cut and joined are parts again. A
+# contraction over the rows of one local group's every part (from every rank that sent rows)
+# is that group's complete value, the rank's own: S(0), as its experts are declared. Over any
+# other set of routed rows it is the rank's share of a sum over all rows (P). An all-to-all
+# sending every part back to the rank it came from restores the rows' type before the route
+# (``source``).
+
+
+@dataclass(frozen=True)
+class Route:
+    """One routing seen from this rank: ``table[j][l]``, the rows source rank ``j`` (index on
+    the group) sent of this rank's local group ``l``; ``sent``, this rank's rows per destination;
+    ``grouping``, the mark of this rank's grouped index (``token_rows.Grouped``)."""
+
+    table: tuple[tuple[int, ...], ...]
+    sent: tuple[int, ...]
+    grouping: object
+
+    @property
+    def received(self) -> tuple[tuple[int, int], ...]:
+        """The parts in the order the all-to-all delivers them, empty ones left out."""
+        return tuple((j, g) for j, row in enumerate(self.table) for g, count in enumerate(row) if count)
+
+    def count(self, part: tuple[int, int]) -> int:
+        return self.table[part[0]][part[1]]
+
+
+class Routed(Shard):
+    """S(dim) of rows routed by ``route``: this rank holds ``parts`` (source, local group) in
+    order, whose rows came from ranks whose own rows were ``source`` (V or a row shard)."""
+
+    __slots__ = ("route", "parts", "source")
+
+    def __init__(self, dim: int, route: Route, parts: tuple[tuple[int, int], ...], source: Placement) -> None:
+        super().__init__(dim)
+        self.route, self.parts, self.source = route, tuple(parts), source
+
+    def __repr__(self) -> str:
+        return f"S({self.dim}, routed {list(self.parts)})"
+
+    def __eq__(self, other: object) -> bool:
+        return (type(other) is Routed and other.dim == self.dim and other.parts == self.parts
+                and other.route == self.route and other.source == self.source)
+
+    def __hash__(self) -> int:
+        return hash(("routed", self.dim, self.parts))
+
+    def lines_up(self, other: Routed) -> bool:
+        """Whether the local rows of both are the same rows (their sources may differ)."""
+        return other.parts == self.parts and other.route == self.route
+
+    def at(self, dim: int, source: Placement | None = None) -> Routed:
+        return Routed(dim, self.route, self.parts, self.source if source is None else source)
+
+    def piece(self, start: int, length: int) -> Routed | None:
+        """The parts of the local rows [start, start+length), if it starts and ends at part bounds."""
+        bounds = [0]
+        for part in self.parts:
+            bounds.append(bounds[-1] + self.route.count(part))
+        if start not in bounds or start + length not in bounds:
+            return None
+        first, last = bounds.index(start), bounds.index(start + length)
+        return Routed(self.dim, self.route, self.parts[first:last], self.source)
+
+    def complete(self) -> bool:
+        """Whether the parts are every sent part of one local group, each once."""
+        groups = {g for _, g in self.parts}
+        if len(groups) != 1 or len(set(self.parts)) != len(self.parts):
+            return False
+        (group,) = groups
+        return set(self.parts) == {part for part in self.route.received if part[1] == group}
+
+
+def joined(pieces: list[Routed], dim: int) -> Routed | None:
+    """Routed pieces of one route joined along their rows, in order, else None."""
+    first = pieces[0]
+    if any(p.route != first.route or p.dim != first.dim for p in pieces):
+        return None
+    sources = {p.source for p in pieces}
+    source = sources.pop() if len(sources) == 1 else V
+    return Routed(dim, first.route, tuple(part for p in pieces for part in p.parts), source)

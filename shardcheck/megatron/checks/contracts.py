@@ -433,8 +433,8 @@ def _check_results(active: Any, contract: Contract, fn: Callable[..., Any], args
                    kwargs: dict, result: Any) -> None:
     """Report results whose checker type breaks the contract's ``ensures`` (R, P and S only)."""
     from shardcheck.typecheck.checker import typeof
-    from shardcheck.typecheck.rules import Violation
     from shardcheck.typecheck.types import parse_placement
+    from shardcheck.typecheck.violations import Violation
 
     bound = inspect.signature(fn).bind(*args, **kwargs).arguments
     values = result if isinstance(result, tuple | list) else (result,)

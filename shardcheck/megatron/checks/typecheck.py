@@ -154,8 +154,8 @@ def _tp_duplicates_checked() -> Iterator[None]:
     from megatron.core.tensor_parallel import layers
 
     from shardcheck.typecheck.checker import current
-    from shardcheck.typecheck.rules import Violation
     from shardcheck.typecheck.types import Shard
+    from shardcheck.typecheck.violations import Violation
 
     original = layers.param_is_not_tensor_parallel_duplicate
 

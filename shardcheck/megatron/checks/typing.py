@@ -27,8 +27,7 @@ from typing import Any
 
 import torch
 
-from shardcheck.typecheck.rules import SectionShard
-from shardcheck.typecheck.types import Mesh, Placement, R, S, V, parse_alternatives
+from shardcheck.typecheck.types import Mesh, Placement, R, S, SectionShard, V, parse_alternatives
 
 AXES = ("tp", "cp", "dp", "ep", "etp", "pp")
 INPUT_ROLES = ("tokens", "input_ids", "labels", "loss_mask", "position_ids", "attention_mask")
