@@ -66,7 +66,7 @@ def test_plain_gpt_on_correct_layouts_gives_no_finding(audit_pools, precision):
     assert len(result.outcomes) == len(CORRECT)
     assert result.findings == []  # type-only included: CP's per-rank count of an all-ones mask
     if not precision:  # fp32: as close to one rank as sums in another order allow
-        reference = audit_pools.references[("gpt", (), 0)]["outputs"]
+        reference = audit_pools.references[("gpt", (), 0)].outputs
         assert float(reference["clip_factor"]) < 1.0  # the step really clips
         for outcome in result.outcomes:
             assert _worst_relative(outcome, reference, "grad/") < 1e-5, outcome.case.layout
@@ -152,7 +152,7 @@ def test_a_warm_rank_starts_each_case_with_fresh_moe_state(audit_pools):
     [after_gpt] = audit_pools.run(Layout(), run_case, "moe_router", (), (), False)
     fresh = run_layout(scenario("moe_router"), Layout())
     for name, value in fresh.items():
-        assert after_gpt["outputs"][name].numpy() == pytest.approx(value, rel=1e-6, abs=1e-9), name
+        assert after_gpt.outputs[name].numpy() == pytest.approx(value, rel=1e-6, abs=1e-9), name
 
 
 @dataclass(frozen=True)

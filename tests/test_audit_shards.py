@@ -81,3 +81,24 @@ def test_merge_refuses_an_incomplete_set_of_shares_in_one_line(tmp_path):
     result = CliRunner().invoke(main, ["audit", "--shard", "4/3", "--out", str(tmp_path / "out")])
     assert result.exit_code == 2 and "K/N" in result.output
     assert not (tmp_path / "out").exists()
+
+
+def test_a_case_result_crosses_a_pickle_unchanged_with_its_digest():
+    """What a rank sends back (through the pool's pipe) is a frozen record that pickles."""
+    import dataclasses
+    import pickle
+
+    import torch
+
+    from shardcheck.megatron.audit.rank import CaseResult
+
+    result = CaseResult({"loss": torch.tensor([1.0, 2.0], dtype=torch.float64)}, [], [], None,
+                        "megatron/core/x.py:1", ("hidden_size",))
+    digest = result.digest
+    again = pickle.loads(pickle.dumps(result))
+    assert again.digest == digest and again.reads == ("hidden_size",) and again.entry == result.entry
+    assert torch.equal(again.outputs["loss"], result.outputs["loss"])
+    other = CaseResult({"loss": torch.tensor([1.0, 3.0], dtype=torch.float64)}, [], [])
+    assert other.digest != digest
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        result.entry = None

@@ -7,9 +7,12 @@ usable for hundreds of cases.
 
 from __future__ import annotations
 
+import hashlib
 import warnings
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager, nullcontext, suppress
+from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -18,10 +21,33 @@ from shardcheck.megatron.audit.sweep import setup_kwargs
 from shardcheck.megatron.checks import contracts, explicit
 from shardcheck.megatron.checks.typecheck import checked_region
 
+
+@dataclass(frozen=True)
+class CaseResult:
+    """What one rank's run of a case sends back to the parent (through the rank pool's pipe)."""
+
+    outputs: dict[str, torch.Tensor]  # named outputs, as float64 copies
+    calls: list  # the contracted calls, in order (:mod:`shardcheck.megatron.checks.contracts`)
+    violations: list[dict]  # explicit-group misuses, then the type checker's violations
+    ops: dict | None = None  # type-checked: op calls in megatron-core, typed and unknown
+    entry: str | None = None  # ``file:line`` of the first megatron-core forward it ran
+    reads: tuple[str, ...] = ()  # the config fields read (:func:`config_reads`), sorted
+
+    @cached_property
+    def digest(self) -> str:
+        """A hash of the outputs (names, shapes and values)."""
+        h = hashlib.sha1()
+        for name in sorted(self.outputs):
+            value = self.outputs[name].contiguous()
+            h.update(f"{name}{tuple(value.shape)}".encode())
+            h.update(value.numpy().tobytes())
+        return h.hexdigest()[:16]
+
+
 # ---- on each rank --------------------------------------------------------------------------
 
 def run_case(ctx: Any, component: str, options: tuple, fixes: tuple[str, ...], typecheck: bool,
-             rng_offset: int = 0) -> dict:
+             rng_offset: int = 0) -> CaseResult:
     """Run one component with its options on this rank; outputs, contracted calls, violations,
     and (type-checked) the op calls megatron-core made, typed and unknown.
 
@@ -49,9 +75,9 @@ def run_case(ctx: Any, component: str, options: tuple, fixes: tuple[str, ...], t
         found = stack.enter_context(checked_region(ctx, ops) if typecheck else nullcontext([]))
         reads = stack.enter_context(config_reads())
         outputs = run(ctx)
-    return {"outputs": {k: torch.as_tensor(v).detach().double().clone() for k, v in outputs.items()},
-            "calls": calls, "violations": [*misuses, *found], "ops": ops or None,
-            "entry": entries[0] if entries else None, "reads": sorted(reads)}
+    return CaseResult({k: torch.as_tensor(v).detach().double().clone() for k, v in outputs.items()},
+                      calls, [*misuses, *found], ops or None, entries[0] if entries else None,
+                      tuple(sorted(reads)))
 
 
 def _config_classes() -> list[type]:

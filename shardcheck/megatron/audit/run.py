@@ -18,7 +18,6 @@ to larger layouts, within the same budget.
 
 from __future__ import annotations
 
-import hashlib
 import re
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -37,7 +36,7 @@ from shardcheck.megatron.audit.divergence import (
     max_errors,
     output_gaps,
 )
-from shardcheck.megatron.audit.rank import run_case
+from shardcheck.megatron.audit.rank import CaseResult, run_case
 from shardcheck.megatron.audit.report import Finding
 from shardcheck.megatron.audit.sweep import Case, changed_config_fields, layout_dependent_fields
 from shardcheck.megatron.checks import contracts, explicit
@@ -69,7 +68,7 @@ class Pools:
     def __init__(self, timeout: float = RUN_TIMEOUT) -> None:
         self.timeout = timeout
         self._pools: dict[int, RankPool] = {}
-        self.references: dict[tuple[str, tuple, int], dict | str] = {}
+        self.references: dict[tuple[str, tuple, int], CaseResult | str] = {}
 
     def run(self, layout: Layout, fn: Callable[..., Any], *args: Any) -> list[Any]:
         if layout.world_size not in self._pools:
@@ -204,16 +203,6 @@ def _argument_check(frames: list[tuple[str, str]], raised: str) -> bool:
     return raised == "ValueError" and len(functions) == 1
 
 
-def digest(outputs: dict[str, torch.Tensor]) -> str:
-    """A hash of a run's outputs (names, shapes and values)."""
-    h = hashlib.sha1()
-    for name in sorted(outputs):
-        value = outputs[name].contiguous()
-        h.update(f"{name}{tuple(value.shape)}".encode())
-        h.update(value.numpy().tobytes())
-    return h.hexdigest()[:16]
-
-
 def _first_line(failure: PoolFailure) -> str:
     lines = [ln.strip() for ln in str(failure).splitlines() if ln.strip() and not ln.startswith(" ")]
     errors = [ln for ln in lines if not ln.startswith(("rank ", "last collective", "Traceback"))]
@@ -257,7 +246,7 @@ class Runner:
             self._meaning[key] = f"{LAYOUT_MEANING} ({shown})" if fields else None
         return self._meaning[key]
 
-    def reference(self, component: str, options: tuple, rng_offset: int = 0) -> dict | str:
+    def reference(self, component: str, options: tuple, rng_offset: int = 0) -> CaseResult | str:
         """The one-rank result of a component with options, or the error line when it fails."""
         key = (component, options, rng_offset)
         if key not in self.references:
@@ -276,43 +265,39 @@ class Runner:
         if isinstance(ref, str):
             return f"{FAILS}: {ref}"
         base = self.reference(component, ())
-        if options and isinstance(base, dict) and _same_outputs(ref["outputs"], base["outputs"]):
+        if options and isinstance(base, CaseResult) and _same_outputs(ref.outputs, base.outputs):
             return INERT
         reseeded = self.reference(component, options, rng_offset=1)
-        if isinstance(reseeded, dict) and not _same_outputs(ref["outputs"], reseeded["outputs"]):
+        if isinstance(reseeded, CaseResult) and not _same_outputs(ref.outputs, reseeded.outputs):
             return "random: its outputs depend on the RNG seed, so no one-rank reference exists"
         return None
 
     def digest(self, case: Case) -> str | None:
         """The hash of the case's one-rank outputs (cached with the reference)."""
         ref = self.reference(case.component, case.options)
-        if not isinstance(ref, dict):
-            return None
-        if "digest" not in ref:
-            ref["digest"] = digest(ref["outputs"])
-        return ref["digest"]
+        return ref.digest if isinstance(ref, CaseResult) else None
 
     def run(self, case: Case, fixes: tuple[str, ...] = ()) -> Outcome:
         started = time.monotonic()
         ref = self.reference(case.component, case.options)
-        assert isinstance(ref, dict), "screened cases have a reference"
+        assert isinstance(ref, CaseResult), "screened cases have a reference"
         try:
             ranks = self.pools.run(case.layout, run_case, case.component, case.options, fixes, self.typecheck)
         except PoolFailure as failure:
             return Outcome(case, error=_first_line(failure), seconds=time.monotonic() - started,
                            error_kind=failure.kind, reference_digest=self.digest(case),
                            frame=_megatron_frame(failure), config_check=_in_config_check(failure),
-                           entry=ref.get("entry"))
+                           entry=ref.entry)
         dtype = compute_dtype(case.options)
-        outcome = Outcome(case, output_gaps([r["outputs"] for r in ranks], ref["outputs"], dtype),
-                          first_call_gap(case.layout, [r["calls"] for r in ranks], ref["calls"], dtype),
-                          confirmed_across_ranks(r["violations"] for r in ranks),
-                          errors=max_errors([r["outputs"] for r in ranks], ref["outputs"]),
-                          entry=ranks[0]["entry"], reference_digest=self.digest(case),
-                          ops=op_counts(r.get("ops") for r in ranks))
+        outcome = Outcome(case, output_gaps([r.outputs for r in ranks], ref.outputs, dtype),
+                          first_call_gap(case.layout, [r.calls for r in ranks], ref.calls, dtype),
+                          confirmed_across_ranks(r.violations for r in ranks),
+                          errors=max_errors([r.outputs for r in ranks], ref.outputs),
+                          entry=ranks[0].entry, reference_digest=self.digest(case),
+                          ops=op_counts(r.ops for r in ranks))
         if not case.options and not fixes:
             self.read_sets[(case.component, str(case.layout))] = frozenset(
-                name for r in ranks for name in r["reads"])
+                name for r in ranks for name in r.reads)
         outcome.seconds = time.monotonic() - started
         return outcome
 
