@@ -273,7 +273,7 @@ def test_audit_findings_join_the_store_with_their_scripts_and_repro_reads_them(t
 
 def test_megatron_fuzz_findings_get_their_scripts_from_the_same_templates(tmp_path):
     from shardcheck.fuzz.campaign import resolve_target
-    from shardcheck.megatron.audit import fuzz_targets  # noqa: F401  (registers the catalogue)
+    from shardcheck.megatron import fuzz_targets  # noqa: F401  (registers the catalogue)
 
     finding = _finding("output_loss", {"label_smoothing": 0.1, "seq": 4}, "tp2-sp", "vocab_parallel_cross_entropy")
     finding.origin = "fuzz"

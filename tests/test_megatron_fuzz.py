@@ -7,8 +7,9 @@ pytest.importorskip("megatron.core")
 from hypothesis import find  # noqa: E402
 from hypothesis.errors import NoSuchExample, UnsatisfiedAssumption  # noqa: E402
 
+from shardcheck.fuzz import campaign  # noqa: E402
 from shardcheck.fuzz.campaign import fuzz, registered_targets  # noqa: E402
-from shardcheck.megatron.audit import fuzz_targets  # noqa: E402
+from shardcheck.megatron import fuzz_targets  # noqa: E402
 from shardcheck.megatron.scenarios import COMPONENTS  # noqa: E402
 from shardcheck.megatron.scenarios.moe_router import RouterSetup  # noqa: E402
 from shardcheck.parity.layout import Layout  # noqa: E402
@@ -18,6 +19,11 @@ pytestmark = pytest.mark.slow
 
 def test_every_catalogue_component_is_a_fuzz_target():
     assert set(COMPONENTS) <= set(registered_targets())
+
+
+def test_findings_stored_before_the_catalogue_moved_still_find_its_module():
+    assert registered_targets()["gpt"].module == fuzz_targets.__name__ == "shardcheck.megatron.fuzz_targets"
+    assert campaign._import("shardcheck.megatron.audit.fuzz_targets", "gpt") is fuzz_targets
 
 
 def test_the_space_draws_accepted_layouts_few_options_and_declared_sizes():

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 import os
 import sys
@@ -33,7 +32,7 @@ from shardcheck.fuzz.repro import REPRODUCES, ReproError, run_repro
 from shardcheck.parity.layout import LayoutError
 from shardcheck.parity.pool import PoolFailure
 
-CATALOGUE_MODULE = "shardcheck.megatron.audit.fuzz_targets"  # registers the Megatron components
+CATALOGUE_NEEDS = "megatron.core"  # the Megatron components are fuzz targets where it is installed
 _root_option = click.option("--root", default=str(DEFAULT_ROOT), show_default=True,
                             type=click.Path(file_okay=False), help="Where findings and the example database live.")
 
@@ -42,10 +41,11 @@ def _target(spec: str, typecheck: bool = True, module: str | None = None) -> Fuz
     """Resolve a target; component names may need the Megatron catalogue imported first."""
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # module:function scenarios next to the user
-    if ":" not in spec and spec not in registered_targets() and not module and _exists(CATALOGUE_MODULE):
+    if ":" not in spec and spec not in registered_targets() and not module and _exists(CATALOGUE_NEEDS):
         with warnings.catch_warnings():  # Megatron's "Apex is not installed" and deprecation notes
             warnings.simplefilter("ignore")
-            importlib.import_module(CATALOGUE_MODULE)
+            from shardcheck.megatron import fuzz_targets
+        fuzz_targets.register_catalogue()
     try:
         return resolve_target(spec, typecheck, module)
     except (FuzzError, LayoutError) as exc:

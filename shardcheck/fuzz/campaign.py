@@ -113,6 +113,10 @@ def register_fuzz_target(name: str, scenario: Callable[..., Any] | None = None,
     return target
 
 
+# Registering modules that moved: a stored finding names the module its target was registered from.
+MOVED_MODULES = {"shardcheck.megatron.audit.fuzz_targets": "shardcheck.megatron.fuzz_targets"}
+
+
 def registered_targets() -> dict[str, FuzzTarget]:
     """The registered fuzz targets by name."""
     return dict(_TARGETS)
@@ -142,7 +146,7 @@ def resolve_target(spec: str | FuzzTarget, typecheck: bool = True, module: str |
 
 def _import(module_name: str, spec: str) -> Any:
     try:
-        return importlib.import_module(module_name)
+        return importlib.import_module(MOVED_MODULES.get(module_name, module_name))
     except ImportError as exc:
         raise FuzzError(f"cannot import {module_name!r} for scenario {spec!r}: {exc}") from exc
 
