@@ -191,7 +191,7 @@ def _harness_types_on_rank() -> dict:
             sc.typecheck(Mesh(rank=dist.get_rank(), tp=world, dp=world), mode="collect"):
         view = sc.annotate(torch.randn(4, 6), tp=S(1), dp=R)[:3]  # a view, no rank chunk
         found["viewless"] = sc.typeof(make_viewless_tensor(view, True, True))  # out.data = inp.data
-        with typecheck._harness_values_typed(("tp", "dp")):
+        with typecheck.harness_values_typed(("tp", "dp")):
             batches = training.data_parallel_share([{"ids": torch.zeros(3)} for _ in range(2)])
             found["batch share"] = sc.typeof(batches[0]["ids"])
     return {name: {axis: repr(p) for axis, p in types.items()} for name, types in found.items()}
@@ -200,6 +200,34 @@ def _harness_types_on_rank() -> dict:
 def test_harness_and_viewless_tensors_keep_their_types():
     expected = {"viewless": {"tp": "S(1)", "dp": "R"}, "batch share": {"tp": "R", "dp": "V"}}
     assert spawn_ranks(_harness_types_on_rank, 2) == [expected] * 2  # every rank's own types
+
+
+def test_the_harness_helpers_type_their_values_on_the_checked_regions_axes_only():
+    """A seeded global is drawn alike on every rank (R); this rank's sequence chunk (S(0) over
+    tp) and CP positions (S(0) over cp) are its shard. Outside the harness's block, or on an
+    axis its block leaves out, the checker's own type stays."""
+    import shardcheck as sc
+    from shardcheck.megatron.checks.typecheck import harness_values_typed
+    from shardcheck.megatron.cpu.cp_attention import load_balanced_positions
+    from shardcheck.megatron.scenarios.output_loss import _sequence_shard
+    from shardcheck.megatron.scenarios.reference import seeded_global
+    from shardcheck.typecheck.types import Mesh
+
+    class Group:
+        def size(self) -> int:
+            return 2
+
+        def rank(self) -> int:
+            return 0
+
+    with sc.typecheck(Mesh(rank=0, tp=[0, 1], cp=[0, 1]), mode="collect"):
+        assert sc.typeof(seeded_global("x", (4, 2))) == {"tp": V, "cp": V}  # drawn: varying
+        with harness_values_typed(("tp",)):
+            assert sc.typeof(seeded_global("x", (4, 2))) == {"tp": R, "cp": V}
+            assert sc.typeof(_sequence_shard(seeded_global("x", (4, 2)), True, Group()))["tp"] == S(0)
+            assert sc.typeof(load_balanced_positions(4, 0, 2))["cp"] == R  # a constant: cp left out
+        with harness_values_typed(("tp", "cp")):
+            assert sc.typeof(load_balanced_positions(4, 0, 2)) == {"tp": R, "cp": S(0)}
 
 
 def test_expert_weights_cut_over_the_tp_ranks_are_typed_on_tp():

@@ -402,62 +402,29 @@ def _received_tensors_untyped() -> Iterator[None]:
         yield
 
 
+_HARNESS_AXES: list[tuple[str, ...]] = []  # the mesh axes of each open harness_values_typed
+
+
 @contextlib.contextmanager
-def _harness_values_typed(axes: tuple[str, ...]) -> Iterator[None]:
-    """Type the harness helpers whose results the checker cannot see through: ``seeded_global``
-    (a global tensor drawn from a fixed seed: the same on every rank, R), ``_sequence_shard``
-    (this TP rank's sequence chunk under sequence parallelism: S(0) over tp) and
-    ``load_balanced_positions`` (this CP rank's token positions: S(0) over cp) and
-    ``data_parallel_share`` (this DP rank's microbatches of a global batch built alike on every
-    rank: V over dp, R over the other axes)."""
-
-    import shardcheck as sc
-    from shardcheck.megatron.cpu import cp_attention
-    from shardcheck.megatron.scenarios import reference
-    from shardcheck.typecheck.types import R, S
-
-    def typed(original, placements):
-        def run(*args: Any, **kwargs: Any) -> Any:
-            return sc.annotate(original(*args, **kwargs), **placements)
-        return run
-
-    patches = [(reference.seeded_global, typed(reference.seeded_global, dict.fromkeys(axes, R)))]
-    share = importlib.import_module("shardcheck.megatron.scenarios.training").data_parallel_share
-    patches.append((share, _batches_typed(share, axes)))
-    if "tp" in axes:
-        output_loss = importlib.import_module("shardcheck.megatron.scenarios.output_loss")
-        patches.append((output_loss._sequence_shard, _sequence_typed(output_loss._sequence_shard)))
-    if "cp" in axes:
-        positions = cp_attention.load_balanced_positions
-        patches.append((positions, typed(positions, {"cp": S(0)})))
-    with attributes_set([(module, old.__name__, new) for old, new in patches
-                         for module in holders("shardcheck.megatron", old)]):
+def harness_values_typed(axes: tuple[str, ...]) -> Iterator[None]:
+    """Inside, :func:`harness_typed` declares the harness's values on the mesh axes ``axes``."""
+    _HARNESS_AXES.append(axes)
+    try:
         yield
+    finally:
+        _HARNESS_AXES.pop()
 
 
-def _batches_typed(original: Any, axes: tuple[str, ...]) -> Any:
+def harness_typed(value: torch.Tensor, **placements: Any) -> torch.Tensor:
+    """``value``, from a harness helper whose result the checker cannot see through (a global
+    tensor drawn from a fixed seed, this rank's chunk of one), with its ``placements`` on the
+    axes of the checked region around it; outside one, ``value`` as it is."""
+    known = {axis: p for axis, p in placements.items() if _HARNESS_AXES and axis in _HARNESS_AXES[-1]}
+    if not known:
+        return value
     import shardcheck as sc
-    from shardcheck.typecheck.types import R, V
 
-    placements = {axis: V if axis == "dp" else R for axis in axes}
-
-    def run(*args: Any, **kwargs: Any) -> Any:
-        batches = original(*args, **kwargs)
-        for batch in batches:
-            for value in batch.values():
-                sc.annotate(value, **placements)
-        return batches
-    return run
-
-
-def _sequence_typed(original: Any) -> Any:
-    import shardcheck as sc
-    from shardcheck.typecheck.types import S
-
-    def run(tensor: torch.Tensor, sp: bool, group: Any = None) -> torch.Tensor:
-        local = original(tensor, sp, group)
-        return sc.annotate(local, tp=S(0)) if sp else local
-    return run
+    return sc.annotate(value, **known)
 
 
 @contextlib.contextmanager
@@ -480,7 +447,7 @@ def checked_region(ctx: Any, ops: dict | None = None) -> Iterator[list[dict]]:
         stack.enter_context(_context_parallel_cuts_typed(mesh.names))
         stack.enter_context(_sequence_rolls_typed())
         stack.enter_context(_object_collectives_untyped())
-        stack.enter_context(_harness_values_typed(mesh.names))
+        stack.enter_context(harness_values_typed(mesh.names))
         stack.enter_context(_received_tensors_untyped())
         stack.enter_context(received_activations_typed())
         stack.enter_context(_gradient_buffers_typed(mesh.names))

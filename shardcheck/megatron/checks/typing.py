@@ -160,7 +160,7 @@ def tp_layouts(module: torch.nn.Module) -> dict[int, TpLayout]:
     Several pieces along that dim are the sections of a fused weight (GatedDeltaNet's and
     Mamba's ``in_proj`` and ``conv1d``, GLU ``fc1``). Empty for a module without
     sharded-state-dict metadata."""
-    from shardcheck.megatron.scenarios.reference import param_shards
+    from shardcheck.megatron.checks.shards import param_shards
 
     try:
         shards = param_shards(module)

@@ -19,6 +19,9 @@ import torch
 import torch.distributed as dist
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
+from shardcheck.megatron.checks.typecheck import harness_typed
+from shardcheck.typecheck.types import S
+
 
 class _GatherSequence(torch.autograd.Function):
     """All-gather along dim 0 over a group; the backward sums gradients and keeps this rank's."""
@@ -40,8 +43,8 @@ class _GatherSequence(torch.autograd.Function):
 
 def load_balanced_positions(local_len: int, cp_rank: int, cp_size: int) -> torch.Tensor:
     """Global positions of this CP rank's tokens: chunks ``cp_rank`` and ``2*cp_size-1-cp_rank``
-    (the type-checking harness types its result as this rank's shard)."""
-    return _positions_of(local_len, cp_rank, cp_size)
+    (this rank's shard of the positions: S(0) over cp)."""
+    return harness_typed(_positions_of(local_len, cp_rank, cp_size), cp=S(0))
 
 
 def _positions_of(local_len: int, cp_rank: int, cp_size: int) -> torch.Tensor:

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shardcheck.megatron.checks.typecheck import harness_typed
 from shardcheck.megatron.cpu.parallel import explicit_kwargs, megatron_parallel, world_group
 from shardcheck.megatron.cpu.versions import tp_group_kwargs
 from shardcheck.megatron.scenarios.gpt import GPTSetup, transformer_config
@@ -24,6 +25,7 @@ from shardcheck.megatron.scenarios.reference import (
     load_global_weights,
     seeded_global,
 )
+from shardcheck.typecheck.types import S
 
 
 @dataclass(frozen=True)
@@ -48,11 +50,11 @@ def _tp_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
 
 def _sequence_shard(tensor: torch.Tensor, sp: bool, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """This TP rank's sequence chunk under sequence parallelism (on ``group``, by default
-    ``parallel_state``'s tp group), else the whole tensor."""
+    ``parallel_state``'s tp group; S(0) over tp), else the whole tensor."""
     if not sp:
         return tensor
     group = _tp_group(group)
-    return tensor.chunk(group.size(), dim=0)[group.rank()]
+    return harness_typed(tensor.chunk(group.size(), dim=0)[group.rank()], tp=S(0))
 
 
 def _sequence_gather(tensor: torch.Tensor, sp: bool, group: dist.ProcessGroup | None = None) -> torch.Tensor:

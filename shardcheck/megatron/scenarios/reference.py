@@ -15,22 +15,15 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-Builder = Callable[[torch.Tensor], list[ShardedTensor]]
-
-
-@dataclass(frozen=True)
-class ParamShards:
-    """One parameter and how to cut any tensor of its shape into its global pieces."""
-
-    name: str
-    param: torch.nn.Parameter
-    build: Builder
+from shardcheck.megatron.checks.shards import ParamShards, param_shards
+from shardcheck.megatron.checks.typecheck import MESH_AXES, harness_typed
+from shardcheck.typecheck.types import R
 
 
 @dataclass(frozen=True)
@@ -43,45 +36,6 @@ class Piece:
     value: torch.Tensor
 
 
-def _leaves(tree) -> Iterator:
-    if isinstance(tree, dict):
-        for value in tree.values():
-            yield from _leaves(tree=value)
-    elif isinstance(tree, list | tuple):
-        for value in tree:
-            yield from _leaves(value)
-    else:
-        yield tree
-
-
-def _builder(leaf) -> Builder | None:
-    if isinstance(leaf, ShardedTensorFactory):
-        return lambda t: list(_leaves(leaf.build_fn(leaf.key, t, leaf.replica_id, None)))
-    if isinstance(leaf, ShardedTensor) and leaf.flattened_range is None:
-        return lambda t: [replace(leaf, data=t, dtype=t.dtype)]  # an fp32 main_grad of a 16-bit param
-    return None
-
-
-def param_shards(model: torch.nn.Module) -> list[ParamShards]:
-    """Every parameter of ``model`` with its sharded-state-dict builder, in parameter order."""
-    by_storage = {(p.data_ptr(), tuple(p.shape)): (n, p) for n, p in model.named_parameters()}
-    found: dict[str, ParamShards] = {}
-    from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
-
-    for leaf in _leaves(model.sharded_state_dict(metadata=ensure_metadata_has_dp_cp_group(None))):
-        data = getattr(leaf, "data", None)
-        build = _builder(leaf)
-        if data is None or build is None:
-            continue
-        hit = by_storage.get((data.data_ptr(), tuple(data.shape)))
-        if hit is not None:
-            found.setdefault(hit[0], ParamShards(hit[0], hit[1], build))
-    missing = [n for n, _ in model.named_parameters() if n not in found]
-    if missing:
-        raise ValueError(f"parameters without sharded_state_dict metadata: {missing}")
-    return [found[n] for n, _ in model.named_parameters()]
-
-
 def _index(piece: ShardedTensor) -> tuple:
     prepend = piece.prepend_axis_num
     offsets = piece.global_offset
@@ -90,7 +44,14 @@ def _index(piece: ShardedTensor) -> tuple:
 
 
 def seeded_global(key: str, shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
-    """A global tensor that depends only on (key, shape, seed): N(0, 0.05), norms near 1."""
+    """A global tensor that depends only on (key, shape, seed): N(0, 0.05), norms near 1; the
+    same on every rank, so replicated (R) on every axis of a checked region."""
+    return harness_typed(seeded_values(key, shape, seed), **dict.fromkeys(MESH_AXES, R))
+
+
+def seeded_values(key: str, shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
+    """:func:`seeded_global`'s values, not typed: :func:`load_global_weights` fills parameters
+    with them, which the checker types from Megatron's metadata."""
     digest = hashlib.sha256(f"{seed}:{key}".encode()).digest()
     gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
     values = torch.randn(shape, generator=gen, dtype=torch.float64) * 0.05
@@ -101,7 +62,7 @@ def seeded_global(key: str, shape: tuple[int, ...], seed: int = 0) -> torch.Tens
 
 @torch.no_grad()
 def load_global_weights(model: torch.nn.Module, seed: int = 0,
-                        make: Callable[[str, tuple[int, ...], int], torch.Tensor] = seeded_global,
+                        make: Callable[[str, tuple[int, ...], int], torch.Tensor] = seeded_values,
                         ) -> None:
     """Fill every parameter of ``model`` with its piece of the global tensor ``make(key, ...)``."""
     cache: dict[str, torch.Tensor] = {}

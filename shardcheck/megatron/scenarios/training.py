@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shardcheck.megatron.checks.typecheck import MESH_AXES, harness_typed
 from shardcheck.megatron.cpu.parallel import (
     LayoutUnsupported,
     explicit_kwargs,
@@ -24,16 +25,22 @@ from shardcheck.megatron.cpu.parallel import (
 from shardcheck.megatron.scenarios.gpt import reported_loss, schedule_groups
 from shardcheck.megatron.scenarios.output_loss import _sequence_gather
 from shardcheck.megatron.scenarios.reference import gather_global, gradient_of
+from shardcheck.typecheck.types import R, V
 
 
 def data_parallel_share(batches: list[dict[str, torch.Tensor]], pg: Any = None) -> list[dict[str, torch.Tensor]]:
-    """This data-parallel rank's contiguous share of the global microbatches."""
+    """This data-parallel rank's contiguous share of the global microbatches (built alike on
+    every rank): its values vary over dp and are replicated (R) over the other axes."""
     dp_group = scenario_groups(pg).dp
     dp, dp_rank = dp_group.size(), dp_group.rank()
     if len(batches) % dp:
         raise LayoutUnsupported(f"{len(batches)} microbatches do not split over dp={dp}")
     share = len(batches) // dp
-    return batches[dp_rank * share:(dp_rank + 1) * share]
+    mine = batches[dp_rank * share:(dp_rank + 1) * share]
+    for batch in mine:
+        for value in batch.values():
+            harness_typed(value, **{**dict.fromkeys(MESH_AXES, R), "dp": V})
+    return mine
 
 
 def schedule_step(config, model: torch.nn.Module, forward_step: Callable[..., Any],
