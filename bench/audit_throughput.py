@@ -27,7 +27,7 @@ def main() -> None:
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
 
-    from shardcheck.megatron.audit.run import Runner, pools
+    from shardcheck.megatron.audit.runner import Runner, pools
     from shardcheck.megatron.audit.sweep import components_plan, layouts
     from shardcheck.megatron.scenarios import COMPONENTS
     from shardcheck.parity.layout import Layout

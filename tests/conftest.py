@@ -80,7 +80,7 @@ def audit_pools():
     """The audit's warm rank pools, shared by every test that audits, and with them the one-rank
     references computed on them; closed after the last test that uses them."""
     pytest.importorskip("megatron.core")
-    from shardcheck.megatron.audit.run import PRELOAD, Pools
+    from shardcheck.megatron.audit.runner import PRELOAD, Pools
 
     for module in PRELOAD:  # imported before the ranks fork, as the audit itself does
         __import__(module)

@@ -7,7 +7,8 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from shardcheck.megatron.audit.run import PRELOAD, audit, pools  # noqa: E402
+from shardcheck.megatron.audit.run import audit  # noqa: E402
+from shardcheck.megatron.audit.runner import PRELOAD, pools  # noqa: E402
 from shardcheck.megatron.audit.sweep import Case  # noqa: E402
 from shardcheck.parity.layout import Layout  # noqa: E402
 
@@ -120,11 +121,12 @@ def test_layouts_a_component_does_not_support_are_listed_apart_from_errors(audit
 
 
 def test_a_layout_a_scenario_refuses_on_its_ranks_is_not_an_error():
-    from shardcheck.megatron.audit.run import Outcome, _record, _Swept
+    from shardcheck.megatron.audit.outcome import Outcome
+    from shardcheck.megatron.audit.schedule import Swept, record
 
-    swept, case = _Swept(), Case("gpt", (), Layout(tp=2))
-    _record(swept, Outcome(case, error="shardcheck.megatron.cpu.parallel.LayoutUnsupported: no such groups"))
-    _record(swept, Outcome(Case("gpt", (), Layout(dp=2)), error="RuntimeError: boom"))
+    swept, case = Swept(), Case("gpt", (), Layout(tp=2))
+    record(swept, Outcome(case, error="shardcheck.megatron.cpu.parallel.LayoutUnsupported: no such groups"))
+    record(swept, Outcome(Case("gpt", (), Layout(dp=2)), error="RuntimeError: boom"))
     assert swept.not_applicable == {("gpt", "tp2"): "gpt @ tp2: no such groups"}
     assert [o.case.layout for o in swept.outcomes] == [Layout(dp=2)] and swept.broken == {("gpt", "dp2")}
 

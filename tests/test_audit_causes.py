@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from shardcheck.megatron.audit.divergence import Gap
+from shardcheck.megatron.audit.outcome import Outcome
 from shardcheck.megatron.audit.report import causes, independent_cases, seen_in
-from shardcheck.megatron.audit.run import Outcome
 from shardcheck.megatron.audit.sweep import Case
 from shardcheck.parity.layout import Layout
 

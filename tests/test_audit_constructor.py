@@ -12,7 +12,8 @@ from megatron.core.models.gpt.gpt_model import GPTModel  # noqa: E402
 from megatron_release import RELEASE  # noqa: E402
 
 from shardcheck.megatron.audit.fixed_options import OptionError, checked_value  # noqa: E402
-from shardcheck.megatron.audit.run import PRELOAD, audit  # noqa: E402
+from shardcheck.megatron.audit.run import audit  # noqa: E402
+from shardcheck.megatron.audit.runner import PRELOAD  # noqa: E402
 from shardcheck.megatron.audit.sweep import (  # noqa: E402
     STAGE_ARGUMENTS,
     Case,

@@ -12,7 +12,8 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
-from shardcheck.megatron.audit.run import PRELOAD, audit  # noqa: E402
+from shardcheck.megatron.audit.run import audit  # noqa: E402
+from shardcheck.megatron.audit.runner import PRELOAD  # noqa: E402
 from shardcheck.megatron.audit.sweep import Case  # noqa: E402
 from shardcheck.parity.layout import Layout  # noqa: E402
 

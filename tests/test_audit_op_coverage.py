@@ -8,7 +8,8 @@ import torch
 
 import shardcheck as sc
 from shardcheck.megatron.audit import report as audit_report
-from shardcheck.megatron.audit.run import AuditResult, Outcome, op_counts, typed_share
+from shardcheck.megatron.audit.outcome import Outcome, op_counts
+from shardcheck.megatron.audit.summary import AuditResult, typed_share
 from shardcheck.megatron.audit.sweep import Case
 from shardcheck.parity.layout import Layout
 
@@ -78,7 +79,7 @@ def test_a_step_types_nearly_all_of_megatron_cores_op_calls(component, layout, l
     autograd's as_strided views and Megatron's reused memory
     buffer typed, the RNG state V, the ops Gloo makes when an async reduce-scatter is waited
     on excused."""
-    from shardcheck.megatron.audit.run import Runner
+    from shardcheck.megatron.audit.runner import Runner
 
     outcome = Runner(audit_pools, typecheck=True).run(Case(component, (), Layout.parse(layout)))
     assert not outcome.error and not outcome.gaps and not outcome.violations

@@ -92,7 +92,8 @@ def test_an_option_whose_config_does_not_build_is_listed_as_not_swept_with_why(m
 
 def test_the_audit_lists_the_plans_unbuilt_options_as_not_swept():
     pytest.importorskip("megatron.core")
-    from shardcheck.megatron.audit.run import Pools, audit
+    from shardcheck.megatron.audit.run import audit
+    from shardcheck.megatron.audit.runner import Pools
 
     class NoRanks(Pools):  # no case runs: only the CPU patch status is asked for
         def run(self, layout, function, *args, **kwargs):

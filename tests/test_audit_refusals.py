@@ -10,7 +10,8 @@ import pytest
 pytest.importorskip("megatron.core")
 
 from shardcheck.megatron.audit import report as audit_report  # noqa: E402
-from shardcheck.megatron.audit.run import _in_config_check, audit  # noqa: E402
+from shardcheck.megatron.audit.outcome import _in_config_check  # noqa: E402
+from shardcheck.megatron.audit.run import audit  # noqa: E402
 from shardcheck.megatron.audit.sweep import Case  # noqa: E402
 from shardcheck.parity.layout import Layout  # noqa: E402
 from shardcheck.parity.pool import PoolFailure  # noqa: E402

@@ -67,8 +67,8 @@ def _without_ops(coverage: dict) -> dict:
 
 def test_merge_refuses_an_incomplete_set_of_shares_in_one_line(tmp_path):
     from shardcheck.cli import main
-    from shardcheck.megatron.audit.run import AuditResult
     from shardcheck.megatron.audit.shards import save_share
+    from shardcheck.megatron.audit.summary import AuditResult
 
     empty = AuditResult([], [], [], 0.0, False)
     save_share(empty, 1, 3, tmp_path / "a")
@@ -102,3 +102,18 @@ def test_a_case_result_crosses_a_pickle_unchanged_with_its_digest():
     assert other.digest != digest
     with pytest.raises(dataclasses.FrozenInstanceError):
         result.entry = None
+
+
+def test_a_share_written_before_the_audit_was_split_is_refused_in_one_line(tmp_path):
+    """A share.pkl naming the outcome model where it used to live (``audit.run``) is refused."""
+    import pickle
+
+    from shardcheck.megatron.audit.outcome import Outcome
+    from shardcheck.megatron.audit.shards import SHARE_FILE, Share, load_shares
+
+    share = Share((1, 1), [Outcome(Case("gpt", (), Layout(tp=2)))], {}, [], {}, False, 1.0)
+    old = pickle.dumps(share, protocol=0).replace(b"shardcheck.megatron.audit.outcome", b"shardcheck.megatron.audit.run")
+    (tmp_path / SHARE_FILE).write_bytes(old)
+    with pytest.raises(ShareError, match="not a share this shardcheck wrote") as raised:
+        load_shares([tmp_path])
+    assert "\n" not in str(raised.value)

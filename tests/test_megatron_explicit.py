@@ -18,7 +18,8 @@ import torch.distributed as dist  # noqa: E402
 from megatron_release import fixed_in  # noqa: E402
 
 from shardcheck.cli.audit import audit_command  # noqa: E402
-from shardcheck.megatron.audit.run import PRELOAD, audit, pools  # noqa: E402
+from shardcheck.megatron.audit.run import audit  # noqa: E402
+from shardcheck.megatron.audit.runner import PRELOAD, pools  # noqa: E402
 from shardcheck.megatron.audit.sweep import Case, layouts, plan, runs_under  # noqa: E402
 from shardcheck.megatron.cpu.parallel import megatron_parallel, scenario_groups  # noqa: E402
 from shardcheck.megatron.scenarios import COMPONENTS, Component  # noqa: E402

@@ -18,7 +18,8 @@ core = pytest.importorskip("megatron.core")
 
 from megatron_release import RELEASE  # noqa: E402
 
-from shardcheck.megatron.audit.run import PRELOAD, audit, pools  # noqa: E402
+from shardcheck.megatron.audit.run import audit  # noqa: E402
+from shardcheck.megatron.audit.runner import PRELOAD, pools  # noqa: E402
 from shardcheck.megatron.audit.sweep import Case  # noqa: E402
 from shardcheck.megatron.scenarios import COMPONENTS  # noqa: E402
 from shardcheck.parity.layout import Layout  # noqa: E402

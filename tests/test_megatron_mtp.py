@@ -19,7 +19,8 @@ from planted.megatron_site import MTP_WORD_EMBEDDINGS_NOT_SUMMED, planted_env  #
 
 from shardcheck.fuzz.findings import Finding  # noqa: E402
 from shardcheck.fuzz.repro import FIXED, REPRODUCES, run_repro  # noqa: E402
-from shardcheck.megatron.audit.run import PRELOAD, audit, pools  # noqa: E402
+from shardcheck.megatron.audit.run import audit  # noqa: E402
+from shardcheck.megatron.audit.runner import PRELOAD, pools  # noqa: E402
 from shardcheck.megatron.audit.sweep import Case  # noqa: E402
 from shardcheck.megatron.checks import contracts  # noqa: E402
 from shardcheck.megatron.cpu.runner import relative_errors, run_layout, worst  # noqa: E402

@@ -5,7 +5,8 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
-from shardcheck.megatron.audit.run import PRELOAD, audit  # noqa: E402
+from shardcheck.megatron.audit.run import audit  # noqa: E402
+from shardcheck.megatron.audit.runner import PRELOAD  # noqa: E402
 from shardcheck.megatron.audit.sweep import BUNDLES, Case, components_plan, option_bundles  # noqa: E402
 from shardcheck.megatron.cpu.runner import run_layout  # noqa: E402
 from shardcheck.megatron.scenarios import scenario  # noqa: E402

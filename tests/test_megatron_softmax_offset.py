@@ -19,7 +19,8 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from shardcheck.megatron.audit.run import PRELOAD, audit, pools  # noqa: E402
+from shardcheck.megatron.audit.run import audit  # noqa: E402
+from shardcheck.megatron.audit.runner import PRELOAD, pools  # noqa: E402
 from shardcheck.megatron.audit.sweep import Case  # noqa: E402
 from shardcheck.megatron.cpu.runner import run_layout  # noqa: E402
 from shardcheck.parity.layout import Layout  # noqa: E402

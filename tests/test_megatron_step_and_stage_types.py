@@ -12,7 +12,8 @@ pytest.importorskip("megatron.core")
 
 from megatron_release import fixed_in  # noqa: E402
 
-from shardcheck.megatron.audit.run import PRELOAD, audit, pools  # noqa: E402
+from shardcheck.megatron.audit.run import audit  # noqa: E402
+from shardcheck.megatron.audit.runner import PRELOAD, pools  # noqa: E402
 from shardcheck.megatron.audit.sweep import Case  # noqa: E402
 from shardcheck.parity.launch import spawn_ranks  # noqa: E402
 from shardcheck.parity.layout import Layout  # noqa: E402

@@ -28,7 +28,8 @@ from shardcheck.fuzz.campaign import register_fuzz_target
 from shardcheck.fuzz.spaces import option
 from shardcheck.fuzz.trial import BOTH, NUMERIC, RUN, TYPE, Failure, Verdict, split_example
 from shardcheck.megatron.audit import report as audit_report
-from shardcheck.megatron.audit.run import INERT, Outcome, Pools, Runner
+from shardcheck.megatron.audit.outcome import Outcome
+from shardcheck.megatron.audit.runner import INERT, Pools, Runner
 from shardcheck.megatron.audit.sweep import Case, component_options, layouts, setup_options
 from shardcheck.megatron.checks.typecheck import checker_available
 from shardcheck.megatron.repro.templates import TEMPLATES, script_body

@@ -100,7 +100,7 @@ def config_reads() -> Iterator[set[str]]:
 
     A field never read under a layout cannot change a run under that layout: the run with
     another value follows the same path. The audit prunes such options
-    (:meth:`shardcheck.megatron.audit.run.Runner.reads`).
+    (:meth:`shardcheck.megatron.audit.runner.Runner.not_read`).
     """
     read: set[str] = set()
     building = [0]

@@ -69,7 +69,7 @@ class Share:
 
 
 def save_share(result: Any, k: int, n: int, out_dir: Path) -> Path:
-    """Write ``out_dir/share.pkl`` for an :class:`~shardcheck.megatron.audit.run.AuditResult`."""
+    """Write ``out_dir/share.pkl`` for an :class:`~shardcheck.megatron.audit.summary.AuditResult`."""
     out_dir.mkdir(parents=True, exist_ok=True)
     share = Share((k, n), result.outcomes, result.left_out, result.not_applicable, result.pruned,
                   result.stopped_early, result.seconds, result.patches)

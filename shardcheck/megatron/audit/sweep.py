@@ -8,7 +8,7 @@ Options are found by introspection, never hand-picked:
   ``TransformerConfig`` (and so of ``ModelParallelConfig``), except the fields a layout sets
   and the fields the component pins for the CPU. A value whose config does not build on one
   rank (``TransformerConfig`` rejects it, or the sweep's own build fails) is not swept, with the
-  reason (:func:`sweep_plan`); :mod:`shardcheck.megatron.audit.run` then leaves out values that
+  reason (:func:`sweep_plan`); :mod:`shardcheck.megatron.audit.schedule` then leaves out values that
   fail or change nothing at one rank.
 
 Layouts: every grid of tp, cp, dp, pp in {1, 2} up to ``max_world`` ranks, each with and

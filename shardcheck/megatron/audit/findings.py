@@ -1,0 +1,143 @@
+"""The findings of an audit's outcomes: one per root cause, each with its corrected control.
+
+Failing cases are grouped by place (:func:`shardcheck.megatron.audit.report.group`) and split
+by trigger (:func:`~shardcheck.megatron.audit.report.causes`); independent triggers that one fix
+repairs are one cause. Cases that crash under a layout while one rank runs them are findings of
+their own, located at their innermost megatron-core frame.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shardcheck.fuzz.findings import finding_id
+from shardcheck.megatron.audit import report as audit_report
+from shardcheck.megatron.audit.outcome import Outcome
+from shardcheck.megatron.audit.report import Finding
+from shardcheck.megatron.audit.runner import Runner
+from shardcheck.megatron.audit.sweep import Case
+from shardcheck.megatron.checks import contracts, explicit
+
+
+def build_findings(runner: Runner, outcomes: list[Outcome]) -> list[Finding]:
+    """One finding per root cause: failing cases grouped by place, split by trigger
+    (:func:`audit_report.causes`); independent triggers that one fix repairs are one cause."""
+    baseline = {(o.case.component, o.case.layout): {audit_report.violation_key(v) for v in o.violations}
+                for o in outcomes if not o.case.options}
+    outcomes = sorted(outcomes, key=lambda o: (o.case.component, audit_report.case_size(o.case),
+                                               repr(o.case.options)))
+    findings = []
+    for key, members in audit_report.group([o for o in outcomes if o.failed]).items():
+        built = [_finding(runner, key, cause, baseline, first=n == 0)
+                 for n, cause in enumerate(audit_report.causes(members))]
+        findings += _merged_by_fix(built)
+    findings += [_crash_finding(key, cause, first=n == 0)
+                 for key, members in _crashes(outcomes).items()
+                 for n, cause in enumerate(audit_report.causes(members))]
+    return sorted(findings, key=lambda f: (f.kind, f.location, f.id))
+
+
+def _finding(runner: Runner, key: tuple[str, str], members: list[Outcome],
+             baseline: dict, first: bool) -> Finding:
+    minimal = audit_report.minimal_case(members)
+    seen = baseline.get((minimal.case.component, minimal.case.layout), set())
+    checker = audit_report.checker_line(key[0], [minimal, *members], seen if minimal.case.options else set())
+    return Finding(
+        title=audit_report.title(key, minimal), kind=audit_report.kind(members, checker),
+        location=key[0], contract=key[1], trigger=audit_report.trigger(minimal.case),
+        effect=audit_report.effect(minimal),
+        first_divergence=minimal.call_gap.gap.summary() if minimal.call_gap else None,
+        checker=checker, corrected=corrected_control(runner, minimal),
+        reproduce=audit_report.reproduce_command(minimal.case),
+        seen_in=audit_report.seen_in(members, minimal),
+        cases=[audit_report.case_entry(o.case) for o in members],
+        id="" if first else _trigger_id(key, minimal.case))
+
+
+def _trigger_id(key: tuple[str, str], case: Case) -> str:
+    """The id of a second cause at one place: its trigger's option names join the hash."""
+    return finding_id(key[0], "\0".join([key[1], *sorted(name for name, _ in case.options)]))
+
+
+def _merged_by_fix(found: list[Finding]) -> list[Finding]:
+    """Causes at one place whose triggers are independent but which the same corrected function
+    repairs (each corrected control equals the reference) are one: the first keeps the others'
+    triggers and cases under ``same_fix``."""
+    host: Finding | None = None
+    kept = []
+    for finding in found:
+        repaired = bool(finding.corrected and finding.corrected["equal_to_reference"])
+        if repaired and host is not None and finding.corrected["fix"] == host.corrected["fix"]:
+            host.same_fix.append({**finding.trigger, "cases": finding.cases,
+                                  "corrected": finding.corrected["result"]})
+            layouts = sorted({c["layout"] for c in finding.cases})
+            host.seen_in.append(f"the same fix repairs the independent trigger "
+                                f"{_options_text(finding.trigger)} (under {', '.join(layouts)})")
+            continue
+        if repaired and host is None:
+            host = finding
+        kept.append(finding)
+    return kept
+
+
+def _options_text(trigger: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in trigger["options"].items()) or "defaults"
+
+
+CRASH_CONTRACT = "runs under the layout as it runs on one rank"
+
+
+def _crashes(outcomes: list[Outcome]) -> dict[tuple[str, str], list[Outcome]]:
+    """Cases that raised or hung under their layout while one rank runs them, by place: their
+    innermost megatron-core frame and exception type (else the component's entry point)."""
+    found: dict[tuple[str, str], list[Outcome]] = {}
+    for outcome in (o for o in outcomes if o.crashed and o.reference_digest is not None):
+        where = outcome.frame or outcome.entry or f"{outcome.case.component} (no megatron-core frame)"
+        what = outcome.error.split(":", 1)[0] if outcome.error_kind == "error" else outcome.error_kind
+        found.setdefault((where.split(" in ")[0], f"{CRASH_CONTRACT} ({what})"), []).append(outcome)
+    return found
+
+
+def _crash_finding(key: tuple[str, str], members: list[Outcome], first: bool) -> Finding:
+    minimal = audit_report.minimal_case(members)
+    case = minimal.case
+    return Finding(
+        title=f"{case.component} {minimal.error_kind} under {case.layout} "
+              f"({_options_text(audit_report.trigger(case))}): {minimal.error}"[:240],
+        kind="crash", location=key[0], contract=key[1], trigger=audit_report.trigger(case),
+        effect=[], first_divergence=None, checker=None, corrected=None,
+        reproduce=audit_report.reproduce_command(case), seen_in=audit_report.seen_in(members, minimal),
+        cases=[audit_report.case_entry(o.case) for o in members],
+        id="" if first else _trigger_id(key, case),
+        one_rank=f"{minimal.error} (frame {minimal.frame or 'outside megatron-core'}); "
+                 f"the same component and options run on one rank")
+
+
+def _fix_of(minimal: Outcome) -> tuple[str, str] | None:
+    """The fix to apply (name, note): explicit groups for a global-group use, else the contract's."""
+    if audit_report.global_group_use(minimal) is not None:
+        return explicit.FIX, explicit.FIX_NOTE
+    if minimal.call_gap is None or contracts.BY_NAME[minimal.call_gap.contract].fix is None:
+        return None
+    contract = contracts.BY_NAME[minimal.call_gap.contract]
+    return contract.name, contract.fix_note
+
+
+def corrected_control(runner: Runner, minimal: Outcome) -> dict[str, Any] | None:
+    """Rerun the minimal trigger with its fix patched in, compared with the reference."""
+    fix = _fix_of(minimal)
+    if fix is None:
+        return None
+    fix_name, note = fix
+    fixed = runner.run(minimal.case, fixes=(fix_name,))
+    if fixed.error:
+        return {"fix": note, "result": f"the corrected run failed: {fixed.error}",
+                "equal_to_reference": False}
+    names = [g.name for g in minimal.gaps]
+    errors = {name: fixed.errors.get(name) for name in names}
+    worst = max((e for e in errors.values() if e is not None), default=0.0)
+    ok = not fixed.gaps and fixed.call_gap is None
+    verdict = ("corrected == reference" if ok else
+               f"still differs: {', '.join(g.name for g in fixed.gaps[:3])}")
+    return {"fix": note, "result": f"{verdict} (max abs error of the diverging outputs "
+            f"{worst:.3g} after the fix)", "equal_to_reference": ok, "max_abs_error": worst}

@@ -1,0 +1,135 @@
+"""What one audit case gave (:class:`Outcome`), and how a rank's failure reads: a refusal by
+megatron-core's argument checks, a crash, and where in megatron-core it happened."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from shardcheck.megatron.audit.divergence import CallGap, Gap
+from shardcheck.megatron.audit.sweep import Case
+from shardcheck.megatron.checks import contracts
+from shardcheck.megatron.cpu.parallel import LayoutUnsupported
+from shardcheck.parity.pool import PoolFailure
+
+CONFIG_REFUSES = "megatron-core refuses it"
+
+
+@dataclass
+class Outcome:
+    """What one case gave: nothing wrong, gaps (numeric), violations (types), or an error."""
+
+    case: Case
+    gaps: list[Gap] = field(default_factory=list)
+    call_gap: CallGap | None = None
+    violations: list[dict] = field(default_factory=list)
+    error: str | None = None
+    seconds: float = 0.0
+    error_kind: str | None = None
+    entry: str | None = None
+    errors: dict[str, float] = field(default_factory=dict)
+    reference_digest: str | None = None  # the one-rank outputs' hash: which options change them
+    frame: str | None = None  # an error's innermost megatron-core frame
+    config_check: bool = False  # megatron-core's check of its arguments raised it
+    ops: dict | None = None  # op calls in megatron-core over all ranks: typed, unknown, unknown_at
+
+    @property
+    def crashed(self) -> bool:
+        """It raised (or hung) under its layout while its one-rank reference ran."""
+        return bool(self.error) and self.refusal is None
+
+    @property
+    def failed(self) -> bool:
+        return bool(self.gaps or self.violations)
+
+    @property
+    def refusal(self) -> str | None:
+        """Why the scenario (``LayoutUnsupported``) or megatron-core's check of its arguments
+        (:func:`_in_config_check`) refused the case on its ranks, else None."""
+        if self.error and self.error.split(":")[0].endswith(LayoutUnsupported.__name__):
+            return self.error.split(":", 1)[1].strip()
+        if self.error and self.config_check:
+            return f"{CONFIG_REFUSES}: {self.error}" + (f" ({self.frame})" if self.frame else "")
+        return None
+
+    @classmethod
+    def raised(cls, case: Case, failure: PoolFailure, **known: Any) -> Outcome:
+        """The outcome of a case whose ranks raised, hung or desynced: the error's line, kind and
+        innermost megatron-core frame, and whether megatron-core's argument checks raised it."""
+        return cls(case, error=first_line(failure), error_kind=failure.kind, frame=_megatron_frame(failure),
+                   config_check=_in_config_check(failure), **known)
+
+
+_FRAME = re.compile(r'^ +File "([^"]*)", line \d+, in (\S+)', re.MULTILINE)
+_MEGATRON = "/megatron/core/"
+REFUSED_TYPES = ("AssertionError", "ValueError")  # Python's exceptions for a refused argument
+CONSTRUCTORS = ("__init__", "__post_init__")
+VALIDATOR = re.compile(r"_?(ensure|validate|check|verify)(_|$)")  # ensure_divisibility, _validate_x
+
+
+def _megatron_frame(failure: PoolFailure) -> str | None:
+    """``file:line in function`` of the innermost megatron-core frame of the first traceback."""
+    for text in (failure.tracebacks[rank] for rank in sorted(failure.tracebacks)):
+        frames = re.findall(r'File "([^"]*/megatron/core/[^"]*)", line (\d+), in (\S+)', text)
+        if frames:
+            path, line, function = frames[-1]
+            return f"{contracts._short(path)}:{line} in {function}"
+    return None
+
+
+def _raised_type(text: str) -> str:
+    """The class name (unqualified) of the exception a traceback ends with."""
+    last = list(_FRAME.finditer(text))
+    after = text[last[-1].end():] if last else text
+    line = next((ln for ln in after.splitlines() if ln and not ln.startswith(" ")), "")
+    return line.split(":", 1)[0].rsplit(".", 1)[-1]
+
+
+def _in_config_check(failure: PoolFailure) -> bool:
+    """Whether megatron-core refused its arguments: the error passed through a config's
+    ``__post_init__`` (its own check, or a validator it calls), or megatron-core itself raised
+    an AssertionError or ValueError in an argument check (:func:`_argument_check`)."""
+    whole = failure.tracebacks[min(failure.tracebacks)] if failure.tracebacks else ""
+    if re.search(r'File "[^"]*/megatron/core/[^"]*", line \d+, in __post_init__', whole):
+        return True
+    text = whole.rsplit("Traceback (most recent call last):", 1)[-1]  # the last exception's
+    frames = _FRAME.findall(text)
+    raised = _raised_type(text)
+    return (failure.kind == "error" and bool(frames) and _MEGATRON in frames[-1][0]
+            and raised in REFUSED_TYPES and _argument_check(frames, raised))
+
+
+def _argument_check(frames: list[tuple[str, str]], raised: str) -> bool:
+    """Whether the innermost frame, megatron-core's, checks arguments: a constructor; a
+    validator (``ensure_divisibility``, ``validate_*``) under a constructor; or, for a
+    ValueError, the one megatron-core function the caller called, raising in its own body
+    before calling into megatron-core (a schedule refusing its config)."""
+    functions = [function for path, function in frames if _MEGATRON in path]
+    if functions[-1] in CONSTRUCTORS:
+        return True
+    if VALIDATOR.match(functions[-1]) and any(f in CONSTRUCTORS for f in functions[:-1]):
+        return True
+    return raised == "ValueError" and len(functions) == 1
+
+
+def first_line(failure: PoolFailure) -> str:
+    """The line of a failure a person reads: its last error line (300 characters at most)."""
+    lines = [ln.strip() for ln in str(failure).splitlines() if ln.strip() and not ln.startswith(" ")]
+    errors = [ln for ln in lines if not ln.startswith(("rank ", "last collective", "Traceback"))]
+    return (errors[-1] if errors else lines[0] if lines else failure.kind)[:300]
+
+
+def op_counts(per_rank: Iterable[dict | None]) -> dict | None:
+    """The sum of op-call counts (``typed``, ``unknown``, ``unknown_at`` by location); None
+    when none was counted (the checker was off)."""
+    counted = [c for c in per_rank if c]
+    if not counted:
+        return None
+    unknown_at: dict[str, int] = {}
+    for c in counted:
+        for location, n in c["unknown_at"].items():
+            unknown_at[location] = unknown_at.get(location, 0) + n
+    return {"typed": sum(c["typed"] for c in counted), "unknown": sum(c["unknown"] for c in counted),
+            "unknown_at": unknown_at}

@@ -1,0 +1,144 @@
+"""The order an audit runs its cases in, and what it leaves out.
+
+A single option is screened on one rank before it is swept: if the component fails with it
+there, or its outputs depend on the RNG seed, it is not run under the layouts (it is listed in
+the report's coverage section instead). An option that changes none of the one-rank outputs
+(a dispatcher choice, an overlap switch) may still change what the ranks exchange, so it is
+swept after the options that do change them on the same layout tier, before the plan moves on
+to larger layouts, within the same budget. A layout the component refuses, or whose defaults
+fail, is not tried with options; a case whose options the defaults never read is pruned.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from shardcheck.megatron.audit.outcome import CONFIG_REFUSES, Outcome
+from shardcheck.megatron.audit.runner import INERT, Runner
+from shardcheck.megatron.audit.sweep import Case
+
+Progress = Callable[[Case, int], None]
+
+
+@dataclass
+class Swept:
+    """What the sweep ran, and what it left out and why."""
+
+    outcomes: list[Outcome] = field(default_factory=list)
+    not_swept: dict[tuple, str] = field(default_factory=dict)
+    not_applicable: dict[tuple, str] = field(default_factory=dict)
+    broken: set[tuple[str, str]] = field(default_factory=set)
+    inert: list[Case] = field(default_factory=list)
+    done_inert: list[Case] = field(default_factory=list)
+    stopped_early: bool = False
+    pruned: dict[tuple, list[str]] = field(default_factory=dict)  # (component, options) -> layouts
+
+
+def _refusal(case: Case) -> str | None:
+    from shardcheck.megatron.scenarios import COMPONENTS
+
+    return COMPONENTS[case.component].refuses(case.layout)
+
+
+def sweep(runner: Runner, cases: Iterable[Case], budget: int | None, time_limit: float | None,
+           progress: Progress | None, started: float) -> Swept:
+    """Run the cases in order; an inert option's cases wait until the plan moves on to larger
+    layouts (or ends), so they run before the options of larger layouts, within the budget."""
+    swept = Swept()
+
+    def attempt(case: Case, defer_inert: bool) -> bool:
+        if (budget is not None and len(swept.outcomes) >= budget) or (
+                time_limit is not None and time.monotonic() - started > time_limit):
+            swept.stopped_early = True
+            return False
+        if _runnable(runner, swept, case, defer_inert):
+            if progress:
+                progress(case, len(swept.outcomes))
+            record(swept, runner.run(case))
+        return True
+
+    planned = list(cases)
+    reached = 0
+    for case in planned:
+        waiting = _inert_below(swept, case.layout.world_size) if case.options else []
+        if not all(attempt(deferred, False) for deferred in waiting) or not attempt(case, True):
+            break
+        reached += 1
+    else:
+        all(attempt(deferred, False) for deferred in _inert_below(swept, None))
+    if swept.stopped_early:
+        _note_unreached(runner, swept, planned[reached:])
+    return swept
+
+
+def _note_unreached(runner: Runner, swept: Swept, unreached: list[Case]) -> None:
+    """Option sets the budget or time limit left without a single case, with the count of
+    their cases that would have run (not refused, not pruned)."""
+    ran = {(o.case.component, o.case.options) for o in swept.outcomes}
+    for case in (c for c in swept.inert + swept.done_inert if (c.component, c.options) not in ran):
+        swept.not_swept.setdefault((case.component, case.options),
+                                   f"{INERT}; its multi-rank cases were not reached in the budget")
+    left: dict[tuple, int] = {}
+    for case in unreached:
+        key = (case.component, case.options)
+        if (key not in ran and key not in swept.not_swept and _refusal(case) is None
+                and (case.component, str(case.layout)) not in swept.broken and runner.not_read(case) is None
+                and runner.other_meaning(case) is None):
+            left[key] = left.get(key, 0) + 1
+    for key, count in left.items():
+        swept.not_swept[key] = f"not reached within the budget or time limit ({count} case(s) left)"
+
+
+def _inert_below(swept: Swept, world_size: int | None) -> list[Case]:
+    """Take the deferred cases of inert options on layouts smaller than ``world_size`` (all: None)."""
+    taken = [c for c in swept.inert if world_size is None or c.layout.world_size < world_size]
+    swept.inert = [c for c in swept.inert if c not in taken]
+    swept.done_inert += taken
+    return taken
+
+
+def _runnable(runner: Runner, swept: Swept, case: Case, defer_inert: bool) -> bool:
+    """Whether to run the case now (screening its option once); inert options wait."""
+    key, where = (case.component, case.options), (case.component, str(case.layout))
+    if where in swept.not_applicable or where in swept.broken:
+        return False
+    if why := _refusal(case):
+        swept.not_applicable[where] = f"{case.component} @ {case.layout}: {why}"
+        return False
+    if key in swept.not_swept:
+        return False
+    if why := runner.other_meaning(case):
+        swept.not_applicable[(case.component, str(case.layout), case.options)] = f"{case.label}: {why}"
+        return False
+    if runner.not_read(case) is not None:
+        swept.pruned.setdefault(key, []).append(str(case.layout))
+        return False
+    why = runner.screen(*key)
+    if why and why != INERT:
+        swept.not_swept[key] = why
+        return False
+    if defer_inert and why == INERT:
+        swept.inert.append(case)
+        return False
+    return True
+
+
+def record(swept: Swept, outcome: Outcome) -> None:
+    """Keep an outcome; a layout the component refuses is noted as such, not as an error (a
+    config's refusal of an option under the layout closes that option there, not the layout)."""
+    case = outcome.case
+    if why := outcome.refusal:
+        if case.options and why.startswith(CONFIG_REFUSES):
+            swept.not_applicable[(case.component, str(case.layout), case.options)] = (
+                f"{case.label}: {why}")
+        else:
+            swept.not_applicable[(case.component, str(case.layout))] = f"{case.component} @ {case.layout}: {why}"
+        return
+    swept.outcomes.append(outcome)
+    if outcome.error and not case.options:
+        swept.broken.add((case.component, str(case.layout)))
+    elif outcome.error_kind in ("hang", "desync"):
+        swept.not_swept[(case.component, case.options)] = (
+            f"{outcome.error_kind} under {case.layout}; not swept further")
