@@ -1,7 +1,7 @@
 """Search layouts, configurations and inputs for failing examples with hypothesis, and shrink them.
 
 A fuzz target is a name, a hypothesis strategy that draws examples (``{"layout": "tp2", **config}``)
-and a check that runs one example and returns a :class:`~shardcheck.fuzz.trial.Verdict`. Targets come
+and a check that runs one example and returns a :class:`~shardcheck.fuzz.trial.ExampleVerdict`. Targets come
 from :func:`register_fuzz_target` (e.g. Megatron catalogue components, which declare their own
 search space) or from a user's ``module:function`` scenario, whose keyword defaults give a search
 space when the module registers none.
@@ -33,10 +33,10 @@ from shardcheck.fuzz.repro import ReproError, write_script
 from shardcheck.fuzz.spaces import option_names, signature_space
 from shardcheck.fuzz.trial import (
     Check,
+    ExampleVerdict,
     Failure,
     MakeScenario,
     Measure,
-    Verdict,
     scenario_check,
     scenario_measure,
     split_example,
@@ -88,7 +88,7 @@ def register_fuzz_target(name: str, scenario: Callable[..., Any] | None = None,
     The scenario of an example ``{"layout": ..., **config}`` is ``scenario(ctx, **config)``, or
     ``make_scenario(**config)`` (a picklable ``ctx -> outputs``, e.g. a Megatron component with
     options). It runs through parity and the type checker on the warm rank pool; a custom
-    ``check(example) -> Verdict`` replaces that. ``strategy`` draws the examples (see
+    ``check(example) -> ExampleVerdict`` replaces that. ``strategy`` draws the examples (see
     :func:`space`; by default from ``scenario``'s keyword defaults). ``fix`` is the config that
     switches the bug's fix on, for a corrected control. ``repro(finding)`` returns the
     :class:`~shardcheck.fuzz.repro.ScriptBody` of a self-contained reproduction script.
@@ -175,7 +175,7 @@ class Campaign:
 class _ExampleFailed(Exception):
     """Raised inside the hypothesis test; one subclass per search key (see Failure.search_key)."""
 
-    def __init__(self, example: dict[str, Any], verdict: Verdict) -> None:
+    def __init__(self, example: dict[str, Any], verdict: ExampleVerdict) -> None:
         super().__init__(verdict.failure.title if verdict.failure else "failed")
         self.example, self.verdict = example, verdict
 
@@ -269,7 +269,7 @@ def _finding(target: FuzzTarget, failed: _ExampleFailed) -> Finding:
                    checker=failure.checker, kind=failure.kind, options=target.option_names(config))
 
 
-def _numbers(target: FuzzTarget, example: Mapping[str, Any], verdict: Verdict | None) -> tuple[Any, Any]:
+def _numbers(target: FuzzTarget, example: Mapping[str, Any], verdict: ExampleVerdict | None) -> tuple[Any, Any]:
     """Observed and reference numbers: measured, or from the check's verdict."""
     if target.measure is not None:
         return target.measure(example)

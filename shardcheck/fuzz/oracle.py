@@ -461,8 +461,9 @@ def _replicas_agree(layout: str, values: Sequence[torch.Tensor], axis: int) -> b
 
 
 @dataclass
-class Verdict:
-    """The oracle's verdict on one program."""
+class OracleVerdict:
+    """The oracle's verdict on the checker's report of one program: right, wrong, a false alarm, a
+    miss, undecided, or an error (not the verdict on a fuzz example: :class:`~shardcheck.fuzz.trial.ExampleVerdict`)."""
 
     outcome: str  # "right", "wrong", "false alarm", "miss", "undecided", "error"
     first_wrong: int | None = None
@@ -475,7 +476,7 @@ class Verdict:
         return self.outcome in ("right", "wrong", "undecided")
 
 
-def judge(program: Program, results: Sequence[dict[str, Any]]) -> Verdict:
+def judge(program: Program, results: Sequence[dict[str, Any]]) -> OracleVerdict:
     """Compare the checker's report and types (``results``, one per rank) with the numbers."""
     truth = reference(program)[len(program.inputs):]
     flagged = first_report(results)
@@ -492,10 +493,10 @@ def judge(program: Program, results: Sequence[dict[str, Any]]) -> Verdict:
         if any(a in tainted for a in step.args) or _reads_varying(program, step, results[0]["types"]):
             tainted.add(base + i)
             if reported:
-                return Verdict("undecided", None, flagged, f"step {i} ({step.op}) reported on a value "
+                return OracleVerdict("undecided", None, flagged, f"step {i} ({step.op}) reported on a value "
                                "without a global value", notes)
             if claims and all(t[0] in ("R", "I") for t in typed) and not _agree(values):
-                return Verdict("miss", None, flagged, f"step {i} ({step.op}) typed {_show(typed)}: ranks differ")
+                return OracleVerdict("miss", None, flagged, f"step {i} ({step.op}) typed {_show(typed)}: ranks differ")
             notes.append(f"{i} {step.op}: undecided, typed {_show(typed)}")
             continue
         fits = claims and matches(program.layout, values, typed, truth[i])
@@ -503,29 +504,29 @@ def judge(program: Program, results: Sequence[dict[str, Any]]) -> Verdict:
             tainted.add(base + i)
             notes.append(f"{i} {step.op}: constant, typed {_show(typed)}")
             if reported:
-                return Verdict("undecided", None, flagged, f"step {i} ({step.op}) reported on a constant", notes)
+                return OracleVerdict("undecided", None, flagged, f"step {i} ({step.op}) reported on a constant", notes)
             continue
         ok = fits or representable(program.layout, values, truth[i])
         notes.append(f"{i} {step.op}: {'fits' if ok else 'WRONG'}, typed {_show(typed)}")
         if reported:
             if ok and _reads_constant(program, step, truth):
-                return Verdict("undecided", None, flagged, f"step {i} ({step.op}) reported; it reads a value "
+                return OracleVerdict("undecided", None, flagged, f"step {i} ({step.op}) reported; it reads a value "
                                "constant on one rank, whose parts may cancel a broken rule out", notes)
             if ok:
-                return Verdict("false alarm", None, flagged,
+                return OracleVerdict("false alarm", None, flagged,
                                f"step {i} ({step.op}) reported {flagged[1]!r}; its numbers fit a placement", notes)
-            return Verdict("wrong", i, flagged, "", notes)
+            return OracleVerdict("wrong", i, flagged, "", notes)
         if claims and not fits:
-            return Verdict("miss", None if ok else i, flagged,
+            return OracleVerdict("miss", None if ok else i, flagged,
                            f"step {i} ({step.op}) typed {_show(typed)}, its numbers say otherwise"
                            + ("" if ok else " (no placement fits)"), notes)
         if not ok:
-            return Verdict("undecided", i, flagged, f"step {i} ({step.op}) typed {_show(typed)}: no claim", notes)
+            return OracleVerdict("undecided", i, flagged, f"step {i} ({step.op}) typed {_show(typed)}: no claim", notes)
         if not claims:
             tainted.add(base + i)
     if any(base + i in tainted for i in range(len(program.steps))) and flagged is None:
-        return Verdict("undecided", None, None, "a value without a claimed global value", notes)
-    return Verdict("right", None, None, "", notes)
+        return OracleVerdict("undecided", None, None, "a value without a claimed global value", notes)
+    return OracleVerdict("right", None, None, "", notes)
 
 
 # Ops that cut their input along a dim before moving the pieces: the cut dim (param or fixed).
@@ -596,12 +597,12 @@ def _show(typed: tuple | None) -> str:
     return "(" + ", ".join("?" if t is None else t[0] if len(t) == 1 else f"{t[0]}{t[1:]}" for t in typed) + ")"
 
 
-def check(pool, program: Program) -> Verdict:
+def check(pool, program: Program) -> OracleVerdict:
     """Run ``program`` on the pool's ranks and judge it (outcome "error" when a rank failed)."""
     from shardcheck.parity.pool import PoolFailure
 
     try:
         results = pool.run(program.layout, on_rank, program, local_inputs(program), timeout=30)
     except PoolFailure as failure:
-        return Verdict("error", why=str(failure).splitlines()[-1])
+        return OracleVerdict("error", why=str(failure).splitlines()[-1])
     return judge(program, results)

@@ -56,15 +56,16 @@ class Failure:
 
 
 @dataclass(frozen=True)
-class Verdict:
-    """An example's failure (None when right), and the numbers when the check has them."""
+class ExampleVerdict:
+    """A fuzz example's failure (None when right), and the numbers when the check has them (not the
+    oracle's verdict on the checker: :class:`~shardcheck.fuzz.oracle.OracleVerdict`)."""
 
     failure: Failure | None = None
     observed: dict[str, Any] | None = None
     reference: dict[str, Any] | None = None
 
 
-Check = Callable[[Mapping[str, Any]], Verdict]
+Check = Callable[[Mapping[str, Any]], ExampleVerdict]
 Measure = Callable[[Mapping[str, Any]], tuple[dict[str, Any], dict[str, Any]]]
 MakeScenario = Callable[..., Callable[[Any], Mapping[str, torch.Tensor]]]
 
@@ -113,12 +114,12 @@ def scenario_measure(make_scenario: MakeScenario) -> Measure:
     return partial(_measure, make_scenario)
 
 
-def _check(make_scenario: MakeScenario, where: str, typecheck: bool, example: Mapping[str, Any]) -> Verdict:
+def _check(make_scenario: MakeScenario, where: str, typecheck: bool, example: Mapping[str, Any]) -> ExampleVerdict:
     layout_text, config = split_example(example)
     layout = Layout.parse(layout_text)
     result = parity(make_scenario(**config), [layout], pool=shared_pool(layout.world_size),
                     timeout=TRIAL_TIMEOUT_S, typecheck=typecheck)
-    return Verdict(judge(result.reports[0], where))
+    return ExampleVerdict(judge(result.reports[0], where))
 
 
 def judge(report: LayoutReport, where: str) -> Failure | None:

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 from shardcheck.fuzz.campaign import register_fuzz_target
 from shardcheck.fuzz.spaces import option
-from shardcheck.fuzz.trial import BOTH, NUMERIC, RUN, TYPE, Failure, Verdict, split_example
+from shardcheck.fuzz.trial import BOTH, NUMERIC, RUN, TYPE, ExampleVerdict, Failure, split_example
 from shardcheck.megatron.audit import report as audit_report
 from shardcheck.megatron.audit.outcome import Outcome
 from shardcheck.megatron.audit.runner import INERT, Pools, Runner
@@ -92,7 +92,7 @@ def _default(setup_cls: type, name: str) -> Any:
     return next(f.default for f in dataclasses.fields(setup_cls) if f.name == name)
 
 
-def check_example(component: str, example: dict[str, Any]) -> Verdict:
+def check_example(component: str, example: dict[str, Any]) -> ExampleVerdict:
     """Run one example as an audit case and judge it; reject what cannot run."""
     layout_text, config = split_example(example)
     options = tuple(sorted(config.items()))
@@ -105,19 +105,19 @@ def check_example(component: str, example: dict[str, Any]) -> Verdict:
     if outcome.error:
         return _error_verdict(outcome)
     if not outcome.failed:
-        return Verdict()
+        return ExampleVerdict()
     return _failure_verdict(outcome)
 
 
-def _error_verdict(outcome: Outcome) -> Verdict:
+def _error_verdict(outcome: Outcome) -> ExampleVerdict:
     if outcome.refusal:
         reject()
     where = outcome.entry or outcome.case.component
-    return Verdict(Failure(f"{outcome.case.component} under {outcome.case.layout}: {outcome.error}",
+    return ExampleVerdict(Failure(f"{outcome.case.component} under {outcome.case.layout}: {outcome.error}",
                            where, "runs without raising", kind=RUN))
 
 
-def _failure_verdict(outcome: Outcome) -> Verdict:
+def _failure_verdict(outcome: Outcome) -> ExampleVerdict:
     located = _located(outcome)
     [(key, members)] = audit_report.group([located]).items()
     checker = audit_report.checker_line(key[0], [outcome, *members], set())
@@ -126,9 +126,9 @@ def _failure_verdict(outcome: Outcome) -> Verdict:
                       max(g.max_error for g in outcome.gaps) if outcome.gaps else None, checker, kind)
     effect = audit_report.effect(outcome, limit=0)
     if not effect:
-        return Verdict(failure)
+        return ExampleVerdict(failure)
     name = effect[0]["value"]
-    return Verdict(failure, {name: audit_report.show_number(effect[0]["observed"])},
+    return ExampleVerdict(failure, {name: audit_report.show_number(effect[0]["observed"])},
                    {name: audit_report.show_number(effect[0]["reference"])})
 
 
