@@ -27,6 +27,7 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q --no-deps --ignore-requires-python megatron-core==$(MEGATRON_VERSION)
 	$(BIN)/pip install -q numpy 'packaging>=24.2' triton torch==$(TORCH_VERSION)
 	$(BIN)/pip install -q -e '.[dev,megatron]' torch==$(TORCH_VERSION)
+	$(BIN)/pip install -q --no-deps --target $(VENV)/transformer-engine-2.20.2 transformer-engine==2.20.2 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 onnxscript==0.7.2 onnx-ir==1.1.0 onnx==1.23.2 ml-dtypes==0.7.0 protobuf==7.36.2
 	touch $(STAMP)
 
 $(MEGATRON_OLDEST_DIR): | $(STAMP)
