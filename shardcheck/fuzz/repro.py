@@ -10,12 +10,11 @@ generated script imports nothing from shardcheck.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import pprint
-import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,6 +22,7 @@ from pathlib import Path
 from string import Template
 
 from shardcheck.fuzz.findings import TYPE_ONLY, Finding
+from shardcheck.parity.forkserver import ForkServer, kill_session, server_for
 from shardcheck.parity.launch import free_port
 
 REPRODUCES, FIXED, BROKEN = "reproduces", "fixed", "error"
@@ -163,12 +163,15 @@ class ReproRun:
 
 
 def run_repro(path: Path | str, nproc: int, env: dict[str, str] | None = None,
-              timeout: float = 300.0, launcher: str = "torchrun", args: tuple[str, ...] = ()) -> ReproRun:
+              timeout: float = 300.0, launcher: str = "torchrun", args: tuple[str, ...] = (),
+              preload: tuple[str, ...] = ()) -> ReproRun:
     """Run a repro script (with ``args``) on ``nproc`` ranks and tell whether it reproduces.
 
     ``launcher="torchrun"`` runs ``python -m torch.distributed.run --standalone``, as a user
     would; ``"direct"`` starts the ranks itself with the same environment variables, which skips
-    torchrun's agent and is about twice as fast.
+    torchrun's agent and is about twice as fast. With ``preload`` (direct only), the ranks are
+    forked from a warm interpreter that imported those modules once
+    (:mod:`shardcheck.parity.forkserver`); the script's own imports then find them loaded.
     """
     base = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     if launcher == "torchrun":
@@ -180,6 +183,29 @@ def run_repro(path: Path | str, nproc: int, env: dict[str, str] | None = None,
                   {**base, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(nproc),
                    "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
                  for r in range(nproc)]
+    if preload and launcher != "torchrun":
+        ended = _forked_outputs(server_for(preload, base), ranks, timeout)
+    else:
+        ended = _process_outputs(ranks, timeout)
+    if ended is None:
+        return ReproRun(BROKEN, -1, f"timed out after {timeout:.0f} s")
+    returncode = next((code for code, _, _ in ended if code), 0)
+    stdout = "".join(out for _, out, _ in ended)
+    output = stdout + "".join(err for _, _, err in ended)
+    if returncode == 0 and "REPRODUCED " in stdout:
+        status = REPRODUCES
+    elif returncode != 0 and "FIXED " in stdout:
+        status = FIXED
+    else:
+        status = BROKEN
+    return ReproRun(status, returncode, output)
+
+
+Ended = list[tuple[int, str, str]]  # per process: exit code, stdout, stderr
+
+
+def _process_outputs(ranks: list[tuple[list[str], dict[str, str]]], timeout: float) -> Ended | None:
+    """Each command's exit code and output, run as its own process; None after ``timeout``."""
     processes = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                   env=rank_env, start_new_session=True) for command, rank_env in ranks]
     deadline = time.monotonic() + timeout
@@ -189,17 +215,26 @@ def run_repro(path: Path | str, nproc: int, env: dict[str, str] | None = None,
             outputs.append(process.communicate(timeout=max(deadline - time.monotonic(), 0.1)))
     except subprocess.TimeoutExpired:
         for process in processes:  # each rank (or torchrun and its ranks) has its own session
-            with contextlib.suppress(ProcessLookupError):  # a rank that has exited already
-                os.killpg(process.pid, signal.SIGKILL)
+            kill_session(process.pid)
             process.communicate()
-        return ReproRun(BROKEN, -1, f"timed out after {timeout:.0f} s")
-    returncode = next((p.returncode for p in processes if p.returncode), 0)
-    stdout = "".join(out for out, _ in outputs)
-    output = stdout + "".join(err for _, err in outputs)
-    if returncode == 0 and "REPRODUCED " in stdout:
-        status = REPRODUCES
-    elif returncode != 0 and "FIXED " in stdout:
-        status = FIXED
-    else:
-        status = BROKEN
-    return ReproRun(status, returncode, output)
+        return None
+    return [(p.returncode, out, err) for p, (out, err) in zip(processes, outputs, strict=True)]
+
+
+def _forked_outputs(server: ForkServer, ranks: list[tuple[list[str], dict[str, str]]],
+                    timeout: float) -> Ended | None:
+    """As :func:`_process_outputs`, each rank forked from ``server``."""
+    with tempfile.TemporaryDirectory(prefix="shardcheck-repro-") as folder:
+        logs = [(Path(folder) / f"{n}.out", Path(folder) / f"{n}.err") for n in range(len(ranks))]
+        forked = [server.start(command[1:], rank_env, out, err)
+                  for (command, rank_env), (out, err) in zip(ranks, logs, strict=True)]
+        deadline = time.monotonic() + timeout
+        while (running := any(rank.poll() is None for rank in forked)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for rank in forked:  # each rank has its own session
+            kill_session(rank.pid)
+        codes = [rank.wait() for rank in forked]
+        if running:
+            return None
+        return [(code, out.read_text() if out.exists() else "", err.read_text() if err.exists() else "")
+                for code, (out, err) in zip(codes, logs, strict=True)]

@@ -4,12 +4,10 @@ torchrun-style script launches that report checker findings (:func:`run_script`)
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import multiprocessing as mp
 import os
 import pickle
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -23,6 +21,15 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
+
+from shardcheck.parity.forkserver import (
+    ForkedRank,
+    ForkServer,
+    ServerFailed,
+    die_with_parent,
+    kill_session,
+    server_for,
+)
 
 
 def free_port() -> int:
@@ -217,45 +224,46 @@ def torchrun_env(rank: int, world_size: int, port: int) -> dict[str, str]:
             "TORCHELASTIC_RUN_ID": "shardcheck"}
 
 
-def die_with_parent() -> None:
-    """Have the kernel kill this process when its parent dies (Linux ``PR_SET_PDEATHSIG``)."""
-    with contextlib.suppress(OSError):
-        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)
-
-
 def _own_session() -> None:
     """In the child before exec: a session of its own (killed as a group), dying with the parent."""
     os.setsid()
     die_with_parent()
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
+def _kill_group(proc: subprocess.Popen | ForkedRank) -> None:
+    kill_session(proc.pid)
     proc.wait()
 
 
 def run_script(script: str, args: Sequence[str], nproc: int, timeout: float,
-               env: dict[str, str] | None = None, log_stdout: bool = False) -> ScriptRun:
+               env: dict[str, str] | None = None, log_stdout: bool = False,
+               preload: Sequence[str] = ()) -> ScriptRun:
     """Run ``python script args`` as ``nproc`` local ranks, like ``torchrun --standalone``.
 
     Each rank runs in its own session; ranks still running after ``timeout`` seconds are
     killed with everything they started, and so is every rank if this call is interrupted.
     ``env`` is added to each rank's environment; ``log_stdout`` sends its stdout to its log
     (the stderr kept in :class:`RankExit`) instead of this process's stdout, where the ranks'
-    lines are otherwise passed on whole (never two ranks' text on one line).
+    lines are otherwise passed on whole (never two ranks' text on one line). With ``preload``
+    (and ``log_stdout``), the ranks are forked from a server that imported those modules once
+    (:mod:`shardcheck.parity.forkserver`) instead of being fresh interpreters.
     """
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="shardcheck-run-") as tmp:
         logs = [open(Path(tmp) / f"rank{r}.err", "w+") for r in range(nproc)]  # noqa: SIM115
-        procs: list[subprocess.Popen] = []
+        server = _fork_server(preload, env) if preload and log_stdout else None
+        procs: list[Any] = []
         relays: list[threading.Thread] = []
         try:
             for rank in range(nproc):
+                rank_env = {**os.environ, **(env or {}), **torchrun_env(rank, nproc, port)}
+                if server is not None:
+                    log = Path(logs[rank].name)
+                    procs.append(server.start([script, *args], rank_env, stdout=log, stderr=log))
+                    continue
                 procs.append(subprocess.Popen(
                     [sys.executable, script, *args], stderr=logs[rank], preexec_fn=_own_session,
-                    stdout=logs[rank] if log_stdout else subprocess.PIPE,
-                    env={**os.environ, **(env or {}), **torchrun_env(rank, nproc, port)}))
+                    stdout=logs[rank] if log_stdout else subprocess.PIPE, env=rank_env))
                 if not log_stdout:
                     relays.append(_relay_lines(procs[-1].stdout))
             codes, order = _wait_all(procs, timeout)
@@ -270,6 +278,15 @@ def run_script(script: str, args: Sequence[str], nproc: int, timeout: float,
             ranks.append(RankExit(rank, codes[rank], RANK_PREFIX.sub("", log.read()), order[rank]))
             log.close()
     return ScriptRun(ranks, timeout)
+
+
+def _fork_server(modules: Sequence[str], env: dict[str, str] | None) -> ForkServer | None:
+    """A warm server for the ranks' interpreter settings; None (fresh interpreters) when it
+    cannot import ``modules``: then the ranks themselves report why."""
+    try:
+        return server_for(modules, {**os.environ, **(env or {})})
+    except ServerFailed:
+        return None
 
 
 _STDOUT_LOCK = threading.Lock()
@@ -290,7 +307,7 @@ def _relay_lines(stream) -> threading.Thread:
     return thread
 
 
-def _wait_all(procs: list[subprocess.Popen], timeout: float) -> tuple[list[int | None], list[int]]:
+def _wait_all(procs: list[subprocess.Popen | ForkedRank], timeout: float) -> tuple[list[int | None], list[int]]:
     """Exit codes once every rank ended (None for those still running at the deadline), and
     the order in which they ended (ranks still running last)."""
     deadline, ended = time.monotonic() + timeout, {}

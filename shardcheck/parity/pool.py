@@ -43,8 +43,9 @@ import torch
 import torch.distributed as dist
 
 from shardcheck.parity import collective_log
+from shardcheck.parity.forkserver import die_with_parent
 from shardcheck.parity.gloo_avg import avg_problems
-from shardcheck.parity.launch import die_with_parent, first_failures, free_port, join_gloo
+from shardcheck.parity.launch import first_failures, free_port, join_gloo
 from shardcheck.parity.layout import Layout
 from shardcheck.parity.scenario import ScenarioContext, active, build_groups
 from shardcheck.typecheck.checker import typecheck
