@@ -4,27 +4,22 @@ from shardcheck.parity.compare import ParityResult, parity
 from shardcheck.parity.layout import Layout, LayoutError
 from shardcheck.parity.pool import PoolFailure, RankPool
 from shardcheck.parity.scenario import ScenarioContext, current_context, replicate, shard
-from shardcheck.typecheck import (
-    backward_rules,  # noqa: F401  (they register their rules)
-    norm_tracking,  # noqa: F401  (they register their rules)
-    token_rows,  # noqa: F401  (they register their rules)
-)
 from shardcheck.typecheck.checker import (
     Coverage,
-    SpmdTypeError,
     annotate,
     assert_type,
     confirmed_across_ranks,
     contract,
     coverage,
     rank_slice,
-    register_rule,
     typecheck,
     typeof,
     violations,
 )
 from shardcheck.typecheck.gradients import annotate_parameters, check_gradients
+from shardcheck.typecheck.rules.registry import register_rule
 from shardcheck.typecheck.types import Axis, I, Mesh, P, Placement, R, S, Shard, V
+from shardcheck.typecheck.violations import SpmdTypeError
 
 __version__ = "0.1.0"
 

@@ -1,4 +1,4 @@
-"""Backward kernels and losses typed by shardcheck.typecheck.backward_rules, on a fake 2-rank tp group.
+"""Backward kernels and losses typed by shardcheck.typecheck.rules.backward, on a fake 2-rank tp group.
 
 An input sharded on its last dim goes through an op and back; its gradient must come out
 sharded the same way, with every op call typed.

@@ -9,35 +9,28 @@ tracked tensor that views the same storage.
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import os
 import sys
 import weakref
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from types import FrameType
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import typing_extensions
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from shardcheck.typecheck import rank_branches, shape_rules, unseen
-from shardcheck.typecheck import rules as _rules
+from shardcheck.typecheck import rank_branches, unseen
 from shardcheck.typecheck.broadcast import op_kind as broadcast_kind
 from shardcheck.typecheck.broadcast import record as record_broadcast
-from shardcheck.typecheck.collectives import (
-    C10D_RULES,
-    FUNCTIONAL_RULES,
-    collective_rule,
-    group_ranks,
-)
+from shardcheck.typecheck.locations import inside_collective, user_code_frame, user_location
 from shardcheck.typecheck.position_cuts import PositionCuts
-from shardcheck.typecheck.rules import NO_TENSOR
+from shardcheck.typecheck.rules import registry
+from shardcheck.typecheck.rules.collectives import group_ranks
+from shardcheck.typecheck.rules.common import NO_TENSOR, replicated, stacks_as_pieces
+from shardcheck.typecheck.rules.registry import FILL_VALUE_POS, Known, ValueRule, base_name
+from shardcheck.typecheck.rules.shape import same_elements, view_shard
 from shardcheck.typecheck.types import (
     Mesh,
     Placement,
@@ -48,51 +41,16 @@ from shardcheck.typecheck.types import (
     parse_alternatives,
     parse_placement,
 )
-from shardcheck.typecheck.violations import HELP, Violation
+from shardcheck.typecheck.violations import HELP, SpmdTypeError, Violation, ViolationRecord
 
-_HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-_DISTRIBUTED = os.path.join(os.path.dirname(torch.__file__), "distributed") + os.sep
-_SKIP_PREFIXES = (
-    os.path.dirname(torch.__file__) + os.sep,
-    _HERE,
-    os.path.dirname(contextlib.__file__) + os.sep + "contextlib.py",
-    os.path.dirname(functools.__file__) + os.sep + "functools.py",
-    typing_extensions.__file__,
-    "<frozen",
-)
-RULES: dict[str, Callable] = {**_rules.RULES, **shape_rules.RULES}
-_USER_RULES: dict[Any, Callable] = {}
-# By id(op), what the dispatch needs of it (see _resolve), kept between regions while the rule
-# tables stay as they were resolved with; and the op itself (for coverage's names).
+# By id(op), what the dispatch needs of it (see _resolve), kept while no rule is registered or
+# unregistered; and the op itself (for coverage's names).
 _ENTRIES: dict[int, tuple] = {}
 _OPS: dict[int, Any] = {}
-_RESOLVED_WITH: list[dict] = []
+registry.on_change(_ENTRIES.clear)
 _MESH_KEYS: dict[tuple, tuple] = {}
 _ACTIVE: list[Checker] = []
 _LAST: list[Checker] = []
-
-# What is known of a value: nothing, every element equal (a slice of a constant global tensor
-# fits any layout), or all zero (also fits a partial sum).
-CONST, ZERO = 1, 2
-# Replicated zeros that one value was added into (``acc = zeros; if rank == 0: acc += x``): a
-# rank cannot tell whether the others added too (a sum over the axis, P) or hold zeros.
-ACC = 4
-# ACC added in a branch on the rank (``if rank == 0: acc += x``): likely one rank's contribution
-# alone, so an op on it other than its sum is V (see _after_accumulation). Added by every rank
-# (Adam's zero states, a token count summed per microbatch) ACC stays the value itself.
-ONE_RANK = 8
-# How an op's result relates to its inputs' known values: made zero; constant, zero when its
-# value arg is 0; as its input; as its source (copy_); constant when all tensor inputs are;
-# a Python number made a tensor (torch.tensor(0.0)).
-_ZERO, _FILL, _KEEP, _COPY, _ARITH, _LIFT, _ADD, _JOIN = 1, 2, 3, 4, 5, 6, 7, 8  # _ADD: _ARITH, and see ACC
-# _JOIN (cat, stack): zeros when every piece is, ACC when each is zeros or ACC
-_FILL_VALUE_POS = {"full": 1, "full_like": 1, "fill": 1, "new_full": 2, "scalar_tensor": 0}
-_KEEPS_ZERO = {
-    "view", "_unsafe_view", "reshape", "permute", "transpose", "t", "unsqueeze", "squeeze",
-    "expand", "slice", "select", "split", "split_with_sizes", "unbind", "clone", "detach",
-    "alias", "_to_copy", "contiguous", "as_strided",
-    "index_select", "gather", "index", "take", "repeat", "flip", "roll",  # pick input elements
-}
 
 
 # Collectives that Gloo runs as an all-reduce of a buffer the checker never sees, then, when
@@ -100,39 +58,6 @@ _KEEPS_ZERO = {
 # into the output after the op is that copy, the collective's own (an async op is waited on
 # at ``handle.wait()``, with no torch.distributed frame on the stack).
 _LANDS_ON_WAIT = frozenset({torch.ops.c10d._reduce_scatter_base_.default})
-
-
-class SpmdTypeError(RuntimeError):
-    """An op would compute a wrong global value. The first line starts with ``checker:``."""
-
-    def __init__(self, message: str, rule: str, location: str, op: str) -> None:
-        super().__init__(message)
-        self.rule, self.location, self.op = rule, location, op
-
-
-@dataclass(frozen=True)
-class ViolationRecord:
-    """One violation: the rule, the user's file:line, the op and the full message.
-
-    ``axis`` and ``coordinate`` (this rank's index on it) name where the rule broke;
-    ``occurrence`` numbers a by-rank cut of a varying tensor (see :func:`confirmed_across_ranks`).
-    """
-
-    rule: str
-    location: str
-    op: str
-    message: str
-    axis: str | None = None
-    coordinate: int | None = None
-    occurrence: int | None = None
-
-    @property
-    def first_line(self) -> str:
-        return self.message.splitlines()[0]
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"rule": self.rule, "location": self.location, "op": self.op, "line": self.first_line,
-                "axis": self.axis, "coordinate": self.coordinate, "occurrence": self.occurrence}
 
 
 def confirmed_across_ranks(per_rank: Iterable[Iterable[Mapping[str, Any]]]) -> list[Mapping[str, Any]]:
@@ -183,51 +108,6 @@ class Coverage:
         lines += [f"  unknown {name}: {count}" for name, count in self.top_unknown]
         lines += [f"  unknown from {origin}: {count}" for origin, count in self.origins]
         return "\n".join(lines)
-
-
-@contextmanager
-def harness_code(*paths: str) -> Iterator[None]:
-    """Inside the block, violations are located past the code under ``paths`` (a harness that
-    drives the library under test), as they are past torch and shardcheck."""
-    global _SKIP_PREFIXES
-    saved = _SKIP_PREFIXES
-    _SKIP_PREFIXES = (*saved, *paths)
-    try:
-        yield
-    finally:
-        _SKIP_PREFIXES = saved
-
-
-def user_location() -> str:
-    """file:line of the innermost frame outside torch and shardcheck."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        name = frame.f_code.co_filename
-        if not name.startswith(_SKIP_PREFIXES):
-            return f"{name}:{frame.f_lineno}"
-        frame = frame.f_back
-    return "<unknown>"
-
-
-def _user_frame() -> FrameType | None:
-    """The innermost frame outside torch and shardcheck (see :func:`user_location`)."""
-    frame = sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename.startswith(_SKIP_PREFIXES):
-        frame = frame.f_back
-    return frame
-
-
-def _inside_collective() -> bool:
-    """Whether the op runs inside torch.distributed (a collective moving its own data)."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        name = frame.f_code.co_filename
-        if name.startswith(_DISTRIBUTED):
-            return True
-        if not name.startswith(_SKIP_PREFIXES):
-            return False
-        frame = frame.f_back
-    return False
 
 
 def mesh_key(mesh: Mesh) -> tuple:
@@ -300,7 +180,6 @@ class Checker(TorchDispatchMode):
             raise ValueError(f"mode must be 'raise' or 'collect', not {mode!r}")
         self.mesh, self.mode = mesh, mode
         self.key = mesh_key(mesh)
-        _entries_current()
         _LAYOUT_EPOCH[0] += 1  # tensors may have moved since the last region
         self.names = mesh.names
         self.n = len(self.names)
@@ -332,7 +211,7 @@ class Checker(TorchDispatchMode):
         the user code's frame that read it (see :meth:`_rank_scalar_axes`)."""
         if len(self.rank_scalars) >= 256:
             self.rank_scalars.pop(next(iter(self.rank_scalars)))
-        frame = _user_frame()
+        frame = user_code_frame()
         self.rank_scalars[value] = (axes, None if frame is None else (id(frame), frame.f_code))
 
     def rank_read(self, group: Any) -> Callable | None:
@@ -365,18 +244,18 @@ class Checker(TorchDispatchMode):
         if made is None or made[0] != id(frame) or made[1] is not frame.f_code:
             return
         _, code, call, pieces, source = made
-        if all(_rules.replicated(source[a]) for a in axes) or not 0 <= rank < len(pieces):
+        if all(replicated(source[a]) for a in axes) or not 0 <= rank < len(pieces):
             return
         piece = pieces[rank]()
         pl = self.types(piece)
         if pl is not None and rank_branches.subscripts_result(code, call, at):
             self.set_type(piece, _varied_on(pl, set(axes)), self._flags(piece))
 
-    def _after_rank_branch(self, pl, args, flags: int, axes: tuple[int, ...]):
+    def _after_rank_branch(self, pl, args, flags: Known, axes: tuple[int, ...]):
         """An op run by a frame that branched on the rank: its ranks may run other ops, so
         its result is V on those axes, unless its rule proves the layout: this rank's piece of
         a replicated value (a slice by rank), zeros only this rank added into (ACC), V."""
-        if flags & ACC:
+        if flags & Known.ACC:
             return pl
         source = self.types(args[0]) if args and isinstance(args[0], torch.Tensor) else None
 
@@ -384,7 +263,7 @@ class Checker(TorchDispatchMode):
             if one is None:
                 return None
             return tuple(V if a in axes and p is not None and not (
-                isinstance(p, Shard) and source is not None and _rules.replicated(source[a])) else p
+                isinstance(p, Shard) and source is not None and replicated(source[a])) else p
                 for a, p in enumerate(one))
         return [branched(one) for one in pl] if isinstance(pl, list) else branched(pl)
 
@@ -410,7 +289,7 @@ class Checker(TorchDispatchMode):
         rows of a value cut there, whose sum over the ranks V would lose), except a slice of
         a sectioned dim, whose rule told its own sections (counts that differ by rank) apart."""
         axes = self._rank_scalar_axes(args, kwargs)
-        source = self.types(args[0]) if axes and _base_name(func) == "slice" else None
+        source = self.types(args[0]) if axes and base_name(func) == "slice" else None
         if source:
             axes = {a for a in axes if not isinstance(source[a], SectionShard)}
         return _varied_on(pl, axes, typed_only=True)
@@ -420,8 +299,8 @@ class Checker(TorchDispatchMode):
         other than a view or copy of them or their SUM all-reduce or reduce-scatter: on a
         replicated axis they are the value itself or one rank's contribution, which a rank
         cannot tell, so the result is V there."""
-        axes = {a for t in args if isinstance(t, torch.Tensor) and self._flags(t) & ONE_RANK
-                for a, p in enumerate(self.types(t)) if _rules.replicated(p)}
+        axes = {a for t in args if isinstance(t, torch.Tensor) and self._flags(t) & Known.ONE_RANK
+                for a, p in enumerate(self.types(t)) if replicated(p)}
         return _varied_on(pl, axes)
 
     def count_varying_cut(self) -> int:
@@ -438,23 +317,23 @@ class Checker(TorchDispatchMode):
 
     def zero(self, t: Any) -> bool:
         st = getattr(t, "_sc", None)
-        return st is not None and st[0] is self.key and st[2] == ZERO
+        return st is not None and st[0] is self.key and st[2] == Known.ZERO
 
     def const(self, t: Any) -> bool:
         st = getattr(t, "_sc", None)
-        return st is not None and st[0] is self.key and st[2] in (CONST, ZERO)
+        return st is not None and st[0] is self.key and st[2] in (Known.CONST, Known.ZERO)
 
     def accumulated(self, t: Any) -> bool:
         """Whether ``t`` is zeros that one value was added into (see ACC)."""
-        return bool(self._flags(t) & ACC)
+        return bool(self._flags(t) & Known.ACC)
 
     def added_on_some_ranks(self, t: Any) -> bool:
         """Whether ``t`` is zeros a value was added into in a branch on the rank."""
-        return bool(self._flags(t) & ONE_RANK)
+        return bool(self._flags(t) & Known.ONE_RANK)
 
-    def _flags(self, t: Any) -> int:
+    def _flags(self, t: Any) -> Known:
         st = getattr(t, "_sc", None)
-        return st[2] if st is not None and st[0] is self.key else 0
+        return st[2] if st is not None and st[0] is self.key else Known.NOTHING
 
     def unseen_scalar(self, t: torch.Tensor) -> bool:
         """Whether untyped ``t`` is a scalar made before the region (one element: a loss scale,
@@ -462,7 +341,7 @@ class Checker(TorchDispatchMode):
         computed or wrote without a type is not: it may differ per rank."""
         return t.numel() == 1 and getattr(t, "_sc_untyped", None) is not self.key
 
-    def set_type(self, t: torch.Tensor, pl: tuple | None, flags: int = 0) -> None:
+    def set_type(self, t: torch.Tensor, pl: tuple | None, flags: Known = Known.NOTHING) -> None:
         """Type ``t``; with no type, a one-element ``t`` is no longer an unseen scalar."""
         if pl is not None and pl.count(None) != len(pl):
             t._sc = (self.key, pl, flags)
@@ -474,7 +353,7 @@ class Checker(TorchDispatchMode):
 
     def update_inplace(self, t: torch.Tensor, pl: tuple | None,
                        transform: Callable[[tuple], tuple] | None = None,
-                       flags: int = 0) -> None:
+                       flags: Known = Known.NOTHING) -> None:
         """Retype ``t`` in place, and every tracked tensor overlapping its storage."""
         old = self.types(t)
         self.set_type(t, pl, flags)
@@ -491,7 +370,7 @@ class Checker(TorchDispatchMode):
             if alias is not None:
                 self._retype_alias(alias, t, span, old, pl, transform, flags)
 
-    def _retype_alias(self, alias, t, span: tuple[int, int], old, pl, transform, flags: int) -> None:
+    def _retype_alias(self, alias, t, span: tuple[int, int], old, pl, transform, flags: Known) -> None:
         """After ``t`` (spanning ``span`` of its storage) was written, retype ``alias``
         where the two overlap."""
         if alias is t:
@@ -503,7 +382,7 @@ class Checker(TorchDispatchMode):
         if a_hi <= span[0] or span[1] <= a_lo:
             return
         self.set_type(alias, self._alias_type(alias, st[1], t, old, pl, transform),
-                      flags if _same_region(alias, t) else 0)
+                      flags if _same_region(alias, t) else Known.NOTHING)
 
     def _alias_type(self, alias, alias_pl, t, old, pl, transform) -> tuple | None:
         if transform is not None:
@@ -524,8 +403,8 @@ class Checker(TorchDispatchMode):
                 merged.append(mine)
             elif alias_zero and not isinstance(new, Shard):
                 merged.append(new)
-            elif alias_zero and shape_rules.same_elements(alias, t):  # zeros overwritten whole
-                merged.append(shape_rules.view_shard(t.shape, alias.shape, new))
+            elif alias_zero and same_elements(alias, t):  # zeros overwritten whole
+                merged.append(view_shard(t.shape, alias.shape, new))
             else:
                 merged.append(None)
         return tuple(merged)
@@ -600,7 +479,7 @@ class Checker(TorchDispatchMode):
             if mutated:
                 self._forget(mutated, args, kwargs)
             else:
-                self._type_outputs(out, None, 0, None)
+                self._type_outputs(out, None, Known.NOTHING, None)
             return out
         return self._typed(func, args, kwargs, out, pl, entry, branched)
 
@@ -613,14 +492,14 @@ class Checker(TorchDispatchMode):
         self.typed += 1
         if self.sites is not None:
             self._count_site(func, args, out, typed=True)
-        flags = self._value_flags(zero_kind, func, args) if zero_kind else 0
-        if zero_kind == _ADD:
+        flags = self._value_flags(zero_kind, func, args) if zero_kind else Known.NOTHING
+        if zero_kind is ValueRule.ADD:
             flags = self._accumulation(args, flags)
-        if self.accumulating and not flags & ACC and aten:
+        if self.accumulating and not flags & Known.ACC and aten:
             pl = self._after_accumulation(pl, args)
         if branched:
-            if flags == ACC:
-                flags = ACC | ONE_RANK
+            if flags == Known.ACC:
+                flags = Known.ACC | Known.ONE_RANK
                 self.accumulating = True
             pl = self._after_rank_branch(pl, args, flags, branched)
         if mutated:
@@ -635,7 +514,7 @@ class Checker(TorchDispatchMode):
         its unknown was made: the first op that gave no type from typed inputs (or none at all),
         found by following unknown inputs back (``origins``). Ops torch.distributed makes to
         carry out a collective (the collective itself is typed) are not the caller's."""
-        if _inside_collective() or self._landing(func, args, out):
+        if inside_collective() or self._landing(func, args, out):
             return
         site = self.sites.setdefault(user_location(), [0, 0])
         site[0 if typed else 1] += 1
@@ -645,7 +524,7 @@ class Checker(TorchDispatchMode):
                        if isinstance(t, torch.Tensor) and self.types(t) is None
                        and getattr(t, "_sc_origin", None) is not None), None)
         if origin is None:
-            origin = f"{user_location()} {_base_name(func)}"
+            origin = f"{user_location()} {base_name(func)}"
         self.origins[origin] += 1
         for t in (out if isinstance(out, (tuple, list)) else (out,)):
             if isinstance(t, torch.Tensor):
@@ -655,7 +534,7 @@ class Checker(TorchDispatchMode):
         """Whether the op is Gloo landing an async collective when it is waited on: cutting its
         reduced buffer (one the checker never saw) and copying this rank's piece into the
         output. Both are the collective's own ops, typed by it."""
-        name = _base_name(func)
+        name = base_name(func)
         if name == "copy":
             return getattr(args[0], "_sc_landing", False)
         return (name == "split" and isinstance(out, (tuple, list)) and bool(out)
@@ -671,10 +550,10 @@ class Checker(TorchDispatchMode):
             if getattr(t, "_sc_landing", False):
                 t._sc_landing = False
                 self.landings[tuple(t.shape)] -= 1
-            elif not _inside_collective():
+            elif not inside_collective():
                 self.update_inplace(t, None)
 
-    def _type_outputs(self, out, pl, flags: int, base: torch.Tensor | None) -> None:
+    def _type_outputs(self, out, pl, flags: Known, base: torch.Tensor | None) -> None:
         if isinstance(out, torch.Tensor):
             self.set_type(out, pl, flags)
             if base is not None and pl is not None:
@@ -689,34 +568,34 @@ class Checker(TorchDispatchMode):
                 if base is not None and p is not None:
                     self.register_view(t, base)
 
-    def _accumulation(self, args, flags: int) -> int:
+    def _accumulation(self, args, flags: Known) -> Known:
         """zeros + x (in place or not), x a value of its own: ACC."""
         if (len(args) >= 2 and isinstance(args[1], torch.Tensor) and self.zero(args[0])
                 and not self.zero(args[1])):
-            return ACC
+            return Known.ACC
         return flags
 
-    def _value_flags(self, kind: int, func, args) -> int:
-        if kind == _ARITH or kind == _ADD:
+    def _value_flags(self, kind: ValueRule, func, args) -> Known:
+        if kind is ValueRule.ARITH or kind is ValueRule.ADD:
             for a in args:
                 if isinstance(a, torch.Tensor) and not self.const(a):
-                    return 0
-            return CONST
-        if kind == _KEEP:
+                    return Known.NOTHING
+            return Known.CONST
+        if kind is ValueRule.KEEP:
             return self._flags(args[0])
-        if kind == _JOIN:
+        if kind is ValueRule.JOIN:
             return _joined_flags({self._flags(t) for t in args[0]})
-        if kind == _ZERO:
-            return ZERO
-        if kind == _COPY:
+        if kind is ValueRule.ZERO:
+            return Known.ZERO
+        if kind is ValueRule.COPY:
             return self._flags(args[1])
-        if kind == _LIFT:
+        if kind is ValueRule.LIFT:
             if args[0].numel() != 1:
-                return 0
-            return ZERO if args[0].item() == 0 else CONST
-        pos = _FILL_VALUE_POS.get(_base_name(func))
+                return Known.NOTHING
+            return Known.ZERO if args[0].item() == 0 else Known.CONST
+        pos = FILL_VALUE_POS.get(base_name(func))
         value = args[pos] if pos is not None and len(args) > pos else None
-        return ZERO if isinstance(value, (int, float)) and value == 0 else CONST
+        return Known.ZERO if isinstance(value, (int, float)) and value == 0 else Known.CONST
 
     # --- violations --------------------------------------------------------------------
     def _report(self, violation: Violation, func, args) -> None:
@@ -757,7 +636,8 @@ class Checker(TorchDispatchMode):
         pl = self.types(x)
         if pl is None:
             return "?"
-        known = {CONST: " const", ZERO: " zero", ACC: " accumulated"}.get(self._flags(x) & ~ONE_RANK, "")
+        known = {Known.CONST: " const", Known.ZERO: " zero", Known.ACC: " accumulated"}.get(
+            self._flags(x) & ~Known.ONE_RANK, "")
         inner = ", ".join(f"{n}:{'?' if p is None else p}"
                           for n, p in zip(self.names, pl, strict=True))
         return "{" + inner + "}" + known
@@ -821,13 +701,13 @@ def _retyped_after(checker: Checker, violation: Violation, rule, args, kwargs, o
         return None
 
 
-def _joined_flags(kinds: set[int]) -> int:
+def _joined_flags(kinds: set[Known]) -> Known:
     """What is known of pieces joined (cat, stack) whose own flags are ``kinds`` (constants of
     each its own are no constant)."""
-    if kinds == {ZERO}:
-        return ZERO
-    added = {k for k in kinds if k & ACC}
-    return max(added) if added and kinds <= added | {ZERO} else 0
+    if kinds == {Known.ZERO}:
+        return Known.ZERO
+    added = {k for k in kinds if k & Known.ACC}
+    return max(added) if added and kinds <= added | {Known.ZERO} else Known.NOTHING
 
 
 def _varied_on(pl, axes, typed_only: bool = False):
@@ -877,36 +757,11 @@ def _mutated_tensors(mutated, args, kwargs) -> Iterator[torch.Tensor]:
             yield from (v for v in value if isinstance(v, torch.Tensor))
 
 
-def _base_name(func) -> str:
-    name = func._opname if hasattr(func, "_opname") else func.__name__.split(".")[0]
-    return name[:-1] if name.endswith("_") and not name.endswith("__") else name
-
-
-def _no_value(ctx, args, kwargs, out):
-    """A profiler mark (``record_function``): no tensor value to type."""
-    return NO_TENSOR
-
-
-def _entries_current() -> None:
-    """Drop the resolved ops if a rule table changed since (a rule set or deleted by hand)."""
-    tables = [_USER_RULES, RULES, C10D_RULES, FUNCTIONAL_RULES]
-    if _RESOLVED_WITH != tables:
-        _ENTRIES.clear()
-        _RESOLVED_WITH[:] = [dict(table) for table in tables]
-
-
 def _resolve(func) -> tuple:
-    """What the dispatch needs of an op: (the callable that runs it, rule, zero kind, mutated
+    """What the dispatch needs of an op: (the callable that runs it, rule, value rule, mutated
     (pos, name) args, is_view, moves_views, broadcast kind, in aten). A plain OpOverload runs
     as its C++ op (``OpOverload.__call__`` is a Python frame that only calls it)."""
-    rule = _USER_RULES.get(func) or _USER_RULES.get(getattr(func, "overloadpacket", None))
-    name = _base_name(func)
-    if rule is None:
-        if func.namespace == "aten":
-            opname = getattr(func, "_opname", name)
-            rule = RULES.get(opname) or RULES.get(name)
-        else:
-            rule = _no_value if func.namespace == "profiler" else collective_rule(func)
+    rule = registry.rule_for(func)
     schema = func._schema
     mutated = tuple((i, a.name) for i, a in enumerate(schema.arguments)
                     if a.alias_info is not None and a.alias_info.is_write)
@@ -916,27 +771,8 @@ def _resolve(func) -> tuple:
     # an in-place view op (t_, resize_, set_, ...) or an out= op (which resizes its output)
     moves_views = torch.Tag.inplace_view in func.tags or any(a.is_out for a in schema.arguments)
     call = func._op if type(func) is torch._ops.OpOverload else func
-    return (call, rule, _zero_kind(name), mutated, is_view, moves_views, broadcast_kind(func),
-            func.namespace == "aten")
-
-
-def _zero_kind(name: str) -> int:
-    """How the result's known value follows from the inputs' (see CONST, ZERO)."""
-    if name in _rules.ZERO_MAKERS:
-        return _ZERO
-    if name in _rules.FILL_OPS:
-        return _FILL
-    if name in _KEEPS_ZERO:
-        return _KEEP
-    if name == "copy":
-        return _COPY
-    if name in ("cat", "stack"):
-        return _JOIN
-    if name in _rules.CONST_PRESERVING:
-        return _ADD if name == "add" else _ARITH
-    if name in ("lift_fresh", "lift_fresh_copy"):
-        return _LIFT
-    return 0
+    return (call, rule, registry.value_rule(base_name(func)), mutated, is_view, moves_views,
+            broadcast_kind(func), func.namespace == "aten")
 
 
 # --- public API ------------------------------------------------------------------------------
@@ -1058,19 +894,13 @@ def rank_slice(x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
     if x.shape[dim] % size:
         raise ValueError(f"dim {dim} of size {x.shape[dim]} does not split into {size} chunks")
     pl = checker.types(x) or (None,) * checker.n
-    if pl[a] is not None and not _rules.replicated(pl[a]):
+    if pl[a] is not None and not replicated(pl[a]):
         checker._report(Violation("split of varying", a), torch.ops.aten.slice.Tensor, (x,))
     length = x.shape[dim] // size
     with checker.paused():
         piece = x.narrow(dim, index * length, length)
     checker.set_type(piece, pl[:a] + (S(dim % x.dim()),) + pl[a + 1:], checker._flags(x))
     return piece
-
-
-def register_rule(op: Any, rule: Callable) -> None:
-    """Type ``op`` (an OpOverload or OpOverloadPacket) with ``rule(ctx, args, kwargs, out)``."""
-    _USER_RULES[op] = rule
-    _ENTRIES.clear()
 
 
 def contract(args: Mapping[int | str, Mapping[str, Placement | str]] | None = None,
@@ -1126,7 +956,7 @@ def _alternatives(want: Placement | str) -> tuple[Placement, ...]:
 
 def _admits(want: Placement, got: Placement, value: torch.Tensor) -> bool:
     """``got`` meets ``want``; a required V (per-rank values) also admits a partial count."""
-    return _same(got, want, value.dim()) or (want is V and _rules.stacks_as_pieces(got, value))
+    return _same(got, want, value.dim()) or (want is V and stacks_as_pieces(got, value))
 
 
 def _type_result(result: Any, returns) -> None:

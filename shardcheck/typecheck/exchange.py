@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shardcheck.typecheck.rules import axis_stride, chunk_dim, inside, moved, norm_dim
+from shardcheck.typecheck.rules.common import axis_stride, chunk_dim, inside, moved, norm_dim
 from shardcheck.typecheck.types import (
     InterleavedShard,
     Pl,

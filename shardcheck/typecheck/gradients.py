@@ -10,7 +10,6 @@ seeded, and checks each gradient against its parameter: explicitly with
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 
 import torch
@@ -20,52 +19,18 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from shardcheck.typecheck import checker as _checker
 from shardcheck.typecheck.gradient_rules import GradientFinding, gradient_finding
-from shardcheck.typecheck.types import Placement, V
+from shardcheck.typecheck.rules.gradient import gradient_of, gradient_state, report
+from shardcheck.typecheck.types import Placement
 
 ParamsLike = nn.Module | Iterable[torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]
-
-
-@dataclass(frozen=True)
-class GradientViolation(_checker.ViolationRecord):
-    """A recorded gradient or norm-accounting violation, with the parameter (and axis) it names."""
-
-    param: str = ""
-
-
-@dataclass
-class _GradientState:
-    """Per typecheck region: axes a seeded loss varied on, findings already reported, and the
-    parameters named in this region (what norm accounting follows; every rank of an SPMD
-    program names the same ones, so the decision to exchange counts is the same on all)."""
-
-    loss_varies: set[int] = field(default_factory=set)
-    reported: set[tuple[str, str, str, str]] = field(default_factory=set)
-    named: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)
 
 
 _NAMES = WeakIdKeyDictionary()
 """Parameter -> name, for parameters named by annotate_parameters, check_gradients or a step."""
 
 
-def _state(checker: _checker.Checker) -> _GradientState:
-    checker = getattr(checker, "_checker", checker)  # a rule re-run sees the checker wrapped
-    state = getattr(checker, "_gradient_state", None)  # read at every op of a norm's rules
-    if state is None:
-        state = checker._gradient_state = _GradientState()
-    return state
-
-
 def parameter_name(param: torch.Tensor) -> str | None:
     return _NAMES.get(param)
-
-
-def has_named_parameters(checker: _checker.Checker) -> bool:
-    return len(_state(checker).named) > 0
-
-
-def named_parameters(checker: _checker.Checker) -> list[tuple[str, torch.Tensor]]:
-    """The live parameters named in ``checker``'s region."""
-    return [(name, p) for p, name in _state(checker).named.items()]
 
 
 def _named(params: ParamsLike) -> list[tuple[str, torch.Tensor]]:
@@ -83,7 +48,7 @@ def _named(params: ParamsLike) -> list[tuple[str, torch.Tensor]]:
         named.append((name, p))
     checker = _checker.current()
     if checker is not None:
-        _state(checker).named.update((p, name) for name, p in named)
+        gradient_state(checker).named.update((p, name) for name, p in named)
     return named
 
 
@@ -106,12 +71,6 @@ def annotate_parameters(model: ParamsLike,
     return model
 
 
-def gradient_of(param: torch.Tensor) -> torch.Tensor | None:
-    """The gradient the optimizer will use: Megatron's ``main_grad`` if set, else ``.grad``."""
-    main = getattr(param, "main_grad", None)
-    return main if isinstance(main, torch.Tensor) else param.grad
-
-
 def check_gradients(model_or_params: ParamsLike) -> list[GradientFinding]:
     """Check every typed parameter's gradient; report (raise or collect) and return the findings.
 
@@ -127,7 +86,7 @@ def check_gradients(model_or_params: ParamsLike) -> list[GradientFinding]:
 
 def _findings(checker: _checker.Checker,
               named: list[tuple[str, torch.Tensor]]) -> list[GradientFinding]:
-    state = _state(checker)
+    state = gradient_state(checker)
     findings = []
     for name, param in named:
         grad = gradient_of(param)
@@ -144,36 +103,6 @@ def _findings(checker: _checker.Checker,
             if found is not None:
                 findings.append(found)
     return findings
-
-
-def _message(finding, location: str, op: str) -> str:
-    return "\n".join([
-        f"checker: {finding.rule} at {location} in {op}: {finding.describe()}",
-        f"  why: {finding.why}",
-        f"  fix: {finding.fix}",
-    ])
-
-
-def report(checker: _checker.Checker, findings: list, op: str) -> None:
-    """Raise the first finding (listing the rest), or record each new one in collect mode.
-
-    A finding has ``rule``, ``param``, ``axis``, ``why``, ``fix`` and ``describe()``.
-    """
-    if not findings:
-        return
-    location = _checker.user_location()
-    if checker.mode == "raise":
-        first = findings[0]
-        also = [f"  also: {f.rule}: {f.describe()}" for f in findings[1:]]
-        message = "\n".join([_message(first, location, op), *also])
-        raise _checker.SpmdTypeError(message, first.rule, location, op)
-    seen = _state(checker).reported
-    for f in findings:
-        key = (location, f.rule, f.param, f.axis)
-        if key not in seen:
-            seen.add(key)
-            checker.records.append(GradientViolation(
-                f.rule, location, op, _message(f, location, op), axis=f.axis, param=f.param))
 
 
 # --- automatic check before every optimizer step ----------------------------------------------
@@ -194,25 +123,3 @@ def _before_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
 
 
 register_optimizer_step_pre_hook(_before_step)
-
-
-# --- the seed of loss.backward() ------------------------------------------------------------
-
-_ones_like = _checker.RULES["ones_like"]
-
-
-def _seed_rule(ctx, args, kwargs, out):
-    """``backward()`` seeds with ``ones_like(loss, memory_format=preserve_format)``.
-
-    A loss that is V on an axis (per-rank batches) makes V gradients there per-rank
-    contributions that a data-parallel all-reduce must still sum or average.
-    """
-    loss = args[0]
-    if "memory_format" in kwargs and loss.requires_grad:
-        pl = ctx.types(loss)
-        if pl is not None:
-            _state(ctx).loss_varies.update(a for a, p in enumerate(pl) if p is V)
-    return _ones_like(ctx, args, kwargs, out)
-
-
-_checker.register_rule(torch.ops.aten.ones_like, _seed_rule)

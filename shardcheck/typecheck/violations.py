@@ -1,6 +1,10 @@
-"""What a rule reports: a :class:`Violation`, and the ``HELP`` (why, fix) line per rule."""
+"""What a rule reports (:class:`Violation`), the ``HELP`` (why, fix) line per rule, and what the
+checker makes of a report: an :class:`SpmdTypeError` raised or a :class:`ViolationRecord` kept."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
 
 
 class Violation(Exception):
@@ -70,3 +74,36 @@ HELP: dict[str, tuple[str, str]] = {
     "contract": ("an argument does not have the type the function's contract requires",
                  "convert the argument before the call"),
 }
+
+
+class SpmdTypeError(RuntimeError):
+    """An op would compute a wrong global value. The first line starts with ``checker:``."""
+
+    def __init__(self, message: str, rule: str, location: str, op: str) -> None:
+        super().__init__(message)
+        self.rule, self.location, self.op = rule, location, op
+
+
+@dataclass(frozen=True)
+class ViolationRecord:
+    """One violation: the rule, the user's file:line, the op and the full message.
+
+    ``axis`` and ``coordinate`` (this rank's index on it) name where the rule broke;
+    ``occurrence`` numbers a by-rank cut of a varying tensor (see :func:`checker.confirmed_across_ranks`).
+    """
+
+    rule: str
+    location: str
+    op: str
+    message: str
+    axis: str | None = None
+    coordinate: int | None = None
+    occurrence: int | None = None
+
+    @property
+    def first_line(self) -> str:
+        return self.message.splitlines()[0]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"rule": self.rule, "location": self.location, "op": self.op, "line": self.first_line,
+                "axis": self.axis, "coordinate": self.coordinate, "occurrence": self.occurrence}

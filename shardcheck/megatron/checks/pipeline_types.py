@@ -91,7 +91,7 @@ def _received(checker: Any, tensor: torch.Tensor, message: torch.Tensor, pipelin
 def _exchange(checker: Any, group: Any, transfers: list[tuple[torch.Tensor, int, bool]]) -> list[Callable[[], None]]:
     """Post the type message of each (tensor, peer, is_send) transfer; what to do once each
     transfer is waited on."""
-    from shardcheck.typecheck.collectives import group_ranks
+    from shardcheck.typecheck.rules.collectives import group_ranks
 
     pipeline = set(checker.mesh.axes_of(group_ranks(group)) or ())
     finishers = []

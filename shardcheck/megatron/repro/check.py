@@ -30,7 +30,7 @@ def checked_run(run: Callable[[Any, Any], Any], sizes: Any, pg: Any, recorded: s
     raised that violation again (same rule and location), else None."""
     from shardcheck.megatron.checks import contracts, explicit
     from shardcheck.megatron.checks.typecheck import checked_region, layout_mesh
-    from shardcheck.typecheck.checker import harness_code
+    from shardcheck.typecheck.locations import harness_code
 
     ctx = model_groups(pg)
     with contracts.probes_installed(), checked_region(ctx) as found, explicit.global_group_uses(pg) as misused, \

@@ -102,7 +102,7 @@ class StepRecorder:
 
         from shardcheck.megatron.checks import contracts
         from shardcheck.megatron.checks.typecheck import checked_region
-        from shardcheck.typecheck.checker import harness_code
+        from shardcheck.typecheck.locations import harness_code
 
         groups = {"tp": ps.get_tensor_model_parallel_group(), "cp": ps.get_context_parallel_group(),
                   "dp": ps.get_data_parallel_group(), "pp": ps.get_pipeline_model_parallel_group(),

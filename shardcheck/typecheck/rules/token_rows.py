@@ -29,15 +29,11 @@ from math import prod
 
 import torch
 
-from shardcheck.typecheck import backward_rules, shape_rules
-from shardcheck.typecheck.checker import RULES, register_rule
-from shardcheck.typecheck.routing import mark_rows
-from shardcheck.typecheck.rules import arg, is_partial, norm_dim
+from shardcheck.typecheck.rules.common import Refinement, arg, is_partial, norm_dim
+from shardcheck.typecheck.rules.routing import mark_rows
 from shardcheck.typecheck.types import BlockShard, P, R, Route, Routed, S, SectionShard, Shard, V
 
 aten = torch.ops.aten
-_SLICE = RULES["slice"]
-_INDEX = RULES["index"]
 
 
 @dataclass(frozen=True)
@@ -82,12 +78,12 @@ def _is_sections(p, counts: tuple[int, ...]) -> bool:
     return type(p) is type(want) and p == want
 
 
-def _sort(ctx, args, kwargs, out):
+def _sort(base, ctx, args, kwargs, out):
     """A stable descending sort of a flat bool map of groups (the expert-major routing map: cut
     into group blocks over an axis, or a flat view of the [groups, rows] map): its set entries
     come first, group by group."""
     x = args[0]
-    pl = RULES["sort"](ctx, args, kwargs, out)
+    pl = base(ctx, args, kwargs, out)
     xl = ctx.types(x)
     if pl is None or xl is None or x.dim() != 1:
         return pl
@@ -131,7 +127,7 @@ def _groups(x: torch.Tensor, blocks: dict) -> int:
     return base.shape[0] if base is not None and base.dim() == 2 and base.numel() == x.numel() else 0
 
 
-def _slice(ctx, args, kwargs, out):
+def _slice(base, ctx, args, kwargs, out):
     """The set entries of a sorted map (its first ones) keep its mark, and its type: they are
     cut by count, not by rank (no rank's chunk, even where the count is one)."""
     mark = _mark(args[0])
@@ -141,7 +137,7 @@ def _slice(ctx, args, kwargs, out):
         out._sc_grouped = mark
         pl = ctx.types(args[0])
         return None if pl is None else tuple(_set_entries(p, a in mark.axes) for a, p in enumerate(pl))
-    return _SLICE(ctx, args, kwargs, out)
+    return base(ctx, args, kwargs, out)
 
 
 def _set_entries(p, own_rows: bool):
@@ -153,10 +149,10 @@ def _set_entries(p, own_rows: bool):
     return V if own_rows or type(p) is not Shard else None
 
 
-def _remainder(ctx, args, kwargs, out):
+def _remainder(base, ctx, args, kwargs, out):
     """Flat positions modulo the rows: row positions. Where the map held this rank's whole
     groups, they are its groups' rows of every row, as picked (see :func:`_picked_rows`)."""
-    pl = RULES["remainder"](ctx, args, kwargs, out)
+    pl = base(ctx, args, kwargs, out)
     mark = _mark(args[0]) if isinstance(args[0], torch.Tensor) else None
     if (mark is None or mark.key is not ctx.key or not mark.flat or not isinstance(args[1], int)
             or args[1] != mark.rows):
@@ -168,9 +164,9 @@ def _remainder(ctx, args, kwargs, out):
     return tuple(_picked_rows(mark.counts, mark.rows) if a in mark.picked else p for a, p in enumerate(xl))
 
 
-def _read_by_rows(ctx, args, kwargs, out):
+def _read_by_rows(base, ctx, args, kwargs, out):
     """index_select / gather of the rows of a row shard by a marked index: sectioned rows."""
-    pl = shape_rules.RULES["index_select"](ctx, args, kwargs, out)
+    pl = base(ctx, args, kwargs, out)
     x, index = args[0], args[2]
     mark = _grouped(ctx, index)
     xl = ctx.types(x)
@@ -184,10 +180,10 @@ def _read_by_rows(ctx, args, kwargs, out):
                  else p for a, p in enumerate(pl))
 
 
-def _read_flat(ctx, args, kwargs, out):
+def _read_flat(base, ctx, args, kwargs, out):
     """A flat group-major value (a transposed map's values) read by the flat positions of its
     set entries: the entries group by group, grouped as the marked rows."""
-    pl = _INDEX(ctx, args, kwargs, out)
+    pl = base(ctx, args, kwargs, out)
     x, indices = args[0], args[1]
     mark = _mark(indices[0]) if len(indices) == 1 and isinstance(indices[0], torch.Tensor) else None
     if (mark is not None and mark.key is ctx.key and mark.flat and x.dim() == 1
@@ -196,10 +192,10 @@ def _read_flat(ctx, args, kwargs, out):
     return pl
 
 
-def _add_rows_back(ctx, args, kwargs, out):
+def _add_rows_back(base, ctx, args, kwargs, out):
     """Sectioned rows added by their marked index into zeros of the rows: the row shard. Rows
     picked for a rank's whole groups added back so: its groups' share of every row (P)."""
-    pl = backward_rules._add_into(ctx, args, kwargs, out)
+    pl = base(ctx, args, kwargs, out)
     zeros, index, source = args[0], args[2], args[3]
     mark = _grouped(ctx, index)
     sl = ctx.types(source) if isinstance(source, torch.Tensor) else None
@@ -226,13 +222,13 @@ def _cut_alike(ctx, a: int, tensors, shape) -> int | None:
     return dims.pop() if len(dims) == 1 and min(dims) > 0 else None
 
 
-def _masked(ctx, args, kwargs, out):
+def _masked(base, ctx, args, kwargs, out):
     """masked_select of a value cut along a later dim by a mask cut alike: the picks of each
     leading index in turn, each cut over the ranks. masked_scatter of such picks into zeros
     by that mask: the value cut along that dim again. A rank's own values (V: a gradient of
     its own part of the loss) put into zeros, or values put where a rank's own mask says, are
     a rank's own values: V (summed over the ranks, as DDP sums gradients, a global value)."""
-    pl = shape_rules.RULES["masked_select"](ctx, args, kwargs, out)
+    pl = base(ctx, args, kwargs, out)
     x, mask = args[0], args[1]
     if pl is None or ctx.types(mask) is None:
         return pl
@@ -305,14 +301,14 @@ def _mark_positions(ctx, x, mask, out, pl):
                  else _picked_rows(counts, rows) if a in picked else p for a, p in enumerate(pl))
 
 
-register_rule(aten.sort, _sort)
-register_rule(aten.slice, _slice)
-register_rule(aten.remainder, _remainder)
-register_rule(aten.index_select, _read_by_rows)
-register_rule(aten.index.Tensor, _read_flat)
-register_rule(aten.gather, _read_by_rows)
-for _op in (aten.index_add, aten.index_add_, aten.scatter_add, aten.scatter_add_):
-    register_rule(_op, _add_rows_back)
-register_rule(aten.masked_select, _masked)
-register_rule(aten.masked_scatter, _masked)
-register_rule(aten.masked_scatter_, _masked)
+RULES_BY_OP: dict = {}
+REFINEMENTS = (
+    Refinement((aten.sort,), _sort, "sort"),
+    Refinement((aten.slice,), _slice, "slice"),
+    Refinement((aten.remainder,), _remainder, "remainder"),
+    Refinement((aten.index_select, aten.gather), _read_by_rows, "index_select"),
+    Refinement((aten.index.Tensor,), _read_flat, "index"),
+    # on index_add and scatter_add: backward's refinement, chained
+    Refinement((aten.index_add, aten.index_add_, aten.scatter_add, aten.scatter_add_), _add_rows_back),
+    Refinement((aten.masked_select, aten.masked_scatter, aten.masked_scatter_), _masked, "masked_select"),
+)

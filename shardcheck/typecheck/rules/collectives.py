@@ -22,8 +22,7 @@ from shardcheck.typecheck.exchange import (
     mark_exchanged,
     mark_exchanged_pieces,
 )
-from shardcheck.typecheck.routing import routed_types
-from shardcheck.typecheck.rules import (
+from shardcheck.typecheck.rules.common import (
     NO_TENSOR,
     as_pieces,
     axis_stride,
@@ -35,6 +34,7 @@ from shardcheck.typecheck.rules import (
     nested_outside,
     stacks_as_pieces,
 )
+from shardcheck.typecheck.rules.routing import routed_types
 from shardcheck.typecheck.types import (
     PAVG,
     PEVEN,
@@ -317,7 +317,7 @@ def _gather_step_over(pl: Pl, axes: list[int], source: torch.Tensor) -> Callable
 
 def _inner_rows_as_sections(ctx, pl: Pl, axes: list[int], inp: torch.Tensor) -> Pl:
     """Gathering dim-0 shards over ``axes``: an axis whose pieces sit inside the group's (see
-    :func:`~shardcheck.typecheck.rules.inside`) and that shards dim 0 too now holds its piece
+    :func:`~shardcheck.typecheck.rules.common.inside`) and that shards dim 0 too now holds its piece
     of each gathered block, in order: sections of dim 0; one whose pieces held the group's
     holds its piece whole. An axis outside the group whose blocks were stacked on dim 0
     already (gathered blocks) has them interleaved with the group's now, in no order a
@@ -596,43 +596,31 @@ def _same_type(ctx, args, kwargs, out):
     return ctx.types(args[0])
 
 
-C10D_RULES: dict[str, Callable] = {
-    "allreduce_": _allreduce,
-    "allreduce_coalesced_": _allreduce,
-    "allgather_": _allgather,
-    "_allgather_base_": _allgather_base,
-    "reduce_scatter_": _reduce_scatter,
-    "_reduce_scatter_base_": _reduce_scatter_base,
-    "alltoall_base_": _alltoall_base,
-    "alltoall_": _alltoall,
-    "broadcast_": _broadcast,
-    "reduce_": _reduce,
-    "scatter_": _to_root_or_from_root,
-    "gather_": _to_root_or_from_root,
-    "send": _no_data_change,
-    "barrier": _no_data_change,
-    "monitored_barrier_": _no_data_change,
-    "recv_": _point_to_point_receive,
-    "recv_any_source_": _point_to_point_receive,
+# by (namespace, op name): c10d ops and functional collectives
+RULES: dict[tuple[str, str], Callable] = {
+    ("c10d", "allreduce_"): _allreduce,
+    ("c10d", "allreduce_coalesced_"): _allreduce,
+    ("c10d", "allgather_"): _allgather,
+    ("c10d", "_allgather_base_"): _allgather_base,
+    ("c10d", "reduce_scatter_"): _reduce_scatter,
+    ("c10d", "_reduce_scatter_base_"): _reduce_scatter_base,
+    ("c10d", "alltoall_base_"): _alltoall_base,
+    ("c10d", "alltoall_"): _alltoall,
+    ("c10d", "broadcast_"): _broadcast,
+    ("c10d", "reduce_"): _reduce,
+    ("c10d", "scatter_"): _to_root_or_from_root,
+    ("c10d", "gather_"): _to_root_or_from_root,
+    ("c10d", "send"): _no_data_change,
+    ("c10d", "barrier"): _no_data_change,
+    ("c10d", "monitored_barrier_"): _no_data_change,
+    ("c10d", "recv_"): _point_to_point_receive,
+    ("c10d", "recv_any_source_"): _point_to_point_receive,
+    ("_c10d_functional", "all_reduce"): _functional_all_reduce,
+    ("_c10d_functional", "all_reduce_"): _functional_all_reduce_,
+    ("_c10d_functional", "all_gather_into_tensor"): _functional_gather,
+    ("_c10d_functional", "reduce_scatter_tensor"): _functional_reduce_scatter,
+    ("_c10d_functional", "all_to_all_single"): _functional_all_to_all,
+    ("_c10d_functional", "broadcast"): _functional_broadcast,
+    ("_c10d_functional", "wait_tensor"): _waited,
+    ("_c10d_functional", "_wrap_tensor_autograd"): _same_type,
 }
-
-FUNCTIONAL_RULES: dict[str, Callable] = {
-    "all_reduce": _functional_all_reduce,
-    "all_reduce_": _functional_all_reduce_,
-    "all_gather_into_tensor": _functional_gather,
-    "reduce_scatter_tensor": _functional_reduce_scatter,
-    "all_to_all_single": _functional_all_to_all,
-    "broadcast": _functional_broadcast,
-    "wait_tensor": _waited,
-    "_wrap_tensor_autograd": _same_type,
-}
-
-
-def collective_rule(func: torch._ops.OpOverload) -> Callable | None:
-    """The rule for a c10d or functional-collective op, or None."""
-    name = func._opname if hasattr(func, "_opname") else func.__name__.split(".")[0]
-    if func.namespace == "c10d":
-        return C10D_RULES.get(name)
-    if func.namespace == "_c10d_functional":
-        return FUNCTIONAL_RULES.get(name)
-    return None

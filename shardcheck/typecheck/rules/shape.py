@@ -1,6 +1,6 @@
 """Typing rules for shape ops: views, slicing by rank, cat/stack, indexing, copies.
 
-Part of the rule table (see shardcheck.typecheck.rules for the rule protocol).
+Part of the rule table (see shardcheck.typecheck.rules.registry for the rule protocol).
 """
 
 from __future__ import annotations
@@ -11,29 +11,31 @@ from collections.abc import Callable
 import torch
 
 from shardcheck.typecheck.exchange import rejoined_pieces, rejoined_rows
-from shardcheck.typecheck.rules import (
+from shardcheck.typecheck.rules.arithmetic import (
     ADD,
     Typed,
+    cut_into_rows,
+    elementwise,
+    in_backward_of,
+    join,
+    looked_up_table,
+    reduced_dims,
+    row_gradient,
+)
+from shardcheck.typecheck.rules.common import (
     arg,
     as_pieces,
     axis_stride,
     chunk_dim,
-    cut_into_rows,
-    elementwise,
-    in_backward_of,
     interleaves,
     is_partial,
     is_tensor,
-    join,
-    looked_up_table,
     mark_cut,
     mark_stacked,
     moved,
     norm_dim,
     outer_of,
-    reduced_dims,
     replicated,
-    row_gradient,
     rows_side_by_side,
     shift_shards,
 )

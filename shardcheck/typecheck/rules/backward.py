@@ -1,26 +1,22 @@
-"""Rules for loss kernels and backward kernels that the base table lacks.
-
-Registered through ``register_rule``, so the base table stays as it is. Each backward kernel
-is linear in its incoming gradient and non-linear in the saved forward values.
+"""Rules for loss kernels and backward kernels that the base table lacks, by op (see
+:mod:`registry`). Each backward kernel is linear in its incoming gradient and non-linear in
+the saved forward values.
 """
 
 from __future__ import annotations
 
 import torch
 
-from shardcheck.typecheck.checker import RULES, register_rule
-from shardcheck.typecheck.rules import (
-    MUL,
-    NL,
-    _reduce_axis,
+from shardcheck.typecheck.rules.arithmetic import MUL, NL, _reduce_axis, elementwise
+from shardcheck.typecheck.rules.common import (
+    Refinement,
     arg,
-    elementwise,
     interleaves,
     norm_dim,
     replicated,
     shift_shards,
 )
-from shardcheck.typecheck.shape_rules import _along_dim_rule, rank_chunks
+from shardcheck.typecheck.rules.shape import _along_dim_rule, rank_chunks
 from shardcheck.typecheck.types import InterleavedShard, P, RankChunk, S, SectionShard, Shard, V
 
 aten = torch.ops.aten
@@ -93,14 +89,10 @@ def _select_backward(ctx, args, kwargs, out):
     return shift_shards(pl, moved)
 
 
-register_rule(aten.binary_cross_entropy_with_logits, _logits_loss)
-register_rule(aten.slice_backward, _slice_backward)
-register_rule(aten.select_backward, _select_backward)
-_scatter_add = RULES["scatter_add"]
 _laid_out_like_source = _along_dim_rule(3, 1, 2)
 
 
-def _add_into(ctx, args, kwargs, out):
+def _add_into(scatter_add, ctx, args, kwargs, out):
     """index_add / scatter_add(self, dim, index, source). Into a known-zero ``self`` (the
     backward of index_select and gather) the result is laid out like the source, and a
     source cut along ``dim`` put in place by each rank's own index (V) stays cut there: every
@@ -114,7 +106,7 @@ def _add_into(ctx, args, kwargs, out):
             S(dim) if p is V and type(s) is Shard and norm_dim(s.dim, args[3].dim()) == dim and i is V
             else _regrouped(s, i, args[2], dim, args[3].dim()) or p
             for p, s, i in zip(pl, source, index, strict=True))
-    return _scatter_add(ctx, args, kwargs, out)
+    return scatter_add(ctx, args, kwargs, out)
 
 
 def _regrouped(s, i, index: torch.Tensor, dim: int, ndim: int) -> SectionShard | None:
@@ -126,15 +118,16 @@ def _regrouped(s, i, index: torch.Tensor, dim: int, ndim: int) -> SectionShard |
     return SectionShard(dim, sections) if interleaves(index, sections, s.count) else None
 
 
-for _op in (aten.index_add, aten.index_add_, aten.scatter_add, aten.scatter_add_):
-    register_rule(_op, _add_into)
-
-for _loss in ("mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss"):
-    register_rule(getattr(aten, _loss), _pointwise_loss)
-    backward = getattr(aten, _loss + "_backward", None)
-    if backward is not None:
-        register_rule(backward, _pointwise_loss_backward)
-
-
-# scaled_dot_product_attention's CPU math path normalises with _safe_softmax(x, dim).
-register_rule(aten._safe_softmax, RULES["_softmax"])
+_LOSSES = ("mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss")
+RULES_BY_OP = {
+    aten.binary_cross_entropy_with_logits: _logits_loss,
+    aten.slice_backward: _slice_backward,
+    aten.select_backward: _select_backward,
+    **{getattr(aten, loss): _pointwise_loss for loss in _LOSSES},
+    **{getattr(aten, loss + "_backward"): _pointwise_loss_backward
+       for loss in _LOSSES if hasattr(aten, loss + "_backward")},
+}
+REFINEMENTS = (
+    Refinement((aten.index_add, aten.index_add_, aten.scatter_add, aten.scatter_add_), _add_into,
+               "scatter_add"),
+)

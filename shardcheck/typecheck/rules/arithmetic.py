@@ -8,20 +8,33 @@ raises :class:`Violation` when the op would compute a wrong global value.
 
 from __future__ import annotations
 
+import enum
+import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from shardcheck.typecheck.broadcast import fits_shard
+from shardcheck.typecheck.rules.common import (
+    NO_TENSOR,
+    arg,
+    is_partial,
+    is_sum,
+    is_tensor,
+    moved,
+    nested_outside,
+    norm_dim,
+    outer_of,
+    replicated,
+)
 from shardcheck.typecheck.types import (
     PAVG,
     PEVEN,
     BlockShard,
     Gathered,
     I,
-    InterleavedShard,
     P,
     Pl,
     Placement,
@@ -36,199 +49,6 @@ from shardcheck.typecheck.types import (
 from shardcheck.typecheck.violations import Violation
 
 aten = torch.ops.aten
-
-
-def interleaves(index: torch.Tensor, sections: tuple[int, ...], count: int) -> bool:
-    """Whether ``index`` picks, from a dim of ``sections``, chunk 0 of every section, then
-    chunk 1, ..., each section cut into ``count`` chunks."""
-    if index.dim() != 1 or index.numel() != sum(sections) or any(size % count for size in sections):
-        return False
-    starts = [sum(sections[:i]) for i in range(len(sections))]
-    order = [start + k * (size // count) + j for k in range(count)
-             for start, size in zip(starts, sections, strict=True) for j in range(size // count)]
-    return torch.equal(index.cpu(), torch.tensor(order, dtype=index.dtype))
-
-
-def outer_of(p: Shard) -> int:
-    return p.outer if type(p) is BlockShard else 1
-
-
-def moved(p: Shard, dim: int, outside: bool | None = None) -> Shard:
-    """The same kind of shard on another dim (``outside`` as given, else as ``p``'s)."""
-    outside = p.outside if outside is None else outside
-    if type(p) is BlockShard:
-        return BlockShard(dim, p.outer, outside)
-    if type(p) is InterleavedShard:
-        return InterleavedShard(dim, p.chunks, p.count, outside)
-    if type(p) is RankChunk:
-        return RankChunk(dim)
-    if type(p) is Routed:
-        return p.at(dim)
-    return SectionShard(dim, p.sections, outside) if type(p) is SectionShard else S(dim, outside)
-
-
-def nested_outside(pl: tuple, a: int, ndim: int) -> bool:
-    """Whether axis ``a``'s shard holds, inside its pieces, those of another axis that shards
-    the same dim, against the mesh order (see :class:`Shard`); alone on its dim it is plain."""
-    p = pl[a]
-    return (isinstance(p, Shard) and p.outside
-            and any(b != a and isinstance(q, Shard) and norm_dim(q.dim, ndim) == norm_dim(p.dim, ndim)
-                    for b, q in enumerate(pl)))
-
-
-def inside(ctx, pl: tuple, b: int, a: int) -> bool:
-    """Whether axis ``b``'s pieces of a dim that axis ``a`` shards too sit inside ``a``'s: by
-    the mesh order (the faster axis inside), unless one of them is ``outside``."""
-    if isinstance(pl[a], Shard) and pl[a].outside:
-        return True
-    if isinstance(pl[b], Shard) and pl[b].outside:
-        return False
-    return axis_stride(ctx, b) < axis_stride(ctx, a)
-
-
-def as_pieces(pl: tuple) -> tuple:
-    """Read rank chunks as the replicated pieces they are (for cat and list collectives)."""
-    return tuple(R if isinstance(p, RankChunk) else p for p in pl)
-
-
-def chunk_dim(pieces) -> int | None:
-    """The dim along which ``pieces`` are consecutive equal chunks of one tensor, in order."""
-    if len(pieces) < 2:
-        return 0 if pieces else None
-    first = pieces[0]
-    storage = first.untyped_storage().data_ptr()
-    if any(t.shape != first.shape or t.stride() != first.stride()
-           or t.untyped_storage().data_ptr() != storage for t in pieces):
-        return None
-    step = pieces[1].storage_offset() - first.storage_offset()
-    if step <= 0 or any(t.storage_offset() - first.storage_offset() != k * step for k, t in enumerate(pieces)):
-        return None
-    return next((d for d in range(first.dim()) if first.shape[d] * first.stride(d) == step), None)
-
-
-def mark_stacked(ctx, out: torch.Tensor, tensors, dim: int) -> None:
-    """cat along dim 0 of the consecutive chunks of one tensor along another dim (Megatron's
-    split-the-last-dim-and-stack before a reduce-scatter or all-to-all): remember the dim, so
-    the collective that takes the blocks apart knows where they came from, and the type of
-    the tensor the chunks were cut from, where known (see :func:`mark_cut`)."""
-    if dim == 0 and len(tensors) > 1:
-        c = chunk_dim(tensors)
-        if c not in (None, 0):
-            out._sc_stacked = (ctx.key, c, len(tensors), _cut_source(ctx, tensors, c))
-
-
-def mark_cut(ctx, pieces, pl: tuple, dim: int, total: int) -> None:
-    """Remember, on pieces cut along ``dim`` (of length ``total``) from a tensor typed ``pl``
-    that some axis shards there, that tensor's type: their types say only V there."""
-    keep = any(isinstance(p, Shard) and norm_dim(p.dim, pieces[0].dim()) == dim for p in pl)
-    for t in pieces:
-        if keep:
-            t._sc_cut = (ctx.key, pl, dim, total)
-        else:
-            t.__dict__.pop("_sc_cut", None)
-
-
-def _cut_source(ctx, tensors, dim: int) -> tuple | None:
-    """The type of the tensor that ``tensors`` (its consecutive chunks along ``dim``) are all of."""
-    marks = [t.__dict__.get("_sc_cut") for t in tensors]
-    first = marks[0]
-    if first is None or first[0] is not ctx.key or first[2] != dim \
-            or first[3] != sum(t.shape[dim] for t in tensors):
-        return None
-    return first[1] if all(m is not None and m[0] is first[0] and m[1] == first[1] and m[2:] == first[2:]
-                           for m in marks) else None
-
-
-def axis_stride(ctx, a: int) -> int:
-    """How far apart in rank neighbours on mesh axis ``a`` are: an inner (faster) axis is nearer.
-    Of two axes sharding one dim, the inner one's pieces sit inside the outer one's."""
-    ranks = ctx.mesh.axes[ctx.names[a]].ranks
-    return abs(ranks[1] - ranks[0]) if len(ranks) > 1 else 0
-
-
-def mark_gathered_rows(ctx, out: torch.Tensor, pl: tuple, axes: list[int], count: int) -> None:
-    """A tensor all-gather of a dim-0 shard: remember that dim 0 of ``out`` stacks the
-    ranks' rows, so putting its chunks side by side along another dim can be told a bug."""
-    rows = [a for a in axes if isinstance(pl[a], Shard) and pl[a].dim == 0]
-    if rows:
-        out._sc_gathered = (ctx.key, tuple(rows), count)
-
-
-def rows_side_by_side(ctx, tensors, dim: int) -> tuple[int, ...]:
-    """Axes on which ``tensors``, joined along ``dim`` != 0, are the row blocks of an all-gather
-    of a dim-0 shard (see :func:`mark_gathered_rows`): Megatron's gather-along-the-last-dim
-    applied to a sequence shard."""
-    base = tensors[0]._base
-    mark = getattr(base, "_sc_gathered", None) if base is not None else None
-    if (dim == 0 or mark is None or mark[0] is not ctx.key or mark[2] != len(tensors)
-            or any(t._base is not base for t in tensors) or chunk_dim(tensors) != 0):
-        return ()
-    return mark[1]
-
-
-NO_TENSOR = ()  # a typed result without tensor outputs (e.g. ``.item()``)
-
-
-# --- helpers -------------------------------------------------------------------------------
-
-def arg(args: tuple, kwargs: dict, pos: int, name: str, default: Any = None) -> Any:
-    return args[pos] if len(args) > pos else kwargs.get(name, default)
-
-
-def gathered_objects(group: dist.ProcessGroup, mine: Any) -> list | None:
-    """What every rank of ``group`` sends (``mine`` here), in group order; None where ranks
-    cannot talk (fake groups)."""
-    if dist.get_backend(group) == "fake":
-        return None
-    everyone: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
-    return everyone
-
-
-def is_tensor(x: Any) -> bool:
-    return isinstance(x, torch.Tensor)
-
-
-def norm_dim(d: int, ndim: int) -> int:
-    return d + ndim if d < 0 else d
-
-
-def is_partial(p: Placement | None) -> bool:
-    return p is P or p is PAVG or p is PEVEN
-
-
-def is_sum(p: Placement | None) -> bool:
-    """P, or its refinement P(even): the global value is the sum over the axis."""
-    return p is P or p is PEVEN
-
-
-def stacks_as_pieces(p: Placement | None, x: torch.Tensor) -> bool:
-    """A partial count whose ranks' pieces a gather may stack (collect), read as V.
-
-    Reading P as V forgets the pending sum; for a value with a gradient that breaks the
-    backward (the gradient of P is R, of V is V), so only integer and bool tensors (counts,
-    indices, which have no gradient) qualify. The stacked result holds every rank's piece;
-    summing over the stacked dim gives the total.
-    """
-    return is_sum(p) and not (x.is_floating_point() or x.is_complex())
-
-
-def replicated(p: Placement | None) -> bool:
-    return p is R or p is I
-
-
-def shift_shards(pl: Pl, move: Callable[[int], int | None]) -> Pl:
-    """Move each S(d) to S(move(d)); None from ``move`` makes that axis unknown."""
-    out = []
-    for p in pl:
-        if isinstance(p, Shard):
-            d = move(p.dim)
-            out.append(None if d is None else moved(p, d))
-        elif isinstance(p, Gathered):
-            out.append(None)
-        else:
-            out.append(p)
-    return tuple(out)
 
 
 # --- elementwise ---------------------------------------------------------------------------
@@ -496,11 +316,31 @@ def _sections_of(o: _Operand, a: int) -> tuple[int, ...]:
     return p.sections if type(p) is SectionShard else (o.shape[norm_dim(p.dim, len(o.shape))],)
 
 
-def _roles(*roles: str) -> Callable:
-    """A rule for an op whose leading positional args take the given roles."""
-    def rule(ctx, args, kwargs, out):
-        return elementwise(ctx, list(zip(args, roles, strict=False)))  # an arg not given is no operand
-    return rule
+class Linearity(enum.Enum):
+    """How a pointwise op's result follows from its operands' partial sums (spmd_types'
+    ``OpLinearity``)."""
+
+    LINEAR = "linear"  # one operand, f(a + b) = f(a) + f(b): the result keeps its layout
+    NONLINEAR = "nonlinear"  # no operand may be a partial sum
+    MULTILINEAR = "multilinear"  # linear in each operand as its role says (ADD, MUL, DIV, NL)
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    """A pointwise op whose rule is its linearity alone; ``roles``: those of its leading
+    positional args (an arg not given is no operand)."""
+
+    linearity: Linearity
+    roles: tuple[str, ...] = ()
+
+
+def pointwise(spec: OpSpec, ctx, args, kwargs, out) -> Pl | None:
+    """The one rule of every op in :data:`POINTWISE`: a linear op keeps its operand's layout
+    (gathered blocks become unknown), any other is :func:`elementwise` over its roles."""
+    if spec.linearity is Linearity.LINEAR:
+        pl = ctx.types(args[0])
+        return None if pl is None else tuple(None if isinstance(p, Gathered) else p for p in pl)
+    return elementwise(ctx, list(zip(args, spec.roles, strict=False)))
 
 
 def _homogeneous_rule(ctx, args, kwargs, out):
@@ -532,13 +372,6 @@ def _where_rule(ctx, args, kwargs, out):
 
 def _masked_fill_rule(ctx, args, kwargs, out):
     return elementwise(ctx, [(args[0], ADD), (args[1], NL), (args[2], ADD)])
-
-
-def _unary_linear(ctx, args, kwargs, out):
-    pl = ctx.types(args[0])
-    if pl is None:
-        return None
-    return tuple(None if isinstance(p, Gathered) else p for p in pl)
 
 
 def without_partial(pl: Pl | None) -> Pl | None:
@@ -989,6 +822,18 @@ LINEAR_UNARY = [
     "resolve_conj", "resolve_neg", "_conj", "lift_fresh_copy", "to", "_unsafe_view_copy",
     "view_as", "type_as", "float", "half", "bfloat16", "double", "real",
 ]
+_NONLINEAR = OpSpec(Linearity.NONLINEAR, (NL, NL))
+POINTWISE: dict[str, OpSpec] = {
+    **dict.fromkeys(NONLINEAR_UNARY, _NONLINEAR),
+    **dict.fromkeys(NONLINEAR_BINARY, _NONLINEAR),
+    **dict.fromkeys(LINEAR_UNARY, OpSpec(Linearity.LINEAR)),
+    "mul": OpSpec(Linearity.MULTILINEAR, (MUL, MUL)),
+    "div": OpSpec(Linearity.MULTILINEAR, (MUL, DIV)),
+    "true_divide": OpSpec(Linearity.MULTILINEAR, (MUL, DIV)),
+    "lerp": OpSpec(Linearity.NONLINEAR, (NL, NL, NL)),
+    "addcmul": OpSpec(Linearity.MULTILINEAR, (ADD, MUL, MUL)),
+    "addcdiv": OpSpec(Linearity.MULTILINEAR, (ADD, MUL, DIV)),
+}
 ACTIVATION_BACKWARD = [
     "gelu_backward", "silu_backward", "threshold_backward", "sigmoid_backward", "tanh_backward",
     "hardtanh_backward", "leaky_relu_backward", "elu_backward", "softplus_backward",
@@ -1027,10 +872,8 @@ _reduce = {
 
 def _base_table() -> dict[str, Callable]:
     table: dict[str, Callable] = {}
-    table.update(dict.fromkeys(NONLINEAR_UNARY, _roles(NL, NL)))
-    table.update(dict.fromkeys(NONLINEAR_BINARY, _roles(NL, NL)))
+    table.update({name: functools.partial(pointwise, spec) for name, spec in POINTWISE.items()})
     table.update(dict.fromkeys(POSITIVELY_HOMOGENEOUS, _homogeneous_rule))
-    table.update(dict.fromkeys(LINEAR_UNARY, _unary_linear))
     table.update(dict.fromkeys(ACTIVATION_BACKWARD, _activation_backward))
     table.update(dict.fromkeys(FACTORIES, _replicated_rule))
     table.update(dict.fromkeys(RANDOM_FACTORIES, _varying_rule))
@@ -1040,13 +883,13 @@ def _base_table() -> dict[str, Callable]:
     table.update(_reduce)
     table.update({
         "add": _add_rule, "sub": _add_rule, "rsub": _add_rule,
-        "mul": _roles(MUL, MUL), "div": _roles(MUL, DIV), "true_divide": _roles(MUL, DIV),
-        "where": _where_rule, "masked_fill": _masked_fill_rule, "lerp": _roles(NL, NL, NL),
-        "addcmul": _roles(ADD, MUL, MUL), "addcdiv": _roles(ADD, MUL, DIV),
+        "where": _where_rule, "masked_fill": _masked_fill_rule,
         "zero": _replicated_rule,
         "native_dropout": _dropout_rule, "native_dropout_backward": _dropout_backward,
         "_softmax": _normalize_rule, "_log_softmax": _normalize_rule,
         "softmax": _normalize_rule, "log_softmax": _normalize_rule,
+        # scaled_dot_product_attention's CPU math path normalises with _safe_softmax(x, dim)
+        "_safe_softmax": _normalize_rule,
         "_softmax_backward_data": _normalize_backward_rule,
         "_log_softmax_backward_data": _normalize_backward_rule,
         "native_layer_norm": _layer_norm_rule,
@@ -1063,4 +906,4 @@ def _base_table() -> dict[str, Callable]:
 
 RULES: dict[str, Callable] = _base_table()
 """Arithmetic, reduction, contraction and factory rules per op base name ("add" covers
-add.Tensor, add_.Scalar, add.out, ...); shape ops are in shardcheck.typecheck.shape_rules."""
+add.Tensor, add_.Scalar, add.out, ...); shape ops are in shardcheck.typecheck.rules.shape."""

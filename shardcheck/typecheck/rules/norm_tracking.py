@@ -17,17 +17,15 @@ from dataclasses import dataclass
 
 import torch
 
-from shardcheck.typecheck import checker as _checker
-from shardcheck.typecheck import collectives as _collectives
-from shardcheck.typecheck.checker import RULES
-from shardcheck.typecheck.gradients import (
+from shardcheck.typecheck.norm_accounting import AccountingError, Counted, accounting_errors
+from shardcheck.typecheck.rules import collectives
+from shardcheck.typecheck.rules.common import NO_TENSOR, Refinement, gathered_objects
+from shardcheck.typecheck.rules.gradient import (
     gradient_of,
     has_named_parameters,
     named_parameters,
     report,
 )
-from shardcheck.typecheck.norm_accounting import AccountingError, Counted, accounting_errors
-from shardcheck.typecheck.rules import NO_TENSOR, gathered_objects
 from shardcheck.typecheck.types import P, R
 
 aten = torch.ops.aten
@@ -80,45 +78,41 @@ def _start(ctx, out, t, power: int, count: bool = False) -> tuple | None:
     return _tag(ctx, out, NormTerm({found[0]: found[1]}, power, count))
 
 
-def _start_elementwise(ctx, args, kwargs, out, base: str) -> tuple | None:
+def _start_elementwise(base, ctx, args, kwargs, out) -> tuple | None:
     """Tag an elementwise square of a gradient; its type is the ordinary one (S stays S)."""
     if _start(ctx, out, args[0], 2) is None:
         return None
-    return RULES[base](ctx, args, kwargs, out)
+    return base(ctx, args, kwargs, out)
 
 
 # --- rules for the ops a norm is made of ----------------------------------------------------
 
-def _wrap(name: str, tagged_rule) -> None:
-    """Register ``tagged_rule`` for aten ``name`` and ``name_``; it falls back to the base rule.
-    A tagged rule tests its cheapest premise first: it runs at every mul and add."""
-    base = RULES[name]
-
-    def rule(ctx, args, kwargs, out):
-        pl = tagged_rule(ctx, args, kwargs, out)
+def _or_base(tagged_rule):
+    """A refinement: ``tagged_rule`` (given the base rule), where it returns None the base
+    rule. A tagged rule tests its cheapest premise first: it runs at every mul and add."""
+    def rule(base, ctx, args, kwargs, out):
+        pl = tagged_rule(base, ctx, args, kwargs, out)
         return base(ctx, args, kwargs, out) if pl is None else pl
-    for packet in (name, name + "_"):
-        if hasattr(aten, packet):
-            _checker.register_rule(getattr(aten, packet), rule)
+    return rule
 
 
-def _pow(ctx, args, kwargs, out):
+def _pow(base, ctx, args, kwargs, out):
     x, exponent = args[0], args[1]
     if not isinstance(x, torch.Tensor) or not isinstance(exponent, (int, float)) or exponent != 2:
         return None
     term = _term(x)
     if term is not None:
         return _tag(ctx, out, NormTerm(term.params, term.power * 2)) if term.power == 1 else None
-    return _start_elementwise(ctx, args, kwargs, out, "pow")
+    return _start_elementwise(base, ctx, args, kwargs, out)
 
 
-def _mul(ctx, args, kwargs, out):
+def _mul(base, ctx, args, kwargs, out):
     if args[0] is args[1] and _term(args[0]) is None:
-        return _start_elementwise(ctx, args, kwargs, out, "mul")
+        return _start_elementwise(base, ctx, args, kwargs, out)
     return None
 
 
-def _vector_norm(ctx, args, kwargs, out):
+def _vector_norm(base, ctx, args, kwargs, out):
     order = args[1] if len(args) > 1 else kwargs.get("ord", 2)
     dims = args[2] if len(args) > 2 else kwargs.get("dim")
     if order != 2 or dims:
@@ -126,14 +120,14 @@ def _vector_norm(ctx, args, kwargs, out):
     return _start(ctx, out, args[0], 1)
 
 
-def _count_nonzero(ctx, args, kwargs, out):
+def _count_nonzero(base, ctx, args, kwargs, out):
     dims = args[1] if len(args) > 1 else kwargs.get("dim")
     if dims not in (None, [], ()):
         return None
     return _start(ctx, out, args[0], 2, count=True)
 
 
-def _rsub(ctx, args, kwargs, out):
+def _rsub(base, ctx, args, kwargs, out):
     """``grad.numel() - count_nonzero(grad)``: the gradient's zeros, a count of its entries too."""
     term = _term(args[0])
     if term is None or not term.count or len(term.params) != 1 or not isinstance(args[1], int):
@@ -161,15 +155,15 @@ def _merge(ctx, out, operands) -> tuple | None:
     return _tag(ctx, out, NormTerm(params, power, count))
 
 
-def _sum(ctx, args, kwargs, out):
+def _sum(base, ctx, args, kwargs, out):
     return _merge(ctx, out, [args[0]])
 
 
-def _stack(ctx, args, kwargs, out):
+def _stack(base, ctx, args, kwargs, out):
     return _merge(ctx, out, list(args[0]))
 
 
-def _add(ctx, args, kwargs, out):
+def _add(base, ctx, args, kwargs, out):
     a, b = args[0], args[1]
     if _term(a) is None and _term(b) is None:
         return None
@@ -185,30 +179,21 @@ def _foreach_norm(ctx, args, kwargs, out):
     return [_start(ctx, o, g, 1) for g, o in zip(args[0], out, strict=True)]
 
 
-for _name, _rule in (("pow", _pow), ("mul", _mul), ("linalg_vector_norm", _vector_norm),
-                     ("count_nonzero", _count_nonzero), ("rsub", _rsub),
-                     ("sum", _sum), ("stack", _stack), ("cat", _stack), ("add", _add)):
-    _wrap(_name, _rule)
-_checker.register_rule(aten._foreach_norm, _foreach_norm)
-
 
 # --- the all-reduce of a norm ---------------------------------------------------------------
 
-_base_allreduce = _collectives.C10D_RULES["allreduce_"]
-
-
-def _allreduce(ctx, args, kwargs, out):
-    tensors, group, op = args[0], args[1], _collectives._reduce_op(args[2])
-    if (len(tensors) != 1 or tensors[0].numel() != 1 or op != _collectives.SUM
+def _allreduce(base, ctx, args, kwargs, out):
+    tensors, group, op = args[0], args[1], collectives._reduce_op(args[2])
+    if (len(tensors) != 1 or tensors[0].numel() != 1 or op != collectives.SUM
             or not has_named_parameters(ctx)):
-        return _base_allreduce(ctx, args, kwargs, out)
+        return base(ctx, args, kwargs, out)
     t = tensors[0]
     term = _term(t)
-    axes = _collectives._axes(ctx, group)
+    axes = collectives._axes(ctx, group)
     if not ctx.rerun:  # a re-run after a violation exchanged and reported already
         _check_accounting(ctx, group, axes, term)
     if term is None:
-        return _base_allreduce(ctx, args, kwargs, out)
+        return base(ctx, args, kwargs, out)
     t._sc_norm = None
     pl = list(term.placements(ctx.n))
     for a in axes:
@@ -232,7 +217,7 @@ def _exchange(ctx, group, axes, term: NormTerm | None) -> list[Counted] | None:
     params = {} if term is None else {
         name: tuple("R" if pl[a] is R else repr(pl[a]) for a in axes)
         for name, pl in term.params.items()}
-    everyone = gathered_objects(_collectives.process_group(group), Counted(tuple(ctx.index[a] for a in axes), params))
+    everyone = gathered_objects(collectives.process_group(group), Counted(tuple(ctx.index[a] for a in axes), params))
     if everyone is None or not any(c.params for c in everyone):
         return None
     return everyone
@@ -244,4 +229,16 @@ def _summed_norms(term: NormTerm, axis: str) -> AccountingError:
                            f"are summed over {axis}: square them before the all-reduce")
 
 
-_checker.register_rule(torch.ops.c10d.allreduce_, _allreduce)
+def _on_packets(name: str) -> tuple:
+    """aten ``name`` and, where there is one, its in-place ``name_``."""
+    return tuple(getattr(aten, packet) for packet in (name, name + "_") if hasattr(aten, packet))
+
+
+RULES_BY_OP = {aten._foreach_norm: _foreach_norm}
+REFINEMENTS = (
+    *(Refinement(_on_packets(name), _or_base(rule), name)
+      for name, rule in (("pow", _pow), ("mul", _mul), ("linalg_vector_norm", _vector_norm),
+                         ("count_nonzero", _count_nonzero), ("rsub", _rsub), ("sum", _sum),
+                         ("stack", _stack), ("cat", _stack), ("add", _add))),
+    Refinement((torch.ops.c10d.allreduce_,), _allreduce, ("c10d", "allreduce_")),
+)

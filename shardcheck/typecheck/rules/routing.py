@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from shardcheck.typecheck.rules import gathered_objects, norm_dim
+from shardcheck.typecheck.rules.common import gathered_objects, norm_dim
 from shardcheck.typecheck.types import Pl, Route, Routed, SectionShard, Shard, V
 
 
