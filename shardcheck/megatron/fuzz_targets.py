@@ -31,7 +31,6 @@ from shardcheck.megatron.audit import report as audit_report
 from shardcheck.megatron.audit.outcome import Outcome
 from shardcheck.megatron.audit.runner import INERT, Pools, Runner
 from shardcheck.megatron.audit.sweep import Case, component_options, layouts, setup_options
-from shardcheck.megatron.checks.typecheck import checker_available
 from shardcheck.megatron.repro.templates import TEMPLATES, script_body
 from shardcheck.megatron.scenarios import COMPONENTS
 from shardcheck.parity.layout import Layout
@@ -43,7 +42,7 @@ _runners: list[Runner] = []
 def _runner() -> Runner:
     """The runner shared by every example of this process, on warm pools of preloaded ranks."""
     if not _runners:
-        _runners.append(Runner(Pools(), typecheck=checker_available()))
+        _runners.append(Runner(Pools(), typecheck=True))
         atexit.register(_runners[0].pools.close)
     return _runners[0]
 

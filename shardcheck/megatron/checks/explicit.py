@@ -26,6 +26,7 @@ from typing import Any
 import torch.distributed as dist
 
 from shardcheck.parity.layout import BASE_DIMS, Layout
+from shardcheck.patching import patched_attrs
 
 RULE = "global group"
 FIX = "explicit-groups"
@@ -183,13 +184,10 @@ def global_group_uses(pg: Any) -> Iterator[list[dict]]:
     namespaces = (dist, dist.distributed_c10d)
     saved = [(ns, op, getattr(ns, op)) for ns in namespaces for op in COLLECTIVES if hasattr(ns, op)]
     wrapped = {id(original): probed(op, original) for _, op, original in saved}
-    for ns, op, original in saved:
-        setattr(ns, op, wrapped[id(original)])
     try:
-        yield found
+        with patched_attrs([(ns, op, wrapped[id(original)]) for ns, op, original in saved]):
+            yield found
     finally:
-        for ns, op, original in saved:
-            setattr(ns, op, original)
         if _uses:
             _uses[-1].extend(found)
 
@@ -231,12 +229,7 @@ def globals_follow_explicit(pg: Any) -> Iterator[None]:
             explicit.setdefault(id(getattr(ps, var)), getattr(pg, name))
     # every global holding one of those groups follows it: 0.19's data-parallel getters read
     # aliases of them (``_DATA_PARALLEL_GROUP_WITH_CP_WITH_GTP_REMAT`` without GTP remat)
-    saved = {var: value for var, value in vars(ps).items()
-             if isinstance(value, dist.ProcessGroup) and id(value) in explicit}
-    for var, value in saved.items():
-        setattr(ps, var, explicit[id(value)])
-    try:
+    followed = [(ps, var, explicit[id(value)]) for var, value in vars(ps).items()
+                if isinstance(value, dist.ProcessGroup) and id(value) in explicit]
+    with patched_attrs(followed):
         yield
-    finally:
-        for var, value in saved.items():
-            setattr(ps, var, value)

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from shardcheck.megatron.cpu.patches import apply_cpu_patches
+from shardcheck.patching import patched, patched_attrs
 
 DEFAULT_ORDER = "tp-cp-ep-dp-pp"
 _saved: dict[tuple, dict[str, Any]] = {}
@@ -119,11 +120,8 @@ def _local_groups() -> Iterator[None]:
         _created[key] = _created.get(key, 0) + 1
         return c10d.GroupName(f"megatron:{'_'.join(map(str, key))}:{_created[key]}")
 
-    parallel_state.create_group, c10d._process_group_name = local_group, agreed_name
-    try:
+    with patched_attrs([(parallel_state, "create_group", local_group), (c10d, "_process_group_name", agreed_name)]):
         yield
-    finally:
-        parallel_state.create_group, c10d._process_group_name = original_create, original_name
 
 
 @contextmanager
@@ -133,11 +131,8 @@ def _layout_as_world(ctx: Any) -> Iterator[None]:
     if group is None or group is state.default_pg:
         yield
         return
-    original, state.default_pg = state.default_pg, group
-    try:
+    with patched(state, "default_pg", group):
         yield
-    finally:
-        state.default_pg = original
 
 
 def _initialise(layout: Any) -> None:

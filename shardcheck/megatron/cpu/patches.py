@@ -94,8 +94,10 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from shardcheck.patching import Patches
+
 _CPU = torch.device("cpu")
-_originals: list[tuple[Any, str, Any]] = []
+_patches = Patches()
 _mode: TorchFunctionMode | None = None
 _MISSING = object()
 APPLIED = "applied"
@@ -225,8 +227,7 @@ class _CpuStream:
 
 
 def _set(owner: Any, name: str, value: Any) -> None:
-    _originals.append((owner, name, getattr(owner, name)))
-    setattr(owner, name, value)
+    _patches.set(owner, name, value)
 
 
 def _cpu_get_rng_state(*_args: Any, **_kwargs: Any) -> torch.Tensor:
@@ -267,8 +268,7 @@ def _patch_recompute() -> None:
     if not checkpoints:
         raise NotNeeded("tensor_parallel.random defines no checkpoint function")
     for cls in checkpoints:
-        _originals.append((cls, "backward", cls.__dict__["backward"]))
-        cls.backward = staticmethod(_in_device_mode(cls.__dict__["backward"].__func__))
+        _set(cls, "backward", staticmethod(_in_device_mode(cls.__dict__["backward"].__func__)))
 
 
 def _patch_current_device() -> None:
@@ -311,8 +311,7 @@ def _patch_te_gemm_name() -> None:
     moe_utils = _module("megatron.core.transformer.moe.moe_utils")
     if hasattr(moe_utils, "te_general_gemm"):
         raise NotNeeded("moe_utils.te_general_gemm is defined without Transformer Engine")
-    _originals.append((moe_utils, "te_general_gemm", _MISSING))
-    moe_utils.te_general_gemm = None
+    _set(moe_utils, "te_general_gemm", None)
 
 
 def _to_host(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -403,9 +402,7 @@ def _patch_llava_te_attention() -> None:
 
     if _attribute(llava_model, "HAVE_TE"):
         raise NotNeeded("Transformer Engine is installed")
-    _originals.append((llava_model, "TEDotProductAttention",
-                       getattr(llava_model, "TEDotProductAttention", _MISSING)))
-    llava_model.TEDotProductAttention = DotProductAttention
+    _set(llava_model, "TEDotProductAttention", DotProductAttention)
     _set(llava_model, "HAVE_TE", True)
 
 
@@ -433,8 +430,7 @@ def _set_missing(owner: Any, name: str, value: Any) -> None:
     """Set ``owner.name`` to ``value`` where the import that defines it failed (None or unset)."""
     current = getattr(owner, name, _MISSING)
     if current is None or current is _MISSING:
-        _originals.append((owner, name, current))
-        setattr(owner, name, value)
+        _set(owner, name, value)
 
 
 _TRITON_TENSOR_OPS = "megatron.core.inference.contexts.attention_context.triton.tensor_ops"
@@ -576,12 +572,7 @@ def remove_cpu_patches() -> None:
         return
     _mode.__exit__(None, None, None)
     _mode = None
-    while _originals:
-        owner, name, value = _originals.pop()
-        if value is _MISSING:
-            delattr(owner, name)
-        else:
-            setattr(owner, name, value)
+    _patches.restore()
 
 
 def cpu_patches_active() -> bool:

@@ -30,6 +30,7 @@ from shardcheck.megatron.scenarios.reference import (
     load_global_weights,
     seeded_global,
 )
+from shardcheck.patching import patched
 
 
 def _token_shard(tensor: torch.Tensor, layout: Any, pg: Any) -> torch.Tensor:
@@ -94,11 +95,8 @@ def _recording_token_counts(counts: list[torch.Tensor]) -> Iterator[None]:
         counts.append(torch.as_tensor(result[1], dtype=torch.float32).clone())
         return result
 
-    router_module.get_tokens_per_expert_and_token_count = recorded
-    try:
+    with patched(router_module, "get_tokens_per_expert_and_token_count", recorded):
         yield
-    finally:
-        router_module.get_tokens_per_expert_and_token_count = original
 
 
 def router_step(ctx: Any, setup: RouterSetup) -> dict[str, torch.Tensor]:
