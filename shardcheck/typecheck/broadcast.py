@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from shardcheck.typecheck import tensor_state
+
 # Out-of-place elementwise ops: their result is a broadcast along the dims all operands are.
 ELEMENTWISE = {
     "add", "sub", "rsub", "mul", "div", "true_divide", "neg", "where", "exp", "log", "sqrt",
@@ -31,7 +33,7 @@ Blocks = dict[int, int]  # dim (negative) -> the number of blocks it holds one v
 def broadcast_blocks(t: torch.Tensor) -> Blocks:
     """The dims (negative) along which ``t`` holds one value in each of so many blocks: size 1,
     stride 0 or recorded whole (1 block), or recorded in blocks."""
-    tag = getattr(t, "_sc_broadcast", None)
+    tag = tensor_state.read(t, "broadcast")
     blocks = dict(tag[1]) if tag is not None and tag[0] == t._version else {}
     if t.layout is torch.strided:
         blocks.update((d - t.dim(), 1) for d in range(t.dim()) if t.shape[d] == 1 or t.stride(d) == 0)
@@ -152,7 +154,7 @@ def record(kind: str, func, args: tuple, out: Any) -> None:
         return
     if kind != "expand":
         for a in args:
-            if getattr(a, "_sc_broadcast", None) is not None:
+            if tensor_state.read(a, "broadcast") is not None:
                 break
         else:
             return
@@ -167,4 +169,4 @@ def record(kind: str, func, args: tuple, out: Any) -> None:
         blocks = _common(found) if kind == "keep" else found[0]
     blocks = {d: o for d, o in blocks.items() if d >= -out.dim() and out.shape[d] != 1}
     if blocks:
-        out._sc_broadcast = (out._version, blocks)
+        tensor_state.write(out, "broadcast", (out._version, blocks))

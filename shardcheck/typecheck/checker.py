@@ -1,10 +1,10 @@
 """The SPMD type checker: a TorchDispatchMode that types every op per mesh axis.
 
-Types live on the tensors themselves (attribute ``_sc``: the mesh key, one placement per
-mesh axis or None where unknown, and what is known of its value: nothing, every element
-equal (CONST: e.g. the ones that seed a backward pass), or all zero). Views of a tensor are remembered
-on their base (``_sc_views``), so in-place ops and in-place collectives retype every
-tracked tensor that views the same storage.
+Types live on the tensors themselves (the ``type`` of their :mod:`tensor_state` record: the
+mesh key, one placement per mesh axis or None where unknown, and what is known of its value:
+nothing, every element equal (CONST: e.g. the ones that seed a backward pass), or all zero).
+Views of a tensor are remembered on their base (``views``), so in-place ops and in-place
+collectives retype every tracked tensor that views the same storage.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from shardcheck.typecheck import rank_branches, unseen
+from shardcheck.typecheck import rank_branches, tensor_state, unseen
 from shardcheck.typecheck.broadcast import op_kind as broadcast_kind
 from shardcheck.typecheck.broadcast import record as record_broadcast
 from shardcheck.typecheck.locations import inside_collective, user_code_frame, user_location
@@ -45,7 +45,7 @@ from shardcheck.typecheck.violations import HELP, SpmdTypeError, Violation, Viol
 
 # By id(op), what the dispatch needs of it (see _resolve), kept while no rule is registered or
 # unregistered; and the op itself (for coverage's names).
-_ENTRIES: dict[int, tuple] = {}
+_ENTRIES: dict[int, OpEntry] = {}
 _OPS: dict[int, Any] = {}
 registry.on_change(_ENTRIES.clear)
 _MESH_KEYS: dict[tuple, tuple] = {}
@@ -133,7 +133,7 @@ _LAYOUT_EPOCH = [0]
 def _view_spans(root: torch.Tensor, views: list) -> list[tuple[int, int, Any]]:
     """(start, end, weakref) of the storage each live view of ``root`` spans, cached on
     ``root`` while no layout can have changed and no view was dropped (new ones are added)."""
-    cached = getattr(root, "_sc_spans", None)
+    cached = tensor_state.read(root, "spans")
     if cached is None or cached[0] != _LAYOUT_EPOCH[0] or cached[1] > len(views):
         cached = (_LAYOUT_EPOCH[0], 0, [])
     elif cached[1] == len(views):
@@ -143,7 +143,7 @@ def _view_spans(root: torch.Tensor, views: list) -> list[tuple[int, int, Any]]:
         view = ref()
         if view is not None:
             spans.append((*_storage_range(view), ref))
-    root._sc_spans = (cached[0], len(views), spans)
+    tensor_state.write(root, "spans", (cached[0], len(views), spans))
     return spans
 
 
@@ -151,7 +151,7 @@ def _overlapping(t: torch.Tensor, span: tuple[int, int], spans: list) -> list:
     """The weakrefs of the views in ``spans`` (see _view_spans) that overlap ``span``, ``t``'s,
     cached on ``t`` while that spans list only grew (a gradient buffer's views are many, and
     the same few of them are written again and again)."""
-    cached = getattr(t, "_sc_overlaps", None)
+    cached = tensor_state.read(t, "overlaps")
     if cached is not None and cached[0] is spans and cached[1] == span:
         if cached[2] == len(spans):
             return cached[3]
@@ -160,7 +160,7 @@ def _overlapping(t: torch.Tensor, span: tuple[int, int], spans: list) -> list:
         found, seen = [], 0
     lo, hi = span
     found = found + [ref for a_lo, a_hi, ref in spans[seen:] if a_lo < hi and lo < a_hi]
-    t._sc_overlaps = (spans, span, len(spans), found)
+    tensor_state.write(t, "overlaps", (spans, span, len(spans), found))
     return found
 
 
@@ -310,17 +310,17 @@ class Checker(TorchDispatchMode):
 
     # --- the type store ----------------------------------------------------------------
     def types(self, t: Any) -> tuple | None:
-        st = getattr(t, "_sc", None)
+        st = tensor_state.type_of(t)
         if st is None or st[0] is not self.key:
             return None
         return st[1]
 
     def zero(self, t: Any) -> bool:
-        st = getattr(t, "_sc", None)
+        st = tensor_state.type_of(t)
         return st is not None and st[0] is self.key and st[2] == Known.ZERO
 
     def const(self, t: Any) -> bool:
-        st = getattr(t, "_sc", None)
+        st = tensor_state.type_of(t)
         return st is not None and st[0] is self.key and st[2] in (Known.CONST, Known.ZERO)
 
     def accumulated(self, t: Any) -> bool:
@@ -332,24 +332,24 @@ class Checker(TorchDispatchMode):
         return bool(self._flags(t) & Known.ONE_RANK)
 
     def _flags(self, t: Any) -> Known:
-        st = getattr(t, "_sc", None)
+        st = tensor_state.type_of(t)
         return st[2] if st is not None and st[0] is self.key else Known.NOTHING
 
     def unseen_scalar(self, t: torch.Tensor) -> bool:
         """Whether untyped ``t`` is a scalar made before the region (one element: a loss scale,
         a coefficient of the model's), read as a constant of unknown value; one this region
         computed or wrote without a type is not: it may differ per rank."""
-        return t.numel() == 1 and getattr(t, "_sc_untyped", None) is not self.key
+        return t.numel() == 1 and tensor_state.read(t, "untyped") is not self.key
 
     def set_type(self, t: torch.Tensor, pl: tuple | None, flags: Known = Known.NOTHING) -> None:
         """Type ``t``; with no type, a one-element ``t`` is no longer an unseen scalar."""
         if pl is not None and pl.count(None) != len(pl):
-            t._sc = (self.key, pl, flags)
+            tensor_state.write(t, "type", (self.key, pl, flags))
             return
-        if getattr(t, "_sc", None) is not None:
-            t._sc = None
+        if tensor_state.type_of(t) is not None:
+            tensor_state.write(t, "type", None)
         if t.numel() == 1:
-            t._sc_untyped = self.key
+            tensor_state.write(t, "untyped", self.key)
 
     def update_inplace(self, t: torch.Tensor, pl: tuple | None,
                        transform: Callable[[tuple], tuple] | None = None,
@@ -357,10 +357,14 @@ class Checker(TorchDispatchMode):
         """Retype ``t`` in place, and every tracked tensor overlapping its storage."""
         old = self.types(t)
         self.set_type(t, pl, flags)
-        root = getattr(t, "_sc_root", None)
-        if root is None:  # a view made outside the region still shares its base's views
-            root = t if t._base is None else getattr(t._base, "_sc_root", t._base)
-        views = getattr(root, "_sc_views", None)
+        root = tensor_state.read(t, "root")
+        if root is None and t._base is not None:  # a view made outside the region still shares
+            root = tensor_state.read(t._base, "root")  # its base's views
+            if root is None:
+                root = t._base
+        elif root is None:
+            root = t
+        views = tensor_state.read(root, "views")
         if not views and root is t:
             return
         span = _storage_range(t)
@@ -375,7 +379,7 @@ class Checker(TorchDispatchMode):
         where the two overlap."""
         if alias is t:
             return
-        st = getattr(alias, "_sc", None)
+        st = tensor_state.type_of(alias)
         if st is None or st[0] is not self.key:
             return
         a_lo, a_hi = _storage_range(alias)
@@ -411,18 +415,18 @@ class Checker(TorchDispatchMode):
 
     def register_view(self, view: torch.Tensor, base: torch.Tensor) -> None:
         """Remember that ``view`` aliases ``base``'s storage (on their common root)."""
-        root = getattr(base, "_sc_root", None)
+        root = tensor_state.read(base, "root")
         if root is None:
             root = base
-        view._sc_root = root
-        views = getattr(root, "_sc_views", None)
+        tensor_state.write(view, "root", root)
+        views = tensor_state.read(root, "views")
         if views is None:
-            root._sc_views = [weakref.ref(view)]
+            tensor_state.write(root, "views", [weakref.ref(view)])
             return
         views.append(weakref.ref(view))
         if len(views) % 64 == 0:
             views[:] = [w for w in views if w() is not None]
-            root._sc_spans = None
+            tensor_state.write(root, "spans", None)
 
     # --- dispatch ----------------------------------------------------------------------
     @classmethod
@@ -436,14 +440,14 @@ class Checker(TorchDispatchMode):
         if entry is None:
             entry = _ENTRIES[id(func)] = _resolve(func)
             _OPS[id(func)] = func
-        call, rule, zero_kind, mutated, is_view, moves_views, kind, aten = entry
+        call, rule, mutated = entry.call, entry.rule, entry.mutated
         out = call(*args, **kwargs) if kwargs else call(*args)
-        if moves_views:
+        if entry.moves_views:
             _LAYOUT_EPOCH[0] += 1
         if self._paused:
             return out
-        if kind:
-            record_broadcast(kind, func, args, out)
+        if entry.broadcast:
+            record_broadcast(entry.broadcast, func, args, out)
         kwargs = kwargs or {}
         if rule is None:
             self.unknown[id(func)] += 1
@@ -452,9 +456,9 @@ class Checker(TorchDispatchMode):
             if mutated:
                 self._forget(mutated, args, kwargs)
             elif isinstance(out, torch.Tensor) and out.numel() == 1 and self.types(out) is None:
-                out._sc_untyped = self.key
+                tensor_state.write(out, "untyped", self.key)
             return out
-        branched = self.branches.axes_here() if aten and self.branches.frames else ()
+        branched = self.branches.axes_here() if entry.aten and self.branches.frames else ()
         try:
             pl = rule(self, args, kwargs, out)
         except Violation as violation:
@@ -462,11 +466,11 @@ class Checker(TorchDispatchMode):
                 torch.ops._c10d_functional.wait_tensor(out)  # raise with no work in flight
             empty = _holds_nothing(out)  # no element: no rule broken, and a write changes nothing
             if not empty and violation.axis not in branched:  # a rule's premise: every rank runs it
-                self._report(violation, func, args)
+                self.report(violation, func, args)
             pl = NO_TENSOR if empty and mutated else _retyped_after(self, violation, rule, args, kwargs, out)
         if pl is NO_TENSOR:
             if func in _LANDS_ON_WAIT:
-                args[0]._sc_landing = True
+                tensor_state.write(args[0], "landing", True)
                 self.landings[tuple(args[0].shape)] += 1
             self.typed += 1
             if self.sites is not None:
@@ -483,19 +487,19 @@ class Checker(TorchDispatchMode):
             return out
         return self._typed(func, args, kwargs, out, pl, entry, branched)
 
-    def _typed(self, func, args, kwargs, out, pl, entry: tuple, branched: tuple[int, ...]):
+    def _typed(self, func, args, kwargs, out, pl, entry: OpEntry, branched: tuple[int, ...]):
         """Type ``out`` (or the tensors an in-place op wrote) ``pl``, the rule's verdict, and
         what is known of its value, after the rank's own numbers, accumulations and branches."""
-        zero_kind, mutated, is_view, aten = entry[2], entry[3], entry[4], entry[7]
+        value_rule, mutated = entry.value_rule, entry.mutated
         if self.rank_scalars:
             pl = self._varied_by_scalars(pl, func, args, kwargs)
         self.typed += 1
         if self.sites is not None:
             self._count_site(func, args, out, typed=True)
-        flags = self._value_flags(zero_kind, func, args) if zero_kind else Known.NOTHING
-        if zero_kind is ValueRule.ADD:
+        flags = self._value_flags(value_rule, func, args) if value_rule else Known.NOTHING
+        if value_rule is ValueRule.ADD:
             flags = self._accumulation(args, flags)
-        if self.accumulating and not flags & Known.ACC and aten:
+        if self.accumulating and not flags & Known.ACC and entry.aten:
             pl = self._after_accumulation(pl, args)
         if branched:
             if flags == Known.ACC:
@@ -506,7 +510,7 @@ class Checker(TorchDispatchMode):
             for t in _mutated_tensors(mutated, args, kwargs):
                 self.update_inplace(t, pl, None, flags)
             return out
-        self._type_outputs(out, pl, flags, args[0] if is_view else None)
+        self._type_outputs(out, pl, flags, args[0] if entry.is_view else None)
         return out
 
     def _count_site(self, func, args, out, typed: bool) -> None:
@@ -520,15 +524,15 @@ class Checker(TorchDispatchMode):
         site[0 if typed else 1] += 1
         if typed:
             return
-        origin = next((getattr(t, "_sc_origin", None) for t in _flat(args)
+        origin = next((tensor_state.read(t, "origin") for t in _flat(args)
                        if isinstance(t, torch.Tensor) and self.types(t) is None
-                       and getattr(t, "_sc_origin", None) is not None), None)
+                       and tensor_state.read(t, "origin") is not None), None)
         if origin is None:
             origin = f"{user_location()} {base_name(func)}"
         self.origins[origin] += 1
         for t in (out if isinstance(out, (tuple, list)) else (out,)):
             if isinstance(t, torch.Tensor):
-                t._sc_origin = origin
+                tensor_state.write(t, "origin", origin)
 
     def _landing(self, func, args, out) -> bool:
         """Whether the op is Gloo landing an async collective when it is waited on: cutting its
@@ -536,10 +540,10 @@ class Checker(TorchDispatchMode):
         output. Both are the collective's own ops, typed by it."""
         name = base_name(func)
         if name == "copy":
-            return getattr(args[0], "_sc_landing", False)
+            return bool(tensor_state.read(args[0], "landing"))
         return (name == "split" and isinstance(out, (tuple, list)) and bool(out)
                 and self.landings[tuple(out[0].shape)] > 0
-                and self.types(args[0]) is None and getattr(args[0], "_sc_origin", None) is None)
+                and self.types(args[0]) is None and tensor_state.read(args[0], "origin") is None)
 
     def _forget(self, mutated, args, kwargs) -> None:
         """An untyped write makes its target unknown, except a collective's own copies (made
@@ -547,8 +551,8 @@ class Checker(TorchDispatchMode):
         for t in _mutated_tensors(mutated, args, kwargs):
             if self.types(t) is None:
                 continue
-            if getattr(t, "_sc_landing", False):
-                t._sc_landing = False
+            if tensor_state.read(t, "landing"):
+                tensor_state.write(t, "landing", False)
                 self.landings[tuple(t.shape)] -= 1
             elif not inside_collective():
                 self.update_inplace(t, None)
@@ -598,7 +602,8 @@ class Checker(TorchDispatchMode):
         return Known.ZERO if isinstance(value, (int, float)) and value == 0 else Known.CONST
 
     # --- violations --------------------------------------------------------------------
-    def _report(self, violation: Violation, func, args) -> None:
+    def report(self, violation: Violation, func, args) -> None:
+        """Raise ``violation`` of ``func`` on ``args`` (mode "raise"), or record it."""
         location = user_location()
         if self.mode == "raise" and not violation.unconfirmed:
             raise SpmdTypeError(self.describe(violation, location, func, args), violation.rule,
@@ -757,10 +762,23 @@ def _mutated_tensors(mutated, args, kwargs) -> Iterator[torch.Tensor]:
             yield from (v for v in value if isinstance(v, torch.Tensor))
 
 
-def _resolve(func) -> tuple:
-    """What the dispatch needs of an op: (the callable that runs it, rule, value rule, mutated
-    (pos, name) args, is_view, moves_views, broadcast kind, in aten). A plain OpOverload runs
-    as its C++ op (``OpOverload.__call__`` is a Python frame that only calls it)."""
+@dataclass(frozen=True, slots=True)
+class OpEntry:
+    """What the dispatch needs of an op, resolved once per OpOverload (see :func:`_resolve`)."""
+
+    call: Callable  # what runs it: a plain OpOverload's C++ op (``OpOverload.__call__`` is a
+    # Python frame that only calls it)
+    rule: Callable | None  # its typing rule (see rules.registry)
+    value_rule: ValueRule | None  # how what is known of its result's value follows from its inputs'
+    mutated: tuple[tuple[int, str], ...]  # the (position, name) of the args it writes
+    is_view: bool  # its result aliases its first arg
+    moves_views: bool  # an in-place view op (t_, resize_, set_, ...) or an out= op (resizes its output)
+    broadcast: str  # what broadcast.record does for it (see broadcast.op_kind)
+    aten: bool  # in the aten namespace
+
+
+def _resolve(func) -> OpEntry:
+    """What the dispatch needs of ``func``."""
     rule = registry.rule_for(func)
     schema = func._schema
     mutated = tuple((i, a.name) for i, a in enumerate(schema.arguments)
@@ -768,11 +786,11 @@ def _resolve(func) -> tuple:
     is_view = (not mutated and bool(schema.returns) and schema.returns[0].alias_info is not None)
     if func.namespace == "c10d" and rule is None and schema.arguments:
         mutated = ((0, schema.arguments[0].name),)
-    # an in-place view op (t_, resize_, set_, ...) or an out= op (which resizes its output)
-    moves_views = torch.Tag.inplace_view in func.tags or any(a.is_out for a in schema.arguments)
-    call = func._op if type(func) is torch._ops.OpOverload else func
-    return (call, rule, registry.value_rule(base_name(func)), mutated, is_view, moves_views,
-            broadcast_kind(func), func.namespace == "aten")
+    return OpEntry(
+        call=func._op if type(func) is torch._ops.OpOverload else func, rule=rule,
+        value_rule=registry.value_rule(base_name(func)), mutated=mutated, is_view=is_view,
+        moves_views=torch.Tag.inplace_view in func.tags or any(a.is_out for a in schema.arguments),
+        broadcast=broadcast_kind(func), aten=func.namespace == "aten")
 
 
 # --- public API ------------------------------------------------------------------------------
@@ -895,7 +913,7 @@ def rank_slice(x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
         raise ValueError(f"dim {dim} of size {x.shape[dim]} does not split into {size} chunks")
     pl = checker.types(x) or (None,) * checker.n
     if pl[a] is not None and not replicated(pl[a]):
-        checker._report(Violation("split of varying", a), torch.ops.aten.slice.Tensor, (x,))
+        checker.report(Violation("split of varying", a), torch.ops.aten.slice.Tensor, (x,))
     length = x.shape[dim] // size
     with checker.paused():
         piece = x.narrow(dim, index * length, length)
@@ -945,7 +963,7 @@ def _check_args(checker: Checker, spec, call_args, call_kwargs) -> None:
             accepted = _alternatives(want)
             if got is not None and not any(_admits(alt, got, value) for alt in accepted):
                 wanted = "|".join(map(repr, accepted))
-                checker._report(Violation("contract", checker.names.index(axis),
+                checker.report(Violation("contract", checker.names.index(axis),
                                           f"argument {key} must be {axis}={wanted}"),
                                 "contract", (value,))
 

@@ -5,10 +5,10 @@ this rank's piece of a tensor cut along dim d != 0 over the group's one axis (S(
 of what rank k receives is rank j's piece (its columns) of rows block k: on its own a value no
 placement says (V). Cut into those blocks along dim 0 again and joined along d in order (Megatron's
 ``all_to_all_hp2sp``, Mamba's ``hp2cp``; the backward of ``all_to_all_sp2hp``), they are rows
-block k of the whole tensor: S(0). The collective marks its output (``_sc_exchanged``); the
+block k of the whole tensor: S(0). The collective marks its output (the ``exchanged`` field of its :mod:`tensor_state`); the
 ``cat`` rule asks :func:`rejoined_rows`. The list form sent the consecutive dim-0 chunks of
 such a shard receives the blocks as separate tensors, each marked with its place
-(``_sc_exchanged_piece``); joined along d in that order they are S(0) alike.
+(``exchanged_piece``); joined along d in that order they are S(0) alike.
 
 The other way (``all_to_all_sp2hp``, Mamba's ``cp2hp``): the dim-d chunks of a tensor stacked
 on dim 0 and exchanged give rank k chunk k of every rank's rows, S(d) on the group's axis. An
@@ -23,7 +23,15 @@ from dataclasses import dataclass
 
 import torch
 
-from shardcheck.typecheck.rules.common import axis_stride, chunk_dim, inside, moved, norm_dim
+from shardcheck.typecheck import tensor_state
+from shardcheck.typecheck.rules.common import (
+    RuleContext,
+    axis_stride,
+    chunk_dim,
+    inside,
+    moved,
+    norm_dim,
+)
 from shardcheck.typecheck.types import (
     InterleavedShard,
     Pl,
@@ -59,28 +67,28 @@ def even_splits(output_splits, input_splits, rows: int, count: int) -> bool:
     return all(not sizes or list(sizes) == [block] * count for sizes in (output_splits, input_splits))
 
 
-def mark_exchanged(ctx, output: torch.Tensor, pl: Pl, axes: list[int], inp: torch.Tensor, even: bool) -> None:
+def mark_exchanged(ctx: RuleContext, output: torch.Tensor, pl: Pl, axes: list[int], inp: torch.Tensor, even: bool) -> None:
     """Remember, on ``output``, an even all-to-all over one axis of a shard of dim d != 0."""
-    output.__dict__.pop("_sc_exchanged", None)
+    tensor_state.write(output, "exchanged", None)
     if not even or len(axes) != 1 or output._base is not None or inp.dim() < 2:
         return
     (a,) = axes
     p = pl[a]
     if type(p) not in (Shard, SectionShard) or p.outside or norm_dim(p.dim, inp.dim()) == 0:
         return
-    output._sc_exchanged = Exchanged(ctx.key, a, ctx.sizes[a], norm_dim(p.dim, inp.dim()),
-                                     _nested(ctx, pl, a, inp.dim()), None,
-                                     p.sections if type(p) is SectionShard else None)
+    tensor_state.write(output, "exchanged", Exchanged(
+        ctx.key, a, ctx.sizes[a], norm_dim(p.dim, inp.dim()), _nested(ctx, pl, a, inp.dim()), None,
+        p.sections if type(p) is SectionShard else None))
 
 
-def rejoined_rows(ctx, tensors, dim: int) -> Pl | None:
+def rejoined_rows(ctx: RuleContext, tensors, dim: int) -> Pl | None:
     """The dim-0 blocks of a marked all-to-all output joined along its input's shard dim, in
     order: S(0) on the group's axis (V when nested). The other axes keep the output's types
     (rows of its rows, see ``nested``); one that shards the joined dim keeps its shard when it
     is outside (slower than) the group's axis; inside it, its pieces are joined in another
     order (V)."""
     base = tensors[0]._base
-    mark = base.__dict__.get("_sc_exchanged") if base is not None else None
+    mark = tensor_state.read(base, "exchanged") if base is not None else None
     if mark is None or mark.key is not ctx.key or mark.dim != dim or len(tensors) != mark.count:
         return None
     pl = ctx.types(base)
@@ -94,7 +102,7 @@ def rejoined_rows(ctx, tensors, dim: int) -> Pl | None:
     return _rejoined(ctx, mark, pl, dim, first.dim())
 
 
-def _rejoined(ctx, mark: Exchanged, pl: Pl, dim: int, ndim: int) -> Pl:
+def _rejoined(ctx: RuleContext, mark: Exchanged, pl: Pl, dim: int, ndim: int) -> Pl:
     result = list(pl)
     result[mark.axis] = V if mark.nested else S(0)
     for b, p in enumerate(pl):
@@ -103,7 +111,7 @@ def _rejoined(ctx, mark: Exchanged, pl: Pl, dim: int, ndim: int) -> Pl:
     return tuple(result)
 
 
-def _joined_outside(ctx, mark: Exchanged, pl: Pl, b: int) -> Placement:
+def _joined_outside(ctx: RuleContext, mark: Exchanged, pl: Pl, b: int) -> Placement:
     """Axis ``b``'s shard once the group's pieces inside it are joined: whole again, its
     sections' chunks grouped by chunk where the group's pieces held a piece of each section
     (see InterleavedShard). Sections that do not match the group's: V."""
@@ -115,7 +123,7 @@ def _joined_outside(ctx, mark: Exchanged, pl: Pl, b: int) -> Placement:
     return interleaved(p.dim, p.sections, mark.count)
 
 
-def columns_inside(ctx, pl: Pl, source: Pl | None, a: int, dim: int, ndim: int) -> tuple[Pl, tuple | None]:
+def columns_inside(ctx: RuleContext, pl: Pl, source: Pl | None, a: int, dim: int, ndim: int) -> tuple[Pl, tuple | None]:
     """The output's types, off the group's axis ``a``, of an even all-to-all of the dim-``dim``
     chunks of a tensor typed ``source`` stacked on dim 0: an axis that shards ``dim`` there
     (plainly) holds a's pieces inside its own, outside them against the mesh order where it
@@ -137,12 +145,12 @@ def columns_inside(ctx, pl: Pl, source: Pl | None, a: int, dim: int, ndim: int) 
     return tuple(result), sections
 
 
-def mark_exchanged_pieces(ctx, outputs, inputs, pl: Pl, axes: list[int]) -> None:
+def mark_exchanged_pieces(ctx: RuleContext, outputs, inputs, pl: Pl, axes: list[int]) -> None:
     """Remember, on each of ``outputs``, its place among the blocks an all-to-all (list form)
     received for ``inputs``: the consecutive dim-0 chunks, one per rank, of one tensor that
     is a shard of dim d != 0 over the group's one axis."""
     for t in outputs:
-        t.__dict__.pop("_sc_exchanged_piece", None)
+        tensor_state.write(t, "exchanged_piece", None)
     if len(axes) != 1 or len(inputs) != ctx.sizes[axes[0]] or len(outputs) != len(inputs) \
             or inputs[0].dim() < 2 or chunk_dim(inputs) != 0:
         return
@@ -155,10 +163,10 @@ def mark_exchanged_pieces(ctx, outputs, inputs, pl: Pl, axes: list[int]) -> None
     mark = Exchanged(ctx.key, a, len(inputs), norm_dim(p.dim, inputs[0].dim()),
                      _nested(ctx, source or pl, a, inputs[0].dim()), source)
     for j, t in enumerate(outputs):
-        t._sc_exchanged_piece = (mark, j)
+        tensor_state.write(t, "exchanged_piece", (mark, j))
 
 
-def _chunked(ctx, inputs) -> Pl | None:
+def _chunked(ctx: RuleContext, inputs) -> Pl | None:
     """The type of the tensor whose dim-0 chunks ``inputs`` are, all of it, else None."""
     base = inputs[0]._base
     if (base is None or not base.is_contiguous() or base.storage_offset() != inputs[0].storage_offset()
@@ -167,16 +175,16 @@ def _chunked(ctx, inputs) -> Pl | None:
     return ctx.types(base)
 
 
-def _nested(ctx, pl: Pl, a: int, ndim: int) -> bool:
+def _nested(ctx: RuleContext, pl: Pl, a: int, ndim: int) -> bool:
     return any(b != a and ctx.sizes[b] > 1 and isinstance(q, Shard) and norm_dim(q.dim, ndim) == 0
                and axis_stride(ctx, b) < axis_stride(ctx, a) for b, q in enumerate(pl))
 
 
-def rejoined_pieces(ctx, tensors, dim: int) -> Pl | None:
+def rejoined_pieces(ctx: RuleContext, tensors, dim: int) -> Pl | None:
     """The blocks an all-to-all (list form) received, joined along its input's shard dim in
     their order: as :func:`rejoined_rows`, the other axes as the tensor the sent chunks cut
     holds them (else as the blocks do)."""
-    marks = [t.__dict__.get("_sc_exchanged_piece") for t in tensors]
+    marks = [tensor_state.read(t, "exchanged_piece") for t in tensors]
     if marks[0] is None:
         return None
     mark = marks[0][0]
@@ -191,6 +199,6 @@ def rejoined_pieces(ctx, tensors, dim: int) -> Pl | None:
 
 def copy_mark(source: torch.Tensor, target: torch.Tensor) -> None:
     """A waited functional collective's result carries its mark."""
-    mark = source.__dict__.get("_sc_exchanged")
+    mark = tensor_state.read(source, "exchanged")
     if mark is not None:
-        target._sc_exchanged = mark
+        tensor_state.write(target, "exchanged", mark)

@@ -11,6 +11,8 @@ from collections.abc import Callable
 
 import torch
 
+from shardcheck.typecheck import tensor_state
+
 _TENSOR_DATA = torch._C.TensorBase.__dict__["data"]
 _GET_RNG_STATE = torch.random.get_rng_state
 
@@ -20,7 +22,7 @@ _DATA_SWAPPED: list[Callable[[], None]] = []
 
 def _data_with_its_type(t: torch.Tensor, value: torch.Tensor) -> None:
     _TENSOR_DATA.__set__(t, value)
-    t._sc = getattr(value, "_sc", None)
+    tensor_state.write(t, "type", tensor_state.type_of(value))
     for swapped in _DATA_SWAPPED:
         swapped()
 

@@ -449,7 +449,7 @@ def _check_results(active: Any, contract: Contract, fn: Callable[..., Any], args
             for mesh_axis in _ensured_axes(active, axis, bound):
                 got = actual.get(mesh_axis)
                 if got is not None and got != want:
-                    active._report(Violation("contract", active.names.index(mesh_axis),
+                    active.report(Violation("contract", active.names.index(mesh_axis),
                                              f"{contract.name} result {name} must be {mesh_axis}={want}"),
                                    "contract", (value,))
 

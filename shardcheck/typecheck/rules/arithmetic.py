@@ -16,9 +16,11 @@ from typing import Any
 
 import torch
 
+from shardcheck.typecheck import tensor_state
 from shardcheck.typecheck.broadcast import fits_shard
 from shardcheck.typecheck.rules.common import (
     NO_TENSOR,
+    RuleContext,
     arg,
     is_partial,
     is_sum,
@@ -84,7 +86,7 @@ class _Operand:
         return self.tensor is not None and fits_shard(self.tensor, dim - len(self.shape), outer)
 
 
-def elementwise(ctx, items: list[tuple[Any, str]]) -> Pl | None:
+def elementwise(ctx: RuleContext, items: list[tuple[Any, str]]) -> Pl | None:
     """Type an elementwise op over ``(value, role)`` items, broadcasting tensors."""
     fast = _same_simple_layout(ctx, items)
     if fast is not None:
@@ -114,7 +116,7 @@ def elementwise(ctx, items: list[tuple[Any, str]]) -> Pl | None:
     return tuple(_axis_elementwise(ops, a, out_ndim) for a in range(ctx.n))
 
 
-def _same_simple_layout(ctx, items: list[tuple[Any, str]]) -> Pl | None:
+def _same_simple_layout(ctx: RuleContext, items: list[tuple[Any, str]]) -> Pl | None:
     """The common case, fast: every typed operand has the same placements, no P, and any
     shard is on tensors of equal rank. Returns None when the general rule must decide."""
     if ctx.rerun:  # its types are not the tensors' own: the general rule reads them
@@ -127,7 +129,7 @@ def _same_simple_layout(ctx, items: list[tuple[Any, str]]) -> Pl | None:
             if isinstance(value, Typed):
                 return None
             continue
-        st = getattr(value, "_sc", None)  # ctx.types(value), inlined: it runs at every op
+        st = tensor_state.type_of(value)  # ctx.types(value), inlined: it runs at every op
         if st is None or st[0] is not key:
             return None
         pl = st[1]
@@ -334,7 +336,7 @@ class OpSpec:
     roles: tuple[str, ...] = ()
 
 
-def pointwise(spec: OpSpec, ctx, args, kwargs, out) -> Pl | None:
+def pointwise(spec: OpSpec, ctx: RuleContext, args, kwargs, out) -> Pl | None:
     """The one rule of every op in :data:`POINTWISE`: a linear op keeps its operand's layout
     (gathered blocks become unknown), any other is :func:`elementwise` over its roles."""
     if spec.linearity is Linearity.LINEAR:
@@ -343,7 +345,7 @@ def pointwise(spec: OpSpec, ctx, args, kwargs, out) -> Pl | None:
     return elementwise(ctx, list(zip(args, spec.roles, strict=False)))
 
 
-def _homogeneous_rule(ctx, args, kwargs, out):
+def _homogeneous_rule(ctx: RuleContext, args, kwargs, out):
     """clamp, relu, abs: f(c*x; c*bounds) = c*f(x; bounds) for c > 0. On an even partial
     every rank holds x = X/n, so the result is again an even share: of f of the total with
     its bounds scaled by n. On any other partial they are non-linear."""
@@ -358,7 +360,7 @@ def _homogeneous_rule(ctx, args, kwargs, out):
     return tuple(PEVEN if p is PEVEN and r is R else r for p, r in zip(pl, result, strict=True))
 
 
-def _add_rule(ctx, args, kwargs, out):
+def _add_rule(ctx: RuleContext, args, kwargs, out):
     alpha = kwargs.get("alpha", args[2] if len(args) > 2 else 1)
     other = args[1]
     if not is_tensor(other):
@@ -366,11 +368,11 @@ def _add_rule(ctx, args, kwargs, out):
     return elementwise(ctx, [(args[0], ADD), (other, ADD)])
 
 
-def _where_rule(ctx, args, kwargs, out):
+def _where_rule(ctx: RuleContext, args, kwargs, out):
     return elementwise(ctx, [(args[0], NL), (args[1], ADD), (args[2], ADD)])
 
 
-def _masked_fill_rule(ctx, args, kwargs, out):
+def _masked_fill_rule(ctx: RuleContext, args, kwargs, out):
     return elementwise(ctx, [(args[0], ADD), (args[1], NL), (args[2], ADD)])
 
 
@@ -378,20 +380,20 @@ def without_partial(pl: Pl | None) -> Pl | None:
     return None if pl is None else tuple(R if is_partial(p) else p for p in pl)
 
 
-def _keep_layout(ctx, args, kwargs, out):
+def _keep_layout(ctx: RuleContext, args, kwargs, out):
     """Random fills keep their template's layout (the RNG is assumed in sync); else V."""
     pl = ctx.types(args[0]) if args and is_tensor(args[0]) else None
     return (V,) * ctx.n if pl is None else without_partial(pl)
 
 
-def _like_rule(ctx, args, kwargs, out):
+def _like_rule(ctx: RuleContext, args, kwargs, out):
     """zeros_like & co: a tensor shaped like one rank's template, so laid out like it
     (a partial template gives R: the new values are the same on every rank)."""
     pl = ctx.types(args[0])
     return (R,) * ctx.n if pl is None else without_partial(pl)
 
 
-def _new_factory_rule(ctx, args, kwargs, out):
+def _new_factory_rule(ctx: RuleContext, args, kwargs, out):
     """x.new_empty(size) & co: shaped like ``x`` (``x.new_empty(x.shape)``), laid out like it
     as ``empty_like(x)`` is; any other size is a fresh tensor, the same on every rank (R)."""
     if isinstance(args[0], torch.Tensor) and tuple(out.shape) == tuple(args[0].shape):
@@ -399,7 +401,7 @@ def _new_factory_rule(ctx, args, kwargs, out):
     return (R,) * ctx.n
 
 
-def _dropout_rule(ctx, args, kwargs, out):
+def _dropout_rule(ctx: RuleContext, args, kwargs, out):
     pl = ctx.types(args[0])
     return None if pl is None else [pl, without_partial(pl)]
 
@@ -416,7 +418,7 @@ def reduced_dims(dim: Any, ndim: int) -> set[int]:
 
 def reduction(kind: str, dim_pos: int = 1, keep_pos: int = 2) -> Callable:
     """sum-like (kind 'sum'), mean ('mean'), max-like ('max') or non-linear ('norm') reductions."""
-    def rule(ctx, args, kwargs, out):
+    def rule(ctx: RuleContext, args, kwargs, out):
         x = args[0]
         pl = ctx.types(x)
         if pl is None:
@@ -460,7 +462,7 @@ def _reduce_axis(kind: str, p: Placement | None, a: int, dims: set[int], keep: b
     return p if keep else moved(p, p.dim - sum(1 for d in dims if d < p.dim))
 
 
-def _count_nonzero_rule(ctx, args, kwargs, out):
+def _count_nonzero_rule(ctx: RuleContext, args, kwargs, out):
     """``count_nonzero``: a sum of a non-linear indicator. Counts of shards add up to the
     whole count (P); the count of a partial value is no part of the count of the sum."""
     pl = ctx.types(args[0])
@@ -475,7 +477,7 @@ def _count_nonzero_rule(ctx, args, kwargs, out):
 _count_reduction = reduction("sum")
 
 
-def _normalize_rule(ctx, args, kwargs, out):
+def _normalize_rule(ctx: RuleContext, args, kwargs, out):
     """softmax / log_softmax over ``dim``."""
     x = args[0]
     pl = ctx.types(x)
@@ -495,13 +497,13 @@ def _no_gathered(pl: Pl) -> Pl:
     return tuple(None if isinstance(p, Gathered) else p for p in pl)
 
 
-def _normalize_backward_rule(ctx, args, kwargs, out):
+def _normalize_backward_rule(ctx: RuleContext, args, kwargs, out):
     """_softmax_backward_data / _log_softmax_backward_data(grad, output, dim, dtype)."""
     _normalize_rule(ctx, (args[1], args[2]), {}, out)
     return elementwise(ctx, [(args[0], MUL), (args[1], NL)])
 
 
-def _layer_norm_rule(ctx, args, kwargs, out):
+def _layer_norm_rule(ctx: RuleContext, args, kwargs, out):
     """native_layer_norm(input, normalized_shape, weight, bias, eps) -> (out, mean, rstd)."""
     x = args[0]
     pl = ctx.types(x)
@@ -524,7 +526,7 @@ def join(a: Pl | None, b: Pl | None) -> Pl | None:
     return tuple(x if x == y else None for x, y in zip(a, b, strict=True))
 
 
-def _layer_norm_backward_rule(ctx, args, kwargs, out):
+def _layer_norm_backward_rule(ctx: RuleContext, args, kwargs, out):
     """native_layer_norm_backward(grad, input, shape, mean, rstd, weight, bias, mask)."""
     grad, x = args[0], args[1]
     g = elementwise(ctx, [(grad, MUL), (x, NL)])
@@ -535,18 +537,18 @@ def _layer_norm_backward_rule(ctx, args, kwargs, out):
     return [g, param, param]
 
 
-def _activation_backward(ctx, args, kwargs, out):
+def _activation_backward(ctx: RuleContext, args, kwargs, out):
     """gelu_backward(grad, self), silu_backward, threshold_backward, ...: linear in grad."""
     return elementwise(ctx, [(args[0], MUL), (args[1], NL)])
 
 
-def _dropout_backward(ctx, args, kwargs, out):
+def _dropout_backward(ctx: RuleContext, args, kwargs, out):
     return elementwise(ctx, [(args[0], MUL), (args[1], MUL)])
 
 
 # --- contractions --------------------------------------------------------------------------
 
-def einsum_rule(ctx, specs: list[tuple[Any, str]], out_spec: str) -> Pl | None:
+def einsum_rule(ctx: RuleContext, specs: list[tuple[Any, str]], out_spec: str) -> Pl | None:
     """Type a contraction given each operand's dim letters and the output's letters.
 
     A constant operand (every element equal) is a slice of a constant global tensor, so it
@@ -636,26 +638,26 @@ def _routed_contract(ps: list, specs: list[str], out_spec: str) -> Placement:
     return S(0) if first.complete() else P
 
 
-def _mm(ctx, args, kwargs, out):
+def _mm(ctx: RuleContext, args, kwargs, out):
     return einsum_rule(ctx, [(args[0], "nk"), (args[1], "km")], "nm")
 
 
-def _bmm(ctx, args, kwargs, out):
+def _bmm(ctx: RuleContext, args, kwargs, out):
     return einsum_rule(ctx, [(args[0], "bnk"), (args[1], "bkm")], "bnm")
 
 
-def _mv(ctx, args, kwargs, out):
+def _mv(ctx: RuleContext, args, kwargs, out):
     return einsum_rule(ctx, [(args[0], "nk"), (args[1], "k")], "n")
 
 
-def _dot(ctx, args, kwargs, out):
+def _dot(ctx: RuleContext, args, kwargs, out):
     return einsum_rule(ctx, [(args[0], "k"), (args[1], "k")], "")
 
 
 def _with_bias(contract: Callable) -> Callable:
     """addmm/baddbmm(bias, a, b, beta, alpha): the product plus a broadcast bias (ignored
     with beta=0, as Megatron's attention does with an uninitialised buffer)."""
-    def rule(ctx, args, kwargs, out):
+    def rule(ctx: RuleContext, args, kwargs, out):
         product = contract(ctx, args[1:], kwargs, out)
         if product is None or arg(args, kwargs, 3, "beta", 1) == 0:
             return product
@@ -663,7 +665,7 @@ def _with_bias(contract: Callable) -> Callable:
     return rule
 
 
-def _embedding_rule(ctx, args, kwargs, out):
+def _embedding_rule(ctx: RuleContext, args, kwargs, out):
     """embedding(weight, indices): a vocab-sharded weight yields a partial (masked) lookup."""
     weight, idx = args[0], args[1]
     wl, il = ctx.types(weight), ctx.types(idx)
@@ -688,7 +690,7 @@ def _embedding_rule(ctx, args, kwargs, out):
     return tuple(result)
 
 
-def _embedding_backward_rule(ctx, args, kwargs, out):
+def _embedding_backward_rule(ctx: RuleContext, args, kwargs, out):
     """embedding_dense_backward(grad, indices, num_weights, padding_idx, scale).
 
     Where the table is cut into rows (the lookup was the masked partial one), each rank sums
@@ -735,7 +737,7 @@ def row_gradient(table: Shard, grad: Placement | None) -> Placement | None:
     return table if replicated(grad) else V
 
 
-def _nll_rule(ctx, args, kwargs, out):
+def _nll_rule(ctx: RuleContext, args, kwargs, out):
     """nll_loss_forward(self, target, weight, reduction, ignore_index) -> (loss, total_weight)."""
     x, target = args[0], args[1]
     xl, tl = ctx.types(x), ctx.types(target)
@@ -767,7 +769,7 @@ def _nll_reduce(p: Placement, reduction: int) -> Placement:
     return p
 
 
-def _nll_backward_rule(ctx, args, kwargs, out):
+def _nll_backward_rule(ctx: RuleContext, args, kwargs, out):
     """nll_loss_backward(grad, self, target, weight, reduction, ignore_index, total_weight)."""
     gl, xl = ctx.types(args[0]), ctx.types(args[1])
     if gl is None or xl is None:
@@ -781,15 +783,15 @@ def _nll_backward_rule(ctx, args, kwargs, out):
     return tuple(result)
 
 
-def _replicated_rule(ctx, args, kwargs, out):
+def _replicated_rule(ctx: RuleContext, args, kwargs, out):
     return (R,) * ctx.n
 
 
-def _varying_rule(ctx, args, kwargs, out):
+def _varying_rule(ctx: RuleContext, args, kwargs, out):
     return (V,) * ctx.n
 
 
-def _scalar_rule(ctx, args, kwargs, out):
+def _scalar_rule(ctx: RuleContext, args, kwargs, out):
     """``.item()``: a Python number read from a tensor. Read from a value that is not the same
     on every rank of some axis, it differs per rank there: remembered (by value) so that the
     ops it later enters are V on those axes (see ``Checker.rank_scalars``)."""

@@ -10,6 +10,7 @@ import torch
 from shardcheck.typecheck.rules.arithmetic import MUL, NL, _reduce_axis, elementwise
 from shardcheck.typecheck.rules.common import (
     Refinement,
+    RuleContext,
     arg,
     interleaves,
     norm_dim,
@@ -23,7 +24,7 @@ aten = torch.ops.aten
 _REDUCTION_KIND = {1: "mean", 2: "sum"}  # at::Reduction: 0 none, 1 mean, 2 sum
 
 
-def _pointwise_loss(ctx, args, kwargs, out, reduction_pos: int = 2):
+def _pointwise_loss(ctx: RuleContext, args, kwargs, out, reduction_pos: int = 2):
     """mse_loss / l1_loss / smooth_l1_loss / huber_loss(self, target, reduction, ...)."""
     pl = elementwise(ctx, [(args[0], NL), (args[1], NL)])
     kind = _REDUCTION_KIND.get(arg(args, kwargs, reduction_pos, "reduction", 1))
@@ -33,17 +34,17 @@ def _pointwise_loss(ctx, args, kwargs, out, reduction_pos: int = 2):
     return tuple(_reduce_axis(kind, p, a, every_dim, False) for a, p in enumerate(pl))
 
 
-def _pointwise_loss_backward(ctx, args, kwargs, out):
+def _pointwise_loss_backward(ctx: RuleContext, args, kwargs, out):
     """*_loss_backward(grad, self, target, reduction, ...): linear in grad."""
     return elementwise(ctx, [(args[0], MUL), (args[1], NL), (args[2], NL)])
 
 
-def _logits_loss(ctx, args, kwargs, out):
+def _logits_loss(ctx: RuleContext, args, kwargs, out):
     """binary_cross_entropy_with_logits(self, target, weight, pos_weight, reduction)."""
     return _pointwise_loss(ctx, args, kwargs, out, reduction_pos=4)
 
 
-def _slice_backward(ctx, args, kwargs, out):
+def _slice_backward(ctx: RuleContext, args, kwargs, out):
     """slice_backward(grad, input_sizes, dim, start, end, step): grad padded with zeros. The
     gradient of this rank's chunk on an axis that cuts the dim (a rank slice), put at that
     chunk's place, is a partial sum there; a shard outside that axis' pieces is whole again
@@ -57,7 +58,7 @@ def _slice_backward(ctx, args, kwargs, out):
     return tuple(_slice_gradient(p, b, cut, dim, ndim) for b, p in enumerate(pl))
 
 
-def _padded_at_rank(ctx, b: int, p, args, dim: int) -> bool:
+def _padded_at_rank(ctx: RuleContext, b: int, p, args, dim: int) -> bool:
     total, length = args[1][dim], args[0].shape[dim]
     start = norm_dim(args[3], total) if args[3] is not None else 0
     return (type(p) in (Shard, RankChunk) and not p.outside and norm_dim(p.dim, len(args[1])) == dim
@@ -75,7 +76,7 @@ def _slice_gradient(p, b: int, cut: list[int], dim: int, ndim: int):
     return S(p.dim) if type(p) is Shard and p.outside else V
 
 
-def _select_backward(ctx, args, kwargs, out):
+def _select_backward(ctx: RuleContext, args, kwargs, out):
     """select_backward(grad, input_sizes, dim, index): grad placed in a new dim of zeros."""
     pl = ctx.types(args[0])
     if pl is None:
@@ -92,7 +93,7 @@ def _select_backward(ctx, args, kwargs, out):
 _laid_out_like_source = _along_dim_rule(3, 1, 2)
 
 
-def _add_into(scatter_add, ctx, args, kwargs, out):
+def _add_into(scatter_add, ctx: RuleContext, args, kwargs, out):
     """index_add / scatter_add(self, dim, index, source). Into a known-zero ``self`` (the
     backward of index_select and gather) the result is laid out like the source, and a
     source cut along ``dim`` put in place by each rank's own index (V) stays cut there: every

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shardcheck.typecheck import tensor_state
 from shardcheck.typecheck.exchange import (
     columns_inside,
     copy_mark,
@@ -24,6 +25,7 @@ from shardcheck.typecheck.exchange import (
 )
 from shardcheck.typecheck.rules.common import (
     NO_TENSOR,
+    RuleContext,
     as_pieces,
     axis_stride,
     chunk_dim,
@@ -90,7 +92,7 @@ class UnknownAxis(Violation):
         super().__init__("unknown axis", -1, f"the group has ranks {list(ranks)}; the mesh has {axes}")
 
 
-def _axes(ctx, group: Any) -> list[int]:
+def _axes(ctx: RuleContext, group: Any) -> list[int]:
     ranks = group_ranks(group)
     names = ctx.mesh.axes_of(ranks)
     if names is None:
@@ -169,7 +171,7 @@ def _scatter_step(op: str, dim: int = 0, nested: bool = False) -> Callable[[Plac
     return step
 
 
-def _holding_axes(ctx, pl: Pl, axes: list[int], dim: int, ndim: int) -> list[int]:
+def _holding_axes(ctx: RuleContext, pl: Pl, axes: list[int], dim: int, ndim: int) -> list[int]:
     """The axes outside the group, inside it (faster) by the mesh order, that shard ``dim``:
     a reduce-scatter over ``axes`` along ``dim`` cuts inside their pieces (rows cp shards,
     scattered over tp by sequence parallelism where the ranks number cp fastest)."""
@@ -181,7 +183,7 @@ def _holding_axes(ctx, pl: Pl, axes: list[int], dim: int, ndim: int) -> list[int
             and p.dim % max(ndim, 1) == dim % max(ndim, 1) and axis_stride(ctx, b) < outer]
 
 
-def _reduce_scatter_of(ctx, pl: Pl, axes: list[int], op: str, dim: int, ndim: int) -> tuple[Pl, Callable]:
+def _reduce_scatter_of(ctx: RuleContext, pl: Pl, axes: list[int], op: str, dim: int, ndim: int) -> tuple[Pl, Callable]:
     """The input's types as the output keeps them off the group, and the group's step. An axis
     whose pieces the group's chunks sit inside, against the mesh order, holds them: its shard
     ``outside`` (see :class:`Shard`). With more than one such axis, a group of several axes or
@@ -219,7 +221,7 @@ def _to_varying(p: Placement, a: int) -> Placement:
 
 # --- c10d ops (torch.distributed's in-place API) --------------------------------------------
 
-def _typed_update(ctx, tensors, source_pl: Pl | None, axes, step) -> Any:
+def _typed_update(ctx: RuleContext, tensors, source_pl: Pl | None, axes, step) -> Any:
     """Set every tensor in ``tensors`` (in place) to ``source_pl`` transformed on ``axes``.
 
     An untyped tensor becomes unknown; its typed views (``param.main_grad`` in a flat
@@ -236,7 +238,7 @@ def _typed_update(ctx, tensors, source_pl: Pl | None, axes, step) -> Any:
     return NO_TENSOR
 
 
-def _allreduce(ctx, args, kwargs, out):
+def _allreduce(ctx: RuleContext, args, kwargs, out):
     tensors, group, op = args[0], args[1], _reduce_op(args[2])
     pls = [ctx.types(t) for t in tensors]
     if any(pl is None for pl in pls):
@@ -249,12 +251,12 @@ def _allreduce(ctx, args, kwargs, out):
     return NO_TENSOR
 
 
-def _contributions(ctx, tensors) -> bool:
+def _contributions(ctx: RuleContext, tensors) -> bool:
     """Whether ``tensors`` are replicated zeros, or zeros one value was added into (ACC)."""
     return all(ctx.zero(t) or ctx.accumulated(t) for t in tensors)
 
 
-def _of_contributions(ctx, sources: list, pl: Pl, axes: list[int], op: str, step, func,
+def _of_contributions(ctx: RuleContext, sources: list, pl: Pl, axes: list[int], op: str, step, func,
                       all_reduce: bool = False) -> Callable:
     """``step`` of a reduction (all-reduce or reduce-scatter, any form) of ``sources``, for
     replicated zeros or zeros one value was added into: zeros sum to zeros, and a value added
@@ -271,13 +273,13 @@ def _of_contributions(ctx, sources: list, pl: Pl, axes: list[int], op: str, step
         if pl[a] is R or pl[a] is I:
             occurrence = ctx.count_varying_cut()  # on every rank, zeros or not: numbered alike
             if ctx.accumulated(sources[0]):
-                ctx._report(Violation("double count", a, "zeros this rank added a replicated value "
+                ctx.report(Violation("double count", a, "zeros this rank added a replicated value "
                                       "into: a double count if every rank added it", occurrence,
                                       unconfirmed=True), func, (sources[0],))
     return lambda p, a: step(P if p is R or p is I else p, a)
 
 
-def _buffer_update(ctx, tensors, group, step) -> Any:
+def _buffer_update(ctx: RuleContext, tensors, group, step) -> Any:
     """A collective on buffers without a type of their own (a flat gradient buffer holding
     parameters of different layouts): each typed view of them takes the collective's step."""
     try:
@@ -287,7 +289,7 @@ def _buffer_update(ctx, tensors, group, step) -> Any:
     return _typed_update(ctx, tensors, None, axes, step)
 
 
-def _allgather(ctx, args, kwargs, out):
+def _allgather(ctx: RuleContext, args, kwargs, out):
     outputs, inputs, group = args[0], args[1], args[2]
     flat = [t for row in outputs for t in row]
     pl = ctx.types(inputs[0])
@@ -296,7 +298,7 @@ def _allgather(ctx, args, kwargs, out):
     return _typed_update(ctx, flat, pl, _axes(ctx, group), _gather_step(False, inputs[0]))
 
 
-def _allgather_base(ctx, args, kwargs, out):
+def _allgather_base(ctx: RuleContext, args, kwargs, out):
     output, inp, group = args[0], args[1], args[2]
     pl = ctx.types(inp)
     if pl is None:
@@ -315,7 +317,7 @@ def _gather_step_over(pl: Pl, axes: list[int], source: torch.Tensor) -> Callable
     return _to_varying if len(dims) > 1 else _gather_step(True, source)
 
 
-def _inner_rows_as_sections(ctx, pl: Pl, axes: list[int], inp: torch.Tensor) -> Pl:
+def _inner_rows_as_sections(ctx: RuleContext, pl: Pl, axes: list[int], inp: torch.Tensor) -> Pl:
     """Gathering dim-0 shards over ``axes``: an axis whose pieces sit inside the group's (see
     :func:`~shardcheck.typecheck.rules.common.inside`) and that shards dim 0 too now holds its piece
     of each gathered block, in order: sections of dim 0; one whose pieces held the group's
@@ -333,7 +335,7 @@ def _inner_rows_as_sections(ctx, pl: Pl, axes: list[int], inp: torch.Tensor) -> 
                  and ctx.sizes[b] > 1 else p for b, p in enumerate(pl))
 
 
-def _rows_around_gathered(ctx, pl: Pl, b: int, axes: list[int], rows: int, count: int) -> Shard:
+def _rows_around_gathered(ctx: RuleContext, pl: Pl, b: int, axes: list[int], rows: int, count: int) -> Shard:
     """Axis ``b``'s dim-0 shard once the group's pieces of dim 0 are gathered: sections (its
     piece of each block) where its pieces sat inside the group's, else its piece, whole. With
     a group of several axes the mesh order decides."""
@@ -344,7 +346,7 @@ def _rows_around_gathered(ctx, pl: Pl, b: int, axes: list[int], rows: int, count
     return SectionShard(0, (rows,) * count) if held else S(pl[b].dim)
 
 
-def _functional_gather(ctx, args, kwargs, out):
+def _functional_gather(ctx: RuleContext, args, kwargs, out):
     pl = ctx.types(args[0])
     if pl is None:
         return None
@@ -353,7 +355,7 @@ def _functional_gather(ctx, args, kwargs, out):
     return _on_axes(_inner_rows_as_sections(ctx, pl, axes, args[0]), axes, _gather_step_over(pl, axes, args[0]))
 
 
-def _reduce_scatter(ctx, args, kwargs, out):
+def _reduce_scatter(ctx: RuleContext, args, kwargs, out):
     outputs, inputs, group, op = args[0], args[1], args[2], _reduce_op(args[3])
     dim = chunk_dim(inputs[0]) if len(inputs) == 1 else None
     pieces = [ctx.types(t) for row in inputs for t in row]
@@ -375,7 +377,7 @@ def _row_major(t: torch.Tensor) -> bool:
     return all(a >= b for a, b in zip(strides, strides[1:], strict=False))
 
 
-def _reduce_scatter_base(ctx, args, kwargs, out):
+def _reduce_scatter_base(ctx: RuleContext, args, kwargs, out):
     output, inp, group, op = args[0], args[1], args[2], _reduce_op(args[3])
     pl = ctx.types(inp)
     if pl is None:
@@ -387,7 +389,7 @@ def _reduce_scatter_base(ctx, args, kwargs, out):
     return _typed_update(ctx, [output], kept, axes, step)
 
 
-def _sections_scattered(ctx, pl: Pl, axes: list[int], group, rows: int) -> Pl:
+def _sections_scattered(ctx: RuleContext, pl: Pl, axes: list[int], group, rows: int) -> Pl:
     """A reduce-scatter keeps this rank's ``rows`` of dim 0: an axis outside the group whose
     pieces are sections of dim 0 (blocks stacked there, see mark_stacked) keeps the section
     this rank's chunk is (S(0)), or nothing that lines up (V)."""
@@ -398,40 +400,40 @@ def _sections_scattered(ctx, pl: Pl, axes: list[int], group, rows: int) -> Pl:
                  for a, p in enumerate(pl))
 
 
-def _stacked_dim(ctx, inp: torch.Tensor, group) -> int:
+def _stacked_dim(ctx: RuleContext, inp: torch.Tensor, group) -> int:
     """The dim the blocks of ``inp``'s dim 0 were cut from (see :func:`mark_stacked`), else 0."""
     mark = _stacked_mark(ctx, inp, group)
     return 0 if mark is None else mark[1]
 
 
-def _stacked_mark(ctx, inp: torch.Tensor, group) -> tuple | None:
+def _stacked_mark(ctx: RuleContext, inp: torch.Tensor, group) -> tuple | None:
     """``inp``'s :func:`mark_stacked` mark for a collective over ``group``, else None; a view
     of the whole stacked tensor as it is (the backward of a reshape) has it."""
-    mark = getattr(inp, "_sc_stacked", None)
+    mark = tensor_state.read(inp, "stacked")
     base = inp._base
     if (mark is None and base is not None and base.shape == inp.shape and inp.is_contiguous()
             and base.is_contiguous() and base.storage_offset() == inp.storage_offset()):
-        mark = getattr(base, "_sc_stacked", None)
+        mark = tensor_state.read(base, "stacked")
     if mark is None or mark[0] is not ctx.key or mark[2] != len(group_ranks(group)):
         return None
     return mark
 
 
-def _alltoall_base(ctx, args, kwargs, out):
+def _alltoall_base(ctx: RuleContext, args, kwargs, out):
     output, inp, group = args[0], args[1], args[2]
     pl = ctx.types(inp)
     routed = routed_types(ctx, output, inp, pl, process_group(group), group_ranks(group),
                           _axes(ctx, group), args[3], args[4])
     if routed is not None:
-        output.__dict__.pop("_sc_exchanged", None)
+        tensor_state.write(output, "exchanged", None)
         return _typed_update(ctx, [output], routed, (), None)
     if pl is None:
-        output.__dict__.pop("_sc_exchanged", None)
+        tensor_state.write(output, "exchanged", None)
         return _typed_update(ctx, [output], None, (), None)
     return _typed_update(ctx, [output], *_exchange(ctx, output, inp, pl, group, args[3], args[4]))
 
 
-def _exchange(ctx, output: torch.Tensor, inp: torch.Tensor, pl: Pl, group, output_splits, input_splits) -> tuple:
+def _exchange(ctx: RuleContext, output: torch.Tensor, inp: torch.Tensor, pl: Pl, group, output_splits, input_splits) -> tuple:
     """The input's types as the output keeps them, the axes and the step of an all-to-all
     (``output`` marked, see :mod:`exchange`). Uneven splits move blocks that line up with no
     shard: V."""
@@ -460,7 +462,7 @@ def _exchange_step(stacked: int, sections: tuple | None = None) -> Callable[[Pla
     return step
 
 
-def _alltoall(ctx, args, kwargs, out):
+def _alltoall(ctx: RuleContext, args, kwargs, out):
     outputs, inputs, group = args[0], args[1], args[2]
     pls = [ctx.types(t) for t in inputs]
     pl = as_pieces(pls[0]) if pls and all(p is not None for p in pls) else None
@@ -472,7 +474,7 @@ def _alltoall(ctx, args, kwargs, out):
     return _typed_update(ctx, outputs, pl, axes, _to_varying)
 
 
-def _broadcast(ctx, args, kwargs, out):
+def _broadcast(ctx: RuleContext, args, kwargs, out):
     tensors, group, root = args[0], args[1], args[2]
     pls = _root_types(ctx, tensors, group, root)
     if any(pl is None for pl in pls):
@@ -483,7 +485,7 @@ def _broadcast(ctx, args, kwargs, out):
     return NO_TENSOR
 
 
-def _root_types(ctx, tensors, group, root: int) -> list[Pl | None]:
+def _root_types(ctx: RuleContext, tensors, group, root: int) -> list[Pl | None]:
     """The types of the tensors the root (a rank of ``group``) sends: what every rank holds
     after the broadcast, on the other axes too. A rank that did not compute the value (a
     pipeline stage's placeholder zeros for the last stage's token count) cannot know them, so
@@ -497,12 +499,12 @@ def _root_types(ctx, tensors, group, root: int) -> list[Pl | None]:
     return sent[0]
 
 
-def _functional_broadcast(ctx, args, kwargs, out):
+def _functional_broadcast(ctx: RuleContext, args, kwargs, out):
     (pl,) = _root_types(ctx, [args[0]], args[2], args[1])
     return None if pl is None else _on_axes(pl, _axes(ctx, args[2]), _broadcast_step)
 
 
-def _reduce(ctx, args, kwargs, out):
+def _reduce(ctx: RuleContext, args, kwargs, out):
     tensors, group, op = args[0], args[1], _reduce_op(args[2])
     pls = [ctx.types(t) for t in tensors]
     if any(pl is None for pl in pls):
@@ -513,7 +515,7 @@ def _reduce(ctx, args, kwargs, out):
     return NO_TENSOR
 
 
-def _to_root_or_from_root(ctx, args, kwargs, out):
+def _to_root_or_from_root(ctx: RuleContext, args, kwargs, out):
     """scatter and gather: what a rank receives is one rank's value, V on the group's axes;
     on the other axes it is what the root held, which the ranks without the list cannot see:
     V there too (the receiving buffer's own type says nothing of it)."""
@@ -528,21 +530,21 @@ def _flat_tensors(value) -> list[torch.Tensor]:
     return [t for item in value for t in _flat_tensors(item)]
 
 
-def _point_to_point_receive(ctx, args, kwargs, out):
+def _point_to_point_receive(ctx: RuleContext, args, kwargs, out):
     """recv: the buffer now holds another rank's value."""
     for t in args[0]:
         ctx.update_inplace(t, (V,) * ctx.n)
     return NO_TENSOR
 
 
-def _no_data_change(ctx, args, kwargs, out):
+def _no_data_change(ctx: RuleContext, args, kwargs, out):
     """send, barrier: nothing this rank holds changes."""
     return NO_TENSOR
 
 
 # --- functional collectives (out of place, group by name) -----------------------------------
 
-def _functional_all_to_all(ctx, args, kwargs, out):
+def _functional_all_to_all(ctx: RuleContext, args, kwargs, out):
     """all_to_all_single(input, output_split_sizes, input_split_sizes, group), told where its
     input's dim-0 blocks came from."""
     pl = ctx.types(args[0])
@@ -551,7 +553,7 @@ def _functional_all_to_all(ctx, args, kwargs, out):
     return _on_axes(*_exchange(ctx, out, args[0], pl, args[3], args[1], args[2]))
 
 
-def _functional_reduce_scatter(ctx, args, kwargs, out):
+def _functional_reduce_scatter(ctx: RuleContext, args, kwargs, out):
     """reduce_scatter_tensor(input, op, group_size, group), told where the input's dim-0
     blocks came from."""
     pl = ctx.types(args[0])
@@ -565,34 +567,34 @@ def _functional_reduce_scatter(ctx, args, kwargs, out):
     return _on_axes(_sections_scattered(ctx, kept, axes, group, out.shape[0] if out.dim() else 0), axes, step)
 
 
-def _functional_all_reduce_step(ctx, args, pl: Pl) -> tuple[list[int], Callable]:
+def _functional_all_reduce_step(ctx: RuleContext, args, pl: Pl) -> tuple[list[int], Callable]:
     """all_reduce(input, op, group): the group's axes and the step."""
     axes, op = _axes(ctx, args[2]), _reduce_op(args[1])
     return axes, _of_contributions(ctx, [args[0]], pl, axes, op, _all_reduce_step(op),
                                    torch.ops._c10d_functional.all_reduce.default, all_reduce=True)
 
 
-def _functional_all_reduce(ctx, args, kwargs, out):
+def _functional_all_reduce(ctx: RuleContext, args, kwargs, out):
     pl = ctx.types(args[0])
     return None if pl is None else _on_axes(pl, *_functional_all_reduce_step(ctx, args, pl))
 
 
-def _functional_all_reduce_(ctx, args, kwargs, out):
+def _functional_all_reduce_(ctx: RuleContext, args, kwargs, out):
     pl = ctx.types(args[0])
     if pl is None:
         return _typed_update(ctx, [args[0]], None, (), None)
     return _typed_update(ctx, [args[0]], pl, *_functional_all_reduce_step(ctx, args, pl))
 
 
-def _waited(ctx, args, kwargs, out):
-    mark = getattr(args[0], "_sc_gathered", None)
+def _waited(ctx: RuleContext, args, kwargs, out):
+    mark = tensor_state.read(args[0], "gathered")
     if mark is not None:
-        out._sc_gathered = mark
+        tensor_state.write(out, "gathered", mark)
     copy_mark(args[0], out)
     return ctx.types(args[0])
 
 
-def _same_type(ctx, args, kwargs, out):
+def _same_type(ctx: RuleContext, args, kwargs, out):
     return ctx.types(args[0])
 
 

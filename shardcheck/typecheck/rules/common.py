@@ -5,12 +5,15 @@ moved, marks a rule leaves on a tensor for a later op (a stacked, cut or gathere
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
+from shardcheck.typecheck import tensor_state
+from shardcheck.typecheck.position_cuts import PositionCuts
 from shardcheck.typecheck.types import (
     PAVG,
     PEVEN,
@@ -18,6 +21,7 @@ from shardcheck.typecheck.types import (
     Gathered,
     I,
     InterleavedShard,
+    Mesh,
     P,
     Pl,
     Placement,
@@ -28,6 +32,7 @@ from shardcheck.typecheck.types import (
     SectionShard,
     Shard,
 )
+from shardcheck.typecheck.violations import Violation
 
 aten = torch.ops.aten
 
@@ -70,7 +75,7 @@ def nested_outside(pl: tuple, a: int, ndim: int) -> bool:
                     for b, q in enumerate(pl)))
 
 
-def inside(ctx, pl: tuple, b: int, a: int) -> bool:
+def inside(ctx: RuleContext, pl: tuple, b: int, a: int) -> bool:
     """Whether axis ``b``'s pieces of a dim that axis ``a`` shards too sit inside ``a``'s: by
     the mesh order (the faster axis inside), unless one of them is ``outside``."""
     if isinstance(pl[a], Shard) and pl[a].outside:
@@ -100,7 +105,7 @@ def chunk_dim(pieces) -> int | None:
     return next((d for d in range(first.dim()) if first.shape[d] * first.stride(d) == step), None)
 
 
-def mark_stacked(ctx, out: torch.Tensor, tensors, dim: int) -> None:
+def mark_stacked(ctx: RuleContext, out: torch.Tensor, tensors, dim: int) -> None:
     """cat along dim 0 of the consecutive chunks of one tensor along another dim (Megatron's
     split-the-last-dim-and-stack before a reduce-scatter or all-to-all): remember the dim, so
     the collective that takes the blocks apart knows where they came from, and the type of
@@ -108,23 +113,23 @@ def mark_stacked(ctx, out: torch.Tensor, tensors, dim: int) -> None:
     if dim == 0 and len(tensors) > 1:
         c = chunk_dim(tensors)
         if c not in (None, 0):
-            out._sc_stacked = (ctx.key, c, len(tensors), _cut_source(ctx, tensors, c))
+            tensor_state.write(out, "stacked", (ctx.key, c, len(tensors), _cut_source(ctx, tensors, c)))
 
 
-def mark_cut(ctx, pieces, pl: tuple, dim: int, total: int) -> None:
+def mark_cut(ctx: RuleContext, pieces, pl: tuple, dim: int, total: int) -> None:
     """Remember, on pieces cut along ``dim`` (of length ``total``) from a tensor typed ``pl``
     that some axis shards there, that tensor's type: their types say only V there."""
     keep = any(isinstance(p, Shard) and norm_dim(p.dim, pieces[0].dim()) == dim for p in pl)
     for t in pieces:
         if keep:
-            t._sc_cut = (ctx.key, pl, dim, total)
+            tensor_state.write(t, "cut", (ctx.key, pl, dim, total))
         else:
-            t.__dict__.pop("_sc_cut", None)
+            tensor_state.write(t, "cut", None)
 
 
-def _cut_source(ctx, tensors, dim: int) -> tuple | None:
+def _cut_source(ctx: RuleContext, tensors, dim: int) -> tuple | None:
     """The type of the tensor that ``tensors`` (its consecutive chunks along ``dim``) are all of."""
-    marks = [t.__dict__.get("_sc_cut") for t in tensors]
+    marks = [tensor_state.read(t, "cut") for t in tensors]
     first = marks[0]
     if first is None or first[0] is not ctx.key or first[2] != dim \
             or first[3] != sum(t.shape[dim] for t in tensors):
@@ -133,27 +138,27 @@ def _cut_source(ctx, tensors, dim: int) -> tuple | None:
                            for m in marks) else None
 
 
-def axis_stride(ctx, a: int) -> int:
+def axis_stride(ctx: RuleContext, a: int) -> int:
     """How far apart in rank neighbours on mesh axis ``a`` are: an inner (faster) axis is nearer.
     Of two axes sharding one dim, the inner one's pieces sit inside the outer one's."""
     ranks = ctx.mesh.axes[ctx.names[a]].ranks
     return abs(ranks[1] - ranks[0]) if len(ranks) > 1 else 0
 
 
-def mark_gathered_rows(ctx, out: torch.Tensor, pl: tuple, axes: list[int], count: int) -> None:
+def mark_gathered_rows(ctx: RuleContext, out: torch.Tensor, pl: tuple, axes: list[int], count: int) -> None:
     """A tensor all-gather of a dim-0 shard: remember that dim 0 of ``out`` stacks the
     ranks' rows, so putting its chunks side by side along another dim can be told a bug."""
     rows = [a for a in axes if isinstance(pl[a], Shard) and pl[a].dim == 0]
     if rows:
-        out._sc_gathered = (ctx.key, tuple(rows), count)
+        tensor_state.write(out, "gathered", (ctx.key, tuple(rows), count))
 
 
-def rows_side_by_side(ctx, tensors, dim: int) -> tuple[int, ...]:
+def rows_side_by_side(ctx: RuleContext, tensors, dim: int) -> tuple[int, ...]:
     """Axes on which ``tensors``, joined along ``dim`` != 0, are the row blocks of an all-gather
     of a dim-0 shard (see :func:`mark_gathered_rows`): Megatron's gather-along-the-last-dim
     applied to a sequence shard."""
     base = tensors[0]._base
-    mark = getattr(base, "_sc_gathered", None) if base is not None else None
+    mark = tensor_state.read(base, "gathered") if base is not None else None
     if (dim == 0 or mark is None or mark[0] is not ctx.key or mark[2] != len(tensors)
             or any(t._base is not base for t in tensors) or chunk_dim(tensors) != 0):
         return ()
@@ -162,7 +167,61 @@ def rows_side_by_side(ctx, tensors, dim: int) -> tuple[int, ...]:
 
 NO_TENSOR = ()  # a typed result without tensor outputs (e.g. ``.item()``)
 
-Rule = Callable[..., Any]  # rule(ctx, args, kwargs, out) -> the result's placements
+
+
+class RuleContext(Protocol):
+    """What a rule may read of the checker, and tell it (the checker is one)."""
+
+    mesh: Mesh
+    names: tuple[str, ...]  # the mesh axes, in order; a placement tuple has one entry per axis
+    n: int
+    sizes: tuple[int, ...]  # the axes' sizes
+    index: tuple[int, ...]  # this rank's coordinate on each axis
+    rank_sets: tuple[frozenset[int], ...]  # each axis's ranks
+    key: tuple  # the interned mesh key a type and a rule's marks are stamped with
+    rerun: bool  # the rule runs again, on the operands made V after its violation
+    cuts: PositionCuts  # shards cut and joined again
+    reshaped: dict[tuple, tuple]  # forward views by (output, input) shape
+
+    def types(self, t: Any) -> tuple | None:
+        """``t``'s placements (None where unknown), or None for an untyped value."""
+
+    def zero(self, t: Any) -> bool:
+        """Whether ``t`` is known to be all zeros."""
+
+    def const(self, t: Any) -> bool:
+        """Whether every element of ``t`` is known to be equal (zeros too)."""
+
+    def accumulated(self, t: Any) -> bool:
+        """Whether ``t`` is zeros that one value was added into."""
+
+    def added_on_some_ranks(self, t: Any) -> bool:
+        """Whether ``t`` is zeros a value was added into in a branch on the rank."""
+
+    def unseen_scalar(self, t: torch.Tensor) -> bool:
+        """Whether untyped ``t`` is a one-element value made before the region."""
+
+    def update_inplace(self, t: torch.Tensor, pl: tuple | None,
+                       transform: Callable[[tuple], tuple] | None = None, flags: Any = ...) -> None:
+        """Retype ``t`` in place, and every tracked tensor overlapping its storage."""
+
+    def remember_pieces(self, pieces: Any, source: tuple) -> None:
+        """The pieces a split just made of a value typed ``source``."""
+
+    def remember_rank_scalar(self, value: int | float, axes: tuple[int, ...]) -> None:
+        """A Python number read from a value that differs per rank on ``axes``."""
+
+    def count_varying_cut(self) -> int:
+        """Number this by-rank cut of a varying tensor."""
+
+    def paused(self) -> AbstractContextManager[None]:
+        """A block whose ops run untyped."""
+
+    def report(self, violation: Violation, func: Any, args: tuple) -> None:
+        """Report ``violation`` of ``func`` on ``args`` besides the one the rule raises."""
+
+
+Rule = Callable[..., Any]  # rule(ctx: RuleContext, args, kwargs, out) -> the result's placements
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from shardcheck.typecheck.locations import user_location
-from shardcheck.typecheck.rules.common import Refinement
+from shardcheck.typecheck.rules.common import Refinement, RuleContext
 from shardcheck.typecheck.types import V
 from shardcheck.typecheck.violations import SpmdTypeError, ViolationRecord
 
@@ -87,7 +87,7 @@ def report(checker: Any, findings: list, op: str) -> None:
                 f.rule, location, op, _message(f, location, op), axis=f.axis, param=f.param))
 
 
-def _seed_rule(ones_like, ctx, args, kwargs, out):
+def _seed_rule(ones_like, ctx: RuleContext, args, kwargs, out):
     """``backward()`` seeds with ``ones_like(loss, memory_format=preserve_format)``.
 
     A loss that is V on an axis (per-rank batches) makes V gradients there per-rank

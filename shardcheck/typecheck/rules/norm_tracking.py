@@ -17,9 +17,10 @@ from dataclasses import dataclass
 
 import torch
 
+from shardcheck.typecheck import tensor_state
 from shardcheck.typecheck.norm_accounting import AccountingError, Counted, accounting_errors
 from shardcheck.typecheck.rules import collectives
-from shardcheck.typecheck.rules.common import NO_TENSOR, Refinement, gathered_objects
+from shardcheck.typecheck.rules.common import NO_TENSOR, Refinement, RuleContext, gathered_objects
 from shardcheck.typecheck.rules.gradient import (
     gradient_of,
     has_named_parameters,
@@ -46,17 +47,17 @@ class NormTerm:
 
 
 def _term(t) -> NormTerm | None:
-    return getattr(t, "_sc_norm", None)
+    return tensor_state.read(t, "norm")
 
 
-def _tag(ctx, t: torch.Tensor, term: NormTerm) -> tuple:
-    t._sc_norm = term
+def _tag(ctx: RuleContext, t: torch.Tensor, term: NormTerm) -> tuple:
+    tensor_state.write(t, "norm", term)
     return term.placements(ctx.n)
 
 
 # --- which tensors are gradients --------------------------------------------------------------
 
-def _gradient_param(ctx, t) -> tuple[str, tuple] | None:
+def _gradient_param(ctx: RuleContext, t) -> tuple[str, tuple] | None:
     """(name, gradient placements) when ``t`` is a named parameter's gradient."""
     if (not isinstance(t, torch.Tensor) or t.requires_grad
             or torch._C._current_autograd_node() is not None):
@@ -70,7 +71,7 @@ def _gradient_param(ctx, t) -> tuple[str, tuple] | None:
     return None
 
 
-def _start(ctx, out, t, power: int, count: bool = False) -> tuple | None:
+def _start(ctx: RuleContext, out, t, power: int, count: bool = False) -> tuple | None:
     """Tag ``out`` as a term of ``t`` when ``t`` is a gradient; its placements as a reduced term."""
     found = _gradient_param(ctx, t)
     if found is None:
@@ -78,7 +79,7 @@ def _start(ctx, out, t, power: int, count: bool = False) -> tuple | None:
     return _tag(ctx, out, NormTerm({found[0]: found[1]}, power, count))
 
 
-def _start_elementwise(base, ctx, args, kwargs, out) -> tuple | None:
+def _start_elementwise(base, ctx: RuleContext, args, kwargs, out) -> tuple | None:
     """Tag an elementwise square of a gradient; its type is the ordinary one (S stays S)."""
     if _start(ctx, out, args[0], 2) is None:
         return None
@@ -90,13 +91,13 @@ def _start_elementwise(base, ctx, args, kwargs, out) -> tuple | None:
 def _or_base(tagged_rule):
     """A refinement: ``tagged_rule`` (given the base rule), where it returns None the base
     rule. A tagged rule tests its cheapest premise first: it runs at every mul and add."""
-    def rule(base, ctx, args, kwargs, out):
+    def rule(base, ctx: RuleContext, args, kwargs, out):
         pl = tagged_rule(base, ctx, args, kwargs, out)
         return base(ctx, args, kwargs, out) if pl is None else pl
     return rule
 
 
-def _pow(base, ctx, args, kwargs, out):
+def _pow(base, ctx: RuleContext, args, kwargs, out):
     x, exponent = args[0], args[1]
     if not isinstance(x, torch.Tensor) or not isinstance(exponent, (int, float)) or exponent != 2:
         return None
@@ -106,13 +107,13 @@ def _pow(base, ctx, args, kwargs, out):
     return _start_elementwise(base, ctx, args, kwargs, out)
 
 
-def _mul(base, ctx, args, kwargs, out):
+def _mul(base, ctx: RuleContext, args, kwargs, out):
     if args[0] is args[1] and _term(args[0]) is None:
         return _start_elementwise(base, ctx, args, kwargs, out)
     return None
 
 
-def _vector_norm(base, ctx, args, kwargs, out):
+def _vector_norm(base, ctx: RuleContext, args, kwargs, out):
     order = args[1] if len(args) > 1 else kwargs.get("ord", 2)
     dims = args[2] if len(args) > 2 else kwargs.get("dim")
     if order != 2 or dims:
@@ -120,14 +121,14 @@ def _vector_norm(base, ctx, args, kwargs, out):
     return _start(ctx, out, args[0], 1)
 
 
-def _count_nonzero(base, ctx, args, kwargs, out):
+def _count_nonzero(base, ctx: RuleContext, args, kwargs, out):
     dims = args[1] if len(args) > 1 else kwargs.get("dim")
     if dims not in (None, [], ()):
         return None
     return _start(ctx, out, args[0], 2, count=True)
 
 
-def _rsub(base, ctx, args, kwargs, out):
+def _rsub(base, ctx: RuleContext, args, kwargs, out):
     """``grad.numel() - count_nonzero(grad)``: the gradient's zeros, a count of its entries too."""
     term = _term(args[0])
     if term is None or not term.count or len(term.params) != 1 or not isinstance(args[1], int):
@@ -138,7 +139,7 @@ def _rsub(base, ctx, args, kwargs, out):
     return _tag(ctx, out, term)
 
 
-def _merge(ctx, out, operands) -> tuple | None:
+def _merge(ctx: RuleContext, out, operands) -> tuple | None:
     """Union of the operands' terms; untagged operands must be known zeros."""
     terms = [_term(t) for t in operands]
     if not any(terms):
@@ -155,15 +156,15 @@ def _merge(ctx, out, operands) -> tuple | None:
     return _tag(ctx, out, NormTerm(params, power, count))
 
 
-def _sum(base, ctx, args, kwargs, out):
+def _sum(base, ctx: RuleContext, args, kwargs, out):
     return _merge(ctx, out, [args[0]])
 
 
-def _stack(base, ctx, args, kwargs, out):
+def _stack(base, ctx: RuleContext, args, kwargs, out):
     return _merge(ctx, out, list(args[0]))
 
 
-def _add(base, ctx, args, kwargs, out):
+def _add(base, ctx: RuleContext, args, kwargs, out):
     a, b = args[0], args[1]
     if _term(a) is None and _term(b) is None:
         return None
@@ -172,7 +173,7 @@ def _add(base, ctx, args, kwargs, out):
     return _merge(ctx, out, [a, b])
 
 
-def _foreach_norm(ctx, args, kwargs, out):
+def _foreach_norm(ctx: RuleContext, args, kwargs, out):
     order = args[1] if len(args) > 1 else kwargs.get("ord", 2)
     if order != 2 or not has_named_parameters(ctx):
         return None
@@ -182,7 +183,7 @@ def _foreach_norm(ctx, args, kwargs, out):
 
 # --- the all-reduce of a norm ---------------------------------------------------------------
 
-def _allreduce(base, ctx, args, kwargs, out):
+def _allreduce(base, ctx: RuleContext, args, kwargs, out):
     tensors, group, op = args[0], args[1], collectives._reduce_op(args[2])
     if (len(tensors) != 1 or tensors[0].numel() != 1 or op != collectives.SUM
             or not has_named_parameters(ctx)):
@@ -194,7 +195,7 @@ def _allreduce(base, ctx, args, kwargs, out):
         _check_accounting(ctx, group, axes, term)
     if term is None:
         return base(ctx, args, kwargs, out)
-    t._sc_norm = None
+    tensor_state.write(t, "norm", None)
     pl = list(term.placements(ctx.n))
     for a in axes:
         pl[a] = R
@@ -202,7 +203,7 @@ def _allreduce(base, ctx, args, kwargs, out):
     return NO_TENSOR
 
 
-def _check_accounting(ctx, group, axes: list[int], term: NormTerm | None) -> None:
+def _check_accounting(ctx: RuleContext, group, axes: list[int], term: NormTerm | None) -> None:
     """Exchange what the ranks counted and report what they counted wrong."""
     everyone = _exchange(ctx, group, axes, term)
     errors = [] if everyone is None else accounting_errors(
@@ -212,7 +213,7 @@ def _check_accounting(ctx, group, axes: list[int], term: NormTerm | None) -> Non
     report(ctx, errors, "all_reduce of a gradient norm")
 
 
-def _exchange(ctx, group, axes, term: NormTerm | None) -> list[Counted] | None:
+def _exchange(ctx: RuleContext, group, axes, term: NormTerm | None) -> list[Counted] | None:
     """What every rank of ``group`` counted; None where ranks cannot talk (fake groups)."""
     params = {} if term is None else {
         name: tuple("R" if pl[a] is R else repr(pl[a]) for a in axes)

@@ -27,7 +27,7 @@ from shardcheck.typecheck.rules import (
     shape,
     token_rows,
 )
-from shardcheck.typecheck.rules.common import NO_TENSOR, Refinement, Rule
+from shardcheck.typecheck.rules.common import NO_TENSOR, Refinement, Rule, RuleContext
 
 
 class Known(enum.IntFlag):
@@ -125,7 +125,7 @@ def base_name(func: Any) -> str:
     return name[:-1] if name.endswith("_") and not name.endswith("__") else name
 
 
-def _no_value(ctx, args, kwargs, out):
+def _no_value(ctx: RuleContext, args, kwargs, out):
     """A profiler mark (``record_function``): no tensor value to type."""
     return NO_TENSOR
 

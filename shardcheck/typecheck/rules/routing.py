@@ -1,7 +1,7 @@
 """The all-to-all of rows grouped by destination, and back: where :class:`types.Routed` comes from.
 
 Rows a rank read by its grouped index (``token_rows``) are marked with their groups' counts
-(``_sc_rows_of``). At an uneven all-to-all (split sizes given) the ranks of the group exchange
+(the ``rows_of`` field of its :mod:`tensor_state`). At an uneven all-to-all (split sizes given) the ranks of the group exchange
 what they send: each rank's counts per group and its input splits. Where every rank sends
 rank k exactly its rows of groups [k*L, (k+1)*L) (its counts summed by block of L), every
 rank's received rows are :class:`Routed` on the group's axes, their table the counts each
@@ -15,23 +15,24 @@ from __future__ import annotations
 
 import torch
 
-from shardcheck.typecheck.rules.common import gathered_objects, norm_dim
+from shardcheck.typecheck import tensor_state
+from shardcheck.typecheck.rules.common import RuleContext, gathered_objects, norm_dim
 from shardcheck.typecheck.types import Pl, Route, Routed, SectionShard, Shard, V
 
 
 def mark_rows(out: torch.Tensor, mark) -> None:
     """Remember that ``out``'s rows are grouped by ``mark`` (a ``token_rows.Grouped``)."""
-    out._sc_rows_of = (mark.key, mark.axes, mark.counts, mark.rows)
+    tensor_state.write(out, "rows_of", (mark.key, mark.axes, mark.counts, mark.rows))
 
 
-def routed_types(ctx, output: torch.Tensor, inp: torch.Tensor, pl: Pl | None, group, ranks: tuple[int, ...],
+def routed_types(ctx: RuleContext, output: torch.Tensor, inp: torch.Tensor, pl: Pl | None, group, ranks: tuple[int, ...],
                  axes: list[int], output_splits, input_splits) -> Pl | None:
     """The types of an uneven all-to-all's ``output`` when it routes rows (see the module
     docstring), else None. Every rank of the group exchanges here (split sizes are given on
     every rank of an SPMD program alike)."""
     if not output_splits or not input_splits or inp.dim() == 0:
         return None
-    grouping = inp.__dict__.get("_sc_rows_of")
+    grouping = tensor_state.read(inp, "rows_of")
     mine = (grouping[2], tuple(input_splits)) if grouping is not None and grouping[0] is ctx.key else None
     with ctx.paused():
         offers = gathered_objects(group, mine)

@@ -23,6 +23,7 @@ from shardcheck.typecheck.rules.arithmetic import (
     row_gradient,
 )
 from shardcheck.typecheck.rules.common import (
+    RuleContext,
     arg,
     as_pieces,
     axis_stride,
@@ -112,7 +113,7 @@ def _sections_viewed(p: SectionShard, in_shape, out_shape, d: int, j: int) -> Sh
     return SectionShard(j, tuple(size * rows_in // rows_out for size in p.sections), p.outside)
 
 
-def _view_rule(ctx, args, kwargs, out):
+def _view_rule(ctx: RuleContext, args, kwargs, out):
     x = args[0]
     pl = ctx.types(x)
     if pl is None:
@@ -125,7 +126,7 @@ def _view_rule(ctx, args, kwargs, out):
                  else (None if isinstance(p, Gathered) else p) for a, p in enumerate(pl))
 
 
-def _reshaped_back(ctx, x: torch.Tensor, out: torch.Tensor, pl: Pl) -> tuple:
+def _reshaped_back(ctx: RuleContext, x: torch.Tensor, out: torch.Tensor, pl: Pl) -> tuple:
     """The dims, by axis, that the shards of the forward input of the view that this one undoes
     sat on (a gradient reshaped back: GDN's one local head repeated, then merged, [1, 2] <->
     [2], where the piece's length alone would name the repeats); in the forward, remembered."""
@@ -136,7 +137,7 @@ def _reshaped_back(ctx, x: torch.Tensor, out: torch.Tensor, pl: Pl) -> tuple:
     return (None,) * len(pl)
 
 
-def _permute_rule(ctx, args, kwargs, out):
+def _permute_rule(ctx: RuleContext, args, kwargs, out):
     x = args[0]
     pl = ctx.types(x)
     if pl is None:
@@ -146,7 +147,7 @@ def _permute_rule(ctx, args, kwargs, out):
     return shift_shards(pl, lambda d: order.index(norm_dim(d, ndim)))
 
 
-def _transpose_rule(ctx, args, kwargs, out):
+def _transpose_rule(ctx: RuleContext, args, kwargs, out):
     x = args[0]
     pl = ctx.types(x)
     if pl is None:
@@ -160,7 +161,7 @@ def _transpose_rule(ctx, args, kwargs, out):
     return shift_shards(pl, lambda d: swap.get(norm_dim(d, ndim), norm_dim(d, ndim)))
 
 
-def _unsqueeze_rule(ctx, args, kwargs, out):
+def _unsqueeze_rule(ctx: RuleContext, args, kwargs, out):
     x = args[0]
     pl = ctx.types(x)
     if pl is None:
@@ -169,7 +170,7 @@ def _unsqueeze_rule(ctx, args, kwargs, out):
     return shift_shards(pl, lambda d: norm_dim(d, x.dim()) + (norm_dim(d, x.dim()) >= new))
 
 
-def _squeeze_rule(ctx, args, kwargs, out):
+def _squeeze_rule(ctx: RuleContext, args, kwargs, out):
     x = args[0]
     pl = ctx.types(x)
     if pl is None:
@@ -185,7 +186,7 @@ def _squeeze_rule(ctx, args, kwargs, out):
     return shift_shards(pl, moved)
 
 
-def _expand_rule(ctx, args, kwargs, out):
+def _expand_rule(ctx: RuleContext, args, kwargs, out):
     x = args[0]
     pl = ctx.types(x)
     if pl is None:
@@ -194,7 +195,7 @@ def _expand_rule(ctx, args, kwargs, out):
     return shift_shards(pl, lambda d: norm_dim(d, x.dim()) + lead)
 
 
-def _cut_along(ctx, pl: Pl, ndim: int, dim: int, pieces: list[tuple[int, int]], total: int,
+def _cut_along(ctx: RuleContext, pl: Pl, ndim: int, dim: int, pieces: list[tuple[int, int]], total: int,
                by_rank_slice: bool = False) -> list[Pl]:
     """Placements of each piece (start, length) cut from a tensor along ``dim``.
 
@@ -227,7 +228,7 @@ def _cut_along(ctx, pl: Pl, ndim: int, dim: int, pieces: list[tuple[int, int]], 
     return results
 
 
-def _cut_by_rank_inside(ctx, a: int, p: Shard, by_rank: dict) -> Placement:
+def _cut_by_rank_inside(ctx: RuleContext, a: int, p: Shard, by_rank: dict) -> Placement:
     """A plain shard of the dim cut into this rank's chunk on another axis (a rank slice of
     each of axis ``a``'s pieces, Mamba's cp slice of a tp weight): a's pieces hold that axis'
     chunks, outside them (see :class:`Shard`). Any other cut of a shard: V."""
@@ -237,7 +238,7 @@ def _cut_by_rank_inside(ctx, a: int, p: Shard, by_rank: dict) -> Placement:
     return S(p.dim, axis_stride(ctx, a) < axis_stride(ctx, cut[0]))
 
 
-def _gathered_cut(ctx, pl: Pl, p: Gathered, dim: int, start: int, length: int, total: int) -> Placement | None:
+def _gathered_cut(ctx: RuleContext, pl: Pl, p: Gathered, dim: int, start: int, length: int, total: int) -> Placement | None:
     """A cut of gathered blocks (stacked on dim 0, one per rank of the gathered axes): a whole
     block is R (rank k's, the same on every rank: Megatron chunks them to join them along the
     shard dim again); a cut inside a block or across blocks lines up with nothing (V); a cut
@@ -261,7 +262,7 @@ def rank_chunks(total: int, parts: int, index: int) -> set[tuple[int, int]]:
     return {by_tensor_split, by_chunk}
 
 
-def rank_piece(ctx, pl: Pl, dim: int, total: int, start: int, length: int,
+def rank_piece(ctx: RuleContext, pl: Pl, dim: int, total: int, start: int, length: int,
                check_varying: bool, parts: int | None = None) -> dict[int, Placement | None]:
     """Axes on which the piece [start, start+length) is this rank's chunk of ``total``.
 
@@ -293,7 +294,7 @@ def rank_piece(ctx, pl: Pl, dim: int, total: int, start: int, length: int,
     return {}
 
 
-def _slice_rule(ctx, args, kwargs, out):
+def _slice_rule(ctx: RuleContext, args, kwargs, out):
     x = args[0]
     pl = ctx.types(x)
     if pl is None:
@@ -312,7 +313,7 @@ def _slice_rule(ctx, args, kwargs, out):
     return _cut_along(ctx, pl, ndim, dim, [(start, length)], size, by_rank_slice=True)[0]
 
 
-def _select_rule(ctx, args, kwargs, out):
+def _select_rule(ctx: RuleContext, args, kwargs, out):
     x = args[0]
     pl = ctx.types(x)
     if pl is None:
@@ -325,7 +326,7 @@ def _select_rule(ctx, args, kwargs, out):
     return shift_shards(piece, lambda d: None if d == dim else d - (d > dim))
 
 
-def _split_rule(ctx, args, kwargs, out):
+def _split_rule(ctx: RuleContext, args, kwargs, out):
     x = args[0]
     pl = ctx.types(x)
     if pl is None:
@@ -344,7 +345,7 @@ def _split_rule(ctx, args, kwargs, out):
     return _cut_along(ctx, pl, ndim, dim, pieces, x.shape[dim])
 
 
-def _unbind_rule(ctx, args, kwargs, out):
+def _unbind_rule(ctx: RuleContext, args, kwargs, out):
     x = args[0]
     pl = ctx.types(x)
     if pl is None:
@@ -360,7 +361,7 @@ def _unbind_rule(ctx, args, kwargs, out):
     return [shift_shards(p, lambda d: None if d == dim else d - (d > dim)) for p in pieces]
 
 
-def _pieces(ctx, tensors, joined_dim: int | None = None) -> list:
+def _pieces(ctx: RuleContext, tensors, joined_dim: int | None = None) -> list:
     """Operands put back together: rank chunks read as R when other pieces are there. Along
     ``joined_dim`` (cat's) sections are left out: pieces cut differently still line up there.
     A rank chunk cut along another dim than cat's is not put back together: joined side by
@@ -401,7 +402,7 @@ def _across(p, ndim: int, joined_dim: int, repeated: bool = False):
     return V if type(p) is GatheredPiece else p
 
 
-def _cat_rule(ctx, args, kwargs, out):
+def _cat_rule(ctx: RuleContext, args, kwargs, out):
     tensors = [t for t in args[0] if t.numel() > 0 or t.dim() > 1]
     if not tensors:
         return None
@@ -426,7 +427,7 @@ def _cat_rule(ctx, args, kwargs, out):
                  else p for a, p in enumerate(pl))
 
 
-def _gathered_inside(ctx, tensors, a: int, dim: int) -> bool:
+def _gathered_inside(ctx: RuleContext, tensors, a: int, dim: int) -> bool:
     """Whether ``tensors`` are the pieces of a list all-gather along ``dim`` over axes inside
     (faster than) axis ``a``, joined in order: a's shard of that dim is whole again, as when
     a tensor all-gather's blocks are joined (see _ungathered)."""
@@ -437,7 +438,7 @@ def _gathered_inside(ctx, tensors, a: int, dim: int) -> bool:
             and max(axis_stride(ctx, b) for b in gathered) < axis_stride(ctx, a))
 
 
-def _rejoined_cut(ctx, tensors, dim: int, pl: Pl) -> dict[int, Placement]:
+def _rejoined_cut(ctx: RuleContext, tensors, dim: int, pl: Pl) -> dict[int, Placement]:
     """Axes on which cat joins, in order, what was made from the pieces of a shard cut by
     position along ``dim`` (see :mod:`position_cuts`): there the result is the source's shard."""
     cut_axes = [a for a, p in enumerate(pl) if isinstance(p, Shard) and norm_dim(p.dim, tensors[0].dim()) == dim
@@ -450,7 +451,7 @@ def _rejoined_cut(ctx, tensors, dim: int, pl: Pl) -> dict[int, Placement]:
     return {a: source[a] for a in cut_axes if type(source[a]) is Shard}
 
 
-def _ungathered(ctx, tensors, dim: int) -> Pl | None:
+def _ungathered(ctx: RuleContext, tensors, dim: int) -> Pl | None:
     """The dim-0 chunks of gathered blocks (all-gathered from S(dim) on some axes) joined
     along ``dim`` again, in order: the gathered axes are R, and the others keep the gathered
     tensor's placement. A shard of ``dim`` on an axis outside (slower than) the gathered ones
@@ -472,7 +473,7 @@ def _ungathered(ctx, tensors, dim: int) -> Pl | None:
     return tuple(R if a in gathered else p for a, p in enumerate(pl))
 
 
-def _joined_sections(ctx, tensors, a: int, dim: int) -> Placement:
+def _joined_sections(ctx: RuleContext, tensors, a: int, dim: int) -> Placement:
     """cat along a dim the pieces are cut along on axis ``a``: every rank holds its part of
     each piece, in order, so the result is a fused dim with the pieces as its sections (GLU's
     backward joins the gradients of its two halves so); routed rows of one route join their
@@ -496,7 +497,7 @@ def _joined_sections(ctx, tensors, a: int, dim: int) -> Placement:
     return SectionShard(dim, tuple(sections), *outside) if len(sections) > 1 else S(dim, *outside)
 
 
-def _stack_rule(ctx, args, kwargs, out):
+def _stack_rule(ctx: RuleContext, args, kwargs, out):
     ndim = out.dim()
     dim = norm_dim(arg(args, kwargs, 1, "dim", 0), ndim)
     pl = elementwise(ctx, _pieces(ctx, args[0]))
@@ -507,7 +508,7 @@ def _stack_rule(ctx, args, kwargs, out):
 
 def _along_dim_rule(self_pos: int, dim_pos: int, index_pos: int) -> Callable:
     """index_select / gather / scatter: typed when the indexed dim is not sharded."""
-    def rule(ctx, args, kwargs, out):
+    def rule(ctx: RuleContext, args, kwargs, out):
         x = args[self_pos]
         pl = ctx.types(x)
         il = ctx.types(args[index_pos])
@@ -533,7 +534,7 @@ def _along_dim_rule(self_pos: int, dim_pos: int, index_pos: int) -> Callable:
 _picked_along = _along_dim_rule(0, 1, 2)
 
 
-def _index_select_rule(ctx, args, kwargs, out):
+def _index_select_rule(ctx: RuleContext, args, kwargs, out):
     """index_select(x, dim, index), typed as gather is, except where a replicated index groups
     the chunks of a sectioned shard's sections by chunk, as many as an axis has ranks (see
     :class:`InterleavedShard`)."""
@@ -546,7 +547,7 @@ def _index_select_rule(ctx, args, kwargs, out):
                  for p, q, i in zip(pl, ctx.types(x), ctx.types(index), strict=True))
 
 
-def _interleaved_by(ctx, p, q, i, index: torch.Tensor, dim: int, ndim: int) -> Placement | None:
+def _interleaved_by(ctx: RuleContext, p, q, i, index: torch.Tensor, dim: int, ndim: int) -> Placement | None:
     if type(q) is not SectionShard or q.outside or norm_dim(q.dim, ndim) != dim or not replicated(i):
         return p
     counts = [n for n in set(ctx.sizes) if n > 1 and interleaves(index, q.sections, n)]
@@ -555,7 +556,7 @@ def _interleaved_by(ctx, p, q, i, index: torch.Tensor, dim: int, ndim: int) -> P
     return interleaved(dim, tuple(size // counts[0] for size in q.sections), counts[0])
 
 
-def _scatter_rule(ctx, args, kwargs, out):
+def _scatter_rule(ctx: RuleContext, args, kwargs, out):
     """scatter(self, dim, index, src or value). Into zeros (a one-hot routing map, the
     backward of a gather), the zeros fit the cut of index and source along another dim than
     ``dim`` where the zeros have the index's extent: each rank writes its own rows; a rank's
@@ -569,7 +570,7 @@ def _scatter_rule(ctx, args, kwargs, out):
     return join(base, ctx.types(src))
 
 
-def _rows_written_into_zeros(ctx, args, src, base: Pl) -> Pl:
+def _rows_written_into_zeros(ctx: RuleContext, args, src, base: Pl) -> Pl:
     x, index = args[0], args[2]
     dim = norm_dim(args[1], x.dim())
     il = ctx.types(index)
@@ -589,7 +590,7 @@ def _rows_written_into_zeros(ctx, args, src, base: Pl) -> Pl:
     return tuple(result)
 
 
-def _index_rule(ctx, args, kwargs, out):
+def _index_rule(ctx: RuleContext, args, kwargs, out):
     """x[i0, i1, ...] with index tensors: indexing a sharded dim gives V (each rank picks from
     its own shard), except a lookup of rows in a row-sharded table by replicated indices,
     which is an embedding lookup (P); a shard after a leading block of indexed dims moves
@@ -633,7 +634,7 @@ def _index_rule(ctx, args, kwargs, out):
     return tuple(result)
 
 
-def _nonzero_rule(ctx, args, kwargs, out):
+def _nonzero_rule(ctx: RuleContext, args, kwargs, out):
     """nonzero(x) (and ``torch.where(x)``): the positions of x's non-zero entries. The same on
     every rank where x is replicated; a shard's (local positions) or a varying x's differ: V."""
     pl = ctx.types(args[0])
@@ -644,7 +645,7 @@ def _nonzero_rule(ctx, args, kwargs, out):
     return tuple(None if p is None else R if replicated(p) else V for p in pl)
 
 
-def _masked_rule(ctx, args, kwargs, out):
+def _masked_rule(ctx: RuleContext, args, kwargs, out):
     """masked_select(x, mask) and masked_scatter(x, mask, source): elements taken or written in
     row-major order where the (broadcast) mask is set. Replicated in, replicated out; a partial
     x (and source) under a replicated mask stays partial (selection is linear); shards along
@@ -695,7 +696,7 @@ def _first_dim_cut(operands, placements, ndim: int) -> bool:
     return True
 
 
-def _cut_by_two_axes(ctx, pl: Pl, total: int, start: int, length: int) -> dict[int, None]:
+def _cut_by_two_axes(ctx: RuleContext, pl: Pl, total: int, start: int, length: int) -> dict[int, None]:
     """The piece is this rank's chunk by its rank in a group over two replicated (or untyped)
     axes (Megatron's tp x ep expert group, dp x cp): a cut the per-axis types cannot say, so
     both axes become unknown rather than stay replicated."""
@@ -708,7 +709,7 @@ def _cut_by_two_axes(ctx, pl: Pl, total: int, start: int, length: int) -> dict[i
     return {}
 
 
-def _index_put_rule(ctx, args, kwargs, out):
+def _index_put_rule(ctx: RuleContext, args, kwargs, out):
     """x[idx] = values: a shard stays a shard (each rank writes its own elements); otherwise
     the stored values must have x's placement (zeros fit a partial)."""
     written = _written_rule(ctx, args)
@@ -718,7 +719,7 @@ def _index_put_rule(ctx, args, kwargs, out):
     return tuple(rows.get(a, p) for a, p in enumerate(written))
 
 
-def _rows_of_lookup(ctx, args, kwargs) -> dict[int, Placement | None]:
+def _rows_of_lookup(ctx: RuleContext, args, kwargs) -> dict[int, Placement | None]:
     """In the backward of ``table[indices]``, the gradient summed into zeros shaped like the
     table. Where the table is cut into rows and the indices are replicated (the masked partial
     lookup, see :func:`_index_rule`), each rank sums into its own rows: by axis, those rows."""
@@ -734,7 +735,7 @@ def _rows_of_lookup(ctx, args, kwargs) -> dict[int, Placement | None]:
             if cut_into_rows(t, table.dim()) and replicated(i)}
 
 
-def _written_rule(ctx, args):
+def _written_rule(ctx: RuleContext, args):
     xl, values = ctx.types(args[0]), args[2]
     if xl is None:
         return None
@@ -757,7 +758,7 @@ def _written_rule(ctx, args):
     return tuple(result)
 
 
-def _as_strided_rule(ctx, args, kwargs, out):
+def _as_strided_rule(ctx: RuleContext, args, kwargs, out):
     """as_strided: any view of the input's storage. One that reproduces the input's layout
     keeps its type (autograd does that), one that reads it all in order is a reshape (autograd's
     backward of an in-place op on a view of a flat buffer); any other picks the same elements
@@ -778,7 +779,7 @@ def same_elements(a, b) -> bool:
             and a.is_contiguous() and b.is_contiguous())
 
 
-def _copy_rule(ctx, args, kwargs, out):
+def _copy_rule(ctx: RuleContext, args, kwargs, out):
     """The source's type; a replicated source broadcast along a dim the destination shards
     fills the destination's shard of the broadcast value (as ``dst + src`` would)."""
     dst, src = args[0], args[1]
@@ -800,7 +801,7 @@ def _broadcast_along(src: torch.Tensor, dst: torch.Tensor, dim: int) -> bool:
     return d < 0 or (src.shape[d] == 1 and dst.shape[norm_dim(dim, dst.dim())] > 1)
 
 
-def _fill_rule(ctx, args, kwargs, out):
+def _fill_rule(ctx: RuleContext, args, kwargs, out):
     value = args[1]
     if is_tensor(value):
         return ctx.types(value)
@@ -809,7 +810,7 @@ def _fill_rule(ctx, args, kwargs, out):
 
 def _flip_like(dims_pos: int) -> Callable:
     """flip/roll/repeat: reordering or repeating a sharded dim loses its meaning (V)."""
-    def rule(ctx, args, kwargs, out):
+    def rule(ctx: RuleContext, args, kwargs, out):
         x = args[0]
         pl = ctx.types(x)
         if pl is None:
@@ -821,7 +822,7 @@ def _flip_like(dims_pos: int) -> Callable:
     return rule
 
 
-def _repeat_rule(ctx, args, kwargs, out):
+def _repeat_rule(ctx: RuleContext, args, kwargs, out):
     x = args[0]
     pl = ctx.types(x)
     if pl is None:
@@ -838,7 +839,7 @@ def _repeat_rule(ctx, args, kwargs, out):
     return tuple(result)
 
 
-def _constant_pad_rule(ctx, args, kwargs, out):
+def _constant_pad_rule(ctx: RuleContext, args, kwargs, out):
     """Constant padding is local: S(d) stays S(d) if d is not padded (padding a sharded dim
     pads every rank's piece, V); R and V stay; P stays P only when padding with zeros."""
     x, pad = args[0], list(args[1])

@@ -10,7 +10,7 @@ section bounds is a plain shard of that expert's rows).
 The index that permutes (the argsort of the flat expert-major routing map, cut to its set
 entries, taken modulo the rows; in 0.16 the row positions masked by the map) holds positions
 of this rank's own rows; it is marked with the
-axes, the counts and the number of rows (``_sc_grouped``). Reading rows by a marked index
+axes, the counts and the number of rows (the ``grouped`` field of its :mod:`tensor_state`). Reading rows by a marked index
 (``index_select``, ``gather``) gives the sectioned rows; adding sectioned rows back by it into
 zeros of the rows (``scatter_add``, ``index_add``) gives the row shard again. ``masked_select``
 of a value cut along a later dim than its first by a mask cut alike lists its picks in the
@@ -29,7 +29,8 @@ from math import prod
 
 import torch
 
-from shardcheck.typecheck.rules.common import Refinement, arg, is_partial, norm_dim
+from shardcheck.typecheck import tensor_state
+from shardcheck.typecheck.rules.common import Refinement, RuleContext, arg, is_partial, norm_dim
 from shardcheck.typecheck.rules.routing import mark_rows
 from shardcheck.typecheck.types import BlockShard, P, R, Route, Routed, S, SectionShard, Shard, V
 
@@ -56,10 +57,10 @@ class Grouped:
 
 
 def _mark(t: torch.Tensor) -> Grouped | None:
-    return t.__dict__.get("_sc_grouped")  # a tensor's own dict: no failed attribute lookup
+    return tensor_state.read(t, "grouped")
 
 
-def _grouped(ctx, t: torch.Tensor) -> Grouped | None:
+def _grouped(ctx: RuleContext, t: torch.Tensor) -> Grouped | None:
     """The mark of ``t``, or of the 1-D index that ``t`` expands along dim 1."""
     mark = _mark(t)
     base = t._base
@@ -78,7 +79,7 @@ def _is_sections(p, counts: tuple[int, ...]) -> bool:
     return type(p) is type(want) and p == want
 
 
-def _sort(base, ctx, args, kwargs, out):
+def _sort(base, ctx: RuleContext, args, kwargs, out):
     """A stable descending sort of a flat bool map of groups (the expert-major routing map: cut
     into group blocks over an axis, or a flat view of the [groups, rows] map): its set entries
     come first, group by group."""
@@ -92,18 +93,18 @@ def _sort(base, ctx, args, kwargs, out):
     if groups and x.dtype == torch.bool and kwargs.get("stable") and kwargs.get("descending"):
         counts = tuple(int(c) for c in x.view(groups, -1).sum(1))
         picked = () if blocks else _whole_groups(ctx, x)
-        out[1]._sc_grouped = Grouped(ctx.key, tuple(blocks), counts, x.numel() // groups, True, picked)
+        tensor_state.write(out[1], "grouped", Grouped(ctx.key, tuple(blocks), counts, x.numel() // groups, True, picked))
     return pl
 
 
-def _whole_groups(ctx, x: torch.Tensor) -> tuple[int, ...]:
+def _whole_groups(ctx: RuleContext, x: torch.Tensor) -> tuple[int, ...]:
     """Axes on which the [groups, rows] map that ``x`` flattens holds this rank's whole groups."""
     base = x._base
     pl = ctx.types(base) if base is not None and base.dim() == 2 else None
     return () if pl is None else tuple(a for a in range(ctx.n) if _cut_into_groups(ctx, pl, a))
 
 
-def _cut_into_groups(ctx, pl, a: int) -> bool:
+def _cut_into_groups(ctx: RuleContext, pl, a: int) -> bool:
     return type(pl[a]) is Shard and norm_dim(pl[a].dim, 2) == 0 and ctx.sizes[a] > 1
 
 
@@ -127,14 +128,14 @@ def _groups(x: torch.Tensor, blocks: dict) -> int:
     return base.shape[0] if base is not None and base.dim() == 2 and base.numel() == x.numel() else 0
 
 
-def _slice(base, ctx, args, kwargs, out):
+def _slice(base, ctx: RuleContext, args, kwargs, out):
     """The set entries of a sorted map (its first ones) keep its mark, and its type: they are
     cut by count, not by rank (no rank's chunk, even where the count is one)."""
     mark = _mark(args[0])
     if (mark is not None and mark.key is ctx.key and args[0].dim() == 1
             and (arg(args, kwargs, 2, "start", 0) or 0) == 0 and arg(args, kwargs, 4, "step", 1) == 1
             and out.shape[0] == mark.length):
-        out._sc_grouped = mark
+        tensor_state.write(out, "grouped", mark)
         pl = ctx.types(args[0])
         return None if pl is None else tuple(_set_entries(p, a in mark.axes) for a, p in enumerate(pl))
     return base(ctx, args, kwargs, out)
@@ -149,7 +150,7 @@ def _set_entries(p, own_rows: bool):
     return V if own_rows or type(p) is not Shard else None
 
 
-def _remainder(base, ctx, args, kwargs, out):
+def _remainder(base, ctx: RuleContext, args, kwargs, out):
     """Flat positions modulo the rows: row positions. Where the map held this rank's whole
     groups, they are its groups' rows of every row, as picked (see :func:`_picked_rows`)."""
     pl = base(ctx, args, kwargs, out)
@@ -157,14 +158,14 @@ def _remainder(base, ctx, args, kwargs, out):
     if (mark is None or mark.key is not ctx.key or not mark.flat or not isinstance(args[1], int)
             or args[1] != mark.rows):
         return pl
-    out._sc_grouped = replace(mark, flat=False)
+    tensor_state.write(out, "grouped", replace(mark, flat=False))
     xl = ctx.types(args[0]) or (None,) * ctx.n  # the set entries are unknown where picked
     if not mark.picked or any(p is None or is_partial(p) for a, p in enumerate(xl) if a not in mark.picked):
         return pl
     return tuple(_picked_rows(mark.counts, mark.rows) if a in mark.picked else p for a, p in enumerate(xl))
 
 
-def _read_by_rows(base, ctx, args, kwargs, out):
+def _read_by_rows(base, ctx: RuleContext, args, kwargs, out):
     """index_select / gather of the rows of a row shard by a marked index: sectioned rows."""
     pl = base(ctx, args, kwargs, out)
     x, index = args[0], args[2]
@@ -180,7 +181,7 @@ def _read_by_rows(base, ctx, args, kwargs, out):
                  else p for a, p in enumerate(pl))
 
 
-def _read_flat(base, ctx, args, kwargs, out):
+def _read_flat(base, ctx: RuleContext, args, kwargs, out):
     """A flat group-major value (a transposed map's values) read by the flat positions of its
     set entries: the entries group by group, grouped as the marked rows."""
     pl = base(ctx, args, kwargs, out)
@@ -192,7 +193,7 @@ def _read_flat(base, ctx, args, kwargs, out):
     return pl
 
 
-def _add_rows_back(base, ctx, args, kwargs, out):
+def _add_rows_back(base, ctx: RuleContext, args, kwargs, out):
     """Sectioned rows added by their marked index into zeros of the rows: the row shard. Rows
     picked for a rank's whole groups added back so: its groups' share of every row (P)."""
     pl = base(ctx, args, kwargs, out)
@@ -211,7 +212,7 @@ def _mask_counts(mask: torch.Tensor, dim: int) -> tuple[int, ...]:
     return tuple(int(c) for c in mask.reshape(prod(mask.shape[:dim]), -1).sum(1))
 
 
-def _cut_alike(ctx, a: int, tensors, shape) -> int | None:
+def _cut_alike(ctx: RuleContext, a: int, tensors, shape) -> int | None:
     """The dim (past the first) every tensor of ``shape`` is cut along on axis ``a``."""
     dims = set()
     for t in tensors:
@@ -222,7 +223,7 @@ def _cut_alike(ctx, a: int, tensors, shape) -> int | None:
     return dims.pop() if len(dims) == 1 and min(dims) > 0 else None
 
 
-def _masked(base, ctx, args, kwargs, out):
+def _masked(base, ctx: RuleContext, args, kwargs, out):
     """masked_select of a value cut along a later dim by a mask cut alike: the picks of each
     leading index in turn, each cut over the ranks. masked_scatter of such picks into zeros
     by that mask: the value cut along that dim again. A rank's own values (V: a gradient of
@@ -257,7 +258,7 @@ def _masked(base, ctx, args, kwargs, out):
     return tuple(result)
 
 
-def _groups_picked(ctx, a: int, x: torch.Tensor | None, mask: torch.Tensor) -> bool:
+def _groups_picked(ctx: RuleContext, a: int, x: torch.Tensor | None, mask: torch.Tensor) -> bool:
     """Whether the [groups, rows] mask (and the value it picks from) hold this rank's whole
     groups on axis ``a`` (MoE's allgather dispatcher: its local experts' columns, transposed)."""
     tensors = (mask,) if x is None else (mask, x)
@@ -265,7 +266,7 @@ def _groups_picked(ctx, a: int, x: torch.Tensor | None, mask: torch.Tensor) -> b
                                    and _cut_into_groups(ctx, ctx.types(t), a) for t in tensors)
 
 
-def _picks_of_groups(ctx, a: int, args, mask: torch.Tensor, scatter: bool):
+def _picks_of_groups(ctx: RuleContext, a: int, args, mask: torch.Tensor, scatter: bool):
     """masked_select of a rank's whole groups by their mask: the picked rows of those groups
     (see :func:`_picked_rows`); masked_scatter of such picks into zeros: the groups again
     (None for any other source: a mask cut along its rows is typed as before)."""
@@ -284,7 +285,7 @@ def _row_positions(x: torch.Tensor) -> bool:
             and torch.equal(x[0], torch.arange(x.shape[1], dtype=x.dtype)))
 
 
-def _mark_positions(ctx, x, mask, out, pl):
+def _mark_positions(ctx: RuleContext, x, mask, out, pl):
     """The positions of a mask's set entries, group by group (0.16's permute): an index of
     this rank's own rows, cut so on the axes the mask is cut along the rows (V: each rank's own
     positions), V where the mask is a rank's own (V), and its groups' rows of every row where
@@ -296,7 +297,7 @@ def _mark_positions(ctx, x, mask, out, pl):
                  and xl[a] is not None and not is_partial(xl[a]))
     picked = tuple(a for a in range(ctx.n) if xl[a] is R and _cut_into_groups(ctx, ml, a))
     counts, rows = _mask_counts(mask, 1), x.shape[1]
-    out._sc_grouped = Grouped(ctx.key, axes, counts, rows, False, picked)
+    tensor_state.write(out, "grouped", Grouped(ctx.key, axes, counts, rows, False, picked))
     return tuple(V if a in axes or (ml[a] is V and xl[a] is not None and not is_partial(xl[a]))
                  else _picked_rows(counts, rows) if a in picked else p for a, p in enumerate(pl))
 

@@ -1,0 +1,59 @@
+"""All the checker keeps on a tensor: one record (attribute ``_sc``), read and written here only.
+
+The fields:
+
+- ``type``: (mesh key, placements, :class:`~shardcheck.typecheck.rules.registry.Known`), the
+  tensor's type in the region of that mesh; ``untyped``: the mesh key of a region that computed
+  or wrote this one-element tensor without a type (it is no unseen scalar there).
+- ``root``, ``views``, ``spans``, ``overlaps``: a view's root; a root's weak references to its
+  views, and the storage spans they cover; the views a write overlaps (see ``checker``).
+- ``origin``: where an unknown value began (coverage by site); ``landing``: an async
+  collective lands on it when waited on.
+- ``broadcast``: the dims it is a broadcast along (see :mod:`broadcast`).
+- ``cut``, ``stacked``, ``gathered``: pieces cut from a typed tensor, chunks stacked, rows
+  all-gathered (see :mod:`rules.common`); ``exchanged``, ``exchanged_piece``: an all-to-all's
+  output and its pieces (see :mod:`exchange`); ``grouped``, ``rows_of``: an index of grouped
+  rows and rows read by it (see :mod:`rules.token_rows`, :mod:`rules.routing`); ``norm``: the
+  gradient norm term it is (see :mod:`rules.norm_tracking`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_ATTR = "_sc"
+
+
+class TensorState:
+    """The record on one tensor; every field starts as None."""
+
+    __slots__ = ("type", "untyped", "root", "views", "spans", "overlaps", "origin", "landing",
+                 "broadcast", "cut", "stacked", "gathered", "exchanged", "exchanged_piece",
+                 "grouped", "rows_of", "norm")
+
+    def __init__(self) -> None:
+        for name in self.__slots__:
+            setattr(self, name, None)
+
+
+def read(t: Any, field: str) -> Any:
+    """``t``'s ``field``, or None where ``t`` has none (any object may be asked)."""
+    state = getattr(t, _ATTR, None)
+    return None if state is None else getattr(state, field)
+
+
+def write(t: Any, field: str, value: Any) -> None:
+    """Set ``t``'s ``field`` to ``value`` (None forgets it)."""
+    state = getattr(t, _ATTR, None)
+    if state is None:
+        if value is None:
+            return
+        state = TensorState()
+        setattr(t, _ATTR, state)
+    setattr(state, field, value)
+
+
+def type_of(t: Any) -> tuple | None:
+    """``t``'s (mesh key, placements, known value), or None (the checker's hot path)."""
+    state = getattr(t, _ATTR, None)
+    return None if state is None else state.type
