@@ -1,0 +1,252 @@
+"""Transformer Engine's own modules on shardcheck's CPU extension, against plain torch.
+
+Each CPU kernel of :mod:`shardcheck.megatron.cpu.te.extension` is checked directly and through
+TE's unmodified module classes (``Linear``, ``LayerNorm``, ``RMSNorm``, ``LayerNormLinear``,
+``LayerNormMLP``, ``DotProductAttention``), forward and backward, in fp32 and bf16, against
+the same computation written in plain torch with autograd.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from shardcheck.megatron.cpu import patches
+from shardcheck.megatron.cpu.te import QuantisationRefused, install, te_dir
+
+if not (te_dir() / "transformer_engine").is_dir():
+    pytest.skip(f"transformer-engine is not installed in {te_dir()}", allow_module_level=True)
+
+DTYPES = [torch.float32, torch.bfloat16]
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+
+
+@pytest.fixture(scope="module")
+def te():
+    patches.apply_cpu_patches()
+    try:
+        yield install()
+    finally:
+        patches.remove_cpu_patches()
+
+
+def _randn(*shape, seed=0, dtype=torch.float32, grad=False):
+    t = torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    return t.requires_grad_(grad)
+
+
+def _close(actual, expected, dtype):
+    torch.testing.assert_close(actual.float(), expected.float(), **TOL[dtype])
+
+
+# ---- the extension's functions, called as TE calls them -----------------------------------------
+
+@pytest.mark.parametrize("layout", ["TN", "NN", "NT"])
+def test_gemm_layouts_match_matmul(te, layout):
+    from transformer_engine.pytorch.cpp_extensions import general_gemm
+
+    a, b = {"TN": ((8, 16), (3, 5, 16)), "NN": ((8, 16), (15, 8)), "NT": ((15, 16), (15, 8))}[layout]
+    A, B = _randn(*a), _randn(*b, seed=1)
+    expected = {"TN": lambda: B @ A.t(), "NN": lambda: B @ A, "NT": lambda: B.t() @ A}[layout]()
+    out, *_ = general_gemm(A, B, out_dtype=torch.float32, layout=layout)
+    _close(out, expected, torch.float32)
+
+
+def test_gemm_bias_gelu_epilogues_and_accumulation(te):
+    from transformer_engine.pytorch.cpp_extensions import general_gemm
+
+    w, x, bias = _randn(8, 16), _randn(6, 16, seed=1), _randn(8, seed=2)
+    out, _, pre_gelu, _ = general_gemm(w, x, out_dtype=torch.float32, bias=bias, gelu=True)
+    _close(pre_gelu, x @ w.t() + bias, torch.float32)
+    _close(out, F.gelu(x @ w.t() + bias, approximate="tanh"), torch.float32)
+    dy = _randn(6, 8, seed=3)
+    wgrad, dbias, *_ = general_gemm(x, dy, out_dtype=torch.float32, layout="NT", bias=bias, grad=True)
+    _close(wgrad, dy.t() @ x, torch.float32)
+    _close(dbias, dy.sum(0), torch.float32)
+    main_grad = torch.ones(8, 16)
+    general_gemm(x, dy, out_dtype=torch.float32, layout="NT", out=main_grad, accumulate=True)
+    _close(main_grad, 1 + dy.t() @ x, torch.float32)
+
+
+@pytest.mark.parametrize("zero_centered", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_norm_kernels_match_autograd(te, dtype, zero_centered):
+    import transformer_engine_torch as tex
+
+    x, gamma, beta = _randn(5, 16, dtype=dtype), _randn(16, seed=1, dtype=dtype), _randn(16, seed=2, dtype=dtype)
+    dz = _randn(5, 16, seed=3, dtype=dtype)
+    xs, gs, bs = (t.float().requires_grad_() for t in (x, gamma, beta))
+    scale = gs + 1 if zero_centered else gs
+    layer_norm = F.layer_norm(xs, (16,), scale, bs, eps=1e-5)
+    y, mu, rsigma = tex.layernorm_fwd(x, gamma, beta, 1e-5, None, None, tex.DType.kFloat32, 0, zero_centered)
+    _close(y, layer_norm, dtype)
+    dx, dgamma, dbeta = tex.layernorm_bwd(dz, x, mu, rsigma, gamma, 0, zero_centered)
+    for ours, ref in zip((dx, dgamma, dbeta), torch.autograd.grad(layer_norm, (xs, gs, bs), dz.float()),
+                         strict=True):
+        _close(ours, ref, dtype)
+    rms = xs * torch.rsqrt(xs.pow(2).mean(-1, keepdim=True) + 1e-5) * scale
+    y, _, rsigma = tex.rmsnorm_fwd(x, gamma, 1e-5, None, None, tex.DType.kFloat32, 0, zero_centered)
+    _close(y, rms, dtype)
+    dx, dgamma = tex.rmsnorm_bwd(dz, x, rsigma, gamma, 0, zero_centered)
+    for ours, ref in zip((dx, dgamma), torch.autograd.grad(rms, (xs, gs), dz.float()), strict=True):
+        _close(ours, ref, dtype)
+
+
+ACTIVATIONS = {
+    "gelu": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu, "silu": F.silu,
+    "qgelu": lambda x: x * torch.sigmoid(1.702 * x), "srelu": lambda x: F.relu(x) ** 2,
+    "swiglu": lambda x: F.silu(x.chunk(2, -1)[0]) * x.chunk(2, -1)[1],
+    "geglu": lambda x: F.gelu(x.chunk(2, -1)[0], approximate="tanh") * x.chunk(2, -1)[1],
+    "reglu": lambda x: F.relu(x.chunk(2, -1)[0]) * x.chunk(2, -1)[1],
+    "glu": lambda x: torch.sigmoid(x.chunk(2, -1)[0]) * x.chunk(2, -1)[1],
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", sorted(ACTIVATIONS))
+def test_activation_and_its_backward(te, name, dtype):
+    import transformer_engine_torch as tex
+
+    x = _randn(4, 12, dtype=dtype)
+    xs = x.float().requires_grad_()
+    expected = ACTIVATIONS[name](xs)
+    _close(getattr(tex, name)(x, None), expected, dtype)
+    grad = _randn(*expected.shape, seed=5, dtype=dtype)
+    (ref,) = torch.autograd.grad(expected, xs, grad.float())
+    _close(getattr(tex, f"d{name}")(grad, x, None), ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_softmax_variants_and_backward(te, dtype):
+    import transformer_engine_torch as tex
+
+    scores = _randn(2, 3, 5, 5, dtype=dtype)
+    causal = torch.ones(5, 5, dtype=torch.bool).triu(1)
+    mask = _randn(2, 1, 5, 5, seed=1) > 0.5
+    cases = [
+        (tex.scaled_softmax_forward(scores, 0.5), None),
+        (tex.scaled_masked_softmax_forward(scores, mask, 0.5), mask),
+        (tex.scaled_upper_triang_masked_softmax_forward(scores, 0.5), causal),
+        (tex.scaled_aligned_causal_masked_softmax_forward(scores, 0.5), causal),
+    ]
+    for probs, masked in cases:
+        xs = scores.float().requires_grad_()
+        logits = xs * 0.5 if masked is None else (xs * 0.5).masked_fill(masked, -10000.0)
+        expected = torch.softmax(logits, -1)
+        _close(probs, expected, dtype)
+        grad = _randn(*probs.shape, seed=7, dtype=dtype)
+        (ref,) = torch.autograd.grad(expected, xs, grad.float())
+        _close(tex.scaled_softmax_backward(grad, probs, 0.5), ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_attention_returns_output_and_log_sum_exp_and_its_backward(te, dtype):
+    import transformer_engine_torch as tex
+    from transformer_engine.pytorch.cpp_extensions.fused_attn import fused_attn_bwd, fused_attn_fwd
+
+    q, k, v = (_randn(6, 2, 4, 8, seed=s, dtype=dtype) for s in range(3))  # sbhd, 2 kv groups
+    k, v = k[:, :, :2].contiguous(), v[:, :, :2].contiguous()
+    cu = torch.tensor([0, 6, 12], dtype=torch.int32)
+    out, aux, *_ = fused_attn_fwd(
+        True, 6, 6, cu, cu, q, k, v, dtype, tex.NVTE_Fused_Attn_Backend.NVTE_F16_arbitrary_seqlen,
+        attn_scale=0.3, qkv_layout="sbhd_sbhd_sbhd", attn_mask_type="causal")
+    qs, ks, vs = (t.float().permute(1, 2, 0, 3).requires_grad_() for t in (q, k, v))
+    reference = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=0.3, enable_gqa=True)
+    _close(out, reference.permute(2, 0, 1, 3), dtype)
+    scores = (qs @ ks.repeat_interleave(2, 1).transpose(-1, -2) * 0.3).masked_fill(
+        torch.ones(6, 6, dtype=torch.bool).triu(1), float("-inf"))
+    torch.testing.assert_close(aux[0].float(), torch.logsumexp(scores, -1, keepdim=True).detach(),
+                               **TOL[dtype])
+    d_out = _randn(*out.shape, seed=9, dtype=dtype)
+    dq, dk, dv, *_ = fused_attn_bwd(
+        6, 6, cu, cu, q, k, v, out, d_out, dtype, aux,
+        tex.NVTE_Fused_Attn_Backend.NVTE_F16_arbitrary_seqlen, attn_scale=0.3,
+        qkv_layout="sbhd_sbhd_sbhd", attn_mask_type="causal")
+    expected = torch.autograd.grad(reference, (qs, ks, vs), d_out.float().permute(1, 2, 0, 3))
+    for ours, ref in zip((dq, dk, dv), expected, strict=True):
+        _close(ours, ref.permute(2, 0, 1, 3), dtype)
+
+
+# ---- TE's module classes, unmodified -------------------------------------------------------------
+
+def _check_module(module, x, reference, dtype):
+    """``module(x)`` and its input and parameter gradients against ``reference`` in fp32."""
+    y = module(x)
+    leaves = [x, *module.parameters()]
+    floats = [t.detach().float().requires_grad_() for t in leaves]
+    expected = reference(*floats)
+    _close(y, expected, dtype)
+    grad = _randn(*y.shape, seed=99, dtype=dtype)
+    for ours, ref in zip(torch.autograd.grad(y, leaves, grad),
+                         torch.autograd.grad(expected, floats, grad.float()), strict=True):
+        _close(ours, ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_module(te, dtype):
+    _check_module(te.Linear(16, 8, params_dtype=dtype), _randn(3, 2, 16, dtype=dtype, grad=True),
+                  F.linear, dtype)
+
+
+@pytest.mark.parametrize("zero_centered", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["LayerNorm", "RMSNorm"])
+def test_norm_modules(te, kind, dtype, zero_centered):
+    layer = getattr(te, kind)(16, eps=1e-5, params_dtype=dtype, zero_centered_gamma=zero_centered)
+    with torch.no_grad():
+        layer.weight.copy_(_randn(16, seed=4))
+
+    def reference(x, weight, *bias):
+        gamma = weight + 1 if zero_centered else weight
+        if kind == "LayerNorm":
+            return F.layer_norm(x, (16,), gamma, *bias, eps=1e-5)
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * gamma
+
+    _check_module(layer, _randn(3, 2, 16, dtype=dtype, grad=True), reference, dtype)
+
+
+def _reference_mlp(x, ln_w, ln_b, fc1_w, fc1_b, fc2_w, fc2_b, activation):
+    h = F.linear(F.layer_norm(x, (x.shape[-1],), ln_w, ln_b, eps=1e-5), fc1_w, fc1_b)
+    return F.linear(ACTIVATIONS[activation](h), fc2_w, fc2_b)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+def test_layernorm_linear_and_layernorm_mlp_modules(te, activation, dtype):
+    torch.manual_seed(0)
+    ln_linear = te.LayerNormLinear(16, 8, eps=1e-5, params_dtype=dtype)
+    mlp = te.LayerNormMLP(16, 24, eps=1e-5, activation=activation, params_dtype=dtype)
+    with torch.no_grad():
+        for p in (ln_linear.layer_norm_weight, mlp.layer_norm_weight):
+            p.copy_(_randn(16, seed=4))
+    x = _randn(3, 2, 16, dtype=dtype, grad=True)
+    _check_module(ln_linear, x, lambda xs, lw, lb, w, b: F.linear(
+        F.layer_norm(xs, (16,), lw, lb, eps=1e-5), w, b), dtype)
+    _check_module(mlp, x, lambda xs, *p: _reference_mlp(xs, *p, activation), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dot_product_attention_module(te, dtype):
+    """fp32 runs TE's unfused attention (its softmax kernels), bf16 its fused attention."""
+    attention = te.DotProductAttention(4, 8, num_gqa_groups=2, attn_mask_type="causal",
+                                       qkv_format="sbhd", softmax_scale=0.3)
+    q = _randn(6, 2, 4, 8, dtype=dtype, grad=True)
+    k, v = (_randn(6, 2, 2, 8, seed=s, dtype=dtype, grad=True) for s in (1, 2))
+    out = attention(q, k, v)
+    floats = [t.detach().float().permute(1, 2, 0, 3).requires_grad_() for t in (q, k, v)]
+    reference = F.scaled_dot_product_attention(*floats, is_causal=True, scale=0.3, enable_gqa=True)
+    expected = reference.permute(2, 0, 1, 3).reshape(6, 2, 32)
+    _close(out, expected, dtype)
+    grad = _randn(*out.shape, seed=99, dtype=dtype)
+    for ours, ref in zip(torch.autograd.grad(out, (q, k, v), grad),
+                         torch.autograd.grad(expected, floats, grad.float()), strict=True):
+        _close(ours, ref.permute(2, 0, 1, 3), dtype)
+
+
+def test_fp8_recipes_are_refused_in_one_line(te):
+    from transformer_engine.common import recipe
+
+    layer = te.Linear(16, 16)
+    for fp8_recipe in (recipe.DelayedScaling(), recipe.MXFP8BlockScaling(), recipe.NVFP4BlockScaling()):
+        with pytest.raises(QuantisationRefused, match=f"{type(fp8_recipe).__name__} recipe refused"):
+            with te.autocast(enabled=True, recipe=fp8_recipe):
+                layer(_randn(4, 16))
