@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardcheck.megatron.checks.attributes import attributes_set
+from shardcheck.patching import patched_attrs
 
 TYPE_TAG = 0x5C1D  # the type messages' own tag: Megatron's transfers use 0
 MESSAGE_BYTES = 512  # two bytes of length, then the pickled {axis: placement}
@@ -147,5 +147,5 @@ def received_activations_typed() -> contextlib.AbstractContextManager:
     """Inside: Megatron's pipeline transfers send their tensors' types (see the module)."""
     from megatron.core.pipeline_parallel import p2p_communication
 
-    return attributes_set([(p2p_communication, name, _typed_transfers(getattr(p2p_communication, name)))
-                           for name in _P2P_FUNCTIONS if hasattr(p2p_communication, name)])
+    return patched_attrs([(p2p_communication, name, _typed_transfers(getattr(p2p_communication, name)))
+                          for name in _P2P_FUNCTIONS if hasattr(p2p_communication, name)])

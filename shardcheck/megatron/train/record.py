@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from shardcheck.megatron.train.model_check import check_built_model
+from shardcheck.patching import patched
 
 RECORD_ENV = "SHARDCHECK_TRAIN_RECORD"
 SAVE_INIT_ENV = "SHARDCHECK_TRAIN_SAVE_INIT"
@@ -161,13 +162,8 @@ def save_initial_weights(model: Any, optimizer: Any, scheduler: Any, folder: str
     from megatron.training import get_args
     from megatron.training.checkpointing import save_checkpoint
 
-    args = get_args()
-    saved = args.save
-    args.save = folder
-    try:
+    with patched(get_args(), "save", folder):
         save_checkpoint(0, model, optimizer, scheduler, 0)
-    finally:
-        args.save = saved
 
 
 def _number(value: Any) -> float | None:
