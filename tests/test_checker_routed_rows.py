@@ -140,7 +140,7 @@ def test_routed_parts_cut_at_their_bounds_and_complete_per_group():
 
 
 def test_a_contraction_over_routed_rows_is_complete_only_over_one_group_s_every_part():
-    from shardcheck.typecheck.rules.arithmetic import _routed_contract
+    from shardcheck.typecheck.rules.contraction import _routed_contract
 
     route, rows = _route()
     group0 = rows.piece(0, 5)

@@ -10,7 +10,6 @@ collectives retype every tracked tensor that views the same storage.
 from __future__ import annotations
 
 import sys
-import weakref
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -18,24 +17,22 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardcheck.typecheck import rank_branches, tensor_state, unseen
 from shardcheck.typecheck.broadcast import op_kind as broadcast_kind
 from shardcheck.typecheck.broadcast import record as record_broadcast
-from shardcheck.typecheck.locations import inside_collective, user_code_frame, user_location
+from shardcheck.typecheck.locations import inside_collective, user_location
 from shardcheck.typecheck.position_cuts import PositionCuts
+from shardcheck.typecheck.rank_values import RankValues
 from shardcheck.typecheck.rules import registry
-from shardcheck.typecheck.rules.collectives import group_ranks
 from shardcheck.typecheck.rules.common import NO_TENSOR, replicated, stacks_as_pieces
 from shardcheck.typecheck.rules.registry import FILL_VALUE_POS, Known, ValueRule, base_name
-from shardcheck.typecheck.rules.shape import same_elements, view_shard
+from shardcheck.typecheck.type_store import LAYOUT_EPOCH, TypeStore
 from shardcheck.typecheck.types import (
     Mesh,
     Placement,
     S,
-    SectionShard,
     Shard,
     V,
     parse_alternatives,
@@ -116,60 +113,7 @@ def mesh_key(mesh: Mesh) -> tuple:
     return _MESH_KEYS.setdefault(key, key)
 
 
-def _storage_range(t: torch.Tensor) -> tuple[int, int]:
-    start = t.storage_offset()
-    if t.is_contiguous():
-        return start, start + t.numel()
-    extent = 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True) if s > 0)
-    return start, start + (extent if t.numel() else 0)
-
-
-# Counts the events that may have moved a tensor over its storage (new offset, shape or strides)
-# unseen by the spans cached in _view_spans: a region entered, an in-place view op or an out=
-# op dispatched, ``.data =``.
-_LAYOUT_EPOCH = [0]
-
-
-def _view_spans(root: torch.Tensor, views: list) -> list[tuple[int, int, Any]]:
-    """(start, end, weakref) of the storage each live view of ``root`` spans, cached on
-    ``root`` while no layout can have changed and no view was dropped (new ones are added)."""
-    cached = tensor_state.read(root, "spans")
-    if cached is None or cached[0] != _LAYOUT_EPOCH[0] or cached[1] > len(views):
-        cached = (_LAYOUT_EPOCH[0], 0, [])
-    elif cached[1] == len(views):
-        return cached[2]
-    spans = cached[2]
-    for ref in views[cached[1]:]:
-        view = ref()
-        if view is not None:
-            spans.append((*_storage_range(view), ref))
-    tensor_state.write(root, "spans", (cached[0], len(views), spans))
-    return spans
-
-
-def _overlapping(t: torch.Tensor, span: tuple[int, int], spans: list) -> list:
-    """The weakrefs of the views in ``spans`` (see _view_spans) that overlap ``span``, ``t``'s,
-    cached on ``t`` while that spans list only grew (a gradient buffer's views are many, and
-    the same few of them are written again and again)."""
-    cached = tensor_state.read(t, "overlaps")
-    if cached is not None and cached[0] is spans and cached[1] == span:
-        if cached[2] == len(spans):
-            return cached[3]
-        found, seen = cached[3], cached[2]
-    else:
-        found, seen = [], 0
-    lo, hi = span
-    found = found + [ref for a_lo, a_hi, ref in spans[seen:] if a_lo < hi and lo < a_hi]
-    tensor_state.write(t, "overlaps", (spans, span, len(spans), found))
-    return found
-
-
-def _same_region(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (a.storage_offset() == b.storage_offset() and a.shape == b.shape
-            and a.stride() == b.stride())
-
-
-class Checker(TorchDispatchMode):
+class Checker(TypeStore, RankValues, TorchDispatchMode):
     """Types every dispatched op on ``mesh``; ``mode`` is "raise" or "collect"."""
 
     rerun = False  # see _VaryingOn
@@ -180,7 +124,7 @@ class Checker(TorchDispatchMode):
             raise ValueError(f"mode must be 'raise' or 'collect', not {mode!r}")
         self.mesh, self.mode = mesh, mode
         self.key = mesh_key(mesh)
-        _LAYOUT_EPOCH[0] += 1  # tensors may have moved since the last region
+        LAYOUT_EPOCH[0] += 1  # tensors may have moved since the last region
         self.names = mesh.names
         self.n = len(self.names)
         self.sizes = tuple(a.size for a in mesh.axes.values())
@@ -206,227 +150,6 @@ class Checker(TorchDispatchMode):
         self.cuts = PositionCuts()
         self.reshaped: dict[tuple, tuple] = {}  # forward views by (output, input) shape, see shape_rules
 
-    def remember_rank_scalar(self, value: int | float, axes: tuple[int, ...]) -> None:
-        """A Python number read (``.item()``) from a value that differs per rank on ``axes``, and
-        the user code's frame that read it (see :meth:`_rank_scalar_axes`)."""
-        if len(self.rank_scalars) >= 256:
-            self.rank_scalars.pop(next(iter(self.rank_scalars)))
-        frame = user_code_frame()
-        self.rank_scalars[value] = (axes, None if frame is None else (id(frame), frame.f_code))
-
-    def rank_read(self, group: Any) -> Callable | None:
-        """What to do when the rank read for ``group`` (of some mesh axes) is compared: the
-        comparing frame branches on the rank there (see :mod:`rank_branches`)."""
-        try:
-            names = self.mesh.axes_of(group_ranks(group if group is not None else dist.group.WORLD))
-        except (RuntimeError, ValueError, TypeError):
-            return None
-        if not names:
-            return None
-        axes = tuple(self.names.index(n) for n in names)
-        return rank_branches.RankUse(lambda frame: self.branches.decided(frame, axes),
-                                     lambda frame, at, rank: self.picked_by_rank(frame, at, rank, axes))
-
-    def remember_pieces(self, pieces, source: tuple) -> None:
-        """The pieces a split just made of a value typed ``source``, and the user code's call
-        that made them (see :meth:`picked_by_rank`)."""
-        frame = rank_branches.user_frame(sys._getframe(1))
-        if frame is not None:
-            self._pieces = (id(frame), frame.f_code, frame.f_lasti, [weakref.ref(t) for t in pieces], source)
-
-    def picked_by_rank(self, frame, at: int, rank: int, axes: tuple[int, ...]) -> None:
-        """The subscript at offset ``at`` of ``frame`` picks this rank's piece of the split
-        that frame just made: of a value not replicated on the group's axes, one rank's chunk
-        of each rank's own part (of a sum, of a shard along another dim) is no layout of a
-        global value, so the piece is V there. Of a replicated value it is the rank's shard,
-        which the slice rules tell by the piece's place already."""
-        made = self._pieces
-        if made is None or made[0] != id(frame) or made[1] is not frame.f_code:
-            return
-        _, code, call, pieces, source = made
-        if all(replicated(source[a]) for a in axes) or not 0 <= rank < len(pieces):
-            return
-        piece = pieces[rank]()
-        pl = self.types(piece)
-        if pl is not None and rank_branches.subscripts_result(code, call, at):
-            self.set_type(piece, _varied_on(pl, set(axes)), self._flags(piece))
-
-    def _after_rank_branch(self, pl, args, flags: Known, axes: tuple[int, ...]):
-        """An op run by a frame that branched on the rank: its ranks may run other ops, so
-        its result is V on those axes, unless its rule proves the layout: this rank's piece of
-        a replicated value (a slice by rank), zeros only this rank added into (ACC), V."""
-        if flags & Known.ACC:
-            return pl
-        source = self.types(args[0]) if args and isinstance(args[0], torch.Tensor) else None
-
-        def branched(one):
-            if one is None:
-                return None
-            return tuple(V if a in axes and p is not None and not (
-                isinstance(p, Shard) and source is not None and replicated(source[a])) else p
-                for a, p in enumerate(one))
-        return [branched(one) for one in pl] if isinstance(pl, list) else branched(pl)
-
-    def _rank_scalar_axes(self, args, kwargs) -> set[int]:
-        """The axes the Python numbers given to an op differ on. A number is matched by value,
-        while the frame that read it runs (the number is its local, or an argument of what it
-        calls): once that code returned, an equal number is most likely another one (a size,
-        an offset: finalize_model_grads cuts its coalesced buffer at a parameter's numel equal
-        to a token count a dispatcher read), and it is forgotten."""
-        axes: set[int] = set()
-        for x in (*args, *kwargs.values()):
-            if isinstance(x, int | float) and not isinstance(x, bool) and x in self.rank_scalars:
-                varies, reader = self.rank_scalars[x]
-                if reader is None or _running(reader):
-                    axes.update(varies)
-                else:
-                    del self.rank_scalars[x]
-        return axes
-
-    def _varied_by_scalars(self, pl, func, args, kwargs):
-        """An op given a Python number that differs per rank on some axes: V there, where its
-        result was typed (an unknown stays unknown: the number may be a rank's own count of
-        rows of a value cut there, whose sum over the ranks V would lose), except a slice of
-        a sectioned dim, whose rule told its own sections (counts that differ by rank) apart."""
-        axes = self._rank_scalar_axes(args, kwargs)
-        source = self.types(args[0]) if axes and base_name(func) == "slice" else None
-        if source:
-            axes = {a for a in axes if not isinstance(source[a], SectionShard)}
-        return _varied_on(pl, axes, typed_only=True)
-
-    def _after_accumulation(self, pl, args):
-        """An op on zeros a value was added into in a branch on the rank (ACC | ONE_RANK),
-        other than a view or copy of them or their SUM all-reduce or reduce-scatter: on a
-        replicated axis they are the value itself or one rank's contribution, which a rank
-        cannot tell, so the result is V there."""
-        axes = {a for t in args if isinstance(t, torch.Tensor) and self._flags(t) & Known.ONE_RANK
-                for a, p in enumerate(self.types(t)) if replicated(p)}
-        return _varied_on(pl, axes)
-
-    def count_varying_cut(self) -> int:
-        """Number this by-rank cut of a varying tensor (the same on every rank of an SPMD run)."""
-        self.varying_cuts += 1
-        return self.varying_cuts
-
-    # --- the type store ----------------------------------------------------------------
-    def types(self, t: Any) -> tuple | None:
-        st = tensor_state.type_of(t)
-        if st is None or st[0] is not self.key:
-            return None
-        return st[1]
-
-    def zero(self, t: Any) -> bool:
-        st = tensor_state.type_of(t)
-        return st is not None and st[0] is self.key and st[2] == Known.ZERO
-
-    def const(self, t: Any) -> bool:
-        st = tensor_state.type_of(t)
-        return st is not None and st[0] is self.key and st[2] in (Known.CONST, Known.ZERO)
-
-    def accumulated(self, t: Any) -> bool:
-        """Whether ``t`` is zeros that one value was added into (see ACC)."""
-        return bool(self._flags(t) & Known.ACC)
-
-    def added_on_some_ranks(self, t: Any) -> bool:
-        """Whether ``t`` is zeros a value was added into in a branch on the rank."""
-        return bool(self._flags(t) & Known.ONE_RANK)
-
-    def _flags(self, t: Any) -> Known:
-        st = tensor_state.type_of(t)
-        return st[2] if st is not None and st[0] is self.key else Known.NOTHING
-
-    def unseen_scalar(self, t: torch.Tensor) -> bool:
-        """Whether untyped ``t`` is a scalar made before the region (one element: a loss scale,
-        a coefficient of the model's), read as a constant of unknown value; one this region
-        computed or wrote without a type is not: it may differ per rank."""
-        return t.numel() == 1 and tensor_state.read(t, "untyped") is not self.key
-
-    def set_type(self, t: torch.Tensor, pl: tuple | None, flags: Known = Known.NOTHING) -> None:
-        """Type ``t``; with no type, a one-element ``t`` is no longer an unseen scalar."""
-        if pl is not None and pl.count(None) != len(pl):
-            tensor_state.write(t, "type", (self.key, pl, flags))
-            return
-        if tensor_state.type_of(t) is not None:
-            tensor_state.write(t, "type", None)
-        if t.numel() == 1:
-            tensor_state.write(t, "untyped", self.key)
-
-    def update_inplace(self, t: torch.Tensor, pl: tuple | None,
-                       transform: Callable[[tuple], tuple] | None = None,
-                       flags: Known = Known.NOTHING) -> None:
-        """Retype ``t`` in place, and every tracked tensor overlapping its storage."""
-        old = self.types(t)
-        self.set_type(t, pl, flags)
-        root = tensor_state.read(t, "root")
-        if root is None and t._base is not None:  # a view made outside the region still shares
-            root = tensor_state.read(t._base, "root")  # its base's views
-            if root is None:
-                root = t._base
-        elif root is None:
-            root = t
-        views = tensor_state.read(root, "views")
-        if not views and root is t:
-            return
-        span = _storage_range(t)
-        self._retype_alias(root, t, span, old, pl, transform, flags)
-        for ref in _overlapping(t, span, _view_spans(root, views)) if views else ():
-            alias = ref()
-            if alias is not None:
-                self._retype_alias(alias, t, span, old, pl, transform, flags)
-
-    def _retype_alias(self, alias, t, span: tuple[int, int], old, pl, transform, flags: Known) -> None:
-        """After ``t`` (spanning ``span`` of its storage) was written, retype ``alias``
-        where the two overlap."""
-        if alias is t:
-            return
-        st = tensor_state.type_of(alias)
-        if st is None or st[0] is not self.key:
-            return
-        a_lo, a_hi = _storage_range(alias)
-        if a_hi <= span[0] or span[1] <= a_lo:
-            return
-        self.set_type(alias, self._alias_type(alias, st[1], t, old, pl, transform),
-                      flags if _same_region(alias, t) else Known.NOTHING)
-
-    def _alias_type(self, alias, alias_pl, t, old, pl, transform) -> tuple | None:
-        if transform is not None:
-            try:
-                return transform(alias_pl)
-            except Violation:
-                return None
-        if pl is None:
-            return None
-        if _same_region(alias, t):
-            return pl
-        alias_zero = self.zero(alias)
-        merged = []
-        for a, (mine, new) in enumerate(zip(alias_pl, pl, strict=True)):
-            if new is V and mine is not V:  # values of each rank's own written into it
-                merged.append(V)
-            elif mine == new or (old is not None and old[a] == new):
-                merged.append(mine)
-            elif alias_zero and not isinstance(new, Shard):
-                merged.append(new)
-            elif alias_zero and same_elements(alias, t):  # zeros overwritten whole
-                merged.append(view_shard(t.shape, alias.shape, new))
-            else:
-                merged.append(None)
-        return tuple(merged)
-
-    def register_view(self, view: torch.Tensor, base: torch.Tensor) -> None:
-        """Remember that ``view`` aliases ``base``'s storage (on their common root)."""
-        root = tensor_state.read(base, "root")
-        if root is None:
-            root = base
-        tensor_state.write(view, "root", root)
-        views = tensor_state.read(root, "views")
-        if views is None:
-            tensor_state.write(root, "views", [weakref.ref(view)])
-            return
-        views.append(weakref.ref(view))
-        if len(views) % 64 == 0:
-            views[:] = [w for w in views if w() is not None]
-            tensor_state.write(root, "spans", None)
 
     # --- dispatch ----------------------------------------------------------------------
     @classmethod
@@ -443,7 +166,7 @@ class Checker(TorchDispatchMode):
         call, rule, mutated = entry.call, entry.rule, entry.mutated
         out = call(*args, **kwargs) if kwargs else call(*args)
         if entry.moves_views:
-            _LAYOUT_EPOCH[0] += 1
+            LAYOUT_EPOCH[0] += 1
         if self._paused:
             return out
         if entry.broadcast:
@@ -715,29 +438,6 @@ def _joined_flags(kinds: set[Known]) -> Known:
     return max(added) if added and kinds <= added | {Known.ZERO} else Known.NOTHING
 
 
-def _varied_on(pl, axes, typed_only: bool = False):
-    """``pl`` (one result's placements, or a list of them) V on ``axes`` (``typed_only``: on
-    those of them it typed)."""
-    if not axes:
-        return pl
-
-    def vary(one):
-        return None if one is None else tuple(
-            V if a in axes and (p is not None or not typed_only) else p for a, p in enumerate(one))
-    return [vary(one) for one in pl] if isinstance(pl, list) else vary(pl)
-
-
-def _running(frame_key: tuple) -> bool:
-    """Whether the frame of ``frame_key`` (its id and code) is on the current stack."""
-    frame_id, code = frame_key
-    frame = sys._getframe(1)
-    while frame is not None:
-        if id(frame) == frame_id and frame.f_code is code:
-            return True
-        frame = frame.f_back
-    return False
-
-
 def _flat(args: Any) -> Iterator[Any]:
     for a in args:
         if isinstance(a, (list, tuple)):
@@ -828,7 +528,7 @@ def typecheck(mesh: Mesh, mode: str = "raise", sites: bool = False) -> Iterator[
 
 def _layout_moved() -> None:
     """A tensor now lies elsewhere (``t.data = value``): the cached storage spans are stale."""
-    _LAYOUT_EPOCH[0] += 1
+    LAYOUT_EPOCH[0] += 1
 
 
 def _varying_everywhere(t: torch.Tensor) -> torch.Tensor:

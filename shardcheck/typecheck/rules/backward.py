@@ -17,7 +17,8 @@ from shardcheck.typecheck.rules.common import (
     replicated,
     shift_shards,
 )
-from shardcheck.typecheck.rules.shape import _along_dim_rule, rank_chunks
+from shardcheck.typecheck.rules.indexing import _along_dim_rule
+from shardcheck.typecheck.rules.shape import rank_chunks
 from shardcheck.typecheck.types import InterleavedShard, P, RankChunk, S, SectionShard, Shard, V
 
 aten = torch.ops.aten

@@ -22,7 +22,9 @@ from shardcheck.typecheck.rules import (
     arithmetic,
     backward,
     collectives,
+    contraction,
     gradient,
+    indexing,
     norm_tracking,
     shape,
     token_rows,
@@ -110,7 +112,7 @@ def _build(by_name: Iterable[dict], families: Iterable[Any]) -> None:
             _refine(refinement)
 
 
-_build((arithmetic.RULES, shape.RULES, collectives.RULES),
+_build((arithmetic.RULES, contraction.RULES, shape.RULES, indexing.RULES, collectives.RULES),
        (backward, norm_tracking, token_rows, gradient))
 
 
