@@ -48,7 +48,7 @@ def test_known_bug_is_found_with_location_numbers_and_corrected_control(known, n
     assert finding.trigger["layout"] == str(case.layout)
     assert finding.effect and finding.effect[0]["max_abs_error"] > 1e-4
     assert finding.effect[0]["observed"] != finding.effect[0]["reference"]
-    assert finding.corrected is not None and finding.corrected["equal_to_reference"], finding.corrected
+    assert finding.control is not None and finding.control["equal_to_reference"], finding.control
     assert finding.reproduce.startswith(f"shardcheck audit --only {case.component} --layouts {case.layout}")
     assert "ensures" in finding.contract or "requires" in finding.contract
 

@@ -86,7 +86,7 @@ def test_two_independent_bugs_at_one_call_site_are_two_findings(pair):
     assert smoothing.location == gathered.location and smoothing.contract == gathered.contract
     assert smoothing.id != gathered.id
     # each its own trigger, corrected control and reproduce command
-    assert smoothing.corrected["equal_to_reference"] and not gathered.corrected["equal_to_reference"]
+    assert smoothing.control["equal_to_reference"] and not gathered.control["equal_to_reference"]
     assert gathered.reproduce.endswith("--set parallel_output=False")
     assert [c["options"] for c in gathered.cases] == [{"parallel_output": False}]
 

@@ -25,12 +25,12 @@ from planted.megatron_site import (  # noqa: E402
 )  # noqa: E402
 
 from shardcheck.cli import main  # noqa: E402
-from shardcheck.fuzz.findings import Finding, FindingStore  # noqa: E402
+from shardcheck.fuzz.findings import AUDIT, Finding, FindingStore  # noqa: E402
 from shardcheck.fuzz.repro import FIXED, REPRODUCES, SUPPORT_HEADER, ReproError, run_repro  # noqa: E402
 from shardcheck.megatron.audit import report as audit_report  # noqa: E402
 from shardcheck.megatron.audit.report import GLOBAL_GROUP_CONTRACT  # noqa: E402
 from shardcheck.megatron.checks.contracts import BY_NAME  # noqa: E402
-from shardcheck.megatron.repro.scripts import AUDIT, save_with_scripts, write_audit_script  # noqa: E402
+from shardcheck.megatron.repro.scripts import save_with_scripts, write_audit_script  # noqa: E402
 
 NO_CONTRACT = "outputs match the one-rank run"
 
@@ -238,12 +238,11 @@ def test_finding_without_a_script_says_why(finding, message, tmp_path):
 
 
 def _audit_finding(component, layout, kind="numeric-only"):
-    return audit_report.Finding(
+    return Finding.audited(
+        {"component": component, "options": {}, "layout": layout},
+        [{"value": "loss", "observed": 1.0, "reference": 2.0, "max_abs_error": 1.0, "max_rel_error": 0.5}], None,
         title="t", kind=kind, location=f"megatron/core/{component}.py:1", contract=NO_CONTRACT,
-        trigger={"component": component, "options": {}, "layout": layout},
-        effect=[{"value": "loss", "observed": 1.0, "reference": 2.0, "max_abs_error": 1.0,
-                 "max_rel_error": 0.5}], first_divergence=None, checker=None, corrected=None,
-        reproduce=f"shardcheck audit --only {component} --layouts {layout}")
+        first_divergence=None, checker=None, reproduce=f"shardcheck audit --only {component} --layouts {layout}")
 
 
 def test_audit_findings_join_the_store_with_their_scripts_and_repro_reads_them(tmp_path):

@@ -156,7 +156,7 @@ def test_a_reduction_over_the_global_group_is_flagged_where_it_happens_with_a_co
     assert finding.checker.startswith(f"checker: {PLANTED_LINE}: all_reduce on parallel_state's global tp")
     assert "pg_collection.tp" in finding.checker and finding.trigger["layout"] == "tp2-dp2@dp-tp"
     assert finding.effect[0]["max_abs_error"] > 1e-3
-    assert finding.corrected["equal_to_reference"], finding.corrected
+    assert finding.control["equal_to_reference"], finding.control
     assert finding.seen_in == ["layouts: tp2-dp2@dp-tp"]  # the same code is right where the groups agree
 
 
@@ -177,5 +177,5 @@ def test_megatron_cross_entropy_reduces_over_the_global_tp_group_despite_an_expl
     assert finding.kind == "type+numeric" and "pg_collection.tp" in finding.checker
     assert finding.title.startswith("all_reduce on parallel_state's global tp group")
     assert finding.effect[0]["max_abs_error"] > 1e-3
-    assert finding.corrected["equal_to_reference"], finding.corrected
+    assert finding.control["equal_to_reference"], finding.control
     assert finding.reproduce == "shardcheck audit --only output_loss --layouts tp2-dp2@dp-tp"

@@ -89,7 +89,7 @@ def test_the_module_on_a_global_group_is_found_under_explicit_groups(warm, compo
     result = audit([Case(component, (), bug.layout), Case(component, (), bug.control)], run_pools=warm)
     assert not result.errors and len(result.outcomes) == 2
     assert [(f.kind, f.location.rsplit(":", 1)[0], f.trigger["layout"],
-             (f.corrected or {}).get("equal_to_reference")) for f in result.findings] == [
+             (f.control or {}).get("equal_to_reference")) for f in result.findings] == [
         ("type+numeric", bug.location, str(bug.layout), bug.corrected)]
 
 

@@ -17,14 +17,14 @@ pytest.importorskip("megatron.core")
 
 from planted.megatron_site import MTP_WORD_EMBEDDINGS_NOT_SUMMED, planted_env  # noqa: E402
 
-from shardcheck.fuzz.findings import Finding  # noqa: E402
+from shardcheck.fuzz.findings import AUDIT, Finding  # noqa: E402
 from shardcheck.fuzz.repro import FIXED, REPRODUCES, run_repro  # noqa: E402
 from shardcheck.megatron.audit.run import audit  # noqa: E402
 from shardcheck.megatron.audit.runner import PRELOAD, pools  # noqa: E402
 from shardcheck.megatron.audit.sweep import Case  # noqa: E402
 from shardcheck.megatron.checks import contracts  # noqa: E402
 from shardcheck.megatron.cpu.runner import relative_errors, run_layout, worst  # noqa: E402
-from shardcheck.megatron.repro.scripts import AUDIT, write_audit_script  # noqa: E402
+from shardcheck.megatron.repro.scripts import write_audit_script  # noqa: E402
 from shardcheck.megatron.scenarios import scenario  # noqa: E402
 from shardcheck.parity.layout import Layout  # noqa: E402
 
@@ -74,7 +74,7 @@ def test_mtp_loss_over_each_cp_ranks_own_token_count_is_found_with_a_corrected_c
     assert finding.location.startswith("megatron/core/transformer/multi_token_prediction.py:")
     assert finding.contract.startswith("process_mtp_loss: ensures mtp_losses")
     assert finding.effect[0]["max_abs_error"] > 1e-5
-    assert finding.corrected["equal_to_reference"], finding.corrected
+    assert finding.control["equal_to_reference"], finding.control
     assert (finding.checker or "").startswith("checker: non-linear on partial at "
                                               "megatron/core/transformer/multi_token_prediction.py:")
 
@@ -90,7 +90,7 @@ def test_the_mtp_stages_position_embeddings_left_out_of_the_pp_sync_is_its_own_f
         return
     assert len(megatron_bugs.findings) == 2 and layouts == {"pp2"} and finding.seen_in == ["layouts: pp2"]
     assert any("position_embeddings" in e["value"] for e in finding.effect)
-    assert finding.corrected["equal_to_reference"], finding.corrected
+    assert finding.control["equal_to_reference"], finding.control
 
 
 def test_rotary_positions_under_pp_leave_no_table_to_sync(warm):

@@ -251,7 +251,8 @@ class _progress:
 def _print_summary(result, summary: dict, out_dir: Path, source) -> None:
     from rich.console import Console
 
-    from shardcheck.megatron.audit.report import script_line, show_number
+    from shardcheck.fuzz.findings import show_number
+    from shardcheck.megatron.audit.report import script_line
 
     console = Console(highlight=False, soft_wrap=True)
     console.print(f"audited: {source.line()}")
@@ -266,21 +267,20 @@ def _print_summary(result, summary: dict, out_dir: Path, source) -> None:
     console.print(f"{len(confirmed)} finding(s) confirmed by parity, {len(typed_only)} type-only"
                   + (f", {len(crashes)} crash(es) only a layout causes" if crashes else ""))
     for n, f in enumerate(confirmed, 1):
-        options = ", ".join(f"{k}={v}" for k, v in f.trigger["options"].items()) or "defaults"
+        options = ", ".join(f"{k}={v}" for k, v in f.config.items()) or "defaults"
         console.print(f"[{n}] {f.id} {f.kind}  {f.location}\n    {f.title}\n"
-                      f"    trigger: {f.trigger['component']} @ {f.trigger['layout']} ({options})")
+                      f"    trigger: {f.target} @ {f.layout} ({options})")
         for e in f.effect[:2]:
             console.print(f"    effect: {e['value']}: observed {show_number(e['observed'])} vs reference "
                           f"{show_number(e['reference'])}, max abs err {e['max_abs_error']:.3g}")
         if f.checker:
             console.print(f"    {f.checker}")
-        if f.corrected:
-            console.print(f"    corrected control: {f.corrected['result']}")
+        if f.control:
+            console.print(f"    corrected control: {f.control['result']}")
         console.print(f"    reproduce: {f.reproduce}\n    script: {script_line(f)}")
     for n, f in enumerate(crashes, len(confirmed) + 1):
         console.print(f"[{n}] {f.id} crash  {f.location}\n    {f.title}\n    reproduce: {f.reproduce}")
     for n, f in enumerate(typed_only, len(confirmed) + len(crashes) + 1):
-        console.print(f"[{n}] {f.id} type-only  {f.checker}  ({f.trigger['component']} @ "
-                      f"{f.trigger['layout']} {f.trigger['options'] or ''})")
+        console.print(f"[{n}] {f.id} type-only  {f.checker}  ({f.target} @ {f.layout} {f.config or ''})")
     console.print(f"report: {out_dir / 'report.md'}, {out_dir / 'findings.json'}")
     sys.stdout.flush()

@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterable
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -64,9 +64,22 @@ def finding_id(location: str, contract: str, options: Iterable[str] = ()) -> str
     return cause_digest(location, contract, options)[:ID_LENGTH]
 
 
+AUDIT = "audit"  # the origin of an audit's finding: its target is a Megatron component
+STORED = ("title", "target", "location", "contract", "layout", "config", "observed", "reference",
+          "corrected", "max_error", "checker", "kind", "repro", "module", "origin", "options",
+          "sys_path", "id")  # the fields a store record holds, in its order
+
+
 @dataclass
 class Finding:
-    """A bug the fuzzer found, with its minimal trigger and the numbers that show it."""
+    """One distinct bug, found by the fuzzer or the audit: where it is, the contract it breaks, its
+    minimal trigger (``target`` under ``layout`` with ``config``) and the numbers that show it.
+
+    The store keeps the fields every finding has (:data:`STORED`, :meth:`to_json`). An audit's
+    finding (:meth:`audited`) also carries how the audit found it, the report that its
+    findings.json holds (:meth:`report_entry`): the effect on each diverging value, the first
+    divergence, the corrected control, the command and the cases of its cause.
+    """
 
     title: str
     target: str
@@ -76,20 +89,53 @@ class Finding:
     config: dict[str, Any]
     observed: Any
     reference: Any
-    corrected: Any = None
+    corrected: Any = None  # what the corrected run gave: its numbers, or an audit control's result line
     max_error: float | None = None
     checker: str | None = None
     kind: str = "numeric-only"
     repro: str | None = None
     module: str | None = None  # importing it registers the target again, e.g. for `shardcheck repro`
-    origin: str = "fuzz"  # or "audit": its target is a Megatron component, its script a template's
+    origin: str = "fuzz"  # or AUDIT: its target is a Megatron component, its script a template's
     options: list[str] = field(default_factory=list)  # the trigger's option names, part of the cause
     sys_path: list[str] = field(default_factory=list)  # where its script imports the code under test
     id: str = field(default="")
+    effect: list[dict[str, Any]] = field(default_factory=list)  # audit: the diverging values, first first
+    first_divergence: str | None = None  # audit: the first contracted call that diverged
+    control: dict[str, Any] | None = None  # audit: the corrected control (fix, result, equal_to_reference)
+    reproduce: str = ""  # audit: the `shardcheck audit` command that runs the trigger
+    seen_in: list[str] = field(default_factory=list)  # audit: the layouts and options it shows under
+    cases: list[dict[str, Any]] = field(default_factory=list)  # audit: every case of this cause
+    same_fix: list[dict[str, Any]] = field(default_factory=list)  # audit: independent triggers it repairs
+    one_rank: str | None = None  # audit, a crash: the exception the layout causes, while one rank runs
 
     def __post_init__(self) -> None:
         self.options = sorted(set(self.options))
         self.id = self.id or finding_id(self.location, self.contract, self.options)
+
+    @classmethod
+    def audited(cls, trigger: dict[str, Any], effect: list[dict[str, Any]], control: dict[str, Any] | None,
+                **report: Any) -> Finding:
+        """An audit's finding of ``trigger`` (component, options, layout) with its effect, its
+        corrected control and the rest of its ``report``; the store's numbers are its first effect's
+        (shown as the report shows them) and its control's result line."""
+        first = effect[0] if effect else {}
+        return cls(target=trigger["component"], layout=trigger["layout"], config=trigger["options"],
+                   observed=show_number(first["observed"]) if first else None,
+                   reference=show_number(first["reference"]) if first else None,
+                   corrected=control["result"] if control else None, max_error=first.get("max_abs_error"),
+                   origin=AUDIT, options=list(trigger["options"]), effect=effect, control=control, **report)
+
+    @classmethod
+    def from_report(cls, entry: dict[str, Any]) -> Finding:
+        """The finding an entry of an audit's findings.json holds (a docs example keeps a few fields)."""
+        report = {k: v for k, v in entry.items() if k not in ("trigger", "effect", "corrected")}
+        report.setdefault("contract", "")
+        return cls.audited(entry["trigger"], entry.get("effect") or [], entry.get("corrected"), **report)
+
+    @property
+    def trigger(self) -> dict[str, Any]:
+        """The minimal trigger as an audit's report shows it: component, options and layout."""
+        return {"component": self.target, "options": self.config, "layout": self.layout}
 
     @property
     def cause(self) -> str:
@@ -103,8 +149,17 @@ class Finding:
 
         return Layout.parse(self.layout).world_size
 
+    def report_entry(self) -> dict[str, Any]:
+        """The finding as an audit's findings.json holds it."""
+        return {"title": self.title, "kind": self.kind, "location": self.location, "contract": self.contract,
+                "trigger": self.trigger, "effect": self.effect, "first_divergence": self.first_divergence,
+                "checker": self.checker, "corrected": self.control, "reproduce": self.reproduce,
+                "seen_in": self.seen_in, "id": self.id, "repro": self.repro, "cases": self.cases,
+                "same_fix": self.same_fix, "one_rank": self.one_rank}
+
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2, default=str)
+        """The store's record (:data:`STORED`; an audit's report stays in its findings.json)."""
+        return json.dumps({name: getattr(self, name) for name in STORED}, indent=2, default=str)
 
     @classmethod
     def from_json(cls, text: str) -> Finding:
@@ -119,8 +174,25 @@ class Finding:
         missing = [name for name in required if name not in data]
         if missing:
             raise ValueError(f"missing field(s) {', '.join(missing)}")
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in known})
+        return cls(**{k: v for k, v in data.items() if k in STORED})
+
+
+def show_number(value: Any) -> str:
+    """A scalar with 6 significant digits; a tensor as its shape and first values."""
+    if not isinstance(value, list):
+        return f"{value:.6g}" if isinstance(value, float) else str(value)
+    flat, shape, inner = [], [], value
+    while isinstance(inner, list):
+        shape.append(len(inner))
+        inner = inner[0] if inner else None
+    stack = [value]
+    while stack and len(flat) < 4:
+        item = stack.pop(0)
+        if isinstance(item, list):
+            stack = item + stack
+        else:
+            flat.append(f"{item:.6g}")
+    return f"shape {shape} [{', '.join(flat)}, ...]"
 
 
 class StoreError(ValueError):

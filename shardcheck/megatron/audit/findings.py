@@ -10,10 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from shardcheck.fuzz.findings import finding_id
+from shardcheck.fuzz.findings import Finding, finding_id
 from shardcheck.megatron.audit import report as audit_report
 from shardcheck.megatron.audit.outcome import Outcome
-from shardcheck.megatron.audit.report import Finding
 from shardcheck.megatron.audit.runner import Runner
 from shardcheck.megatron.audit.sweep import Case
 from shardcheck.megatron.checks import contracts, explicit
@@ -42,13 +41,12 @@ def _finding(runner: Runner, key: tuple[str, str], members: list[Outcome],
     minimal = audit_report.minimal_case(members)
     seen = baseline.get((minimal.case.component, minimal.case.layout), set())
     checker = audit_report.checker_line(key[0], [minimal, *members], seen if minimal.case.options else set())
-    return Finding(
+    return Finding.audited(
+        audit_report.trigger(minimal.case), audit_report.effect(minimal), corrected_control(runner, minimal),
         title=audit_report.title(key, minimal), kind=audit_report.kind(members, checker),
-        location=key[0], contract=key[1], trigger=audit_report.trigger(minimal.case),
-        effect=audit_report.effect(minimal),
+        location=key[0], contract=key[1],
         first_divergence=minimal.call_gap.gap.summary() if minimal.call_gap else None,
-        checker=checker, corrected=corrected_control(runner, minimal),
-        reproduce=audit_report.reproduce_command(minimal.case),
+        checker=checker, reproduce=audit_report.reproduce_command(minimal.case),
         seen_in=audit_report.seen_in(members, minimal),
         cases=[audit_report.case_entry(o.case) for o in members],
         id="" if first else _trigger_id(key, minimal.case))
@@ -66,10 +64,10 @@ def _merged_by_fix(found: list[Finding]) -> list[Finding]:
     host: Finding | None = None
     kept = []
     for finding in found:
-        repaired = bool(finding.corrected and finding.corrected["equal_to_reference"])
-        if repaired and host is not None and finding.corrected["fix"] == host.corrected["fix"]:
+        repaired = bool(finding.control and finding.control["equal_to_reference"])
+        if repaired and host is not None and finding.control["fix"] == host.control["fix"]:
             host.same_fix.append({**finding.trigger, "cases": finding.cases,
-                                  "corrected": finding.corrected["result"]})
+                                  "corrected": finding.control["result"]})
             layouts = sorted({c["layout"] for c in finding.cases})
             host.seen_in.append(f"the same fix repairs the independent trigger "
                                 f"{_options_text(finding.trigger)} (under {', '.join(layouts)})")
@@ -101,12 +99,11 @@ def _crashes(outcomes: list[Outcome]) -> dict[tuple[str, str], list[Outcome]]:
 def _crash_finding(key: tuple[str, str], members: list[Outcome], first: bool) -> Finding:
     minimal = audit_report.minimal_case(members)
     case = minimal.case
-    return Finding(
+    return Finding.audited(
+        audit_report.trigger(case), [], None,
         title=f"{case.component} {minimal.error_kind} under {case.layout} "
               f"({_options_text(audit_report.trigger(case))}): {minimal.error}"[:240],
-        kind="crash", location=key[0], contract=key[1], trigger=audit_report.trigger(case),
-        effect=[], first_divergence=None, checker=None, corrected=None,
-        reproduce=audit_report.reproduce_command(case), seen_in=audit_report.seen_in(members, minimal),
+        kind="crash", location=key[0], contract=key[1], reproduce=audit_report.reproduce_command(case), seen_in=audit_report.seen_in(members, minimal),
         cases=[audit_report.case_entry(o.case) for o in members],
         id="" if first else _trigger_id(key, case),
         one_rank=f"{minimal.error} (frame {minimal.frame or 'outside megatron-core'}); "

@@ -16,40 +16,13 @@ from __future__ import annotations
 import enum
 import json
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shardcheck.fuzz.findings import finding_id
+from shardcheck.fuzz.findings import Finding, show_number
 from shardcheck.megatron.audit.sweep import Case
 from shardcheck.megatron.checks.contracts import BY_NAME
 from shardcheck.parity.layout import Layout
-
-
-@dataclass
-class Finding:
-    """One distinct bug with its minimal trigger, effect, contract and controls."""
-
-    title: str
-    kind: str
-    location: str
-    contract: str
-    trigger: dict[str, Any]
-    effect: list[dict[str, Any]]
-    first_divergence: str | None
-    checker: str | None
-    corrected: dict[str, Any] | None
-    reproduce: str
-    seen_in: list[str] = field(default_factory=list)
-    id: str = ""
-    repro: str | None = None  # the torchrun script, or "no script: why"
-    cases: list[dict[str, Any]] = field(default_factory=list)  # every case of this cause
-    same_fix: list[dict[str, Any]] = field(default_factory=list)  # independent triggers it repairs
-    one_rank: str | None = None  # crash: the exception the layout causes, while one rank runs
-
-    def __post_init__(self) -> None:
-        self.id = self.id or finding_id(self.location, self.contract, self.trigger["options"])
-
 
 GLOBAL_GROUP_CONTRACT = ("collectives of a model given a pg_collection use its groups: a value "
                          "laid out over pg_collection.X is reduced over pg_collection.X, not over "
@@ -252,27 +225,9 @@ def write(out_dir: Path, findings: Sequence[Finding], summary: dict[str, Any], s
     out_dir.mkdir(parents=True, exist_ok=True)
     data = {"audited": source.as_dict() if source else None,
             "summary": {k: v for k, v in summary.items() if k != "coverage"},
-            "coverage": summary.get("coverage", {}), "findings": [asdict(f) for f in findings]}
+            "coverage": summary.get("coverage", {}), "findings": [f.report_entry() for f in findings]}
     (out_dir / "findings.json").write_text(json.dumps(data, indent=2, default=str) + "\n")
     (out_dir / "report.md").write_text(markdown(findings, summary, source))
-
-
-def show_number(value: Any) -> str:
-    """A scalar with 6 significant digits; a tensor as its shape and first values."""
-    if not isinstance(value, list):
-        return f"{value:.6g}" if isinstance(value, float) else str(value)
-    flat, shape, inner = [], [], value
-    while isinstance(inner, list):
-        shape.append(len(inner))
-        inner = inner[0] if inner else None
-    stack = [value]
-    while stack and len(flat) < 4:
-        item = stack.pop(0)
-        if isinstance(item, list):
-            stack = item + stack
-        else:
-            flat.append(f"{item:.6g}")
-    return f"shape {shape} [{', '.join(flat)}, ...]"
 
 
 def _finding_lines(n: int, f: Finding) -> list[str]:
@@ -291,7 +246,7 @@ def _finding_lines(n: int, f: Finding) -> list[str]:
         lines += [f"  - `{e['value']}`: observed {show_number(e['observed'])}, reference "
                   f"{show_number(e['reference'])}, max abs error {e['max_abs_error']:.3g} "
                   f"(relative {e['max_rel_error']:.3g})" for e in f.effect]
-        lines.append(f"- **corrected control**: {f.corrected['fix']} -> {f.corrected['result']}" if f.corrected
+        lines.append(f"- **corrected control**: {f.control['fix']} -> {f.control['result']}" if f.control
                      else "- **corrected control**: none (no evident fix for this contract)")
     lines += ["- **seen in**:", *[f"  - {line}" for line in f.seen_in], f"- **reproduce**: `{f.reproduce}`"]
     if f.repro:

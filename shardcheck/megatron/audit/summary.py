@@ -7,8 +7,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from shardcheck.fuzz.findings import Finding
 from shardcheck.megatron.audit.outcome import CONFIG_REFUSES, Outcome, op_counts
-from shardcheck.megatron.audit.report import Finding
 from shardcheck.megatron.audit.runner import FAILS
 
 

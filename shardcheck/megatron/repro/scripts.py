@@ -9,52 +9,36 @@ so ``shardcheck repro ID`` and ``shardcheck findings`` treat audit and fuzz find
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from pathlib import Path
 
 from shardcheck.fuzz.findings import TYPE_ONLY, Finding, FindingStore
 from shardcheck.fuzz.repro import ReproError, write_script
-from shardcheck.megatron.audit import report as audit_report
 from shardcheck.megatron.repro.templates import script_body
 
-AUDIT = "audit"
 CRASH = "crash"
 
 
-def as_stored(finding: audit_report.Finding, source=None) -> Finding:
-    """The store's record of an audit finding (same id); a finding of a ``--megatron`` tree
-    (``source``) imports that tree in its script."""
-    first = finding.effect[0] if finding.effect else {}
-    return Finding(
-        title=finding.title, target=finding.trigger["component"], location=finding.location,
-        contract=finding.contract, layout=finding.trigger["layout"], config=finding.trigger["options"],
-        observed=audit_report.show_number(first["observed"]) if first else None,
-        reference=audit_report.show_number(first["reference"]) if first else None,
-        corrected=finding.corrected["result"] if finding.corrected else None,
-        max_error=first.get("max_abs_error"), checker=finding.checker, kind=finding.kind,
-        origin=AUDIT, options=list(finding.trigger["options"]), id=finding.id,
-        sys_path=[source.path] if source and source.tree else [])
-
-
 def write_audit_script(finding: Finding, path: Path | str) -> Path:
-    """Write the torchrun script of a stored audit finding; ReproError when it cannot have one."""
+    """Write the torchrun script of an audit finding; ReproError when it cannot have one."""
     return write_script(finding, script_body, path)
 
 
-def save_with_scripts(findings: Sequence[audit_report.Finding], out_dir: Path, root: Path | str,
-                      source=None) -> None:
+def save_with_scripts(findings: Sequence[Finding], out_dir: Path, root: Path | str, source=None) -> None:
     """Write ``out_dir/repro/<id>.py`` for each confirmed finding, noting on each finding its
-    script or why it has none, and save every finding to the store at ``root``."""
+    script or why it has none, and save every finding to the store at ``root`` (with the id it
+    gets there). A finding of a ``--megatron`` tree (``source``) imports that tree in its script."""
     store = FindingStore(root)
     for finding in findings:
-        stored = as_stored(finding, source)
-        finding.id = store.place(stored)
-        if finding.kind == CRASH:
-            finding.repro = "no script: a crash shows without comparing numbers; rerun its reproduce command"
-        elif finding.kind != TYPE_ONLY:
+        finding.sys_path = [source.path] if source and source.tree else []
+        store.place(finding)
+        why = "a crash shows without comparing numbers; rerun its reproduce command" if finding.kind == CRASH else None
+        if finding.kind not in (CRASH, TYPE_ONLY):
             try:
-                stored.repro = str(write_audit_script(stored, out_dir / "repro" / f"{finding.id}.py"))
-                finding.repro = stored.repro
+                finding.repro = str(write_audit_script(finding, out_dir / "repro" / f"{finding.id}.py"))
             except ReproError as exc:
-                finding.repro = f"no script: {exc}"
-        store.save(stored)
+                why = str(exc)
+        store.save(copy.copy(finding))  # the store may keep a script it holds; the report shows this run's
+        if why:
+            finding.repro = f"no script: {why}"
