@@ -664,8 +664,8 @@ def _check_args(checker: Checker, spec, call_args, call_kwargs) -> None:
             if got is not None and not any(_admits(alt, got, value) for alt in accepted):
                 wanted = "|".join(map(repr, accepted))
                 checker.report(Violation("contract", checker.names.index(axis),
-                                          f"argument {key} must be {axis}={wanted}"),
-                                "contract", (value,))
+                                         f"argument {key} must be {axis}={wanted}"),
+                               "contract", (value,))
 
 
 def _alternatives(want: Placement | str) -> tuple[Placement, ...]:

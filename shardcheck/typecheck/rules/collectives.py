@@ -274,8 +274,8 @@ def _of_contributions(ctx: RuleContext, sources: list, pl: Pl, axes: list[int], 
             occurrence = ctx.count_varying_cut()  # on every rank, zeros or not: numbered alike
             if ctx.accumulated(sources[0]):
                 ctx.report(Violation("double count", a, "zeros this rank added a replicated value "
-                                      "into: a double count if every rank added it", occurrence,
-                                      unconfirmed=True), func, (sources[0],))
+                                     "into: a double count if every rank added it", occurrence,
+                                     unconfirmed=True), func, (sources[0],))
     return lambda p, a: step(P if p is R or p is I else p, a)
 
 
