@@ -1,0 +1,104 @@
+"""A GPT built from Megatron's Transformer Engine spec, run on TE's own modules and shardcheck's
+CPU kernels, against the local-spec GPT with the same weights, at one rank.
+
+megatron-core decides whether it has Transformer Engine when its modules are first imported, so
+both models are built in a fresh interpreter that installs TE before importing megatron-core.
+"""
+
+import multiprocessing as mp
+from concurrent.futures import ProcessPoolExecutor
+
+import numpy as np
+import pytest
+
+from shardcheck.megatron.cpu.te import te_dir
+
+if not (te_dir() / "transformer_engine").is_dir():
+    pytest.skip(f"transformer-engine is not installed in {te_dir()}", allow_module_level=True)
+
+def _loss_and_grads(model, batches) -> dict[str, np.ndarray]:
+    from shardcheck.megatron.scenarios.reference import gather_global, gradient_of
+
+    losses = []
+    for batch in batches:
+        per_token = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+        loss = per_token.float().mean() / len(batches)
+        loss.backward()
+        losses.append(loss.detach())
+    grads, _ = gather_global(model, gradient_of)
+    out = {f"grad/{k}": v.double().numpy() for k, v in grads.items()}
+    out["loss"] = np.array(float(sum(losses)))
+    return out
+
+
+def _te_and_local_gpt(dtype_names: list[str], port: int) -> dict[str, tuple[dict, dict, list[str]]]:
+    """In a fresh process, per dtype: one step's loss and gradients of the TE-spec and
+    local-spec GPTs, and the TE modules the TE-spec GPT holds."""
+    import torch
+    import torch.distributed as dist
+
+    from shardcheck.megatron.cpu.te import install
+
+    install()  # before megatron-core is imported
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.module import Float16Module
+
+    from shardcheck.megatron.cpu.parallel import megatron_parallel
+    from shardcheck.megatron.cpu.runner import RankContext
+    from shardcheck.megatron.scenarios.gpt import (
+        GPTSetup,
+        build_gpt,
+        global_batches,
+        transformer_config,
+    )
+    from shardcheck.megatron.scenarios.reference import load_global_weights
+    from shardcheck.parity.layout import Layout
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    setup = GPTSetup()
+    results = {}
+    for dtype_name in dtype_names:
+        dtype = getattr(torch, dtype_name)
+        with megatron_parallel(RankContext(Layout(), 0)):
+            half = {"bf16": True} if dtype is torch.bfloat16 else {}
+            config = transformer_config(Layout(), setup, params_dtype=dtype, pipeline_dtype=dtype, **half)
+            local = build_gpt(config, setup)
+            te_model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_with_transformer_engine_spec(),
+                                vocab_size=setup.vocab, max_sequence_length=setup.seq)
+            # the same global weights: the local spec's checkpoint keys are TE's (layer norms
+            # fused into linear_qkv and linear_fc1)
+            for model in (local, te_model):
+                load_global_weights(model, seed=setup.seed)
+            modules = sorted({type(m).__name__ for m in te_model.modules()
+                              if type(m).__module__ == "megatron.core.extensions.transformer_engine"})
+            if dtype is torch.bfloat16:  # as Megatron trains in 16 bits: inputs cast in, loss out
+                local, te_model = (Float16Module(config, m) for m in (local, te_model))
+            batches = global_batches(setup)
+            results[dtype_name] = (_loss_and_grads(te_model, batches), _loss_and_grads(local, batches), modules)
+    return results
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def te_and_local():
+    with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
+        return pool.submit(_te_and_local_gpt, ["float32", "bfloat16"], _free_port()).result(600)
+
+
+@pytest.mark.parametrize("dtype_name,tolerance", [("float32", 1e-5), ("bfloat16", 3e-2)])
+def test_te_spec_gpt_matches_local_spec_gpt_at_one_rank(te_and_local, dtype_name, tolerance):
+    te_out, local_out, te_modules = te_and_local[dtype_name]
+    assert {"TELayerNormColumnParallelLinear", "TERowParallelLinear", "TEDotProductAttention"} <= set(te_modules)
+    assert set(te_out) == set(local_out)
+    for name, reference in local_out.items():
+        scale = max(float(np.abs(reference).max()), 1e-12)
+        error = float(np.abs(te_out[name] - reference).max()) / scale
+        assert error < tolerance, (name, error)
