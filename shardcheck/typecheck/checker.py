@@ -148,7 +148,7 @@ class Checker(TypeStore, RankValues, TorchDispatchMode):
         self.origins: Counter = Counter()
         self.landings: Counter = Counter()  # shapes of outputs an async collective lands on at wait
         self.cuts = PositionCuts()
-        self.reshaped: dict[tuple, tuple] = {}  # forward views by (output, input) shape, see shape_rules
+        self.reshaped: dict[tuple, tuple] = {}  # forward views by (output, input) shape, see rules.shape
 
 
     # --- dispatch ----------------------------------------------------------------------
