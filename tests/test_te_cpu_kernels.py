@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from shardcheck.megatron.cpu import patches
-from shardcheck.megatron.cpu.te import QuantisationRefused, install, te_dir
+from shardcheck.megatron.cpu.te import QuantisationRefused, installed, te_dir
 
 if not (te_dir() / "transformer_engine").is_dir():
     pytest.skip(f"transformer-engine is not installed in {te_dir()}", allow_module_level=True)
@@ -24,7 +24,8 @@ TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2
 def te():
     patches.apply_cpu_patches()
     try:
-        yield install()
+        with installed() as te_pytorch:
+            yield te_pytorch
     finally:
         patches.remove_cpu_patches()
 

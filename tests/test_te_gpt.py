@@ -5,13 +5,16 @@ megatron-core decides whether it has Transformer Engine when its modules are fir
 both models are built in a fresh interpreter that installs TE before importing megatron-core.
 """
 
+import importlib.util
 import multiprocessing as mp
+import sys
 from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
 import pytest
+import torch
 
-from shardcheck.megatron.cpu.te import te_dir
+from shardcheck.megatron.cpu.te import installed, te_dir
 
 if not (te_dir() / "transformer_engine").is_dir():
     pytest.skip(f"transformer-engine is not installed in {te_dir()}", allow_module_level=True)
@@ -34,7 +37,6 @@ def _loss_and_grads(model, batches) -> dict[str, np.ndarray]:
 def _te_and_local_gpt(dtype_names: list[str], port: int) -> dict[str, tuple[dict, dict, list[str]]]:
     """In a fresh process, per dtype: one step's loss and gradients of the TE-spec and
     local-spec GPTs, and the TE modules the TE-spec GPT holds."""
-    import torch
     import torch.distributed as dist
 
     from shardcheck.megatron.cpu.te import install
@@ -102,3 +104,14 @@ def test_te_spec_gpt_matches_local_spec_gpt_at_one_rank(te_and_local, dtype_name
         scale = max(float(np.abs(reference).max()), 1e-12)
         error = float(np.abs(te_out[name] - reference).max()) / scale
         assert error < tolerance, (name, error)
+
+
+def test_installed_leaves_no_transformer_engine_behind():
+    """After ``installed()``, megatron-core modules imported later still find no TE."""
+    capability = torch.cuda.get_device_capability
+    with installed() as te:
+        assert importlib.util.find_spec("transformer_engine") is not None
+        assert te.Linear.__module__ == "transformer_engine.pytorch.module.linear"
+    assert importlib.util.find_spec("transformer_engine") is None
+    assert not [name for name in sys.modules if name.startswith("transformer_engine")]
+    assert torch.cuda.get_device_capability is capability

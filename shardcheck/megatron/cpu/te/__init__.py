@@ -5,7 +5,9 @@
 outside site-packages so that megatron-core's import-time ``HAVE_TE`` probes elsewhere stay
 false) on ``sys.path``, imports TE's package with its CUDA library loading skipped, and registers
 :mod:`shardcheck.megatron.cpu.te.extension` as ``transformer_engine_torch``. Nothing here runs at
-``import shardcheck``.
+``import shardcheck``. ``installed()`` does the same for a ``with`` block and then takes TE off
+``sys.path`` and ``sys.modules`` again (and restores torch's device queries), so that
+megatron-core modules imported later in the process still see no Transformer Engine.
 """
 
 from __future__ import annotations
@@ -126,6 +128,9 @@ def _canonical_device(device: torch.device | str | None) -> torch.device:
     return torch.device("cpu") if device.type == "cuda" else device
 
 
+_GLOBAL_QUERIES = ("get_device_capability", "is_current_stream_capturing")
+
+
 def _patch_device_queries(te_pytorch: ModuleType) -> None:
     """TE's device queries: the capability and properties of :data:`DEVICE`.
 
@@ -213,3 +218,21 @@ def install() -> ModuleType:
     manager = te_pytorch.quantization.FP8GlobalStateManager
     manager.autocast_enter = classmethod(_refusing_quantisation(manager.__dict__["autocast_enter"].__func__))
     return te_pytorch
+
+
+@contextmanager
+def installed() -> Iterator[ModuleType]:
+    """``install()`` for a block; afterwards TE is neither importable nor imported."""
+    if "transformer_engine.pytorch" in sys.modules:
+        yield sys.modules["transformer_engine.pytorch"]
+        return
+    queries = {name: getattr(torch.cuda, name) for name in _GLOBAL_QUERIES}
+    path = list(sys.path)
+    try:
+        yield install()
+    finally:
+        for name, query in queries.items():
+            setattr(torch.cuda, name, query)
+        sys.path[:] = path
+        for name in [n for n in sys.modules if n.split(".")[0] in ("transformer_engine", "transformer_engine_torch")]:
+            del sys.modules[name]
