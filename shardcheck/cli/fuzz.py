@@ -22,6 +22,7 @@ from shardcheck.cli.errors import (
 )
 from shardcheck.fuzz.campaign import FuzzError, FuzzTarget, fuzz, registered_targets, resolve_target
 from shardcheck.fuzz.findings import (
+    AUDIT,
     DEFAULT_ROOT,
     Finding,
     FindingStore,
@@ -147,7 +148,7 @@ def repro_command(finding_id: str, output: str | None, root: str) -> None:
 
 def _write_script(finding: Finding, path: Path | str) -> Path:
     """An audit finding's script from its component's template, a fuzz finding's from its target."""
-    if finding.origin == "audit":
+    if finding.origin == AUDIT:
         warnings.filterwarnings("ignore", category=UserWarning)  # Megatron's "Apex is not installed"
         from shardcheck.megatron.repro.scripts import write_audit_script
 
