@@ -7,6 +7,8 @@ import torch
 
 pytest.importorskip("megatron.core")
 
+from audit_outcomes import worst_relative  # noqa: E402
+
 from shardcheck.megatron.audit.run import audit  # noqa: E402
 from shardcheck.megatron.audit.runner import PRELOAD, pools  # noqa: E402
 from shardcheck.megatron.audit.sweep import Case  # noqa: E402
@@ -70,17 +72,10 @@ def test_plain_gpt_on_correct_layouts_gives_no_finding(audit_pools, precision):
         reference = audit_pools.references[("gpt", (), 0)].outputs
         assert float(reference["clip_factor"]) < 1.0  # the step really clips
         for outcome in result.outcomes:
-            assert _worst_relative(outcome, reference, "grad/") < 1e-5, outcome.case.layout
-            assert _worst_relative(outcome, reference, "param/") < 1e-4, outcome.case.layout
+            assert worst_relative(outcome, reference, "grad/") < 1e-5, outcome.case.layout
+            assert worst_relative(outcome, reference, "param/") < 1e-4, outcome.case.layout
             for name in ("loss", "grad_norm", "clip_factor"):
-                assert _worst_relative(outcome, reference, name) < 1e-6, (outcome.case.layout, name)
-
-
-def _worst_relative(outcome, reference, prefix):
-    """The largest error of the outputs named ``prefix...``, relative to the reference's scale."""
-    named = [name for name in reference if name.startswith(prefix)]
-    assert named, prefix
-    return max(outcome.errors[name] / max(float(reference[name].abs().max()), 1e-30) for name in named)
+                assert worst_relative(outcome, reference, name) < 1e-6, (outcome.case.layout, name)
 
 
 def test_a_bug_still_shows_in_bf16(audit_pools):

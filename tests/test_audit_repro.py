@@ -1,4 +1,8 @@
-"""Audit findings' torchrun scripts: generated per component, reproduce the bug, exit 1 once fixed."""
+"""Audit findings' torchrun scripts: generated per component, reproduce the bug, exit 1 once fixed.
+
+The cp loss script runs under torchrun, as a user runs it; the others' ranks are forked from a
+warm interpreter that imported torch and megatron-core (``preload``), which a script's own
+imports then find loaded."""
 
 import os
 import re
@@ -30,6 +34,7 @@ from shardcheck.fuzz.repro import FIXED, REPRODUCES, SUPPORT_HEADER, ReproError,
 from shardcheck.megatron.audit import report as audit_report  # noqa: E402
 from shardcheck.megatron.audit.report import GLOBAL_GROUP_CONTRACT  # noqa: E402
 from shardcheck.megatron.checks.contracts import BY_NAME  # noqa: E402
+from shardcheck.megatron.cpu import MEGATRON_PRELOAD  # noqa: E402
 from shardcheck.megatron.repro.scripts import save_with_scripts, write_audit_script  # noqa: E402
 
 NO_CONTRACT = "outputs match the one-rank run"
@@ -139,7 +144,7 @@ def test_known_finding_script_reproduces_then_exits_1_with_the_fix(name, tmp_pat
     assert len(own.splitlines()) <= 150 and len(script.splitlines()) <= 350
 
     launcher = "torchrun" if name == "cp loss" else "direct"
-    buggy = run_repro(path, finding.world_size, launcher=launcher, timeout=600)
+    buggy = run_repro(path, finding.world_size, launcher=launcher, timeout=600, preload=MEGATRON_PRELOAD)
     assert (buggy.status, buggy.returncode) == (REPRODUCES, 0), buggy.output
     assert f"REPRODUCED {finding.id}" in buggy.output
     observed, reference = _farthest(buggy.output)
@@ -155,7 +160,7 @@ def test_known_finding_script_reproduces_then_exits_1_with_the_fix(name, tmp_pat
         return
     assert _values(buggy.output, "corrected") == pytest.approx(reference, rel=1e-4, abs=1e-6)
     # the fix patched in by the script itself; and the script runs where shardcheck is absent
-    fixed = run_repro(path, finding.world_size, launcher="direct", timeout=600, args=("--fixed",), env=no_shardcheck)
+    fixed = run_repro(path, finding.world_size, launcher="direct", timeout=600, preload=MEGATRON_PRELOAD, args=("--fixed",), env=no_shardcheck)
     assert (fixed.status, fixed.returncode) == (FIXED, 1), fixed.output
     assert "REPRODUCED" not in fixed.output and "checker:" not in fixed.output
 
@@ -179,12 +184,9 @@ def test_any_finding_of_a_templated_component_gets_a_script(component, options, 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("component", "options", "layout"), [
+@pytest.mark.parametrize(("component", "options", "layout"), [  # moe, t5, multimodal: their controls below
     ("gpt", {"gated_linear_unit": True}, "tp2-dp2"),  # fused fc1: each section cut over tp
     ("gdn", {}, "tp2-sp"),  # fused in_proj and conv1d; out_norm summed over tp under SP
-    ("moe", {"moe_token_dispatcher_type": "alltoall"}, "ep2-dp2"),
-    ("t5", {"encoder_padding": True, "loss_mask": True}, "tp2-sp"),  # cross attention over padded encoder output
-    ("multimodal", {"keep_class_token": True, "text_only_sample": True}, "tp2-sp"),  # LLaVA's SP scatter
     ("mamba", {}, "tp2-sp"),  # fused in_proj and conv1d (0.19: conv1d_weight), SSD scan
 ])
 def test_script_of_correct_megatron_code_finds_observed_equal_to_reference(component, options, layout, tmp_path):
@@ -193,17 +195,20 @@ def test_script_of_correct_megatron_code_finds_observed_equal_to_reference(compo
 
 
 def _assert_fixed(path, finding, env=None):
-    result = run_repro(path, finding.world_size, launcher="direct", timeout=600, env=env)
+    result = run_repro(path, finding.world_size, launcher="direct", timeout=600, preload=MEGATRON_PRELOAD, env=env)
     assert (result.status, result.returncode) == (FIXED, 1), result.output
     assert _values(result.output, "observed") == pytest.approx(_values(result.output, "reference"), rel=1e-4)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("component", "options", "layout", "bug"), [
-    ("moe", {}, "ep2-dp2", EXPERTS_REDUCED_OVER_DP),  # expert gradients averaged over dp; experts by global index
+    # expert gradients averaged over dp; experts by global index (control: the all-to-all dispatcher)
+    ("moe", {"moe_token_dispatcher_type": "alltoall"}, "ep2-dp2", EXPERTS_REDUCED_OVER_DP),
     ("gpt", {"share_embeddings": True}, "pp2", TIED_EMBEDDINGS_NOT_SUMMED),  # tied copies not summed; layers by global index
-    ("t5", {}, "tp2-sp", T5_CROSS_NORM_NOT_SUMMED),  # the cross-attention norm's gradient not summed over tp
-    ("multimodal", {}, "tp2-sp", LLAVA_SP_SLICE),  # the SP cut of the combined embeddings without its gather
+    # the cross-attention norm's gradient not summed over tp (control: cross attention over padded encoder output)
+    ("t5", {"encoder_padding": True, "loss_mask": True}, "tp2-sp", T5_CROSS_NORM_NOT_SUMMED),
+    # the SP cut of the combined embeddings without its gather (control: LLaVA's SP scatter, class token kept)
+    ("multimodal", {"keep_class_token": True, "text_only_sample": True}, "tp2-sp", LLAVA_SP_SLICE),
     ("mamba", {}, "cp2", MAMBA_CP_ORDER_BUG),  # the mixer ignores attention's load-balanced order
 ])
 def test_script_reproduces_a_bug_planted_in_megatron_core_and_passes_without_it(component, options, layout, bug,
@@ -212,7 +217,7 @@ def test_script_reproduces_a_bug_planted_in_megatron_core_and_passes_without_it(
     path = write_audit_script(finding, tmp_path / "x.py")
     own = path.read_text().split(SUPPORT_HEADER)[0]
     assert len(own.splitlines()) <= 150 and len(path.read_text().splitlines()) <= 350
-    result = run_repro(path, finding.world_size, launcher="direct", timeout=600,
+    result = run_repro(path, finding.world_size, launcher="direct", timeout=600, preload=MEGATRON_PRELOAD,
                        env=planted_env(tmp_path / "site", bug))
     assert (result.status, result.returncode) == (REPRODUCES, 0), result.output
     assert f"REPRODUCED {finding.id}" in result.output
