@@ -21,10 +21,10 @@ class Patches:
         self._saved: list[tuple[Any, str, Any]] = []
 
     def set(self, owner: Any, name: str, value: Any) -> None:
-        """``setattr(owner, name, value)``, remembering what ``owner.name`` held (if anything):
-        a class's own entry as it is stored (a ``staticmethod`` stays one)."""
-        own = vars(owner) if isinstance(owner, type) else {}
-        held = own[name] if name in own else getattr(owner, name, _MISSING)
+        """``setattr(owner, name, value)``, remembering what ``owner.name`` held (if anything);
+        of a class, its own entry as it is stored (a ``staticmethod`` stays one; an inherited
+        attribute is inherited again after :meth:`restore`)."""
+        held = vars(owner).get(name, _MISSING) if isinstance(owner, type) else getattr(owner, name, _MISSING)
         setattr(owner, name, value)
         self._saved.append((owner, name, held))
 

@@ -45,3 +45,16 @@ def test_a_class_gets_back_its_own_entry_as_stored():
     with patched(Step, "backward", staticmethod(lambda x: -x)):
         assert Step().backward(2) == -2
     assert isinstance(vars(Step)["backward"], staticmethod) and Step().backward(2) == 2
+
+
+def test_an_inherited_attribute_is_inherited_again():
+    class Base:
+        def apply(self):
+            return "base"
+
+    class Scaler(Base):
+        pass
+
+    with patched(Scaler, "apply", lambda self: "seen"):
+        assert Scaler().apply() == "seen"
+    assert "apply" not in vars(Scaler) and Scaler().apply() == "base"

@@ -42,6 +42,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shardcheck.patching import patched
+
 
 @dataclass(frozen=True)
 class Contract:
@@ -191,7 +193,7 @@ def _mtp_loss_over_global_counts(*args, **kwargs):
         dist.all_reduce(summed, group=group)
         return rolled, (summed * share).to(count.dtype if count.is_floating_point() else torch.float32)
 
-    mtp.roll_tensor = counted_over_cp
+    mtp.roll_tensor = counted_over_cp  # not shardcheck.patching: repro scripts run this source alone
     try:
         return original(*args, **kwargs)
     finally:
@@ -211,21 +213,14 @@ def _mtp_losses(call: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[An
     group, config = bound.get("cp_group"), bound["config"]
     averaged = 1 if config.calculate_per_token_loss or group is None else group.size()
     scaler, seen = mtp.MTPLossAutoScaler, []
-    own = "apply" in vars(scaler)
     applied = scaler.apply
 
     def seeing(output, loss):
         seen.append(loss.detach().double().sum() / averaged)
         return applied(output, loss)
 
-    scaler.apply = seeing
-    try:
+    with patched(scaler, "apply", seeing):
         result = call(*args, **kwargs)
-    finally:
-        if own:
-            scaler.apply = applied
-        else:
-            del scaler.apply
     return result, (torch.stack(seen) if seen else None,)
 
 
@@ -450,8 +445,8 @@ def _check_results(active: Any, contract: Contract, fn: Callable[..., Any], args
                 got = actual.get(mesh_axis)
                 if got is not None and got != want:
                     active.report(Violation("contract", active.names.index(mesh_axis),
-                                             f"{contract.name} result {name} must be {mesh_axis}={want}"),
-                                   "contract", (value,))
+                                            f"{contract.name} result {name} must be {mesh_axis}={want}"),
+                                  "contract", (value,))
 
 
 def _paused(active: Any, fn: Callable[..., Any]) -> Callable[..., Any]:
