@@ -42,14 +42,13 @@ def _te_and_local_gpt(dtype_names: list[str], port: int) -> dict[str, tuple[dict
     from shardcheck.megatron.cpu.te import install
 
     install()  # before megatron-core is imported
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
-    from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.module import Float16Module
 
     from shardcheck.megatron.cpu.parallel import megatron_parallel
     from shardcheck.megatron.cpu.runner import RankContext
     from shardcheck.megatron.scenarios.gpt import (
         GPTSetup,
+        TEGPTSetup,
         build_gpt,
         global_batches,
         transformer_config,
@@ -66,8 +65,7 @@ def _te_and_local_gpt(dtype_names: list[str], port: int) -> dict[str, tuple[dict
             half = {"bf16": True} if dtype is torch.bfloat16 else {}
             config = transformer_config(Layout(), setup, params_dtype=dtype, pipeline_dtype=dtype, **half)
             local = build_gpt(config, setup)
-            te_model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_with_transformer_engine_spec(),
-                                vocab_size=setup.vocab, max_sequence_length=setup.seq)
+            te_model = build_gpt(config, TEGPTSetup())
             # the same global weights: the local spec's checkpoint keys are TE's (layer norms
             # fused into linear_qkv and linear_fc1)
             for model in (local, te_model):
@@ -79,6 +77,25 @@ def _te_and_local_gpt(dtype_names: list[str], port: int) -> dict[str, tuple[dict
             batches = global_batches(setup)
             results[dtype_name] = (_loss_and_grads(te_model, batches), _loss_and_grads(local, batches), modules)
     return results
+
+
+def _te_gpt_against_one_rank(layouts: list[str]) -> dict[str, dict[str, float]]:
+    """In a fresh process: the gpt scenario on the TE spec under each layout against one rank
+    (relative error per output); the ranks are forked from this TE-enabled process."""
+    from functools import partial
+
+    from shardcheck.megatron.cpu.te import install
+
+    install()  # before megatron-core is imported
+    import megatron.core.pipeline_parallel.schedules  # noqa: F401  (imported once, before forking)
+
+    from shardcheck.megatron.cpu.runner import relative_errors, run_layout
+    from shardcheck.megatron.scenarios.gpt import TEGPTSetup, train_step
+    from shardcheck.parity.layout import Layout
+
+    step = partial(train_step, setup=TEGPTSetup(optimizer_step=False))
+    reference = run_layout(step, Layout())
+    return {name: relative_errors(run_layout(step, Layout.parse(name)), reference) for name in layouts}
 
 
 def _free_port() -> int:
@@ -115,3 +132,13 @@ def test_installed_leaves_no_transformer_engine_behind():
     assert importlib.util.find_spec("transformer_engine") is None
     assert not [name for name in sys.modules if name.startswith("transformer_engine")]
     assert torch.cuda.get_device_capability is capability
+
+
+def test_te_spec_gpt_matches_one_rank_under_tp2_with_sequence_parallelism():
+    """TE's own tensor- and sequence-parallel communication (its all-gathers and
+    reduce-scatters, on Gloo), through Megatron's DDP, schedule and finalize_model_grads."""
+    with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
+        errors = pool.submit(_te_gpt_against_one_rank, ["tp2-sp"]).result(600)["tp2-sp"]
+    assert any(name.startswith("grad/decoder.layers.self_attention.linear_qkv.layer_norm") for name in errors)
+    worst = max(errors, key=errors.__getitem__)
+    assert errors[worst] < 1e-5, (worst, errors[worst])

@@ -55,6 +55,16 @@ class GPTSetup:
     model_args: dict[str, Any] = field(default_factory=dict)
     forward_args: dict[str, Any] = field(default_factory=dict)
     base_config: ClassVar[dict[str, Any]] = {}
+    # Megatron's layer spec: "local" (torch modules) or "transformer_engine" (TE's own modules;
+    # megatron-core must have been imported after shardcheck.megatron.cpu.te.install())
+    layer_spec: ClassVar[str] = "local"
+
+
+@dataclass(frozen=True)
+class TEGPTSetup(GPTSetup):
+    """The tiny GPT from Megatron's Transformer Engine layer spec."""
+
+    layer_spec: ClassVar[str] = "transformer_engine"
 
 
 @dataclass(frozen=True)
@@ -124,15 +134,20 @@ def local_batches(setup: GPTSetup, pg: Any = None) -> list[dict[str, torch.Tenso
 
 
 def build_gpt(config, setup: GPTSetup, pg: Any = None):
-    """A GPTModel with the local (no Transformer Engine) spec for this pipeline stage."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    """A GPTModel with the setup's layer spec (local: no Transformer Engine) for this pipeline
+    stage."""
+    from megatron.core.models.gpt import gpt_layer_specs
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     from shardcheck.megatron.cpu.cp_attention import local_spec_for
 
-    spec = local_spec_for(config, get_gpt_layer_local_spec(
-        num_experts=config.num_moe_experts, qk_layernorm=config.qk_layernorm,
-        normalization=config.normalization, qk_l2_norm=config.qk_l2_norm))
+    options = dict(num_experts=config.num_moe_experts, qk_layernorm=config.qk_layernorm,
+                   qk_l2_norm=config.qk_l2_norm)
+    if setup.layer_spec == "transformer_engine":  # TE's norms read config.normalization
+        spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(**options)
+    else:
+        spec = local_spec_for(config, gpt_layer_specs.get_gpt_layer_local_spec(
+            normalization=config.normalization, **options))
     pp = scenario_groups(pg).pp
     return GPTModel(
         config=config, transformer_layer_spec=spec, vocab_size=setup.vocab,
