@@ -26,8 +26,6 @@ import math
 import torch
 import torch.nn.functional as F
 
-_ACTIVATIONS = (None, "silu", "swish")
-
 
 def causal_conv1d_fn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                      activation: str | None = None, **unsupported) -> torch.Tensor:
@@ -37,7 +35,7 @@ def causal_conv1d_fn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     ``activation`` is ``"silu"``/``"swish"``.
     """
     _refuse(unsupported)
-    if activation not in _ACTIVATIONS:
+    if activation not in (None, "silu", "swish"):
         raise NotImplementedError(f"causal_conv1d activation {activation!r}")
     width, seq = weight.shape[-1], x.shape[-1]
     padded = F.pad(x, (width - 1, 0))
@@ -95,11 +93,9 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
 
 
 def mamba_chunk_scan_combined(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
-                              C: torch.Tensor, chunk_size: int | None = None,
-                              D: torch.Tensor | None = None, z: torch.Tensor | None = None,
-                              dt_bias: torch.Tensor | None = None,
-                              initial_states: torch.Tensor | None = None,
-                              dt_softplus: bool = False,
+                              C: torch.Tensor, chunk_size: int | None = None, D: torch.Tensor | None = None,
+                              z: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
+                              initial_states: torch.Tensor | None = None, dt_softplus: bool = False,
                               dt_limit: tuple[float, float] = (0.0, math.inf),
                               return_final_states: bool = False, **unsupported):
     """The Mamba-2 selective state-space scan, step by step (``chunk_size`` is irrelevant).

@@ -3,8 +3,33 @@
 :mod:`shardcheck.megatron.repro.templates` picks the pieces a finding needs and puts them
 together; each piece here is plain script code, run by ``torchrun`` without shardcheck.
 Every component's ``run(sizes, pg)`` gets the process groups its model is given (``pg``, a
-``ProcessGroupCollection``) and returns the same global values in every layout.
+``ProcessGroupCollection``) and returns the same global values in every layout. The CPU
+stand-ins of CUDA-only code are the harness's own (:mod:`shardcheck.megatron.cpu`), their
+source read with :func:`harness_source`, so a script runs the kernels and patches the audit ran.
 """
+
+import ast
+import inspect
+import textwrap
+
+from shardcheck.megatron.cpu import kernels, patches
+
+
+def harness_source(*objects: object) -> str:
+    """The source of the harness's ``objects`` (functions, classes) as a script defines them:
+    their code as it is, without their docstrings (documented where they live)."""
+    return "\n\n\n".join(without_docstrings(textwrap.dedent(inspect.getsource(obj)).strip())
+                          for obj in objects)
+
+
+def without_docstrings(source: str) -> str:
+    """``source`` without the lines of its functions' and classes' docstrings."""
+    docstrings = {line for node in ast.walk(ast.parse(source))
+                  if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and len(node.body) > 1
+                  and ast.get_docstring(node) is not None
+                  for line in range(node.body[0].lineno, node.body[0].end_lineno + 1)}
+    return "\n".join(line for number, line in enumerate(source.splitlines(), 1) if number not in docstrings)
+
 
 BASE = '''
 def run_on(sizes, check=False):
@@ -312,12 +337,14 @@ def run(sizes, pg):
         loss_mask=batch["loss_mask"], **SETUP.get("forward_args", {})))
 '''
 
-CLIP_NORM = '''
+CLIP_NORM = f"""
+{harness_source(patches._with_default_norms)}
+
+
 # Transformer Engine only: without TE, CLIP's default norms are torch LayerNorms, which cannot be
 # built from a config; megatron's torch norm built from the config stands in for TE's norm
-CLIPViTModel.__init__ = functools.partialmethod(CLIPViTModel.__init__, ln_pre_impl=WrappedTorchNorm,
-                                                ln_post_impl=WrappedTorchNorm)
-'''
+CLIPViTModel.__init__ = _with_default_norms(CLIPViTModel.__init__, WrappedTorchNorm)
+"""
 
 LLAVA_SP_ATTENTION = '''
 # Transformer Engine only: LLaVA allows sequence parallelism with TE's attention only; here it is
@@ -370,16 +397,10 @@ def run(sizes, pg):
     return grad_norms(layer, pg)
 '''
 
-CAUSAL_CONV1D = '''
-def causal_conv1d_fn(x, weight, bias=None, activation=None, **_):
-    """causal_conv1d's depthwise causal convolution of [batch, dim, seq] (then SiLU), in torch
-    (training passes it no sequence index or initial state)."""
-    width, steps = weight.shape[-1], x.shape[-1]
-    padded = torch.nn.functional.pad(x, (width - 1, 0))
-    out = sum(weight[:, j, None] * padded[..., j:j + steps] for j in range(width))
-    out = out + bias[:, None] if bias is not None else out
-    return torch.nn.functional.silu(out) if activation else out
-'''
+CAUSAL_CONV1D = f"""
+# CUDA-only kernels (causal_conv1d, mamba_ssm, FLA): shardcheck's plain torch (cpu/kernels.py)
+{harness_source(kernels._refuse, kernels.causal_conv1d_fn)}
+"""
 
 MAMBA = '''
 def run(sizes, pg):
@@ -411,51 +432,9 @@ def tokens(tensor, sizes, pg):
     return shard(torch.cat([chunks[pg.cp.rank()], chunks[-1 - pg.cp.rank()]]), sizes, pg.tp)
 '''
 
-MAMBA_KERNELS = '''
-def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D, z=None, dt_bias=None, dt_softplus=False, **_):
-    """mamba_ssm's SSD scan of x [batch, seq, heads, headdim], step by step (training passes it no
-    states): state = exp(dt A) state + dt x B^T, y = state C + D x, gated by silu(z) if given."""
-    dt = dt.float() + (0 if dt_bias is None else dt_bias)
-    dt = torch.nn.functional.softplus(dt) if dt_softplus else dt
-    B, C = (t.repeat_interleave(x.shape[2] // t.shape[2], dim=2) for t in (B, C))  # a group's heads share it
-    state, ys = x.new_zeros(x.shape[0], x.shape[2], x.shape[3], B.shape[3]), []
-    for t in range(x.shape[1]):
-        write = torch.einsum("bhp,bh,bhn->bhpn", x[:, t], dt[:, t], B[:, t])
-        state = torch.exp(dt[:, t] * A)[..., None, None] * state + write
-        ys.append(torch.einsum("bhpn,bhn->bhp", state, C[:, t]))
-    y = torch.stack(ys, 1) + x * (D[:, None] if D.dim() == 1 else D)
-    return y * torch.nn.functional.silu(z) if z is not None else y
-
-
-def mamba_split_conv1d_scan_combined(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size,
-                                     activation="silu", headdim=None, ngroups=1, **_):
-    """mamba_ssm's fused training step: split z, xBC, dt; the causal convolution of xBC; split x,
-    B, C; the scan gated by z. Returns [batch, seq, heads * headdim]."""
-    heads, headdim = dt_bias.shape[0], headdim or D.shape[-1]
-    inner, (batch, steps, width) = heads * headdim, zxbcdt.shape
-    bc = (width - 2 * inner - heads) // 2  # the width of B (and of C): ngroups * d_state
-    z, xbc, dt = zxbcdt.split([inner, inner + 2 * bc, heads], dim=-1)
-    xbc = causal_conv1d_fn(xbc.transpose(1, 2), conv1d_weight, conv1d_bias, activation).transpose(1, 2)
-    x, B, C = (t.reshape(batch, steps, n, -1) for t, n in zip(
-        xbc.split([inner, bc, bc], dim=-1), (heads, ngroups, ngroups)))
-    y = mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=D, z=z.reshape(x.shape), dt_bias=dt_bias,
-                                  dt_softplus=True)
-    return y.reshape(batch, steps, inner)
-
-
-class GatedRMSNorm(torch.nn.Module):
-    """mamba_ssm's gated RMSNorm, gate first (megatron asserts norm_before_gate=False), over each
-    group of ``group_size`` channels."""
-
-    def __init__(self, hidden, eps=1e-5, group_size=None, norm_before_gate=False, device=None, dtype=None):
-        super().__init__()
-        self.eps, self.group_size = eps, group_size or hidden
-        self.weight = torch.nn.Parameter(torch.ones(hidden, device=device, dtype=dtype))
-
-    def forward(self, x, z=None):
-        x = x * torch.nn.functional.silu(z) if z is not None else x
-        groups = x.unflatten(-1, (-1, self.group_size))
-        return (groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + self.eps)).flatten(-2) * self.weight
+MAMBA_KERNELS = f"""
+{harness_source(kernels.mamba_chunk_scan_combined, kernels.mamba_split_conv1d_scan_combined,
+                kernels.RMSNormGated)}
 
 
 TENSOR_OPS = "megatron.core.inference.contexts.attention_context.triton.tensor_ops"
@@ -463,41 +442,30 @@ TENSOR_OPS = "megatron.core.inference.contexts.attention_context.triton.tensor_o
 sys.modules[TENSOR_OPS] = types.SimpleNamespace(tensor_get_slice_after=None, tensor_masked_update=None,
                                                 tensor_merge=None)
 mamba_module = importlib.import_module("megatron.core.ssm.mamba_mixer")
-# CUDA-only (mamba_ssm and causal_conv1d kernels): the torch equivalents above
 vars(mamba_module).update(causal_conv1d_fn=causal_conv1d_fn, mamba_chunk_scan_combined=mamba_chunk_scan_combined,
                           mamba_split_conv1d_scan_combined=mamba_split_conv1d_scan_combined,
-                          ExtendedRMSNorm=GatedRMSNorm, HAVE_MAMBA_SSM=True)
-'''
+                          ExtendedRMSNorm=RMSNormGated, RMSNormGated=RMSNormGated, HAVE_MAMBA_SSM=True)
+"""
 
-GDN_KERNELS = '''
-# CUDA-only (FLA and causal_conv1d kernels): megatron's own torch delta rule, torch equivalents,
+GDN_KERNELS = f"""
+{harness_source(kernels.causal_conv1d, kernels.l2norm, kernels.chunk_gated_delta_rule)}
+
+
 # set where GatedDeltaNet's code reads them (gated_delta_net.py; 0.19: gated_delta_net/*.py)
-def fla_causal_conv1d(x, weight, bias=None, activation=None, **_):
-    """FLA's calling convention of the convolution (megatron 0.19): [batch, seq, dim], no state."""
-    return causal_conv1d_fn(x.transpose(1, 2), weight, bias, activation).transpose(1, 2), None
-
-
-for gdn_home in {sys.modules[c.__module__] for c in gdn_module.GatedDeltaNet.__mro__ if "ssm" in c.__module__}:
-    vars(gdn_home).update(chunk_gated_delta_rule=gdn_module.torch_chunk_gated_delta_rule, HAVE_FLA=True,
-                          causal_conv1d_fn=causal_conv1d_fn, causal_conv1d=fla_causal_conv1d,
-                          l2norm=lambda x, dim=-1, eps=1e-6: x * torch.rsqrt(x.pow(2).sum(dim, keepdim=True) + eps))
+for gdn_home in {{sys.modules[c.__module__] for c in gdn_module.GatedDeltaNet.__mro__ if "ssm" in c.__module__}}:
+    vars(gdn_home).update(chunk_gated_delta_rule=chunk_gated_delta_rule, HAVE_FLA=True, l2norm=l2norm,
+                          causal_conv1d_fn=causal_conv1d_fn, causal_conv1d=causal_conv1d)
 torch._dynamo.config.disable = True  # megatron's jit_fuser would build C++ kernels on each rank
-'''
+"""
 
-NORM_UNDER_SP = '''
-def norm_under_sp(cls, config, *args, **kwargs):
-    """Transformer Engine only: megatron's torch norm refuses sequence parallelism; build it
-    without, and mark its parameters for finalize_model_grads' tp sum, as TE's norms are."""
-    plain = copy.copy(config)
-    plain.sequence_parallel = False
-    norm = torch_norm(cls, plain, *args, **kwargs)
-    for param in norm.parameters():
-        param.sequence_parallel = config.sequence_parallel
-    return norm
+NORM_UNDER_SP = f"""
+{harness_source(patches._norm_with_sequence_parallel)}
 
 
-torch_norm, WrappedTorchNorm.__new__ = WrappedTorchNorm.__new__, norm_under_sp
-'''
+# Transformer Engine only: megatron's torch norm refuses sequence parallelism; it is built without,
+# its parameters marked for finalize_model_grads' tp sum, as TE's norms are (cpu/patches.py)
+WrappedTorchNorm.__new__ = _norm_with_sequence_parallel(WrappedTorchNorm.__new__)
+"""
 
 PATCH_RNG = '''
 # CUDA-only: megatron's RNG tracker keeps CUDA generator states; point it at the CPU generator
@@ -517,8 +485,7 @@ torch.cuda.synchronize = lambda *a, **k: None  # CUDA-only: pipeline send/recv w
 PATCH_CUDA_TENSORS = '''
 class CudaToCpu(TorchFunctionMode):
     """CUDA-only: tensors the schedules, DDP and the optimizer make on "cuda" are made on the CPU
-    (and a tensor's type() reads as the CUDA type that gradient clipping asserts); the streams
-    and events DDP's gradient sync (0.19) and the MoE dispatcher wait on do nothing below."""
+    (and a tensor's type() reads as the CUDA type that gradient clipping asserts)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
@@ -532,21 +499,22 @@ class CudaToCpu(TorchFunctionMode):
 
 
 CudaToCpu().__enter__()
+'''
+
+PATCH_STREAMS = '''
+# CUDA-only: the streams and events DDP's gradient sync (0.19) and the MoE dispatcher wait on do nothing
 CpuStream = type("CpuStream", (contextlib.nullcontext,), {"__getattr__": lambda self, name: lambda *a, **k: self})
 torch.cuda.Stream = torch.cuda.Event = torch.cuda.stream = torch.cuda.current_stream = lambda *a, **k: CpuStream()
 '''
 
-ALLTOALL_ON_CPU = '''
-def to_host(tensor, as_numpy=False, record_stream=False):
-    """CUDA-only: split sizes read on the host, as numpy like a device tensor's copy."""
-    if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
-        return tensor.numpy()
-    return device_to_host(tensor, as_numpy=as_numpy, record_stream=record_stream)
+ALLTOALL_ON_CPU = f"""
+{harness_source(patches._to_host)}
 
 
-device_to_host = moe_utils.maybe_move_tensor_to_cpu
-moe_utils.maybe_move_tensor_to_cpu = token_dispatcher.maybe_move_tensor_to_cpu = to_host
-'''
+# CUDA-only: the dispatcher's split sizes read on the host, as numpy like a device tensor's copy
+moe_utils.maybe_move_tensor_to_cpu = token_dispatcher.maybe_move_tensor_to_cpu = _to_host(
+    moe_utils.maybe_move_tensor_to_cpu)
+"""
 
 PATCH_TE_GEMM = '''
 # CUDA-only: the router tests Transformer Engine's gemm for None, but it is unset without TE

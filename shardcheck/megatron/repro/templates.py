@@ -56,10 +56,11 @@ DDP = "from megatron.core.distributed import DistributedDataParallel, Distribute
 RNG_ON_CPU = Snippet(code.PATCH_RNG)
 DEVICE_ON_CPU = Snippet(code.PATCH_DEVICE)
 NO_SYNCHRONIZE = Snippet(code.PATCH_SYNCHRONIZE)
-CUDA_TENSORS_ON_CPU = Snippet(code.PATCH_CUDA_TENSORS, "import contextlib\nfrom torch.overrides import TorchFunctionMode")
+STREAMS_ON_CPU = Snippet(code.PATCH_STREAMS, "import contextlib")
+CUDA_TENSORS_ON_CPU = Snippet(code.PATCH_CUDA_TENSORS, "from torch.overrides import TorchFunctionMode")
 TE_GEMM_UNSET = Snippet(code.PATCH_TE_GEMM, "from megatron.core.transformer.moe import moe_utils")
-CAUSAL_CONV1D = Snippet(code.CAUSAL_CONV1D)
-MAMBA_KERNELS = Snippet(code.MAMBA_KERNELS, "import importlib\nimport types")
+CAUSAL_CONV1D = Snippet(code.CAUSAL_CONV1D, "import torch.nn.functional as F")
+MAMBA_KERNELS = Snippet(code.MAMBA_KERNELS, "import importlib\nimport math\nimport types")
 GDN_KERNELS = Snippet(code.GDN_KERNELS, "import torch._dynamo\nfrom megatron.core.ssm import gated_delta_net as gdn_module")
 CP_ATTENTION = Snippet(code.CP_ATTENTION, """\
 import copy
@@ -86,7 +87,6 @@ from megatron.core.models.multimodal.llava_model import DEFAULT_IMAGE_TOKEN_INDE
 from megatron.core.models.vision.vit_layer_specs import get_vit_layer_with_local_spec
 from megatron.core.transformer.mlp import MLPSubmodules""")
 CLIP_NORM = Snippet(code.CLIP_NORM, """\
-import functools
 from megatron.core.models.vision.clip_vit_model import CLIPViTModel
 from megatron.core.transformer.torch_norm import WrappedTorchNorm""")
 LLAVA_SP_ATTENTION = Snippet(code.LLAVA_SP_ATTENTION, """\
@@ -187,7 +187,7 @@ class Template:
     sections: Callable[[dict[str, Any], dict[str, Any]], dict[str, list[int]]] | None = None
 
 
-GPT_SUPPORT = (RNG_ON_CPU, DEVICE_ON_CPU, CUDA_TENSORS_ON_CPU, BASE, SEEDED, WEIGHTS, TRAINING)
+GPT_SUPPORT = (RNG_ON_CPU, DEVICE_ON_CPU, CUDA_TENSORS_ON_CPU, STREAMS_ON_CPU, BASE, SEEDED, WEIGHTS, TRAINING)
 SP_NORM = (lambda layout, options: layout.sp, NORM_UNDER_SP)
 GPT_EXTRAS = (SP_NORM,
               (lambda layout, options: layout.cp > 1, CP_ATTENTION),
@@ -205,11 +205,11 @@ TEMPLATES: dict[str, Template] = {
     "mtp": Template("shardcheck.megatron.scenarios.gpt:MTPGPTSetup", GPT_CODE, GPT_SUPPORT,
                     sections=_gpt_sections, extras=GPT_EXTRAS),
     "gdn": Template("shardcheck.megatron.scenarios.ssm:GDNSetup", GDN_CODE,
-                    (RNG_ON_CPU, DEVICE_ON_CPU, CUDA_TENSORS_ON_CPU, CAUSAL_CONV1D, GDN_KERNELS, BASE,
+                    (RNG_ON_CPU, DEVICE_ON_CPU, CUDA_TENSORS_ON_CPU, STREAMS_ON_CPU, CAUSAL_CONV1D, GDN_KERNELS, BASE,
                      SEEDED, SHARD, WEIGHTS), _gdn_refuses, sections=_gdn_sections,
                     extras=(SP_NORM,)),
     "mamba": Template("shardcheck.megatron.scenarios.ssm:MambaSetup", MAMBA_CODE,
-                      (RNG_ON_CPU, DEVICE_ON_CPU, CUDA_TENSORS_ON_CPU, CAUSAL_CONV1D, MAMBA_KERNELS,
+                      (RNG_ON_CPU, DEVICE_ON_CPU, STREAMS_ON_CPU, CAUSAL_CONV1D, MAMBA_KERNELS,
                        BASE, SEEDED, SHARD, WEIGHTS), _mamba_refuses, sections=_mamba_sections),
     "t5": Template("shardcheck.megatron.scenarios.t5:T5Setup", T5_CODE, GPT_SUPPORT, _refused_by("t5"),
                    sections=_gpt_sections, extras=(SP_NORM,)),
