@@ -21,7 +21,6 @@ as dicts with ``rule``, ``location``, ``op`` and ``line`` (the ``checker:`` line
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import io
 import weakref
 from collections.abc import Iterator
@@ -29,15 +28,16 @@ from typing import Any
 
 import torch
 
-from shardcheck.megatron.checks.attributes import attributes_set
 from shardcheck.megatron.checks.pipeline_types import received_activations_typed
+from shardcheck.patching import patched, patched_attrs
 
 MESH_AXES = ("tp", "cp", "dp", "ep", "pp")
 
 
 def checker_available() -> bool:
-    """Whether this shardcheck has the type checker (``sc.typecheck``)."""
-    return importlib.util.find_spec("shardcheck.typecheck.checker") is not None
+    """Whether this shardcheck has the type checker: always, ``shardcheck`` imports it (no probe
+    of its own module). Kept only while ``audit/run.py`` asks; it goes with that last caller."""
+    return True
 
 
 def layout_mesh(ctx: Any):
@@ -106,12 +106,11 @@ def _parameters_typed_on_first_use(axes: tuple[str, ...]) -> Iterator[None]:
         original_init(self, config, ddp_config, module, *args, **kwargs)
 
     handle = torch.nn.modules.module.register_module_forward_pre_hook(type_parameters)
-    DistributedDataParallel.__init__ = typed_init
     try:
-        yield
+        with patched(DistributedDataParallel, "__init__", typed_init):
+            yield
     finally:
         handle.remove()
-        DistributedDataParallel.__init__ = original_init
 
 
 _HOLDERS: dict[tuple[str, int], tuple[int, list]] = {}
@@ -140,8 +139,8 @@ def _holds(module: Any, name: str, value: Any) -> bool:
 
 def _replaced_everywhere(original: Any, replacement: Any) -> contextlib.AbstractContextManager:
     """Replace a megatron-core function in every megatron module that refers to it."""
-    return attributes_set([(module, original.__name__, replacement)
-                           for module in holders("megatron", original)])
+    return patched_attrs([(module, original.__name__, replacement)
+                          for module in holders("megatron", original)])
 
 
 @contextlib.contextmanager
@@ -165,10 +164,10 @@ def _tp_duplicates_checked() -> Iterator[None]:
         if not counted and checker is not None and "tp" in checker.names:
             axis = checker.names.index("tp")
             if isinstance((checker.types(param) or (None,) * checker.n)[axis], Shard):
-                checker._report(Violation("shard counted as replica", axis,
-                                          "no tensor_model_parallel attribute: only tp rank 0's "
-                                          "piece of this parameter is counted"),
-                                original.__name__, (param,))
+                checker.report(Violation("shard counted as replica", axis,
+                                         "no tensor_model_parallel attribute: only tp rank 0's "
+                                         "piece of this parameter is counted"),
+                               original.__name__, (param,))
         return counted
 
     with _replaced_everywhere(original, checked):
@@ -283,9 +282,9 @@ def _gradient_buffers_typed(axes: tuple[str, ...]) -> Iterator[None]:
     ``optimizer.step`` sees the reduced gradient."""
     from megatron.core.distributed import DistributedDataParallel
 
-    from shardcheck.typecheck import checker as checker_module
+    from shardcheck.typecheck import tensor_state
     from shardcheck.typecheck.checker import current
-    zero = getattr(checker_module, "ZERO", True)  # the zero flag (an int in newer checkers)
+    from shardcheck.typecheck.rules.registry import Known
 
     original = DistributedDataParallel.zero_grad_buffer
 
@@ -300,16 +299,13 @@ def _gradient_buffers_typed(axes: tuple[str, ...]) -> Iterator[None]:
             main_grad = getattr(param, "main_grad", None)
             if isinstance(main_grad, torch.Tensor):
                 placements = types[id(param)].placements
-                checker.set_type(main_grad, tuple(placements.get(a) for a in checker.names), zero)
-                if main_grad._base is not None and getattr(main_grad, "_sc_root", None) is None:
+                checker.set_type(main_grad, tuple(placements.get(a) for a in checker.names), Known.ZERO)
+                if main_grad._base is not None and tensor_state.read(main_grad, "root") is None:
                     checker.register_view(main_grad, main_grad._base)  # DDP reduces the buffer
         return result
 
-    DistributedDataParallel.zero_grad_buffer = typed_zero
-    try:
+    with patched(DistributedDataParallel, "zero_grad_buffer", typed_zero):
         yield
-    finally:
-        DistributedDataParallel.zero_grad_buffer = original
 
 
 @contextlib.contextmanager
@@ -331,11 +327,8 @@ def _memory_buffers_typed() -> Iterator[None]:
                 checker.set_type(buffer, (R,) * checker.n)
         return original(self, *args, **kwargs)
 
-    GlobalMemoryBuffer.get_tensor = typed
-    try:
+    with patched(GlobalMemoryBuffer, "get_tensor", typed):
         yield
-    finally:
-        GlobalMemoryBuffer.get_tensor = original
 
 
 OBJECT_COLLECTIVES = ("all_gather_object", "broadcast_object_list", "gather_object",
@@ -357,7 +350,7 @@ def _object_collectives_untyped() -> Iterator[None]:
                 return original(*args, **kwargs)
         return run
 
-    with attributes_set([(dist, name, untyped(getattr(dist, name))) for name in OBJECT_COLLECTIVES]):
+    with patched_attrs([(dist, name, untyped(getattr(dist, name))) for name in OBJECT_COLLECTIVES]):
         yield
 
 
@@ -398,7 +391,7 @@ def _received_tensors_untyped() -> Iterator[None]:
     replaced = {id(original): (batched if name == "batch_isend_irecv" else receiving)(original)
                 for _, name, original in saved}
     # one object per function in both namespaces
-    with attributes_set([(namespace, name, replaced[id(original)]) for namespace, name, original in saved]):
+    with patched_attrs([(namespace, name, replaced[id(original)]) for namespace, name, original in saved]):
         yield
 
 
@@ -435,9 +428,6 @@ def checked_region(ctx: Any, ops: dict | None = None) -> Iterator[list[dict]]:
     source location, and ``ops`` receives them at exit (:func:`megatron_ops`).
     """
     found: list[dict] = []
-    if not checker_available():
-        yield found
-        return
     import shardcheck as sc
 
     mesh = layout_mesh(ctx)
