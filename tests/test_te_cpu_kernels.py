@@ -139,8 +139,9 @@ def test_softmax_variants_and_backward(te, dtype):
         _close(tex.scaled_softmax_backward(grad, probs, 0.5), ref, dtype)
 
 
+@pytest.mark.parametrize("layout", ["sbhd_sbhd_sbhd", "sbhd_sb2hd"])  # K and V packed: same views
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_fused_attention_returns_output_and_log_sum_exp_and_its_backward(te, dtype):
+def test_fused_attention_returns_output_and_log_sum_exp_and_its_backward(te, dtype, layout):
     import transformer_engine_torch as tex
     from transformer_engine.pytorch.cpp_extensions.fused_attn import fused_attn_bwd, fused_attn_fwd
 
@@ -149,7 +150,7 @@ def test_fused_attention_returns_output_and_log_sum_exp_and_its_backward(te, dty
     cu = torch.tensor([0, 6, 12], dtype=torch.int32)
     out, aux, *_ = fused_attn_fwd(
         True, 6, 6, cu, cu, q, k, v, dtype, tex.NVTE_Fused_Attn_Backend.NVTE_F16_arbitrary_seqlen,
-        attn_scale=0.3, qkv_layout="sbhd_sbhd_sbhd", attn_mask_type="causal")
+        attn_scale=0.3, qkv_layout=layout, attn_mask_type="causal")
     qs, ks, vs = (t.float().permute(1, 2, 0, 3).requires_grad_() for t in (q, k, v))
     reference = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=0.3, enable_gqa=True)
     _close(out, reference.permute(2, 0, 1, 3), dtype)
@@ -161,7 +162,7 @@ def test_fused_attention_returns_output_and_log_sum_exp_and_its_backward(te, dty
     dq, dk, dv, *_ = fused_attn_bwd(
         6, 6, cu, cu, q, k, v, out, d_out, dtype, aux,
         tex.NVTE_Fused_Attn_Backend.NVTE_F16_arbitrary_seqlen, attn_scale=0.3,
-        qkv_layout="sbhd_sbhd_sbhd", attn_mask_type="causal")
+        qkv_layout=layout, attn_mask_type="causal")
     expected = torch.autograd.grad(reference, (qs, ks, vs), d_out.float().permute(1, 2, 0, 3))
     for ours, ref in zip((dq, dk, dv), expected, strict=True):
         _close(ours, ref.permute(2, 0, 1, 3), dtype)

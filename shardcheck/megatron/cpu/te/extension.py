@@ -448,11 +448,14 @@ _FORMAT_DIMS = {"sbhd": (1, 0, 2, 3), "bshd": (0, 1, 2, 3)}  # -> [b, s, h, d]
 
 
 def _layout_format(layout: Any) -> str:
+    """The q/k/v format of a layout: Q, K and V arrive as separate tensors in it, also when
+    they are views of one packed buffer (``sb3hd``, ``sbhd_sb2hd``, ...)."""
     name = NVTE_QKV_Layout(int(layout)).name
-    fmt = name.removeprefix("NVTE_")[:4].lower()
-    if fmt not in _FORMAT_DIMS or "3" in name or "2" in name or "Paged" in name:
+    formats = {"".join(c for c in part if not c.isdigit()).lower()
+               for part in name.removeprefix("NVTE_").split("_")}
+    if len(formats) != 1 or not formats <= _FORMAT_DIMS.keys():
         raise NotImplementedError(f"fused attention layout {name} is not implemented on a CPU")
-    return fmt
+    return formats.pop()
 
 
 def _to_bhsd(t: torch.Tensor, fmt: str) -> torch.Tensor:
