@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import warnings
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager, nullcontext, suppress
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -20,6 +20,7 @@ import torch
 from shardcheck.megatron.audit.sweep import setup_kwargs
 from shardcheck.megatron.checks import contracts, explicit
 from shardcheck.megatron.checks.typecheck import checked_region
+from shardcheck.patching import patched, patched_attrs
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,6 @@ def run_case(ctx: Any, component: str, options: tuple, fixes: tuple[str, ...], t
     contracts.install()
     run = scenario(component, **setup_kwargs(COMPONENTS[component].setup, options))
     with ExitStack() as stack:
-        stack.enter_context(_groups_destroyed_after())
         stack.enter_context(_fresh_moe_state())
         stack.enter_context(_seed_shifted(rng_offset))
         entries = stack.enter_context(_entry_points())
@@ -121,18 +121,10 @@ def config_reads() -> Iterator[set[str]]:
                 building[0] -= 1
         return wrapper
 
-    own = {cls: cls.__dict__["__post_init__"] for cls in classes if "__post_init__" in cls.__dict__}
-    had_getattribute = "__getattribute__" in base.__dict__
-    for cls, post_init in own.items():
-        cls.__post_init__ = counted(post_init)
-    base.__getattribute__ = recording
-    try:
+    counting = [(cls, "__post_init__", counted(cls.__dict__["__post_init__"]))
+                for cls in classes if "__post_init__" in cls.__dict__]
+    with patched_attrs([*counting, (base, "__getattribute__", recording)]):
         yield read
-    finally:
-        for cls, post_init in own.items():
-            cls.__post_init__ = post_init
-        if not had_getattribute:
-            del base.__getattribute__
 
 
 def _quiet_worker() -> None:
@@ -197,41 +189,5 @@ def _seed_shifted(offset: int) -> Iterator[None]:
     def shifted(seed: int, *args: Any, **kwargs: Any) -> Any:
         return original(seed + offset, *args, **kwargs)
 
-    megatron_random.model_parallel_cuda_manual_seed = shifted
-    try:
+    with patched(megatron_random, "model_parallel_cuda_manual_seed", shifted):
         yield
-    finally:
-        megatron_random.model_parallel_cuda_manual_seed = original
-
-
-@contextmanager
-def _groups_destroyed_after() -> Iterator[None]:
-    """Destroy the process groups created inside the block (Megatron's, per run).
-
-    Megatron's ``destroy_model_parallel`` forgets its groups without destroying them; in a
-    warm rank that runs hundreds of cases they would pile up, each with its own Gloo threads.
-    """
-    import torch.distributed as dist
-
-    from shardcheck.megatron.cpu import parallel
-
-    if hasattr(parallel, "_saved"):  # parallel.py keeps Megatron's groups per layout itself
-        yield
-        return
-    created: list[dist.ProcessGroup] = []
-    original = dist.new_group
-
-    def tracked(*args: Any, **kwargs: Any) -> Any:
-        group = original(*args, **kwargs)
-        if isinstance(group, dist.ProcessGroup):
-            created.append(group)
-        return group
-
-    dist.new_group = tracked
-    try:
-        yield
-    finally:
-        dist.new_group = original
-        for group in {id(g): g for g in created if g is not dist.GroupMember.WORLD}.values():
-            with suppress(ValueError):  # already gone: torch may hand out one group twice
-                dist.destroy_process_group(group)

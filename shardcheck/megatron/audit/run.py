@@ -24,7 +24,6 @@ from shardcheck.megatron.audit.schedule import Progress, sweep
 from shardcheck.megatron.audit.shards import load_shares, merged
 from shardcheck.megatron.audit.summary import AuditResult, audit_result
 from shardcheck.megatron.audit.sweep import Case
-from shardcheck.megatron.checks.typecheck import checker_available
 from shardcheck.parity.layout import Layout
 
 
@@ -39,7 +38,7 @@ def audit(cases: Iterable[Case], *, budget: int | None = None, time_limit: float
     started = time.monotonic()
     with nullcontext(run_pools) if run_pools else pools() as owned:
         patches = owned.run(Layout(), cpu_patch_status)[0]
-        runner = Runner(owned, typecheck and checker_available())
+        runner = Runner(owned, typecheck)
         runner.prune = prune
         swept = sweep(runner, cases, budget, time_limit, progress, started)
         swept.not_swept.update(unbuilt or {})
@@ -53,6 +52,6 @@ def merge_shares(dirs: Iterable[Any], *, typecheck: bool = True, run_pools: Pool
     the same findings one run of the whole plan gives; each corrected control is rerun here."""
     share = merged(load_shares(list(dirs)))
     with nullcontext(run_pools) if run_pools else pools() as owned:
-        findings = build_findings(Runner(owned, typecheck and checker_available()), share.outcomes)
+        findings = build_findings(Runner(owned, typecheck), share.outcomes)
     return audit_result(findings, share.outcomes, share.not_swept, share.not_applicable, share.pruned,
                         share.seconds, share.stopped_early, share.patches)

@@ -34,12 +34,6 @@ from shardcheck.patching import patched, patched_attrs
 MESH_AXES = ("tp", "cp", "dp", "ep", "pp")
 
 
-def checker_available() -> bool:
-    """Whether this shardcheck has the type checker: always, ``shardcheck`` imports it (no probe
-    of its own module). Kept only while ``audit/run.py`` asks; it goes with that last caller."""
-    return True
-
-
 def layout_mesh(ctx: Any):
     """The checker mesh over the layout's groups of more than one rank (the same ranks as
     Megatron's own groups). A one-rank axis is left out: every value is trivially whole there,
