@@ -141,16 +141,18 @@ DROPPED_ALL_REDUCE = ("""                    torch.distributed.all_reduce(
                     )""", "                    pass  # planted: the data-parallel gradient all-reduce dropped")
 
 
-def _megatron_copy(tmp_path: Path) -> Path:
+def _megatron_copy(tmp_path: Path, module: str = "distributed/param_and_grad_buffer.py",
+                   plant: tuple[str, str] = DROPPED_ALL_REDUCE) -> Path:
+    """A copy of the installed megatron-core with ``plant`` (old text, new text) in megatron/core/``module``."""
     import megatron.core
 
     installed = Path(megatron.core.__file__).parent.parent
     copy = tmp_path / "mcore"
     shutil.copytree(installed, copy / "megatron", ignore=shutil.ignore_patterns("__pycache__"))
-    buffer = copy / "megatron" / "core" / "distributed" / "param_and_grad_buffer.py"
-    text = buffer.read_text()
-    assert DROPPED_ALL_REDUCE[0] in text
-    buffer.write_text(text.replace(*DROPPED_ALL_REDUCE))
+    source = copy / "megatron" / "core" / module
+    text = source.read_text()
+    assert plant[0] in text
+    source.write_text(text.replace(*plant))
     return copy
 
 

@@ -15,7 +15,7 @@ import click
 import shardcheck
 from shardcheck.cli.errors import HarnessFailure, InputError, writable_folder
 from shardcheck.megatron.cpu import MEGATRON_PRELOAD
-from shardcheck.megatron.train.args import RunPlan, TrainInputError, plan_runs
+from shardcheck.megatron.train.args import REFERENCES, RunPlan, TrainInputError, plan_runs
 from shardcheck.megatron.train.config import flags_from_model_config
 from shardcheck.megatron.train.entry import CPU_ENV, ENTRY_ENV
 from shardcheck.megatron.train.model_check import MARKER, summary
@@ -185,10 +185,14 @@ def _failing_frame(lines: list[str]) -> str:
 @click.option("--timeout", type=float, default=900.0, show_default=True, help="Seconds before a run is a hang.")
 @click.option("--typecheck", is_flag=True,
               help="Also run every step of the parallel run under the type checker (slower).")
+@click.option("--reference", type=click.Choice(REFERENCES), default=None,
+              help="The one-rank run's batching: the whole global batch in one micro-batch, or the "
+                   "parallel run's micro-batches (default: whole-batch with --calculate-per-token-loss, "
+                   "else same-micro-batches).")
 @click.option("--gpu", is_flag=True, help="Run on this node's GPUs with NCCL and no CPU layer (untested).")
 @click.argument("megatron_args", nargs=-1, type=click.UNPROCESSED)
 def train_command(nproc, model_config, steps, megatron_path, entry, out, repeats, resume_at, rtol, timeout,
-                  typecheck, gpu, megatron_args) -> None:
+                  typecheck, reference, gpu, megatron_args) -> None:
     """Run your Megatron training job on N ranks and on one, and compare every step.
 
     Pass Megatron's own flags after ``--``. Exit 0 when the runs agree, 1 when they part
@@ -206,7 +210,7 @@ def train_command(nproc, model_config, steps, megatron_path, entry, out, repeats
             args, nproc = shrunk.flags + args, shrunk.nproc
         if nproc is None:
             raise TrainInputError("give -n N (the ranks of the parallel run) or --model-config")
-        plan = plan_runs(args, nproc, steps, cpu=launch.cpu, own_entry=entry is None)
+        plan = plan_runs(args, nproc, steps, cpu=launch.cpu, own_entry=entry is None, reference=reference)
         if resume_at is not None and resume_at >= plan.steps:
             raise TrainInputError(f"--resume-at {resume_at} must be before the last step ({plan.steps})")
     except TrainInputError as exc:
@@ -215,6 +219,8 @@ def train_command(nproc, model_config, steps, megatron_path, entry, out, repeats
         writable_folder(out)
     for line in plan.changes:
         click.echo(f"changed: {line}")
+    for line in plan.reference_lines:
+        click.echo(f"reference: {line}")
     try:
         verdict, parallel = _compare(plan, launch, out, repeats, rtol)
         for line in verdict.lines():
@@ -265,6 +271,7 @@ def _compare(plan: RunPlan, launch: Launch, out: Path | None, repeats: int, rtol
                                     f"{plan.world}-rank run")
         if out is not None:
             write_model_config(plan.parallel, out / "model_config.yaml")
+            (out / "reference.txt").write_text("".join(f"reference: {ln}\n" for ln in plan.reference_lines))
             suffix = "" if repeat == 0 else f"_repeat{repeat}"
             write_golden(parallel, out / f"golden_values_{plan.world}ranks{suffix}.json")
             write_golden(reference, out / f"golden_values_1rank{suffix}.json")

@@ -70,6 +70,11 @@ REASONS = {
     "--cross-entropy-fusion-impl": "the fused cross entropy is a Transformer Engine kernel",
 }
 DEFAULT_VOCAB = 1024
+PER_TOKEN_LOSS = "--calculate-per-token-loss"
+WHOLE_BATCH, SAME_MICRO_BATCHES = "whole-batch", "same-micro-batches"
+REFERENCES = (WHOLE_BATCH, SAME_MICRO_BATCHES)
+"""The one-rank reference's batching: the whole global batch in one micro-batch, or the
+parallel run's micro-batches accumulated (``--reference``)."""
 
 
 class TrainInputError(Exception):
@@ -163,6 +168,8 @@ class RunPlan:
     changes: list[str] = field(default_factory=list)
     sizes: dict[str, int] = field(default_factory=dict)
     same_init: bool = False  # the N-rank run loads the one-rank run's initial weights
+    reference_kind: str = SAME_MICRO_BATCHES  # one of REFERENCES
+    reference_lines: list[str] = field(default_factory=list)  # which reference, and its caveat
 
     @property
     def steps(self) -> int:
@@ -170,11 +177,14 @@ class RunPlan:
 
 
 def plan_runs(user_args: Sequence[str], nproc: int, steps: int | None, cpu: bool = True,
-              own_entry: bool = False) -> RunPlan:
+              own_entry: bool = False, reference: str | None = None) -> RunPlan:
     """The N-rank and one-rank arguments for ``user_args``, and one line per change.
 
     ``own_entry``: the runs use shardcheck's GPT entry point, which refuses :data:`NOT_BUILT`
     (the command line's default; without it, the flags are the entry script's to build).
+    ``reference``: one of :data:`REFERENCES`; by default the whole batch where the loss is
+    per token (``--calculate-per-token-loss``: independent of the split), else the same
+    micro-batches (Megatron's loss is then a mean of micro-batch means).
     """
     flags = Flags(user_args, megatron_parser())
     if own_entry:
@@ -188,12 +198,18 @@ def plan_runs(user_args: Sequence[str], nproc: int, steps: int | None, cpu: bool
     if cpu:
         _cpu_flags(flags, changes)
     _common_flags(flags, changes, steps, dp)
-    reference = _one_rank(flags, tp, changes)
+    per_token = flags.has(PER_TOKEN_LOSS)
+    kind = reference or (WHOLE_BATCH if per_token else SAME_MICRO_BATCHES)
+    if kind not in REFERENCES:
+        raise TrainInputError(f"unknown reference {kind!r}: one of {', '.join(REFERENCES)}")
+    one_rank = _one_rank(flags, tp, changes)
+    lines = _batch_reference(one_rank, kind, per_token, asked=reference is not None)
     same_init = pp > 1 or (flags.get("--num-experts") is not None and sizes["--expert-model-parallel-size"] > 1)
     if same_init:
         changes.append("the parallel run starts from the one-rank run's initial weights (Megatron's own "
                        "torch_dist save and load): Megatron seeds each pipeline stage and expert rank apart")
-    return RunPlan(nproc, flags.tokens(), reference.tokens(), changes, {**sizes, "dp": dp}, same_init)
+    return RunPlan(nproc, flags.tokens(), one_rank.tokens(), changes, {**sizes, "dp": dp}, same_init,
+                   kind, lines)
 
 
 def _refuse_not_built(flags: Flags) -> None:
@@ -272,6 +288,27 @@ def _one_rank(flags: Flags, tp: int, changes: list[str]) -> Flags:
         changes.append(f"one-rank run: --make-vocab-size-divisible-by {divisible * tp}, so that its "
                        f"vocabulary pads to the same size as under tp{tp}")
     return reference
+
+
+def _batch_reference(reference: Flags, kind: str, per_token: bool, asked: bool) -> list[str]:
+    """Set the one-rank run's micro-batch size for ``kind``; the lines that say which reference it is."""
+    global_batch = int(reference.value("--global-batch-size"))
+    micro = int(reference.value("--micro-batch-size"))
+    if per_token:
+        why = (f"{PER_TOKEN_LOSS}: the loss is summed over tokens and divided by the global token count"
+               + (", so the split does not matter" if kind == WHOLE_BATCH else ""))
+    else:
+        why = f"no {PER_TOKEN_LOSS}: Megatron's loss is a mean of micro-batch means"
+    why = f"--reference {kind}" if asked else why
+    if kind == SAME_MICRO_BATCHES:
+        return [f"one rank, the global batch of {global_batch} in the same {global_batch // micro} "
+                f"micro-batches of {micro} ({why})"]
+    reference.set("--micro-batch-size", str(global_batch))
+    lines = [f"one rank, the whole global batch of {global_batch} in one micro-batch ({why})"]
+    if not per_token:
+        lines.append(f"without {PER_TOKEN_LOSS} Megatron's loss is a mean of micro-batch means, so it "
+                     "depends on the split: a difference may be that definition, not a bug")
+    return lines
 
 
 def _padded(vocab: int, multiple: int) -> int:
