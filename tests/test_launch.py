@@ -1,10 +1,12 @@
+import subprocess
+import sys
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from shardcheck.parity.launch import RankFailure, spawn_ranks
+from shardcheck.parity.launch import RankFailure, _wait_all, spawn_ranks
 
 
 def _sum_of_ranks():
@@ -54,3 +56,17 @@ def _late_sub_group():
 
 def test_a_rank_done_early_waits_for_its_peers_to_finish():
     assert spawn_ranks(_late_sub_group, 3, timeout=60) == [0.0, 3.0, 3.0]
+
+
+def test_waiting_on_ranks_never_calls_popen_poll_and_leaves_the_exit_codes(monkeypatch):
+    """A Ctrl-C landing inside ``Popen.poll`` can leave its lock taken, and the ``wait`` that then
+    kills the ranks never returns (seen once: a launcher hung after Ctrl-C): the wait loop checks
+    for an exit without ``poll`` and without reaping, so ``wait`` still reads each code."""
+    def no_poll(self):
+        raise AssertionError("Popen.poll called")
+
+    procs = [subprocess.Popen([sys.executable, "-c", f"import sys, time; time.sleep({delay}); sys.exit({code})"])
+             for delay, code in ((0.5, 3), (0, 0))]
+    monkeypatch.setattr(subprocess.Popen, "poll", no_poll)
+    codes, order = _wait_all(procs, timeout=60)
+    assert codes == [3, 0] and order == [1, 0]

@@ -313,7 +313,21 @@ def _wait_all(procs: list[subprocess.Popen | ForkedRank], timeout: float) -> tup
     deadline, ended = time.monotonic() + timeout, {}
     while time.monotonic() < deadline and len(ended) < len(procs):
         for rank, proc in enumerate(procs):
-            if rank not in ended and proc.poll() is not None:
+            if rank not in ended and _has_ended(proc):
                 ended[rank] = len(ended)
         time.sleep(0.02)
-    return [p.poll() for p in procs], [ended.get(r, len(procs)) for r in range(len(procs))]
+    codes = [proc.wait() if rank in ended else None for rank, proc in enumerate(procs)]
+    return codes, [ended.get(r, len(procs)) for r in range(len(procs))]
+
+
+def _has_ended(proc: subprocess.Popen | ForkedRank) -> bool:
+    """Whether a rank has exited, without reaping it. Not ``Popen.poll``: a Ctrl-C that lands
+    inside it can leave its lock taken, and the ``wait`` that kills the ranks then never returns."""
+    if isinstance(proc, ForkedRank):
+        return proc.poll() is not None
+    try:
+        return os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:  # reaped already
+        return True
+
+
