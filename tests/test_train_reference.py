@@ -16,10 +16,12 @@ if Version(importlib.metadata.version("megatron-core")).release[:2] < (0, 19):  
     pytest.skip("megatron.training ships with megatron-core 0.19 on (0.16.1 has megatron/core only)",
                 allow_module_level=True)
 
-from test_train import BASE, LAYOUTS, _megatron_copy
+from test_train import BASE, LAUNCH, LAYOUTS, MOE, _megatron_copy
 
 from shardcheck.cli import main
+from shardcheck.cli.train import run_training, start_from
 from shardcheck.megatron.train.args import TrainInputError, plan_runs
+from shardcheck.train import compare_runs
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -103,11 +105,40 @@ def test_micro_batch_local_normalisation_is_caught_by_the_whole_batch_reference_
            "same-micro-batches)" in lines
 
 
-@pytest.mark.parametrize("layout", ["dp2", "tp2"])
-def test_a_correct_per_token_job_agrees_with_the_whole_batch_reference(layout, tmp_path):
-    status, lines = _train("--steps", "2", "--out", str(tmp_path), "--", *BASE, *LAYOUTS[layout][1], PER_TOKEN)
+STEPS = 2
+
+
+@pytest.fixture(scope="module")
+def whole_batch(tmp_path_factory):
+    """The whole-batch one-rank run of the per-token job, and its saved initial weights."""
+    init = tmp_path_factory.mktemp("init")
+    plan = plan_runs([*BASE, PER_TOKEN], 1, STEPS)
+    return plan.reference, run_training(plan.reference, 1, LAUNCH, "one-rank run", save_init=init), init
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_a_correct_per_token_layout_agrees_with_the_whole_batch_reference_at_every_step(layout, whole_batch):
+    flags, reference, init = whole_batch
+    nproc, extra = LAYOUTS[layout]
+    plan = plan_runs([*BASE, PER_TOKEN, *extra], nproc, STEPS)
+    assert plan.reference == flags  # the shared reference is this one's
+    run = run_training(plan.parallel + (start_from(init) if plan.same_init else []), nproc, LAUNCH, "2-rank run")
+    verdict = compare_runs(run, reference)
+    assert verdict.agree and verdict.steps == STEPS, verdict.lines()
+
+
+def test_the_reference_used_is_printed_and_written_with_out(tmp_path):
+    status, lines = _train("--steps", "1", "--out", str(tmp_path), "--", *BASE, PER_TOKEN)
     assert (status, lines[-1]) == (0, "verdict: AGREE"), lines
     (line,) = [ln for ln in lines if ln.startswith("reference: ")]
     assert line.startswith("reference: one rank, the whole global batch of 4 in one micro-batch "
                            "(--calculate-per-token-loss: ")
     assert (tmp_path / "reference.txt").read_text() == line + "\n"
+
+
+def test_moe_with_expert_parallelism_agrees_with_the_whole_batch_reference():
+    """Tokens per expert and the experts' gradients do not depend on the split (no auxiliary
+    loss: its coefficient defaults to 0)."""
+    status, lines = _train("--steps", str(STEPS), "--", *BASE, *MOE, "--expert-model-parallel-size", "2", PER_TOKEN)
+    assert (status, lines[-1]) == (0, "verdict: AGREE"), lines
+    assert any(ln.startswith("reference: one rank, the whole global batch of 4 in one micro-batch") for ln in lines)
