@@ -58,7 +58,16 @@ def _without_micro(tokens: list[str]) -> list[str]:
      ["one rank, the whole global batch of 4 in one micro-batch (--reference whole-batch)",
       "without --calculate-per-token-loss Megatron's loss is a mean of micro-batch means, so it depends on "
       "the split: a difference may be that definition, not a bug"]),
-], ids=["default", "default-per-token", "same-per-token", "whole-without-per-token"])
+    ([PER_TOKEN, "--moe-aux-loss-coeff", "0.01"], None, "1",
+     ["one rank, the global batch of 4 in the same 4 micro-batches of 1 (--calculate-per-token-loss: the loss is "
+      "summed over tokens and divided by the global token count)",
+      "--moe-aux-loss-coeff: Megatron computes this loss per micro-batch, so the split changes it"]),
+    ([PER_TOKEN, "--moe-aux-loss-coeff", "0.01", "--moe-z-loss-coeff", "0.001"], "whole-batch", "4",
+     ["one rank, the whole global batch of 4 in one micro-batch (--reference whole-batch)",
+      "--moe-aux-loss-coeff, --moe-z-loss-coeff: Megatron computes these losses per micro-batch, so the split "
+      "changes it: a difference may be that, not a bug"]),
+], ids=["default", "default-per-token", "same-per-token", "whole-without-per-token", "default-per-token-aux-loss",
+        "whole-with-aux-and-z-loss"])
 def test_the_reference_batching_under_each_mode_and_default(extra, reference, micro, lines):
     plan = plan_runs([*BASE, *extra], 2, 1, reference=reference)
     assert (_micro(plan.parallel), _micro(plan.reference)) == ("1", micro)

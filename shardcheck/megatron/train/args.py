@@ -72,6 +72,8 @@ REASONS = {
 DEFAULT_VOCAB = 1024
 PER_TOKEN_LOSS = "--calculate-per-token-loss"
 WHOLE_BATCH, SAME_MICRO_BATCHES = "whole-batch", "same-micro-batches"
+# Loss terms Megatron computes per micro-batch even with per-token loss: the split changes them.
+PER_MICRO_BATCH_LOSSES = ("--moe-aux-loss-coeff", "--moe-z-loss-coeff")
 REFERENCES = (WHOLE_BATCH, SAME_MICRO_BATCHES)
 """The one-rank reference's batching: the whole global batch in one micro-batch, or the
 parallel run's micro-batches accumulated (``--reference``)."""
@@ -183,7 +185,8 @@ def plan_runs(user_args: Sequence[str], nproc: int, steps: int | None, cpu: bool
     ``own_entry``: the runs use shardcheck's GPT entry point, which refuses :data:`NOT_BUILT`
     (the command line's default; without it, the flags are the entry script's to build).
     ``reference``: one of :data:`REFERENCES`; by default the whole batch where the loss is
-    per token (``--calculate-per-token-loss``: independent of the split), else the same
+    per token (``--calculate-per-token-loss``: independent of the split) and no MoE auxiliary
+    or z-loss is weighted in (Megatron computes those per micro-batch), else the same
     micro-batches (Megatron's loss is then a mean of micro-batch means).
     """
     flags = Flags(user_args, megatron_parser())
@@ -199,11 +202,16 @@ def plan_runs(user_args: Sequence[str], nproc: int, steps: int | None, cpu: bool
         _cpu_flags(flags, changes)
     _common_flags(flags, changes, steps, dp)
     per_token = flags.has(PER_TOKEN_LOSS)
-    kind = reference or (WHOLE_BATCH if per_token else SAME_MICRO_BATCHES)
+    split_terms = _per_micro_batch_losses(flags)
+    kind = reference or (WHOLE_BATCH if per_token and not split_terms else SAME_MICRO_BATCHES)
     if kind not in REFERENCES:
         raise TrainInputError(f"unknown reference {kind!r}: one of {', '.join(REFERENCES)}")
     one_rank = _one_rank(flags, tp, changes)
     lines = _batch_reference(one_rank, kind, per_token, asked=reference is not None)
+    if split_terms:
+        lines.append(f"{', '.join(split_terms)}: Megatron computes {'these losses' if len(split_terms) > 1 else 'this loss'} "
+                     "per micro-batch, so the split changes it"
+                     + (": a difference may be that, not a bug" if kind == WHOLE_BATCH else ""))
     same_init = pp > 1 or (flags.get("--num-experts") is not None and sizes["--expert-model-parallel-size"] > 1)
     if same_init:
         changes.append("the parallel run starts from the one-rank run's initial weights (Megatron's own "
@@ -288,6 +296,14 @@ def _one_rank(flags: Flags, tp: int, changes: list[str]) -> Flags:
         changes.append(f"one-rank run: --make-vocab-size-divisible-by {divisible * tp}, so that its "
                        f"vocabulary pads to the same size as under tp{tp}")
     return reference
+
+
+def _per_micro_batch_losses(flags: Flags) -> list[str]:
+    """The flags of :data:`PER_MICRO_BATCH_LOSSES` set to a non-zero weight."""
+    def weights(value: Any) -> list[float]:
+        return [float(v) for v in (value if isinstance(value, list) else [value]) if v is not None]
+
+    return [flag for flag in PER_MICRO_BATCH_LOSSES if any(weights(flags.value(flag)))]
 
 
 def _batch_reference(reference: Flags, kind: str, per_token: bool, asked: bool) -> list[str]:
