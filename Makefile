@@ -37,13 +37,10 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 
 # The whole suite on the default megatron-core, then on the oldest release the Megatron tests
-# that are not slow and the slow ones of megatron-core's own bugs (release_specific). Two pytest
-# workers (pytest-xdist): one runs while the other's ranks wait on a timeout, a pipe or a peer;
-# each worker takes whole modules, and all tests of the shared audit pools (tests/conftest.py).
-PARALLEL := -n 2 --dist loadgroup
+# that are not slow and the slow ones of megatron-core's own bugs (release_specific).
 test: $(STAMP) lint $(MEGATRON_OLDEST_DIR)
-	$(BIN)/python -m pytest $(PARALLEL)
-	PYTHONPATH=$(MEGATRON_OLDEST_DIR) $(BIN)/python -m pytest $(PARALLEL) -m "megatron and (not slow or release_specific)"
+	$(BIN)/python -m pytest
+	PYTHONPATH=$(MEGATRON_OLDEST_DIR) $(BIN)/python -m pytest -m "megatron and (not slow or release_specific)"
 
 # Rerun every pasted output of README.md and docs/ (docs/docs-check.md); make test runs it too.
 docs-check: $(STAMP)

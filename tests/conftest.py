@@ -70,14 +70,6 @@ def pytest_collection_modifyitems(items):
         whole, functions = _megatron_use(str(item.path))
         if whole or getattr(item, "originalname", item.name) in functions:
             item.add_marker(pytest.mark.megatron)
-        item.add_marker(pytest.mark.xdist_group(_worker_group(item)))
-
-
-def _worker_group(item) -> str:
-    """Which tests one ``pytest -n`` worker runs together (``--dist loadgroup``, as ``make test``
-    runs): a module's tests, whose module fixtures (one-rank runs, docs workspaces) they share;
-    every test of the shared audit pools on one worker, which starts them once."""
-    return "audit_pools" if "audit_pools" in item.fixturenames else item.nodeid.split("::")[0]
 
 
 _AUDIT_POOLS: list = []
