@@ -28,6 +28,7 @@ def test_a_crash_only_a_layout_causes_is_a_finding_with_its_frame(result):
     assert "RuntimeError" in crash.contract and "one rank" in crash.one_rank
     assert crash.reproduce == "shardcheck audit --only multimodal --layouts tp2 --set projection=affine"
     assert crash.effect == [] and crash.control is None
+    assert crash.training_args is None  # pretrain_gpt builds no LLaVA: megatron.training is not asked
     # a shape mismatch in a forward is no argument check (tests/test_audit_refusals.py)
     assert not [entry for entry in result.refused if entry.startswith("multimodal")]
     # the defaults run under tp2: the crash is the option's

@@ -87,6 +87,9 @@ def test_the_mtp_stages_position_embeddings_left_out_of_the_pp_sync_is_its_own_f
     assert len(megatron_bugs.findings) == 2 and layouts == {"pp2"} and finding.seen_in == ["layouts: pp2"]
     assert any("position_embeddings" in e["value"] for e in finding.effect)
     assert finding.control["equal_to_reference"], finding.control
+    # a training job never builds it: megatron.training refuses MTP with learned absolute positions
+    assert finding.training_args.startswith("megatron.training refuses it: AssertionError: Multi-Token "
+                                            "Prediction (MTP) is not supported with learned_absolute"), finding.training_args
 
 
 def test_rotary_positions_under_pp_leave_no_table_to_sync(warm):

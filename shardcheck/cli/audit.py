@@ -277,9 +277,12 @@ def _print_summary(result, summary: dict, out_dir: Path, source) -> None:
             console.print(f"    {f.checker}")
         if f.control:
             console.print(f"    corrected control: {f.control['result']}")
+        if f.training_args:
+            console.print(f"    {f.training_args}")
         console.print(f"    reproduce: {f.reproduce}\n    script: {script_line(f)}")
     for n, f in enumerate(crashes, len(confirmed) + 1):
-        console.print(f"[{n}] {f.id} crash  {f.location}\n    {f.title}\n    reproduce: {f.reproduce}")
+        console.print(f"[{n}] {f.id} crash  {f.location}\n    {f.title}"
+                      + (f"\n    {f.training_args}" if f.training_args else "") + f"\n    reproduce: {f.reproduce}")
     for n, f in enumerate(typed_only, len(confirmed) + len(crashes) + 1):
         console.print(f"[{n}] {f.id} type-only  {f.checker}  ({f.target} @ {f.layout} {f.config or ''})")
     console.print(f"report: {out_dir / 'report.md'}, {out_dir / 'findings.json'}")

@@ -107,6 +107,7 @@ class Finding:
     cases: list[dict[str, Any]] = field(default_factory=list)  # audit: every case of this cause
     same_fix: list[dict[str, Any]] = field(default_factory=list)  # audit: independent triggers it repairs
     one_rank: str | None = None  # audit, a crash: the exception the layout causes, while one rank runs
+    training_args: str | None = None  # audit: megatron.training's validate_args refusing the trigger's configuration
 
     def __post_init__(self) -> None:
         self.options = sorted(set(self.options))
@@ -155,7 +156,7 @@ class Finding:
                 "trigger": self.trigger, "effect": self.effect, "first_divergence": self.first_divergence,
                 "checker": self.checker, "corrected": self.control, "reproduce": self.reproduce,
                 "seen_in": self.seen_in, "id": self.id, "repro": self.repro, "cases": self.cases,
-                "same_fix": self.same_fix, "one_rank": self.one_rank}
+                "same_fix": self.same_fix, "one_rank": self.one_rank, "training_args": self.training_args}
 
     def to_json(self) -> str:
         """The store's record (:data:`STORED`; an audit's report stays in its findings.json)."""

@@ -3,7 +3,9 @@
 Failing cases are grouped by place (:func:`shardcheck.megatron.audit.report.group`) and split
 by trigger (:func:`~shardcheck.megatron.audit.report.causes`); independent triggers that one fix
 repairs are one cause. Cases that crash under a layout while one rank runs them are findings of
-their own, located at their innermost megatron-core frame.
+their own, located at their innermost megatron-core frame. A finding whose trigger
+megatron.training's argument validation refuses says so, with the line
+(:mod:`~shardcheck.megatron.audit.training_args`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from shardcheck.megatron.audit import report as audit_report
 from shardcheck.megatron.audit.outcome import Outcome
 from shardcheck.megatron.audit.runner import Runner
 from shardcheck.megatron.audit.sweep import Case
+from shardcheck.megatron.audit.training_args import training_verdict
 from shardcheck.megatron.checks import contracts, explicit
 
 
@@ -49,7 +52,7 @@ def _finding(runner: Runner, key: tuple[str, str], members: list[Outcome],
         checker=checker, reproduce=audit_report.reproduce_command(minimal.case),
         seen_in=audit_report.seen_in(members, minimal),
         cases=[audit_report.case_entry(o.case) for o in members],
-        id="" if first else _trigger_id(key, minimal.case))
+        id="" if first else _trigger_id(key, minimal.case), training_args=training_verdict(minimal.case))
 
 
 def _trigger_id(key: tuple[str, str], case: Case) -> str:
@@ -105,7 +108,7 @@ def _crash_finding(key: tuple[str, str], members: list[Outcome], first: bool) ->
               f"({_options_text(audit_report.trigger(case))}): {minimal.error}"[:240],
         kind="crash", location=key[0], contract=key[1], reproduce=audit_report.reproduce_command(case), seen_in=audit_report.seen_in(members, minimal),
         cases=[audit_report.case_entry(o.case) for o in members],
-        id="" if first else _trigger_id(key, case),
+        id="" if first else _trigger_id(key, case), training_args=training_verdict(case),
         one_rank=f"{minimal.error} (frame {minimal.frame or 'outside megatron-core'}); "
                  f"the same component and options run on one rank")
 

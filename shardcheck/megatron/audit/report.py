@@ -240,6 +240,8 @@ def _finding_lines(n: int, f: Finding) -> list[str]:
              f"- **checker**: `{f.checker or 'no type violation recorded'}`"]
     if f.one_rank:
         lines.append(f"- **crash**: {f.one_rank}")
+    if f.training_args:
+        lines.append(f"- **megatron.training**: {f.training_args}")
     if f.effect:
         lines += [f"- **first divergence**: {f.first_divergence or 'no contracted call diverged'}",
                   "- **effect** (observed vs one-rank reference):"]
