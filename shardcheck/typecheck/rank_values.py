@@ -15,7 +15,7 @@ from shardcheck.typecheck import rank_branches
 from shardcheck.typecheck.locations import user_code_frame
 from shardcheck.typecheck.rules.collectives import group_ranks
 from shardcheck.typecheck.rules.common import replicated
-from shardcheck.typecheck.rules.registry import Known, base_name
+from shardcheck.typecheck.rules.registry import WITH_ACC, WITH_ONE_RANK, Known, base_name
 from shardcheck.typecheck.types import SectionShard, Shard, V
 
 
@@ -71,7 +71,7 @@ class RankValues:
         """An op run by a frame that branched on the rank: its ranks may run other ops, so
         its result is V on those axes, unless its rule proves the layout: this rank's piece of
         a replicated value (a slice by rank), zeros only this rank added into (ACC), V."""
-        if flags & Known.ACC:
+        if flags in WITH_ACC:
             return pl
         source = self.types(args[0]) if args and isinstance(args[0], torch.Tensor) else None
 
@@ -115,7 +115,7 @@ class RankValues:
         other than a view or copy of them or their SUM all-reduce or reduce-scatter: on a
         replicated axis they are the value itself or one rank's contribution, which a rank
         cannot tell, so the result is V there."""
-        axes = {a for t in args if isinstance(t, torch.Tensor) and self._flags(t) & Known.ONE_RANK
+        axes = {a for t in args if isinstance(t, torch.Tensor) and self._flags(t) in WITH_ONE_RANK
                 for a, p in enumerate(self.types(t)) if replicated(p)}
         return _varied_on(pl, axes)
 

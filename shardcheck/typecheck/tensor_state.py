@@ -25,15 +25,15 @@ _ATTR = "_sc"
 
 
 class TensorState:
-    """The record on one tensor; every field starts as None."""
+    """The record on one tensor; every field starts as None.
 
-    __slots__ = ("type", "untyped", "root", "views", "spans", "overlaps", "origin", "landing",
-                 "broadcast", "cut", "stacked", "gathered", "exchanged", "exchanged_piece",
-                 "grouped", "rows_of", "norm")
+    The fields are class attributes, so a new record sets none of them: one is made for most
+    op results (a thousand a Megatron step), and setting 17 slots cost 3 µs each. A field
+    never written reads its class default; a name that is no field fails to read."""
 
-    def __init__(self) -> None:
-        for name in self.__slots__:
-            setattr(self, name, None)
+    type = untyped = root = views = spans = overlaps = origin = landing = None
+    broadcast = cut = stacked = gathered = exchanged = exchanged_piece = None
+    grouped = rows_of = norm = None
 
 
 def read(t: Any, field: str) -> Any:

@@ -11,7 +11,14 @@ from typing import Any
 import torch
 
 from shardcheck.typecheck import tensor_state
-from shardcheck.typecheck.rules.registry import Known
+from shardcheck.typecheck.rules.registry import (
+    CONST_OR_ZERO,
+    NOTHING,
+    WITH_ACC,
+    WITH_ONE_RANK,
+    ZERO,
+    Known,
+)
 from shardcheck.typecheck.rules.shape import same_elements, view_shard
 from shardcheck.typecheck.types import Shard, V
 from shardcheck.typecheck.violations import Violation
@@ -83,23 +90,23 @@ class TypeStore:
 
     def zero(self, t: Any) -> bool:
         st = tensor_state.type_of(t)
-        return st is not None and st[0] is self.key and st[2] == Known.ZERO
+        return st is not None and st[0] is self.key and st[2] == ZERO
 
     def const(self, t: Any) -> bool:
         st = tensor_state.type_of(t)
-        return st is not None and st[0] is self.key and st[2] in (Known.CONST, Known.ZERO)
+        return st is not None and st[0] is self.key and st[2] in CONST_OR_ZERO
 
     def accumulated(self, t: Any) -> bool:
         """Whether ``t`` is zeros that one value was added into (see ACC)."""
-        return bool(self._flags(t) & Known.ACC)
+        return self._flags(t) in WITH_ACC
 
     def added_on_some_ranks(self, t: Any) -> bool:
         """Whether ``t`` is zeros a value was added into in a branch on the rank."""
-        return bool(self._flags(t) & Known.ONE_RANK)
+        return self._flags(t) in WITH_ONE_RANK
 
     def _flags(self, t: Any) -> Known:
         st = tensor_state.type_of(t)
-        return st[2] if st is not None and st[0] is self.key else Known.NOTHING
+        return st[2] if st is not None and st[0] is self.key else NOTHING
 
     def unseen_scalar(self, t: torch.Tensor) -> bool:
         """Whether untyped ``t`` is a scalar made before the region (one element: a loss scale,
@@ -152,7 +159,7 @@ class TypeStore:
         if a_hi <= span[0] or span[1] <= a_lo:
             return
         self.set_type(alias, self._alias_type(alias, st[1], t, old, pl, transform),
-                      flags if _same_region(alias, t) else Known.NOTHING)
+                      flags if _same_region(alias, t) else NOTHING)
 
     def _alias_type(self, alias, alias_pl, t, old, pl, transform) -> tuple | None:
         if transform is not None:
