@@ -10,7 +10,8 @@ step leaves for later (its garbage, collected during a following step) is billed
 not to whichever step comes next (single alternating steps moved up to a quarter of a step
 between kinds). Blocks are timed in CPU time of the rank's process (its Gloo threads included)
 and in wall time: on a shared machine a rank waits for a core, and the other rank for it,
-which wall time counts.
+which wall time counts. One more step, untimed, counts the ops a dispatch mode intercepts, so
+that the checker's cost is also given per op call.
 """
 
 from __future__ import annotations
@@ -31,10 +32,11 @@ SIZES = {"audit GPT (hidden 32, seq 16)": {},
          "GPT hidden 1024, seq 512": {"hidden": 1024, "heads": 16, "seq": 512, "vocab": 4096}}
 
 
-def step_seconds(ctx: Any, sizes: dict[str, int], rounds: int, block: int) -> dict[str, tuple[float, float]]:
+def step_seconds(ctx: Any, sizes: dict[str, int], rounds: int, block: int) -> dict[str, Any]:
     """On each rank: (CPU, wall) seconds of an unchecked, a checked and a floor step, each the
-    median over ``rounds`` of a block of ``block`` consecutive steps of that kind."""
-    from _workloads import BareMode
+    median over ``rounds`` of a block of ``block`` consecutive steps of that kind, and under
+    ``"ops"`` the op calls a dispatch mode intercepts in one step."""
+    from _workloads import BareMode, CountingMode
 
     from shardcheck.megatron.checks.typecheck import checked_region
     from shardcheck.megatron.cpu.parallel import megatron_parallel
@@ -50,8 +52,12 @@ def step_seconds(ctx: Any, sizes: dict[str, int], rounds: int, block: int) -> di
         for _ in range(rounds):
             for name, region in regions.items():
                 times[name].append(_timed(training, region, block))
-    return {name: tuple(statistics.median(sample[i] for sample in samples) for i in (0, 1))
-            for name, samples in times.items()}
+        counter = CountingMode()
+        _timed(training, lambda: counter, 1)
+    result: dict[str, Any] = {name: tuple(statistics.median(sample[i] for sample in samples) for i in (0, 1))
+                              for name, samples in times.items()}
+    result["ops"] = counter.ops
+    return result
 
 
 def _timed(training: Any, region: Callable[[], AbstractContextManager], steps: int) -> tuple[float, float]:

@@ -26,6 +26,18 @@ class BareMode(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+class CountingMode(BareMode):
+    """The floor's mode, counting the op calls it intercepts (untimed: the count costs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
 def tensors() -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
     return {name: torch.randn(SIZE, SIZE, generator=gen) / SIZE**0.5 for name in "xabw"}

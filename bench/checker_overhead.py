@@ -5,14 +5,16 @@ Workloads: (a) 200 mul/add ops, (b) a matmul/mul/add/relu mix of 200 ops, on 256
 float32 tensors, one thread, medians of repeated runs. spmd_types runs in a subprocess with
 bench/.deps (``make bench`` installs it there) on sys.path. The Megatron step (tp2-sp on two
 Gloo ranks, one thread each: forward, backward and optimizer step) takes unchecked, checked
-and floor steps in turn in the same run, for three GPT sizes (see _megatron_step.py);
-``--megatron-only`` runs just that.
+and floor steps in turn in the same run, for four GPT sizes (see _megatron_step.py), and
+gives the checker's cost per intercepted op beside the microbenchmark's; ``--megatron-only``
+runs just that (and the microbenchmark's typed runs it is compared with).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 from contextlib import nullcontext
@@ -36,6 +38,8 @@ ROUNDS, BLOCK = 3, 3  # per kind of step: the median of 3 blocks of 3 consecutiv
 PRELOAD = ("megatron.core.models.gpt.gpt_model", "megatron.core.optimizer",
            "megatron.core.pipeline_parallel.schedules")
 FLOOR = "bare TorchDispatchMode (floor)"
+TYPED = "shardcheck, typed (tp=R, dp=V)"
+OP_GOAL = 2.0  # the checker's added time per op call in a Megatron step, at most this times the microbenchmark's
 
 
 def _configs(workload) -> dict:
@@ -48,7 +52,7 @@ def _configs(workload) -> dict:
         "eager": lambda: (nullcontext(), lambda: workload(t)),
         FLOOR: lambda: (BareMode(), lambda: workload(t)),
         "shardcheck, untyped inputs": lambda: (sc.typecheck(mesh), lambda: workload(t)),
-        "shardcheck, typed (tp=R, dp=V)": lambda: (sc.typecheck(mesh), lambda: workload(typed)),
+        TYPED: lambda: (sc.typecheck(mesh), lambda: workload(typed)),
     }
 
 
@@ -74,8 +78,24 @@ def _row(table: Table, name: str, label: str, seconds: float, eager: float,
                   f"{over_floor:+.1f}", f"{seconds / eager:.2f}x")
 
 
-def megatron_step() -> None:
-    """Print the checked / unchecked time of one Megatron GPT training step, per model size."""
+def microbenchmark(configs: tuple[str, ...] | None = None) -> dict[str, dict[str, float]]:
+    """Median CPU seconds of each workload's runs (``configs``: only those runs)."""
+    torch.set_num_threads(1)
+    runs = {}
+    for name, workload in WORKLOADS.items():
+        made = _configs(workload)
+        runs[name] = interleaved({c: made[c] for c in configs or made})
+    return runs
+
+
+def micro_added_us(runs: dict[str, dict[str, float]]) -> float:
+    """The typed microbenchmark's added µs per op over eager, the mean of its workloads."""
+    return statistics.mean((r[TYPED] - r["eager"]) / OPS * 1e6 for r in runs.values())
+
+
+def megatron_step(micro_us: float) -> None:
+    """Print the checked / unchecked time of one Megatron GPT training step, per model size, and
+    the checker's added µs per intercepted op against ``micro_us`` (the microbenchmark's)."""
     from shardcheck.parity.layout import Layout
     from shardcheck.parity.pool import RankPool
 
@@ -83,7 +103,8 @@ def megatron_step() -> None:
     table = Table(title=f"Megatron GPT training step, {LAYOUT} on {layout.world_size} Gloo ranks "
                         f"(forward, backward, optimizer step; median of {ROUNDS} blocks of {BLOCK} steps, slower rank)")
     for column in ("model", "unchecked CPU ms", "checked CPU ms", "checked / unchecked",
-                   "floor / unchecked", "wall: checked / unchecked"):
+                   "floor / unchecked", "wall: checked / unchecked", "ops", "added us/op",
+                   "over floor", "vs micro"):
         table.add_column(column, justify="left" if column == "model" else "right")
     with RankPool(layout.world_size, timeout=900, preload=PRELOAD) as pool:
         for name, sizes in SIZES.items():
@@ -91,26 +112,33 @@ def megatron_step() -> None:
             (plain, plain_wall), (checked, checked_wall), (floor, _) = (
                 tuple(max(r[key][i] for r in ranks) for i in (0, 1))
                 for key in ("unchecked", "checked", "floor"))
+            ops = max(r["ops"] for r in ranks)
+            added = (checked - plain) / ops * 1e6
             table.add_row(name, f"{plain * 1e3:.0f}", f"{checked * 1e3:.0f}", f"{checked / plain:.2f}x",
-                          f"{floor / plain:.2f}x", f"{checked_wall / plain_wall:.2f}x")
-    Console(width=140).print(table)
+                          f"{floor / plain:.2f}x", f"{checked_wall / plain_wall:.2f}x", str(ops),
+                          f"{added:+.1f}", f"{(checked - floor) / ops * 1e6:+.1f}",
+                          f"{added / micro_us:.1f}x")
+    Console(width=160).print(table)
     print(f"goal: a checked step costs at most {STEP_GOAL}x an unchecked one in CPU time (the "
           "checker's cost is per op call, so the ratio falls as the work per op grows; 'floor' "
           "runs the step under a dispatch mode that only calls each op; wall time counts the "
-          "waits for a core on a shared machine).")
+          "waits for a core on a shared machine). 'ops': op calls a dispatch mode intercepts in "
+          "one step (slower rank); 'added us/op': (checked - unchecked) CPU time / ops, 'over "
+          "floor': (checked - floor) / ops; 'vs micro': added us/op over the typed "
+          f"microbenchmark's mean added us/op ({micro_us:.1f} in this run), goal at most "
+          f"{OP_GOAL:.0f}x.")
 
 
 def main() -> None:
     if "--megatron-only" in sys.argv[1:]:
-        megatron_step()
+        megatron_step(micro_added_us(microbenchmark(("eager", TYPED))))
         return
-    torch.set_num_threads(1)
     other = _spmd_types()
     table = Table(title=f"SPMD checker overhead ({OPS} ops, 256x256 fp32, 1 thread, median CPU time)")
     for column in ("workload", "run", "us/op", "added us/op", "over floor", "vs eager"):
         table.add_column(column, justify="left" if column in ("workload", "run") else "right")
-    for name, workload in WORKLOADS.items():
-        seconds = interleaved(_configs(workload))
+    runs = microbenchmark()
+    for name, seconds in runs.items():
         eager, floor = seconds["eager"], seconds[FLOOR]
         for label, value in seconds.items():
             _row(table, name, label, value, eager, floor)
@@ -123,7 +151,7 @@ def main() -> None:
           "dispatch mode that only calls the op, i.e. the checker's own work. spmd_types runs "
           "in strict mode with every input annotated R on a 2-rank fake group "
           "(its own subprocess, same workloads); it is a TorchFunctionMode.")
-    megatron_step()
+    megatron_step(micro_added_us(runs))
 
 
 if __name__ == "__main__":
