@@ -135,6 +135,7 @@ def test_the_mtp_position_embedding_finding_is_one_megatron_training_refuses(arg
     assert path == "megatron/training/arguments.py"
     source = Path(arguments.__file__).read_text().splitlines()
     assert "assert args.position_embedding_type ==" in source[int(line) - 1]
+    assert f"\n{verdict}\n" in (Path(__file__).parents[1] / "docs" / "audit.md").read_text()  # as shown there
 
 
 def test_megatron_training_accepts_the_same_job_with_rotary_positions_and_the_gpts_defaults(arguments):
