@@ -163,4 +163,4 @@ def test_the_refusal_is_on_the_finding_in_findings_json_and_report_md(arguments,
     [entry] = json.loads((tmp_path / "findings.json").read_text())["findings"]
     assert entry["training_args"] == training_verdict(case)
     assert Finding.from_report(entry).training_args == entry["training_args"]
-    assert f"- **megatron.training**: {entry['training_args']}\n" in (tmp_path / "report.md").read_text()
+    assert f"- **training arguments**: {entry['training_args']}\n" in (tmp_path / "report.md").read_text()

@@ -241,7 +241,7 @@ def _finding_lines(n: int, f: Finding) -> list[str]:
     if f.one_rank:
         lines.append(f"- **crash**: {f.one_rank}")
     if f.training_args:
-        lines.append(f"- **megatron.training**: {f.training_args}")
+        lines.append(f"- **training arguments**: {f.training_args}")
     if f.effect:
         lines += [f"- **first divergence**: {f.first_divergence or 'no contracted call diverged'}",
                   "- **effect** (observed vs one-rank reference):"]
