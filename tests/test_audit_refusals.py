@@ -50,6 +50,7 @@ def test_the_report_lists_and_counts_the_refusals_apart_from_the_layouts(result,
     audit_report.write(tmp_path, result.findings, result.summary())
     summary = json.loads((tmp_path / "findings.json").read_text())["summary"]
     assert summary["configurations megatron-core refuses"] == 2 and summary["findings"] == 0
+    assert summary["findings megatron.training refuses"] == 0
     assert summary["layouts a component does not support"] == 0
     assert sorted(summary["refused"]) == sorted([_entry(result, DIVIDE), _entry(result, OVERLAP)])
     text = (tmp_path / "report.md").read_text()

@@ -90,6 +90,7 @@ def test_the_mtp_stages_position_embeddings_left_out_of_the_pp_sync_is_its_own_f
     # a training job never builds it: megatron.training refuses MTP with learned absolute positions
     assert finding.training_args.startswith("megatron.training refuses it: AssertionError: Multi-Token "
                                             "Prediction (MTP) is not supported with learned_absolute"), finding.training_args
+    assert megatron_bugs.summary()["findings megatron.training refuses"] == 2  # the cp2 one too
 
 
 def test_rotary_positions_under_pp_leave_no_table_to_sync(warm):

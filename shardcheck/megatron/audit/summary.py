@@ -10,6 +10,7 @@ from typing import Any
 from shardcheck.fuzz.findings import Finding
 from shardcheck.megatron.audit.outcome import CONFIG_REFUSES, Outcome, op_counts
 from shardcheck.megatron.audit.runner import FAILS
+from shardcheck.megatron.audit.training_args import REFUSES
 
 
 @dataclass
@@ -47,6 +48,8 @@ class AuditResult:
             "cases pruned (options the component's default run never read there)":
                 sum(len(lays) for lays in self.pruned.values()),
             "findings": len(self.findings),
+            "findings megatron.training refuses": sum(1 for f in self.findings
+                                                      if (f.training_args or "").startswith(REFUSES)),
             "wall time (s)": round(self.seconds, 1),
             "stopped at the budget or time limit": self.stopped_early,
             "not_swept": self.not_swept,
