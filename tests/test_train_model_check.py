@@ -28,8 +28,6 @@ MOE_EP2 = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-token-dispatch
            "--disable-bias-linear", "--expert-model-parallel-size", "2"]
 MEGATRON_LM_ENTRY = Path(__file__).parent / "data" / "megatron-lm-entry" / "pretrain_gpt.py"
 REFUSED = {
-    "--experimental-attention-variant": ["gated_delta_net", "--linear-attention-freq", "2"],
-    "--multi-latent-attention": [],
     "--hybrid-layer-pattern": ["M*"],
     "--hybrid-override-pattern": ["M*"],
     "--heterogeneous-layers-config-path": ["layers.json"],
@@ -62,9 +60,9 @@ def test_a_flag_the_entry_point_does_not_build_is_refused_in_one_line_before_any
 
 
 def test_with_an_entry_script_those_flags_are_the_scripts_to_build():
-    plan_runs([*BASE, "--multi-latent-attention"], 2, 1)
-    with pytest.raises(TrainInputError, match="--multi-latent-attention"):
-        plan_runs([*BASE, "--multi-latent-attention"], 2, 1, own_entry=True)
+    plan_runs([*BASE, "--hybrid-layer-pattern", "M*"], 2, 1)
+    with pytest.raises(TrainInputError, match="--hybrid-layer-pattern"):
+        plan_runs([*BASE, "--hybrid-layer-pattern", "M*"], 2, 1, own_entry=True)
 
 
 def test_mtp_on_a_custom_pipeline_layout_is_refused_in_one_line():
@@ -103,17 +101,20 @@ from shardcheck.megatron.train import entry
 entry._mtp_spec = lambda *_: None  # planted: shardcheck's entry point before it built the MTP block
 entry._pretrain()
 """
-OUR_ENTRY = """\
+DROPS_MLA = """\
+from megatron.core.models.gpt import gpt_layer_specs
 from shardcheck.megatron.train import entry
 
-entry._pretrain()  # shardcheck's entry point, which does not build multi-latent attention
+# planted: the layer spec built without the multi-latent attention --multi-latent-attention asks for
+entry._layer_spec = lambda *_: gpt_layer_specs.get_gpt_layer_local_spec()
+entry._pretrain()
 """
 MISSING = {
     "experts dropped": (DROPS_EXPERTS, MOE_EP2, "Error: --num-experts asks for 4 experts at this layer "
                         "(--moe-layer-freq), but the built model's MLP is MLP (layer 0)"),
     "no mtp block": (DROPS_MTP, [*TP2, "--mtp-num-layers", "1", "--position-embedding-type", "rope"], "Error: --mtp-num-layers 1 asks for "
                      "a multi-token prediction block, but the built model has none"),
-    "no mla": (OUR_ENTRY, [*TP2, "--multi-latent-attention"], "Error: --multi-latent-attention asks "
+    "no mla": (DROPS_MLA, [*TP2, "--multi-latent-attention"], "Error: --multi-latent-attention asks "
                "for multi-latent attention, but the built model's attention is SelfAttention (layer 0)"),
 }
 

@@ -14,7 +14,7 @@ import click
 
 import shardcheck
 from shardcheck.cli.errors import HarnessFailure, InputError, writable_folder
-from shardcheck.megatron.cpu import MEGATRON_PRELOAD
+from shardcheck.megatron.cpu import megatron_preload
 from shardcheck.megatron.train.args import REFERENCES, RunPlan, TrainInputError, plan_runs
 from shardcheck.megatron.train.config import flags_from_model_config
 from shardcheck.megatron.train.entry import CPU_ENV, ENTRY_ENV
@@ -89,7 +89,7 @@ def run_training(args: list[str], nproc: int, launch: Launch, label: str,
         if save_init is not None:
             env[SAVE_INIT_ENV] = str(save_init)
         outcome = run_script("-m", ["shardcheck.megatron.train.entry", *args], nproc, launch.timeout,
-                             env=env, log_stdout=True, preload=MEGATRON_PRELOAD)
+                             env=env, log_stdout=True, preload=megatron_preload(args, launch.cpu))
         if outcome.failed:
             mismatch = _model_mismatch(outcome)
             if mismatch:

@@ -4,6 +4,10 @@
 of its one-rank run, with one line per flag it changed or could not honour on a CPU. A flag
 that cannot run here at all (FP8, Transformer Engine's communication overlap, flash attention)
 or that Megatron does not know raises :class:`TrainInputError` with one line.
+
+``--transformer-impl transformer_engine``, given explicitly, is kept: the ranks run Transformer
+Engine's own modules on shardcheck's CPU kernels (:mod:`shardcheck.megatron.cpu.te`). Without
+the flag (or without TE's CPU layer installed) the runs use Megatron's local layers, with a line.
 """
 
 from __future__ import annotations
@@ -34,14 +38,22 @@ IMPOSSIBLE = {
 # model-shaping flags shardcheck's own entry point does not build yet: refused (Megatron-LM's
 # pretrain_gpt.py, given with --entry, builds them; the model check guards what slips through)
 NOT_BUILT = {
-    "--experimental-attention-variant": "experimental attention variants (gated delta net, sparse attention)",
-    "--multi-latent-attention": "multi-latent attention",
     "--hybrid-layer-pattern": "hybrid (Mamba) layer patterns",
     "--hybrid-override-pattern": "hybrid (Mamba) layer patterns",
     "--heterogeneous-layers-config-path": "heterogeneous layer specs",
     "--heterogeneous-layers-config-encoded-json": "heterogeneous layer specs",
     "--spec": "a layer spec module named by --spec",
 }
+# model-shaping flags megatron-core 0.19.2 builds only with Transformer Engine, and why
+TE_ONLY = {
+    "--experimental-attention-variant": ("megatron-core builds experimental attention variants (gated delta net, "
+                                         "sparse attention) only with Transformer Engine"),
+    "--multi-latent-attention": ("megatron-core's local multi-latent attention spec does not build (its local "
+                                 "DotProductAttention takes no k_channels)"),
+}
+TE = "transformer_engine"
+# Transformer Engine's attention backends that run on its CPU kernels
+TE_ATTENTION_BACKENDS = ("auto", "unfused", "local")
 # flags that select a fused CUDA kernel: switched to Megatron's plain torch path
 UNFUSED = {
     "--no-gradient-accumulation-fusion": "gradient-accumulation fusion is a CUDA extension",
@@ -61,7 +73,8 @@ REPLACED = {"--transformer-impl": "local", "--distributed-backend": "gloo", "--t
             "--hidden-dropout": "0.0", "--attention-dropout": "0.0", "--attention-backend": "auto",
             "--cross-entropy-fusion-impl": "native"}
 REASONS = {
-    "--transformer-impl": "Transformer Engine has no CPU kernels: Megatron's local layers",
+    "--transformer-impl": ("Megatron's local layers (give --transformer-impl transformer_engine to run "
+                           "Transformer Engine's own layers on shardcheck's CPU kernels)"),
     "--distributed-backend": "NCCL needs GPUs: Gloo",
     "--tokenizer-type": "mock data needs no tokenizer files",
     "--hidden-dropout": "dropout masks come from each layout's own RNG streams, so layouts cannot agree",
@@ -190,16 +203,17 @@ def plan_runs(user_args: Sequence[str], nproc: int, steps: int | None, cpu: bool
     micro-batches (Megatron's loss is then a mean of micro-batch means).
     """
     flags = Flags(user_args, megatron_parser())
-    if own_entry:
-        _refuse_not_built(flags)
     changes: list[str] = []
     sizes = {name: int(flags.value(name) or 1) for name in PARALLEL_SIZES}
     tp, pp, cp = (sizes[n] for n in PARALLEL_SIZES[:3])
+    te = _transformer_engine(flags, changes, cp) if cpu else flags.value("--transformer-impl") == TE
+    if own_entry:
+        _refuse_not_built(flags, te)
     if nproc % (tp * pp * cp):
         raise TrainInputError(f"-n {nproc} is not a multiple of tp*pp*cp = {tp * pp * cp}")
     dp = nproc // (tp * pp * cp)
     if cpu:
-        _cpu_flags(flags, changes)
+        _cpu_flags(flags, changes, te)
     _common_flags(flags, changes, steps, dp)
     per_token = flags.has(PER_TOKEN_LOSS)
     split_terms = _per_micro_batch_losses(flags)
@@ -212,15 +226,47 @@ def plan_runs(user_args: Sequence[str], nproc: int, steps: int | None, cpu: bool
         lines.append(f"{', '.join(split_terms)}: Megatron computes {'these losses' if len(split_terms) > 1 else 'this loss'} "
                      "per micro-batch, so the split changes it"
                      + (": a difference may be that, not a bug" if kind == WHOLE_BATCH else ""))
-    same_init = pp > 1 or (flags.get("--num-experts") is not None and sizes["--expert-model-parallel-size"] > 1)
+    reasons = [why for why, holds in (
+        ("Megatron seeds each pipeline stage and expert rank apart",
+         pp > 1 or (flags.get("--num-experts") is not None and sizes["--expert-model-parallel-size"] > 1)),
+        ("a gated delta net draws its A_log and conv1d weights per tensor-parallel shard",
+         tp > 1 and flags.get("--experimental-attention-variant") == "gated_delta_net")) if holds]
+    same_init = bool(reasons)
     if same_init:
         changes.append("the parallel run starts from the one-rank run's initial weights (Megatron's own "
-                       "torch_dist save and load): Megatron seeds each pipeline stage and expert rank apart")
+                       f"torch_dist save and load): {'; '.join(reasons)}")
     return RunPlan(nproc, flags.tokens(), one_rank.tokens(), changes, {**sizes, "dp": dp}, same_init,
                    kind, lines)
 
 
-def _refuse_not_built(flags: Flags) -> None:
+def _transformer_engine(flags: Flags, changes: list[str], cp: int) -> bool:
+    """Whether the CPU runs keep ``--transformer-impl transformer_engine`` (given explicitly,
+    TE's CPU layer installed); refuses what TE's path cannot run on a CPU."""
+    if flags.get("--transformer-impl") != TE:
+        return False
+    from shardcheck.megatron.cpu.te import te_dir
+
+    if not (te_dir() / "transformer_engine").is_dir():
+        changes.append(f"--transformer-impl transformer_engine -> local: Transformer Engine's CPU layer is not "
+                       f"installed in {te_dir()} (make installs it): Megatron's local layers")
+        flags.set("--transformer-impl", "local")
+        return False
+    if cp > 1:
+        raise TrainInputError(
+            f"--context-parallel-size {cp} with --transformer-impl transformer_engine cannot run on a CPU: "
+            "Transformer Engine has no fp32 context-parallel attention backend (and its bf16 ring does not "
+            "finish on Gloo); give --transformer-impl local for shardcheck's CP attention stand-in")
+    changes.append("--transformer-impl transformer_engine kept: Transformer Engine's own layers, on shardcheck's "
+                   "CPU kernels (its fused optimizers are CUDA kernels: Megatron's torch optimizer, as without TE)")
+    return True
+
+
+def _refuse_not_built(flags: Flags, te: bool) -> None:
+    if not te:
+        for flag, why in TE_ONLY.items():
+            if flags.has(flag):
+                raise TrainInputError(f"{flag} with Megatron's local layers: {why}; give --transformer-impl "
+                                      "transformer_engine")
     built = {flag: what for flag, what in NOT_BUILT.items() if flags.has(flag)}
     if flags.has("--mtp-num-layers") and flags.has("--pipeline-model-parallel-layout"):
         built["--mtp-num-layers with --pipeline-model-parallel-layout"] = "MTP layers a pipeline layout places"
@@ -229,12 +275,18 @@ def _refuse_not_built(flags: Flags) -> None:
                               "Megatron-LM's own pretrain_gpt.py with --entry PATH/pretrain_gpt.py")
 
 
-def _cpu_flags(flags: Flags, changes: list[str]) -> None:
+def _cpu_flags(flags: Flags, changes: list[str], te: bool) -> None:
     for flag, why in IMPOSSIBLE.items():
         if flags.has(flag):
             raise TrainInputError(f"{flag} cannot run on a CPU: {why}")
+    if flags.get("--experimental-attention-variant") == "dsa":
+        raise TrainInputError("--experimental-attention-variant dsa cannot run on a CPU: its indexer's Hadamard "
+                              "rotation is the fast_hadamard_transform CUDA kernel, on bf16 only (megatron-core "
+                              "asserts both), and the runs compare in float32")
     for flag, value in REPLACED.items():
         old = flags.get(flag)
+        if te and (flag == "--transformer-impl" or (flag == "--attention-backend" and old in TE_ATTENTION_BACKENDS)):
+            continue  # Transformer Engine's own layers, and its attention backends with CPU kernels
         if old == value:
             continue
         default = flags.value(flag)

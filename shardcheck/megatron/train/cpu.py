@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import os
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 _applied: list[str] = []
@@ -124,6 +124,22 @@ def apply_training_patches() -> None:
         patch()
         _applied.append(name)
     _applied.append("cpu")
+
+
+def install_transformer_engine(argv: Sequence[str]) -> bool:
+    """Install Transformer Engine's CPU layer when the rank's Megatron flags ``argv`` ask for
+    ``--transformer-impl transformer_engine`` (before megatron-core is imported: it probes for
+    TE as its modules load), TE's fused optimizers hidden (Megatron's torch fallbacks run, as
+    without TE). A rank forked from a server that preloaded it finds it installed."""
+    from shardcheck.megatron.cpu import asks_for_transformer_engine
+
+    if not asks_for_transformer_engine(argv):
+        return False
+    from shardcheck.megatron.cpu.te import install_for_training
+
+    install_for_training()
+    _applied.append("transformer_engine")
+    return True
 
 
 def cpu_layer_active() -> bool:

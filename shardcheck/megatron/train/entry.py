@@ -1,15 +1,19 @@
 """A GPT pretraining entry point for ``megatron.training.pretrain``, written for ``shardcheck train``.
 
 It does what Megatron-LM's ``pretrain_gpt.py`` does for a GPT on mock data: a model provider
-(Megatron's local or Transformer Engine layer spec; its decoder-block spec with experts, so
-that ``--moe-layer-freq`` places them; the MTP block of ``--mtp-num-layers``), a dataset
+(Megatron's local or Transformer Engine layer spec, with multi-latent attention under
+``--multi-latent-attention``; its decoder-block spec with experts, so that ``--moe-layer-freq``
+places them; the experimental attention variants' block spec, so that ``--linear-attention-freq``
+places gated delta nets; the MTP block of ``--mtp-num-layers``), a dataset
 provider (``MockGPTDataset`` built on every rank), a forward step that cuts each rank's
 context-parallel share of the batch, and the per-token language-model loss. Run as one rank
 of a job::
 
     python -m shardcheck.megatron.train.entry MEGATRON-ARGS...
 
-``SHARDCHECK_TRAIN_CPU=1`` turns on the CPU layer (:mod:`shardcheck.megatron.train.cpu`);
+``SHARDCHECK_TRAIN_CPU=1`` turns on the CPU layer (:mod:`shardcheck.megatron.train.cpu`), and
+with ``--transformer-impl transformer_engine`` Transformer Engine's CPU layer, installed before
+megatron-core is imported (:func:`shardcheck.megatron.train.cpu.install_transformer_engine`);
 ``SHARDCHECK_TRAIN_ENTRY=script.py`` runs the user's own entry script instead of this one;
 ``SHARDCHECK_TRAIN_RECORD=folder`` records every step (:mod:`shardcheck.megatron.train.record`).
 """
@@ -47,19 +51,28 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
 
 
 def _layer_spec(args: Any, config: Any, vp_stage: int | None = None) -> Any:
-    """Megatron's layer spec; with experts, its decoder-block spec (``--moe-layer-freq``'s pattern)."""
+    """Megatron's layer spec; with an experimental attention variant, its block spec
+    (``--linear-attention-freq``'s and ``--moe-layer-freq``'s patterns); with experts, its
+    decoder-block spec (``--moe-layer-freq``'s pattern)."""
+    from megatron.core.models.gpt import experimental_attention_variant_module_specs as variants
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     te = args.transformer_impl == "transformer_engine"
+    qk_l2_norm = getattr(args, "qk_l2_norm", False)
+    if args.experimental_attention_variant is not None:  # Transformer Engine only (planning refuses local)
+        return variants.get_transformer_block_with_experimental_attention_variant_spec(config=config,
+                                                                                       vp_stage=vp_stage)
     if args.num_experts:
         spec = specs.get_gpt_decoder_block_spec(config, use_transformer_engine=te, normalization=args.normalization,
-                                                qk_l2_norm=getattr(args, "qk_l2_norm", False), vp_stage=vp_stage)
-    elif te:
+                                                qk_l2_norm=qk_l2_norm, vp_stage=vp_stage)
+    elif te:  # CP with Transformer Engine is refused while planning: no stand-in to put in
         return specs.get_gpt_layer_with_transformer_engine_spec(
-            args.num_experts, args.moe_grouped_gemm, args.qk_layernorm, qk_l2_norm=getattr(args, "qk_l2_norm", False))
+            args.num_experts, args.moe_grouped_gemm, args.qk_layernorm, args.multi_latent_attention,
+            qk_l2_norm=qk_l2_norm)
     else:
         spec = specs.get_gpt_layer_local_spec(args.num_experts, args.moe_grouped_gemm, args.qk_layernorm,
-                                              qk_l2_norm=getattr(args, "qk_l2_norm", False))
+                                              args.multi_latent_attention, normalization=args.normalization,
+                                              qk_l2_norm=qk_l2_norm)
     if hasattr(spec, "layer_specs"):  # TE's CP attention has no CPU kernel: the stand-in
         spec.layer_specs = [_cpu_layer(config, layer) for layer in spec.layer_specs]
         return spec
@@ -83,7 +96,11 @@ def _mtp_spec(args: Any, config: Any, vp_stage: int | None) -> Any:
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     te = args.transformer_impl == "transformer_engine"
-    if args.num_experts:
+    if args.experimental_attention_variant is not None:
+        from megatron.core.models.gpt import experimental_attention_variant_module_specs as variants
+
+        last = variants.get_transformer_layer_with_experimental_attention_variant_spec(config=config)[-1]
+    elif args.num_experts:
         last = specs.get_gpt_decoder_layer_specs(config, te, normalization=args.normalization,
                                                  qk_l2_norm=getattr(args, "qk_l2_norm", False))[-1]
     else:
@@ -131,7 +148,7 @@ def forward_step(data_iterator: Any, model: Any, return_schedule_plan: bool = Fa
     batch = get_batch_on_this_cp_rank(batch, is_hybrid_cp=False,
                                       cp_group=parallel_state.get_context_parallel_group())
     output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
-                   labels=batch["labels"])
+                   labels=batch["labels"], loss_mask=batch["loss_mask"])  # as pretrain_gpt.py: MTP's loss reads it
     return output, partial(loss_func, batch["loss_mask"])
 
 
@@ -148,11 +165,16 @@ def _pretrain() -> None:
 
 def main() -> None:
     """Set up this rank (CPU layer, recorder), then run the user's entry script or ours."""
-    from shardcheck.megatron.train.cpu import apply_training_patches, patch_typing_override
+    from shardcheck.megatron.train.cpu import (
+        apply_training_patches,
+        install_transformer_engine,
+        patch_typing_override,
+    )
     from shardcheck.megatron.train.record import StepRecorder, record_folder
 
     patch_typing_override()  # Python 3.11 compatibility, CPU or GPU
     if os.environ.get(CPU_ENV) == "1":
+        install_transformer_engine(sys.argv[1:])  # before megatron-core is imported
         apply_training_patches()
     folder = record_folder()
     if folder is not None:

@@ -26,7 +26,9 @@ CONFIG_FLAGS = {
     "linear_attention_freq": "--linear-attention-freq", "normalization": "--normalization",
     "layernorm_zero_centered_gamma": "--apply-layernorm-1p", "qk_layernorm": "--qk-layernorm",
     "gated_linear_unit": "--swiglu", "add_bias_linear": "--disable-bias-linear",
+    "transformer_impl": "--transformer-impl",
 }
+TE_EXTENSIONS = "megatron.core.extensions.transformer_engine"  # Megatron's modules around TE's
 MARKER = "ModelMismatchError"
 
 
@@ -109,7 +111,15 @@ def _describe(layer: Any) -> str:
         text = text.replace(type(attention).__name__, f"{type(attention).__name__}(DSAttention)", 1)
     if hasattr(mlp, "experts") and hasattr(mlp, "router"):
         text += f" ({mlp.config.num_moe_experts} experts)"
+    if _on_transformer_engine(layer):
+        text += " on TE"
     return text
+
+
+def _on_transformer_engine(layer: Any) -> bool:
+    """Whether ``layer`` holds Megatron's Transformer Engine modules (``extensions/transformer_engine.py``)."""
+    modules = getattr(layer, "modules", None)  # a torch module's submodules, itself included
+    return modules is not None and any(type(module).__module__ == TE_EXTENSIONS for module in modules())
 
 
 def _layer_mismatches(layer: Any, config: Any) -> list[str]:
@@ -117,6 +127,9 @@ def _layer_mismatches(layer: Any, config: Any) -> list[str]:
         return []
     index = layer.layer_number - 1
     found = []
+    if getattr(config, "transformer_impl", None) == "transformer_engine" and not _on_transformer_engine(layer):
+        found.append(f"--transformer-impl transformer_engine asks for Transformer Engine's layers, but the built "
+                     f"model's layer {index} holds none")
     for flag, wants, what, ok in _attention_wants(config, index) + _mlp_wants(config, index):
         module = layer.mlp if what == "MLP" else layer.self_attention
         if not ok(module):
@@ -142,9 +155,9 @@ def _attention_wants(config: Any, index: int) -> list[Want]:
             return [("--experimental-attention-variant gated_delta_net", "a gated delta net at this layer "
                      "(--linear-attention-freq)", "attention", lambda m: isinstance(m, GatedDeltaNet))]
     wants: list[Want] = []
-    if config.multi_latent_attention:
+    if config.multi_latent_attention:  # DSA's attention is the absorbed form of MLA, another class
         wants.append(("--multi-latent-attention", "multi-latent attention", "attention",
-                      lambda m: isinstance(m, MultiLatentAttention)))
+                      lambda m: isinstance(m, MultiLatentAttention) or type(m).__name__ == "AbsorbedMLASelfAttention"))
     if variant == "dsa":
         wants.append(("--experimental-attention-variant dsa", "DeepSeek sparse attention", "attention",
                       lambda m: type(getattr(m, "core_attention", None)).__name__ == "DSAttention"))

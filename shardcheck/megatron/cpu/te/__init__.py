@@ -220,6 +220,22 @@ def install() -> ModuleType:
     return te_pytorch
 
 
+FUSED_OPTIMIZERS = "transformer_engine.pytorch.optimizers"
+
+
+def install_for_training() -> ModuleType:
+    """``install()``, with TE's fused optimizers hidden from megatron-core.
+
+    ``transformer_engine.pytorch.optimizers`` (``FusedAdam``, ``FusedSGD``, the multi-tensor
+    L2 norm and scale) are CUDA kernels with no CPU implementation here. megatron-core imports
+    them when its optimizer modules load and falls back to torch's optimizers and its own
+    multi-tensor functions when the import fails, as it does without TE; this makes it fail.
+    """
+    te_pytorch = install()
+    sys.modules[FUSED_OPTIMIZERS] = None  # type: ignore[assignment] - `from ... import` raises ImportError
+    return te_pytorch
+
+
 @contextmanager
 def installed() -> Iterator[ModuleType]:
     """``install()`` for a block; afterwards TE is neither importable nor imported."""
