@@ -189,17 +189,6 @@ def test_gated_delta_nets_are_expected_where_linear_attention_freq_puts_them():
         f"(--linear-attention-freq), but the built model's attention is SelfAttention (layer {i})" for i in (0, 2)]
 
 
-def test_an_mtp_job_builds_the_mtp_block_and_agrees_at_tp2():
-    """--mtp-num-layers used to crash in cross_entropy (an IndexError): the block was never built."""
-    result = _invoke("-n", "2", "--steps", "2", "--", *BASE, *TP2, "--mtp-num-layers", "1",
-                     "--position-embedding-type", "rope")
-    assert result.exit_code == 0, result.output
-    lines = result.output.splitlines()
-    assert ("built: one-rank run: layers 0-1: SelfAttention + MLP; mtp: MultiTokenPredictionBlock (1 layer(s))"
-            in lines)
-    assert lines[-1] == "verdict: AGREE"
-
-
 def test_a_layer_that_is_no_transformer_layer_is_named_by_its_class_and_not_judged():
     """A hybrid model's Mamba layer (an --entry script's HybridModel): listed, not checked."""
     from shardcheck.megatron.train.model_check import _layer_mismatches, layer_lines
