@@ -56,3 +56,11 @@ def test_value_kinds_are_enums():
     assert registry.value_rule("zeros_like") is registry.ValueRule.ZERO
     assert registry.value_rule("add") is registry.ValueRule.ADD
     assert registry.value_rule("matmul") is None
+
+
+def test_known_tests_of_the_per_op_path_agree_with_its_operators():
+    for value in range(16):
+        flags = registry.Known(value)
+        assert (flags in registry.WITH_ACC) == bool(flags & registry.Known.ACC)
+        assert (flags in registry.WITH_ONE_RANK) == bool(flags & registry.Known.ONE_RANK)
+        assert (flags in registry.CONST_OR_ZERO) == (flags in (registry.Known.CONST, registry.Known.ZERO))
