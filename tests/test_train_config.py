@@ -20,7 +20,7 @@ if Version(importlib.metadata.version("megatron-core")).release[:2] < (0, 19):  
 
 from golden_data import full_data_root, head  # noqa: E402
 
-from shardcheck.megatron.train.args import plan_runs  # noqa: E402
+from shardcheck.megatron.train.args import TrainInputError, plan_runs  # noqa: E402
 from shardcheck.megatron.train.config import MAX_RANKS, flags_from_model_config  # noqa: E402
 
 CARRIED = Path(__file__).parent / "data" / "train_configs"
@@ -39,6 +39,12 @@ REAL = ["gpt/gpt3_mcore_te_tp2_pp2_cp2", "gpt/gpt3_mcore_te_tp2_pp1_cp2_nondeter
 
 def _value(flags: list[str], flag: str) -> str | None:
     return flags[flags.index(flag) + 1] if flag in flags else None
+
+
+def _te_installed() -> bool:
+    from shardcheck.megatron.cpu.te import te_dir
+
+    return (te_dir() / "transformer_engine").is_dir()
 
 
 def _carried_configs() -> list[Path]:
@@ -64,7 +70,15 @@ def _shrinks_into_a_runnable_cpu_plan(path: Path) -> None:
             assert flag in shrunk.flags, f"{flag} picks a code path and must be kept"
     if "--num-experts" in original:
         assert int(_value(shrunk.flags, "--num-experts")) <= int(original["--num-experts"])
-    plan = plan_runs(shrunk.flags, shrunk.nproc, 2)  # every flag is Megatron's, none refused
+    flags = shrunk.flags
+    if _value(flags, "--transformer-impl") == "transformer_engine" and int(_value(flags, "--context-parallel-size")
+                                                                          or 1) > 1 and _te_installed():
+        # Transformer Engine has no CPU context-parallel path: refused in one line, runnable on local layers
+        with pytest.raises(TrainInputError, match=r"^--context-parallel-size \d with --transformer-impl "
+                           r"transformer_engine cannot run on a CPU: "):
+            plan_runs(flags, shrunk.nproc, 2)
+        flags = [*flags, "--transformer-impl", "local"]  # as after `--`, which overrides the config
+    plan = plan_runs(flags, shrunk.nproc, 2)  # every flag is Megatron's, none refused
     assert plan.world == shrunk.nproc
     assert any("--hidden-size" in line for line in shrunk.mapping)
 
@@ -83,8 +97,6 @@ def test_a_real_functional_test_config_shrinks_into_a_runnable_cpu_plan(name):
 
 
 def test_a_config_that_needs_megatron_fsdp_is_refused_with_the_reason():
-    from shardcheck.megatron.train.args import TrainInputError
-
     shrunk = flags_from_model_config(head(f"{FSDP}/model_config.yaml"))
     with pytest.raises(TrainInputError, match="--use-megatron-fsdp cannot run on a CPU"):
         plan_runs(shrunk.flags, shrunk.nproc, 2)

@@ -47,6 +47,14 @@ def test_an_explicit_transformer_engine_impl_is_kept_with_a_line():
         assert run[run.index("--transformer-impl") + 1] == "transformer_engine"
 
 
+@needs_te
+def test_a_later_transformer_impl_overrides_an_earlier_one_as_in_megatron():
+    """``--model-config``'s flags come first, those after ``--`` override them."""
+    plan = plan_runs([*BASE, *TE, "--context-parallel-size", "2", "--transformer-impl", "local"], 2, 1)
+    assert not any(line.startswith(KEPT) for line in plan.changes)
+    assert not asks_for_transformer_engine(plan.parallel)
+
+
 def test_without_the_flag_the_runs_use_megatrons_local_layers_and_say_so():
     plan = plan_runs([*BASE, *TP2], 2, 1)
     assert ("--transformer-impl transformer_engine (default) -> local: Megatron's local layers (give "
@@ -101,6 +109,7 @@ def test_a_gated_delta_net_under_tensor_parallelism_starts_from_the_one_rank_wei
 def test_ranks_that_ask_for_transformer_engine_are_forked_from_a_server_that_installed_it_first():
     assert asks_for_transformer_engine([*BASE, *TE])
     assert not asks_for_transformer_engine([*BASE, "--transformer-impl", "local"])
+    assert not asks_for_transformer_engine([*BASE, *TE, "--transformer-impl", "local"])  # the last one counts
     assert megatron_preload([*BASE, *TE]) == (TE_PRELOAD, *MEGATRON_PRELOAD)
     assert megatron_preload([*BASE, "--transformer-impl", "local"]) == MEGATRON_PRELOAD
     assert megatron_preload([*BASE, *TE], cpu=False) == MEGATRON_PRELOAD  # a GPU run has its own TE

@@ -15,10 +15,10 @@ TE_PRELOAD = "shardcheck.megatron.cpu.te.install_on_import"
 
 def asks_for_transformer_engine(tokens: Sequence[str]) -> bool:
     """Whether Megatron flags (as ``shardcheck train`` passes them: flag, then its values)
-    say ``--transformer-impl transformer_engine``."""
+    say ``--transformer-impl transformer_engine`` (the last one given, as Megatron reads them)."""
     tokens = list(tokens)
-    return any(token == "--transformer-impl" and tokens[i + 1:i + 2] == ["transformer_engine"]
-               for i, token in enumerate(tokens))
+    given = [tokens[i + 1:i + 2] for i, token in enumerate(tokens) if token == "--transformer-impl"]
+    return bool(given) and given[-1] == ["transformer_engine"]
 
 
 def megatron_preload(tokens: Sequence[str], cpu: bool = True) -> tuple[str, ...]:

@@ -242,8 +242,8 @@ def plan_runs(user_args: Sequence[str], nproc: int, steps: int | None, cpu: bool
 def _transformer_engine(flags: Flags, changes: list[str], cp: int) -> bool:
     """Whether the CPU runs keep ``--transformer-impl transformer_engine`` (given explicitly,
     TE's CPU layer installed); refuses what TE's path cannot run on a CPU."""
-    if flags.get("--transformer-impl") != TE:
-        return False
+    if not flags.has("--transformer-impl") or flags.value("--transformer-impl") != TE:
+        return False  # not given (Megatron's default), or local as the last one given says
     from shardcheck.megatron.cpu.te import te_dir
 
     if not (te_dir() / "transformer_engine").is_dir():
