@@ -202,3 +202,32 @@ def test_a_layer_that_is_no_transformer_layer_is_named_by_its_class_and_not_judg
     chunk = SimpleNamespace(decoder=SimpleNamespace(layers=[MambaLayer(), *_layers([SelfAttention()])[:1]]))
     chunk.decoder.layers[1].layer_number = 2
     assert layer_lines([chunk]) == {0: "MambaLayer", 1: "SelfAttention + MLP"}
+
+
+def test_a_transformer_engine_run_whose_layer_holds_no_te_module_is_a_mismatch():
+    """--transformer-impl transformer_engine kept: each layer must hold Megatron's TE modules
+    (extensions/transformer_engine.py), and its built: line says ``on TE``."""
+    import torch
+
+    from shardcheck.megatron.train.model_check import _describe, _layer_mismatches
+
+    class TELayerNormColumnParallelLinear(torch.nn.Module):
+        """Stands for Megatron's TE linear: a class of ``extensions/transformer_engine.py``."""
+
+    TELayerNormColumnParallelLinear.__module__ = "megatron.core.extensions.transformer_engine"
+
+    def layer(*modules: torch.nn.Module) -> torch.nn.Module:
+        built = torch.nn.Module()
+        built.layer_number, built.self_attention, built.mlp = 1, torch.nn.Sequential(*modules), torch.nn.Identity()
+        return built
+
+    config = SimpleNamespace(num_layers=1, experimental_attention_variant=None, multi_latent_attention=False,
+                             num_moe_experts=None, transformer_impl="transformer_engine")
+    on_te = layer(TELayerNormColumnParallelLinear())
+    assert _layer_mismatches(on_te, config) == []
+    assert _describe(on_te).endswith(" on TE")
+    local = layer(torch.nn.Linear(2, 2))
+    assert _layer_mismatches(local, config) == [
+        "--transformer-impl transformer_engine asks for Transformer Engine's layers, but the built model's "
+        "layer 0 holds none"]
+    assert not _describe(local).endswith(" on TE")
