@@ -8,7 +8,13 @@ import textwrap
 import pytest
 
 from shardcheck.fuzz.repro import BROKEN, REPRODUCES, run_repro
-from shardcheck.parity.forkserver import ForkServer, ServerFailed, close_servers, server_for
+from shardcheck.parity.forkserver import (
+    WARM_SERVERS,
+    ForkServer,
+    ServerFailed,
+    close_servers,
+    server_for,
+)
 from shardcheck.parity.launch import run_script
 
 SHOW_RANK = """
@@ -80,6 +86,19 @@ def test_one_server_per_interpreter_environment(modules):
     env = dict(os.environ)
     assert server_for(("heavy_stand_in",), env) is server_for(("heavy_stand_in",), {**env, "RANK": "3"})
     assert server_for(("heavy_stand_in",), env) is not server_for(("heavy_stand_in",), {**env, "PYTHONWARNINGS": "ignore"})
+
+
+def test_a_new_server_stops_the_least_recently_used_idle_ones_beyond_the_warm_limit(modules, tmp_path):
+    envs = [{**os.environ, "PYTHONWARNINGS": f"ignore::UserWarning:m{i}"} for i in range(3)]
+    (modules / "hangs.py").write_text("import time\ntime.sleep(600)\n")
+    first, second = (server_for(("heavy_stand_in",), env) for env in envs[:2])
+    first.start(["-m", "hangs"], envs[0], tmp_path / "o", tmp_path / "e")  # busy: kept
+    assert server_for(("heavy_stand_in",), envs[1]) is second  # used again: the most recent
+    third = server_for(("heavy_stand_in",), envs[2])  # one more than the limit: one must go
+    assert WARM_SERVERS == 2 and first.idle is False and first._proc.poll() is None
+    assert second._proc.wait(timeout=10) == 0  # the least recently used idle one was stopped
+    assert third._proc.poll() is None
+    assert server_for(("heavy_stand_in",), envs[1]) is not second  # and is started anew when asked
 
 
 def test_closing_the_server_kills_its_running_ranks(modules, tmp_path):

@@ -33,6 +33,8 @@ from pathlib import Path
 STARTUP_VARIABLES = ("PYTHONPATH", "PYTHONWARNINGS", "PYTHONHASHSEED", "PYTHONDONTWRITEBYTECODE",
                      "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 POLL_SECONDS = 0.05
+# Servers kept warm at once: each holds its preloaded modules (hundreds of MB with megatron-core).
+WARM_SERVERS = 2
 
 
 class ServerFailed(RuntimeError):
@@ -48,6 +50,7 @@ class ForkServer:
             stderr=subprocess.DEVNULL, env=env, start_new_session=True, bufsize=0)
         self._lock = threading.Lock()
         self._codes: dict[int, int] = {}
+        self._running: set[int] = set()
         ready = self._message()
         if ready.get("ready") is not True:
             self.close()
@@ -63,6 +66,7 @@ class ForkServer:
             while True:
                 message = self._message()
                 if "pid" in message:
+                    self._running.add(message["pid"])
                     return ForkedRank(self, message["pid"])
                 self._note(message)
 
@@ -74,6 +78,11 @@ class ForkServer:
                     return None
                 self._note(self._message())
             return self._codes[pid]
+
+    @property
+    def idle(self) -> bool:
+        """No rank it started is still running (as far as its answers read so far tell)."""
+        return not self._running
 
     def close(self) -> None:
         """Stop the server; it kills the ranks still running."""
@@ -87,6 +96,7 @@ class ForkServer:
 
     def _note(self, message: dict) -> None:
         self._codes[message["exited"]] = message["code"]
+        self._running.discard(message["exited"])
 
     def _message(self) -> dict:
         line = self._proc.stdout.readline()  # unbuffered: select sees every line not yet read
@@ -113,13 +123,18 @@ _SERVERS: dict[tuple, ForkServer] = {}
 
 def server_for(modules: Sequence[str], env: dict[str, str]) -> ForkServer:
     """The running server with ``modules`` imported under ``env``'s startup variables (one is
-    started on first use, and stopped when this process exits)."""
+    started on first use, and stopped when this process exits). At most :data:`WARM_SERVERS`
+    are kept: a new one first stops the least recently used idle ones."""
     startup = {name: env[name] for name in STARTUP_VARIABLES if name in env}
     key = (tuple(modules), tuple(sorted(startup.items())))
-    if key not in _SERVERS:
-        if not _SERVERS:
-            atexit.register(close_servers)
-        _SERVERS[key] = ForkServer(modules, {**os.environ, **startup})
+    if key in _SERVERS:
+        _SERVERS[key] = _SERVERS.pop(key)  # most recently used last
+        return _SERVERS[key]
+    if not _SERVERS:
+        atexit.register(close_servers)
+    for old in [k for k, server in _SERVERS.items() if server.idle][:max(0, len(_SERVERS) + 1 - WARM_SERVERS)]:
+        _SERVERS.pop(old).close()
+    _SERVERS[key] = ForkServer(modules, {**os.environ, **startup})
     return _SERVERS[key]
 
 
@@ -169,6 +184,7 @@ def _serve(modules: Sequence[str]) -> None:
     for pid in children:
         kill_session(pid)
         os.waitpid(pid, 0)
+    os._exit(0)  # no interpreter teardown of the preloaded modules: it took seconds a server
 
 
 def _reap(children: set[int]) -> None:
