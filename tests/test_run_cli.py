@@ -145,10 +145,10 @@ def test_the_rank_that_failed_first_is_shown_first_with_its_own_traceback(tmp_pa
 def test_a_hung_rank_is_killed_with_everything_it_started(tmp_path, monkeypatch):
     monkeypatch.setenv("PID_DIR", str(tmp_path))
     script = _script(tmp_path, "hangs")
-    result = CliRunner().invoke(main, ["run", "-n", "2", "--timeout", "30", script])
+    result = CliRunner().invoke(main, ["run", "-n", "2", "--timeout", "8", script])
     assert result.exit_code == 2
-    assert "rank 0 hung: killed after 30 s" in result.stderr
-    assert "rank 1 hung: killed after 30 s" in result.stderr
+    assert "rank 0 hung: killed after 8 s" in result.stderr
+    assert "rank 1 hung: killed after 8 s" in result.stderr
     pids = [int(p) for f in tmp_path.iterdir() if f.suffix == "" for p in f.read_text().split()]
     assert len(pids) == 4 and wait_gone(pids) == []
 
