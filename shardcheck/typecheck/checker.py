@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from shardcheck.typecheck import rank_branches, tensor_state, unseen
 from shardcheck.typecheck.broadcast import op_kind as broadcast_kind
 from shardcheck.typecheck.broadcast import record as record_broadcast
-from shardcheck.typecheck.locations import inside_collective, user_location
+from shardcheck.typecheck.locations import inside_collective, op_site, user_location
 from shardcheck.typecheck.position_cuts import PositionCuts
 from shardcheck.typecheck.rank_values import RankValues
 from shardcheck.typecheck.rules import registry
@@ -252,9 +252,10 @@ class Checker(TypeStore, RankValues, TorchDispatchMode):
         its unknown was made: the first op that gave no type from typed inputs (or none at all),
         found by following unknown inputs back (``origins``). Ops torch.distributed makes to
         carry out a collective (the collective itself is typed) are not the caller's."""
-        if inside_collective() or self._landing(func, args, out):
+        location = op_site()
+        if location is None or self._landing(func, args, out):
             return
-        site = self.sites.setdefault(user_location(), [0, 0])
+        site = self.sites.setdefault(location, [0, 0])
         site[0 if typed else 1] += 1
         if typed:
             return
@@ -262,7 +263,7 @@ class Checker(TypeStore, RankValues, TorchDispatchMode):
                        if isinstance(t, torch.Tensor) and self.types(t) is None
                        and tensor_state.read(t, "origin") is not None), None)
         if origin is None:
-            origin = f"{user_location()} {base_name(func)}"
+            origin = f"{location} {base_name(func)}"
         self.origins[origin] += 1
         for t in (out if isinstance(out, (tuple, list)) else (out,)):
             if isinstance(t, torch.Tensor):

@@ -23,6 +23,7 @@ _SKIP_PREFIXES = (
     typing_extensions.__file__,
     "<frozen",
 )
+_SKIPPED: dict[str, bool] = {}  # _skipped by file name, under the current _SKIP_PREFIXES
 
 
 @contextmanager
@@ -32,10 +33,20 @@ def harness_code(*paths: str) -> Iterator[None]:
     global _SKIP_PREFIXES
     saved = _SKIP_PREFIXES
     _SKIP_PREFIXES = (*saved, *paths)
+    _SKIPPED.clear()
     try:
         yield
     finally:
         _SKIP_PREFIXES = saved
+        _SKIPPED.clear()
+
+
+def _skipped(name: str) -> bool:
+    """Whether frames of file ``name`` are passed over (torch, shardcheck, a harness)."""
+    skipped = _SKIPPED.get(name)
+    if skipped is None:
+        skipped = _SKIPPED[name] = name.startswith(_SKIP_PREFIXES)
+    return skipped
 
 
 def user_location() -> str:
@@ -43,7 +54,7 @@ def user_location() -> str:
     frame = sys._getframe(1)
     while frame is not None:
         name = frame.f_code.co_filename
-        if not name.startswith(_SKIP_PREFIXES):
+        if not _skipped(name):
             return f"{name}:{frame.f_lineno}"
         frame = frame.f_back
     return "<unknown>"
@@ -52,19 +63,26 @@ def user_location() -> str:
 def user_code_frame() -> FrameType | None:
     """The innermost frame outside torch and shardcheck (see :func:`user_location`)."""
     frame = sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename.startswith(_SKIP_PREFIXES):
+    while frame is not None and _skipped(frame.f_code.co_filename):
         frame = frame.f_back
     return frame
 
 
 def inside_collective() -> bool:
     """Whether the op runs inside torch.distributed (a collective moving its own data)."""
+    return op_site() is None
+
+
+def op_site() -> str | None:
+    """:func:`user_location`, or None inside torch.distributed (:func:`inside_collective`):
+    both from one walk of the stack (coverage by site asks both at every op)."""
     frame = sys._getframe(1)
     while frame is not None:
         name = frame.f_code.co_filename
         if name.startswith(_DISTRIBUTED):
-            return True
-        if not name.startswith(_SKIP_PREFIXES):
-            return False
+            return None
+        skipped = _SKIPPED.get(name)  # _skipped(name), its cached answer inlined
+        if not (_skipped(name) if skipped is None else skipped):
+            return f"{name}:{frame.f_lineno}"
         frame = frame.f_back
-    return False
+    return "<unknown>"
