@@ -1,10 +1,10 @@
 """One Megatron GPT training step on warm Gloo ranks, with and without the type checker.
 
 Used by checker_overhead.py. Each rank builds the GPT once, then takes blocks of unchecked,
-checked and floor steps in turn (forward, backward and ``finalize_model_grads`` through
+checked, audit and floor steps in turn (forward, backward and ``finalize_model_grads`` through
 Megatron's schedule, then the optimizer step); a checked step runs inside the audit's checked
-region (:func:`shardcheck.megatron.checks.typecheck.checked_region`), entered once per step, a
-floor step under a dispatch mode that only calls each op (the cost of any Python dispatch mode).
+region (:func:`shardcheck.megatron.checks.typecheck.checked_region`), entered once per step, an
+audit step in it as the audit enters it (op calls also counted by source location), a floor step under a dispatch mode that only calls each op (the cost of any Python dispatch mode).
 Steps run in blocks of consecutive steps of one kind, each block timed whole: what a checked
 step leaves for later (its garbage, collected during a following step) is billed to checking,
 not to whichever step comes next (single alternating steps moved up to a quarter of a step
@@ -33,7 +33,7 @@ SIZES = {"audit GPT (hidden 32, seq 16)": {},
 
 
 def step_seconds(ctx: Any, sizes: dict[str, int], rounds: int, block: int) -> dict[str, Any]:
-    """On each rank: (CPU, wall) seconds of an unchecked, a checked and a floor step, each the
+    """On each rank: (CPU, wall) seconds of an unchecked, a checked, an audit and a floor step, each the
     median over ``rounds`` of a block of ``block`` consecutive steps of that kind, and under
     ``"ops"`` the op calls a dispatch mode intercepts in one step."""
     from _workloads import BareMode, CountingMode
@@ -45,7 +45,7 @@ def step_seconds(ctx: Any, sizes: dict[str, int], rounds: int, block: int) -> di
     with megatron_parallel(ctx) as pg:
         training = build_training(ctx, GPTSetup(**sizes), pg)
         regions = {"unchecked": nullcontext, "checked": lambda: checked_region(ctx),
-                   "floor": BareMode}
+                   "audit": lambda: checked_region(ctx, {}), "floor": BareMode}
         for region in regions.values():  # warm-up: first-call costs of each
             _timed(training, region, 1)
         times: dict[str, list[tuple[float, float]]] = {name: [] for name in regions}
