@@ -79,7 +79,9 @@ REASONS = {
     "--tokenizer-type": "mock data needs no tokenizer files",
     "--hidden-dropout": "dropout masks come from each layout's own RNG streams, so layouts cannot agree",
     "--attention-dropout": "dropout masks come from each layout's own RNG streams, so layouts cannot agree",
-    "--attention-backend": "the fused and flash backends are CUDA kernels: Megatron picks its local attention",
+    "--attention-backend": ("the fused and flash backends are CUDA kernels, the unfused one is Transformer "
+                            "Engine's: auto picks what runs here (Megatron's local attention, or TE's unfused one "
+                            "in float32)"),
     "--cross-entropy-fusion-impl": "the fused cross entropy is a Transformer Engine kernel",
 }
 DEFAULT_VOCAB = 1024
