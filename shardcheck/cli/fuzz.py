@@ -30,6 +30,7 @@ from shardcheck.fuzz.findings import (
     package_location,
 )
 from shardcheck.fuzz.repro import REPRODUCES, ReproError, run_repro
+from shardcheck.megatron.cpu import MEGATRON_PRELOAD
 from shardcheck.parity.layout import LayoutError
 from shardcheck.parity.pool import PoolFailure
 
@@ -181,4 +182,5 @@ def findings_command(no_run: bool, launcher: str, root: str) -> None:
 def _status(finding: Finding, launcher: str) -> str:
     if not finding.repro or not Path(finding.repro).exists():
         return "no script"
-    return run_repro(finding.repro, finding.world_size, launcher=launcher).status
+    preload = MEGATRON_PRELOAD if finding.origin == AUDIT else ("torch",)  # direct ranks fork from a warm server
+    return run_repro(finding.repro, finding.world_size, launcher=launcher, preload=preload).status
