@@ -43,10 +43,12 @@ def test_emitted_script_reproduces_then_passes_once_fixed(name):
     assert not re.search(r"^\s*(import|from)\s+shardcheck", script, re.M)
     assert len(script.splitlines()) <= 150
 
-    # torchrun for one planted bug; the same scripts under the direct launcher (same
-    # environment, no torchrun agent: about twice as fast) for the others
+    # torchrun for one planted bug; the same scripts under the direct launcher for the others,
+    # their ranks forked from a server that imported torch (tests/test_forkserver.py: a forked
+    # rank runs a script as a fresh one does)
     launcher = "torchrun" if name == "planted-masked-mean" else "direct"
-    buggy = run_repro(finding.repro, finding.world_size, launcher=launcher, timeout=600)
+    preload = ("torch", "torch.distributed") if launcher == "direct" else ()
+    buggy = run_repro(finding.repro, finding.world_size, launcher=launcher, timeout=600, preload=preload)
     assert (buggy.status, buggy.returncode) == (REPRODUCES, 0), buggy.output
     assert f"REPRODUCED {finding.id}" in buggy.output
     assert _printed(buggy.output, "observed") == pytest.approx(finding.observed["value"], rel=1e-6)
@@ -56,7 +58,7 @@ def test_emitted_script_reproduces_then_passes_once_fixed(name):
     assert checker_lines == ([finding.checker] if finding.checker else [])
 
     fixed = run_repro(finding.repro, finding.world_size, env={"PLANTED_FIXES": PLANTED[name].__name__},
-                      launcher=launcher, timeout=600)
+                      launcher=launcher, timeout=600, preload=preload)
     assert (fixed.status, fixed.returncode) == (FIXED, 1), fixed.output
     assert "REPRODUCED" not in fixed.output
 
