@@ -156,23 +156,6 @@ def _megatron_copy(tmp_path: Path, module: str = "distributed/param_and_grad_buf
     return copy
 
 
-def test_dropped_gradient_all_reduce_in_a_megatron_copy_exits_1_naming_step_metric_parameter(tmp_path):
-    copy = _megatron_copy(tmp_path)
-    result = CliRunner().invoke(main, ["train", "-n", "2", "--megatron", str(copy), "--out",
-                                       str(tmp_path / "golden"), "--", *BASE])
-    assert result.exit_code == 1, result.output
-    lines = result.output.splitlines()
-    first_metric = next(ln for ln in lines if ln.startswith("first metric to part ways"))
-    assert "step 1, grad norm" in first_metric  # the loss of step 1 is computed before any update
-    first_param = next(ln for ln in lines if ln.startswith("first parameter to part ways"))
-    assert first_param.startswith("first parameter to part ways: step 1, gradient norm of ")
-    assert "verdict: DIFFER" in lines
-    # both runs were written in golden form and read back by the golden reader
-    for name in ("golden_values_2ranks.json", "golden_values_1rank.json"):
-        golden = load_golden(tmp_path / "golden" / name)
-        assert {"lm loss", "grad norm", "num-zeros"} <= set(golden.metrics)
-
-
 def _checker_lines(args: list[str]) -> tuple[int, list[str]]:
     """``shardcheck train -n 2 --typecheck``: the exit status and the ``checker:`` lines."""
     result = CliRunner().invoke(main, ["train", "-n", "2", "--typecheck", "--steps", "1", *args])
@@ -185,12 +168,26 @@ def test_typecheck_of_a_correct_tp2_run_prints_no_checker_line():
     assert (status, lines) == (0, [])
 
 
-def test_typecheck_of_the_dropped_gradient_all_reduce_names_each_parameter_at_the_step(tmp_path):
-    status, lines = _checker_lines(["--megatron", str(_megatron_copy(tmp_path)), "--", *BASE])
-    assert status == 1
+def test_dropped_gradient_all_reduce_in_a_megatron_copy_exits_1_naming_step_metric_parameter_and_checker_line(
+        tmp_path):
+    """One checked run: the numbers name the step, metric and parameter, the checker the gradient."""
+    copy = _megatron_copy(tmp_path)
+    result = CliRunner().invoke(main, ["train", "-n", "2", "--typecheck", "--megatron", str(copy), "--out",
+                                       str(tmp_path / "golden"), "--", *BASE])
+    assert result.exit_code == 1, result.output
+    lines = result.output.splitlines()
+    first_metric = next(ln for ln in lines if ln.startswith("first metric to part ways"))
+    assert "step 1, grad norm" in first_metric  # the loss of step 1 is computed before any update
+    first_param = next(ln for ln in lines if ln.startswith("first parameter to part ways"))
+    assert first_param.startswith("first parameter to part ways: step 1, gradient norm of ")
+    assert "verdict: DIFFER" in lines
     assert any(re.fullmatch(r"checker: unreduced gradient at megatron/core/optimizer/optimizer\.py:\d+ "
                             r"in optimizer\.step: module\.decoder\.final_layernorm\.bias: parameter R "
                             r"on dp, gradient V  \[ranks 0, 1\]", ln) for ln in lines), lines
+    # both runs were written in golden form and read back by the golden reader
+    for name in ("golden_values_2ranks.json", "golden_values_1rank.json"):
+        golden = load_golden(tmp_path / "golden" / name)
+        assert {"lm loss", "grad norm", "num-zeros"} <= set(golden.metrics)
 
 
 def test_golden_form_reads_back_with_the_recorded_values(dense, tmp_path):
