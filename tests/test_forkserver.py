@@ -89,16 +89,17 @@ def test_one_server_per_interpreter_environment(modules):
 
 
 def test_a_new_server_stops_the_least_recently_used_idle_ones_beyond_the_warm_limit(modules, tmp_path):
-    envs = [{**os.environ, "PYTHONWARNINGS": f"ignore::UserWarning:m{i}"} for i in range(3)]
+    envs = [{**os.environ, "PYTHONWARNINGS": f"ignore::UserWarning:m{i}"} for i in range(WARM_SERVERS + 1)]
     (modules / "hangs.py").write_text("import time\ntime.sleep(600)\n")
-    first, second = (server_for(("heavy_stand_in",), env) for env in envs[:2])
-    first.start(["-m", "hangs"], envs[0], tmp_path / "o", tmp_path / "e")  # busy: kept
-    assert server_for(("heavy_stand_in",), envs[1]) is second  # used again: the most recent
-    third = server_for(("heavy_stand_in",), envs[2])  # one more than the limit: one must go
-    assert WARM_SERVERS == 2 and first.idle is False and first._proc.poll() is None
-    assert second._proc.wait(timeout=10) == 0  # the least recently used idle one was stopped
-    assert third._proc.poll() is None
-    assert server_for(("heavy_stand_in",), envs[1]) is not second  # and is started anew when asked
+    servers = [server_for(("heavy_stand_in",), env) for env in envs[:WARM_SERVERS]]
+    servers[0].start(["-m", "hangs"], envs[0], tmp_path / "o", tmp_path / "e")  # busy: kept, though oldest
+    assert server_for(("heavy_stand_in",), envs[1]) is servers[1]  # used again: now the most recent
+    newest = server_for(("heavy_stand_in",), envs[-1])  # one more than the limit: one must go
+    stopped = servers[2] if WARM_SERVERS > 2 else servers[1]  # the least recently used idle one
+    assert stopped._proc.wait(timeout=10) == 0
+    assert all(s._proc.poll() is None for s in [*servers, newest] if s is not stopped)
+    assert servers[0].idle is False
+    assert server_for(("heavy_stand_in",), envs[servers.index(stopped)]) is not stopped  # started anew
 
 
 def test_closing_the_server_kills_its_running_ranks(modules, tmp_path):

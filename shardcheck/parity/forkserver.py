@@ -34,7 +34,7 @@ STARTUP_VARIABLES = ("PYTHONPATH", "PYTHONWARNINGS", "PYTHONHASHSEED", "PYTHONDO
                      "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 POLL_SECONDS = 0.05
 # Servers kept warm at once: each holds its preloaded modules (hundreds of MB with megatron-core).
-WARM_SERVERS = 2
+WARM_SERVERS = 4
 
 
 class ServerFailed(RuntimeError):
