@@ -23,7 +23,7 @@ _SKIP_PREFIXES = (
     typing_extensions.__file__,
     "<frozen",
 )
-_SKIPPED: dict[str, bool] = {}  # _skipped by file name, under the current _SKIP_PREFIXES
+_KINDS: dict[str, int] = {}  # _kind by file name, under the current _SKIP_PREFIXES
 
 
 @contextmanager
@@ -33,37 +33,37 @@ def harness_code(*paths: str) -> Iterator[None]:
     global _SKIP_PREFIXES
     saved = _SKIP_PREFIXES
     _SKIP_PREFIXES = (*saved, *paths)
-    _SKIPPED.clear()
+    _KINDS.clear()
     try:
         yield
     finally:
         _SKIP_PREFIXES = saved
-        _SKIPPED.clear()
+        _KINDS.clear()
 
 
-def _skipped(name: str) -> bool:
-    """Whether frames of file ``name`` are passed over (torch, shardcheck, a harness)."""
-    skipped = _SKIPPED.get(name)
-    if skipped is None:
-        skipped = _SKIPPED[name] = name.startswith(_SKIP_PREFIXES)
-    return skipped
+_USER, _PASSED, _COLLECTIVE = 0, 1, 2  # what a file's frames are (see _kind)
+
+
+def _kind(name: str) -> int:
+    """Whether frames of file ``name`` are the user's, passed over (torch, shardcheck, a
+    harness), or torch.distributed's (passed over too), cached by file name."""
+    kind = _KINDS.get(name)
+    if kind is None:
+        kind = _KINDS[name] = (_COLLECTIVE if name.startswith(_DISTRIBUTED) else
+                               _PASSED if name.startswith(_SKIP_PREFIXES) else _USER)
+    return kind
 
 
 def user_location() -> str:
     """file:line of the innermost frame outside torch and shardcheck."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        name = frame.f_code.co_filename
-        if not _skipped(name):
-            return f"{name}:{frame.f_lineno}"
-        frame = frame.f_back
-    return "<unknown>"
+    frame = user_code_frame()
+    return "<unknown>" if frame is None else f"{frame.f_code.co_filename}:{frame.f_lineno}"
 
 
 def user_code_frame() -> FrameType | None:
     """The innermost frame outside torch and shardcheck (see :func:`user_location`)."""
     frame = sys._getframe(1)
-    while frame is not None and _skipped(frame.f_code.co_filename):
+    while frame is not None and _kind(frame.f_code.co_filename) != _USER:
         frame = frame.f_back
     return frame
 
@@ -79,10 +79,12 @@ def op_site() -> str | None:
     frame = sys._getframe(1)
     while frame is not None:
         name = frame.f_code.co_filename
-        if name.startswith(_DISTRIBUTED):
-            return None
-        skipped = _SKIPPED.get(name)  # _skipped(name), its cached answer inlined
-        if not (_skipped(name) if skipped is None else skipped):
+        kind = _KINDS.get(name)  # _kind(name), its cached answer inlined
+        if kind is None:
+            kind = _kind(name)
+        if kind == _USER:
             return f"{name}:{frame.f_lineno}"
+        if kind == _COLLECTIVE:
+            return None
         frame = frame.f_back
     return "<unknown>"
