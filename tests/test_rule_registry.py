@@ -7,7 +7,9 @@ from pathlib import Path
 import torch
 
 import shardcheck
+from shardcheck.typecheck.checker import Checker
 from shardcheck.typecheck.rules import arithmetic, backward, indexing, registry, token_rows
+from shardcheck.typecheck.rules.common import RuleContext
 
 PACKAGE = Path(shardcheck.__file__).parent
 aten = torch.ops.aten
@@ -64,3 +66,29 @@ def test_known_tests_of_the_per_op_path_agree_with_its_operators():
         assert (flags in registry.WITH_ACC) == bool(flags & registry.Known.ACC)
         assert (flags in registry.WITH_ONE_RANK) == bool(flags & registry.Known.ONE_RANK)
         assert (flags in registry.CONST_OR_ZERO) == (flags in (registry.Known.CONST, registry.Known.ZERO))
+
+
+def _context_reads(source: str) -> set[str]:
+    """What the functions of ``source`` read of a parameter typed ``RuleContext``: the names after
+    ``ctx.``; every rule's context parameter is ``ctx: RuleContext`` (checked as well)."""
+    reads = set()
+    for function in ast.walk(ast.parse(source)):
+        if not isinstance(function, ast.FunctionDef):
+            continue
+        for parameter in function.args.args:
+            typed = parameter.annotation is not None and "RuleContext" in ast.unparse(parameter.annotation)
+            assert typed == (parameter.arg == "ctx"), f"{function.name}: {parameter.arg}"
+        reads |= {node.attr for node in ast.walk(function) if isinstance(node, ast.Attribute)
+                  and isinstance(node.value, ast.Name) and node.value.id == "ctx"}
+    return reads
+
+
+def test_rules_read_only_what_their_context_declares():
+    declared = {name for name in vars(RuleContext) if not name.startswith("_")} | set(RuleContext.__annotations__)
+    for path in (PACKAGE / "typecheck" / "rules").glob("*.py"):
+        source = path.read_text()
+        assert _context_reads(source) <= declared, path
+        assert "typecheck.checker" not in source, path  # rules never see the Checker's class
+    assert all(hasattr(Checker, name) or name in Checker.__init__.__code__.co_names for name in declared)
+    planted = "def _rule(ctx: RuleContext, args, kwargs, out):\n    ctx._report(None)\n"
+    assert _context_reads(planted) - declared == {"_report"}

@@ -27,6 +27,7 @@ from shardcheck.typecheck.rules.common import (
     moved,
     nested_outside,
     norm_dim,
+    on_typed_operand,
     outer_of,
     replicated,
 )
@@ -417,11 +418,8 @@ def reduced_dims(dim: Any, ndim: int) -> set[int]:
 
 def reduction(kind: str, dim_pos: int = 1, keep_pos: int = 2) -> Callable:
     """sum-like (kind 'sum'), mean ('mean'), max-like ('max') or non-linear ('norm') reductions."""
-    def rule(ctx: RuleContext, args, kwargs, out):
-        x = args[0]
-        pl = ctx.types(x)
-        if pl is None:
-            return None
+    @on_typed_operand
+    def rule(ctx: RuleContext, x, pl, args, kwargs, out):
         ndim = x.dim()
         dims = reduced_dims(arg(args, kwargs, dim_pos, "dim"), ndim)
         keep = bool(arg(args, kwargs, keep_pos, "keepdim", False))
@@ -476,12 +474,9 @@ def _count_nonzero_rule(ctx: RuleContext, args, kwargs, out):
 _count_reduction = reduction("sum")
 
 
-def _normalize_rule(ctx: RuleContext, args, kwargs, out):
+@on_typed_operand
+def _normalize_rule(ctx: RuleContext, x, pl, args, kwargs, out):
     """softmax / log_softmax over ``dim``."""
-    x = args[0]
-    pl = ctx.types(x)
-    if pl is None:
-        return None
     dim = norm_dim(args[1], x.dim())
     for a, p in enumerate(pl):
         if is_partial(p):
@@ -502,12 +497,9 @@ def _normalize_backward_rule(ctx: RuleContext, args, kwargs, out):
     return elementwise(ctx, [(args[0], MUL), (args[1], NL)])
 
 
-def _layer_norm_rule(ctx: RuleContext, args, kwargs, out):
+@on_typed_operand
+def _layer_norm_rule(ctx: RuleContext, x, pl, args, kwargs, out):
     """native_layer_norm(input, normalized_shape, weight, bias, eps) -> (out, mean, rstd)."""
-    x = args[0]
-    pl = ctx.types(x)
-    if pl is None:
-        return None
     first = x.dim() - len(args[1])
     for a, p in enumerate(pl):
         if is_partial(p):

@@ -238,6 +238,19 @@ class Refinement:
 
 # --- helpers -------------------------------------------------------------------------------
 
+def on_typed_operand(rule: Callable[..., Any]) -> Rule:
+    """A rule of an op on one operand: ``rule(ctx, x, pl, args, kwargs, out)`` gets the first
+    operand ``x`` and its placements ``pl``; an untyped operand gives an untyped result."""
+
+    def typed(ctx: RuleContext, args, kwargs, out):
+        pl = ctx.types(args[0])
+        return None if pl is None else rule(ctx, args[0], pl, args, kwargs, out)
+
+    typed.__name__ = typed.__qualname__ = rule.__name__
+    typed.__wrapped__ = rule
+    return typed
+
+
 def arg(args: tuple, kwargs: dict, pos: int, name: str, default: Any = None) -> Any:
     return args[pos] if len(args) > pos else kwargs.get(name, default)
 

@@ -24,6 +24,7 @@ from shardcheck.typecheck.rules.common import (
     mark_stacked,
     moved,
     norm_dim,
+    on_typed_operand,
     outer_of,
     replicated,
     rows_side_by_side,
@@ -103,11 +104,8 @@ def _sections_viewed(p: SectionShard, in_shape, out_shape, d: int, j: int) -> Sh
     return SectionShard(j, tuple(size * rows_in // rows_out for size in p.sections), p.outside)
 
 
-def _view_rule(ctx: RuleContext, args, kwargs, out):
-    x = args[0]
-    pl = ctx.types(x)
-    if pl is None:
-        return None
+@on_typed_operand
+def _view_rule(ctx: RuleContext, x, pl, args, kwargs, out):
     in_shape, out_shape = x.shape, out.shape
     if in_shape == out_shape:
         return pl
@@ -127,21 +125,15 @@ def _reshaped_back(ctx: RuleContext, x: torch.Tensor, out: torch.Tensor, pl: Pl)
     return (None,) * len(pl)
 
 
-def _permute_rule(ctx: RuleContext, args, kwargs, out):
-    x = args[0]
-    pl = ctx.types(x)
-    if pl is None:
-        return None
+@on_typed_operand
+def _permute_rule(ctx: RuleContext, x, pl, args, kwargs, out):
     ndim = x.dim()
     order = [norm_dim(d, ndim) for d in args[1]]
     return shift_shards(pl, lambda d: order.index(norm_dim(d, ndim)))
 
 
-def _transpose_rule(ctx: RuleContext, args, kwargs, out):
-    x = args[0]
-    pl = ctx.types(x)
-    if pl is None:
-        return None
+@on_typed_operand
+def _transpose_rule(ctx: RuleContext, x, pl, args, kwargs, out):
     ndim = x.dim()
     if len(args) < 3:  # t()
         d0, d1 = 0, max(ndim - 1, 0)
@@ -151,20 +143,14 @@ def _transpose_rule(ctx: RuleContext, args, kwargs, out):
     return shift_shards(pl, lambda d: swap.get(norm_dim(d, ndim), norm_dim(d, ndim)))
 
 
-def _unsqueeze_rule(ctx: RuleContext, args, kwargs, out):
-    x = args[0]
-    pl = ctx.types(x)
-    if pl is None:
-        return None
+@on_typed_operand
+def _unsqueeze_rule(ctx: RuleContext, x, pl, args, kwargs, out):
     new = norm_dim(args[1], x.dim() + 1)
     return shift_shards(pl, lambda d: norm_dim(d, x.dim()) + (norm_dim(d, x.dim()) >= new))
 
 
-def _squeeze_rule(ctx: RuleContext, args, kwargs, out):
-    x = args[0]
-    pl = ctx.types(x)
-    if pl is None:
-        return None
+@on_typed_operand
+def _squeeze_rule(ctx: RuleContext, x, pl, args, kwargs, out):
     ndim = x.dim()
     dims = args[1] if len(args) > 1 else range(ndim)
     dims = [dims] if isinstance(dims, int) else dims
@@ -176,11 +162,8 @@ def _squeeze_rule(ctx: RuleContext, args, kwargs, out):
     return shift_shards(pl, moved)
 
 
-def _expand_rule(ctx: RuleContext, args, kwargs, out):
-    x = args[0]
-    pl = ctx.types(x)
-    if pl is None:
-        return None
+@on_typed_operand
+def _expand_rule(ctx: RuleContext, x, pl, args, kwargs, out):
     lead = out.dim() - x.dim()
     return shift_shards(pl, lambda d: norm_dim(d, x.dim()) + lead)
 
@@ -284,11 +267,8 @@ def rank_piece(ctx: RuleContext, pl: Pl, dim: int, total: int, start: int, lengt
     return {}
 
 
-def _slice_rule(ctx: RuleContext, args, kwargs, out):
-    x = args[0]
-    pl = ctx.types(x)
-    if pl is None:
-        return None
+@on_typed_operand
+def _slice_rule(ctx: RuleContext, x, pl, args, kwargs, out):
     ndim = x.dim()
     dim = norm_dim(arg(args, kwargs, 1, "dim", 0), ndim)
     size = x.shape[dim]
@@ -303,11 +283,8 @@ def _slice_rule(ctx: RuleContext, args, kwargs, out):
     return _cut_along(ctx, pl, ndim, dim, [(start, length)], size, by_rank_slice=True)[0]
 
 
-def _select_rule(ctx: RuleContext, args, kwargs, out):
-    x = args[0]
-    pl = ctx.types(x)
-    if pl is None:
-        return None
+@on_typed_operand
+def _select_rule(ctx: RuleContext, x, pl, args, kwargs, out):
     ndim = x.dim()
     dim = norm_dim(args[1], ndim)
     # one index is no rank's chunk: it equals this rank's index by chance too often (a layer,
@@ -316,11 +293,8 @@ def _select_rule(ctx: RuleContext, args, kwargs, out):
     return shift_shards(piece, lambda d: None if d == dim else d - (d > dim))
 
 
-def _split_rule(ctx: RuleContext, args, kwargs, out):
-    x = args[0]
-    pl = ctx.types(x)
-    if pl is None:
-        return None
+@on_typed_operand
+def _split_rule(ctx: RuleContext, x, pl, args, kwargs, out):
     ndim = x.dim()
     dim = norm_dim(arg(args, kwargs, 2, "dim", 0), ndim)
     pieces, start = [], 0
@@ -335,11 +309,8 @@ def _split_rule(ctx: RuleContext, args, kwargs, out):
     return _cut_along(ctx, pl, ndim, dim, pieces, x.shape[dim])
 
 
-def _unbind_rule(ctx: RuleContext, args, kwargs, out):
-    x = args[0]
-    pl = ctx.types(x)
-    if pl is None:
-        return None
+@on_typed_operand
+def _unbind_rule(ctx: RuleContext, x, pl, args, kwargs, out):
     ndim = x.dim()
     dim = norm_dim(arg(args, kwargs, 1, "dim", 0), ndim)
     ctx.remember_pieces(out, pl)
@@ -561,11 +532,8 @@ def _fill_rule(ctx: RuleContext, args, kwargs, out):
 
 def _flip_like(dims_pos: int) -> Callable:
     """flip/roll/repeat: reordering or repeating a sharded dim loses its meaning (V)."""
-    def rule(ctx: RuleContext, args, kwargs, out):
-        x = args[0]
-        pl = ctx.types(x)
-        if pl is None:
-            return None
+    @on_typed_operand
+    def rule(ctx: RuleContext, x, pl, args, kwargs, out):
         dims = arg(args, kwargs, dims_pos, "dims", None)
         touched = reduced_dims(dims, x.dim())
         return tuple(V if isinstance(p, Shard) and norm_dim(p.dim, x.dim()) in touched else p
@@ -573,11 +541,8 @@ def _flip_like(dims_pos: int) -> Callable:
     return rule
 
 
-def _repeat_rule(ctx: RuleContext, args, kwargs, out):
-    x = args[0]
-    pl = ctx.types(x)
-    if pl is None:
-        return None
+@on_typed_operand
+def _repeat_rule(ctx: RuleContext, x, pl, args, kwargs, out):
     reps = list(args[1])
     lead = len(reps) - x.dim()
     result = []
