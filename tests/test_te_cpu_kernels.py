@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from shardcheck.megatron.cpu import patches
-from shardcheck.megatron.cpu.te import QuantisationRefused, installed, te_dir
+from shardcheck.megatron.cpu.te import QuantisationRefused, WaitOnce, installed, te_dir
 
 if not (te_dir() / "transformer_engine").is_dir():
     pytest.skip(f"transformer-engine is not installed in {te_dir()}", allow_module_level=True)
@@ -252,3 +252,23 @@ def test_fp8_recipes_are_refused_in_one_line(te):
         with pytest.raises(QuantisationRefused, match=f"{type(fp8_recipe).__name__} recipe refused"):
             with te.autocast(enabled=True, recipe=fp8_recipe):
                 layer(_randn(4, 16))
+
+
+def test_context_parallel_ring_requests_are_waited_on_once(te):
+    """TE's ring waits twice on each key/value exchange in its backward; a Gloo request's second
+    ``wait()`` blocks until the process group's timeout. Its exchange hands out requests whose
+    own ``wait()`` runs once (the ring itself runs at cp2 in tests/test_te_gpt.py)."""
+    from transformer_engine.pytorch.attention.dot_product_attention import context_parallel
+
+    class Request:
+        waits = 0
+
+        def wait(self):
+            self.waits += 1
+
+    request = Request()
+    once = WaitOnce(request)
+    assert once.wait() and once.wait()
+    assert request.waits == 1
+    exchange = context_parallel.flash_attn_p2p_communicate
+    assert exchange.__wrapped__.__module__ == context_parallel.__name__

@@ -167,6 +167,43 @@ def _backwards_in_device_mode() -> None:
                     cls.backward = staticmethod(_in_device_mode(backward.__func__))
 
 
+class WaitOnce:
+    """A point-to-point request whose ``wait()`` may be called again once it has completed.
+
+    TE's context-parallel ring waits on each key/value exchange twice in its backward (inside a
+    step and again before the next one). NCCL's work objects allow that; Gloo's block on the
+    second ``wait()`` until the process group's timeout, waiting for a second completion.
+    """
+
+    def __init__(self, request: Any) -> None:
+        self.request = request
+        self.done = False
+
+    def wait(self, *args: Any, **kwargs: Any) -> bool:
+        """The request's own ``wait()`` the first time; afterwards it has completed."""
+        if not self.done:
+            self.request.wait(*args, **kwargs)
+            self.done = True
+        return True
+
+
+def _waiting_once(communicate: Callable[..., list[Any]]) -> Callable[..., list[Any]]:
+    """TE's ``flash_attn_p2p_communicate``, its requests wrapped in :class:`WaitOnce`."""
+
+    @functools.wraps(communicate)
+    def exchange(*args: Any, **kwargs: Any) -> list[Any]:
+        return [WaitOnce(request) for request in communicate(*args, **kwargs)]
+
+    return exchange
+
+
+def _patch_context_parallel_ring() -> None:
+    """TE's context-parallel ring on Gloo: its exchanges' requests may be waited on twice."""
+    from transformer_engine.pytorch.attention.dot_product_attention import context_parallel
+
+    context_parallel.flash_attn_p2p_communicate = _waiting_once(context_parallel.flash_attn_p2p_communicate)
+
+
 def refuse_recipe(recipe: Any = None) -> None:
     """TE's recipe support check: every FP8/FP4 recipe is refused in one line."""
     name = type(recipe).__name__ if recipe is not None else "default FP8"
@@ -214,6 +251,7 @@ def install() -> ModuleType:
 
     _patch_device_queries(te_pytorch)
     _backwards_in_device_mode()
+    _patch_context_parallel_ring()
     te_pytorch.quantization.check_recipe_support = refuse_recipe
     manager = te_pytorch.quantization.FP8GlobalStateManager
     manager.autocast_enter = classmethod(_refusing_quantisation(manager.__dict__["autocast_enter"].__func__))
