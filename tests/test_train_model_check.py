@@ -28,8 +28,6 @@ MOE_EP2 = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-token-dispatch
            "--disable-bias-linear", "--expert-model-parallel-size", "2"]
 MEGATRON_LM_ENTRY = Path(__file__).parent / "data" / "megatron-lm-entry" / "pretrain_gpt.py"
 REFUSED = {
-    "--hybrid-layer-pattern": ["M*"],
-    "--hybrid-override-pattern": ["M*"],
     "--heterogeneous-layers-config-path": ["layers.json"],
     "--heterogeneous-layers-config-encoded-json": ["{}"],
     "--spec": ["megatron.core.models.gpt.gpt_layer_specs", "get_gpt_layer_local_spec"],
@@ -60,9 +58,10 @@ def test_a_flag_the_entry_point_does_not_build_is_refused_in_one_line_before_any
 
 
 def test_with_an_entry_script_those_flags_are_the_scripts_to_build():
-    plan_runs([*BASE, "--hybrid-layer-pattern", "M*"], 2, 1)
-    with pytest.raises(TrainInputError, match="--hybrid-layer-pattern"):
-        plan_runs([*BASE, "--hybrid-layer-pattern", "M*"], 2, 1, own_entry=True)
+    layers = ["--heterogeneous-layers-config-path", "layers.json"]
+    plan_runs([*BASE, *layers], 2, 1)
+    with pytest.raises(TrainInputError, match="--heterogeneous-layers-config-path"):
+        plan_runs([*BASE, *layers], 2, 1, own_entry=True)
 
 
 def test_mtp_on_a_custom_pipeline_layout_is_refused_in_one_line():
@@ -189,8 +188,8 @@ def test_gated_delta_nets_are_expected_where_linear_attention_freq_puts_them():
         f"(--linear-attention-freq), but the built model's attention is SelfAttention (layer {i})" for i in (0, 2)]
 
 
-def test_a_layer_that_is_no_transformer_layer_is_named_by_its_class_and_not_judged():
-    """A hybrid model's Mamba layer (an --entry script's HybridModel): listed, not checked."""
+def test_a_layer_that_is_no_transformer_layer_is_named_by_its_class_and_not_judged_without_a_pattern():
+    """A Mamba layer without a hybrid pattern to judge it by: listed, not checked."""
     from shardcheck.megatron.train.model_check import _layer_mismatches, layer_lines
 
     class MambaLayer:
@@ -231,3 +230,84 @@ def test_a_transformer_engine_run_whose_layer_holds_no_te_module_is_a_mismatch()
         "--transformer-impl transformer_engine asks for Transformer Engine's layers, but the built model's "
         "layer 0 holds none"]
     assert not _describe(local).endswith(" on TE")
+
+
+def _bare(cls: type) -> object:
+    """An instance of megatron-core's module class ``cls``, its own __init__ not run."""
+    import torch
+
+    module = cls.__new__(cls)
+    torch.nn.Module.__init__(module)
+    return module
+
+
+def _hybrid_layers(kinds: str) -> list[object]:
+    """A hybrid model's decoder layers as megatron-core builds them for the symbols ``kinds``:
+    a MambaLayer, or a layer whose attention or MLP is an IdentityOp."""
+    from megatron.core.ssm.mamba_layer import MambaLayer
+    from megatron.core.transformer.attention import SelfAttention
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.mlp import MLP
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    layers = []
+    for number, kind in enumerate(kinds, start=1):
+        if kind == "M":
+            layer = _bare(MambaLayer)
+            layer.layer_number = number
+        else:
+            attention, mlp = {"*": (SelfAttention, IdentityOp), "-": (IdentityOp, MLP), "E": (IdentityOp, MoELayer)}[kind]
+            layer = SimpleNamespace(layer_number=number, self_attention=_bare(attention), mlp=_bare(mlp))
+        layers.append(layer)
+    return layers
+
+
+HYBRID_CONFIG = SimpleNamespace(num_layers=4, experimental_attention_variant=None, multi_latent_attention=False,
+                                num_moe_experts=4, transformer_impl="local")
+
+
+def test_every_symbol_of_megatrons_hybrid_patterns_names_a_kind_of_layer():
+    from megatron.core.models.hybrid.hybrid_layer_allocation import Symbols
+
+    from shardcheck.megatron.train.model_check import hybrid_layer_kinds
+
+    assert set(hybrid_layer_kinds()) == Symbols.VALID_LAYERS
+
+
+def test_the_hybrid_pattern_is_read_without_its_pipeline_stages_and_mtp_depths():
+    from shardcheck.megatron.train.model_check import _hybrid_pattern
+
+    args = SimpleNamespace(hybrid_layer_pattern="M-|*E/M*", hybrid_override_pattern=None)
+    assert _hybrid_pattern(args) == ("--hybrid-layer-pattern", "M-*E")
+    # Megatron copies a --hybrid-override-pattern to hybrid_layer_pattern; the line names the flag given
+    args = SimpleNamespace(hybrid_layer_pattern="M*", hybrid_override_pattern="M*")
+    assert _hybrid_pattern(args) == ("--hybrid-override-pattern", "M*")
+    assert _hybrid_pattern(SimpleNamespace(hybrid_layer_pattern=None)) is None
+
+
+def test_a_hybrid_model_with_the_patterns_layers_passes_and_its_layers_are_listed():
+    """M, -, *, E: a Mamba layer, a dense MLP, self-attention, experts (megatron-core's Symbols);
+    the experts are judged by the pattern, not by --moe-layer-freq as in a GPT."""
+    from shardcheck.megatron.train.model_check import _layer_mismatches, layer_lines, summary
+
+    layers = _hybrid_layers("M-*E")
+    assert [line for layer in layers for line in _layer_mismatches(layer, HYBRID_CONFIG, ("--hybrid-layer-pattern",
+                                                                                          "M-*E"))] == []
+    chunk = SimpleNamespace(decoder=SimpleNamespace(layers=layers))
+    assert summary(layer_lines([chunk])) == ("layer 0: MambaLayer; layer 1: MLP; layer 2: SelfAttention; "
+                                             "layer 3: MoELayer")
+
+
+def test_a_hybrid_model_without_the_patterns_layers_is_a_mismatch_per_layer():
+    from shardcheck.megatron.train.model_check import _layer_mismatches
+
+    pattern = ("--hybrid-layer-pattern", "M-*E")
+    built = _hybrid_layers("*--M")  # attention for Mamba, a dense MLP for attention, Mamba for experts
+    assert [line for layer in built for line in _layer_mismatches(layer, HYBRID_CONFIG, pattern)] == [
+        "--hybrid-layer-pattern asks for a Mamba layer at layer 0 ('M'), but the built model's layer 0 is "
+        "SelfAttention",
+        "--hybrid-layer-pattern asks for self-attention at layer 2 ('*'), but the built model's layer 2 is MLP",
+        "--hybrid-layer-pattern asks for experts at layer 3 ('E'), but the built model's layer 3 is MambaLayer"]
+    extra = _hybrid_layers("M-*E-")[-1]
+    assert _layer_mismatches(extra, HYBRID_CONFIG, pattern) == [
+        "--hybrid-layer-pattern asks for 4 layers, but the built model has a layer 4"]

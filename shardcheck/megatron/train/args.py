@@ -35,11 +35,10 @@ IMPOSSIBLE = {
     "--enable-cuda-graph": "CUDA graphs need a GPU",
     "--use-megatron-fsdp": "Megatron-FSDP's CPU path is not supported here",
 }
+HYBRID_PATTERNS = ("--hybrid-layer-pattern", "--hybrid-override-pattern")  # HybridModel's layers
 # model-shaping flags shardcheck's own entry point does not build yet: refused (Megatron-LM's
 # pretrain_gpt.py, given with --entry, builds them; the model check guards what slips through)
 NOT_BUILT = {
-    "--hybrid-layer-pattern": "hybrid (Mamba) layer patterns",
-    "--hybrid-override-pattern": "hybrid (Mamba) layer patterns",
     "--heterogeneous-layers-config-path": "heterogeneous layer specs",
     "--heterogeneous-layers-config-encoded-json": "heterogeneous layer specs",
     "--spec": "a layer spec module named by --spec",
@@ -50,7 +49,13 @@ TE_ONLY = {
                                          "sparse attention) only with Transformer Engine"),
     "--multi-latent-attention": ("megatron-core's local multi-latent attention spec does not build (its local "
                                  "DotProductAttention takes no k_channels)"),
+    **dict.fromkeys(HYBRID_PATTERNS, "megatron-core's hybrid stack spec is Transformer Engine's, and its HybridStack "
+                                     "builds its final norm with TENorm"),
 }
+# --spec values that name megatron-core's own hybrid stack spec: what the entry point builds anyway
+HYBRID_SPECS = {(module, name) for module in ("megatron.core.models.hybrid.hybrid_layer_specs",
+                                              "megatron.core.models.mamba.mamba_layer_specs")
+                for name in ("hybrid_stack_spec", "mamba_stack_spec")}
 TE = "transformer_engine"
 # Transformer Engine's attention backends that run on its CPU kernels
 TE_ATTENTION_BACKENDS = ("auto", "unfused", "local")
@@ -232,7 +237,9 @@ def plan_runs(user_args: Sequence[str], nproc: int, steps: int | None, cpu: bool
         ("Megatron seeds each pipeline stage and expert rank apart",
          pp > 1 or (flags.get("--num-experts") is not None and sizes["--expert-model-parallel-size"] > 1)),
         ("a gated delta net draws its A_log and conv1d weights per tensor-parallel shard",
-         tp > 1 and flags.get("--experimental-attention-variant") == "gated_delta_net")) if holds]
+         tp > 1 and (flags.get("--experimental-attention-variant") == "gated_delta_net" or "G" in _pattern(flags))),
+        ("a Mamba mixer draws its A_log, dt_bias and conv1d weights per tensor-parallel shard",
+         tp > 1 and "M" in _pattern(flags))) if holds]
     same_init = bool(reasons)
     if same_init:
         changes.append("the parallel run starts from the one-rank run's initial weights (Megatron's own "
@@ -270,11 +277,25 @@ def _refuse_not_built(flags: Flags, te: bool) -> None:
                 raise TrainInputError(f"{flag} with Megatron's local layers: {why}; give --transformer-impl "
                                       "transformer_engine")
     built = {flag: what for flag, what in NOT_BUILT.items() if flags.has(flag)}
+    if _names_the_hybrid_stack_spec(flags):
+        del built["--spec"]  # the spec shardcheck's entry point builds for a hybrid pattern
     if flags.has("--mtp-num-layers") and flags.has("--pipeline-model-parallel-layout"):
         built["--mtp-num-layers with --pipeline-model-parallel-layout"] = "MTP layers a pipeline layout places"
     for flag, what in built.items():
         raise TrainInputError(f"{flag}: shardcheck's entry point does not build {what} yet; run "
                               "Megatron-LM's own pretrain_gpt.py with --entry PATH/pretrain_gpt.py")
+
+
+def _pattern(flags: Flags) -> str:
+    """The hybrid layer pattern the flags give (MTP and pipeline parts included), or ""."""
+    return next((flags.get(flag) or "" for flag in HYBRID_PATTERNS if flags.has(flag)), "")
+
+
+def _names_the_hybrid_stack_spec(flags: Flags) -> bool:
+    """Whether ``--spec`` names megatron-core's hybrid stack spec, with a hybrid pattern given."""
+    spec = flags.value("--spec")
+    return (spec is not None and any(flags.has(flag) for flag in HYBRID_PATTERNS)
+            and tuple(spec) in HYBRID_SPECS)
 
 
 def _cpu_flags(flags: Flags, changes: list[str], te: bool) -> None:
@@ -314,6 +335,9 @@ def _cpu_flags(flags: Flags, changes: list[str], te: bool) -> None:
 
 
 def _common_flags(flags: Flags, changes: list[str], steps: int | None, dp: int) -> None:
+    if flags.has("--use-checkpoint-args"):  # an inference test's: its model is the checkpoint's
+        raise TrainInputError("--use-checkpoint-args: the model's shape comes from the checkpoint of --load, "
+                              "and the runs train a new model on mock data; give the model's flags instead")
     for flag in DATA_FLAGS:
         if flags.drop(flag):
             changes.append(f"{flag} dropped: the runs train on mock data, from scratch, saving nothing")
@@ -343,6 +367,12 @@ def _one_rank(flags: Flags, tp: int, changes: list[str]) -> Flags:
         reference.drop(flag)
     for flag in (*PIPELINE_SPLITS, "--sequence-parallel"):
         reference.drop(flag)
+    for flag in HYBRID_PATTERNS:
+        pattern = reference.get(flag)
+        if pattern and "|" in pattern:  # its pipeline stages would be virtual ones on one rank
+            reference.set(flag, pattern.replace("|", ""))
+            changes.append(f"one-rank run: {flag} {pattern.replace('|', '')}, without the pipeline stages "
+                           "(|) that split it")
     divisible = int(flags.value("--make-vocab-size-divisible-by"))
     vocab = int(flags.value("--vocab-size"))
     if _padded(vocab, divisible * tp) != _padded(vocab, divisible):

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from shardcheck.golden.config import load_model_config
 from shardcheck.golden.io import GoldenInputError
-from shardcheck.megatron.train.args import TrainInputError, megatron_parser
+from shardcheck.megatron.train.args import HYBRID_PATTERNS, TrainInputError, megatron_parser
 
 MAX_RANKS = 8
 HIDDEN = 64
@@ -63,6 +63,8 @@ def flags_from_model_config(path: Path, nproc: int | None = None) -> ShrunkConfi
     for flag, value in args.items():
         if value == "false":
             continue
+        if value.startswith("[") and value.endswith("]"):  # a list, as --spec's is written
+            value = value[1:-1]
         flags += [flag] if value == "true" else [flag, *value.split()]
     return ShrunkConfig(flags, world, mapping)
 
@@ -113,7 +115,17 @@ def _shrink_model(args: dict[str, str], sizes: dict[str, int], dp: int, mapping:
     for flag in ("--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers"):
         if args.pop(flag, None) is not None:
             mapping.append(f"{flag} left out: the layers split evenly over the shrunk pipeline")
-    _set(args, mapping, "--num-layers", max(2, stages), "at least one layer per pipeline stage")
+    pattern = next((flag for flag in HYBRID_PATTERNS if flag in args), None)
+    if pattern is None:
+        _set(args, mapping, "--num-layers", max(2, stages), "at least one layer per pipeline stage")
+    else:
+        _set(args, mapping, pattern, shrink_pattern(args[pattern]), "each kind of layer once per pipeline "
+             "segment, in its order")
+        if "--num-layers" in args:
+            _set(args, mapping, "--num-layers", len(args[pattern].split("/")[0].replace("|", "")),
+                 "the shrunk pattern's layers")
+        if "M" in args[pattern]:
+            _shrink_mamba(args, tp, mapping)
     heads = max(4, tp)
     _set(args, mapping, "--hidden-size", HIDDEN)
     _set(args, mapping, "--num-attention-heads", heads)
@@ -132,6 +144,29 @@ def _shrink_model(args: dict[str, str], sizes: dict[str, int], dp: int, mapping:
     _shrink_experts(args, dp * cp, mapping)
     if "--eval-iters" in args:
         _set(args, mapping, "--eval-iters", 0, "no evaluation")
+
+
+def shrink_pattern(pattern: str) -> str:
+    """A hybrid layer pattern with each pipeline segment (``|``) and MTP depth (``/``) cut to the
+    first layer of each kind it holds, in their order: ``M-M-M*-|M*-M-/MM`` -> ``M-*|M*-/M``."""
+    def once(part: str) -> str:
+        return "".join(dict.fromkeys(part))
+
+    return "/".join("|".join(once(segment) for segment in part.split("|")) for part in pattern.split("/"))
+
+
+def _shrink_mamba(args: dict[str, str], tp: int, mapping: list[str]) -> None:
+    """Mamba's head size, groups and state to the shrunk hidden size: 8 heads of 16 (expand 2),
+    in groups that tensor parallelism can split, a state of 16."""
+    for flag, value in (("--mamba-head-dim", HIDDEN // 4), ("--mamba-num-groups", max(2, tp)),
+                        ("--mamba-state-dim", 16)):
+        if flag not in args:
+            args[flag] = str(value)
+            mapping.append(f"{flag} {value} added: Megatron's default is for a hidden size of thousands")
+        else:
+            _set(args, mapping, flag, value)
+    if args.pop("--mamba-num-heads", None) is not None:
+        mapping.append("--mamba-num-heads left out: the head size sets the heads")
 
 
 def _shrink_experts(args: dict[str, str], expert_room: int, mapping: list[str]) -> None:

@@ -4,7 +4,9 @@ It does what Megatron-LM's ``pretrain_gpt.py`` does for a GPT on mock data: a mo
 (Megatron's local or Transformer Engine layer spec, with multi-latent attention under
 ``--multi-latent-attention``; its decoder-block spec with experts, so that ``--moe-layer-freq``
 places them; the experimental attention variants' block spec, so that ``--linear-attention-freq``
-places gated delta nets; the MTP block of ``--mtp-num-layers``), a dataset
+places gated delta nets; the MTP block of ``--mtp-num-layers``), or, for ``--hybrid-layer-pattern``,
+what Megatron-LM's ``hybrid_builders.py`` builds (Megatron's ``HybridModel`` on megatron-core's
+hybrid stack spec), a dataset
 provider (``MockGPTDataset`` built on every rank), a forward step that cuts each rank's
 context-parallel share of the batch, and the per-token language-model loss. Run as one rank
 of a job::
@@ -33,13 +35,16 @@ BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
 
 def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage: int | None = None,
                    config: Any = None, pg_collection: Any = None) -> Any:
-    """Megatron's ``GPTModel`` built from the command-line arguments."""
+    """Megatron's ``GPTModel`` built from the command-line arguments (its ``HybridModel`` for a
+    hybrid layer pattern)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.training import get_args
     from megatron.training.argument_utils import core_transformer_config_from_args
 
     args = get_args()
     config = core_transformer_config_from_args(args)
+    if args.hybrid_layer_pattern is not None:  # --hybrid-override-pattern too: Megatron copies it there
+        return _hybrid_model(args, config, pre_process, post_process, vp_stage, pg_collection)
     return GPTModel(
         config=config, transformer_layer_spec=_layer_spec(args, config, vp_stage),
         mtp_block_spec=_mtp_spec(args, config, vp_stage),
@@ -48,6 +53,38 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
         rotary_base=args.rotary_base, rope_scaling=args.use_rope_scaling, vp_stage=vp_stage)
+
+
+def _hybrid_model(args: Any, config: Any, pre_process: bool, post_process: bool, vp_stage: int | None,
+                  pg_collection: Any) -> Any:
+    """Megatron's ``HybridModel``, built as Megatron-LM's ``hybrid_builders.py`` builds it."""
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
+
+    return HybridModel(
+        config=config, hybrid_stack_spec=_hybrid_stack_spec(args), vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings, hybrid_layer_pattern=args.hybrid_layer_pattern,
+        pre_process=pre_process, post_process=post_process, fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
+        parallel_output=True, share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
+        rotary_base=args.rotary_base, pg_collection=pg_collection, vp_stage=vp_stage)
+
+
+def _hybrid_stack_spec(args: Any) -> Any:
+    """megatron-core's hybrid stack spec (``--spec`` names no other: planning refuses it). Its MoE
+    layers hold TE's grouped GEMM experts whatever the flags say; without ``--moe-grouped-gemm``
+    (a CPU run drops it) they hold megatron-core's MoE spec without it, as the GPT specs do."""
+    import dataclasses
+
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+    from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
+
+    if args.moe_grouped_gemm or not args.num_experts:
+        return hybrid_stack_spec
+    moe_layer = hybrid_stack_spec.submodules.moe_layer
+    experts = get_moe_module_spec(use_te=True, num_experts=args.num_experts, moe_grouped_gemm=False)
+    moe_layer = dataclasses.replace(moe_layer, submodules=dataclasses.replace(moe_layer.submodules, mlp=experts))
+    return dataclasses.replace(hybrid_stack_spec,
+                               submodules=dataclasses.replace(hybrid_stack_spec.submodules, moe_layer=moe_layer))
 
 
 def _layer_spec(args: Any, config: Any, vp_stage: int | None = None) -> Any:

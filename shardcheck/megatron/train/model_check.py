@@ -5,7 +5,8 @@ and the runs then agree about that model. After ``setup_model_and_optimizer`` bu
 :func:`mismatches` compares (a) the model's ``TransformerConfig`` with the one Megatron derives
 from the arguments, field by field, and (b) the modules of each layer with those the flags ask
 for (experts where ``--moe-layer-freq`` puts them, gated delta nets where
-``--linear-attention-freq`` does, multi-latent or sparse attention, the MTP block). Every rank
+``--linear-attention-freq`` does, multi-latent or sparse attention, the MTP block; for a hybrid
+model, the kind of layer ``--hybrid-layer-pattern`` names at each index). Every rank
 checks its own layers; the ranks share what they found, so that all stop with the same line.
 """
 
@@ -70,6 +71,7 @@ def mismatches(chunks: Sequence[Any], args: Any) -> list[str]:
     from megatron.training.argument_utils import core_transformer_config_from_args
 
     expected = core_transformer_config_from_args(args)
+    pattern = _hybrid_pattern(args)
     found: list[str] = []
     for chunk in chunks:
         found += _config_mismatches(expected, chunk.config)
@@ -77,7 +79,7 @@ def mismatches(chunks: Sequence[Any], args: Any) -> list[str]:
             found.append(f"--position-embedding-type asks for {args.position_embedding_type}, but the built "
                          f"model's is {chunk.position_embedding_type}")
         for layer in _layers(chunk):
-            found += _layer_mismatches(layer, expected)
+            found += _layer_mismatches(layer, expected, pattern)
         found += _mtp_mismatches(chunk, expected)
     return found
 
@@ -102,10 +104,11 @@ def _is_transformer_layer(layer: Any) -> bool:
 
 def _describe(layer: Any) -> str:
     if not _is_transformer_layer(layer):  # a hybrid model's Mamba layer, say: its class
-        return type(layer).__name__
+        return type(layer).__name__ + (" on TE" if _on_transformer_engine(layer) else "")
     attention = getattr(layer, "self_attention", None)
     mlp = getattr(layer, "mlp", None)
-    text = f"{type(attention).__name__} + {type(mlp).__name__}"
+    # a hybrid model's attention and MLP layers hold an IdentityOp in the other place: left out
+    text = " + ".join(type(module).__name__ for module in (attention, mlp) if type(module).__name__ != "IdentityOp")
     core = getattr(attention, "core_attention", None)
     if core is not None and type(core).__name__ == "DSAttention":
         text = text.replace(type(attention).__name__, f"{type(attention).__name__}(DSAttention)", 1)
@@ -122,20 +125,72 @@ def _on_transformer_engine(layer: Any) -> bool:
     return modules is not None and any(type(module).__module__ == TE_EXTENSIONS for module in modules())
 
 
-def _layer_mismatches(layer: Any, config: Any) -> list[str]:
-    if not _is_transformer_layer(layer):
-        return []
+def _layer_mismatches(layer: Any, config: Any, pattern: tuple[str, str] | None = None) -> list[str]:
+    """What ``layer`` lacks of the flags; ``pattern``: the hybrid pattern's flag and its layers."""
     index = layer.layer_number - 1
     found = []
     if getattr(config, "transformer_impl", None) == "transformer_engine" and not _on_transformer_engine(layer):
         found.append(f"--transformer-impl transformer_engine asks for Transformer Engine's layers, but the built "
                      f"model's layer {index} holds none")
+    if pattern is not None:
+        return found + _pattern_mismatches(layer, index, *pattern)
+    if not _is_transformer_layer(layer):
+        return found
     for flag, wants, what, ok in _attention_wants(config, index) + _mlp_wants(config, index):
         module = layer.mlp if what == "MLP" else layer.self_attention
         if not ok(module):
             found.append(f"{flag} asks for {wants}, but the built model's {what} is "
                          f"{type(module).__name__} (layer {index})")
     return found
+
+
+def _hybrid_pattern(args: Any) -> tuple[str, str] | None:
+    """The hybrid pattern's flag and its decoder layers' symbols (pipeline stages and MTP cut off),
+    None for a model without one."""
+    if getattr(args, "hybrid_layer_pattern", None) is None:
+        return None
+    from megatron.core.models.hybrid.hybrid_layer_allocation import Symbols, parse_hybrid_pattern
+
+    flag = "--hybrid-override-pattern" if args.hybrid_override_pattern else "--hybrid-layer-pattern"
+    return flag, (parse_hybrid_pattern(args.hybrid_layer_pattern).main_pattern or "").replace(Symbols.PIPE, "")
+
+
+def hybrid_layer_kinds() -> dict[str, tuple[str, Callable[[Any], bool]]]:
+    """megatron-core's hybrid pattern symbols -> the layer each asks for, and its test."""
+    from megatron.core.models.hybrid.hybrid_layer_allocation import Symbols
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet
+    from megatron.core.ssm.mamba_layer import MambaLayer
+    from megatron.core.transformer.attention import SelfAttention
+    from megatron.core.transformer.mlp import MLP
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.multi_latent_attention import MultiLatentAttention
+
+    def attention(layer: Any) -> Any:
+        return getattr(layer, "self_attention", None)
+
+    def mlp(layer: Any) -> Any:
+        return getattr(layer, "mlp", None)
+
+    return {
+        Symbols.MAMBA: ("a Mamba layer", lambda layer: isinstance(layer, MambaLayer)),
+        Symbols.GDN: ("a gated delta net", lambda layer: isinstance(attention(layer), GatedDeltaNet)),
+        Symbols.ATTENTION: ("self-attention", lambda layer: isinstance(attention(layer), SelfAttention)),
+        Symbols.DS_ATTENTION: ("DeepSeek sparse attention", lambda layer: type(
+            getattr(attention(layer), "core_attention", None)).__name__ == "DSAttention"),
+        Symbols.MLA: ("multi-latent attention", lambda layer: isinstance(attention(layer), MultiLatentAttention)),
+        Symbols.MLP: ("a dense MLP", lambda layer: isinstance(mlp(layer), MLP)),
+        Symbols.MOE: ("experts", lambda layer: isinstance(mlp(layer), MoELayer)),
+    }
+
+
+def _pattern_mismatches(layer: Any, index: int, flag: str, symbols: str) -> list[str]:
+    if index >= len(symbols):
+        return [f"{flag} asks for {len(symbols)} layers, but the built model has a layer {index}"]
+    what, holds = hybrid_layer_kinds()[symbols[index]]
+    if holds(layer):
+        return []
+    return [f"{flag} asks for {what} at layer {index} ({symbols[index]!r}), but the built model's layer "
+            f"{index} is {_describe(layer)}"]
 
 
 Want = tuple[str, str, str, Callable[[Any], bool]]

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from shardcheck.megatron.train.model_check import check_built_model
-from shardcheck.patching import patched
+from shardcheck.patching import patched_attrs
 
 RECORD_ENV = "SHARDCHECK_TRAIN_RECORD"
 SAVE_INIT_ENV = "SHARDCHECK_TRAIN_SAVE_INIT"
@@ -158,11 +158,14 @@ class StepRecorder:
 
 def save_initial_weights(model: Any, optimizer: Any, scheduler: Any, folder: str) -> None:
     """Save the weights before the first step with Megatron's own ``save_checkpoint`` (iteration 0),
-    for a run in another layout to start from (``--load folder --finetune``)."""
+    for a run in another layout to start from (``--load folder --finetune``). The optimizer's
+    state is left out, as the other run loads none: the distributed optimizer's state dict
+    asserts one step count over its state, which it has none of before the first step."""
     from megatron.training import get_args
     from megatron.training.checkpointing import save_checkpoint
 
-    with patched(get_args(), "save", folder):
+    args = get_args()
+    with patched_attrs([(args, "save", folder), (args, "no_save_optim", True)]):
         save_checkpoint(0, model, optimizer, scheduler, 0)
 
 
