@@ -72,8 +72,12 @@ def test_without_tes_cpu_layer_installed_the_flag_falls_back_to_local_with_a_lin
 
 @needs_te
 def test_context_parallelism_with_transformer_engine_is_refused_in_one_line():
+    """TE's context-parallel ring runs on Gloo in bf16 (tests/test_te_gpt.py); the runs compare in
+    float32, where TE has no context-parallel attention backend."""
     with pytest.raises(TrainInputError, match=r"^--context-parallel-size 2 with --transformer-impl "
-                       r"transformer_engine cannot run on a CPU: .*give --transformer-impl local") as refused:
+                       r"transformer_engine cannot run on a CPU: the runs compare in float32, and Transformer "
+                       r"Engine's context-parallel attention has no fp32 backend .*give --transformer-impl "
+                       r"local") as refused:
         plan_runs([*BASE, "--context-parallel-size", "2", *TE], 2, 1)
     assert "\n" not in str(refused.value)
 

@@ -263,8 +263,8 @@ def _transformer_engine(flags: Flags, changes: list[str], cp: int) -> bool:
     if cp > 1:
         raise TrainInputError(
             f"--context-parallel-size {cp} with --transformer-impl transformer_engine cannot run on a CPU: "
-            "Transformer Engine has no fp32 context-parallel attention backend (and its bf16 ring does not "
-            "finish on Gloo); give --transformer-impl local for shardcheck's CP attention stand-in")
+            "the runs compare in float32, and Transformer Engine's context-parallel attention has no fp32 "
+            "backend (on a GPU neither); give --transformer-impl local for shardcheck's CP attention stand-in")
     changes.append("--transformer-impl transformer_engine kept: Transformer Engine's own layers, on shardcheck's "
                    "CPU kernels (its fused optimizers are CUDA kernels: Megatron's torch optimizer, as without TE)")
     return True
