@@ -1,4 +1,5 @@
-"""The audit's repro scripts run the harness's own CPU kernels and patches: same code, same results.
+"""The audit's repro scripts run the harness's own CPU kernels and patches: same code, same results;
+their own code is the source of the modules in :mod:`shardcheck.megatron.repro.parts`.
 
 Each template's script is generated; every definition in it named like one of
 :mod:`shardcheck.megatron.cpu.kernels` or :mod:`shardcheck.megatron.cpu.patches` must be that
@@ -20,8 +21,10 @@ pytest.importorskip("megatron.core")
 
 from shardcheck.fuzz.findings import AUDIT, Finding  # noqa: E402
 from shardcheck.fuzz.repro import ReproError  # noqa: E402
+from shardcheck.megatron.audit.report import GLOBAL_GROUP_CONTRACT  # noqa: E402
 from shardcheck.megatron.cpu import kernels, patches  # noqa: E402
 from shardcheck.megatron.repro.scripts import write_audit_script  # noqa: E402
+from shardcheck.megatron.repro.snippets import PARTS, part_source  # noqa: E402
 from shardcheck.megatron.repro.templates import TEMPLATES  # noqa: E402
 
 HARNESS = {name: value for module in (kernels, patches) for name, value in vars(module).items()
@@ -51,11 +54,11 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D, z=None, dt_bias=Non
 '''
 
 
-def _script(component: str, tmp_path) -> str:
+def _script(component: str, tmp_path, contract: str = "outputs match the one-rank run") -> str:
     """The script of a finding of ``component`` in the first layout its template takes."""
     for layout in LAYOUTS:
         finding = Finding(title=f"{component} under {layout}", target=component, location="megatron/core/x.py:1",
-                          contract="outputs match the one-rank run", layout=layout, config=OPTIONS.get(component, {}), observed=None,
+                          contract=contract, layout=layout, config=OPTIONS.get(component, {}), observed=None,
                           reference=None, kind="numeric-only", origin=AUDIT)
         try:
             return write_audit_script(finding, tmp_path / f"{component}.py").read_text()
@@ -236,3 +239,17 @@ def test_a_planted_drift_of_the_mamba_scan_fails_both_checks(tmp_path):
     assert _source_drifts(planted) == {"mamba_chunk_scan_combined"}
     # the copy ignores dt_limit and initial_states: the scan and the fused step that calls it differ
     assert _number_drifts(planted) == {"mamba_chunk_scan_combined", "mamba_split_conv1d_scan_combined"}
+
+
+def test_each_part_is_the_code_of_some_script_which_imports_no_shardcheck(tmp_path):
+    scripts = [_script(component, tmp_path) for component in sorted(TEMPLATES)]
+    scripts.append(_script("gpt", tmp_path, GLOBAL_GROUP_CONTRACT))  # a finding with a fix
+    for path in PARTS.glob("*.py"):
+        if path.stem in ("__init__", "script"):  # what a script defines around its parts
+            continue
+        imports, code = part_source(path.stem)
+        assert "shardcheck" not in imports and code.strip(), path
+        assert any(code in script for script in scripts), f"{path.stem} is in no script"
+    for script in scripts:
+        top_level = [node for node in ast.parse(script).body if isinstance(node, (ast.Import, ast.ImportFrom))]
+        assert not any("shardcheck" in ast.unparse(node) for node in top_level)

@@ -2,7 +2,8 @@
 
 A template turns a finding's component, options and layout into the ``observed()`` /
 ``reference()`` / ``corrected()`` code that :func:`shardcheck.fuzz.repro.render_script` wraps into a
-self-contained torchrun script, from the pieces of :mod:`shardcheck.megatron.repro.snippets`.
+self-contained torchrun script, from the modules of :mod:`shardcheck.megatron.repro.parts` and
+the CPU stand-ins of :mod:`shardcheck.megatron.repro.snippets`.
 ``run_on(sizes)`` builds Megatron's process groups for a layout with
 ``initialize_model_parallel`` (and, for a layout with explicit groups, the model's own
 ``ProcessGroupCollection`` in another rank order), then the component's ``run(sizes, pg)``
@@ -42,18 +43,19 @@ class Snippet:
     code: str
     imports: str = ""
 
+    @classmethod
+    def of(cls, part: str) -> Snippet:
+        """The module ``part`` of :mod:`shardcheck.megatron.repro.parts` as script code."""
+        imports, source = code.part_source(part)
+        return cls(source, imports)
 
-BASE = Snippet(code.BASE, """\
-from megatron.core import parallel_state as ps
-from megatron.core import tensor_parallel
-from megatron.core.process_groups_config import ProcessGroupCollection
-from megatron.core.transformer.transformer_config import TransformerConfig""")
-SEEDED = Snippet(code.SEEDED, "import zlib")
-PIECES = Snippet(code.PIECES)
-SHARD = Snippet(code.SHARD)
-WEIGHTS = Snippet(code.WEIGHTS, "import re")
-DDP = "from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig"
-RNG_ON_CPU = Snippet(code.PATCH_RNG)
+
+BASE = Snippet.of("base")
+SEEDED = Snippet.of("seeded")
+PIECES = Snippet.of("pieces")
+SHARD = Snippet.of("shard")
+WEIGHTS = Snippet.of("weights")
+RNG_ON_CPU = Snippet(code.PATCH_RNG, "from megatron.core import tensor_parallel")
 DEVICE_ON_CPU = Snippet(code.PATCH_DEVICE)
 NO_SYNCHRONIZE = Snippet(code.PATCH_SYNCHRONIZE)
 STREAMS_ON_CPU = Snippet(code.PATCH_STREAMS, "import contextlib")
@@ -62,53 +64,26 @@ TE_GEMM_UNSET = Snippet(code.PATCH_TE_GEMM, "from megatron.core.transformer.moe 
 CAUSAL_CONV1D = Snippet(code.CAUSAL_CONV1D, "import torch.nn.functional as F")
 MAMBA_KERNELS = Snippet(code.MAMBA_KERNELS, "import importlib\nimport math\nimport types")
 GDN_KERNELS = Snippet(code.GDN_KERNELS, "import torch._dynamo\nfrom megatron.core.ssm import gated_delta_net as gdn_module")
-CP_ATTENTION = Snippet(code.CP_ATTENTION, """\
-import copy
-from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
-from megatron.core.transformer.dot_product_attention import DotProductAttention""")
-TRAINING = Snippet(code.TRAINING, f"""\
-{DDP}
-from megatron.core.distributed.finalize_model_grads import finalize_model_grads
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
-from megatron.core.pipeline_parallel.schedules import get_forward_backward_func""")
-GPT_CODE = Snippet(code.GPT, """\
-import inspect
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
-from megatron.core.models.gpt.gpt_model import GPTModel
-from megatron.core.utils import get_batch_on_this_cp_rank""")
-T5_CODE = Snippet(code.T5, """\
-from megatron.core.models.T5.t5_model import T5Model
-from megatron.core.models.T5.t5_spec import decoder_model_with_local_spec, encoder_model_with_local_spec""")
-MULTIMODAL_CODE = Snippet(code.MULTIMODAL, """\
-from megatron.core.enums import ModelType
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-from megatron.core.models.multimodal.llava_model import DEFAULT_IMAGE_TOKEN_INDEX, LLaVAModel
-from megatron.core.models.vision.vit_layer_specs import get_vit_layer_with_local_spec
-from megatron.core.transformer.mlp import MLPSubmodules""")
+CP_ATTENTION = Snippet.of("cp_attention")
+TRAINING = Snippet.of("training")
+GPT_CODE = Snippet.of("gpt")
+T5_CODE = Snippet.of("t5")
+MULTIMODAL_CODE = Snippet.of("multimodal")
 CLIP_NORM = Snippet(code.CLIP_NORM, """\
 from megatron.core.models.vision.clip_vit_model import CLIPViTModel
 from megatron.core.transformer.torch_norm import WrappedTorchNorm""")
 LLAVA_SP_ATTENTION = Snippet(code.LLAVA_SP_ATTENTION, """\
 from megatron.core.models.multimodal import llava_model
 from megatron.core.transformer.dot_product_attention import DotProductAttention""")
-GDN_CODE = Snippet(code.GDN, f"""\
-{DDP}
-from megatron.core.distributed.finalize_model_grads import finalize_model_grads
-from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
-from megatron.core.transformer.torch_norm import WrappedTorchNorm""")
-MAMBA_CODE = Snippet(code.MAMBA, f"""\
-{DDP}
-from megatron.core.distributed.finalize_model_grads import finalize_model_grads""")
+GDN_CODE = Snippet.of("gdn")
+MAMBA_CODE = Snippet.of("mamba")
 NORM_UNDER_SP = Snippet(code.NORM_UNDER_SP, """\
 import copy
 from megatron.core.transformer.torch_norm import WrappedTorchNorm""")
 ALLTOALL_ON_CPU = Snippet(code.ALLTOALL_ON_CPU, """\
 from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.moe import token_dispatcher""")
-ROUTER_CODE = Snippet(code.ROUTER, """\
-from megatron.core.transformer.moe import router as router_module
-from megatron.core.transformer.moe.router import TopKRouter""")
+ROUTER_CODE = Snippet.of("router")
 
 
 def _gpt_sections(setup: dict[str, Any], overrides: dict[str, Any]) -> dict[str, list[int]]:
@@ -194,7 +169,7 @@ GPT_EXTRAS = (SP_NORM,
               (lambda layout, options: layout.pp > 1, NO_SYNCHRONIZE))
 TEMPLATES: dict[str, Template] = {
     "output_loss": Template("shardcheck.megatron.scenarios.output_loss:OutputLossSetup",
-                            Snippet(code.OUTPUT_LOSS, "import inspect"), (DEVICE_ON_CPU, BASE, SEEDED, PIECES, SHARD)),
+                            Snippet.of("output_loss"), (DEVICE_ON_CPU, BASE, SEEDED, PIECES, SHARD)),
     "moe_router": Template("shardcheck.megatron.scenarios.moe_router:RouterSetup", ROUTER_CODE,
                            (DEVICE_ON_CPU, TE_GEMM_UNSET, BASE, SEEDED, PIECES, SHARD), _router_refuses),
     "gpt": Template("shardcheck.megatron.scenarios.gpt:GPTSetup", GPT_CODE, GPT_SUPPORT,
@@ -241,7 +216,7 @@ def script_body(finding: Finding) -> ScriptBody:
     constants += f"SIZES = {_sizes(finding.layout)!r}\nONE_RANK = {_sizes('')!r}\n"
     extras = [snippet for needed, snippet in template.extras if needed(layout, finding.config)]
     own = [Snippet(constants), template.code, *([fix] if fix is not None else []),
-           Snippet(code.FIXED_ENTRY_POINTS if fix is not None else code.ENTRY_POINTS)]
+           Snippet.of("fixed_entry_points" if fix is not None else "entry_points")]
     support = [*template.before, *extras]
     return ScriptBody(code=_joined(own), support=_joined(support),
                       imports=_sorted_imports(s.imports for s in own + support),
@@ -256,7 +231,7 @@ def _fix(finding: Finding) -> Snippet | None:
     """The finding's fix as script code: its contract's corrected function, or the model's
     groups for parallel_state's when the model's collectives ignore them."""
     if finding.contract == GLOBAL_GROUP_CONTRACT:
-        return Snippet(code.GROUPS_FIX)
+        return Snippet.of("groups_fix")
     contract = contract_of(finding)
     if contract is None or contract.fix is None:
         return None
