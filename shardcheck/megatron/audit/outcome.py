@@ -34,6 +34,7 @@ class Outcome:
     frame: str | None = None  # an error's innermost megatron-core frame
     config_check: bool = False  # megatron-core's check of its arguments raised it
     ops: dict | None = None  # op calls in megatron-core over all ranks: typed, unknown, unknown_at
+    declared: dict[str, str] = field(default_factory=dict)  # parameters' tp declarations, by key
 
     @property
     def crashed(self) -> bool:

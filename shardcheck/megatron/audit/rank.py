@@ -11,7 +11,7 @@ import hashlib
 import warnings
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
@@ -33,6 +33,9 @@ class CaseResult:
     ops: dict | None = None  # type-checked: op calls in megatron-core, typed and unknown
     entry: str | None = None  # ``file:line`` of the first megatron-core forward it ran
     reads: tuple[str, ...] = ()  # the config fields read (:func:`config_reads`), sorted
+    # where megatron-core declared each parameter's tensor parallelism, by global key
+    # (:func:`~shardcheck.megatron.scenarios.reference.parameter_declarations`)
+    declared: dict[str, str] = field(default_factory=dict)
 
     @cached_property
     def digest(self) -> str:
@@ -58,6 +61,7 @@ def run_case(ctx: Any, component: str, options: tuple, fixes: tuple[str, ...], t
     the global groups pointed at the explicit ones.
     """
     from shardcheck.megatron.scenarios import COMPONENTS, scenario
+    from shardcheck.megatron.scenarios.reference import parameter_declarations
 
     warnings.filterwarnings("ignore")
     _quiet_worker()
@@ -74,10 +78,11 @@ def run_case(ctx: Any, component: str, options: tuple, fixes: tuple[str, ...], t
         ops: dict = {}
         found = stack.enter_context(checked_region(ctx, ops) if typecheck else nullcontext([]))
         reads = stack.enter_context(config_reads())
+        declared = stack.enter_context(parameter_declarations())
         outputs = run(ctx)
     return CaseResult({k: torch.as_tensor(v).detach().double().clone() for k, v in outputs.items()},
                       calls, [*misuses, *found], ops or None, entries[0] if entries else None,
-                      tuple(sorted(reads)))
+                      tuple(sorted(reads)), declared)
 
 
 def _config_classes() -> list[type]:

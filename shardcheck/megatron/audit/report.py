@@ -192,6 +192,9 @@ def trigger(case: Case) -> dict[str, Any]:
     return {"component": case.component, "options": dict(case.options), "layout": str(case.layout)}
 
 
+NORM_COUNTED = "norm_counted/"
+
+
 def title(key: tuple[str, str], minimal) -> str:
     case = minimal.case
     opts = ", ".join(f"{k}={v}" for k, v in case.options) or "default options"
@@ -200,10 +203,25 @@ def title(key: tuple[str, str], minimal) -> str:
                 f"model's pg_collection.{misuse['group']} under {case.layout} ({opts})")
     if minimal.call_gap is not None:
         what = minimal.call_gap.gap.name.split(".", 1)[1]
-        return f"{minimal.call_gap.contract}: {what} differs from one rank under {case.layout} ({opts})"
+        return (f"{minimal.call_gap.contract}: {what} differs from one rank under {case.layout} ({opts})"
+                + norm_declaration(minimal))
     if minimal.gaps:
-        return f"{case.component}: {minimal.gaps[0].name} differs from one rank under {case.layout} ({opts})"
+        return (f"{case.component}: {minimal.gaps[0].name} differs from one rank under {case.layout} ({opts})"
+                + norm_declaration(minimal))
     return f"{minimal.violations[0]['rule']} in {case.component} under {case.layout} ({opts})"
+
+
+def norm_declaration(outcome) -> str:
+    """For an outcome whose gradient norm counts a parameter otherwise than one rank does (its
+    ``norm_counted/KEY`` output differs): where megatron-core declared that parameter's tensor
+    parallelism (the one furthest off), which the norm reads; else ''."""
+    counted = sorted((g for g in outcome.gaps if g.name.startswith(NORM_COUNTED)), key=lambda g: -g.relative)
+    declared = getattr(outcome, "declared", {})  # outcomes of older shares have none
+    for gap in counted:
+        name = gap.name[len(NORM_COUNTED):]
+        if name in declared:
+            return f"; the norm counts {name}, which {declared[name]}"
+    return ""
 
 
 def kind(outcomes: Sequence, checker: str | None) -> str:

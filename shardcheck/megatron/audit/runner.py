@@ -17,9 +17,15 @@ from shardcheck.megatron.audit.divergence import (
     max_errors,
     output_gaps,
 )
+from shardcheck.megatron.audit.hosted import TEHost
 from shardcheck.megatron.audit.outcome import Outcome, first_line, op_counts
 from shardcheck.megatron.audit.rank import CaseResult, run_case
-from shardcheck.megatron.audit.sweep import Case, changed_config_fields, layout_dependent_fields
+from shardcheck.megatron.audit.sweep import (
+    Case,
+    changed_config_fields,
+    impl_of,
+    layout_dependent_fields,
+)
 from shardcheck.parity.layout import Layout
 from shardcheck.parity.pool import PoolFailure, RankPool
 from shardcheck.typecheck.checker import confirmed_across_ranks
@@ -38,14 +44,20 @@ LAYOUT_MEANING = ("the config derives its meaning from the parallel sizes, so th
 class Pools:
     """One warm rank pool per world size, started on first use, and the one-rank references
     computed on them (the same megatron-core for the pools' life, so every audit over these
-    pools reuses them)."""
+    pools reuses them). Jobs of cases on Transformer Engine (``impl="te"``) run on the pools of
+    a :class:`~shardcheck.megatron.audit.hosted.TEHost`, started on first use."""
 
     def __init__(self, timeout: float = RUN_TIMEOUT) -> None:
         self.timeout = timeout
         self._pools: dict[int, RankPool] = {}
+        self._te: TEHost | None = None
         self.references: dict[tuple[str, tuple, int], CaseResult | str] = {}
 
-    def run(self, layout: Layout, fn: Callable[..., Any], *args: Any) -> list[Any]:
+    def run(self, layout: Layout, fn: Callable[..., Any], *args: Any, impl: str = "local") -> list[Any]:
+        if impl == "te":
+            if self._te is None:
+                self._te = TEHost(self.timeout, _importable(PRELOAD))
+            return self._te.run(layout, fn, *args)
         if layout.world_size not in self._pools:
             self._pools[layout.world_size] = RankPool(layout.world_size, timeout=self.timeout,
                                                       preload=_importable(PRELOAD))
@@ -55,6 +67,9 @@ class Pools:
         for pool in self._pools.values():
             pool.__exit__(None, None, None)
         self._pools.clear()
+        if self._te is not None:
+            self._te.close()
+            self._te = None
 
 
 def _importable(modules: Iterable[str]) -> list[str]:
@@ -132,7 +147,7 @@ class Runner:
         if key not in self.references:
             try:
                 self.references[key] = self.pools.run(Layout(), run_case, component, options, (),
-                                                      False, rng_offset)[0]
+                                                      False, rng_offset, impl=impl_of(options))[0]
             except PoolFailure as failure:
                 self.references[key] = first_line(failure)
         return self.references[key]
@@ -162,7 +177,8 @@ class Runner:
         ref = self.reference(case.component, case.options)
         assert isinstance(ref, CaseResult), "screened cases have a reference"
         try:
-            ranks = self.pools.run(case.layout, run_case, case.component, case.options, fixes, self.typecheck)
+            ranks = self.pools.run(case.layout, run_case, case.component, case.options, fixes, self.typecheck,
+                                   impl=impl_of(case.options))
         except PoolFailure as failure:
             return Outcome.raised(case, failure, seconds=time.monotonic() - started,
                                   reference_digest=self.digest(case), entry=ref.entry)
@@ -172,7 +188,8 @@ class Runner:
                           confirmed_across_ranks(r.violations for r in ranks),
                           errors=max_errors([r.outputs for r in ranks], ref.outputs),
                           entry=ranks[0].entry, reference_digest=self.digest(case),
-                          ops=op_counts(r.ops for r in ranks))
+                          ops=op_counts(r.ops for r in ranks),
+                          declared={k: v for r in ranks for k, v in r.declared.items()})
         if not case.options and not fixes:
             self.read_sets[(case.component, str(case.layout))] = frozenset(
                 name for r in ranks for name in r.reads)

@@ -17,8 +17,9 @@ grid over two or more of tp, cp, dp, the same grid with explicit groups (those o
 rank order, e.g. ``tp2-dp2@dp-tp``) while Megatron's global groups keep the default order.
 Cases are ordered so that a budget cut keeps the space covered evenly: first every component's
 defaults under every layout (explicit-group layouts only for the components that pass the
-groups to Megatron), then each option under each two-rank layout, then under the larger ones
-(explicit-group layouts included, for the components that pass the groups).
+groups to Megatron), then the defaults of ``gpt`` and ``moe`` on Transformer Engine's layers
+at a few layouts (:data:`TE_LAYOUTS`), then each option under each two-rank layout, then under
+the larger ones (explicit-group layouts included, for the components that pass the groups).
 """
 
 from __future__ import annotations
@@ -47,7 +48,16 @@ LAYOUT_FIELDS = frozenset({
 # A setup's dicts of the model class's own arguments: ``Class.<arg>`` options go to its
 # constructor, ``Class.forward.<arg>`` options to its forward call.
 ARGUMENT_FIELDS = {"__init__": "model_args", "forward": "forward_args"}
-SKIPPED_SETUP_FIELDS = frozenset({"seed", "config", *ARGUMENT_FIELDS.values()})
+SKIPPED_SETUP_FIELDS = frozenset({"seed", "config", "impl", *ARGUMENT_FIELDS.values()})
+# The layers' implementation (a setup field of the GPT family): Megatron's local torch modules
+# or Transformer Engine's. Not swept like the other options: the default plan runs each
+# component's defaults on TE at the layouts of TE_LAYOUTS, after the defaults tier
+# (:func:`te_cases`); ``--set impl=te`` runs any options on it.
+IMPL = "impl"
+TE_LAYOUTS: dict[str, tuple[str, ...]] = {
+    "gpt": ("tp2", "tp2-sp", "dp2", "pp2"),
+    "moe": ("tp2-sp", "dp2-ep2", "tp2-dp2-ep2-sp"),
+}
 # The model arguments a pipeline layout sets (which stage this rank builds), never swept.
 STAGE_ARGUMENTS = frozenset({"pre_process", "post_process", "add_encoder", "add_decoder"})
 FLOAT_TRY = 0.1
@@ -68,6 +78,19 @@ class Case:
 
     def with_layout(self, layout: Layout) -> Case:
         return Case(self.component, self.options, layout)
+
+
+def impl_of(options: Iterable[tuple[str, Any]]) -> str:
+    """The implementation a case's options choose: "te" (Transformer Engine) or "local"."""
+    return dict(options).get(IMPL, "local")
+
+
+def te_cases(components: Iterable[str], layout_list: list[Layout]) -> list[Case]:
+    """The default plan's Transformer Engine cases: each component of :data:`TE_LAYOUTS` with
+    its defaults on TE, at those of its layouts that ``layout_list`` holds."""
+    given = {str(layout): layout for layout in layout_list}
+    return [Case(component, ((IMPL, "te"),), given[name])
+            for component in components for name in TE_LAYOUTS.get(component, ()) if name in given]
 
 
 def model_argument(name: str) -> tuple[str, str] | None:
@@ -500,8 +523,8 @@ def plan(components: Mapping[str, list[tuple[str, Any]]], layout_list: list[Layo
     singles += [(c, bundle) for c, sets in (bundles or {}).items() for bundle in sets]
     small = [lay for lay in layout_list if lay.world_size <= 2]
     large = [lay for lay in layout_list if lay.world_size > 2]
-    ordered = itertools.chain(tier(defaults, layout_list), _interleave(singles, small),
-                              _interleave(singles, large))
+    ordered = itertools.chain(tier(defaults, layout_list), te_cases(components, layout_list),
+                              _interleave(singles, small), _interleave(singles, large))
     return list(itertools.islice(ordered, budget))
 
 

@@ -13,7 +13,7 @@ harness cuts and reduces its data over the same groups.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import torch
 import torch.distributed as dist
@@ -29,6 +29,7 @@ from shardcheck.megatron.scenarios.reference import (
     gather_global,
     gradient_of,
     load_global_weights,
+    note_declarations,
 )
 
 
@@ -54,17 +55,23 @@ class GPTSetup:
     # ``GPTModel.<arg>`` and ``GPTModel.forward.<arg>``
     model_args: dict[str, Any] = field(default_factory=dict)
     forward_args: dict[str, Any] = field(default_factory=dict)
+    # The layers' implementation: "local" (Megatron's torch modules) or "te" (Transformer
+    # Engine's own modules; megatron-core must have been imported after
+    # shardcheck.megatron.cpu.te.install(), as the audit's TE rank pools do)
+    impl: Literal["local", "te"] = "local"
     base_config: ClassVar[dict[str, Any]] = {}
-    # Megatron's layer spec: "local" (torch modules) or "transformer_engine" (TE's own modules;
-    # megatron-core must have been imported after shardcheck.megatron.cpu.te.install())
-    layer_spec: ClassVar[str] = "local"
+
+    @property
+    def layer_spec(self) -> str:
+        """Megatron's name of the implementation (its ``--transformer-impl``)."""
+        return "transformer_engine" if self.impl == "te" else "local"
 
 
 @dataclass(frozen=True)
 class TEGPTSetup(GPTSetup):
     """The tiny GPT from Megatron's Transformer Engine layer spec."""
 
-    layer_spec: ClassVar[str] = "transformer_engine"
+    impl: Literal["local", "te"] = "te"
 
 
 @dataclass(frozen=True)
@@ -283,6 +290,7 @@ def train_step(ctx: Any, setup: GPTSetup) -> dict[str, torch.Tensor]:
     with megatron_parallel(ctx) as pg:
         training = build_training(ctx, setup, pg)
         config, model, optimizer = training.config, training.model, training.optimizer
+        note_declarations(model)
         reports, microbatches = training.forward_backward()
         outputs = {"loss": reported_loss([r["lm loss"] for r in reports],
                                          config.calculate_per_token_loss, pg)}

@@ -14,8 +14,11 @@ that description both ways:
 from __future__ import annotations
 
 import hashlib
+import sys
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -186,3 +189,63 @@ def _main_params(optimizer: object) -> Iterator[tuple[torch.Tensor, torch.nn.Par
             yield from zip(main_group, half_group, strict=True)
     for param in optimizer.get_parameters():
         yield param, param
+
+
+# ---- where each parameter's tensor parallelism was declared --------------------------------
+
+TP_MARK = "tensor_model_parallel"
+_RECORDERS: list[tuple[dict[int, str], dict[str, str]]] = []  # (by parameter id, by global key)
+
+
+def _megatron_line() -> str:
+    """``file:line in function`` of the innermost megatron-core frame calling here."""
+    from shardcheck.megatron.checks.contracts import _short
+
+    frame = sys._getframe(2)
+    while frame is not None and "/megatron/core/" not in frame.f_code.co_filename:
+        frame = frame.f_back
+    if frame is None:
+        return "outside megatron-core"
+    return f"{_short(frame.f_code.co_filename)}:{frame.f_lineno} in {frame.f_code.co_name}"
+
+
+@contextmanager
+def parameter_declarations() -> Iterator[dict[str, str]]:
+    """Where megatron-core declared the tensor parallelism of each parameter built inside the
+    block, by global key, for the models :func:`note_declarations` is given: the last line that
+    set its ``tensor_model_parallel`` (in megatron-core, or where megatron-core called the code
+    that did, such as Transformer Engine's), else the line that built it (registered it in a
+    module). A parameter the gradient norm counts wrongly is declared there."""
+    from shardcheck.patching import patched_attrs
+
+    by_id: dict[int, str] = {}
+    by_key: dict[str, str] = {}
+    register, setter = torch.nn.Module.register_parameter, torch.nn.Parameter.__setattr__
+
+    def registering(module: torch.nn.Module, name: str, param: Any, *args: Any, **kwargs: Any) -> Any:
+        if param is not None and id(param) not in by_id:
+            by_id[id(param)] = f"has no {TP_MARK} (built at {_megatron_line()})"
+        return register(module, name, param, *args, **kwargs)
+
+    def marking(param: torch.nn.Parameter, name: str, value: Any) -> None:
+        if name == TP_MARK:
+            by_id[id(param)] = f"has {TP_MARK}={value!r} from {_megatron_line()}"
+        setter(param, name, value)
+
+    _RECORDERS.append((by_id, by_key))
+    try:
+        with patched_attrs([(torch.nn.Module, "register_parameter", registering),
+                            (torch.nn.Parameter, "__setattr__", marking)]):
+            yield by_key
+    finally:
+        _RECORDERS.remove((by_id, by_key))
+
+
+def note_declarations(model: torch.nn.Module) -> None:
+    """Give the open :func:`parameter_declarations` blocks the global keys of ``model``'s
+    parameters (nothing when none is open)."""
+    for by_id, by_key in _RECORDERS:
+        for entry in param_shards(model):
+            if id(entry.param) in by_id:
+                for piece in entry.build(entry.param.data):
+                    by_key.setdefault(piece.key, by_id[id(entry.param)])

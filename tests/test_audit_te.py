@@ -1,0 +1,132 @@
+"""The audit's implementation dimension (``impl``: local or te): cases on Transformer Engine's own
+layers, run on rank pools that installed TE before importing megatron-core.
+
+A copy of megatron-core whose ``extensions/transformer_engine.py`` marks the expert weights of
+the MoE's TE linears as no tensor-parallel shards (the #5916 class: the gradient norm counts
+only tp rank 0's piece of them) is found through the gradient norm's accounting, named at the
+planted line; the same copy unplanted gives no finding for the TE GPT and MoE at tp2, tp2-sp,
+dp2, pp2 and tp2-dp2-ep2-sp.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+core = pytest.importorskip("megatron.core")
+
+from shardcheck.megatron.audit.outcome import Outcome  # noqa: E402
+from shardcheck.megatron.audit.report import title  # noqa: E402
+from shardcheck.megatron.audit.sweep import (  # noqa: E402
+    TE_LAYOUTS,
+    Case,
+    components_plan,
+    impl_of,
+    layouts,
+    setup_options,
+)
+from shardcheck.megatron.cpu.te import te_dir  # noqa: E402
+from shardcheck.megatron.scenarios.gpt import GPTSetup, MoEGPTSetup, TEGPTSetup  # noqa: E402
+from shardcheck.parity.layout import Layout  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+TE_FILE = Path("megatron/core/extensions/transformer_engine.py")
+# Megatron's marking of an expert TE linear's parameters (_set_expert_parameter_attributes):
+# weights and column-parallel biases are tp shards. Planted: only the biases are.
+MARKED = "param.tensor_model_parallel = is_partitioned\n"
+PLANTED = "param.tensor_model_parallel = is_partitioned and is_bias  # planted: expert weights not tp shards\n"
+CORRECT_LAYOUTS = "tp2,tp2-sp,dp2,pp2,tp2-dp2-ep2-sp"
+needs_te = pytest.mark.skipif(not (te_dir() / "transformer_engine").is_dir(),
+                              reason=f"transformer-engine is not installed in {te_dir()}")
+
+
+def test_impl_is_a_setup_field_of_the_gpt_family_not_swept_as_an_option():
+    assert (GPTSetup().layer_spec, TEGPTSetup().layer_spec) == ("local", "transformer_engine")
+    assert MoEGPTSetup(impl="te").layer_spec == "transformer_engine"
+    assert not any(name == "impl" for name, _ in setup_options(GPTSetup) + setup_options(MoEGPTSetup))
+    assert (impl_of(()), impl_of((("impl", "te"), ("loss_mask", True)))) == ("local", "te")
+
+
+def test_the_default_plan_runs_gpt_and_moe_defaults_on_te_at_a_few_layouts_after_the_defaults():
+    every = layouts(explicit=True)
+    planned = components_plan(["gpt", "moe", "gdn"], every)
+    te = [case for case in planned if impl_of(case.options) == "te"]
+    assert [(c.component, str(c.layout)) for c in te] == [
+        (component, name) for component, names in TE_LAYOUTS.items() for name in names]
+    assert all(c.options == (("impl", "te"),) for c in te)
+    first = planned.index(te[0])
+    assert all(not c.options for c in planned[:first]) and len(planned[:first]) > len(every)
+    assert planned[first:first + len(te)] == te
+    assert components_plan(["gpt"], [Layout.parse("tp2")]).count(Case("gpt", (("impl", "te"),), Layout(tp=2))) == 1
+    assert not any(impl_of(c.options) == "te" for c in components_plan(["gdn", "gpt"], [Layout.parse("cp2")]))
+
+
+def _outcome(declared: dict[str, str]) -> Outcome:
+    from shardcheck.megatron.audit.divergence import Gap
+
+    gaps = [Gap("norm_counted/w1", 0.5, 1.0, 0.5, 0.5, 1e-6), Gap("norm_counted/w2", 0.1, 1.0, 0.9, 0.9, 1e-6),
+            Gap("loss", 1.0, 1.1, 0.1, 0.1, 1e-6)]
+    return Outcome(Case("moe", (("impl", "te"),), Layout(tp=2, sp=True)), gaps, declared=declared)
+
+
+def test_a_norm_counted_gap_names_where_megatron_declared_that_parameters_tp_sharding():
+    where = "has tensor_model_parallel=False from megatron/core/x.py:12 in mark"
+    shown = title(("loc", "contract"), _outcome({"w1": "elsewhere", "w2": where}))
+    assert shown == ("moe: norm_counted/w1 differs from one rank under tp2-sp (impl=te); "
+                     f"the norm counts w2, which {where}")  # the one furthest off
+    assert title(("loc", "contract"), _outcome({})).endswith("(impl=te)")
+
+
+@pytest.fixture(scope="module")
+def megatron_copy(tmp_path_factory) -> Path:
+    """A copy of the installed megatron/core (the audit's --megatron tree)."""
+    tree = tmp_path_factory.mktemp("megatron-copy")
+    shutil.copytree(Path(core.__file__).parent, tree / "megatron" / "core",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    if (tree / TE_FILE).read_text().count(MARKED) != 1:
+        pytest.skip("this megatron-core marks its expert TE parameters otherwise")
+    return tree
+
+
+def _audit(tree: Path, out: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-m", "shardcheck", "audit", "--megatron", str(tree), "--out",
+                           str(out), "--root", str(out / "store"), "--set", "impl=te", *args],
+                          capture_output=True, text=True, env=env, timeout=900, check=False)
+    return done, json.loads((out / "findings.json").read_text())
+
+
+@needs_te
+def test_a_correct_te_gpt_and_moe_give_no_finding(megatron_copy, tmp_path):
+    done, data = _audit(megatron_copy, tmp_path, "--only", "gpt", "--only", "moe", "--layouts", CORRECT_LAYOUTS)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert data["findings"] == [] and data["summary"]["cases failed to run"] == 0, data["summary"]
+    # gpt under every layout but the expert-parallel one; moe under those with sp or without tp
+    assert data["summary"]["cases run"] == 8, data["summary"]
+
+
+@needs_te
+def test_an_expert_weight_not_marked_tensor_parallel_is_found_by_the_gradient_norm(megatron_copy, tmp_path):
+    source = megatron_copy / TE_FILE
+    text = source.read_text()
+    lines = text.splitlines(keepends=True)
+    number = next(n for n, line in enumerate(lines, 1) if line.endswith(MARKED))
+    source.write_text(text.replace(MARKED, PLANTED))
+    try:
+        done, data = _audit(megatron_copy, tmp_path, "--only", "moe", "--layouts", "tp2-sp,tp2-dp2-ep2-sp")
+    finally:
+        source.write_text(text)
+    assert done.returncode == 1, done.stdout + done.stderr  # found
+    [finding] = data["findings"]
+    assert finding["trigger"] == {"component": "moe", "options": {"impl": "te"}, "layout": "tp2-sp"}
+    assert finding["seen_in"][0] == "layouts: tp2-sp, tp2-dp2-ep2-sp"
+    assert finding["location"].startswith("megatron/core/optimizer/clip_grads.py:")  # the norm itself
+    counted = {e["value"] for e in finding["effect"]} & {
+        f"norm_counted/decoder.layers.mlp.experts.experts.linear_fc{n}.weight" for n in (1, 2)}
+    assert counted, finding["effect"]
+    assert (f"which has tensor_model_parallel=False from {TE_FILE}:{number} in "
+            "_set_expert_parameter_attributes") in finding["title"], finding["title"]
