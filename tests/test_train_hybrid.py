@@ -70,6 +70,13 @@ def test_a_hybrid_pattern_on_megatrons_local_layers_is_refused_in_one_line():
 
 
 @needs_te
+def test_sparse_attention_layers_of_a_pattern_are_refused_in_one_line_as_the_dsa_variant_is():
+    with pytest.raises(TrainInputError, match=r"^--hybrid-layer-pattern with D layers cannot run on a CPU: its "
+                                              r"indexer's Hadamard rotation is the fast_hadamard_transform CUDA kernel"):
+        plan_runs([*BASE, *TE, "--hybrid-layer-pattern", "M*D", "--disable-bias-linear"], 2, 1, own_entry=True)
+
+
+@needs_te
 def test_the_one_rank_run_takes_the_pattern_without_its_pipeline_stages():
     """On one rank the stages of ``|`` would become virtual pipeline stages."""
     plan = plan_runs([*BASE, *TE, "--hybrid-layer-pattern", "M-|*-", "--pipeline-model-parallel-size", "2"], 2, 1,

@@ -302,10 +302,12 @@ def _cpu_flags(flags: Flags, changes: list[str], te: bool) -> None:
     for flag, why in IMPOSSIBLE.items():
         if flags.has(flag):
             raise TrainInputError(f"{flag} cannot run on a CPU: {why}")
-    if flags.get("--experimental-attention-variant") == "dsa":
-        raise TrainInputError("--experimental-attention-variant dsa cannot run on a CPU: its indexer's Hadamard "
-                              "rotation is the fast_hadamard_transform CUDA kernel, on bf16 only (megatron-core "
-                              "asserts both), and the runs compare in float32")
+    sparse = ["--experimental-attention-variant dsa"] if flags.get("--experimental-attention-variant") == "dsa" else []
+    sparse += [f"{flag} with D layers" for flag in HYBRID_PATTERNS if "D" in (flags.get(flag) or "")]
+    if sparse:  # DeepSeek sparse attention, as a variant or a hybrid pattern's D layers
+        raise TrainInputError(f"{sparse[0]} cannot run on a CPU: its indexer's Hadamard rotation is the "
+                              "fast_hadamard_transform CUDA kernel, on bf16 only (megatron-core asserts both), and "
+                              "the runs compare in float32")
     for flag, value in REPLACED.items():
         old = flags.get(flag)
         if te and (flag == "--transformer-impl" or (flag == "--attention-backend" and old in TE_ATTENTION_BACKENDS)):
