@@ -56,7 +56,7 @@ def test_the_default_plan_runs_gpt_and_moe_defaults_on_te_at_a_few_layouts_after
     planned = components_plan(["gpt", "moe", "gdn"], every)
     te = [case for case in planned if impl_of(case.options) == "te"]
     assert [(c.component, str(c.layout)) for c in te] == [
-        (component, name) for component, names in TE_LAYOUTS.items() for name in names]
+        (component, name) for component in ("gpt", "moe") for name in TE_LAYOUTS[component]]
     assert all(c.options == (("impl", "te"),) for c in te)
     first = planned.index(te[0])
     assert all(not c.options for c in planned[:first]) and len(planned[:first]) > len(every)
@@ -65,20 +65,32 @@ def test_the_default_plan_runs_gpt_and_moe_defaults_on_te_at_a_few_layouts_after
     assert not any(impl_of(c.options) == "te" for c in components_plan(["gdn", "gpt"], [Layout.parse("cp2")]))
 
 
-def _outcome(declared: dict[str, str]) -> Outcome:
+def _outcome(declared: dict[str, str], *wrong: str, clip: tuple[float, float] | None = None) -> Outcome:
     from shardcheck.megatron.audit.divergence import Gap
 
     gaps = [Gap("norm_counted/w1", 0.5, 1.0, 0.5, 0.5, 1e-6), Gap("norm_counted/w2", 0.1, 1.0, 0.9, 0.9, 1e-6),
-            Gap("loss", 1.0, 1.1, 0.1, 0.1, 1e-6)]
+            *(Gap(name, 1.0, 1.1, 0.1, 0.1, 1e-6) for name in wrong)]
+    if clip is not None:
+        gaps.append(Gap("clip_factor", *clip, 0.1, 0.1, 1e-6))
     return Outcome(Case("moe", (("impl", "te"),), Layout(tp=2, sp=True)), gaps, declared=declared)
 
 
-def test_a_norm_counted_gap_names_where_megatron_declared_that_parameters_tp_sharding():
+def test_a_miscounted_parameter_in_the_norm_is_named_where_megatron_declared_its_tp_sharding():
     where = "has tensor_model_parallel=False from megatron/core/x.py:12 in mark"
-    shown = title(("loc", "contract"), _outcome({"w1": "elsewhere", "w2": where}))
+    declared = {"w1": "has no tensor_model_parallel (built at megatron/core/y.py:3 in __init__)", "w2": where}
+    shown = title(("loc", "contract"), _outcome(declared))
     assert shown == ("moe: norm_counted/w1 differs from one rank under tp2-sp (impl=te); "
                      f"the norm counts w2, which {where}")  # the one furthest off
     assert title(("loc", "contract"), _outcome({})).endswith("(impl=te)")
+    # a wrong gradient is what the norm counts wrongly then, not the declaration
+    assert title(("loc", "contract"), _outcome(declared, "grad/w2")).endswith(
+        "; the norm counts w1, which " + declared["w1"])
+    assert title(("loc", "contract"), _outcome(declared, "grad/w1", "grad/w2")).endswith("(impl=te)")
+    # a changed clipping factor scales every counted gradient alike: w1 (counted x0.5 as every
+    # other) is counted right, w2 is not
+    clipped = title(("loc", "contract"), _outcome(declared, clip=(0.5 ** 0.5, 1.0)))
+    assert clipped.endswith("; the norm counts w2, which " + where)
+    assert title(("loc", "contract"), _outcome(declared, "grad/w2", clip=(0.5 ** 0.5, 1.0))).endswith("(impl=te)")
 
 
 @pytest.fixture(scope="module")

@@ -212,16 +212,33 @@ def title(key: tuple[str, str], minimal) -> str:
 
 
 def norm_declaration(outcome) -> str:
-    """For an outcome whose gradient norm counts a parameter otherwise than one rank does (its
-    ``norm_counted/KEY`` output differs): where megatron-core declared that parameter's tensor
-    parallelism (the one furthest off), which the norm reads; else ''."""
-    counted = sorted((g for g in outcome.gaps if g.name.startswith(NORM_COUNTED)), key=lambda g: -g.relative)
+    """Where megatron-core declared the tensor parallelism of the parameter the outcome's
+    gradient norm counts furthest off (which the norm reads), as a title's tail; else ''.
+
+    A parameter is miscounted when its ``norm_counted/KEY`` output (its squared gradient as
+    clipped) is off by more than :data:`MISCOUNT` beyond the clipping factor's change (which
+    scales every parameter alike), while its gradient (``grad/KEY``) is right.
+    """
+    gaps = {g.name: g for g in outcome.gaps}
+    clip = gaps.get("clip_factor")
+    scale = _ratio(clip) ** 2 if clip is not None else 1.0
+    off = {g.name[len(NORM_COUNTED):]: abs(_ratio(g) / scale - 1) for g in outcome.gaps
+           if g.name.startswith(NORM_COUNTED) and f"grad/{g.name[len(NORM_COUNTED):]}" not in gaps}
     declared = getattr(outcome, "declared", {})  # outcomes of older shares have none
-    for gap in counted:
-        name = gap.name[len(NORM_COUNTED):]
-        if name in declared:
+    for name in sorted(off, key=lambda n: -off[n]):
+        if off[name] > MISCOUNT and name in declared:
             return f"; the norm counts {name}, which {declared[name]}"
     return ""
+
+
+MISCOUNT = 0.01  # a shard counted once instead of per rank is off by half or more
+
+
+def _ratio(gap) -> float:
+    """observed / reference of a scalar gap (nan when either is no number, or the reference 0)."""
+    if isinstance(gap.observed, list) or isinstance(gap.reference, list) or not gap.reference:
+        return float("nan")
+    return gap.observed / gap.reference
 
 
 def kind(outcomes: Sequence, checker: str | None) -> str:

@@ -17,8 +17,8 @@ grid over two or more of tp, cp, dp, the same grid with explicit groups (those o
 rank order, e.g. ``tp2-dp2@dp-tp``) while Megatron's global groups keep the default order.
 Cases are ordered so that a budget cut keeps the space covered evenly: first every component's
 defaults under every layout (explicit-group layouts only for the components that pass the
-groups to Megatron), then the defaults of ``gpt`` and ``moe`` on Transformer Engine's layers
-at a few layouts (:data:`TE_LAYOUTS`), then each option under each two-rank layout, then under
+groups to Megatron), then the defaults of ``gpt``, ``moe`` and ``mtp`` on Transformer Engine's
+layers at a few layouts (:data:`TE_LAYOUTS`), then each option under each two-rank layout, then under
 the larger ones (explicit-group layouts included, for the components that pass the groups).
 """
 
@@ -57,6 +57,7 @@ IMPL = "impl"
 TE_LAYOUTS: dict[str, tuple[str, ...]] = {
     "gpt": ("tp2", "tp2-sp", "dp2", "pp2"),
     "moe": ("tp2-sp", "dp2-ep2", "tp2-dp2-ep2-sp"),
+    "mtp": ("tp2", "pp2"),
 }
 # The model arguments a pipeline layout sets (which stage this rank builds), never swept.
 STAGE_ARGUMENTS = frozenset({"pre_process", "post_process", "add_encoder", "add_decoder"})

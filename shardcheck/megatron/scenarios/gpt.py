@@ -161,18 +161,20 @@ def build_gpt(config, setup: GPTSetup, pg: Any = None):
         max_sequence_length=setup.seq, pre_process=pp.rank() == 0,
         post_process=pp.rank() == pp.size() - 1,
         share_embeddings_and_output_weights=setup.share_embeddings,
-        position_embedding_type=setup.position_embedding, mtp_block_spec=_mtp_spec(config, spec),
+        position_embedding_type=setup.position_embedding,
+        mtp_block_spec=_mtp_spec(config, spec, setup.layer_spec == "transformer_engine"),
         **setup.model_args, **explicit_kwargs(pg),
     )
 
 
-def _mtp_spec(config, layer_spec):
-    """Megatron's MTP block spec (local modules) when the config asks for MTP layers, else None."""
+def _mtp_spec(config, layer_spec, transformer_engine: bool):
+    """Megatron's MTP block spec (its own modules local or Transformer Engine's, as the
+    decoder's) when the config asks for MTP layers, else None."""
     if not config.mtp_num_layers:
         return None
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
 
-    return get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=False)
+    return get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=transformer_engine)
 
 
 def masked_loss(batch: dict[str, torch.Tensor], output: torch.Tensor):
