@@ -26,6 +26,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from shardcheck.megatron.cpu.patches import _in_device_mode
+from shardcheck.patching import patched, patched_attrs
 
 TE_VERSION = "2.20.2"
 # The device TE is told it runs on: an Ampere-class GPU (sm_80) has bf16 and no FP8, so TE's own
@@ -99,12 +100,8 @@ def _with_cuda_available(init: Callable[..., None]) -> Callable[..., None]:
 
     @functools.wraps(init)
     def build(self: Any, *args: Any, **kwargs: Any) -> None:
-        available = torch.cuda.is_available
-        torch.cuda.is_available = lambda: True
-        try:
+        with patched(torch.cuda, "is_available", lambda: True):
             init(self, *args, **kwargs)
-        finally:
-            torch.cuda.is_available = available
 
     return build
 
@@ -280,13 +277,11 @@ def installed() -> Iterator[ModuleType]:
     if "transformer_engine.pytorch" in sys.modules:
         yield sys.modules["transformer_engine.pytorch"]
         return
-    queries = {name: getattr(torch.cuda, name) for name in _GLOBAL_QUERIES}
     path = list(sys.path)
-    try:
-        yield install()
+    try:  # install() answers torch.cuda's device queries: they are put back afterwards
+        with patched_attrs((torch.cuda, name, getattr(torch.cuda, name)) for name in _GLOBAL_QUERIES):
+            yield install()
     finally:
-        for name, query in queries.items():
-            setattr(torch.cuda, name, query)
         sys.path[:] = path
         for name in [n for n in sys.modules if n.split(".")[0] in ("transformer_engine", "transformer_engine_torch")]:
             del sys.modules[name]
