@@ -73,7 +73,7 @@ def _shrinks_into_a_runnable_cpu_plan(path: Path) -> None:
     flags = shrunk.flags
     if _value(flags, "--transformer-impl") == "transformer_engine" and int(_value(flags, "--context-parallel-size")
                                                                           or 1) > 1 and _te_installed():
-        # Transformer Engine has no CPU context-parallel path: refused in one line, runnable on local layers
+        # Transformer Engine has no fp32 context-parallel attention: refused in one line, runnable on local layers
         with pytest.raises(TrainInputError, match=r"^--context-parallel-size \d with --transformer-impl "
                            r"transformer_engine cannot run on a CPU: "):
             plan_runs(flags, shrunk.nproc, 2)

@@ -80,6 +80,10 @@ def test_context_parallelism_with_transformer_engine_is_refused_in_one_line():
                        r"local") as refused:
         plan_runs([*BASE, "--context-parallel-size", "2", *TE], 2, 1)
     assert "\n" not in str(refused.value)
+    # a model that builds only on TE gets no hint to use local layers, which would be refused too
+    with pytest.raises(TrainInputError, match=r"no fp32 backend .*; --multi-latent-attention builds only with "
+                       r"Transformer Engine, so drop the context parallelism$"):
+        plan_runs([*BASE, "--context-parallel-size", "2", "--multi-latent-attention", *TE], 2, 1)
 
 
 @pytest.mark.parametrize("flags,why", [

@@ -261,10 +261,13 @@ def _transformer_engine(flags: Flags, changes: list[str], cp: int) -> bool:
         flags.set("--transformer-impl", "local")
         return False
     if cp > 1:
+        te_only = next((flag for flag in TE_ONLY if flags.has(flag)), None)
         raise TrainInputError(
             f"--context-parallel-size {cp} with --transformer-impl transformer_engine cannot run on a CPU: "
             "the runs compare in float32, and Transformer Engine's context-parallel attention has no fp32 "
-            "backend (on a GPU neither); give --transformer-impl local for shardcheck's CP attention stand-in")
+            "backend (on a GPU neither); " + (f"{te_only} builds only with Transformer Engine, so drop the "
+                                              "context parallelism" if te_only else
+                                              "give --transformer-impl local for shardcheck's CP attention stand-in"))
     changes.append("--transformer-impl transformer_engine kept: Transformer Engine's own layers, on shardcheck's "
                    "CPU kernels (its fused optimizers are CUDA kernels: Megatron's torch optimizer, as without TE)")
     return True
