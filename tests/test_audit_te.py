@@ -142,3 +142,16 @@ def test_an_expert_weight_not_marked_tensor_parallel_is_found_by_the_gradient_no
     assert counted, finding["effect"]
     assert (f"which has tensor_model_parallel=False from {TE_FILE}:{number} in "
             "_set_expert_parameter_attributes") in finding["title"], finding["title"]
+
+
+def test_without_transformer_engine_a_te_job_fails_in_one_line(monkeypatch, tmp_path):
+    from shardcheck.megatron.audit.hosted import TEHost
+    from shardcheck.parity.pool import PoolFailure
+
+    monkeypatch.setenv("SHARDCHECK_TE_DIR", str(tmp_path))
+    host = TEHost(timeout=30, preload=())
+    try:
+        with pytest.raises(PoolFailure, match="TransformerEngineMissing: transformer-engine .* is not installed in"):
+            host.run(Layout(), print)
+    finally:
+        assert host.close() == 0  # the host exits when its parent closes the pipes
