@@ -26,6 +26,10 @@ from typing import Any
 from shardcheck.parity.layout import Layout
 from shardcheck.parity.pool import PoolFailure
 
+# The audit's sys.path, which the host takes before it imports TE and megatron-core: the same
+# megatron-core (a --megatron tree first), not one that `python -m` finds in the working folder.
+PATH_ENV = "SHARDCHECK_TE_HOST_PATH"
+
 
 class TEHost:
     """The client side: a host process started on first use, closed with :meth:`close`."""
@@ -43,7 +47,8 @@ class TEHost:
         self._proc = subprocess.Popen(
             [sys.executable, "-m", __name__, str(to_host), str(from_host), str(self.timeout),
              *self.preload], pass_fds=(to_host, from_host), stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+            env={**os.environ, PATH_ENV: os.pathsep.join(sys.path)})
         os.close(to_host)
         os.close(from_host)
         self._send = Connection(from_parent, readable=False)
@@ -118,4 +123,5 @@ def _serve(read_fd: int, write_fd: int, timeout: float, modules: Sequence[str]) 
 
 
 if __name__ == "__main__":
+    sys.path[:] = os.environ.pop(PATH_ENV, os.pathsep.join(sys.path)).split(os.pathsep)
     _serve(int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), sys.argv[4:])
