@@ -3,6 +3,7 @@ megatron's inner layers import only the layers below them, and no shardcheck mod
 by a string (``importlib.import_module("shardcheck...")``), where this test could not see it."""
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ ON_TOP = ("shardcheck.megatron", "shardcheck.golden", "shardcheck.cli", "shardch
 # (fuzz_targets) sit above them all. A layer imports its own package and the layers below it.
 MEGATRON_TIERS = (("checks",), ("cpu",), ("scenarios",), ("audit", "train"), ("repro",))
 DYNAMIC_IMPORTS = ("import_module", "find_spec", "__import__")
+OBJECT_REFERENCE = re.compile(r"^(shardcheck(?:\.\w+)+):\w+$")
 
 
 def _module_name(path: Path) -> str:
@@ -99,7 +101,9 @@ def _string_imports(source: str) -> set[str]:
         name = argument.value if isinstance(argument, ast.Constant) else constants.get(getattr(argument, "id", ""))
         if called in DYNAMIC_IMPORTS and isinstance(name, str) and name.split(".")[0] == "shardcheck":
             found.add(name)
-    return found
+    # a "module:object" reference, kept as data and imported later by whatever reads it
+    return found | {match[1] for node in ast.walk(tree) if isinstance(node, ast.Constant)
+                    and isinstance(node.value, str) and (match := OBJECT_REFERENCE.match(node.value))}
 
 
 def _cycle_from(start: str) -> list[str] | None:
@@ -163,6 +167,7 @@ import importlib
 import importlib.util
 
 CATALOGUE = "shardcheck.megatron.fuzz_targets"
+TEMPLATE = {"gpt": "shardcheck.megatron.scenarios.gpt:GPTSetup"}  # resolved by whoever reads it
 
 
 def share():
@@ -187,7 +192,8 @@ def test_a_planted_function_level_upward_import_fails_the_checks():
 
 def test_a_planted_string_import_fails_the_check():
     assert _string_imports(PLANTED_STRING_IMPORT) == {"shardcheck.megatron.scenarios.training",
-                                                      "shardcheck.megatron.fuzz_targets"}
+                                                      "shardcheck.megatron.fuzz_targets",
+                                                      "shardcheck.megatron.scenarios.gpt"}
     assert _imports_in(PLANTED_STRING_IMPORT, "shardcheck.megatron.checks.planted") == set()  # unseen there
 
 

@@ -23,7 +23,8 @@ from shardcheck.megatron.audit.sweep import (  # noqa: E402
     passed_by_scenario,
     setup_kwargs,
 )
-from shardcheck.megatron.repro.templates import TEMPLATES, _split_options  # noqa: E402
+from shardcheck.megatron.repro.templates import _split_options  # noqa: E402
+from shardcheck.megatron.scenarios import COMPONENTS  # noqa: E402
 from shardcheck.megatron.scenarios.gpt import GPTSetup  # noqa: E402
 from shardcheck.megatron.scenarios.ssm import GDNSetup  # noqa: E402
 from shardcheck.parity.layout import Layout  # noqa: E402
@@ -67,8 +68,8 @@ def test_a_model_argument_goes_to_the_model_and_a_config_field_to_the_config():
     assert kwargs == {"loss_mask": True, "config": {"qk_layernorm": True},
                       "model_args": {"rope_scaling": True},
                       "forward_args": {"runtime_gather_output": False}}
-    setup, overrides = _split_options(TEMPLATES["gpt"].setup, {"GPTModel.rope_scaling": True,
-                                                               "qk_layernorm": True})
+    setup, overrides = _split_options(COMPONENTS["gpt"].setup, {"GPTModel.rope_scaling": True,
+                                                                "qk_layernorm": True})
     assert setup["model_args"] == {"rope_scaling": True} and overrides == {"qk_layernorm": True}
     with pytest.raises(KeyError):
         setup_kwargs(GDNSetup, [("GatedDeltaNet.use_qk_l2norm", False)])  # no model_args field

@@ -20,7 +20,6 @@ patched, inline.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import inspect
 import textwrap
 from collections.abc import Callable
@@ -149,9 +148,9 @@ def _mamba_refuses(layout: Layout, options: dict[str, Any]) -> str | None:
 
 @dataclasses.dataclass(frozen=True)
 class Template:
-    """One component's script: its setup dataclass, the snippets before its code, layout limits."""
+    """One component's script (its setup dataclass is the component's): the snippets before its
+    code, layout limits."""
 
-    setup: str  # "module:Class" of the component's setup dataclass
     code: Snippet
     before: tuple[Snippet, ...] = ()
     refuses: Callable[[Layout, dict[str, Any]], str | None] = lambda layout, options: None
@@ -168,27 +167,26 @@ GPT_EXTRAS = (SP_NORM,
               (lambda layout, options: layout.cp > 1, CP_ATTENTION),
               (lambda layout, options: layout.pp > 1, NO_SYNCHRONIZE))
 TEMPLATES: dict[str, Template] = {
-    "output_loss": Template("shardcheck.megatron.scenarios.output_loss:OutputLossSetup",
-                            Snippet.of("output_loss"), (DEVICE_ON_CPU, BASE, SEEDED, PIECES, SHARD)),
-    "moe_router": Template("shardcheck.megatron.scenarios.moe_router:RouterSetup", ROUTER_CODE,
+    "output_loss": Template(Snippet.of("output_loss"), (DEVICE_ON_CPU, BASE, SEEDED, PIECES, SHARD)),
+    "moe_router": Template(ROUTER_CODE,
                            (DEVICE_ON_CPU, TE_GEMM_UNSET, BASE, SEEDED, PIECES, SHARD), _router_refuses),
-    "gpt": Template("shardcheck.megatron.scenarios.gpt:GPTSetup", GPT_CODE, GPT_SUPPORT,
+    "gpt": Template(GPT_CODE, GPT_SUPPORT,
                     sections=_gpt_sections, extras=GPT_EXTRAS),
-    "moe": Template("shardcheck.megatron.scenarios.gpt:MoEGPTSetup", GPT_CODE, (*GPT_SUPPORT, TE_GEMM_UNSET),
+    "moe": Template(GPT_CODE, (*GPT_SUPPORT, TE_GEMM_UNSET),
                     _moe_refuses, sections=_gpt_sections,
                     extras=(*GPT_EXTRAS, (lambda layout, options: _alltoall(options), ALLTOALL_ON_CPU))),
-    "mtp": Template("shardcheck.megatron.scenarios.gpt:MTPGPTSetup", GPT_CODE, GPT_SUPPORT,
+    "mtp": Template(GPT_CODE, GPT_SUPPORT,
                     sections=_gpt_sections, extras=GPT_EXTRAS),
-    "gdn": Template("shardcheck.megatron.scenarios.ssm:GDNSetup", GDN_CODE,
+    "gdn": Template(GDN_CODE,
                     (RNG_ON_CPU, DEVICE_ON_CPU, CUDA_TENSORS_ON_CPU, STREAMS_ON_CPU, CAUSAL_CONV1D, GDN_KERNELS, BASE,
                      SEEDED, SHARD, WEIGHTS), _gdn_refuses, sections=_gdn_sections,
                     extras=(SP_NORM,)),
-    "mamba": Template("shardcheck.megatron.scenarios.ssm:MambaSetup", MAMBA_CODE,
+    "mamba": Template(MAMBA_CODE,
                       (RNG_ON_CPU, DEVICE_ON_CPU, STREAMS_ON_CPU, CAUSAL_CONV1D, MAMBA_KERNELS,
                        BASE, SEEDED, SHARD, WEIGHTS), _mamba_refuses, sections=_mamba_sections),
-    "t5": Template("shardcheck.megatron.scenarios.t5:T5Setup", T5_CODE, GPT_SUPPORT, _refused_by("t5"),
+    "t5": Template(T5_CODE, GPT_SUPPORT, _refused_by("t5"),
                    sections=_gpt_sections, extras=(SP_NORM,)),
-    "multimodal": Template("shardcheck.megatron.scenarios.multimodal:MultimodalSetup", MULTIMODAL_CODE,
+    "multimodal": Template(MULTIMODAL_CODE,
                            (*GPT_SUPPORT, CLIP_NORM), _refused_by("multimodal"), sections=_gpt_sections,
                            extras=(SP_NORM, (lambda layout, options: layout.sp, LLAVA_SP_ATTENTION))),
 }
@@ -208,7 +206,7 @@ def script_body(finding: Finding) -> ScriptBody:
     layout = Layout.parse(finding.layout)
     if why := template.refuses(layout, finding.config):
         raise ReproError(f"{why}; finding {finding.id} needs {finding.layout}")
-    setup, overrides = _split_options(template.setup, finding.config)
+    setup, overrides = _split_options(COMPONENTS[finding.target].setup, finding.config)
     fix = _fix(finding)
     constants = f"SETUP = {setup!r}\nOVERRIDES = {overrides!r}  # TransformerConfig options\n"
     if template.sections is not None:
@@ -263,10 +261,8 @@ def _megatron_order(named: list[str]) -> str:
     return "-".join(named + [d for d in DEFAULT_ORDER.split("-") if d not in named])
 
 
-def _split_options(setup_path: str, options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+def _split_options(setup_cls: type, options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """The setup's fields (defaults with the options applied) and the TransformerConfig overrides."""
-    module, name = setup_path.split(":")
-    setup_cls = getattr(importlib.import_module(module), name)
     fields = {f.name: f.default for f in dataclasses.fields(setup_cls)
               if f.name != "config" and f.default is not dataclasses.MISSING}
     try:
