@@ -1,8 +1,9 @@
 """Pieces put back together on real Gloo ranks: the halves of a split used as the plain values
 they are (Megatron's fused vocab-parallel cross-entropy), a constant softmax sink concatenated to
 head-sharded scores (softmax off-by-one), this rank's chunk of a reduced value joined side by side
-with sequence shards (CP's query, key and value gradients), each with a buggy variant that is
-still flagged."""
+with sequence shards (CP's query, key and value gradients), gradients all-reduced in one coalesced
+buffer and viewed back (Megatron's finalize_model_grads), each with a buggy variant that is still
+flagged."""
 
 import pytest
 import torch
@@ -82,6 +83,21 @@ def chunk_beside_shards(kind: str) -> torch.Tensor:
     return torch.cat([key, chunk], dim=1)
 
 
+def coalesced_gradients(kind: str) -> torch.Tensor:
+    """Two partial gradients of one size summed over tp in one flat buffer and viewed back
+    (``torch._utils._unflatten_dense_tensors``, as Megatron's sequence-parallel gradient sum):
+    the second view is rank 1's half of the buffer by its place, not by the rank, so both are R
+    on every rank. The buggy variant keeps each rank's own chunk of the buffer."""
+    n = dist.get_world_size()
+    grads = [sc.annotate(torch.randn(2, n, generator=torch.Generator().manual_seed(7 + i)), tp=sc.P)
+             for i in range(2)]
+    flat = torch._utils._flatten_dense_tensors(grads)
+    dist.all_reduce(flat)
+    if kind == "own chunk":
+        return flat.chunk(n)[dist.get_rank()] * 1
+    return torch.cat([grad.flatten() for grad in torch._utils._unflatten_dense_tensors(flat, grads)])
+
+
 def _run(program, variant) -> dict:
     with sc.typecheck(sc.Mesh(tp=dist.group.WORLD), mode="collect"):
         value = program(variant)
@@ -94,7 +110,8 @@ VARIANTS = [(fused_cross_entropy, True), (fused_cross_entropy, False), (chunk_by
             (chunk_by_rank_added, 0), (softmax_with_sink, "zeros"),
             (softmax_with_sink, "own heads"), (softmax_with_sink, "first heads"),
             (chunk_beside_shards, "own chunk"), (chunk_beside_shards, "beside a contribution"),
-            (chunk_beside_shards, "first chunk")]
+            (chunk_beside_shards, "first chunk"), (coalesced_gradients, "views"),
+            (coalesced_gradients, "own chunk")]
 
 
 def _ranks() -> dict:
@@ -165,3 +182,14 @@ def test_the_first_chunk_on_every_rank_beside_shards_is_flagged_where_it_is_wron
     assert [rank[("chunk_beside_shards", "first chunk")]["rules"] for rank in ranks] == [
         [], ["global shape mismatch"]]
     assert _joined_globally(ranks, "first chunk") != pytest.approx(_joined_globally(ranks, "own chunk"))
+
+
+def test_gradients_viewed_back_from_a_coalesced_sum_are_replicated_and_a_ranks_chunk_is_its_shard(ranks):
+    n = len(ranks)
+    summed = torch.cat([n * torch.randn(2, n, generator=torch.Generator().manual_seed(7 + i)).flatten()
+                        for i in range(2)])
+    for rank in ranks:
+        views = rank[("coalesced_gradients", "views")]
+        assert (views["types"], views["rules"]) == ({"tp": "R"}, [])
+        assert torch.tensor(views["value"]) == pytest.approx(summed, abs=1e-5)
+        assert rank[("coalesced_gradients", "own chunk")]["types"] == {"tp": "S(0)"}

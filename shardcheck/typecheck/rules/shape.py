@@ -6,6 +6,7 @@ Part of the rule table (see shardcheck.typecheck.rules.registry for the rule pro
 from __future__ import annotations
 
 import itertools
+import sys
 from collections.abc import Callable
 
 import torch
@@ -251,6 +252,8 @@ def rank_piece(ctx: RuleContext, pl: Pl, dim: int, total: int, start: int, lengt
         return (size > 1 and length < total and parts in (None, size)
                 and (start, length) in rank_chunks(total, size, ctx.index[a]))
     by_rank = [a for a, p in enumerate(pl) if replicated(p) and matches(a)]
+    if by_rank and _viewed_back_from_a_flat_buffer():
+        return {}
     unknown = [a for a, p in enumerate(pl) if p is None and matches(a)]
     if by_rank and not unknown and len({ctx.rank_sets[a] for a in by_rank}) == 1:
         # one axis, or axes over the same ranks (cp and ep at cp2-dp2-ep2): one rank index
@@ -265,6 +268,22 @@ def rank_piece(ctx: RuleContext, pl: Pl, dim: int, total: int, start: int, lengt
             if p is V and matches(a):
                 raise Violation("split of varying", a, occurrence=occurrence)
     return {}
+
+
+# torch's views of a coalesced buffer as the tensors it was flattened from: each at its own place,
+# the same on every rank (Megatron's sum of sequence-parallel gradients in one all-reduce)
+_POSITIONAL_CUTS = frozenset({torch._utils._unflatten_dense_tensors.__code__})
+
+
+def _viewed_back_from_a_flat_buffer(depth: int = 16) -> bool:
+    """Whether the running cut is made by :data:`_POSITIONAL_CUTS`: a piece in its place, though
+    it may be this rank's chunk by chance (two tensors of one size, two ranks)."""
+    frame = sys._getframe(1)
+    while frame is not None and depth:
+        if frame.f_code in _POSITIONAL_CUTS:
+            return True
+        frame, depth = frame.f_back, depth - 1
+    return False
 
 
 @on_typed_operand
