@@ -44,19 +44,23 @@ needs_te = pytest.mark.skipif(not (te_dir() / "transformer_engine").is_dir(),
                               reason=f"transformer-engine is not installed in {te_dir()}")
 
 
-def test_impl_is_a_setup_field_of_the_gpt_family_not_swept_as_an_option():
+def test_impl_is_a_setup_field_of_the_gpt_family_and_the_ssm_mixers_not_swept_as_an_option():
     assert (GPTSetup().layer_spec, TEGPTSetup().layer_spec) == ("local", "transformer_engine")
     assert MoEGPTSetup(impl="te").layer_spec == "transformer_engine"
-    assert not any(name == "impl" for name, _ in setup_options(GPTSetup) + setup_options(MoEGPTSetup))
+    from shardcheck.megatron.scenarios.ssm import GDNSetup, MambaSetup
+
+    assert GDNSetup(impl="te").impl == MambaSetup(impl="te").impl == "te"
+    assert not any(name == "impl" for setup in (GPTSetup, MoEGPTSetup, GDNSetup, MambaSetup)
+                   for name, _ in setup_options(setup))
     assert (impl_of(()), impl_of((("impl", "te"), ("loss_mask", True)))) == ("local", "te")
 
 
-def test_the_default_plan_runs_gpt_and_moe_defaults_on_te_at_a_few_layouts_after_the_defaults():
+def test_the_default_plan_runs_the_defaults_on_te_at_a_few_layouts_after_the_defaults_tier():
     every = layouts(explicit=True)
     planned = components_plan(["gpt", "moe", "gdn"], every)
     te = [case for case in planned if impl_of(case.options) == "te"]
     assert [(c.component, str(c.layout)) for c in te] == [
-        (component, name) for component in ("gpt", "moe") for name in TE_LAYOUTS[component]]
+        (component, name) for component in ("gpt", "moe", "gdn") for name in TE_LAYOUTS[component]]
     assert all(c.options == (("impl", "te"),) for c in te)
     first = planned.index(te[0])
     assert all(not c.options for c in planned[:first]) and len(planned[:first]) > len(every)

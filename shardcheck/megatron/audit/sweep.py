@@ -17,9 +17,10 @@ grid over two or more of tp, cp, dp, the same grid with explicit groups (those o
 rank order, e.g. ``tp2-dp2@dp-tp``) while Megatron's global groups keep the default order.
 Cases are ordered so that a budget cut keeps the space covered evenly: first every component's
 defaults under every layout (explicit-group layouts only for the components that pass the
-groups to Megatron), then the defaults of ``gpt``, ``moe`` and ``mtp`` on Transformer Engine's
-layers at a few layouts (:data:`TE_LAYOUTS`), then each option under each two-rank layout, then under
-the larger ones (explicit-group layouts included, for the components that pass the groups).
+groups to Megatron), then the defaults of the GPT family, GDN and Mamba on Transformer
+Engine's layers at a few layouts (:data:`TE_LAYOUTS`), then each option under each two-rank
+layout, then under the larger ones (explicit-group layouts included, for the components that
+pass the groups).
 """
 
 from __future__ import annotations
@@ -49,8 +50,8 @@ LAYOUT_FIELDS = frozenset({
 # constructor, ``Class.forward.<arg>`` options to its forward call.
 ARGUMENT_FIELDS = {"__init__": "model_args", "forward": "forward_args"}
 SKIPPED_SETUP_FIELDS = frozenset({"seed", "config", "impl", *ARGUMENT_FIELDS.values()})
-# The layers' implementation (a setup field of the GPT family): Megatron's local torch modules
-# or Transformer Engine's. Not swept like the other options: the default plan runs each
+# The layers' implementation (a setup field of the GPT family, GDN and Mamba): Megatron's local
+# torch modules or Transformer Engine's. Not swept like the other options: the default plan runs each
 # component's defaults on TE at the layouts of TE_LAYOUTS, after the defaults tier
 # (:func:`te_cases`); ``--set impl=te`` runs any options on it.
 IMPL = "impl"
@@ -58,6 +59,8 @@ TE_LAYOUTS: dict[str, tuple[str, ...]] = {
     "gpt": ("tp2", "tp2-sp", "dp2", "pp2"),
     "moe": ("tp2-sp", "dp2-ep2", "tp2-dp2-ep2-sp"),
     "mtp": ("tp2", "pp2"),
+    "gdn": ("tp2", "tp2-sp"),
+    "mamba": ("tp2-sp", "cp2"),
 }
 # The model arguments a pipeline layout sets (which stage this rank builds), never swept.
 STAGE_ARGUMENTS = frozenset({"pre_process", "post_process", "add_encoder", "add_decoder"})

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -53,6 +53,9 @@ class GDNSetup:
     conv_bias: bool = False
     seed: int = 0
     config: dict[str, Any] = field(default_factory=dict)
+    # Megatron's local linear and norm modules, or Transformer Engine's ("te": those of its
+    # hybrid spec, the input norm fused into in_proj; see GPTSetup.impl)
+    impl: Literal["local", "te"] = "local"
 
 
 def _gdn_config(layout: Any, setup: GDNSetup):
@@ -66,14 +69,21 @@ def _gdn_config(layout: Any, setup: GDNSetup):
 
 
 def _build_gdn(config, setup: GDNSetup, pg: Any = None):
-    """GatedDeltaNet with Megatron's local (no Transformer Engine) linear and norm modules."""
+    """GatedDeltaNet with Megatron's local linear and norm modules, or Transformer Engine's."""
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
-    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    submodules = GatedDeltaNetSubmodules(in_proj=ColumnParallelLinear, out_norm=WrappedTorchNorm,
-                                         out_proj=RowParallelLinear)
+    if setup.impl == "te":
+        from megatron.core.extensions import transformer_engine as te
+
+        submodules = GatedDeltaNetSubmodules(in_proj=te.TELayerNormColumnParallelLinear,
+                                             out_norm=te.TENorm, out_proj=te.TERowParallelLinear)
+    else:
+        from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+        submodules = GatedDeltaNetSubmodules(in_proj=ColumnParallelLinear, out_norm=WrappedTorchNorm,
+                                             out_proj=RowParallelLinear)
     return GatedDeltaNet(config, submodules, layer_number=1, bias=setup.bias,
                          conv_bias=setup.conv_bias, use_qk_l2norm=setup.use_qk_l2norm,
                          pg_collection=pg or ProcessGroupCollection.use_mpu_process_groups())
@@ -102,6 +112,7 @@ class MambaSetup:
     conv_bias: bool = True
     seed: int = 0
     config: dict[str, Any] = field(default_factory=dict)
+    impl: Literal["local", "te"] = "local"  # as GDNSetup.impl
 
 
 def _mamba_config(layout: Any, setup: MambaSetup):
@@ -112,12 +123,19 @@ def _mamba_config(layout: Any, setup: MambaSetup):
 
 
 def _build_mamba(config, setup: MambaSetup, pg: Any = None):
-    """MambaMixer with Megatron's local (no Transformer Engine) linear modules."""
+    """MambaMixer with Megatron's local linear modules, or Transformer Engine's."""
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.ssm.mamba_mixer import MambaMixer, MambaMixerSubmodules
-    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
-    submodules = MambaMixerSubmodules(in_proj=ColumnParallelLinear, out_proj=RowParallelLinear)
+    if setup.impl == "te":
+        from megatron.core.extensions import transformer_engine as te
+
+        submodules = MambaMixerSubmodules(in_proj=te.TELayerNormColumnParallelLinear,
+                                          out_proj=te.TERowParallelLinear)
+    else:
+        from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+        submodules = MambaMixerSubmodules(in_proj=ColumnParallelLinear, out_proj=RowParallelLinear)
     return MambaMixer(config, submodules, d_model=setup.hidden, d_conv=setup.conv_kernel,
                       expand=setup.expand, D_has_hdim=setup.d_has_hdim, rmsnorm=setup.rmsnorm,
                       conv_bias=setup.conv_bias, layer_number=1,
