@@ -31,7 +31,6 @@ IMPOSSIBLE = {
     "--fp8-format": "FP8 needs Transformer Engine on a GPU",
     "--fp4-format": "FP4 needs Transformer Engine on a GPU",
     "--tp-comm-overlap": "tensor-parallel communication overlap needs Transformer Engine's userbuffers",
-    "--use-flash-attn": "flash attention is a CUDA kernel",
     "--enable-cuda-graph": "CUDA graphs need a GPU",
     "--use-megatron-fsdp": "Megatron-FSDP's CPU path is not supported here",
 }
@@ -69,6 +68,16 @@ UNFUSED = {
     "--no-bias-gelu-fusion": "the bias-GeLU fusion is a compiled kernel (and refuses MoE's per-token scales)",
     "--no-bias-swiglu-fusion": "the bias-SwiGLU fusion is a compiled kernel",
 }
+# flags that only pick a CUDA kernel for the same math: dropped, with the reason
+KERNEL_ONLY = {
+    "--moe-grouped-gemm": ("the grouped GEMM is a Transformer Engine/CUTLASS kernel; Megatron's sequential "
+                           "experts instead"),
+    "--moe-permute-fusion": "the fused permutation is a Transformer Engine kernel",
+    "--cross-entropy-loss-fusion": "the fused cross entropy is a CUDA kernel",
+    "--use-flash-attn": "flash attention is a CUDA kernel; the attention is the unfused one, the same math",
+}
+# flags that change the global batch as training goes: the runs compare steps of one batch size
+BATCH_SCHEDULES = ("--step-batch-size-schedule", "--rampup-batch-size")
 DATA_FLAGS = ("--data-path", "--train-data-path", "--valid-data-path", "--test-data-path",
               "--data-args-path", "--per-split-data-args-path", "--tokenizer-model", "--vocab-file",
               "--merge-file", "--data-cache-path", "--train-samples", "--save", "--load",
@@ -279,6 +288,10 @@ def _refuse_not_built(flags: Flags, te: bool) -> None:
             if flags.has(flag):
                 raise TrainInputError(f"{flag} with Megatron's local layers: {why}; give --transformer-impl "
                                       "transformer_engine")
+    vision = next((flag for flag in _vision_flags(flags.parser) if flags.has(flag)), None)
+    if vision:
+        raise TrainInputError(f"{vision}: a flag of Megatron's vision and multimodal models (LLaVA, ViT), which "
+                              "shardcheck's GPT entry point does not build; give their entry script with --entry")
     built = {flag: what for flag, what in NOT_BUILT.items() if flags.has(flag)}
     if _names_the_hybrid_stack_spec(flags):
         del built["--spec"]  # the spec shardcheck's entry point builds for a hybrid pattern
@@ -287,6 +300,12 @@ def _refuse_not_built(flags: Flags, te: bool) -> None:
     for flag, what in built.items():
         raise TrainInputError(f"{flag}: shardcheck's entry point does not build {what} yet; run "
                               "Megatron-LM's own pretrain_gpt.py with --entry PATH/pretrain_gpt.py")
+
+
+def _vision_flags(parser: argparse.ArgumentParser) -> list[str]:
+    """The flags of Megatron's ``vision`` argument group (image sizes, patches, DINO, ...)."""
+    return [action.option_strings[0] for group in parser._action_groups if group.title == "vision"
+            for action in group._group_actions]
 
 
 def _pattern(flags: Flags) -> str:
@@ -326,13 +345,9 @@ def _cpu_flags(flags: Flags, changes: list[str], te: bool) -> None:
         if not flags.has(flag):
             flags.set(flag)
             changes.append(f"{flag} added: {why}")
-    if flags.drop("--moe-grouped-gemm"):
-        changes.append("--moe-grouped-gemm dropped: the grouped GEMM is a Transformer Engine/CUTLASS kernel; "
-                       "Megatron's sequential experts instead")
-    if flags.drop("--moe-permute-fusion"):
-        changes.append("--moe-permute-fusion dropped: the fused permutation is a Transformer Engine kernel")
-    if flags.drop("--cross-entropy-loss-fusion"):
-        changes.append("--cross-entropy-loss-fusion dropped: the fused cross entropy is a CUDA kernel")
+    for flag, why in KERNEL_ONLY.items():
+        if flags.drop(flag):
+            changes.append(f"{flag} dropped: {why}")
     for flag in ("--bf16", "--fp16"):
         if flags.drop(flag):
             changes.append(f"{flag} dropped: the runs are compared in float32 (CPU half-precision "
@@ -343,6 +358,14 @@ def _common_flags(flags: Flags, changes: list[str], steps: int | None, dp: int) 
     if flags.has("--use-checkpoint-args"):  # an inference test's: its model is the checkpoint's
         raise TrainInputError("--use-checkpoint-args: the model's shape comes from the checkpoint of --load, "
                               "and the runs train a new model on mock data; give the model's flags instead")
+    optimizer = flags.value("--optimizer")
+    if optimizer not in ("adam", "sgd") and not _have_emerging_optimizers():
+        raise TrainInputError(f"--optimizer {optimizer}: megatron-core builds it from the emerging-optimizers "
+                              "package, which is not installed (pip install emerging-optimizers)")
+    for flag in BATCH_SCHEDULES:
+        if flags.has(flag):
+            raise TrainInputError(f"{flag}: the global batch changes as training goes, and the runs compare "
+                                  "steps of one global batch; give --global-batch-size instead")
     for flag in DATA_FLAGS:
         if flags.drop(flag):
             changes.append(f"{flag} dropped: the runs train on mock data, from scratch, saving nothing")
@@ -364,6 +387,13 @@ def _common_flags(flags: Flags, changes: list[str], steps: int | None, dp: int) 
     for flag, values in (("--no-create-attention-mask-in-dataloader", []), ("--log-interval", ["1"]), ("--log-num-zeros-in-grad", []),
                          ("--eval-iters", ["0"]), ("--eval-interval", ["1000000"])):
         flags.set(flag, *values)
+
+
+def _have_emerging_optimizers() -> bool:
+    """Whether megatron-core found the emerging-optimizers package (Muon, Lion, SOAP, ...)."""
+    from megatron.core.optimizer import HAVE_EMERGING_OPTIMIZERS
+
+    return bool(HAVE_EMERGING_OPTIMIZERS)
 
 
 def _one_rank(flags: Flags, tp: int, changes: list[str]) -> Flags:

@@ -15,7 +15,12 @@ from pathlib import Path
 
 from shardcheck.golden.config import load_model_config
 from shardcheck.golden.io import GoldenInputError
-from shardcheck.megatron.train.args import HYBRID_PATTERNS, TrainInputError, megatron_parser
+from shardcheck.megatron.train.args import (
+    BATCH_SCHEDULES,
+    HYBRID_PATTERNS,
+    TrainInputError,
+    megatron_parser,
+)
 
 MAX_RANKS = 8
 HIDDEN = 64
@@ -65,7 +70,8 @@ def flags_from_model_config(path: Path, nproc: int | None = None) -> ShrunkConfi
             continue
         if value.startswith("[") and value.endswith("]"):  # a list, as --spec's is written
             value = value[1:-1]
-        flags += [flag] if value == "true" else [flag, *value.split()]
+        one_value = known[flag].nargs in (None, 1)  # e.g. a schedule "0:384 200B:768" is one value
+        flags += [flag] if value == "true" else [flag, *([value] if one_value else value.split())]
     return ShrunkConfig(flags, world, mapping)
 
 
@@ -140,6 +146,9 @@ def _shrink_model(args: dict[str, str], sizes: dict[str, int], dp: int, mapping:
         _set(args, mapping, flag, SEQUENCE)
     _set(args, mapping, "--vocab-size", 1024, "mock data")
     _set(args, mapping, "--micro-batch-size", 1)
+    for flag in BATCH_SCHEDULES:
+        if args.pop(flag, None) is not None:
+            mapping.append(f"{flag} left out: one global batch size")
     _set(args, mapping, "--global-batch-size", 2 * dp, "two micro-batches per data-parallel rank")
     _shrink_experts(args, dp * cp, mapping)
     if "--eval-iters" in args:

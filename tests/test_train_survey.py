@@ -1,0 +1,124 @@
+"""The planning pass over Megatron's functional-test configs (``shardcheck.megatron.train.survey``).
+
+No ranks start: each config is shrunk and planned as ``shardcheck train --model-config`` does
+before it starts any. Run on the configs the repository carries, and on a few configs of the
+full golden data set where it is there (skipped with the reason where not).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from pathlib import Path
+
+import pytest
+from packaging.version import Version
+
+if Version(importlib.metadata.version("megatron-core")).release[:2] < (0, 19):  # read, not imported
+    pytest.skip("megatron.training ships with megatron-core 0.19 on (0.16.1 has megatron/core only)",
+                allow_module_level=True)
+
+from golden_data import data_root, full_data_root  # noqa: E402
+
+from shardcheck.megatron.cpu.te import te_dir  # noqa: E402
+from shardcheck.megatron.train.args import TrainInputError, plan_runs  # noqa: E402
+from shardcheck.megatron.train.config import flags_from_model_config  # noqa: E402
+from shardcheck.megatron.train.survey import (  # noqa: E402
+    CRASHED,
+    PLANNED,
+    REFUSED,
+    main,
+    model_configs,
+    plan_config,
+    survey,
+    table,
+)
+
+SMALL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+         "--max-position-embeddings", "32", "--micro-batch-size", "1", "--vocab-size", "1024"]
+# the carried configs' classes: (class, the refusing flag)
+CARRIED = {
+    "gpt/gpt3_mcore_te_tp2_pp1_gdn": (PLANNED, ""),
+    "gpt/gpt3_mcore_tp1_pp2_fp16": (PLANNED, ""),
+    "hybrid/hybrid_dynamic_inference_tp1_pp1_dp8_2b_async_sched_async": (REFUSED, "--use-checkpoint-args"),
+    "hybrid/hybrid_mr_mcore_te_tp1_pp1_cp1_dgx_a100_1N8G": (PLANNED, ""),
+    "hybrid/hybrid_mr_mcore_te_tp2_pp1_cp1_dgx_a100_1N8G": (PLANNED, ""),
+    "moe/gpt3_mcore_te_tp2_pp1_te_a2a_ovlp_8experts_etp1_ep4": (PLANNED, ""),
+    "moe/gpt3_mcore_te_tp2_zp_z3_resume_torch_dist_te_8experts2parallel_top2router": (REFUSED, "--use-megatron-fsdp"),
+    "moe/gpt3_moe_mcore_te_ep8_resume_torch_dist_dist_optimizer": (PLANNED, ""),
+}
+needs_te = pytest.mark.skipif(not (te_dir() / "transformer_engine").is_dir(),
+                              reason=f"transformer-engine is not installed in {te_dir()} (the GDN and hybrid "
+                                     "configs build only on it)")
+
+
+def _name(path: Path) -> str:
+    return f"{path.parent.parent.name}/{path.parent.name}"
+
+
+@needs_te
+def test_the_carried_configs_plan_or_are_refused_in_one_line_and_none_crashes():
+    outcomes = survey(model_configs([data_root() / "head"]))
+    assert {_name(o.path): (o.kind, o.flag) for o in outcomes} == CARRIED
+    assert all(o.kind != CRASHED and "\n" not in o.line for o in outcomes)
+    assert table(outcomes)[2:] == ["| gpt | 2 | 2 | 0 | 0 |",
+                                   "| hybrid | 3 | 2 | 1: `--use-checkpoint-args` 1 | 0 |",
+                                   "| moe | 3 | 2 | 1: `--use-megatron-fsdp` 1 | 0 |"]
+
+
+def test_the_command_prints_the_table_and_exits_0_without_a_crash(capsys):
+    assert main([str(data_root() / "head" / "gpt"), "-v"]) == 0
+    out = capsys.readouterr().out
+    assert "gpt/gpt3_mcore_tp1_pp2_fp16: 4 ranks" in out and out.rstrip().endswith("| 0 |")
+
+
+def test_flash_attention_is_dropped_with_a_line_not_refused():
+    plan = plan_runs([*SMALL, "--use-flash-attn"], 2, 1)
+    assert "--use-flash-attn" not in plan.parallel + plan.reference
+    assert any(line.startswith("--use-flash-attn dropped: flash attention is a CUDA kernel") for line in plan.changes)
+
+
+@pytest.mark.parametrize("flag", ["--step-batch-size-schedule", "--rampup-batch-size"])
+def test_a_batch_size_schedule_is_refused_in_one_line(flag):
+    values = ["0:4 1B:8"] if flag == "--step-batch-size-schedule" else ["2", "2", "100"]
+    with pytest.raises(TrainInputError, match=f"^{flag}: the global batch changes as training goes"):
+        plan_runs([*SMALL, flag, *values], 2, 1)
+
+
+def test_a_vision_flag_is_refused_for_the_gpt_entry_point_and_left_to_an_entry_script():
+    with pytest.raises(TrainInputError, match="^--img-h: a flag of Megatron's vision and multimodal models"):
+        plan_runs([*SMALL, "--img-h", "336"], 2, 1, own_entry=True)
+    plan_runs([*SMALL, "--img-h", "336"], 2, 1)  # an --entry script's to build
+
+
+def test_a_config_keeps_a_one_value_flag_with_blanks_whole_and_leaves_out_its_batch_schedule(tmp_path):
+    path = tmp_path / "model_config.yaml"
+    path.write_text("MODEL_ARGS:\n  --num-layers: 4\n  --hidden-size: 128\n  --num-attention-heads: 8\n"
+                    "  --seq-length: 128\n  --max-position-embeddings: 128\n  --micro-batch-size: 2\n"
+                    '  --step-batch-size-schedule: "0:384 200B:768 400B:1152"\n'
+                    '  --data-cache-path: "/a path/with blanks"\n')
+    shrunk = flags_from_model_config(path)
+    assert "--step-batch-size-schedule" not in shrunk.flags
+    assert "--step-batch-size-schedule left out: one global batch size" in shrunk.mapping
+    assert shrunk.flags[shrunk.flags.index("--data-cache-path") + 1] == "/a path/with blanks"
+    plan_runs(shrunk.flags, shrunk.nproc, 1, own_entry=True)
+
+
+@pytest.mark.parametrize(("name", "kind", "flag"), [
+    ("gpt/gpt3_15b_8t_release", PLANNED, ""),  # its batch schedule "0:384 200B:768 ..." once broke the flags
+    ("mixtral/mixtral_8x7b_alltoall_tp2pp4ep4_release", PLANNED, ""),  # --use-flash-attn, once refused
+    ("multimodal-llava/multimodal_llava_mcore_te_tp1_pp1", REFUSED, "--img-h"),  # once planned as a GPT
+    ("gpt/gpt_dynamic_inference_tp1_pp1_583m_cuda_graphs_validation", REFUSED, "no MODEL_ARGS in it"),
+])
+def test_real_configs_the_survey_once_misplanned(name, kind, flag):
+    outcome = plan_config(full_data_root() / "head" / name / "model_config.yaml")
+    assert (outcome.kind, outcome.flag) == (kind, flag), outcome.line
+
+
+def test_an_optimizer_from_a_package_that_is_not_installed_is_refused_in_one_line():
+    from megatron.core.optimizer import HAVE_EMERGING_OPTIMIZERS
+
+    if HAVE_EMERGING_OPTIMIZERS:
+        pytest.skip("emerging-optimizers is installed: Muon builds")
+    with pytest.raises(TrainInputError, match="^--optimizer muon: megatron-core builds it from the "
+                                              "emerging-optimizers package, which is not installed"):
+        plan_runs([*SMALL, "--optimizer", "muon"], 2, 1)
