@@ -1,9 +1,16 @@
-"""The audit's throughput: cases per second on warm Gloo ranks, and the plan's size with and
-without pruning (options whose config fields the component's default run never read there).
+"""The audit's throughput: where one case's time goes, per component; cases per second on warm
+Gloo ranks; and the plan's size with and without pruning (options whose config fields the
+component's default run never read there).
 
-It runs the defaults tier of the plan (every component's defaults under each layout: the runs
-that record which config fields each component reads), then a sample of the option cases
-pruning keeps, both measured in this run; the plan sizes come from the same read sets.
+The profile runs each component's defaults under each layout on warm ranks and splits one case
+into: the one-rank reference (run on its own, as the audit caches it; wall time only), the
+construction on the ranks (from the first Megatron module built to the first Megatron module's
+forward: the model, DDP, its weights, the optimizer), the rest of the checked run, the
+type checker's share of it (the same case unchecked, subtracted), the results' transport back
+to the parent (its wall time less the slowest rank's; no CPU time), and the judgement against the reference.
+Wall and CPU seconds are the mean over the component's layouts, taken on the slowest rank.
+Then it runs the defaults tier of the plan and a sample of the option cases that pruning
+keeps, both measured in this run; the plan sizes come from the same read sets.
 
     python bench/audit_throughput.py                    # every component, the two-rank layouts
     python bench/audit_throughput.py --only gpt --layouts tp2,cp2 --sample 10
@@ -12,11 +19,105 @@ pruning keeps, both measured in this run; the plan sizes come from the same read
 from __future__ import annotations
 
 import argparse
+import pickle
 import time
 import warnings
+from collections import defaultdict
+from contextlib import contextmanager
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
+
+PHASES = ("reference", "construction", "checked run", "of which checker", "transport", "judgement")
+
+
+@contextmanager
+def _clocked(totals: dict[str, float], name: str):
+    """Add the block's wall and CPU seconds to ``totals[name]`` and ``totals[name + ' cpu']``."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    try:
+        yield
+    finally:
+        totals[name] += time.perf_counter() - wall
+        totals[f"{name} cpu"] += time.process_time() - cpu
+
+
+def timed_case(ctx: Any, component: str, typecheck: bool) -> tuple[Any, dict[str, float]]:
+    """On each rank: the audit's run of the component's defaults, its construction timed from
+    the first Megatron module built to the first Megatron module's forward (the model, DDP,
+    the weights and the optimizer)."""
+    import torch
+    from megatron.core.transformer.module import MegatronModule
+
+    from shardcheck.megatron.audit.rank import run_case
+    from shardcheck.patching import patched
+
+    marks: dict[str, tuple[float, float]] = {}
+    build = MegatronModule.__init__
+
+    def first_built(self: Any, *args: Any, **kwargs: Any) -> None:
+        marks.setdefault("built", (time.perf_counter(), time.process_time()))
+        build(self, *args, **kwargs)
+
+    def first_forward(module: torch.nn.Module, _args: Any) -> None:
+        if type(module).__module__.startswith("megatron."):
+            marks.setdefault("forward", (time.perf_counter(), time.process_time()))
+
+    totals: dict[str, float] = defaultdict(float)
+    hook = torch.nn.modules.module.register_module_forward_pre_hook(first_forward)
+    try:
+        with patched(MegatronModule, "__init__", first_built), _clocked(totals, "run"):
+            result = run_case(ctx, component, (), (), typecheck)
+    finally:
+        hook.remove()
+    if {"built", "forward"} <= marks.keys():
+        totals["construction"] = marks["forward"][0] - marks["built"][0]
+        totals["construction cpu"] = marks["forward"][1] - marks["built"][1]
+    totals["payload"] = len(pickle.dumps(result))
+    return result, dict(totals)
+
+
+def profile(runner: Any, cases: list[Any]) -> dict[str, dict[str, float]]:
+    """Each component's mean seconds per phase (wall, and CPU as ``<phase> cpu``) over its cases."""
+    sums: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    counts: dict[str, int] = defaultdict(int)
+    for case in cases:
+        got = sums[case.component]
+        started = time.perf_counter()
+        ref = runner.reference(case.component, ())  # a one-rank run on the pools: its wall time
+        got["reference"] += time.perf_counter() - started
+        if isinstance(ref, str):
+            continue
+        unchecked = [t for _, t in runner.pools.run(case.layout, timed_case, case.component, False)]
+        started = time.perf_counter()
+        ranks = runner.pools.run(case.layout, timed_case, case.component, True)
+        parent_wall = time.perf_counter() - started
+        slowest = max((t for _, t in ranks), key=lambda t: t["run"])
+        for name in ("construction", "construction cpu", "payload"):
+            got[name] += slowest.get(name, 0.0)
+        got["checked run"] += slowest["run"] - slowest.get("construction", 0.0)
+        got["checked run cpu"] += slowest["run cpu"] - slowest.get("construction cpu", 0.0)
+        plain = max(unchecked, key=lambda t: t["run"])
+        got["of which checker"] += max(slowest["run"] - plain["run"], 0.0)
+        got["of which checker cpu"] += max(slowest["run cpu"] - plain["run cpu"], 0.0)
+        got["transport"] += max(parent_wall - slowest["run"], 0.0)
+        with _clocked(got, "judgement"):
+            runner.judge(case, [result for result, _ in ranks], ref)
+        counts[case.component] += 1
+    return {name: {k: v / counts[name] for k, v in got.items()} for name, got in sums.items() if counts[name]}
+
+
+def profile_table(means: dict[str, dict[str, float]], layouts: int) -> Table:
+    table = Table(title=f"one case's time, mean over {layouts} layout(s): wall s (CPU s) on the slowest rank")
+    table.add_column("component")
+    for phase in PHASES:
+        table.add_column(phase, justify="right")
+    table.add_column("results KB", justify="right")
+    for name, got in means.items():
+        table.add_row(name, *(f"{got[p]:.2f}" + (f" ({got[p + ' cpu']:.2f})" if p + " cpu" in got else "")
+                              for p in PHASES), f"{got['payload'] / 1024:.0f}")
+    return table
 
 
 def main() -> None:
@@ -27,6 +128,7 @@ def main() -> None:
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
 
+    from shardcheck.megatron.audit.rank import CaseResult
     from shardcheck.megatron.audit.runner import Runner, pools
     from shardcheck.megatron.audit.sweep import components_plan, layouts
     from shardcheck.megatron.scenarios import COMPONENTS
@@ -39,9 +141,10 @@ def main() -> None:
              if COMPONENTS[c.component].refuses(c.layout) is None]
     defaults = [c for c in cases if not c.options]
     with pools() as warm:
-        runner = Runner(warm, typecheck=True)
+        means = profile(Runner(warm, typecheck=True), defaults)
+        runner = Runner(warm, typecheck=True)  # the profile's references stay cached in the pools
         started = time.monotonic()
-        ran = [runner.run(c) for c in defaults if isinstance(runner.reference(c.component, ()), dict)]
+        ran = [runner.run(c) for c in defaults if isinstance(runner.reference(c.component, ()), CaseResult)]
         defaults_seconds = time.monotonic() - started
         options = [c for c in cases if c.options]
         kept = [c for c in options if runner.not_read(c) is None]
@@ -51,12 +154,15 @@ def main() -> None:
             runner.run(case)
         sample_seconds = time.monotonic() - started
 
+    console = Console(width=160)
+    console.print(profile_table(means, len(chosen)))
     rate = len(ran) / defaults_seconds if defaults_seconds else 0.0
     sample_rate = len(sample) / sample_seconds if sample_seconds else 0.0
     table = Table(title=f"audit throughput: {len(names)} component(s), {len(chosen)} layout(s)")
     for column in ("measure", "value"):
         table.add_column(column)
-    table.add_row("defaults tier: cases/s (incl. one-rank references)", f"{rate:.2f} ({len(ran)} cases)")
+    table.add_row("defaults tier: cases/s (one-rank references cached by the profile)",
+                  f"{rate:.2f} ({len(ran)} cases)")
     table.add_row("option cases: cases/s (screened, references cached)",
                   f"{sample_rate:.2f} ({len(sample)} cases)")
     table.add_row("plan size without pruning (cases)", str(len(cases)))
@@ -64,7 +170,7 @@ def main() -> None:
     table.add_row("pruned: cases whose options the defaults never read",
                   f"{len(options) - len(kept)} ({100 * (len(options) - len(kept)) / max(len(options), 1):.0f}% "
                   "of the option cases)")
-    Console().print(table)
+    console.print(table)
 
 
 if __name__ == "__main__":

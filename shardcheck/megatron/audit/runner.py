@@ -182,19 +182,23 @@ class Runner:
         except PoolFailure as failure:
             return Outcome.raised(case, failure, seconds=time.monotonic() - started,
                                   reference_digest=self.digest(case), entry=ref.entry)
-        dtype = compute_dtype(case.options)
-        outcome = Outcome(case, output_gaps([r.outputs for r in ranks], ref.outputs, dtype),
-                          first_call_gap(case.layout, [r.calls for r in ranks], ref.calls, dtype),
-                          confirmed_across_ranks(r.violations for r in ranks),
-                          errors=max_errors([r.outputs for r in ranks], ref.outputs),
-                          entry=ranks[0].entry, reference_digest=self.digest(case),
-                          ops=op_counts(r.ops for r in ranks),
-                          declared={k: v for r in ranks for k, v in r.declared.items()})
+        outcome = self.judge(case, ranks, ref)
         if not case.options and not fixes:
             self.read_sets[(case.component, str(case.layout))] = frozenset(
                 name for r in ranks for name in r.reads)
         outcome.seconds = time.monotonic() - started
         return outcome
+
+    def judge(self, case: Case, ranks: list[CaseResult], ref: CaseResult) -> Outcome:
+        """The case's outcome from its ranks' results against the one-rank reference."""
+        dtype = compute_dtype(case.options)
+        return Outcome(case, output_gaps([r.outputs for r in ranks], ref.outputs, dtype),
+                       first_call_gap(case.layout, [r.calls for r in ranks], ref.calls, dtype),
+                       confirmed_across_ranks(r.violations for r in ranks),
+                       errors=max_errors([r.outputs for r in ranks], ref.outputs),
+                       entry=ranks[0].entry, reference_digest=self.digest(case),
+                       ops=op_counts(r.ops for r in ranks),
+                       declared={k: v for r in ranks for k, v in r.declared.items()})
 
 
 def _same_outputs(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
