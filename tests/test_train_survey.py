@@ -122,3 +122,20 @@ def test_an_optimizer_from_a_package_that_is_not_installed_is_refused_in_one_lin
     with pytest.raises(TrainInputError, match="^--optimizer muon: megatron-core builds it from the "
                                               "emerging-optimizers package, which is not installed"):
         plan_runs([*SMALL, "--optimizer", "muon"], 2, 1)
+
+
+def test_a_learning_rate_schedule_in_samples_becomes_the_same_in_iterations():
+    plan = plan_runs([*SMALL, "--global-batch-size", "4", "--train-samples", "400", "--lr-decay-samples", "390",
+                      "--lr-warmup-samples", "8"], 2, 1)
+    for tokens in (plan.parallel, plan.reference):
+        assert "--lr-decay-samples" not in tokens and "--train-samples" not in tokens
+        assert tokens[tokens.index("--lr-decay-iters") + 1] == "98"  # 390 samples, 4 a step, rounded up
+        assert tokens[tokens.index("--lr-warmup-iters") + 1] == "2"
+    assert "--lr-decay-samples 390 -> --lr-decay-iters 98: the runs count iterations, of 4 samples each" in plan.changes
+
+
+def test_virtual_pipeline_stages_are_kept_on_the_pipeline_and_dropped_on_one_rank():
+    plan = plan_runs([*SMALL, "--num-layers", "4", "--pipeline-model-parallel-size", "2",
+                      "--num-virtual-stages-per-pipeline-rank", "2"], 2, 1)
+    assert "--num-virtual-stages-per-pipeline-rank" in plan.parallel
+    assert "--num-virtual-stages-per-pipeline-rank" not in plan.reference

@@ -22,7 +22,8 @@ from typing import Any
 PARALLEL_SIZES = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size",
                   "--context-parallel-size", "--expert-model-parallel-size",
                   "--expert-tensor-parallel-size")
-PIPELINE_SPLITS = ("--virtual-pipeline-model-parallel-size", "--num-layers-per-virtual-pipeline-stage",
+PIPELINE_SPLITS = ("--num-virtual-stages-per-pipeline-rank", "--num-layers-per-virtual-pipeline-stage",
+                   "--microbatch-group-size-per-virtual-pipeline-stage",
                    "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers",
                    "--pipeline-model-parallel-layout", "--account-for-embedding-in-pipeline-split",
                    "--account-for-loss-in-pipeline-split")
@@ -76,6 +77,9 @@ KERNEL_ONLY = {
     "--cross-entropy-loss-fusion": "the fused cross entropy is a CUDA kernel",
     "--use-flash-attn": "flash attention is a CUDA kernel; the attention is the unfused one, the same math",
 }
+# a learning-rate schedule in samples -> the same in iterations (the runs count --train-iters)
+SAMPLE_SCHEDULES = {"--lr-decay-samples": "--lr-decay-iters", "--lr-warmup-samples": "--lr-warmup-iters",
+                    "--lr-wsd-decay-samples": "--lr-wsd-decay-iters"}
 # flags that change the global batch as training goes: the runs compare steps of one batch size
 BATCH_SCHEDULES = ("--step-batch-size-schedule", "--rampup-batch-size")
 DATA_FLAGS = ("--data-path", "--train-data-path", "--valid-data-path", "--test-data-path",
@@ -99,6 +103,7 @@ REASONS = {
     "--cross-entropy-fusion-impl": "the fused cross entropy is a Transformer Engine kernel",
 }
 DEFAULT_VOCAB = 1024
+DEFAULT_LR = "1e-4"  # for a config without one (an inference test's): Megatron has no default
 PER_TOKEN_LOSS = "--calculate-per-token-loss"
 WHOLE_BATCH, SAME_MICRO_BATCHES = "whole-batch", "same-micro-batches"
 # Loss terms Megatron computes per micro-batch even with per-token loss: the split changes them.
@@ -373,6 +378,9 @@ def _common_flags(flags: Flags, changes: list[str], steps: int | None, dp: int) 
     if flags.get("--vocab-size") is None:
         flags.set("--vocab-size", str(DEFAULT_VOCAB))
         changes.append(f"--vocab-size {DEFAULT_VOCAB} added: the mock tokenizer needs a vocabulary size")
+    if flags.value("--lr") is None:
+        flags.set("--lr", DEFAULT_LR)
+        changes.append(f"--lr {DEFAULT_LR} added: Megatron has no default learning rate, and its optimizer needs one")
     if steps is not None or flags.get("--train-iters") is None:
         flags.set("--train-iters", str(steps or 3))
     if not flags.has("--use-cpu-initialization"):
@@ -384,6 +392,13 @@ def _common_flags(flags: Flags, changes: list[str], steps: int | None, dp: int) 
         micro = int(flags.value("--micro-batch-size"))
         flags.set("--global-batch-size", str(micro * dp))
         changes.append(f"--global-batch-size {micro * dp} added: the one-rank run takes the same global batch")
+    global_batch = int(flags.value("--global-batch-size"))
+    for flag, iters in SAMPLE_SCHEDULES.items():
+        samples = flags.get(flag)
+        if flags.drop(flag) and not flags.has(iters):
+            flags.set(iters, str(-(-int(samples) // global_batch)))
+            changes.append(f"{flag} {samples} -> {iters} {flags.get(iters)}: the runs count iterations, "
+                           f"of {global_batch} samples each")
     for flag, values in (("--no-create-attention-mask-in-dataloader", []), ("--log-interval", ["1"]), ("--log-num-zeros-in-grad", []),
                          ("--eval-iters", ["0"]), ("--eval-interval", ["1000000"])):
         flags.set(flag, *values)

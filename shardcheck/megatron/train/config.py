@@ -113,11 +113,11 @@ def _shrink_parallel(args: dict[str, str], mapping: list[str]) -> dict[str, int]
 def _shrink_model(args: dict[str, str], sizes: dict[str, int], dp: int, mapping: list[str]) -> None:
     tp, pp, cp = sizes["tp"], sizes["pp"], sizes["cp"]
     vpp = _int(args, "--num-layers-per-virtual-pipeline-stage", 0)
-    stages = pp * (2 if vpp or "--virtual-pipeline-model-parallel-size" in args else 1)
+    stages = pp * (2 if vpp or "--num-virtual-stages-per-pipeline-rank" in args else 1)
     if vpp:
         _set(args, mapping, "--num-layers-per-virtual-pipeline-stage", 1)
-    if "--virtual-pipeline-model-parallel-size" in args:
-        _set(args, mapping, "--virtual-pipeline-model-parallel-size", 2)
+    if "--num-virtual-stages-per-pipeline-rank" in args:
+        _set(args, mapping, "--num-virtual-stages-per-pipeline-rank", 2)
     for flag in ("--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers"):
         if args.pop(flag, None) is not None:
             mapping.append(f"{flag} left out: the layers split evenly over the shrunk pipeline")
