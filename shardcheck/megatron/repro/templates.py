@@ -203,6 +203,9 @@ def script_body(finding: Finding) -> ScriptBody:
     if template is None:
         raise ReproError(f"no repro template for component {finding.target!r} yet "
                          f"(templates: {', '.join(sorted(TEMPLATES))})")
+    if finding.config.get("impl") == "te":  # the templates build Megatron's local layer specs
+        raise ReproError(f"no script for a finding on Transformer Engine yet: a script of the local spec would "
+                         f"not run the code it names; rerun it with its reproduce command (finding {finding.id})")
     layout = Layout.parse(finding.layout)
     if why := template.refuses(layout, finding.config):
         raise ReproError(f"{why}; finding {finding.id} needs {finding.layout}")
