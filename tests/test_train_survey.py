@@ -139,3 +139,14 @@ def test_virtual_pipeline_stages_are_kept_on_the_pipeline_and_dropped_on_one_ran
                       "--num-virtual-stages-per-pipeline-rank", "2"], 2, 1)
     assert "--num-virtual-stages-per-pipeline-rank" in plan.parallel
     assert "--num-virtual-stages-per-pipeline-rank" not in plan.reference
+
+
+def test_a_virtual_pipeline_config_gets_at_least_one_micro_batch_per_pipeline_rank(tmp_path):
+    path = tmp_path / "model_config.yaml"
+    path.write_text("MODEL_ARGS:\n  --num-layers: 12\n  --hidden-size: 128\n  --num-attention-heads: 8\n"
+                    "  --seq-length: 128\n  --max-position-embeddings: 128\n  --micro-batch-size: 4\n"
+                    "  --global-batch-size: 32\n  --pipeline-model-parallel-size: 4\n"
+                    "  --num-layers-per-virtual-pipeline-stage: 1\n")
+    shrunk = flags_from_model_config(path)
+    assert (shrunk.nproc, shrunk.flags[shrunk.flags.index("--global-batch-size") + 1]) == (8, "8")  # dp2, 4 each
+    plan_runs(shrunk.flags, shrunk.nproc, 1, own_entry=True)

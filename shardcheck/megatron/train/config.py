@@ -149,7 +149,11 @@ def _shrink_model(args: dict[str, str], sizes: dict[str, int], dp: int, mapping:
     for flag in BATCH_SCHEDULES:
         if args.pop(flag, None) is not None:
             mapping.append(f"{flag} left out: one global batch size")
-    _set(args, mapping, "--global-batch-size", 2 * dp, "two micro-batches per data-parallel rank")
+    if stages > pp:  # the interleaved schedule wants at least one micro-batch per pipeline rank
+        _set(args, mapping, "--global-batch-size", max(2, pp) * dp,
+             f"{max(2, pp)} micro-batches per data-parallel rank, at least one per pipeline rank")
+    else:
+        _set(args, mapping, "--global-batch-size", 2 * dp, "two micro-batches per data-parallel rank")
     _shrink_experts(args, dp * cp, mapping)
     if "--eval-iters" in args:
         _set(args, mapping, "--eval-iters", 0, "no evaluation")
