@@ -8,7 +8,15 @@ import pytest
 from golden_data import A2A, TOP2, full_data_root, head, history, history_index, plain_series
 
 from shardcheck.golden.io import load_golden, parse_golden
-from shardcheck.golden.stats import MIXED, SPIKES, UNCHANGED, UNIFORM, compare_metric
+from shardcheck.golden.stats import (
+    MIXED,
+    NO_DATA,
+    SPIKES,
+    UNCHANGED,
+    UNIFORM,
+    ZERO_IN_BOTH,
+    compare_metric,
+)
 
 
 def independent(old_path, new_path, metric):
@@ -144,3 +152,12 @@ def test_zero_old_steps_are_skipped_like_megatron():
     got = compare_metric(series([0.0, 100.0, 100.0]), series([5.0, 110.0, 90.0]))
     assert got.steps == 2 and got.skipped_zero_old == 1
     assert got.megatron_signed_mean == pytest.approx(0.0)
+
+
+def test_a_count_zero_at_every_step_on_both_sides_is_zero_in_both_not_changed():
+    """num-zeros of a float32 run where no expert went idle: 0 at every step in both runs.
+    Megatron's statistic skips every step (old is 0), but nothing moved."""
+    got = compare_metric(series([0.0, 0.0, 0.0]), series([0.0, 0.0, 0.0]))
+    assert (got.steps, got.skipped_zero_old, got.pattern, got.changed) == (0, 3, ZERO_IN_BOTH, False)
+    rising = compare_metric(series([0.0, 0.0, 0.0]), series([0.0, 32768.0, 0.0]))  # an expert went idle
+    assert (rising.pattern, rising.changed) == (NO_DATA, True)

@@ -25,7 +25,7 @@ from shardcheck.golden.report import (  # noqa: E402
     noise_row,
     summary_counts,
 )
-from shardcheck.golden.stats import UNCHANGED, MetricComparison, paired_steps  # noqa: E402
+from shardcheck.golden.stats import MetricComparison, paired_steps  # noqa: E402
 
 MAX_PLOTTED_FILES = 20
 STYLE = (
@@ -87,7 +87,7 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 
 def _changed(fc: FileComparison) -> bool:
-    return any(m.pattern != UNCHANGED for m in fc.metrics)
+    return any(m.changed for m in fc.metrics)
 
 
 def _file_section(fc: FileComparison, noise: dict[str, NoiseVerdict], plot: bool) -> str:
@@ -99,7 +99,7 @@ def _file_section(fc: FileComparison, noise: dict[str, NoiseVerdict], plot: bool
     parts += [f"<p class=note>{html.escape(n)}</p>" for n in notes]
     if plot and fc.old is not None:
         for m in fc.metrics:
-            if m.steps and m.pattern != UNCHANGED:
+            if m.steps and m.changed:
                 png = metric_figure_png(fc, m, noise.get(m.metric))
                 parts.append(
                     f'<img alt="{html.escape(m.metric)}" src="data:image/png;base64,{png}">'

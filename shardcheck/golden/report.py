@@ -13,7 +13,7 @@ from rich.table import Table
 from shardcheck.golden.compare import FileComparison
 from shardcheck.golden.explain import ONE_EXPERT, Explanation, IdleExperts
 from shardcheck.golden.noise import Band, NoiseVerdict
-from shardcheck.golden.stats import UNCHANGED, MetricComparison, StepChange, format_value
+from shardcheck.golden.stats import MetricComparison, StepChange, format_value
 from shardcheck.golden.verdict import CheckResult, Verdict
 
 COMPARE_COLUMNS = (
@@ -70,7 +70,7 @@ def metric_notes(m: MetricComparison) -> list[str]:
     lines = []
     if m.disagreement:
         lines.append(f"{m.metric}: (!) {m.disagreement}")
-    if m.pattern != UNCHANGED and m.largest:
+    if m.changed and m.largest:
         lines.append(f"{m.metric}: largest changes: {largest_text(m)}")
     return lines
 
@@ -96,7 +96,7 @@ def summary_rows(comparisons: Sequence[FileComparison]) -> list[list[str]]:
     rows = []
     for fc in comparisons:
         for m in fc.metrics:
-            if m.pattern != UNCHANGED:
+            if m.changed:
                 rows.append([fc.label, *metric_row(m)])
     return rows
 
@@ -105,7 +105,7 @@ def summary_counts(comparisons: Sequence[FileComparison]) -> str:
     """'N pairs compared, K skipped; M metrics changed, D with a misleading signed mean'."""
     compared = [fc for fc in comparisons if not fc.skipped]
     metrics = [m for fc in compared for m in fc.metrics]
-    changed = [m for m in metrics if m.pattern != UNCHANGED]
+    changed = [m for m in metrics if m.changed]
     misleading = [m for m in metrics if m.disagreement]
     return (
         f"{len(compared)} file pair(s) compared, {len(comparisons) - len(compared)} skipped; "

@@ -23,12 +23,13 @@ SPIKE_STEP_FRACTION = 0.05
 UNIFORM_MOVED_SHARE = 0.80
 DISAGREE_FACTOR = 3.0
 
-UNCHANGED, UNIFORM, SPIKES, MIXED, NO_DATA = (
+UNCHANGED, UNIFORM, SPIKES, MIXED, NO_DATA, ZERO_IN_BOTH = (
     "unchanged",
     "uniform shift",
     "spike changes",
     "mixed",
     "no shared steps",
+    "zero in both",
 )
 
 
@@ -64,6 +65,11 @@ class MetricComparison:
     pattern: str
     disagreement: str
 
+    @property
+    def changed(self) -> bool:
+        """Whether the metric moved: neither unchanged nor zero at every step on both sides."""
+        return self.pattern not in (UNCHANGED, ZERO_IN_BOTH)
+
 
 @dataclass(frozen=True)
 class PairedSteps:
@@ -73,21 +79,22 @@ class PairedSteps:
     old: np.ndarray
     new: np.ndarray
     skipped_zero_old: int
+    skipped_zero_both: int = 0  # of the skipped steps, those where new is ~0 too
 
 
 def paired_steps(old: MetricSeries, new: MetricSeries) -> PairedSteps:
     """Align two series on their shared finite steps, dropping steps where old is ~0."""
     if np.array_equal(old.steps, new.steps):
         usable = np.isfinite(old.values) & np.isfinite(new.values)
-        keep = usable & (np.abs(old.values) >= ZERO_EPS)
-        skipped = int(np.count_nonzero(usable & ~keep))
-        return PairedSteps(old.steps[keep], old.values[keep], new.values[keep], skipped)
-    old_steps, old_values = old.finite()
-    new_steps, new_values = new.finite()
-    shared, old_at, new_at = np.intersect1d(old_steps, new_steps, return_indices=True)
-    o, n = old_values[old_at], new_values[new_at]
+        shared, o, n = old.steps[usable], old.values[usable], new.values[usable]
+    else:
+        old_steps, old_values = old.finite()
+        new_steps, new_values = new.finite()
+        shared, old_at, new_at = np.intersect1d(old_steps, new_steps, return_indices=True)
+        o, n = old_values[old_at], new_values[new_at]
     keep = np.abs(o) >= ZERO_EPS
-    return PairedSteps(shared[keep], o[keep], n[keep], int((~keep).sum()))
+    both = int(np.count_nonzero(~keep & (np.abs(n) < ZERO_EPS)))
+    return PairedSteps(shared[keep], o[keep], n[keep], int((~keep).sum()), both)
 
 
 def compare_metric(old: MetricSeries, new: MetricSeries, top: int = 5) -> MetricComparison:
@@ -95,8 +102,12 @@ def compare_metric(old: MetricSeries, new: MetricSeries, top: int = 5) -> Metric
     pair = paired_steps(old, new)
     if len(pair.steps) == 0:
         no_numbers = (math.nan,) * 6  # signed mean, the two means and the three ratios
+        # every shared step is ~0 on both sides (a count such as num-zeros that stayed 0):
+        # no ratio exists, and nothing changed
+        both = pair.skipped_zero_old and pair.skipped_zero_both == pair.skipped_zero_old
         return MetricComparison(
-            old.name, 0, pair.skipped_zero_old, *no_numbers, {}, {}, (), NO_DATA, ""
+            old.name, 0, pair.skipped_zero_old, *no_numbers, {}, {}, (),
+            ZERO_IN_BOTH if both else NO_DATA, ""
         )
     n = len(pair.steps)
     ratio = pair.new / pair.old
