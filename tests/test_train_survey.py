@@ -71,10 +71,16 @@ def test_the_command_prints_the_table_and_exits_0_without_a_crash(capsys):
     assert "gpt/gpt3_mcore_tp1_pp2_fp16: 4 ranks" in out and out.rstrip().endswith("| 0 |")
 
 
-def test_flash_attention_is_dropped_with_a_line_not_refused():
-    plan = plan_runs([*SMALL, "--use-flash-attn"], 2, 1)
-    assert "--use-flash-attn" not in plan.parallel + plan.reference
-    assert any(line.startswith("--use-flash-attn dropped: flash attention is a CUDA kernel") for line in plan.changes)
+@pytest.mark.parametrize(("flags", "line"), [
+    (["--use-flash-attn"], "--use-flash-attn dropped: flash attention is a CUDA kernel"),
+    (["--te-rng-tracker"], "--te-rng-tracker dropped: Transformer Engine's RNG tracker holds CUDA generator states"),
+    (["--fine-grained-activation-offloading", "--offload-modules", "expert_fc1", "moe_act"],
+     "--fine-grained-activation-offloading dropped: activation offloading moves activations to host memory"),
+])
+def test_a_flag_that_picks_a_kernel_rng_or_memory_placement_is_dropped_with_a_line_not_refused(flags, line):
+    plan = plan_runs([*SMALL, *flags], 2, 1)
+    assert not {flag for flag in flags if flag.startswith("--")} & set(plan.parallel + plan.reference)
+    assert any(change.startswith(line) for change in plan.changes)
 
 
 @pytest.mark.parametrize("flag", ["--step-batch-size-schedule", "--rampup-batch-size"])

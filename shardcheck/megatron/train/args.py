@@ -69,13 +69,18 @@ UNFUSED = {
     "--no-bias-gelu-fusion": "the bias-GeLU fusion is a compiled kernel (and refuses MoE's per-token scales)",
     "--no-bias-swiglu-fusion": "the bias-SwiGLU fusion is a compiled kernel",
 }
-# flags that only pick a CUDA kernel for the same math: dropped, with the reason
-KERNEL_ONLY = {
+# flags that only pick a CUDA kernel, RNG or memory placement for the same math: dropped, with the reason
+SAME_MATH = {
     "--moe-grouped-gemm": ("the grouped GEMM is a Transformer Engine/CUTLASS kernel; Megatron's sequential "
                            "experts instead"),
     "--moe-permute-fusion": "the fused permutation is a Transformer Engine kernel",
     "--cross-entropy-loss-fusion": "the fused cross entropy is a CUDA kernel",
     "--use-flash-attn": "flash attention is a CUDA kernel; the attention is the unfused one, the same math",
+    "--te-rng-tracker": ("Transformer Engine's RNG tracker holds CUDA generator states; Megatron's own tracker "
+                         "(the runs draw no dropout, and initialise the weights on the CPU)"),
+    "--fine-grained-activation-offloading": ("activation offloading moves activations to host memory, where a "
+                                             "CPU run's are already"),
+    "--offload-modules": "the modules of the activation offloading, dropped with it",
 }
 # a learning-rate schedule in samples -> the same in iterations (the runs count --train-iters)
 SAMPLE_SCHEDULES = {"--lr-decay-samples": "--lr-decay-iters", "--lr-warmup-samples": "--lr-warmup-iters",
@@ -350,7 +355,7 @@ def _cpu_flags(flags: Flags, changes: list[str], te: bool) -> None:
         if not flags.has(flag):
             flags.set(flag)
             changes.append(f"{flag} added: {why}")
-    for flag, why in KERNEL_ONLY.items():
+    for flag, why in SAME_MATH.items():
         if flags.drop(flag):
             changes.append(f"{flag} dropped: {why}")
     for flag in ("--bf16", "--fp16"):
