@@ -156,3 +156,12 @@ def test_a_virtual_pipeline_config_gets_at_least_one_micro_batch_per_pipeline_ra
     shrunk = flags_from_model_config(path)
     assert (shrunk.nproc, shrunk.flags[shrunk.flags.index("--global-batch-size") + 1]) == (8, "8")  # dp2, 4 each
     plan_runs(shrunk.flags, shrunk.nproc, 1, own_entry=True)
+
+
+def test_the_expert_activation_leaves_the_recomputed_modules_with_the_grouped_gemm():
+    recompute = ["--recompute-granularity", "selective", "--recompute-modules", "layernorm", "moe_act"]
+    plan = plan_runs([*SMALL, "--num-experts", "4", "--moe-grouped-gemm", *recompute], 2, 1)
+    assert plan.parallel[plan.parallel.index("--recompute-modules") + 1] == "layernorm"
+    assert "moe_act" not in plan.parallel + plan.reference
+    assert any(line.startswith("--recompute-modules layernorm moe_act -> layernorm: megatron-core recomputes")
+               for line in plan.changes)

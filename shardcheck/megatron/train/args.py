@@ -358,10 +358,25 @@ def _cpu_flags(flags: Flags, changes: list[str], te: bool) -> None:
     for flag, why in SAME_MATH.items():
         if flags.drop(flag):
             changes.append(f"{flag} dropped: {why}")
+    _recompute_without(flags, changes, "moe_act", "megatron-core recomputes the expert activation only with "
+                       "the grouped GEMM, dropped on a CPU; recomputing is the same math")
     for flag in ("--bf16", "--fp16"):
         if flags.drop(flag):
             changes.append(f"{flag} dropped: the runs are compared in float32 (CPU half-precision "
                            "matmuls round differently from a GPU's)")
+
+
+def _recompute_without(flags: Flags, changes: list[str], module: str, why: str) -> None:
+    """Take ``module`` out of ``--recompute-modules`` (the flag left out when none is left)."""
+    modules = next((values for flag, values in flags.items if flag == "--recompute-modules"), [])
+    if module not in modules:
+        return
+    kept = [m for m in modules if m != module]
+    if kept:
+        flags.set("--recompute-modules", *kept)
+    else:
+        flags.drop("--recompute-modules")
+    changes.append(f"--recompute-modules {' '.join(modules)} -> {' '.join(kept) or 'left out'}: {why}")
 
 
 def _common_flags(flags: Flags, changes: list[str], steps: int | None, dp: int) -> None:
