@@ -4,6 +4,7 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 from golden_data import A2A, EP8, TOP2, head, history, plain_series
@@ -12,7 +13,13 @@ from shardcheck.cli import main
 from shardcheck.golden import report
 from shardcheck.golden.config import load_model_config, parse_model_config
 from shardcheck.golden.explain import ONE_EXPERT, candidate_blocks, explain_num_zeros
-from shardcheck.golden.io import GoldenInputError, load_expert_tokens, load_golden, tokens_path
+from shardcheck.golden.io import (
+    GoldenInputError,
+    MetricSeries,
+    load_expert_tokens,
+    load_golden,
+    tokens_path,
+)
 
 EXPERT = 512 * 1024 + 1024 * 512  # fc1 (hidden x moe-ffn) + fc2 (moe-ffn x hidden), no GLU
 
@@ -159,3 +166,17 @@ def test_golden_explain_prints_the_idle_experts_of_a_train_run():
 
 def test_ci_files_without_tokens_per_expert_explain_as_before():
     assert explain_pair("golden_values_dev_dgx_h100.json", "golden_values_dev_dgx_h100_2nd.json").idle is None
+
+
+def test_a_step_whose_old_count_is_zero_is_split_too():
+    """A float32 run's num-zeros is 0 where no expert went idle; a step going from 0 to one
+    expert gained a block (Megatron's relative statistic skips old zeros; explain must not)."""
+    config = parse_model_config(
+        "MODEL_ARGS:\n  --hidden-size: 64\n  --moe-ffn-hidden-size: 64\n  --num-experts: 8\n", "cfg")
+    steps, plain = np.array([1, 2, 3, 4]), np.zeros(4, bool)
+    old = MetricSeries("num-zeros", steps, np.array([0.0, 0.0, 0.0, 8192.0]), plain)
+    new = MetricSeries("num-zeros", steps, np.array([8192.0, 0.0, 0.0, 8192.0]), plain)
+    got = explain_num_zeros(old, new, config)
+    assert got.block is not None and got.block.size == 8192
+    assert [(s.step, s.old_blocks, s.new_blocks) for s in got.changed()] == [(1, 0, 1)]
+    assert len(got.steps) == 4

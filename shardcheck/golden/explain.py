@@ -161,7 +161,7 @@ def explain_num_zeros(old: MetricSeries, new: MetricSeries, config: ModelConfig,
     """Split each shared step of two num-zeros series into whole blocks plus a residual;
     with both sides' tokens per expert, name each step's idle experts."""
     candidates = candidate_blocks(config)
-    pair = paired_steps(old, new)
+    pair = paired_steps(old, new, skip_zero_old=False)  # a count of 0 is a value here: no idle expert
     idle = idle_experts(old_tokens, new_tokens, pair.steps) if old_tokens and new_tokens else None
     values = np.concatenate([pair.old, pair.new])
     block = best_block(values, candidates)

@@ -82,8 +82,9 @@ class PairedSteps:
     skipped_zero_both: int = 0  # of the skipped steps, those where new is ~0 too
 
 
-def paired_steps(old: MetricSeries, new: MetricSeries) -> PairedSteps:
-    """Align two series on their shared finite steps, dropping steps where old is ~0."""
+def paired_steps(old: MetricSeries, new: MetricSeries, skip_zero_old: bool = True) -> PairedSteps:
+    """Align two series on their shared finite steps, dropping steps where old is ~0 (as
+    Megatron's relative statistic does) unless ``skip_zero_old`` is False."""
     if np.array_equal(old.steps, new.steps):
         usable = np.isfinite(old.values) & np.isfinite(new.values)
         shared, o, n = old.steps[usable], old.values[usable], new.values[usable]
@@ -92,7 +93,7 @@ def paired_steps(old: MetricSeries, new: MetricSeries) -> PairedSteps:
         new_steps, new_values = new.finite()
         shared, old_at, new_at = np.intersect1d(old_steps, new_steps, return_indices=True)
         o, n = old_values[old_at], new_values[new_at]
-    keep = np.abs(o) >= ZERO_EPS
+    keep = (np.abs(o) >= ZERO_EPS) | (not skip_zero_old)
     both = int(np.count_nonzero(~keep & (np.abs(n) < ZERO_EPS)))
     return PairedSteps(shared[keep], o[keep], n[keep], int((~keep).sum()), both)
 
