@@ -165,3 +165,24 @@ def test_the_expert_activation_leaves_the_recomputed_modules_with_the_grouped_ge
     assert "moe_act" not in plan.parallel + plan.reference
     assert any(line.startswith("--recompute-modules layernorm moe_act -> layernorm: megatron-core recomputes")
                for line in plan.changes)
+
+
+def test_sinkhorn_routing_says_that_the_split_changes_it():
+    moe = ["--num-experts", "4", "--moe-router-topk", "1", "--disable-bias-linear"]
+    plan = plan_runs([*SMALL, *moe, "--moe-router-load-balancing-type", "sinkhorn"], 2, 1)
+    assert any(line.startswith("--moe-router-load-balancing-type sinkhorn: Megatron balances the routing over "
+                               "the tokens one rank holds") for line in plan.reference_lines)
+    assert not any("sinkhorn" in line for line in plan_runs([*SMALL, *moe], 2, 1).reference_lines)
+
+
+def test_a_pipeline_layout_for_the_full_layer_count_is_left_out_with_a_line(tmp_path):
+    path = tmp_path / "model_config.yaml"
+    path.write_text("MODEL_ARGS:\n  --num-layers: 14\n  --hidden-size: 128\n  --num-attention-heads: 8\n"
+                    "  --seq-length: 128\n  --max-position-embeddings: 128\n  --micro-batch-size: 4\n"
+                    "  --pipeline-model-parallel-size: 2\n  --mtp-num-layers: 1\n"
+                    '  --pipeline-model-parallel-layout: "Et*7|t*7mL"\n')
+    shrunk = flags_from_model_config(path)
+    assert "--pipeline-model-parallel-layout" not in shrunk.flags
+    assert ("--pipeline-model-parallel-layout left out: the layers split evenly over the shrunk pipeline"
+            in shrunk.mapping)
+    plan_runs(shrunk.flags, shrunk.nproc, 1, own_entry=True)

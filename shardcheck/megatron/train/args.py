@@ -252,6 +252,10 @@ def plan_runs(user_args: Sequence[str], nproc: int, steps: int | None, cpu: bool
         lines.append(f"{', '.join(split_terms)}: Megatron computes {'these losses' if len(split_terms) > 1 else 'this loss'} "
                      "per micro-batch, so the split changes it"
                      + (": a difference may be that, not a bug" if kind == WHOLE_BATCH else ""))
+    if flags.get("--num-experts") is not None and "sinkhorn" in flags.value("--moe-router-load-balancing-type"):
+        lines.append("--moe-router-load-balancing-type sinkhorn: Megatron balances the routing over the tokens one "
+                     "rank holds (its micro-batch, its sequence slice under sequence parallelism), so the split "
+                     "changes which expert a token goes to: a difference may be that, not a bug")
     reasons = [why for why, holds in (
         ("Megatron seeds each pipeline stage and expert rank apart",
          pp > 1 or (flags.get("--num-experts") is not None and sizes["--expert-model-parallel-size"] > 1)),

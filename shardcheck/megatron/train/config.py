@@ -118,7 +118,8 @@ def _shrink_model(args: dict[str, str], sizes: dict[str, int], dp: int, mapping:
         _set(args, mapping, "--num-layers-per-virtual-pipeline-stage", 1)
     if "--num-virtual-stages-per-pipeline-rank" in args:
         _set(args, mapping, "--num-virtual-stages-per-pipeline-rank", 2)
-    for flag in ("--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers"):
+    for flag in ("--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers",
+                 "--pipeline-model-parallel-layout"):
         if args.pop(flag, None) is not None:
             mapping.append(f"{flag} left out: the layers split evenly over the shrunk pipeline")
     pattern = next((flag for flag in HYBRID_PATTERNS if flag in args), None)
