@@ -20,6 +20,7 @@ if Version(importlib.metadata.version("megatron-core")).release[:2] < (0, 19):  
 from shardcheck.cli import main
 from shardcheck.golden.config import load_model_config
 from shardcheck.golden.io import parse_golden
+from shardcheck.golden.resume import resume_step_from_config
 from shardcheck.megatron.train.args import TrainInputError, plan_runs
 from shardcheck.train import (
     Step,
@@ -198,8 +199,15 @@ def test_a_rank_that_dies_or_hangs_is_one_line_exit_2_and_leaves_no_process(tmp_
 
 def test_the_training_patches_leave_the_numbers_alone():
     """Each training patch only replaces a CUDA or build assumption: the compiled fusions give
-    their plain function's bits, the dataset helpers are the prebuilt ones, memory is only read."""
+    their plain function's bits, the dataset helpers are the prebuilt ones, memory is only read,
+    and the distributed optimizer's state dict before any step reads step 0 (it asserted: no
+    torch Adam state, no step), after one step the step as before, and once loaded each
+    parameter's step is the checkpoint's, its own (megatron-core left a stale one, shared, which
+    torch's Adam counts once per parameter); a float32 main parameter
+    (a view of the model's) takes the loaded optimizer state (megatron-core's loader copied into
+    it with autograd on, which torch refuses)."""
     code = """
+from types import SimpleNamespace
 import torch
 from shardcheck.megatron.train.cpu import apply_training_patches, applied_patches
 apply_training_patches()
@@ -213,11 +221,36 @@ assert torch.equal(fused_bias_gelu.bias_gelu(bias, y), plain(bias, y))
 assert utils.compile_helpers() is None and hasattr(helpers_cpp, 'build_sample_idx_int64')
 assert filesystem_async._process_memory() > 1 << 20
 assert torch.cuda.device_count() == 1 and not torch.cuda.is_available()
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+adam = torch.optim.Adam([torch.nn.Parameter(torch.ones(2))])
+steps = lambda: [g['step'] for g in DistributedOptimizer.state_dict(
+    SimpleNamespace(optimizer=adam, grad_scaler=None))['optimizer']['param_groups']]
+assert steps() == [0.0] and not adam.state
+adam.param_groups[0]['params'][0].grad = torch.ones(2)
+adam.step()
+assert steps() == [1.0]
+stale = adam.state_dict()  # megatron-core's load: one step tensor for all, then a stale step over it
+adam.add_param_group({'params': [torch.nn.Parameter(torch.ones(3))]})
+stale['param_groups'].append({**stale['param_groups'][0], 'params': [1]})
+stale['state'][1] = {**stale['state'][0]}
+stale['state'][0]['step'] = stale['state'][1]['step'] = torch.tensor(0.0)
+stale['optimizer'] = {'param_groups': [{'step': 1.0}, {'step': 1.0}]}  # the checkpoint's step
+DistributedOptimizer.load_state_dict(SimpleNamespace(optimizer=adam, ddp_config=SimpleNamespace(
+    use_megatron_fsdp=True)), stale)  # the early path: the inner optimizer's own load
+first, second = (adam.state[group['params'][0]]['step'] for group in adam.param_groups)
+assert first is not second and first.item() == second.item() == 1.0
+weight = torch.nn.Parameter(torch.zeros(2))  # fp32: the main parameter is a view of it
+DistributedOptimizer.load_parameter_state_from_dp_reshardable(SimpleNamespace(
+    gbuf_ranges=[{torch.float32: [{'param_map': {weight: None}}]}],
+    _set_main_param_and_optimizer_states=lambda param, state: param.view(-1)[:2].copy_(state['param'])),
+    {0: {torch.float32: [[{'padding': False, 'param': torch.ones(2)}]]}})
+assert weight.tolist() == [1.0, 1.0]
 print(' '.join(applied_patches()))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["typing_override", "allow_no_cuda", "device_count", "device_arch",
-                           "dataset_helpers", "eager_fusions", "process_memory", "cpu"]
+                           "dataset_helpers", "eager_fusions", "process_memory", "optimizer_steps",
+                           "fp32_optimizer_load", "cpu"]
 
 
 def test_a_runs_flags_written_as_model_config_read_back_as_its_model_args(tmp_path):
@@ -227,3 +260,14 @@ def test_a_runs_flags_written_as_model_config_read_back_as_its_model_args(tmp_pa
     assert args["--hidden-size"] == "64" and args["--num-experts"] == "8"
     assert args["--disable-bias-linear"] == "true"  # a flag without a value
     assert args["--lr"] == "-1e-3"  # a negative value is a value, not a flag
+
+
+def test_a_resumed_runs_config_is_a_resume_test_and_a_flag_given_twice_is_written_once(tmp_path):
+    """--resume-at S: a functional ckpt-resume test's config, whose save interval is where golden
+    check --second-run and golden compare split; an override after the config's flags wins."""
+    path = write_model_config([*SMALL, "--num-experts", "4", "--num-experts", "8"], tmp_path / "model_config.yaml",
+                              resume_at=2)
+    config = load_model_config(path)
+    assert config.test_type == "ckpt-resume" and resume_step_from_config(config) == 2
+    assert config.model_args["--num-experts"] == "8"
+    assert path.read_text().count("--num-experts") == 1

@@ -222,53 +222,64 @@ def train_command(nproc, model_config, steps, megatron_path, entry, out, repeats
     for line in plan.reference_lines:
         click.echo(f"reference: {line}")
     try:
-        verdict, parallel = _compare(plan, launch, out, repeats, rtol)
-        for line in verdict.lines():
-            click.echo(line)
-        agree = verdict.agree and not parallel.violations
-        for line, ranks in parallel.violations.items():
-            click.echo(f"{line}  [ranks {', '.join(map(str, ranks))}]")
-        if resume_at is not None:
-            resumed = _resumed(plan, launch, resume_at)
-            check = compare_runs(resumed, parallel, Tolerance(rtol=rtol))
-            click.echo(f"resumed at step {resume_at} (Megatron's torch_dist save and load), against the "
-                       f"uninterrupted {plan.world}-rank run:")
-            for line in check.lines():
-                click.echo(f"  {line}")
-            agree = agree and check.agree
+        with tempfile.TemporaryDirectory(prefix="shardcheck-init-") as inits:
+            agree = _compare_and_resume(plan, launch, out, repeats, rtol, resume_at, Path(inits))
     except (RunFailed, RecordError) as exc:
         raise HarnessFailure(str(exc)) from None
     sys.exit(0 if agree else 1)
 
 
-def _resumed(plan: RunPlan, launch: Launch, step: int) -> Run:
-    """The parallel run saved at ``step``, restarted from that checkpoint, and continued."""
+def _compare_and_resume(plan: RunPlan, launch: Launch, out: Path | None, repeats: int, rtol: float,
+                        resume_at: int | None, inits: Path) -> bool:
+    """Print the verdict of each comparison (and write ``out``); whether all agree."""
+    verdict, parallel = _compare(plan, launch, out, repeats, rtol, inits)
+    for line in verdict.lines():
+        click.echo(line)
+    agree = verdict.agree and not parallel.violations
+    for line, ranks in parallel.violations.items():
+        click.echo(f"{line}  [ranks {', '.join(map(str, ranks))}]")
+    if resume_at is None:
+        return agree
+    before, after = _resumed(plan, launch, resume_at, _initial(inits, 0) if plan.same_init else None)
+    check = compare_runs(Run(before.steps + after.steps, before.notes), parallel, Tolerance(rtol=rtol))
+    if out is not None:
+        write_golden(after, out / f"golden_values_{plan.world}ranks_2nd.json")
+        write_model_config(plan.parallel, out / "model_config.yaml", resume_at=resume_at)
+    click.echo(f"resumed at step {resume_at} (Megatron's torch_dist save and load), against the "
+               f"uninterrupted {plan.world}-rank run:")
+    for line in check.lines():
+        click.echo(f"  {line}")
+    return agree and check.agree
+
+
+def _initial(inits: Path, repeat: int) -> Path:
+    """Where the one-rank run of ``repeat`` saves the initial weights the parallel runs start from."""
+    return inits / f"repeat{repeat}"
+
+
+def _resumed(plan: RunPlan, launch: Launch, step: int, init: Path | None) -> tuple[Run, Run]:
+    """The parallel run (from the initial weights ``init``, where it needs them) saved at
+    ``step``, and the run restarted from that checkpoint and continued (the steps after it)."""
     with tempfile.TemporaryDirectory(prefix="shardcheck-resume-") as folder:
-        init = Path(folder) / "init"
-        start: list[str] = []
-        if plan.same_init:
-            run_training(plan.reference, 1, launch, "one-rank run", save_init=init)
-            start = start_from(init)
+        start = start_from(init) if init else []
         ckpt = ["--save", str(Path(folder) / "ckpt"), "--save-interval", str(step)]
         first = run_training(plan.parallel + start + ckpt + ["--exit-interval", str(step)], plan.world,
                              launch, f"{plan.world}-rank run to step {step}")
         second = run_training(plan.parallel + ckpt + ["--load", str(Path(folder) / "ckpt")], plan.world,
                               launch, f"{plan.world}-rank run resumed at step {step}")
-    return Run(first.steps + second.steps, first.notes)
+    return first, second
 
 
-def _compare(plan: RunPlan, launch: Launch, out: Path | None, repeats: int, rtol: float):
+def _compare(plan: RunPlan, launch: Launch, out: Path | None, repeats: int, rtol: float, inits: Path):
     seed = int(_flag(plan.parallel, "--seed") or 1234)
     verdict = None
     for repeat in range(repeats):
         seeded = ["--seed", str(seed + repeat)]
-        with tempfile.TemporaryDirectory(prefix="shardcheck-init-") as init:
-            save = Path(init) if plan.same_init else None
-            reference = run_training(plan.reference + seeded, 1, replace(launch, typecheck=False),
-                                     "one-rank run", save_init=save)
-            start = start_from(save) if save else []
-            parallel = run_training(plan.parallel + seeded + start, plan.world, launch,
-                                    f"{plan.world}-rank run")
+        save = _initial(inits, repeat) if plan.same_init else None
+        reference = run_training(plan.reference + seeded, 1, replace(launch, typecheck=False),
+                                 "one-rank run", save_init=save)
+        start = start_from(save) if save else []
+        parallel = run_training(plan.parallel + seeded + start, plan.world, launch, f"{plan.world}-rank run")
         if out is not None:
             write_model_config(plan.parallel, out / "model_config.yaml")
             (out / "reference.txt").write_text("".join(f"reference: {ln}\n" for ln in plan.reference_lines))

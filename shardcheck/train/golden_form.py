@@ -4,7 +4,9 @@ Each metric is an object with ``start_step``, ``end_step``, ``step_interval`` an
 keyed by step, so ``shardcheck golden check/compare/explain`` read these files as they read
 CI's. MoE runs also write, beside the file, ``<name>.tokens.json``: per step, per router, the
 tokens each expert received. The flags of a run are written as a functional test's
-``model_config.yaml`` (its MODEL_ARGS), for ``golden explain --model-config``.
+``model_config.yaml`` (its MODEL_ARGS), for ``golden explain --model-config``; a run resumed
+from a checkpoint writes its second run as ``<name>_2nd.json``, as the functional tests'
+resume tests store theirs, and the config says where it resumed.
 """
 
 from __future__ import annotations
@@ -42,13 +44,22 @@ def write_golden(run: Run, path: Path) -> Path:
     return path
 
 
-def write_model_config(flags: list[str], path: Path) -> Path:
-    """Megatron ``flags`` as a model_config.yaml's MODEL_ARGS (a flag without a value: true)."""
-    lines = ["MODEL_ARGS:"]
+def write_model_config(flags: list[str], path: Path, resume_at: int | None = None) -> Path:
+    """Megatron ``flags`` as a model_config.yaml's MODEL_ARGS (a flag without a value: true).
+
+    With ``resume_at`` it describes a resume test, as the functional tests' ``ckpt-resume``
+    configs do: ``TEST_TYPE: ckpt-resume`` and ``--save-interval``, the step the second run
+    restarted after (where ``golden check --second-run`` and ``golden compare`` split).
+    """
+    if resume_at is not None:
+        flags = [*flags, "--save-interval", str(resume_at)]
+    values: dict[str, str] = {}  # a flag given twice takes its last value, as Megatron's parser does
     for i, token in enumerate(flags):
         if token.startswith("--"):
-            value = flags[i + 1] if i + 1 < len(flags) and not flags[i + 1].startswith("--") else "true"
-            lines.append(f"  {token}: {value}")
+            values[token] = flags[i + 1] if i + 1 < len(flags) and not flags[i + 1].startswith("--") else "true"
+    lines = ["MODEL_ARGS:", *(f"  {flag}: {value}" for flag, value in values.items())]
+    if resume_at is not None:
+        lines.append("TEST_TYPE: ckpt-resume")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")
     return path

@@ -1,7 +1,9 @@
 """Run Megatron's own training loop (``megatron.training.pretrain``) on a CPU with Gloo.
 
 On top of the model-level patches of :mod:`shardcheck.megatron.cpu.patches`, the training package
-assumes CUDA in a few more places, none of which touches the numbers it computes:
+assumes CUDA in a few more places, none of which touches the numbers it computes (1-7); and the
+paths a CPU run takes instead of a GPU job's (torch's Adam for TE's fused one, float32 for bf16)
+hold two megatron-core bugs that stop or change a resumed run (8-9):
 
 1. ``typing_override``: ``megatron.training.models`` imports ``typing.override``, new in Python
    3.12; on 3.11 it is the identity decorator it is at run time on 3.12.
@@ -26,6 +28,30 @@ assumes CUDA in a few more places, none of which touches the numbers it computes
 7. ``process_memory``: torch_dist checkpoint saving logs each writer's memory through
    ``psutil``, and fails without it; where psutil is missing the resident size is read from
    ``/proc/self/statm`` (Linux) instead. It is only logged.
+8. ``optimizer_steps``: without Apex or TE's fused optimizers (hidden on a CPU), the
+   distributed optimizer keeps torch Adam's per-parameter ``step``, and megatron-core 0.19.2
+   mishandles it twice when a checkpoint is loaded. Its ``state_dict`` reads the step from that
+   state and asserts that there is exactly one (``distrib_optimizer.py:839``); loading calls it
+   before the first step, to allocate the state it then loads into
+   (``sharded_state_dict(is_loading=True)``), when there is no state and so no step: resuming
+   fails. With no state it reads step 0, which is true then. Loading then sets every
+   parameter's step to the checkpoint's (its ``param_groups``), as one tensor shared by all
+   (``:1026-1032``), and ``load_parameter_state_from_dp_reshardable`` copies over it the step
+   of the state allocated before the load (``:1225``): the per-parameter step is not in the
+   checkpoint (a ``LocalNonpersistentObject``, "handled separately via param_groups", ``:1951``).
+   So a resumed run's Adam restarts its bias corrections from step 0 (and, on one shared tensor,
+   counts each step once per parameter): an update of the wrong size, small only while the
+   warm-up keeps the learning rate small. After loading, each parameter's step is the
+   checkpoint's, in a tensor of its own, as torch's Adam keeps it.
+9. ``fp32_optimizer_load``: a megatron-core bug that the float32 runs meet. The distributed
+   optimizer's float32 main parameters are views of the model's parameters, which require
+   grad (``distrib_optimizer.py:467``), and loading its ``dp_reshardable`` state (the default
+   format) copies into them in place (``:1225``) with autograd on, which torch refuses ("a view
+   of a leaf Variable that requires grad is being used in an in-place operation"): its
+   sibling loaders (``fs_model_space``, ``fully_reshardable``) run under ``torch.no_grad()``,
+   ``load_parameter_state_from_dp_reshardable`` (``:2061``) does not. A bf16 or fp16 job's main
+   parameters are copies, so only float32 training, which the CPU runs are (``--bf16``
+   dropped), cannot resume; the loader runs under ``torch.no_grad()``, as its siblings do.
 
 :func:`apply_training_patches` applies them and the model-level ones; it is the one switch of
 the CPU layer: the GPU path never calls it (:func:`cpu_layer_active` says whether it ran).
@@ -37,6 +63,8 @@ import os
 import typing
 from collections.abc import Callable, Sequence
 from typing import Any
+
+from shardcheck.patching import patched
 
 _applied: list[str] = []
 
@@ -110,6 +138,58 @@ def _patch_process_memory() -> None:
         filesystem_async._process_memory = _resident_bytes
 
 
+def _stepless_state_dict(state_dict: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    from megatron.core.optimizer import distrib_optimizer
+
+    def stepless(self: Any) -> Any:
+        inner = self.optimizer
+        if distrib_optimizer.HAVE_APEX_OR_TE or getattr(inner, "state", True):
+            return state_dict(self)
+        import torch
+
+        # the state, which state_dict leaves out, seen as one entry at step 0
+        at_zero = {**inner.state_dict(), "state": {0: {"step": torch.tensor(0.0)}}}
+        with patched(inner, "state_dict", lambda: at_zero):
+            return state_dict(self)
+
+    return stepless
+
+
+def _own_steps(load_state_dict: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+    from megatron.core.optimizer import distrib_optimizer
+
+    def load(self: Any, state_dict: Any) -> Any:
+        loaded = load_state_dict(self, state_dict)
+        groups = state_dict.get("optimizer", {}).get("param_groups", [])
+        steps = {group["step"] for group in groups if "step" in group}
+        if distrib_optimizer.HAVE_APEX_OR_TE or len(steps) != 1:
+            return loaded
+        import torch
+
+        (step,) = steps
+        for state in self.optimizer.state.values():
+            if "step" in state:  # the checkpoint's step, a tensor of its own as torch's Adam keeps it
+                state["step"] = torch.tensor(float(step))
+        return loaded
+
+    return load
+
+
+def _patch_optimizer_steps() -> None:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    DistributedOptimizer.state_dict = _stepless_state_dict(DistributedOptimizer.state_dict)
+    DistributedOptimizer.load_state_dict = _own_steps(DistributedOptimizer.load_state_dict)
+
+
+def _patch_fp32_optimizer_load() -> None:
+    import torch
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    load = DistributedOptimizer.load_parameter_state_from_dp_reshardable
+    DistributedOptimizer.load_parameter_state_from_dp_reshardable = torch.no_grad()(load)
+
+
 def apply_training_patches() -> None:
     """Make ``megatron.training.pretrain`` run on this process's CPU; a second call does nothing."""
     if "cpu" in _applied:
@@ -120,7 +200,9 @@ def apply_training_patches() -> None:
     apply_cpu_patches()
     for name, patch in (("allow_no_cuda", _patch_allow_no_cuda), ("device_count", _patch_device_count),
                         ("device_arch", _patch_device_arch), ("dataset_helpers", _patch_dataset_helpers),
-                        ("eager_fusions", _patch_eager_fusions), ("process_memory", _patch_process_memory)):
+                        ("eager_fusions", _patch_eager_fusions), ("process_memory", _patch_process_memory),
+                        ("optimizer_steps", _patch_optimizer_steps),
+                        ("fp32_optimizer_load", _patch_fp32_optimizer_load)):
         patch()
         _applied.append(name)
     _applied.append("cpu")
