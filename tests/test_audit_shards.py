@@ -100,6 +100,15 @@ def test_a_case_result_crosses_a_pickle_unchanged_with_its_digest():
     assert torch.equal(again.outputs["loss"], result.outputs["loss"])
     other = CaseResult({"loss": torch.tensor([1.0, 3.0], dtype=torch.float64)}, [], [])
     assert other.digest != digest
+    # float64 copies of float32 values travel as float32 and come back equal; others as they are
+    values = torch.randn(1000, dtype=torch.float32)
+    narrow = CaseResult({"grad": values.double(), "exact": torch.tensor([0.1], dtype=torch.float64)}, [], [])
+    back = pickle.loads(pickle.dumps(narrow))
+    assert back.digest == narrow.digest and back.outputs["exact"].item() == 0.1
+    assert all(back.outputs[k].dtype == torch.float64 and torch.equal(back.outputs[k], narrow.outputs[k])
+               for k in narrow.outputs)
+    wide = CaseResult({"grad": values.double() + 1e-12, "exact": narrow.outputs["exact"]}, [], [])
+    assert len(pickle.dumps(narrow)) < 0.6 * len(pickle.dumps(wide))
     with pytest.raises(dataclasses.FrozenInstanceError):
         result.entry = None
 

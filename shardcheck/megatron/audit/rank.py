@@ -11,7 +11,7 @@ import hashlib
 import warnings
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from functools import cached_property
 from typing import Any
 
@@ -37,6 +37,18 @@ class CaseResult:
     # (:func:`~shardcheck.megatron.scenarios.reference.parameter_declarations`)
     declared: dict[str, str] = field(default_factory=dict)
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled (a rank's pipe, a share's file) with each output that float32 holds exactly
+        sent as float32: most are float64 copies of a float32 model's values (half the bytes)."""
+        state = {f.name: getattr(self, f.name) for f in fields(self)}
+        state["outputs"] = {name: _narrowed(value) for name, value in self.outputs.items()}
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        state["outputs"] = {name: value.double() for name, value in state["outputs"].items()}
+        for name, value in state.items():
+            object.__setattr__(self, name, value)
+
     @cached_property
     def digest(self) -> str:
         """A hash of the outputs (names, shapes and values)."""
@@ -46,6 +58,12 @@ class CaseResult:
             h.update(f"{name}{tuple(value.shape)}".encode())
             h.update(value.numpy().tobytes())
         return h.hexdigest()[:16]
+
+
+def _narrowed(value: torch.Tensor) -> torch.Tensor:
+    """``value`` as float32 when that holds it exactly, else as it is."""
+    narrow = value.float()
+    return narrow if value.dtype == torch.float64 and torch.equal(narrow.double(), value) else value
 
 
 # ---- on each rank --------------------------------------------------------------------------
