@@ -73,7 +73,8 @@ def _plan(only: tuple[str, ...], layouts_text: str | None, sets: tuple[str, ...]
               help="Comma-separated layouts, e.g. tp2,tp2-sp,cp2; tp2-dp2@dp-tp gives the model "
                    "explicit groups of another rank order (default: every grid up to 4 ranks).")
 @click.option("--set", "sets", multiple=True, metavar="NAME=VALUE",
-              help="Run exactly these options (repeatable) instead of sweeping; used by reproduce commands.")
+              help=("Run exactly these options (repeatable) instead of sweeping; used by reproduce commands. "
+                    "impl=te runs gpt, moe, mtp, gdn or mamba on Transformer Engine."))
 @click.option("--out", "out_dir", default="audit-out", show_default=True, type=click.Path(file_okay=False),
               help="Where report.md and findings.json go.")
 @click.option("--json", "as_json", is_flag=True, help="Print findings.json to stdout instead of the summary.")
