@@ -8,6 +8,7 @@ full golden data set where it is there (skipped with the reason where not).
 from __future__ import annotations
 
 import importlib.metadata
+import re
 from pathlib import Path
 
 import pytest
@@ -90,10 +91,24 @@ def test_a_batch_size_schedule_is_refused_in_one_line(flag):
         plan_runs([*SMALL, flag, *values], 2, 1)
 
 
-def test_a_vision_flag_is_refused_for_the_gpt_entry_point_and_left_to_an_entry_script():
-    with pytest.raises(TrainInputError, match="^--img-h: a flag of Megatron's vision and multimodal models"):
-        plan_runs([*SMALL, "--img-h", "336"], 2, 1, own_entry=True)
-    plan_runs([*SMALL, "--img-h", "336"], 2, 1)  # an --entry script's to build
+@pytest.mark.parametrize(("flag", "values", "what"), [
+    ("--img-h", ["336"], "vision and multimodal models"),
+    ("--encoder-num-layers", ["2"], "encoder-decoder models (T5)"),
+    ("--bert-no-binary-head", [], "BERT models"),
+])
+def test_another_model_familys_flag_is_refused_for_the_gpt_entry_point_and_left_to_an_entry_script(flag, values,
+                                                                                                     what):
+    with pytest.raises(TrainInputError, match=f"^{flag}: a flag of Megatron's {re.escape(what)}"):
+        plan_runs([*SMALL, flag, *values], 2, 1, own_entry=True)
+    plan_runs([*SMALL, flag, *values], 2, 1)  # an --entry script's to build
+
+
+def test_a_config_without_a_megatron_flag_is_refused_in_one_line(tmp_path):
+    path = tmp_path / "model_config.yaml"
+    path.write_text("MODEL_ARGS:\n  trainer.num_nodes: 1\n  data.micro_batch_size: 1\n")
+    with pytest.raises(TrainInputError, match="none of its MODEL_ARGS is a flag of this megatron-core "
+                                              r"\(e.g. trainer.num_nodes: a NeMo recipe's"):
+        flags_from_model_config(path)
 
 
 def test_a_config_keeps_a_one_value_flag_with_blanks_whole_and_leaves_out_its_batch_schedule(tmp_path):

@@ -43,6 +43,9 @@ NOT_BUILT = {
     "--heterogeneous-layers-config-encoded-json": "heterogeneous layer specs",
     "--spec": "a layer spec module named by --spec",
 }
+# flags of Megatron's other model families (besides its vision group): their entry scripts build them
+OTHER_MODELS = {**dict.fromkeys(("--encoder-num-layers", "--encoder-seq-length"), "encoder-decoder models (T5)"),
+                "--bert-no-binary-head": "BERT models"}
 # model-shaping flags megatron-core 0.19.2 builds only with Transformer Engine, and why
 TE_ONLY = {
     "--experimental-attention-variant": ("megatron-core builds experimental attention variants (gated delta net, "
@@ -302,10 +305,11 @@ def _refuse_not_built(flags: Flags, te: bool) -> None:
             if flags.has(flag):
                 raise TrainInputError(f"{flag} with Megatron's local layers: {why}; give --transformer-impl "
                                       "transformer_engine")
-    vision = next((flag for flag in _vision_flags(flags.parser) if flags.has(flag)), None)
-    if vision:
-        raise TrainInputError(f"{vision}: a flag of Megatron's vision and multimodal models (LLaVA, ViT), which "
-                              "shardcheck's GPT entry point does not build; give their entry script with --entry")
+    other = {**dict.fromkeys(_vision_flags(flags.parser), "vision and multimodal models (LLaVA, ViT)"), **OTHER_MODELS}
+    for flag, what in other.items():
+        if flags.has(flag):
+            raise TrainInputError(f"{flag}: a flag of Megatron's {what}, which shardcheck's GPT entry point does "
+                                  "not build; give their entry script with --entry")
     built = {flag: what for flag, what in NOT_BUILT.items() if flags.has(flag)}
     if _names_the_hybrid_stack_spec(flags):
         del built["--spec"]  # the spec shardcheck's entry point builds for a hybrid pattern

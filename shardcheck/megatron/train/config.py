@@ -59,6 +59,9 @@ def flags_from_model_config(path: Path, nproc: int | None = None) -> ShrunkConfi
             del args[flag]
         elif flag in CLUSTER_ONLY or "${" in args[flag]:
             del args[flag]
+    if not args:
+        raise TrainInputError(f"{path}: none of its MODEL_ARGS is a flag of this megatron-core "
+                              f"(e.g. {next(iter(config.model_args))}: a NeMo recipe's, not Megatron-LM's)")
     sizes = _shrink_parallel(args, mapping)
     world = nproc or min(MAX_RANKS, _prod(sizes) * 2)
     if world % _prod(sizes):
