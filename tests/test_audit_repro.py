@@ -288,3 +288,19 @@ def test_megatron_fuzz_findings_get_their_scripts_from_the_same_templates(tmp_pa
     from shardcheck.megatron.scenarios import COMPONENTS
 
     assert {c for c in COMPONENTS if resolve_target(c).repro is not None} == set(COMPONENTS) & set(TEMPLATES)
+
+
+@pytest.mark.parametrize("control,fixed", [
+    (None, True),  # no control on record: the contract's fix, as before controls were kept
+    ({"fix": "global smoothing", "result": "corrected == reference (max abs error 0 after the fix)",
+      "equal_to_reference": True}, True),
+    ({"fix": "global smoothing", "result": "still differs: loss (max abs error 0.1 after the fix)",
+      "equal_to_reference": False}, False),  # another cause at the same call: no --fixed run
+])
+def test_a_script_runs_the_fix_only_when_the_audit_saw_it_repair_the_finding(control, fixed, tmp_path):
+    for contract in ("vocab_parallel_cross_entropy", GLOBAL_GROUP_CONTRACT):
+        finding = _finding("output_loss", {"parallel_output": False}, "tp2", contract)
+        finding.control = control
+        finding.corrected = control["result"] if control else None
+        text = write_audit_script(finding, tmp_path / "x.py").read_text()
+        assert ("def corrected():" in text and "FIXED" in text) is fixed, contract

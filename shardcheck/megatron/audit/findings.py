@@ -123,6 +123,9 @@ def _fix_of(minimal: Outcome) -> tuple[str, str] | None:
     return contract.name, contract.fix_note
 
 
+REPAIRED = "corrected == reference"  # a corrected control's verdict when the fix repairs the finding
+
+
 def corrected_control(runner: Runner, minimal: Outcome) -> dict[str, Any] | None:
     """Rerun the minimal trigger with its fix patched in, compared with the reference."""
     fix = _fix_of(minimal)
@@ -137,7 +140,7 @@ def corrected_control(runner: Runner, minimal: Outcome) -> dict[str, Any] | None
     errors = {name: fixed.errors.get(name) for name in names}
     worst = max((e for e in errors.values() if e is not None), default=0.0)
     ok = not fixed.gaps and fixed.call_gap is None
-    verdict = ("corrected == reference" if ok else
+    verdict = (REPAIRED if ok else
                f"still differs: {', '.join(g.name for g in fixed.gaps[:3])}")
     return {"fix": note, "result": f"{verdict} (max abs error of the diverging outputs "
             f"{worst:.3g} after the fix)", "equal_to_reference": ok, "max_abs_error": worst}

@@ -27,6 +27,7 @@ from typing import Any
 
 from shardcheck.fuzz.findings import Finding
 from shardcheck.fuzz.repro import ReproError, ScriptBody
+from shardcheck.megatron.audit.findings import REPAIRED
 from shardcheck.megatron.audit.report import GLOBAL_GROUP_CONTRACT
 from shardcheck.megatron.audit.sweep import setup_kwargs
 from shardcheck.megatron.checks.contracts import BY_NAME, Contract
@@ -231,6 +232,8 @@ def _joined(snippets: list[Snippet]) -> str:
 def _fix(finding: Finding) -> Snippet | None:
     """The finding's fix as script code: its contract's corrected function, or the model's
     groups for parallel_state's when the model's collectives ignore them."""
+    if not _repaired(finding):
+        return None
     if finding.contract == GLOBAL_GROUP_CONTRACT:
         return Snippet.of("groups_fix")
     contract = contract_of(finding)
@@ -241,6 +244,16 @@ def _fix(finding: Finding) -> Snippet | None:
     return Snippet(code.CONTRACT_FIX.format(name=contract.name, module=module, attribute=attribute,
                                             source=source, fix=contract.fix.__name__),
                    "import importlib\nimport inspect")
+
+
+def _repaired(finding: Finding) -> bool:
+    """Whether the audit's corrected control showed the contract's fix repairing the finding:
+    a fix that leaves it differing (another cause at the same call) is no fix of it, so its
+    script gets no ``--fixed`` run. A finding with no control on record (from the fuzzer's store
+    before controls were kept): yes."""
+    if finding.control is not None:
+        return bool(finding.control.get("equal_to_reference"))
+    return not isinstance(finding.corrected, str) or finding.corrected.startswith(REPAIRED)
 
 
 def _sorted_imports(parts) -> str:
