@@ -72,7 +72,8 @@ def _run(losses, norms, params=None, zeros=None):
 def test_verdict_agrees_within_tolerance_and_names_the_first_step_and_metric_that_part():
     ref = _run([2.0, 1.9, 1.8], [1.0, 0.9, 0.8])
     close = _run([2.0 * (1 + 1e-7), 1.9, 1.8], [1.0, 0.9 * (1 - 1e-7), 0.8])
-    assert compare_runs(close, ref).agree
+    assert compare_runs(close, ref).agree and not compare_runs(close, ref).exact
+    assert compare_runs(ref, ref).exact  # a resumed CPU run's promise: bit for bit
     off = _run([2.0, 1.9, 1.8 * 1.01], [1.0, 0.9 * 1.01, 0.8])
     verdict = compare_runs(off, ref)
     assert not verdict.agree

@@ -249,6 +249,10 @@ def _compare_and_resume(plan: RunPlan, launch: Launch, out: Path | None, repeats
                f"uninterrupted {plan.world}-rank run:")
     for line in check.lines():
         click.echo(f"  {line}")
+    if check.agree and not check.exact:
+        click.echo("  note: within tolerance, but not bit for bit: on a CPU a resumed run repeats the "
+                   "uninterrupted one exactly unless something the checkpoint restores (the optimizer's "
+                   "state, the data position, the RNG) came back different")
     return agree and check.agree
 
 

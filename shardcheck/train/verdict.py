@@ -64,6 +64,11 @@ class TrainVerdict:
     def agree(self) -> bool:
         return self.metric is None and self.parameter is None
 
+    @property
+    def exact(self) -> bool:
+        """Whether lm loss and grad norm are equal at every step (a resumed CPU run's promise)."""
+        return all(self.worst.get(name, 0.0) == 0.0 for name in DECIDING)
+
     def lines(self) -> list[str]:
         out = [f"compared {self.steps} steps: " + ", ".join(
             f"{name} max rel diff {_num(value)}" for name, value in self.worst.items())]
