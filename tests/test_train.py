@@ -7,18 +7,16 @@ of megatron-core given with ``--megatron``) must part ways and be named.
 
 from __future__ import annotations
 
-import importlib.metadata
 import re
 import shutil
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from packaging.version import Version
+from megatron_release import NO_MEGATRON_TRAINING
 
-if Version(importlib.metadata.version("megatron-core")).release[:2] < (0, 19):  # read, not imported
-    pytest.skip("megatron.training ships with megatron-core 0.19 on (0.16.1 has megatron/core only)",
-                allow_module_level=True)
+if NO_MEGATRON_TRAINING:
+    pytest.skip(NO_MEGATRON_TRAINING, allow_module_level=True)
 
 from shardcheck.cli import main
 from shardcheck.cli.train import Launch, run_training, start_from

@@ -8,15 +8,13 @@ without it those are skipped with the reason.
 
 from __future__ import annotations
 
-import importlib.metadata
 from pathlib import Path
 
 import pytest
-from packaging.version import Version
+from megatron_release import NO_MEGATRON_TRAINING
 
-if Version(importlib.metadata.version("megatron-core")).release[:2] < (0, 19):  # read, not imported
-    pytest.skip("megatron.training ships with megatron-core 0.19 on (0.16.1 has megatron/core only)",
-                allow_module_level=True)
+if NO_MEGATRON_TRAINING:
+    pytest.skip(NO_MEGATRON_TRAINING, allow_module_level=True)
 
 from golden_data import full_data_root, head  # noqa: E402
 

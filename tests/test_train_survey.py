@@ -7,16 +7,14 @@ full golden data set where it is there (skipped with the reason where not).
 
 from __future__ import annotations
 
-import importlib.metadata
 import re
 from pathlib import Path
 
 import pytest
-from packaging.version import Version
+from megatron_release import NO_MEGATRON_TRAINING
 
-if Version(importlib.metadata.version("megatron-core")).release[:2] < (0, 19):  # read, not imported
-    pytest.skip("megatron.training ships with megatron-core 0.19 on (0.16.1 has megatron/core only)",
-                allow_module_level=True)
+if NO_MEGATRON_TRAINING:
+    pytest.skip(NO_MEGATRON_TRAINING, allow_module_level=True)
 
 from golden_data import data_root, full_data_root  # noqa: E402
 
