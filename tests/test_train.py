@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from megatron_release import NO_MEGATRON_TRAINING
+from megatron_metadata import NO_MEGATRON_TRAINING
 
 if NO_MEGATRON_TRAINING:
     pytest.skip(NO_MEGATRON_TRAINING, allow_module_level=True)

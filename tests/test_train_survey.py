@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 
 import pytest
-from megatron_release import NO_MEGATRON_TRAINING
+from megatron_metadata import NO_MEGATRON_TRAINING
 
 if NO_MEGATRON_TRAINING:
     pytest.skip(NO_MEGATRON_TRAINING, allow_module_level=True)
