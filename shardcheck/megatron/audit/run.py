@@ -30,21 +30,24 @@ from shardcheck.parity.layout import Layout
 def audit(cases: Iterable[Case], *, budget: int | None = None, time_limit: float | None = None,
           typecheck: bool = True, progress: Progress | None = None,
           run_pools: Pools | None = None, prune: bool = True,
-          unbuilt: Mapping[tuple, str] | None = None) -> AuditResult:
+          unbuilt: Mapping[tuple, str] | None = None, full: bool = True) -> AuditResult:
     """Run the cases (screening options on one rank first, pruning the cases whose options
     the component's default run under the layout never read), then build the findings.
     ``unbuilt`` (``(component, options) -> why``, the plan's options whose config does not
-    build) are listed as not swept."""
+    build) are listed as not swept. Without ``full`` only the default plan's selection of the
+    cases runs (:func:`~shardcheck.megatron.audit.schedule.in_default_plan`); the result counts
+    the rest as left to --full."""
     started = time.monotonic()
     with nullcontext(run_pools) if run_pools else pools() as owned:
         patches = owned.run(Layout(), cpu_patch_status)[0]
         runner = Runner(owned, typecheck)
         runner.prune = prune
-        swept = sweep(runner, cases, budget, time_limit, progress, started)
+        swept = sweep(runner, cases, budget, time_limit, progress, started, full)
         swept.not_swept.update(unbuilt or {})
         findings = build_findings(runner, swept.outcomes)
     return audit_result(findings, swept.outcomes, swept.not_swept, swept.not_applicable.values(),
-                        swept.pruned, time.monotonic() - started, swept.stopped_early, patches)
+                        swept.pruned, time.monotonic() - started, swept.stopped_early, patches,
+                        swept.left_to_full)
 
 
 def merge_shares(dirs: Iterable[Any], *, typecheck: bool = True, run_pools: Pools | None = None) -> AuditResult:
@@ -54,4 +57,4 @@ def merge_shares(dirs: Iterable[Any], *, typecheck: bool = True, run_pools: Pool
     with nullcontext(run_pools) if run_pools else pools() as owned:
         findings = build_findings(Runner(owned, typecheck), share.outcomes)
     return audit_result(findings, share.outcomes, share.not_swept, share.not_applicable, share.pruned,
-                        share.seconds, share.stopped_early, share.patches)
+                        share.seconds, share.stopped_early, share.patches, share.left_to_full)

@@ -7,6 +7,14 @@ the report's coverage section instead). An option that changes none of the one-r
 swept after the options that do change them on the same layout tier, before the plan moves on
 to larger layouts, within the same budget. A layout the component refuses, or whose defaults
 fail, is not tried with options; a case whose options the defaults never read is pruned.
+
+The default plan is a selection of the whole plan (:func:`in_default_plan`): each component's
+defaults under every layout, its defaults on Transformer Engine, and each option set under every
+layout of at most two ranks (each parallel dimension alone, with its sp and ep variants). An
+option set that none of those runs (pruned there, or refused) runs at its first larger layout in
+plan order that it is not pruned at, so every option runs where it matters, if anywhere. The
+other cases are *left to --full*: counted per option set and reported with the command that runs
+them, never dropped silently (``shardcheck audit --full`` runs the whole plan).
 """
 
 from __future__ import annotations
@@ -17,9 +25,20 @@ from dataclasses import dataclass, field
 
 from shardcheck.megatron.audit.outcome import CONFIG_REFUSES, Outcome
 from shardcheck.megatron.audit.runner import INERT, Runner
-from shardcheck.megatron.audit.sweep import Case
+from shardcheck.megatron.audit.sweep import IMPL, Case
 
 Progress = Callable[[Case, int], None]
+DEFAULT_OPTION_WORLD = 2  # the default plan sweeps options under the layouts of this many ranks
+NOT_REACHED = "not reached within the budget or time limit"
+
+
+def in_default_plan(case: Case) -> bool:
+    """Whether the default plan runs the case whatever else ran: a component's defaults (every
+    layout), its defaults on Transformer Engine (the TE tier), or an option set under a layout of
+    at most :data:`DEFAULT_OPTION_WORLD` ranks. (An option set none of those runs also runs at its
+    first larger layout that is not pruned, see :func:`sweep`.)"""
+    return (not case.options or case.options == ((IMPL, "te"),)
+            or case.layout.world_size <= DEFAULT_OPTION_WORLD)
 
 
 @dataclass
@@ -34,6 +53,8 @@ class Swept:
     done_inert: list[Case] = field(default_factory=list)
     stopped_early: bool = False
     pruned: dict[tuple, list[str]] = field(default_factory=dict)  # (component, options) -> layouts
+    left_to_full: dict[tuple, int] = field(default_factory=dict)  # (component, options) -> cases
+    ran: set[tuple] = field(default_factory=set)  # (component, options) of the outcomes
 
 
 def _refusal(case: Case) -> str | None:
@@ -43,9 +64,11 @@ def _refusal(case: Case) -> str | None:
 
 
 def sweep(runner: Runner, cases: Iterable[Case], budget: int | None, time_limit: float | None,
-           progress: Progress | None, started: float) -> Swept:
+          progress: Progress | None, started: float, full: bool = True) -> Swept:
     """Run the cases in order; an inert option's cases wait until the plan moves on to larger
-    layouts (or ends), so they run before the options of larger layouts, within the budget."""
+    layouts (or ends), so they run before the options of larger layouts, within the budget.
+    Without ``full`` only the default plan runs (:func:`in_default_plan`, and an option set's
+    first larger layout when none ran it before); its other cases are counted as left to --full."""
     swept = Swept()
 
     def attempt(case: Case, defer_inert: bool) -> bool:
@@ -59,36 +82,72 @@ def sweep(runner: Runner, cases: Iterable[Case], budget: int | None, time_limit:
             record(swept, runner.run(case))
         return True
 
-    planned = list(cases)
+    planned: list[Case] = list(cases)
+    beyond: list[Case] = []
     reached = 0
     for case in planned:
         waiting = _inert_below(swept, case.layout.world_size) if case.options else []
-        if not all(attempt(deferred, False) for deferred in waiting) or not attempt(case, True):
+        if not all(attempt(deferred, False) for deferred in waiting):
             break
+        if full or in_default_plan(case) or not _taken(swept, case):
+            if not attempt(case, True):
+                break
+        else:
+            beyond.append(case)
         reached += 1
     else:
         all(attempt(deferred, False) for deferred in _inert_below(swept, None))
+    unreached = planned[reached:]
+    if not full:
+        beyond += [c for c in unreached if not in_default_plan(c) and _has_run(swept, c)]
+        unreached = [c for c in unreached if in_default_plan(c) or not _has_run(swept, c)]
     if swept.stopped_early:
-        _note_unreached(runner, swept, planned[reached:])
+        _note_unreached(runner, swept, unreached)
+    _note_left_to_full(runner, swept, beyond)
     return swept
+
+
+def _has_run(swept: Swept, case: Case) -> bool:
+    """Whether a case of the case's option set has run (one that failed to run counts)."""
+    return (case.component, case.options) in swept.ran
+
+
+def _taken(swept: Swept, case: Case) -> bool:
+    """Whether the case's option set has run or waits to run (an inert option's deferred case)."""
+    key = (case.component, case.options)
+    return key in swept.ran or any((c.component, c.options) == key for c in swept.inert)
+
+
+def _would_run(runner: Runner, swept: Swept, case: Case) -> bool:
+    """Whether the case would run if reached: the component runs under its layout and its
+    defaults there did not fail, its options were not screened out, and it is not pruned."""
+    where = (case.component, str(case.layout))
+    return (where not in swept.not_applicable and where not in swept.broken
+            and (case.component, case.options) not in swept.not_swept and _refusal(case) is None
+            and runner.not_read(case) is None and runner.other_meaning(case) is None)
 
 
 def _note_unreached(runner: Runner, swept: Swept, unreached: list[Case]) -> None:
     """Option sets the budget or time limit left without a single case, with the count of
     their cases that would have run (not refused, not pruned)."""
-    ran = {(o.case.component, o.case.options) for o in swept.outcomes}
-    for case in (c for c in swept.inert + swept.done_inert if (c.component, c.options) not in ran):
+    for case in (c for c in swept.inert + swept.done_inert if not _has_run(swept, c)):
         swept.not_swept.setdefault((case.component, case.options),
                                    f"{INERT}; its multi-rank cases were not reached in the budget")
     left: dict[tuple, int] = {}
     for case in unreached:
         key = (case.component, case.options)
-        if (key not in ran and key not in swept.not_swept and _refusal(case) is None
-                and (case.component, str(case.layout)) not in swept.broken and runner.not_read(case) is None
-                and runner.other_meaning(case) is None):
+        if not _has_run(swept, case) and _would_run(runner, swept, case):
             left[key] = left.get(key, 0) + 1
     for key, count in left.items():
-        swept.not_swept[key] = f"not reached within the budget or time limit ({count} case(s) left)"
+        swept.not_swept[key] = f"{NOT_REACHED} ({count} case(s) left)"
+
+
+def _note_left_to_full(runner: Runner, swept: Swept, beyond: list[Case]) -> None:
+    """Count, per option set, the cases outside the default plan that ``--full`` would run."""
+    for case in beyond:
+        if _would_run(runner, swept, case):
+            key = (case.component, case.options)
+            swept.left_to_full[key] = swept.left_to_full.get(key, 0) + 1
 
 
 def _inert_below(swept: Swept, world_size: int | None) -> list[Case]:
@@ -137,6 +196,7 @@ def record(swept: Swept, outcome: Outcome) -> None:
             swept.not_applicable[(case.component, str(case.layout))] = f"{case.component} @ {case.layout}: {why}"
         return
     swept.outcomes.append(outcome)
+    swept.ran.add((case.component, case.options))
     if outcome.error and not case.options:
         swept.broken.add((case.component, str(case.layout)))
     elif outcome.error_kind in ("hang", "desync"):

@@ -21,7 +21,7 @@ from typing import Any
 from shardcheck.megatron.audit.sweep import Case
 
 SHARE_FILE = "share.pkl"
-FORMAT = 1
+FORMAT = 2  # 2: left_to_full
 
 
 class ShareError(ValueError):
@@ -65,6 +65,7 @@ class Share:
     stopped_early: bool
     seconds: float
     patches: dict[str, str] = field(default_factory=dict)
+    left_to_full: dict[tuple, int] = field(default_factory=dict)  # (component, options) -> cases
     format: int = FORMAT
 
 
@@ -72,7 +73,7 @@ def save_share(result: Any, k: int, n: int, out_dir: Path) -> Path:
     """Write ``out_dir/share.pkl`` for an :class:`~shardcheck.megatron.audit.summary.AuditResult`."""
     out_dir.mkdir(parents=True, exist_ok=True)
     share = Share((k, n), result.outcomes, result.left_out, result.not_applicable, result.pruned,
-                  result.stopped_early, result.seconds, result.patches)
+                  result.stopped_early, result.seconds, result.patches, result.left_to_full)
     path = out_dir / SHARE_FILE
     path.write_bytes(pickle.dumps(share))
     return path
@@ -125,4 +126,5 @@ def merged(shares: Sequence[Share]) -> Share:
     return replace(shares[0], shard=(1, 1), outcomes=outcomes, not_swept=not_swept, pruned=pruned,
                    not_applicable=sorted({a for s in shares for a in s.not_applicable}),
                    stopped_early=any(s.stopped_early for s in shares),
-                   seconds=max(s.seconds for s in shares), patches=patches)
+                   seconds=max(s.seconds for s in shares), patches=patches,
+                   left_to_full={k: n for s in shares for k, n in s.left_to_full.items()})

@@ -10,6 +10,7 @@ from typing import Any
 from shardcheck.fuzz.findings import Finding
 from shardcheck.megatron.audit.outcome import CONFIG_REFUSES, Outcome, op_counts
 from shardcheck.megatron.audit.runner import FAILS
+from shardcheck.megatron.audit.schedule import NOT_REACHED
 from shardcheck.megatron.audit.training_args import REFUSES
 
 
@@ -28,10 +29,16 @@ class AuditResult:
     left_out: dict[tuple, str] = field(default_factory=dict)  # (component, options) -> why
     not_read: dict[str, list[str]] = field(default_factory=dict)  # component -> option sets pruned
     pruned: dict[tuple, list[str]] = field(default_factory=dict)  # (component, options) -> layouts
+    left_to_full: dict[tuple, int] = field(default_factory=dict)  # (component, options) -> cases
 
     @property
     def errors(self) -> list[Outcome]:
         return [o for o in self.outcomes if o.error]
+
+    @property
+    def not_reached(self) -> int:
+        """The option sets the budget or time limit left without a single case."""
+        return sum(1 for why in self.left_out.values() if why.startswith(NOT_REACHED))
 
     @property
     def refused(self) -> list[str]:
@@ -43,6 +50,10 @@ class AuditResult:
         return {
             "cases run": len(ran), "cases failed to run": len(self.errors),
             "options not swept": len(self.not_swept),
+            "option sets not reached (budget or time limit)": self.not_reached,
+            "cases left to --full (the default plan's selection leaves them out)":
+                sum(self.left_to_full.values()),
+            "option sets with cases left to --full": len(self.left_to_full),
             "layouts a component does not support": len(self.not_applicable) - len(self.refused),
             "configurations megatron-core refuses": len(self.refused),
             "cases pruned (options the component's default run never read there)":
@@ -81,6 +92,7 @@ class AuditResult:
                 "option_sets_left_out": sum(1 for c, _ in self.left_out if c == component),
                 "options_not_read": len(self.not_read.get(component, [])),
                 "cases_pruned": sum(len(lays) for (c, _), lays in self.pruned.items() if c == component),
+                "cases_left_to_full": sum(n for (c, _), n in self.left_to_full.items() if c == component),
                 "cases": len(ran)}
             ops = _megatron_ops(ran)
             if ops:
@@ -110,13 +122,15 @@ def typed_share(counts: dict, top: int = 10) -> dict[str, Any]:
 
 def audit_result(findings: list[Finding], outcomes: list[Outcome], not_swept: dict[tuple, str],
             not_applicable: Iterable[str], pruned: dict[tuple, list[str]], seconds: float,
-            stopped_early: bool, patches: dict[str, str]) -> AuditResult:
-    """The result of the outcomes and findings, with the options left out listed by why."""
+            stopped_early: bool, patches: dict[str, str],
+            left_to_full: dict[tuple, int] | None = None) -> AuditResult:
+    """The result of the outcomes and findings, with the options left out listed by why and
+    the cases the default plan left to --full counted per option set."""
     unavailable = {component: why for (component, options), why in not_swept.items()
                    if not options and why.startswith(FAILS)}
     return AuditResult(findings, outcomes, _listed(not_swept), seconds, stopped_early,
                        sorted(not_applicable), patches, unavailable, dict(not_swept),
-                       _never_read(outcomes, not_swept, pruned), dict(pruned))
+                       _never_read(outcomes, not_swept, pruned), dict(pruned), dict(left_to_full or {}))
 
 
 def _never_read(outcomes: list[Outcome], not_swept: dict[tuple, str],

@@ -1,0 +1,126 @@
+"""The default plan's selection (``shardcheck audit`` without ``--full``): every component's
+defaults under every layout, the Transformer Engine tier, each option set under every two-rank
+layout (and once where it is first read, when no two-rank layout reads it); the rest is counted
+as left to --full, which runs a superset. The sweep runs here on a stand-in for the rank pools
+(every case runs clean), so the selection is checked without a rank."""
+
+import time
+
+import pytest
+
+from shardcheck.megatron.audit.outcome import Outcome
+from shardcheck.megatron.audit.schedule import DEFAULT_OPTION_WORLD, Swept, in_default_plan, sweep
+from shardcheck.megatron.audit.sweep import IMPL, Case, layouts, plan, runs_under
+from shardcheck.parity.layout import Layout
+
+LAYOUTS = layouts(explicit=True)
+SMALL = [lay for lay in LAYOUTS if lay.world_size <= DEFAULT_OPTION_WORLD]
+DEEP = (("deep", True),)  # an option no two-rank layout reads
+
+
+class _Pools:
+    """Stands in for the rank pools: every case runs clean; ``deep`` is not read (pruned) under
+    the two-rank layouts, every other option everywhere."""
+
+    def run(self, case: Case) -> Outcome:
+        return Outcome(case)
+
+    def screen(self, component: str, options: tuple) -> None:
+        return None
+
+    def not_read(self, case: Case) -> frozenset[str] | None:
+        return frozenset({"deep"}) if case.options == DEEP and case.layout.world_size <= 2 else None
+
+    def other_meaning(self, case: Case) -> None:
+        return None
+
+
+def _refused(case: Case) -> bool:
+    from shardcheck.megatron.scenarios import COMPONENTS
+
+    return COMPONENTS[case.component].refuses(case.layout) is not None
+
+
+def _swept(cases: list[Case], full: bool) -> Swept:
+    return sweep(_Pools(), cases, None, None, None, time.monotonic(), full=full)
+
+
+@pytest.fixture(scope="module")
+def cases() -> list[Case]:
+    pytest.importorskip("megatron.core")
+    return plan({"gpt": [("a", True), ("b", "x"), DEEP[0]], "moe": [], "t5": []}, LAYOUTS, None)
+
+
+def test_the_default_plan_runs_defaults_everywhere_and_options_under_two_ranks(cases):
+    swept = _swept(cases, full=False)
+    ran = [o.case for o in swept.outcomes]
+    applicable = [c for c in cases if not _refused(c)]
+    assert {c for c in applicable if not c.options} <= set(ran)  # every component x layout
+    assert {c for c in applicable if c.options == ((IMPL, "te"),)} <= set(ran)  # the TE tier
+    assert {c for c in applicable if c.options in ((("a", True),), (("b", "x"),))
+            and c.layout.world_size <= 2} == {c for c in ran if c.options and c.options[0][0] in "ab"}
+    # an option that no two-rank layout reads runs once, at its first larger layout in plan order
+    first = next(c for c in applicable if c.options == DEEP and c.layout.world_size > 2)
+    assert [c for c in ran if c.options == DEEP] == [first]
+    assert sorted(swept.pruned[("gpt", DEEP)]) == sorted(str(lay) for lay in SMALL
+                                                         if not _refused(Case("gpt", DEEP, lay)))
+    assert set(swept.left_to_full) == {("gpt", (("a", True),)), ("gpt", (("b", "x"),)), ("gpt", DEEP)}
+    assert not swept.not_swept and not swept.stopped_early
+
+
+def test_full_runs_what_the_default_plan_ran_and_what_it_left_to_full(cases):
+    default, full = _swept(cases, full=False), _swept(cases, full=True)
+    ran, everything = [o.case for o in default.outcomes], [o.case for o in full.outcomes]
+    assert set(ran) < set(everything) and not full.left_to_full
+    assert len(everything) == len(ran) + sum(default.left_to_full.values())
+    left = [c for c in everything if c not in set(ran)]
+    assert all(c.options and c.layout.world_size > 2 for c in left)
+    assert {(c.component, c.options) for c in left} == set(default.left_to_full)
+
+
+def test_the_selection_is_deterministic(cases):
+    first, second = _swept(cases, full=False), _swept(list(cases), full=False)
+    assert [o.case for o in first.outcomes] == [o.case for o in second.outcomes]
+    assert first.left_to_full == second.left_to_full
+
+
+def test_the_time_limit_leaves_option_sets_not_reached_apart_from_those_left_to_full(cases):
+    swept = sweep(_Pools(), cases, 40, None, None, time.monotonic(), full=False)
+    assert swept.stopped_early and len(swept.outcomes) == 40
+    reached = {(o.case.component, o.case.options) for o in swept.outcomes}
+    assert all(why.startswith("not reached within the budget") for why in swept.not_swept.values())
+    assert not set(swept.not_swept) & reached and not set(swept.left_to_full) - reached
+
+
+def test_the_real_plan_selects_every_component_layout_and_option_class():
+    """Over gpt's real options (setup fields, config fields, GPTModel arguments, bundles) and
+    two more components: the selection keeps each component's defaults under every layout it
+    runs under, and every option set under every two-rank layout it runs under."""
+    pytest.importorskip("megatron.core")
+    from shardcheck.megatron.audit.sweep import sweep_plan
+
+    whole, _ = sweep_plan(["gpt", "output_loss", "moe_router"], LAYOUTS)
+    selected = [c for c in whole if in_default_plan(c)]
+    for component in ("gpt", "output_loss", "moe_router"):
+        assert {c.layout for c in selected if c.component == component and not c.options} == {
+            lay for lay in LAYOUTS if runs_under(component, lay)}
+    sets = {(c.component, c.options) for c in whole if c.options != ((IMPL, "te"),)}
+    assert {(c.component, c.options, c.layout) for c in selected if c.options} >= {
+        (component, options, lay) for component, options in sets for lay in SMALL if options}
+    names = {name for _, options in sets for name, _ in options}
+    assert {"loss_mask", "recompute_granularity", "GPTModel.forward.runtime_gather_output"} <= names
+    assert all(c.layout.world_size > 2 for c in whole if not in_default_plan(c))
+    assert Case("gpt", (), Layout(tp=2, cp=2, sp=True).regrouped("cp-tp")) in selected
+
+
+def test_the_summary_counts_what_was_left_to_full_apart_from_what_was_not_reached():
+    from shardcheck.megatron.audit.summary import AuditResult
+
+    left = {("gpt", (("a", True),)): 12, ("gpt", DEEP): 3}
+    not_swept = {("gpt", (("b", "x"),)): "not reached within the budget or time limit (6 case(s) left)",
+                 ("gpt", (("c", True),)): "fails on one rank: boom"}
+    result = AuditResult([], [], [], 1.0, False, left_out=not_swept, left_to_full=left)
+    summary = result.summary()
+    assert summary["option sets not reached (budget or time limit)"] == result.not_reached == 1
+    assert summary["cases left to --full (the default plan's selection leaves them out)"] == 15
+    assert summary["option sets with cases left to --full"] == 2
