@@ -69,11 +69,11 @@ def _shrinks_into_a_runnable_cpu_plan(path: Path) -> None:
     if "--num-experts" in original:
         assert int(_value(shrunk.flags, "--num-experts")) <= int(original["--num-experts"])
     flags = shrunk.flags
-    if _value(flags, "--transformer-impl") == "transformer_engine" and int(_value(flags, "--context-parallel-size")
-                                                                          or 1) > 1 and _te_installed():
+    if (_value(flags, "--transformer-impl") == "transformer_engine" and _te_installed()
+            and int(_value(flags, "--context-parallel-size") or 1) > 1 and "--bf16" not in flags):
         # Transformer Engine has no fp32 context-parallel attention: refused in one line, runnable on local layers
         with pytest.raises(TrainInputError, match=r"^--context-parallel-size \d with --transformer-impl "
-                           r"transformer_engine cannot run on a CPU: "):
+                           r"transformer_engine in float32: "):
             plan_runs(flags, shrunk.nproc, 2)
         flags = [*flags, "--transformer-impl", "local"]  # as after `--`, which overrides the config
     plan = plan_runs(flags, shrunk.nproc, 2)  # every flag is Megatron's, none refused
@@ -117,3 +117,17 @@ def test_parallel_sizes_shrink_to_at_most_eight_ranks(tmp_path):
         _value(shrunk.flags, "--pipeline-model-parallel-size"))
     assert tp * pp <= MAX_RANKS // 2 and shrunk.nproc <= MAX_RANKS
     assert any(line.startswith("--tensor-model-parallel-size 8 ->") for line in shrunk.mapping)
+
+
+@pytest.mark.parametrize("provider,refused", [("llava_vlm", True), ("hybrid", False)])
+def test_a_config_whose_script_builds_another_model_is_refused_not_trained_as_a_gpt(tmp_path, provider, refused):
+    """Megatron-LM's MIMO configs pick their model with their script's ``--model-provider``."""
+    config = tmp_path / "model_config.yaml"
+    config.write_text("MODEL_ARGS:\n  --num-layers: 2\n  --hidden-size: 64\n  --num-attention-heads: 4\n"
+                      f"  --model-provider: {provider}\n  --tensor-model-parallel-size: 2\n")
+    if refused:
+        with pytest.raises(TrainInputError, match=rf"^--model-provider {provider}: the config's entry script "
+                           r"builds that model .*give their entry script with --entry$"):
+            flags_from_model_config(config)
+    else:
+        assert "--model-provider left out: not a flag of this megatron-core" in flags_from_model_config(config).mapping

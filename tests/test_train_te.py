@@ -71,19 +71,30 @@ def test_without_tes_cpu_layer_installed_the_flag_falls_back_to_local_with_a_lin
 
 
 @needs_te
-def test_context_parallelism_with_transformer_engine_is_refused_in_one_line():
-    """TE's context-parallel ring runs on Gloo in bf16 (tests/test_te_gpt.py); the runs compare in
-    float32, where TE has no context-parallel attention backend."""
+def test_context_parallelism_with_transformer_engine_in_float32_is_refused_in_one_line():
+    """TE's context-parallel attention takes bf16 or fp16 only (on a GPU too): an fp32 job is
+    refused, with the hint that fits the model."""
     with pytest.raises(TrainInputError, match=r"^--context-parallel-size 2 with --transformer-impl "
-                       r"transformer_engine cannot run on a CPU: the runs compare in float32, and Transformer "
-                       r"Engine's context-parallel attention has no fp32 backend .*give --transformer-impl "
-                       r"local") as refused:
+                       r"transformer_engine in float32: Transformer Engine's context-parallel attention runs in "
+                       r"bf16 or fp16 only .*give --bf16, or --transformer-impl local") as refused:
         plan_runs([*BASE, "--context-parallel-size", "2", *TE], 2, 1)
     assert "\n" not in str(refused.value)
     # a model that builds only on TE gets no hint to use local layers, which would be refused too
-    with pytest.raises(TrainInputError, match=r"no fp32 backend .*; --multi-latent-attention builds only with "
-                       r"Transformer Engine, so drop the context parallelism$"):
+    with pytest.raises(TrainInputError, match=r"give --bf16 \(--multi-latent-attention builds only with "
+                       r"Transformer Engine\)$"):
         plan_runs([*BASE, "--context-parallel-size", "2", "--multi-latent-attention", *TE], 2, 1)
+
+
+@needs_te
+def test_context_parallelism_with_transformer_engine_in_bf16_keeps_bf16_in_both_runs():
+    plan = plan_runs([*BASE, "--context-parallel-size", "2", *TE, "--bf16"], 2, 1)
+    assert plan.precision == "bf16"
+    assert "--bf16" in plan.parallel and "--bf16" in plan.reference
+    assert any(line.startswith("--bf16 kept: Transformer Engine's context-parallel attention runs in bf16 or "
+                               "fp16 only") for line in plan.changes)
+    # without context parallelism the runs compare in float32, as before
+    plan = plan_runs([*BASE, "--tensor-model-parallel-size", "2", *TE, "--bf16"], 2, 1)
+    assert plan.precision == "fp32" and "--bf16" not in plan.parallel
 
 
 @pytest.mark.parametrize("flags,why", [
@@ -158,3 +169,33 @@ def test_the_gdn_job_without_sequence_parallelism_differs_naming_the_gdn_output_
     [first] = [line for line in out if line.startswith("first parameter to part ways:")]
     assert ".self_attention.out_norm." in first, first
     assert out[-1] == "verdict: DIFFER"
+
+
+# TE's ring attention (context_parallel.py, p2p) over Gloo: per-token loss with uneven valid
+# tokens (every 30th token an end of document, masked), so the split matters unless it is right.
+CP2_BF16 = [*BASE, "--seq-length", "16", "--max-position-embeddings", "16", "--vocab-size", "30",
+            "--position-embedding-type", "rope", "--calculate-per-token-loss", "--context-parallel-size", "2",
+            *TE, "--bf16"]
+
+
+@needs_te
+def test_a_context_parallel_job_on_transformer_engine_runs_its_ring_attention_in_bf16_and_agrees():
+    result = CliRunner().invoke(main, ["train", "-n", "2", "--steps", "2", "--", *CP2_BF16, "--eod-mask-loss"])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert any(line.startswith("changed: --bf16 kept: ") for line in lines)
+    assert "built: 2-rank run: layers 0-1: SelfAttention + MLP on TE" in lines
+    assert lines[-1] == "verdict: AGREE"
+
+
+@needs_te
+def test_the_mtp_job_at_cp2_on_transformer_engine_differs_on_an_mtp_parameter():
+    """megatron-core 0.19.2's MTP loss under context parallelism (the audit's finding at
+    multi_token_prediction.py): each CP rank's MTP loss is scaled by its own tokens, loss mask or
+    not; TE's ring attention in bf16 shows it beyond bf16's tolerance."""
+    result = CliRunner().invoke(main, ["train", "-n", "2", "--steps", "1", "--", *CP2_BF16, "--mtp-num-layers", "1"])
+    assert result.exit_code == 1, result.output
+    lines = result.output.splitlines()
+    first = next(line for line in lines if line.startswith("first parameter to part ways: "))
+    assert first.startswith("first parameter to part ways: step 1, gradient norm of mtp.layers.0."), first
+    assert lines[-1] == "verdict: DIFFER"

@@ -270,3 +270,10 @@ def test_a_resumed_runs_config_is_a_resume_test_and_a_flag_given_twice_is_writte
     assert config.test_type == "ckpt-resume" and resume_step_from_config(config) == 2
     assert config.model_args["--num-experts"] == "8"
     assert path.read_text().count("--num-experts") == 1
+
+
+def test_half_precision_runs_get_a_tolerance_of_their_epsilon_and_fp32_keeps_its_own():
+    assert Tolerance.for_precision("fp32") == Tolerance()
+    bf16, fp16 = Tolerance.for_precision("bf16"), Tolerance.for_precision("fp16")
+    assert bf16.rtol == 2.0 ** -7 / 4 and bf16.param_rtol == 2.0 ** -7
+    assert fp16.rtol < bf16.rtol and Tolerance().rtol < fp16.rtol

@@ -180,8 +180,9 @@ def _failing_frame(lines: list[str]) -> str:
               help="Runs of each layout, with seeds seed, seed+1, ... (written with --out).")
 @click.option("--resume-at", type=click.IntRange(1, 999), default=None,
               help="Also save a checkpoint at this step, restart from it, and compare with the uninterrupted run.")
-@click.option("--rtol", type=float, default=Tolerance().rtol, show_default=True,
-              help="Relative tolerance on lm loss and grad norm at step 1 (grows with the step).")
+@click.option("--rtol", type=float, default=None,
+              help="Relative tolerance on lm loss and grad norm at step 1 (grows with the step); default "
+                   f"{Tolerance().rtol:.3g} in fp32, {Tolerance.for_precision('bf16').rtol:.3g} in bf16.")
 @click.option("--timeout", type=float, default=900.0, show_default=True, help="Seconds before a run is a hang.")
 @click.option("--typecheck", is_flag=True,
               help="Also run every step of the parallel run under the type checker (slower).")
@@ -223,16 +224,19 @@ def train_command(nproc, model_config, steps, megatron_path, entry, out, repeats
         click.echo(f"reference: {line}")
     try:
         with tempfile.TemporaryDirectory(prefix="shardcheck-init-") as inits:
-            agree = _compare_and_resume(plan, launch, out, repeats, rtol, resume_at, Path(inits))
+            tolerance = Tolerance.for_precision(plan.precision)
+            if rtol is not None:
+                tolerance = replace(tolerance, rtol=rtol)
+            agree = _compare_and_resume(plan, launch, out, repeats, tolerance, resume_at, Path(inits))
     except (RunFailed, RecordError) as exc:
         raise HarnessFailure(str(exc)) from None
     sys.exit(0 if agree else 1)
 
 
-def _compare_and_resume(plan: RunPlan, launch: Launch, out: Path | None, repeats: int, rtol: float,
+def _compare_and_resume(plan: RunPlan, launch: Launch, out: Path | None, repeats: int, tolerance: Tolerance,
                         resume_at: int | None, inits: Path) -> bool:
     """Print the verdict of each comparison (and write ``out``); whether all agree."""
-    verdict, parallel = _compare(plan, launch, out, repeats, rtol, inits)
+    verdict, parallel = _compare(plan, launch, out, repeats, tolerance, inits)
     for line in verdict.lines():
         click.echo(line)
     agree = verdict.agree and not parallel.violations
@@ -241,7 +245,7 @@ def _compare_and_resume(plan: RunPlan, launch: Launch, out: Path | None, repeats
     if resume_at is None:
         return agree
     before, after = _resumed(plan, launch, resume_at, _initial(inits, 0) if plan.same_init else None)
-    check = compare_runs(Run(before.steps + after.steps, before.notes), parallel, Tolerance(rtol=rtol))
+    check = compare_runs(Run(before.steps + after.steps, before.notes), parallel, tolerance)
     if out is not None:
         write_golden(after, out / f"golden_values_{plan.world}ranks_2nd.json")
         write_model_config(plan.parallel, out / "model_config.yaml", resume_at=resume_at)
@@ -274,7 +278,7 @@ def _resumed(plan: RunPlan, launch: Launch, step: int, init: Path | None) -> tup
     return first, second
 
 
-def _compare(plan: RunPlan, launch: Launch, out: Path | None, repeats: int, rtol: float, inits: Path):
+def _compare(plan: RunPlan, launch: Launch, out: Path | None, repeats: int, tolerance: Tolerance, inits: Path):
     seed = int(_flag(plan.parallel, "--seed") or 1234)
     verdict = None
     for repeat in range(repeats):
@@ -291,7 +295,7 @@ def _compare(plan: RunPlan, launch: Launch, out: Path | None, repeats: int, rtol
             write_golden(parallel, out / f"golden_values_{plan.world}ranks{suffix}.json")
             write_golden(reference, out / f"golden_values_1rank{suffix}.json")
         if verdict is None:
-            verdict, first = compare_runs(parallel, reference, Tolerance(rtol=rtol)), parallel
+            verdict, first = compare_runs(parallel, reference, tolerance), parallel
             _report_built(plan.world, parallel, reference, out)
             for note in parallel.notes:
                 click.echo(f"note: {note}")

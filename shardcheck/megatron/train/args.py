@@ -214,6 +214,7 @@ class RunPlan:
     same_init: bool = False  # the N-rank run loads the one-rank run's initial weights
     reference_kind: str = SAME_MICRO_BATCHES  # one of REFERENCES
     reference_lines: list[str] = field(default_factory=list)  # which reference, and its caveat
+    precision: str = "fp32"  # what both runs train in: fp32, or the bf16/fp16 TE's CP attention needs
 
     @property
     def steps(self) -> int:
@@ -242,7 +243,7 @@ def plan_runs(user_args: Sequence[str], nproc: int, steps: int | None, cpu: bool
         raise TrainInputError(f"-n {nproc} is not a multiple of tp*pp*cp = {tp * pp * cp}")
     dp = nproc // (tp * pp * cp)
     if cpu:
-        _cpu_flags(flags, changes, te)
+        _cpu_flags(flags, changes, te, keep_half=te and cp > 1)
     _common_flags(flags, changes, steps, dp)
     per_token = flags.has(PER_TOKEN_LOSS)
     split_terms = _per_micro_batch_losses(flags)
@@ -270,8 +271,9 @@ def plan_runs(user_args: Sequence[str], nproc: int, steps: int | None, cpu: bool
     if same_init:
         changes.append("the parallel run starts from the one-rank run's initial weights (Megatron's own "
                        f"torch_dist save and load): {'; '.join(reasons)}")
+    precision = (_half_precision(flags) or "--fp32")[2:]
     return RunPlan(nproc, flags.tokens(), one_rank.tokens(), changes, {**sizes, "dp": dp}, same_init,
-                   kind, lines)
+                   kind, lines, precision)
 
 
 def _transformer_engine(flags: Flags, changes: list[str], cp: int) -> bool:
@@ -286,17 +288,26 @@ def _transformer_engine(flags: Flags, changes: list[str], cp: int) -> bool:
                        f"installed in {te_dir()} (make installs it): Megatron's local layers")
         flags.set("--transformer-impl", "local")
         return False
-    if cp > 1:
+    if cp > 1 and not _half_precision(flags):
         te_only = next((flag for flag in TE_ONLY if flags.has(flag)), None)
         raise TrainInputError(
-            f"--context-parallel-size {cp} with --transformer-impl transformer_engine cannot run on a CPU: "
-            "the runs compare in float32, and Transformer Engine's context-parallel attention has no fp32 "
-            "backend (on a GPU neither); " + (f"{te_only} builds only with Transformer Engine, so drop the "
-                                              "context parallelism" if te_only else
-                                              "give --transformer-impl local for shardcheck's CP attention stand-in"))
+            f"--context-parallel-size {cp} with --transformer-impl transformer_engine in float32: Transformer "
+            "Engine's context-parallel attention runs in bf16 or fp16 only (its fused and flash backends take "
+            "nothing else, its unfused one has no context parallelism), on a GPU as here; give --bf16"
+            + (f" ({te_only} builds only with Transformer Engine)" if te_only else
+               ", or --transformer-impl local for shardcheck's CP attention stand-in in float32"))
+    if cp > 1:
+        half = _half_precision(flags)
+        changes.append(f"{half} kept: Transformer Engine's context-parallel attention runs in bf16 or fp16 only; "
+                       f"both runs train in {half[2:]} and are compared at its tolerance")
     changes.append("--transformer-impl transformer_engine kept: Transformer Engine's own layers, on shardcheck's "
                    "CPU kernels (its fused optimizers are CUDA kernels: Megatron's torch optimizer, as without TE)")
     return True
+
+
+def _half_precision(flags: Flags) -> str | None:
+    """The half-precision flag the user gave (``--bf16`` or ``--fp16``), else None."""
+    return next((flag for flag in ("--bf16", "--fp16") if flags.has(flag)), None)
 
 
 def _refuse_not_built(flags: Flags, te: bool) -> None:
@@ -338,7 +349,7 @@ def _names_the_hybrid_stack_spec(flags: Flags) -> bool:
             and tuple(spec) in HYBRID_SPECS)
 
 
-def _cpu_flags(flags: Flags, changes: list[str], te: bool) -> None:
+def _cpu_flags(flags: Flags, changes: list[str], te: bool, keep_half: bool) -> None:
     for flag, why in IMPOSSIBLE.items():
         if flags.has(flag):
             raise TrainInputError(f"{flag} cannot run on a CPU: {why}")
@@ -369,7 +380,7 @@ def _cpu_flags(flags: Flags, changes: list[str], te: bool) -> None:
     _recompute_without(flags, changes, "moe_act", "megatron-core recomputes the expert activation only with "
                        "the grouped GEMM, dropped on a CPU; recomputing is the same math")
     for flag in ("--bf16", "--fp16"):
-        if flags.drop(flag):
+        if not keep_half and flags.drop(flag):
             changes.append(f"{flag} dropped: the runs are compared in float32 (CPU half-precision "
                            "matmuls round differently from a GPU's)")
 

@@ -33,6 +33,12 @@ CLUSTER_ONLY = ("--async-save", "--use-persistent-ckpt-worker", "--ckpt-assume-c
                 "--manual-gc", "--manual-gc-interval")
 
 
+# Megatron-LM's MIMO and hybrid scripts pick their model with --model-provider; shardcheck's
+# entry point builds these (a hybrid or Mamba model from its layer pattern).
+MODEL_PROVIDER = "--model-provider"
+BUILT_PROVIDERS = frozenset({"gpt", "hybrid", "mamba"})
+
+
 @dataclass
 class ShrunkConfig:
     """The CPU job of a model config: its flags, its ranks, and the mapping applied."""
@@ -53,6 +59,11 @@ def flags_from_model_config(path: Path, nproc: int | None = None) -> ShrunkConfi
     args = dict(config.model_args)
     mapping: list[str] = []
     known = megatron_parser()._option_string_actions
+    provider = args.get(MODEL_PROVIDER, "gpt")
+    if MODEL_PROVIDER not in known and provider not in BUILT_PROVIDERS:
+        raise TrainInputError(f"{MODEL_PROVIDER} {provider}: the config's entry script builds that model (a flag of "
+                              "its script, not of megatron-core), which shardcheck's GPT entry point does not "
+                              "build; give their entry script with --entry")
     for flag in list(args):
         if flag not in known:
             mapping.append(f"{flag} left out: not a flag of this megatron-core")
