@@ -11,10 +11,12 @@ to the parent (its wall time less the slowest rank's: building the layout's Gloo
 the results, reading the collective logs; no CPU time), and the judgement against the reference.
 Wall and CPU seconds are the mean over the component's layouts, taken on the slowest rank.
 Then it runs the defaults tier of the plan and a sample of the option cases that pruning
-keeps, both measured in this run; the plan sizes come from the same read sets.
+keeps, both measured in this run; the plan sizes come from the same read sets. Last, the whole
+plan's size over every layout before pruning: the default plan's selection and ``--full``.
 
     python bench/audit_throughput.py                    # every component, the two-rank layouts
     python bench/audit_throughput.py --only gpt --layouts tp2,cp2 --sample 10
+    python bench/audit_throughput.py --only gdn,mamba --with seq=4   # a smaller setup, same run
 """
 
 from __future__ import annotations
@@ -44,8 +46,8 @@ def _clocked(totals: dict[str, float], name: str):
         totals[f"{name} cpu"] += time.process_time() - cpu
 
 
-def timed_case(ctx: Any, component: str, typecheck: bool) -> tuple[Any, dict[str, float]]:
-    """On each rank: the audit's run of the component's defaults, its construction timed from
+def timed_case(ctx: Any, component: str, options: tuple, typecheck: bool) -> tuple[Any, dict[str, float]]:
+    """On each rank: the audit's run of the component with ``options``, its construction timed from
     the first Megatron module built to the first Megatron module's forward (the model, DDP,
     the weights and the optimizer)."""
     import torch
@@ -69,7 +71,7 @@ def timed_case(ctx: Any, component: str, typecheck: bool) -> tuple[Any, dict[str
     hook = torch.nn.modules.module.register_module_forward_pre_hook(first_forward)
     try:
         with patched(MegatronModule, "__init__", first_built), _clocked(totals, "run"):
-            result = run_case(ctx, component, (), (), typecheck)
+            result = run_case(ctx, component, options, (), typecheck)
     finally:
         hook.remove()
     if {"built", "forward"} <= marks.keys():
@@ -80,22 +82,24 @@ def timed_case(ctx: Any, component: str, typecheck: bool) -> tuple[Any, dict[str
 
 
 def profile(runner: Any, cases: list[Any]) -> dict[str, dict[str, float]]:
-    """Each component's mean seconds per phase (wall, and CPU as ``<phase> cpu``) over its cases."""
+    """Each component's (with options: ``component (options)``) mean seconds per phase (wall, and
+    CPU as ``<phase> cpu``) over its cases."""
     from shardcheck.parity.pool import PoolFailure
 
     sums: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     counts: dict[str, int] = defaultdict(int)
     for case in cases:
-        got = sums[case.component]
+        got = sums[_row(case)]
         started = time.perf_counter()
-        ref = runner.reference(case.component, ())  # a one-rank run on the pools: its wall time
+        ref = runner.reference(case.component, case.options)  # a one-rank run on the pools: its wall time
         got["reference"] += time.perf_counter() - started
         if isinstance(ref, str):
             continue
         try:
-            unchecked = [t for _, t in runner.pools.run(case.layout, timed_case, case.component, False)]
+            unchecked = [t for _, t in runner.pools.run(case.layout, timed_case, case.component, case.options,
+                                                         False)]
             started = time.perf_counter()
-            ranks = runner.pools.run(case.layout, timed_case, case.component, True)
+            ranks = runner.pools.run(case.layout, timed_case, case.component, case.options, True)
         except PoolFailure:  # a layout the component's scenario refuses when it runs (gdn under pp)
             continue
         parent_wall = time.perf_counter() - started
@@ -110,8 +114,13 @@ def profile(runner: Any, cases: list[Any]) -> dict[str, dict[str, float]]:
         got["dispatch + transport"] += max(parent_wall - slowest["run"], 0.0)
         with _clocked(got, "judgement"):
             runner.judge(case, [result for result, _ in ranks], ref)
-        counts[case.component] += 1
+        counts[_row(case)] += 1
     return {name: {k: v / counts[name] for k, v in got.items()} for name, got in sums.items() if counts[name]}
+
+
+def _row(case: Any) -> str:
+    options = ", ".join(f"{k}={v}" for k, v in case.options)
+    return f"{case.component} ({options})" if options else case.component
 
 
 def profile_table(means: dict[str, dict[str, float]], layouts: int) -> Table:
@@ -131,12 +140,16 @@ def main() -> None:
     parser.add_argument("--only", default=None, help="comma-separated components (default: all)")
     parser.add_argument("--layouts", default=None, help="comma-separated layouts (default: every two-rank one)")
     parser.add_argument("--sample", type=int, default=20, help="option cases to time after the defaults")
+    parser.add_argument("--with", dest="variants", action="append", default=[], metavar="NAME=VALUE",
+                        help="also profile each component with this setup field (e.g. seq=4), in the same "
+                             "run, each case right after its defaults' (repeatable: one variant each)")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
 
     from shardcheck.megatron.audit.rank import CaseResult
     from shardcheck.megatron.audit.runner import Runner, pools
-    from shardcheck.megatron.audit.sweep import components_plan, layouts
+    from shardcheck.megatron.audit.schedule import in_default_plan
+    from shardcheck.megatron.audit.sweep import Case, components_plan, layouts, parse_value
     from shardcheck.megatron.scenarios import COMPONENTS
     from shardcheck.parity.layout import Layout
 
@@ -147,7 +160,9 @@ def main() -> None:
              if COMPONENTS[c.component].refuses(c.layout) is None]
     defaults = [c for c in cases if not c.options]
     with pools() as warm:
-        means = profile(Runner(warm, typecheck=True), defaults)
+        variants = [((name, parse_value(value)),) for name, _, value in (v.partition("=") for v in args.variants)]
+        means = profile(Runner(warm, typecheck=True),
+                        [v for c in defaults for v in [c, *(Case(c.component, o, c.layout) for o in variants)]])
         runner = Runner(warm, typecheck=True)  # the profile's references stay cached in the pools
         started = time.monotonic()
         ran = [runner.run(c) for c in defaults if isinstance(runner.reference(c.component, ()), CaseResult)]
@@ -176,6 +191,9 @@ def main() -> None:
     table.add_row("pruned: cases whose options the defaults never read",
                   f"{len(options) - len(kept)} ({100 * (len(options) - len(kept)) / max(len(options), 1):.0f}% "
                   "of the option cases)")
+    whole = components_plan(names, layouts(explicit=True))
+    table.add_row("whole plan over every layout, before pruning: default plan / --full (cases)",
+                  f"{sum(map(in_default_plan, whole))} / {len(whole)}")
     console.print(table)
 
 
