@@ -80,6 +80,25 @@ def partial_halves_both_used() -> torch.Tensor:
     return halves[0] + halves[1]
 
 
+def _sharded() -> torch.Tensor:
+    return sc.annotate(torch.randn(4, 6, generator=torch.Generator().manual_seed(3)), tp=sc.S(0))
+
+
+def norm_with_the_replicated_term_weighted_by_the_first_rank() -> torch.Tensor:
+    """Megatron's norm accounting as arithmetic: each rank's shard squared, the replicated
+    term counted on the first rank only (weighted by ``float(rank == 0)``), summed over tp: right."""
+    total = _sharded().pow(2).sum() + _replicated().pow(2).sum() * float(dist.get_rank() == 0)
+    dist.all_reduce(total)
+    return total
+
+
+def norm_with_the_replicated_term_on_every_rank() -> torch.Tensor:
+    """The same sum with the replicated term counted on every rank: a double count."""
+    total = _sharded().pow(2).sum() + _replicated().pow(2).sum()
+    dist.all_reduce(total)
+    return total
+
+
 def branch_decided_elsewhere() -> torch.Tensor:
     """The rank compared in another frame (a helper): the ops here are typed as usual."""
     first = _is_first()
@@ -106,7 +125,8 @@ def _tp_rank() -> int:
 
 PROGRAMS = [changed_on_first_rank, own_rows_by_branch, accumulated_on_first_rank_then_summed,
             accumulated_on_first_rank_then_scaled, accumulated_on_every_rank_then_scaled, rank_as_an_index, partial_chunk_by_rank, partial_chunk_by_a_rank_helper, partial_halves_both_used,
-            branch_decided_elsewhere, partial_after_a_branch]
+            branch_decided_elsewhere, partial_after_a_branch, norm_with_the_replicated_term_weighted_by_the_first_rank,
+            norm_with_the_replicated_term_on_every_rank]
 
 
 def _ranks() -> dict:
@@ -140,6 +160,7 @@ V, R, P, S0 = {"tp": "V"}, {"tp": "R"}, {"tp": "P"}, {"tp": "S(0)"}
     ("partial_chunk_by_a_rank_helper", [V, V]),
     ("partial_halves_both_used", [P, P]),
     ("branch_decided_elsewhere", [R, R]),
+    ("norm_with_the_replicated_term_weighted_by_the_first_rank", [R, R]),
 ])
 def test_types_after_a_branch_on_the_rank(ranks, program, types):
     """Each rank's type, and no report the ranks confirm together (a rank that accumulated
@@ -151,6 +172,12 @@ def test_types_after_a_branch_on_the_rank(ranks, program, types):
 def test_a_rule_broken_past_the_branch_is_reported(ranks):
     confirmed = sc.confirmed_across_ranks(rank["partial_after_a_branch"]["reports"] for rank in ranks)
     assert [v["rule"] for v in confirmed] == ["non-linear on partial"]
+
+
+def test_the_replicated_term_counted_on_every_rank_is_reported(ranks):
+    confirmed = sc.confirmed_across_ranks(rank["norm_with_the_replicated_term_on_every_rank"]["reports"]
+                                          for rank in ranks)
+    assert [v["rule"] for v in confirmed] == ["affine on partial"], confirmed
 
 
 def test_get_rank_is_itself_again_outside_the_region(ranks):

@@ -1,13 +1,15 @@
 """Branches on the rank: Python code that reads its rank in a group and decides on it.
 
 ``if rank == 0: x = x + b`` runs other ops on each rank; each rank types the ops it ran, so a
-replicated value changed on one rank only would still read R. Inside ``typecheck``,
+replicated value changed on one rank only would still read R (so would ``x * float(rank == 0)``,
+which computes with the comparison without branching). Inside ``typecheck``,
 ``torch.distributed.get_rank`` returns the rank as a :class:`RankNumber` when user code asks
 for a group of mesh axes: an int that, when compared or tested, tells the checker that the
 calling frame branches on the rank. The ops that frame runs inside the branch (from the jump
 that tests the rank to where the branches meet again) are typed V on those axes unless their
-rule proves otherwise (see ``Checker._after_rank_branch``). A comparison stored in a variable
-and tested later, or a branch that calls a function, is not followed.
+rule proves otherwise (see ``Checker._after_rank_branch``); so are the ops of the rest of the
+line of a comparison that is not branched on. A comparison stored in a variable and tested
+later, or a branch that calls a function, is not followed.
 
 A rank read as the index of a subscript (``x.chunk(n)[get_rank(group)]``) tells the checker
 which of the pieces a split just made each rank picks (``Checker.picked_by_rank``).
@@ -92,8 +94,8 @@ class RankBranches:
         self._spans: list[tuple[FrameType, int, int]] = []
 
     def decided(self, frame: FrameType, axes: tuple[int, ...]) -> None:
-        span = branch_span(frame.f_code, frame.f_lasti)
-        if span is None:  # the comparison is stored, not tested here: no branch to follow
+        span = branch_span(frame.f_code, frame.f_lasti) or statement_span(frame.f_code, frame.f_lasti)
+        if span is None:
             return
         known = self.frames.get(id(frame))
         if known is None or known[0] is not frame:
@@ -198,6 +200,18 @@ def branch_span(code, offset: int) -> tuple[int, int] | None:
     before = next((ins for ins in reversed(instructions) if ins.offset < target), None)
     merge = before.argval if before is not None and before.opname.startswith("JUMP_FORWARD") else target
     return jump.offset, max(target, merge)
+
+
+def statement_span(code, offset: int) -> tuple[int, int] | None:
+    """(comparison, end of its line): the rest of the statement that computes with a comparison
+    it does not branch on (``term * float(rank == 0)``: the term on the first rank only); None
+    when nothing follows it on the line. A comparison stored and tested later is not followed."""
+    instructions = _instructions(code)
+    at = _after(instructions, offset)
+    end = next((ins.offset for ins in instructions[at:] if ins.starts_line is not None), None)
+    if end is None:
+        end = instructions[-1].offset + 2
+    return (offset, end) if at < len(instructions) and instructions[at].offset < end else None
 
 
 def _forward_test(ins: dis.Instruction) -> bool:
