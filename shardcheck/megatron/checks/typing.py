@@ -30,7 +30,8 @@ import torch
 from shardcheck.typecheck.types import Mesh, Placement, R, S, SectionShard, V, parse_alternatives
 
 AXES = ("tp", "cp", "dp", "ep", "etp", "pp")
-INPUT_ROLES = ("tokens", "input_ids", "labels", "loss_mask", "position_ids", "attention_mask")
+INPUT_ROLES = ("tokens", "input_ids", "labels", "loss_mask", "position_ids", "attention_mask",
+               "padding_mask")
 _PG_FIELDS = {"tp": "tp", "cp": "cp", "dp": "dp", "ep": "ep", "etp": "expt_tp", "pp": "pp"}
 
 
