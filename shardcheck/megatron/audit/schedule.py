@@ -9,9 +9,10 @@ to larger layouts, within the same budget. A layout the component refuses, or wh
 fail, is not tried with options; a case whose options the defaults never read is pruned.
 
 The default plan is a selection of the whole plan (:func:`in_default_plan`): each component's
-defaults under every layout, its defaults on Transformer Engine, and each option set under every
-layout of at most two ranks (each parallel dimension alone, with its sp and ep variants). An
-option set that none of those runs (pruned there, or refused) runs at its first larger layout in
+defaults under every layout, its defaults on Transformer Engine, each option set under every
+layout of at most two ranks (each parallel dimension alone, with its sp and ep variants) and
+under one explicit-group layout (:data:`EXPLICIT_LAYOUTS`: where a collective on a global group
+instead of the model's shows). An option set that none of those runs (pruned there, or refused) runs at its first larger layout in
 plan order that it is not pruned at, so every option runs where it matters, if anywhere. The
 other cases are *left to --full*: counted per option set and reported with the command that runs
 them, never dropped silently (``shardcheck audit --full`` runs the whole plan).
@@ -19,6 +20,7 @@ them, never dropped silently (``shardcheck audit --full`` runs the whole plan).
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -26,19 +28,34 @@ from dataclasses import dataclass, field
 from shardcheck.megatron.audit.outcome import CONFIG_REFUSES, Outcome
 from shardcheck.megatron.audit.runner import INERT, Runner
 from shardcheck.megatron.audit.sweep import IMPL, Case
+from shardcheck.parity.layout import Layout
 
 Progress = Callable[[Case, int], None]
 DEFAULT_OPTION_WORLD = 2  # the default plan sweeps options under the layouts of this many ranks
+# ... and under the first of these the component runs under: tp and dp groups both in another
+# rank order than parallel_state's (the MoE components need sp with tp)
+EXPLICIT_LAYOUTS = ("tp2-dp2@dp-tp", "tp2-dp2-sp@dp-tp")
 NOT_REACHED = "not reached within the budget or time limit"
 
 
 def in_default_plan(case: Case) -> bool:
     """Whether the default plan runs the case whatever else ran: a component's defaults (every
     layout), its defaults on Transformer Engine (the TE tier), or an option set under a layout of
-    at most :data:`DEFAULT_OPTION_WORLD` ranks. (An option set none of those runs also runs at its
-    first larger layout that is not pruned, see :func:`sweep`.)"""
+    at most :data:`DEFAULT_OPTION_WORLD` ranks or under the component's explicit-group layout
+    (:func:`explicit_layout`). (An option set none of those runs also runs at its first larger
+    layout that is not pruned, see :func:`sweep`.)"""
     return (not case.options or case.options == ((IMPL, "te"),)
-            or case.layout.world_size <= DEFAULT_OPTION_WORLD)
+            or case.layout.world_size <= DEFAULT_OPTION_WORLD
+            or str(case.layout) == explicit_layout(case.component))
+
+
+@functools.cache
+def explicit_layout(component: str) -> str | None:
+    """The first of :data:`EXPLICIT_LAYOUTS` the component runs under (None: none)."""
+    from shardcheck.megatron.audit.sweep import runs_under
+
+    return next((name for name in EXPLICIT_LAYOUTS if runs_under(component, Layout.parse(name))
+                 and _refusal(Case(component, (), Layout.parse(name))) is None), None)
 
 
 @dataclass
