@@ -80,8 +80,11 @@ KNOWN = {
                                            "optimizer.py:156 in param_is_not_tensor_parallel_duplicate: {tp:S(0)}",
                                            TP_WEIGHTS_MARKED_WITHOUT_INIT_FIX),
     "global tp group": Known("gpt", {}, "tp2-cp2-sp@cp-tp", GLOBAL_GROUP_CONTRACT, "type+numeric",
-                             "checker: megatron/core/tensor_parallel/cross_entropy.py:130: all_reduce on "
-                             "parallel_state's global tp group [0, 1], but the model's pg_collection.tp is [0, 2]"),
+                             "checker: megatron/core/models/common/language_module/language_module.py:167: "
+                             "all_reduce on parallel_state's global tp group [0, 1], but the model's "
+                             "pg_collection.tp is [0, 2]; the group chosen in LanguageModule."
+                             "compute_language_model_loss, the collective issued at "
+                             "megatron/core/tensor_parallel/cross_entropy.py:130"),
     "gdn out_norm grad": Known("gdn", {}, "tp2", planted_fix=GDN_OUT_NORM_FIX),
     "learnable softmax offset": Known("gpt", {"softmax_type": "learnable"}, "tp2", None, "type+numeric",
                                       "checker: shard counted as replica at megatron/core/optimizer/optimizer.py:"

@@ -140,7 +140,8 @@ def test_an_expert_weight_not_marked_tensor_parallel_is_found_by_the_gradient_no
     [finding] = data["findings"]
     assert finding["trigger"] == {"component": "moe", "options": {"impl": "te"}, "layout": "tp2-sp"}
     assert finding["seen_in"][0] == "layouts: tp2-sp, tp2-dp2-ep2-sp"
-    assert finding["location"].startswith("megatron/core/optimizer/clip_grads.py:")  # the norm itself
+    # the line that declared the weight's tensor parallelism, where the fix goes (not the norm)
+    assert finding["location"] == f"{TE_FILE}:{number}", finding["location"]
     counted = {e["value"] for e in finding["effect"]} & {
         f"norm_counted/decoder.layers.mlp.experts.experts.linear_fc{n}.weight" for n in (1, 2)}
     assert counted, finding["effect"]

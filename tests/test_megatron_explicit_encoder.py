@@ -35,12 +35,13 @@ for module in PRELOAD:
 
 @dataclass(frozen=True)
 class Bug:
-    """Where the audit finds it, the layout it needs and one that agrees with one rank, the
-    fix: (file under megatron/core, pattern, replacement) edits, and whether the audit's
-    corrected control agrees with one rank (None: the finding has none, the checker's rule
-    broke first)."""
+    """Where the audit finds it (the file and function its fix changes), the layout it needs
+    and one that agrees with one rank, the fix: (file under megatron/core, pattern,
+    replacement) edits, and whether the audit's corrected control agrees with one rank (None:
+    the finding has none, the checker's rule broke first)."""
 
     location: str
+    function: str
     layout: Layout
     control: Layout
     fix: tuple[tuple[str, re.Pattern, str], ...]
@@ -51,19 +52,22 @@ EXPLICIT_SP = Layout.parse("tp2-dp2-sp@dp-tp")
 EXPLICIT = Layout.parse("tp2-dp2@dp-tp")
 BUGS = {
     # CrossAttention builds linear_q and linear_kv without tp_group=self.pg_collection.tp
-    "t5": Bug("megatron/core/tensor_parallel/layers.py", EXPLICIT_SP, EXPLICIT, ((
+    "t5": Bug("megatron/core/transformer/attention.py", "CrossAttention.__init__", EXPLICIT_SP, EXPLICIT, ((
         "transformer/attention.py",
         re.compile(r'(name=\(name \+ "\.linear_(?:q|kv)"\) if name is not None else None,\n)'),
-        r"\1            tp_group=self.pg_collection.tp,\n"),)),
+        r"\1            tp_group=self.pg_collection.tp,\n"),), corrected=True),
     # LLaVA's sequence-parallel scatter of the combined embeddings names no group
-    "multimodal": Bug("megatron/core/distributed/data_parallel_base.py", EXPLICIT_SP, EXPLICIT, ((
+    "multimodal": Bug("megatron/core/models/multimodal/llava_model.py", "LLaVAModel._process_embedding_token_parallel",
+                      EXPLICIT_SP, EXPLICIT, ((
         "models/multimodal/llava_model.py",
         re.compile(r"scatter_to_sequence_parallel_region\(\s*combined_embeddings\s*\)"),
-        "scatter_to_sequence_parallel_region(combined_embeddings, group=self.pg_collection.tp)"),)),
+        "scatter_to_sequence_parallel_region(combined_embeddings, group=self.pg_collection.tp)"),),
+                      corrected=True),
     # process_mtp_loss logs the MTP losses and acceptance counts averaged over parallel_state's
     # dp_cp group: the fix passes the model's group through (GPTModel's pg_collection.dp_cp).
     # Without cp: under cp the MTP loss's own CP bug (docs/megatron.md) diverges as well
-    "mtp": Bug("megatron/core/transformer/multi_token_prediction.py", EXPLICIT, Layout.parse("tp2-dp2"), (
+    "mtp": Bug("megatron/core/transformer/multi_token_prediction.py", "process_mtp_loss", EXPLICIT,
+               Layout.parse("tp2-dp2"), (
         ("transformer/multi_token_prediction.py", re.compile(r"(def process_mtp_loss\((?:.|\n)*?)(\) -> Tensor:)"),
          r"\1    dp_cp_group: Optional[torch.distributed.ProcessGroup] = None,\n\2"),
         ("transformer/multi_token_prediction.py",
@@ -83,14 +87,18 @@ def warm():
 
 @pytest.mark.parametrize("component", sorted(BUGS))
 def test_the_module_on_a_global_group_is_found_under_explicit_groups(warm, component):
-    """Found, with the corrected control where it has one (parallel_state's globals, their
-    aliases included, pointed at the explicit groups)."""
+    """Found at the line that chose the group (the constructor that built the layer without
+    it, the call that passed none: where the fix goes), the title naming that function and the
+    generic layer where the collective ran, with the corrected control (parallel_state's
+    globals, their aliases included, pointed at the explicit groups)."""
     bug = BUGS[component]
     result = audit([Case(component, (), bug.layout), Case(component, (), bug.control)], run_pools=warm)
     assert not result.errors and len(result.outcomes) == 2
     assert [(f.kind, f.location.rsplit(":", 1)[0], f.trigger["layout"],
              (f.control or {}).get("equal_to_reference")) for f in result.findings] == [
         ("type+numeric", bug.location, str(bug.layout), bug.corrected)]
+    title = result.findings[0].title
+    assert title.startswith("all_") and f" {bug.function}" in title and "loss differs" not in title, title
 
 
 @pytest.fixture(scope="module")

@@ -165,7 +165,9 @@ def _quiet_worker() -> None:
 
 @contextmanager
 def _entry_points() -> Iterator[list[str]]:
-    """Record the forward of the first megatron-core module the scenario runs (its entry point)."""
+    """Record the forward of the first megatron-core module the scenario runs (its entry point),
+    past the wrappers that hand the batch to the model they hold (DDP, ``Float16Module``: a
+    ``module`` attribute), whose forward is where every bug of the model would show."""
     import inspect
 
     from shardcheck.megatron.checks.contracts import _short
@@ -174,7 +176,8 @@ def _entry_points() -> Iterator[list[str]]:
 
     def record(module: torch.nn.Module, _args: Any) -> None:
         cls = type(module)
-        if not found and cls.__module__.startswith("megatron.core"):
+        wrapper = isinstance(getattr(module, "module", None), torch.nn.Module)
+        if not found and not wrapper and cls.__module__.startswith("megatron.core"):
             forward = inspect.unwrap(cls.forward)
             found.append(f"{_short(inspect.getsourcefile(forward))}:{inspect.getsourcelines(forward)[1]}")
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import enum
 import json
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -30,24 +31,54 @@ GLOBAL_GROUP_CONTRACT = ("collectives of a model given a pg_collection use its g
 
 
 def global_group_use(outcome) -> dict | None:
-    """The first collective the outcome issued on a global group its explicit groups replace."""
+    """The first collective the outcome issued on a global group its explicit groups replace,
+    at the first line of the function that chose that group (a constructor that builds two
+    layers without it is one place, whichever layer's collective ran first under a layout)."""
     from shardcheck.megatron.checks.explicit import RULE
 
-    return next((v for v in outcome.violations if v["rule"] == RULE), None)
+    uses = [v for v in outcome.violations if v["rule"] == RULE]
+    if not uses:
+        return None
+    first = uses[0]
+    place = (first["location"].rsplit(":", 1)[0], first.get("function"))
+    return min((v for v in uses if (v["location"].rsplit(":", 1)[0], v.get("function")) == place),
+               key=lambda v: int(v["location"].rsplit(":", 1)[1]))
 
 
 def violation_key(violation: dict) -> tuple[str, str]:
     return violation["location"], f"checker rule: {violation['rule']}"
 
 
+NORM_CONTRACT = ("a parameter cut over tp is declared so (tensor_model_parallel), and the gradient "
+                 "norm counts every rank's piece of it")
+
+
 def _key(outcome) -> tuple[str, str] | None:
+    """Where an outcome is located: the line that chose a global group it used, else its first
+    diverging contracted call upstream of the gradient norm, else the line that declared the
+    tensor parallelism of the parameter the norm miscounts, else the norm's own call."""
     misuse = global_group_use(outcome)
     if misuse is not None:
         return misuse["location"], GLOBAL_GROUP_CONTRACT
+    if outcome.call_gap is not None and not BY_NAME[outcome.call_gap.contract].downstream:
+        contract = BY_NAME[outcome.call_gap.contract]
+        return contract.location(), contract.notation()
+    if (declared := _declaration_site(outcome)) is not None:
+        return declared, NORM_CONTRACT
     if outcome.call_gap is not None:
         contract = BY_NAME[outcome.call_gap.contract]
         return contract.location(), contract.notation()
     return None
+
+
+def _declaration_site(outcome) -> str | None:
+    """``file:line`` in megatron-core where the parameter the norm miscounts got its tensor
+    parallelism declared (:func:`norm_declaration`), else None."""
+    found = _miscounted(outcome)
+    if found is None:
+        return None
+    site = re.search(r"(megatron/core/\S+?\.py:\d+)", found[1])
+    return site.group(1) if site else None
 
 
 def case_size(case: Case) -> tuple:
@@ -56,8 +87,9 @@ def case_size(case: Case) -> tuple:
 
 def _downstream(outcome) -> bool:
     """Whether the outcome is located only by a downstream contract (the gradient norm)."""
-    return (global_group_use(outcome) is None and outcome.call_gap is not None
-            and BY_NAME[outcome.call_gap.contract].downstream)
+    contract = BY_NAME[outcome.call_gap.contract] if outcome.call_gap is not None else None
+    return (contract is not None and contract.downstream
+            and _key(outcome) == (contract.location(), contract.notation()))
 
 
 def group(failed: Sequence) -> dict[tuple[str, str], list]:
@@ -171,14 +203,15 @@ def _explains(key: tuple[str, str], violation: dict) -> bool:
 
 
 def checker_line(location: str, members: Sequence, baseline_violations: set[tuple[str, str]]) -> str | None:
-    """The ``checker:`` line explaining a finding: a violation of any of its cases in the
-    finding's own file, else one that its trigger case (the first member) has and the same
-    component's default run under that layout has not (another case's violation elsewhere may
-    be another bug's)."""
+    """The ``checker:`` line explaining a finding: a violation of any of its cases at the
+    finding's own line, else in its file, else one that its trigger case (the first member)
+    has and the same component's default run under that layout has not (another case's
+    violation elsewhere may be another bug's)."""
     file = location.rsplit(":", 1)[0]
     same_file = [v for o in members for v in o.violations if v["location"].rsplit(":", 1)[0] == file]
+    same_line = [v for v in same_file if v["location"] == location]
     new = [v for v in members[0].violations if violation_key(v) not in baseline_violations]
-    chosen = (same_file or new or [None])[0]
+    chosen = (same_line or same_file or new or [None])[0]
     return chosen["line"] if chosen else None
 
 
@@ -195,20 +228,47 @@ def trigger(case: Case) -> dict[str, Any]:
 NORM_COUNTED = "norm_counted/"
 
 
-def title(key: tuple[str, str], minimal) -> str:
+def title(key: tuple[str, str], minimal, checker: str | None = None) -> str:
+    """What is wrong, in words: a global-group use names the group and where it was chosen; a
+    parameter the gradient norm miscounts, where its tensor parallelism was declared; a numeric
+    divergence its first diverging value, opened by the rule its ``checker`` line names (in
+    words, :data:`~shardcheck.typecheck.violations.HELP`) where it has one."""
     case = minimal.case
     opts = ", ".join(f"{k}={v}" for k, v in case.options) or "default options"
     if (misuse := global_group_use(minimal)) is not None:
         return (f"{misuse['op']} on parallel_state's global {misuse['group']} group instead of the "
-                f"model's pg_collection.{misuse['group']} under {case.layout} ({opts})")
+                f"model's pg_collection.{misuse['group']}{_chosen(misuse)} under {case.layout} ({opts})")
+    if key[1] == NORM_CONTRACT and (found := _miscounted(minimal)) is not None:
+        return f"the gradient norm miscounts {found[0]}, which {found[1]}, under {case.layout} ({opts})"
     if minimal.call_gap is not None:
         what = minimal.call_gap.gap.name.split(".", 1)[1]
-        return (f"{minimal.call_gap.contract}: {what} differs from one rank under {case.layout} ({opts})"
-                + norm_declaration(minimal))
+        return (f"{rule_words(checker)}{minimal.call_gap.contract}: {what} differs from one rank under "
+                f"{case.layout} ({opts})" + norm_declaration(minimal))
     if minimal.gaps:
-        return (f"{case.component}: {minimal.gaps[0].name} differs from one rank under {case.layout} ({opts})"
-                + norm_declaration(minimal))
+        return (f"{rule_words(checker)}{case.component}: {minimal.gaps[0].name} differs from one rank under "
+                f"{case.layout} ({opts})" + norm_declaration(minimal))
     return f"{minimal.violations[0]['rule']} in {case.component} under {case.layout} ({opts})"
+
+
+def rule_words(checker: str | None) -> str:
+    """A title's opening from a ``checker:`` line: what its rule says is wrong, the rule and
+    where (``''`` for no line, or a rule without words)."""
+    from shardcheck.typecheck.violations import HELP
+
+    rule, _, rest = (checker or "").removeprefix("checker: ").partition(" at ")
+    if rule not in HELP:
+        return ""
+    return f"{HELP[rule][0]} ({rule} at {rest.split(' in ', 1)[0]}), so "
+
+
+def _chosen(misuse: dict) -> str:
+    """Where a global-group use's group was chosen, and where the collective showed, as a
+    title's words ('' for a record without them, or one chosen where it was issued)."""
+    function, showed = misuse.get("function"), misuse.get("showed")
+    if not function or showed == misuse["location"]:
+        return f" in {function}" if function else ""
+    made = "builds the layer" if function.endswith(".__init__") else "makes the call"
+    return f": {function} {made} without it (issued at {showed})"
 
 
 def norm_declaration(outcome) -> str:
@@ -219,16 +279,20 @@ def norm_declaration(outcome) -> str:
     clipped) is off by more than :data:`MISCOUNT` beyond the clipping factor's change (which
     scales every parameter alike), while its gradient (``grad/KEY``) is right.
     """
+    found = _miscounted(outcome)
+    return f"; the norm counts {found[0]}, which {found[1]}" if found else ""
+
+
+def _miscounted(outcome) -> tuple[str, str] | None:
+    """The parameter the outcome's gradient norm counts furthest off, and its declaration."""
     gaps = {g.name: g for g in outcome.gaps}
     clip = gaps.get("clip_factor")
     scale = _ratio(clip) ** 2 if clip is not None else 1.0
     off = {g.name[len(NORM_COUNTED):]: abs(_ratio(g) / scale - 1) for g in outcome.gaps
            if g.name.startswith(NORM_COUNTED) and f"grad/{g.name[len(NORM_COUNTED):]}" not in gaps}
     declared = getattr(outcome, "declared", {})  # outcomes of older shares have none
-    for name in sorted(off, key=lambda n: -off[n]):
-        if off[name] > MISCOUNT and name in declared:
-            return f"; the norm counts {name}, which {declared[name]}"
-    return ""
+    return next(((name, declared[name]) for name in sorted(off, key=lambda n: -off[n])
+                 if off[name] > MISCOUNT and name in declared), None)
 
 
 MISCOUNT = 0.01  # a shard counted once instead of per rank is off by half or more
@@ -283,12 +347,28 @@ def _finding_lines(n: int, f: Finding) -> list[str]:
         lines += [f"  - `{e['value']}`: observed {show_number(e['observed'])}, reference "
                   f"{show_number(e['reference'])}, max abs error {e['max_abs_error']:.3g} "
                   f"(relative {e['max_rel_error']:.3g})" for e in f.effect]
-        lines.append(f"- **corrected control**: {f.control['fix']} -> {f.control['result']}" if f.control
-                     else "- **corrected control**: none (no evident fix for this contract)")
+        lines.append(f"- **corrected control**: {control_line(f, fix=True)}")
     lines += ["- **seen in**:", *[f"  - {line}" for line in f.seen_in], f"- **reproduce**: `{f.reproduce}`"]
     if f.repro:
         lines.append(f"- **repro script**: {script_line(f, quote='`')}")
     return lines + [""]
+
+
+def verified(f: Finding) -> bool:
+    """Whether the finding's corrected control ran and made the outputs equal to the reference:
+    only then is its fix shown (else the finding has no verified fix)."""
+    return bool(f.control and f.control.get("equal_to_reference"))
+
+
+def control_line(f: Finding, fix: bool = False) -> str:
+    """A finding's corrected control as the report shows it: its result (with the fix, when
+    ``fix``) only where it ran and made the outputs equal to the reference, else that the
+    finding has no verified fix."""
+    if verified(f):
+        return f"{f.control['fix']} -> {f.control['result']}" if fix else f.control["result"]
+    if f.control:
+        return "no verified fix (the fix tried leaves the outputs differing)"
+    return "no verified fix (no fix to try for this place)"
 
 
 def script_line(f: Finding, quote: str = "") -> str:

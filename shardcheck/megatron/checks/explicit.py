@@ -10,19 +10,26 @@ the global ones stay {0,1},{2,3}) this module
   ``dist.new_group`` over the explicit layout's ranks that span the same dimensions;
 * records code that ignores it (:func:`global_group_uses`): a collective issued on one of
   ``parallel_state``'s global groups whose ranks differ from the collection's group of the
-  same field, with the line that issued it (in megatron-core, or in our own harness);
+  same field, located at the line that chose the group (:func:`_chooser`): the constructor
+  line that built the generic layer without the model's group, or the call that passed none,
+  with the line that issued the collective as where it showed;
 * gives the corrected control (:func:`globals_follow_explicit`): ``parallel_state``'s globals
   pointed at the collection's groups, so code that reads them gets the explicit groups.
 """
 
 from __future__ import annotations
 
+import os
+import sys
 import traceback
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from math import prod
+from types import FrameType
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from shardcheck.parity.layout import BASE_DIMS, Layout
@@ -136,6 +143,84 @@ def _caller() -> str:
     return f"{_short(frame.filename)}:{frame.lineno}"
 
 
+# megatron-core's generic building blocks: their group is their caller's choice (an argument,
+# or parallel_state's global when the caller passes none), so a wrong group is their caller's bug
+GENERIC = ("megatron/core/tensor_parallel/", "megatron/core/utils.py", "megatron/core/parallel_state.py",
+           "megatron/core/process_groups_config.py")
+# the functions of megatron.core.utils that fall back to parallel_state's global group
+GROUP_DEFAULTS = ("get_tensor_model_parallel_group_if_none",)
+_MEGATRON = "/megatron/core/"
+
+
+def _site(frame: FrameType) -> str:
+    return f"{_short(frame.f_code.co_filename)}:{frame.f_lineno} in {frame.f_code.co_qualname}"
+
+
+def _chooser(frame: FrameType | None, group: Any, built: Any = None) -> str | None:
+    """``file:line in function`` of the megatron-core line that chose ``group`` for a
+    collective (or a group-taking call) at ``frame``. Walking out from ``frame``, a
+    megatron-core function that received the group as an argument leaves the choice to its
+    caller; one that received another group and used this one chose it; outside the generic
+    layers (:data:`GENERIC`) one that received none chose it (it read or omitted it); inside
+    them, the module whose constructor took the global group (``built``: module -> site) chose
+    it there. None where the walk leaves megatron-core first (the harness chose it)."""
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if _MEGATRON in name:
+            given = _arguments(frame)
+            if group is not None and any(value is group for value in given):
+                pass
+            elif any(isinstance(value, dist.ProcessGroup) for value in given) \
+                    or not _short(name).startswith(GENERIC):
+                return _site(frame)
+            elif built is not None:
+                owner = frame.f_locals.get("self")
+                if isinstance(owner, torch.nn.Module) and owner in built:
+                    return built[owner]
+        elif not name.startswith(_PASSED):
+            return None
+        frame = frame.f_back
+    return None
+
+
+def _arguments(frame: FrameType) -> list[Any]:
+    """The values the parameters of the function running at ``frame`` hold now."""
+    code = frame.f_code
+    names = code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]
+    return [frame.f_locals.get(n) for n in names]
+
+
+# frames the walk passes: torch, the standard library, shardcheck's probes around megatron-core
+_SHARDCHECK = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_PASSED = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(os.__file__) + os.sep,
+           *(os.path.join(_SHARDCHECK, *part) for part in (("megatron", "checks", ""), ("typecheck", ""),
+                                                           ("patching.py",))))
+
+
+def _constructing(frame: FrameType | None) -> torch.nn.Module | None:
+    """The megatron-core module whose constructor runs at ``frame`` or outside it, innermost first."""
+    while frame is not None:
+        owner = frame.f_locals.get("self") if frame.f_code.co_name == "__init__" else None
+        if isinstance(owner, torch.nn.Module) and _MEGATRON in frame.f_code.co_filename:
+            return owner
+        frame = frame.f_back
+    return None
+
+
+def _aliases(originals: dict[int, Any]) -> list[tuple[Any, str, Any]]:
+    """(module, name, original) for each loaded megatron-core module attribute that is one of
+    ``originals`` (by id): ``dist_all_gather_func = torch.distributed.all_gather_into_tensor``
+    binds the collective at import, out of reach of a patch of ``torch.distributed``."""
+    found = []
+    for module_name, module in list(sys.modules.items()):
+        if module is None or not module_name.startswith("megatron.core"):
+            continue
+        for name, value in list(vars(module).items()):
+            if id(value) in originals:
+                found.append((module, name, value))
+    return found
+
+
 def _replaced(pg: Any) -> dict[int, tuple[str, tuple[int, ...], tuple[int, ...]]]:
     """By id of a global group: its field, its ranks and the collection's, where they differ."""
     from megatron.core import parallel_state as ps
@@ -152,11 +237,47 @@ def _replaced(pg: Any) -> dict[int, tuple[str, tuple[int, ...], tuple[int, ...]]
 @contextmanager
 def global_group_uses(pg: Any) -> Iterator[list[dict]]:
     """Record every collective issued on a global group that the collection replaces with
-    different ranks; each record is a violation dict (rule, location, op, line)."""
+    different ranks; each record is a violation dict (rule, location, op, line, showed).
+
+    ``location`` is the line that chose the group (:func:`_chooser`), ``showed`` the line that
+    issued the collective. Where the group was chosen: a generic layer's constructor that falls
+    back to the global (:data:`GROUP_DEFAULTS`) records its caller; an autograd function
+    given the global group records its caller for its backward (run later, from no caller);
+    a ``parallel_state`` getter records the megatron-core line that read the global, for a
+    collective that takes the group from where that line stored it."""
     misused = _replaced(pg)
     found: list[dict] = []
-    seen: set[tuple[str, str]] = set()
+    seen: set[tuple[str, str, str]] = set()
     inside: list[str] = []
+    built: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> chooser of its group
+    nodes: dict[int, tuple[Any, str | None]] = {}  # id(grad_fn) -> (grad_fn, chooser)
+
+    reads: dict[int, dict[str, None]] = {}  # id(global group) -> the sites that read it, last last
+
+    def chosen(frame: FrameType | None, group: Any) -> str | None:
+        node = torch._C._current_autograd_node()
+        if node is not None and id(node) in nodes:
+            return nodes[id(node)][1]
+        root = _chooser(frame, group, built)
+        read = reads.get(id(group), {})
+        if root is None or not read or root in read:
+            return root
+        # the line that issued it read the group from a store (a tracker, an attribute): the
+        # last megatron-core function that read it from parallel_state chose it
+        return next(reversed(read))
+
+    def getter(original: Any) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            result = original(*args, **kwargs)
+            if id(result) in misused:
+                frame = sys._getframe(1)
+                site = _chooser(frame, None)
+                if site is not None:
+                    read = reads.setdefault(id(result), {})
+                    read.pop(site, None)
+                    read[site] = None
+            return result
+        return run
 
     def probed(op: str, original: Any) -> Any:
         def run(*args: Any, **kwargs: Any) -> Any:
@@ -166,13 +287,12 @@ def global_group_uses(pg: Any) -> Iterator[list[dict]]:
             if group is None:
                 group = next((a for a in args if isinstance(a, dist.ProcessGroup)), None)
             hit = misused.get(id(group)) if group is not None else None
-            if hit is not None and (op, location := _caller()) not in seen:
-                seen.add((op, location))
-                name, used, meant = hit
-                found.append({"rule": RULE, "location": location, "op": op, "group": name,
-                              "line": f"checker: {location}: {op} on parallel_state's global {name} "
-                                      f"group {list(used)}, but the model's pg_collection.{name} "
-                                      f"is {list(meant)}"})
+            if hit is not None:
+                showed = _caller()
+                root = chosen(sys._getframe(1), group) or showed
+                if (op, root, showed) not in seen:
+                    seen.add((op, root, showed))
+                    found.append(_use(op, hit, root, showed))
             inside.append(op)
             try:
                 return original(*args, **kwargs)
@@ -181,15 +301,62 @@ def global_group_uses(pg: Any) -> Iterator[list[dict]]:
         run.__name__ = getattr(original, "__name__", op)
         return run
 
+    def defaulted(original: Any) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            result = original(*args, **kwargs)
+            if id(result) in misused:
+                owner = _constructing(sys._getframe(1))
+                if owner is not None and owner not in built:
+                    built[owner] = _chooser(sys._getframe(1), result)
+            return result
+        return run
+
+    apply = torch.autograd.Function.__dict__["apply"].__func__
+
+    def applied(cls: Any, *args: Any, **kwargs: Any) -> Any:
+        result = apply(cls, *args, **kwargs)
+        group = next((a for a in (*args, *kwargs.values()) if id(a) in misused), None)
+        if group is not None:
+            root = _chooser(sys._getframe(1), group, built)
+            for out in result if isinstance(result, tuple) else (result,):
+                if isinstance(out, torch.Tensor) and out.grad_fn is not None:
+                    nodes[id(out.grad_fn)] = (out.grad_fn, root)
+        return result
+
     namespaces = (dist, dist.distributed_c10d)
     saved = [(ns, op, getattr(ns, op)) for ns in namespaces for op in COLLECTIVES if hasattr(ns, op)]
     wrapped = {id(original): probed(op, original) for _, op, original in saved}
+    from megatron.core import parallel_state as ps
+    from megatron.core import utils
+
+    defaults = {id(getattr(utils, name)): defaulted(getattr(utils, name)) for name in GROUP_DEFAULTS}
+    getters = {id(f): getter(f) for name, f in vars(ps).items()
+               if name.startswith("get_") and "group" in name and callable(f)}
+    swaps = {**wrapped, **defaults, **getters}
+    patches = [(ns, op, wrapped[id(original)]) for ns, op, original in saved]
+    patches += [(module, name, swaps[id(value)]) for module, name, value in _aliases(swaps)]
+    patches.append((torch.autograd.Function, "apply", classmethod(applied)))
     try:
-        with patched_attrs([(ns, op, wrapped[id(original)]) for ns, op, original in saved]):
+        with patched_attrs(patches):
             yield found
     finally:
+        nodes.clear()
+        reads.clear()
         if _uses:
             _uses[-1].extend(found)
+
+
+def _use(op: str, hit: tuple[str, tuple[int, ...], tuple[int, ...]], root: str, showed: str) -> dict:
+    """The violation of one collective on a replaced global group: located at ``root`` (the
+    line that chose the group), showing at ``showed`` (the line that issued it)."""
+    name, used, meant = hit
+    location, _, function = root.partition(" in ")
+    line = (f"checker: {location}: {op} on parallel_state's global {name} group {list(used)}, but the "
+            f"model's pg_collection.{name} is {list(meant)}")
+    if location != showed:
+        line += f"; the group chosen in {function}, the collective issued at {showed}"
+    return {"rule": RULE, "location": location, "op": op, "group": name, "function": function,
+            "showed": showed, "line": line}
 
 
 @contextmanager
