@@ -117,6 +117,17 @@ def test_main_grad_is_checked_instead_of_grad(mesh):
         assert [f.rule for f in sc.check_gradients(model)] == ["unreduced gradient"]
 
 
+def test_check_gradients_reports_where_it_is_told(mesh):
+    model = nn.Linear(4, 3, bias=False)
+    with sc.typecheck(mesh, mode="collect"):
+        sc.annotate_parameters(model, tp=R)
+        model.weight.grad = sc.annotate(torch.zeros(3, 4), tp=P)
+        sc.check_gradients(model, at="model.py:7")
+        sc.check_gradients(model)
+        locations = [v.location for v in sc.violations()]
+    assert locations[0] == "model.py:7" and locations[1].startswith(__file__)
+
+
 def test_annotate_parameters_by_glob_pattern(mesh):
     model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
     with sc.typecheck(mesh):

@@ -71,16 +71,17 @@ def annotate_parameters(model: ParamsLike,
     return model
 
 
-def check_gradients(model_or_params: ParamsLike) -> list[GradientFinding]:
+def check_gradients(model_or_params: ParamsLike, at: str | None = None) -> list[GradientFinding]:
     """Check every typed parameter's gradient; report (raise or collect) and return the findings.
 
     Must run inside ``sc.typecheck``. Parameters or gradients without a type are skipped.
+    ``at``: the ``file:line`` to report them at (by default the caller's line).
     """
     checker = _checker.current()
     if checker is None:
         raise RuntimeError("shardcheck: call check_gradients inside `with sc.typecheck(mesh):`")
     findings = _findings(checker, _named(model_or_params))
-    report(checker, findings, "check_gradients")
+    report(checker, findings, "check_gradients", at)
     return findings
 
 

@@ -21,7 +21,9 @@ as dicts with ``rule``, ``location``, ``op`` and ``line`` (the ``checker:`` line
 from __future__ import annotations
 
 import contextlib
+import inspect
 import io
+import re
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -468,3 +470,30 @@ def _in_megatron(location: str) -> bool:
 def _short(location: str) -> str:
     index = location.rfind("/megatron/")
     return location[index + 1:] if index >= 0 else location
+
+
+def construction_site(root: torch.nn.Module, name: str) -> str | None:
+    """``file:line`` where parameter ``name`` of ``root`` is built: the ``self.A_log = ...`` of
+    the class that holds it, or, for a parameter of one of torch's generic modules (a norm's
+    ``weight``), the ``self.out_norm = ...`` of that module's owner, whose constructor gives it
+    its metadata. None when no class's source assigns it."""
+    *path, leaf = name.split(".")
+    module = root.get_submodule(".".join(path))
+    site = None if type(module).__module__.startswith("torch.") else _assignment(type(module), leaf)
+    if site is None and path:
+        site = _assignment(type(root.get_submodule(".".join(path[:-1]))), path[-1])
+    return site
+
+
+def _assignment(cls: type, attribute: str) -> str | None:
+    """``file:line`` of the first ``self.<attribute> = ...`` in the sources of ``cls``'s classes."""
+    assignment = re.compile(rf"^\s*self\.{re.escape(attribute)}\s*(:[^=]+)?=[^=]")
+    for base in cls.__mro__:
+        try:
+            lines, first = inspect.getsourcelines(base)
+        except (OSError, TypeError):
+            continue
+        for offset, line in enumerate(lines):
+            if assignment.match(line):
+                return f"{inspect.getsourcefile(base)}:{first + offset}"
+    return None

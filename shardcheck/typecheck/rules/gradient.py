@@ -65,14 +65,15 @@ def _message(finding, location: str, op: str) -> str:
     ])
 
 
-def report(checker: Any, findings: list, op: str) -> None:
-    """Raise the first finding (listing the rest), or record each new one in collect mode.
+def report(checker: Any, findings: list, op: str, location: str | None = None) -> None:
+    """Raise the first finding (listing the rest), or record each new one in collect mode, at
+    ``location`` (by default the calling user line).
 
     A finding has ``rule``, ``param``, ``axis``, ``why``, ``fix`` and ``describe()``.
     """
     if not findings:
         return
-    location = user_location()
+    location = location or user_location()
     if checker.mode == "raise":
         first = findings[0]
         also = [f"  also: {f.rule}: {f.describe()}" for f in findings[1:]]
