@@ -1,7 +1,8 @@
 """The default plan's selection (``shardcheck audit`` without ``--full``): every component's
-defaults under every layout, the Transformer Engine tier, each option set under every two-rank
-layout and one explicit-group layout (and once where it is first read, when none of those reads
-it); the rest is counted
+defaults under every layout, the Transformer Engine tier, each option set under the cheapest
+layout of each parallel dimension, the scenario's own option classes under one explicit-group
+layout (and an option set once where it is first read, when none of those reads it); the rest
+is counted
 as left to --full, which runs a superset. The sweep runs here on a stand-in for the rank pools
 (every case runs clean), so the selection is checked without a rank."""
 
@@ -11,17 +12,16 @@ import pytest
 
 from shardcheck.megatron.audit.outcome import Outcome
 from shardcheck.megatron.audit.schedule import (
-    DEFAULT_OPTION_WORLD,
     Swept,
     explicit_layout,
     in_default_plan,
+    option_layouts,
     sweep,
 )
 from shardcheck.megatron.audit.sweep import IMPL, Case, layouts, plan, runs_under
 from shardcheck.parity.layout import Layout
 
 LAYOUTS = layouts(explicit=True)
-SMALL = [lay for lay in LAYOUTS if lay.world_size <= DEFAULT_OPTION_WORLD]
 DEEP = (("deep", True),)  # an option no two-rank or explicit-group layout reads
 
 
@@ -65,14 +65,14 @@ def test_the_default_plan_runs_defaults_everywhere_and_options_under_two_ranks(c
     applicable = [c for c in cases if not _refused(c)]
     assert {c for c in applicable if not c.options} <= set(ran)  # every component x layout
     assert {c for c in applicable if c.options == ((IMPL, "te"),)} <= set(ran)  # the TE tier
+    assert option_layouts("gpt") == ("tp2", "cp2", "dp2", "pp2")  # one per parallel dimension
     assert {c for c in applicable if c.options in ((("a", True),), (("b", "x"),))
-            and (c.layout.world_size <= 2 or str(c.layout) == "tp2-dp2@dp-tp")} == {
-        c for c in ran if c.options and c.options[0][0] in "ab"}
+            and str(c.layout) in option_layouts("gpt")} == {c for c in ran if c.options and c.options[0][0] in "ab"}
     # an option that none of those reads runs once, at its first larger layout in plan order
     first = next(c for c in applicable if c.options == DEEP and c.layout.world_size > 2
                  and not c.layout.explicit_groups)
     assert [c for c in ran if c.options == DEEP] == [first]
-    assert {"tp2", "cp2", "pp2", "tp2-dp2@dp-tp"} <= set(swept.pruned[("gpt", DEEP)])
+    assert {"tp2", "cp2", "dp2", "pp2"} <= set(swept.pruned[("gpt", DEEP)])
     assert set(swept.left_to_full) == {("gpt", (("a", True),)), ("gpt", (("b", "x"),)), ("gpt", DEEP)}
     assert not swept.not_swept and not swept.stopped_early
 
@@ -83,7 +83,7 @@ def test_full_runs_what_the_default_plan_ran_and_what_it_left_to_full(cases):
     assert set(ran) < set(everything) and not full.left_to_full
     assert len(everything) == len(ran) + sum(default.left_to_full.values())
     left = [c for c in everything if c not in set(ran)]
-    assert all(c.layout.world_size > 2 and str(c.layout) != explicit_layout(c.component) for c in left)
+    assert all(c.options and not in_default_plan(c) for c in left)
     assert {(c.component, c.options) for c in left} == set(default.left_to_full)
 
 
@@ -104,8 +104,9 @@ def test_the_time_limit_leaves_option_sets_not_reached_apart_from_those_left_to_
 def test_the_real_plan_selects_every_component_layout_and_option_class():
     """Over gpt's real options (setup fields, config fields, GPTModel arguments, bundles) and
     two more components: the selection keeps each component's defaults under every layout it
-    runs under, and every option set under every two-rank layout and its explicit-group layout
-    (tp and dp groups in another order; with sp for the MoE router)."""
+    runs under, every option set under the first layout of each parallel dimension it runs
+    under, and the scenario's own option classes (setup fields, model arguments, bundles) under
+    its explicit-group layout (tp and dp groups in another order; with sp for the MoE router)."""
     pytest.importorskip("megatron.core")
     from shardcheck.megatron.audit.sweep import sweep_plan
 
@@ -115,13 +116,17 @@ def test_the_real_plan_selects_every_component_layout_and_option_class():
         assert {c.layout for c in selected if c.component == component and not c.options} == {
             lay for lay in LAYOUTS if runs_under(component, lay)}
     sets = {(c.component, c.options) for c in whole if c.options != ((IMPL, "te"),)}
-    assert {(c.component, c.options, c.layout) for c in selected if c.options} >= {
-        (component, options, lay) for component, options in sets for lay in SMALL if options}
+    assert {(c.component, c.options, str(c.layout)) for c in selected if c.options} >= {
+        (component, options, lay) for component, options in sets if options for lay in option_layouts(component)}
+    assert option_layouts("moe_router") == ("tp2-sp", "cp2", "dp2", "dp2-ep2", "pp2")
     assert explicit_layout("gpt") == "tp2-dp2@dp-tp" and explicit_layout("moe_router") == "tp2-dp2-sp@dp-tp"
-    assert {(c.component, c.options) for c in selected if str(c.layout) == explicit_layout(c.component)} == sets
+    explicit = {(c.component, c.options) for c in selected if str(c.layout) == explicit_layout(c.component)}
+    assert {("gpt", (("loss_mask", True),)), ("gpt", (("GPTModel.forward.runtime_gather_output", True),))} <= explicit
+    assert any(len(options) > 1 for _, options in explicit)  # bundles
+    assert ("gpt", (("add_bias_linear", False),)) in sets - explicit  # a config field: left to --full
     names = {name for _, options in sets for name, _ in options}
     assert {"loss_mask", "recompute_granularity", "GPTModel.forward.runtime_gather_output"} <= names
-    assert all(c.layout.world_size > 2 for c in whole if not in_default_plan(c))
+    assert all(c.options and str(c.layout) not in option_layouts(c.component) for c in whole if not in_default_plan(c))
     assert Case("gpt", (), Layout(tp=2, cp=2, sp=True).regrouped("cp-tp")) in selected
 
 

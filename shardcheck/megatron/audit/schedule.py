@@ -9,17 +9,21 @@ to larger layouts, within the same budget. A layout the component refuses, or wh
 fail, is not tried with options; a case whose options the defaults never read is pruned.
 
 The default plan is a selection of the whole plan (:func:`in_default_plan`): each component's
-defaults under every layout, its defaults on Transformer Engine, each option set under every
-layout of at most two ranks (each parallel dimension alone, with its sp and ep variants) and
-under one explicit-group layout (:data:`EXPLICIT_LAYOUTS`: where a collective on a global group
-instead of the model's shows). An option set that none of those runs (pruned there, or refused) runs at its first larger layout in
-plan order that it is not pruned at, so every option runs where it matters, if anywhere. The
-other cases are *left to --full*: counted per option set and reported with the command that runs
-them, never dropped silently (``shardcheck audit --full`` runs the whole plan).
+defaults under every layout, its defaults on Transformer Engine, each option set under the
+cheapest layout of each parallel dimension the component runs under (:data:`OPTION_LAYOUTS`:
+tp2, or tp2-sp where tp needs sp; cp2; dp2; dp2-ep2; pp2), and each option set of the scenario's
+own classes (its setup fields and inputs, the model's arguments, bundles) under one
+explicit-group layout (:data:`EXPLICIT_LAYOUTS`), where a collective on a global group instead
+of the model's shows. An option set that none of those runs (pruned there, or refused) runs at
+its first larger layout in plan order that it is not pruned at, so every option runs where it
+matters, if anywhere. The other cases are *left to --full*: counted per option set and reported
+with the command that runs them, never dropped silently (``shardcheck audit --full`` runs the
+whole plan).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from collections.abc import Callable, Iterable
@@ -31,30 +35,55 @@ from shardcheck.megatron.audit.sweep import IMPL, Case
 from shardcheck.parity.layout import Layout
 
 Progress = Callable[[Case, int], None]
-DEFAULT_OPTION_WORLD = 2  # the default plan sweeps options under the layouts of this many ranks
-# ... and under the first of these the component runs under: tp and dp groups both in another
-# rank order than parallel_state's (the MoE components need sp with tp)
+# The default plan sweeps options under the first layout of each class the component runs under
+# (the MoE components need sp with tp) ...
+OPTION_LAYOUTS = (("tp2", "tp2-sp"), ("cp2",), ("dp2",), ("dp2-ep2",), ("pp2",))
+# ... and the scenario's own option classes under the first of these: tp and dp groups both in
+# another rank order than parallel_state's
 EXPLICIT_LAYOUTS = ("tp2-dp2@dp-tp", "tp2-dp2-sp@dp-tp")
 NOT_REACHED = "not reached within the budget or time limit"
 
 
 def in_default_plan(case: Case) -> bool:
     """Whether the default plan runs the case whatever else ran: a component's defaults (every
-    layout), its defaults on Transformer Engine (the TE tier), or an option set under a layout of
-    at most :data:`DEFAULT_OPTION_WORLD` ranks or under the component's explicit-group layout
-    (:func:`explicit_layout`). (An option set none of those runs also runs at its first larger
+    layout), its defaults on Transformer Engine (the TE tier), an option set under one of the
+    component's :func:`option_layouts`, or an option set of the scenario's own classes under its
+    :func:`explicit_layout`. (An option set none of those runs also runs at its first larger
     layout that is not pruned, see :func:`sweep`.)"""
-    return (not case.options or case.options == ((IMPL, "te"),)
-            or case.layout.world_size <= DEFAULT_OPTION_WORLD
-            or str(case.layout) == explicit_layout(case.component))
+    if not case.options or case.options == ((IMPL, "te"),):
+        return True
+    name = str(case.layout)
+    return name in option_layouts(case.component) or (
+        name == explicit_layout(case.component) and _scenario_class(case))
+
+
+def _scenario_class(case: Case) -> bool:
+    """Whether the case's options are of the scenario's own classes: a setup field (an input
+    among them), a model argument, or a bundle; not one field of the TransformerConfig sweep."""
+    from shardcheck.megatron.audit.sweep import model_argument
+    from shardcheck.megatron.scenarios import COMPONENTS
+
+    [(name, _), *more] = case.options
+    own = {f.name for f in dataclasses.fields(COMPONENTS[case.component].setup)}
+    return bool(more) or name in own or model_argument(name) is not None
+
+
+@functools.cache
+def option_layouts(component: str) -> tuple[str, ...]:
+    """The first layout of each class of :data:`OPTION_LAYOUTS` the component runs under."""
+    return tuple(name for name in (_first_run(component, names) for names in OPTION_LAYOUTS) if name)
 
 
 @functools.cache
 def explicit_layout(component: str) -> str | None:
     """The first of :data:`EXPLICIT_LAYOUTS` the component runs under (None: none)."""
+    return _first_run(component, EXPLICIT_LAYOUTS)
+
+
+def _first_run(component: str, names: tuple[str, ...]) -> str | None:
     from shardcheck.megatron.audit.sweep import runs_under
 
-    return next((name for name in EXPLICIT_LAYOUTS if runs_under(component, Layout.parse(name))
+    return next((name for name in names if runs_under(component, Layout.parse(name))
                  and _refusal(Case(component, (), Layout.parse(name))) is None), None)
 
 
