@@ -149,6 +149,11 @@ GENERIC = ("megatron/core/tensor_parallel/", "megatron/core/utils.py", "megatron
            "megatron/core/process_groups_config.py")
 # the functions of megatron.core.utils that fall back to parallel_state's global group
 GROUP_DEFAULTS = ("get_tensor_model_parallel_group_if_none",)
+# tensor_parallel's autograd functions whose forward keeps this rank's slice by the group's rank,
+# with no collective to probe: on a global group that the collection replaces, another rank's slice
+# (recorded as a split where no gradient flows back, e.g. GPTModel's MoE padding mask; else the
+# backward's all-gather is recorded at the same line)
+SPLITS = ("_ScatterToSequenceParallelRegion", "_ScatterToModelParallelRegion")
 _MEGATRON = "/megatron/core/"
 
 
@@ -279,6 +284,11 @@ def global_group_uses(pg: Any) -> Iterator[list[dict]]:
             return result
         return run
 
+    def note(op: str, hit: tuple[str, tuple[int, ...], tuple[int, ...]], root: str, showed: str) -> None:
+        if (op, root, showed) not in seen:
+            seen.add((op, root, showed))
+            found.append(_use(op, hit, root, showed))
+
     def probed(op: str, original: Any) -> Any:
         def run(*args: Any, **kwargs: Any) -> Any:
             if inside:  # the same call dispatched again (e.g. through a TorchFunctionMode)
@@ -289,10 +299,7 @@ def global_group_uses(pg: Any) -> Iterator[list[dict]]:
             hit = misused.get(id(group)) if group is not None else None
             if hit is not None:
                 showed = _caller()
-                root = chosen(sys._getframe(1), group) or showed
-                if (op, root, showed) not in seen:
-                    seen.add((op, root, showed))
-                    found.append(_use(op, hit, root, showed))
+                note(op, hit, chosen(sys._getframe(1), group) or showed, showed)
             inside.append(op)
             try:
                 return original(*args, **kwargs)
@@ -318,9 +325,14 @@ def global_group_uses(pg: Any) -> Iterator[list[dict]]:
         group = next((a for a in (*args, *kwargs.values()) if id(a) in misused), None)
         if group is not None:
             root = _chooser(sys._getframe(1), group, built)
-            for out in result if isinstance(result, tuple) else (result,):
-                if isinstance(out, torch.Tensor) and out.grad_fn is not None:
+            outputs = [out for out in (result if isinstance(result, tuple) else (result,))
+                       if isinstance(out, torch.Tensor)]
+            for out in outputs:
+                if out.grad_fn is not None:
                     nodes[id(out.grad_fn)] = (out.grad_fn, root)
+            if cls.__name__ in SPLITS and not any(out.grad_fn is not None for out in outputs):
+                showed = _caller()  # no backward collective will show it: the split itself
+                note("split", misused[id(group)], root or showed, showed)
         return result
 
     namespaces = (dist, dist.distributed_c10d)
@@ -354,7 +366,7 @@ def _use(op: str, hit: tuple[str, tuple[int, ...], tuple[int, ...]], root: str, 
     line = (f"checker: {location}: {op} on parallel_state's global {name} group {list(used)}, but the "
             f"model's pg_collection.{name} is {list(meant)}")
     if location != showed:
-        line += f"; the group chosen in {function}, the collective issued at {showed}"
+        line += f"; the group chosen in {function}, the {'split' if op == 'split' else 'collective'} issued at {showed}"
     return {"rule": RULE, "location": location, "op": op, "group": name, "function": function,
             "showed": showed, "line": line}
 
