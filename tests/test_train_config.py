@@ -131,3 +131,31 @@ def test_a_config_whose_script_builds_another_model_is_refused_not_trained_as_a_
             flags_from_model_config(config)
     else:
         assert "--model-provider left out: not a flag of this megatron-core" in flags_from_model_config(config).mapping
+
+
+@pytest.mark.parametrize("levels", ["2 2", '"[2 2]"'])  # as Megatron's functional tests write them
+def test_hierarchical_context_parallelism_keeps_its_levels_and_the_one_rank_run_drops_them(tmp_path, levels):
+    """A cp4 a2a+p2p job (levels 2 x 2): the pipeline shrinks first; the one-rank run has no CP to split."""
+    config = tmp_path / "model_config.yaml"
+    config.write_text("MODEL_ARGS:\n  --num-layers: 4\n  --hidden-size: 64\n  --num-attention-heads: 4\n"
+                      "  --pipeline-model-parallel-size: 2\n  --context-parallel-size: 4\n"
+                      f"  --cp-comm-type: a2a+p2p\n  --hierarchical-context-parallel-sizes: {levels}\n")
+    shrunk = flags_from_model_config(config)
+    assert _value(shrunk.flags, "--context-parallel-size") == "4"
+    assert _value(shrunk.flags, "--pipeline-model-parallel-size") == "1"
+    assert shrunk.flags[shrunk.flags.index("--hierarchical-context-parallel-sizes") + 1:][:2] == ["2", "2"]
+    plan = plan_runs(shrunk.flags, shrunk.nproc, 2)
+    assert "--cp-comm-type" in plan.parallel and "--cp-comm-type" not in plan.reference
+    assert "--hierarchical-context-parallel-sizes" not in plan.reference
+
+
+def test_with_tp_pp_dp_mapping_expert_tensor_parallelism_shrinks_with_tp_and_cp(tmp_path):
+    """Megatron's tp-pp-dp rank order asserts as many data-parallel ranks for experts as for attention."""
+    config = tmp_path / "model_config.yaml"
+    config.write_text("MODEL_ARGS:\n  --num-layers: 4\n  --hidden-size: 64\n  --num-attention-heads: 4\n"
+                      "  --tensor-model-parallel-size: 2\n  --pipeline-model-parallel-size: 2\n"
+                      "  --context-parallel-size: 2\n  --expert-tensor-parallel-size: 4\n"
+                      "  --use-tp-pp-dp-mapping: true\n")
+    shrunk = flags_from_model_config(config)
+    tp, cp = int(_value(shrunk.flags, "--tensor-model-parallel-size")), int(_value(shrunk.flags, "--context-parallel-size"))
+    assert int(_value(shrunk.flags, "--expert-tensor-parallel-size")) == tp * cp < 4

@@ -27,6 +27,8 @@ PIPELINE_SPLITS = ("--num-virtual-stages-per-pipeline-rank", "--num-layers-per-v
                    "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers",
                    "--pipeline-model-parallel-layout", "--account-for-embedding-in-pipeline-split",
                    "--account-for-loss-in-pipeline-split")
+# how context parallelism communicates: nothing to do on one rank
+CONTEXT_PARALLEL_SPLITS = ("--cp-comm-type", "--hierarchical-context-parallel-sizes")
 # flags whose CUDA code has no CPU path: refused, with the reason
 IMPOSSIBLE = {
     "--fp8-format": "FP8 needs Transformer Engine on a GPU",
@@ -454,7 +456,7 @@ def _one_rank(flags: Flags, tp: int, changes: list[str]) -> Flags:
     reference = flags.copy()
     for flag in PARALLEL_SIZES:
         reference.drop(flag)
-    for flag in (*PIPELINE_SPLITS, "--sequence-parallel"):
+    for flag in (*PIPELINE_SPLITS, *CONTEXT_PARALLEL_SPLITS, "--sequence-parallel"):
         reference.drop(flag)
     for flag in HYBRID_PATTERNS:
         pattern = reference.get(flag)

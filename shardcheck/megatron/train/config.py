@@ -10,6 +10,8 @@ and one line per value it changed.
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,6 +38,7 @@ CLUSTER_ONLY = ("--async-save", "--use-persistent-ckpt-worker", "--ckpt-assume-c
 # Megatron-LM's MIMO and hybrid scripts pick their model with --model-provider; shardcheck's
 # entry point builds these (a hybrid or Mamba model from its layer pattern).
 MODEL_PROVIDER = "--model-provider"
+HIERARCHICAL_CP = "--hierarchical-context-parallel-sizes"
 BUILT_PROVIDERS = frozenset({"gpt", "hybrid", "mamba"})
 
 
@@ -113,14 +116,26 @@ def _shrink_parallel(args: dict[str, str], mapping: list[str]) -> dict[str, int]
     sizes = {"tp": _int(args, "--tensor-model-parallel-size", 1),
              "pp": _int(args, "--pipeline-model-parallel-size", 1),
              "cp": _int(args, "--context-parallel-size", 1)}
+    levels = [int(v) for v in re.findall(r"\d+", args.get(HIERARCHICAL_CP, ""))]  # "2 2" or "[2, 2]"
     while _prod(sizes) > MAX_RANKS // 2 and max(sizes.values()) > 1:
-        largest = max(sizes, key=lambda k: sizes[k])
+        # hierarchical context parallelism (a2a+p2p) keeps its levels while another size can go
+        others = [k for k in sizes if sizes[k] > 1 and not (k == "cp" and levels)]
+        largest = max(others or sizes, key=lambda k: sizes[k])
         sizes[largest] //= 2
     flags = {"tp": "--tensor-model-parallel-size", "pp": "--pipeline-model-parallel-size",
              "cp": "--context-parallel-size"}
     for name, flag in flags.items():
         if flag in args:
             _set(args, mapping, flag, sizes[name], f"at most {MAX_RANKS} ranks, with room for dp2")
+    if args.get("--use-tp-pp-dp-mapping") == "true" and "--expert-tensor-parallel-size" in args:
+        # that rank order needs as many data-parallel ranks for experts as for attention
+        expert = max(1, sizes["tp"] * sizes["cp"] // _int(args, "--expert-model-parallel-size", 1))
+        _set(args, mapping, "--expert-tensor-parallel-size", expert, "with --use-tp-pp-dp-mapping, expert "
+             "tp x ep must stay tp x cp")
+    while levels and math.prod(levels) > sizes["cp"]:
+        levels[levels.index(max(levels))] //= 2
+    if levels:
+        _set(args, mapping, HIERARCHICAL_CP, " ".join(map(str, levels)), "their product is the context-parallel size")
     return sizes
 
 
