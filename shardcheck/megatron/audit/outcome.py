@@ -35,6 +35,14 @@ class Outcome:
     config_check: bool = False  # megatron-core's check of its arguments raised it
     ops: dict | None = None  # op calls in megatron-core over all ranks: typed, unknown, unknown_at
     declared: dict[str, str] = field(default_factory=dict)  # parameters' tp declarations, by key
+    in_megatron: bool = False  # the exception was raised in megatron-core's own code
+
+    @property
+    def one_rank_crash(self) -> bool:
+        """It raised on one rank (its reference, at ``Layout()``) in megatron-core's own code,
+        not refusing its arguments: a megatron-core bug that needs no layout."""
+        return (self.case.layout.world_size == 1 and self.error_kind == "error" and self.in_megatron
+                and self.refusal is None)
 
     @property
     def crashed(self) -> bool:
@@ -60,7 +68,7 @@ class Outcome:
         """The outcome of a case whose ranks raised, hung or desynced: the error's line, kind and
         innermost megatron-core frame, and whether megatron-core's argument checks raised it."""
         return cls(case, error=first_line(failure), error_kind=failure.kind, frame=_megatron_frame(failure),
-                   config_check=_in_config_check(failure), **known)
+                   config_check=_in_config_check(failure), in_megatron=_raised_in_megatron(failure), **known)
 
 
 _FRAME = re.compile(r'^ +File "([^"]*)", line \d+, in (\S+)', re.MULTILINE)
@@ -78,6 +86,21 @@ def _megatron_frame(failure: PoolFailure) -> str | None:
             path, line, function = frames[-1]
             return f"{contracts._short(path)}:{line} in {function}"
     return None
+
+
+# frames between megatron-core's code and the op that raised: torch's, and shardcheck's CPU
+# stand-ins and checker modes that pass each op on
+_PASSED_ON = ("/torch/", "/shardcheck/megatron/cpu/", "/shardcheck/typecheck/", "/shardcheck/patching.py")
+
+
+def _raised_in_megatron(failure: PoolFailure) -> bool:
+    """Whether the first traceback's last exception was raised in megatron-core's own code: its
+    innermost frame outside torch and shardcheck's CPU layer is megatron-core's (an op that
+    megatron-core called and that refused its tensors counts as megatron-core's)."""
+    whole = failure.tracebacks[min(failure.tracebacks)] if failure.tracebacks else ""
+    frames = _FRAME.findall(whole.rsplit("Traceback (most recent call last):", 1)[-1])
+    own = [path for path, _ in frames if not any(part in path for part in _PASSED_ON)]
+    return bool(own) and _MEGATRON in own[-1]
 
 
 def _raised_type(text: str) -> str:
