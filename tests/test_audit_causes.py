@@ -63,7 +63,7 @@ def test_seen_in_lists_layouts_and_changing_options_and_counts_the_rest():
 # ---- on real megatron-core ----------------------------------------------------------------
 
 SMOOTHING, OTHER_SMOOTHING = (("label_smoothing", 0.1),), (("label_smoothing", 0.2),)
-GATHERED = (("parallel_output", False),)
+GATHERED, RUNTIME_GATHERED = (("parallel_output", False),), (("runtime_gather_output", True),)
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +75,7 @@ def pair():
     return audit([Case("output_loss", SMOOTHING, tp2), Case("output_loss", SMOOTHING, tp2sp),
                   Case("output_loss", (*SMOOTHING, ("runtime_gather_output", False)), tp2),
                   Case("output_loss", OTHER_SMOOTHING, tp2), Case("output_loss", GATHERED, tp2),
-                  Case("output_loss", (), tp2)])
+                  Case("output_loss", RUNTIME_GATHERED, tp2sp), Case("output_loss", (), tp2)])
 
 
 @pytest.mark.slow
@@ -89,6 +89,20 @@ def test_two_independent_bugs_at_one_call_site_are_two_findings(pair):
     assert smoothing.control["equal_to_reference"] and not gathered.control["equal_to_reference"]
     assert gathered.reproduce.endswith("--set parallel_output=False")
     assert [c["options"] for c in gathered.cases] == [{"parallel_output": False}]
+
+
+@pytest.mark.slow
+def test_gathered_logits_by_either_option_are_one_finding_with_no_verified_fix(pair):
+    """parallel_output=False and runtime_gather_output=True pass the same gathered logits to the
+    vocab-parallel cross-entropy: one finding with both triggers; the smoothing fix tried on it
+    does not repair it, so it shows no fix."""
+    from shardcheck.megatron.audit.report import control_line
+
+    [gathered] = [f for f in pair.findings if f.trigger["options"] == dict(GATHERED)]
+    assert [(s["options"], s["layout"]) for s in gathered.same_fix] == [(dict(RUNTIME_GATHERED), "tp2-sp")]
+    assert gathered.checker.startswith("checker: double count at megatron/core/tensor_parallel/cross_entropy.py:")
+    assert control_line(gathered) == "no verified fix (the fix tried leaves the outputs differing)"
+    assert gathered.title.startswith("a SUM all-reduce of a replicated value adds n copies"), gathered.title
 
 
 @pytest.mark.slow
@@ -110,7 +124,7 @@ def test_no_finding_holds_a_case_independent_of_its_trigger(pair, tmp_path):
     audit_report.write(tmp_path, pair.findings, pair.summary())
     data = json.loads((tmp_path / "findings.json").read_text())
     assert data["findings"] and all(independent_cases(f) == [] for f in data["findings"])
-    assert data["coverage"]["output_loss"]["option_sets_run"] == 5
+    assert data["coverage"]["output_loss"]["option_sets_run"] == 6
     assert data["coverage"]["output_loss"]["plain_layouts"] == ["tp2", "tp2-sp"]
     assert (tmp_path / "report.md").read_text().index("## Coverage") < \
         (tmp_path / "report.md").read_text().index("## Findings")

@@ -253,7 +253,7 @@ def _print_summary(result, summary: dict, out_dir: Path, source) -> None:
     from rich.console import Console
 
     from shardcheck.fuzz.findings import show_number
-    from shardcheck.megatron.audit.report import script_line
+    from shardcheck.megatron.audit.report import control_line, script_line
 
     console = Console(highlight=False, soft_wrap=True)
     console.print(f"audited: {source.line()}")
@@ -271,13 +271,15 @@ def _print_summary(result, summary: dict, out_dir: Path, source) -> None:
         options = ", ".join(f"{k}={v}" for k, v in f.config.items()) or "defaults"
         console.print(f"[{n}] {f.id} {f.kind}  {f.location}\n    {f.title}\n"
                       f"    trigger: {f.target} @ {f.layout} ({options})")
+        for other in f.same_fix:
+            also = ", ".join(f"{k}={v}" for k, v in other["options"].items()) or "defaults"
+            console.print(f"    trigger: {other['component']} @ {other['layout']} ({also})")
         for e in f.effect[:2]:
             console.print(f"    effect: {e['value']}: observed {show_number(e['observed'])} vs reference "
                           f"{show_number(e['reference'])}, max abs err {e['max_abs_error']:.3g}")
         if f.checker:
             console.print(f"    {f.checker}")
-        if f.control:
-            console.print(f"    corrected control: {f.control['result']}")
+        console.print(f"    corrected control: {control_line(f)}")
         if f.training_args:
             console.print(f"    {f.training_args}")
         console.print(f"    reproduce: {f.reproduce}\n    script: {script_line(f)}")

@@ -32,7 +32,7 @@ def build_findings(runner: Runner, outcomes: list[Outcome]) -> list[Finding]:
     for key, members in audit_report.group([o for o in outcomes if o.failed]).items():
         built = [_finding(runner, key, cause, baseline, first=n == 0)
                  for n, cause in enumerate(audit_report.causes(members))]
-        findings += _merged_by_fix(built)
+        findings += _merged_causes(built)
     findings += [_crash_finding(key, cause, first=n == 0)
                  for key, members in _crashes(outcomes).items()
                  for n, cause in enumerate(audit_report.causes(members))]
@@ -46,7 +46,7 @@ def _finding(runner: Runner, key: tuple[str, str], members: list[Outcome],
     checker = audit_report.checker_line(key[0], [minimal, *members], seen if minimal.case.options else set())
     return Finding.audited(
         audit_report.trigger(minimal.case), audit_report.effect(minimal), corrected_control(runner, minimal),
-        title=audit_report.title(key, minimal), kind=audit_report.kind(members, checker),
+        title=audit_report.title(key, minimal, checker), kind=audit_report.kind(members, checker),
         location=key[0], contract=key[1],
         first_divergence=minimal.call_gap.gap.summary() if minimal.call_gap else None,
         checker=checker, reproduce=audit_report.reproduce_command(minimal.case),
@@ -60,25 +60,39 @@ def _trigger_id(key: tuple[str, str], case: Case) -> str:
     return finding_id(key[0], "\0".join([key[1], *sorted(name for name, _ in case.options)]))
 
 
-def _merged_by_fix(found: list[Finding]) -> list[Finding]:
-    """Causes at one place whose triggers are independent but which the same corrected function
-    repairs (each corrected control equals the reference) are one: the first keeps the others'
-    triggers and cases under ``same_fix``."""
-    host: Finding | None = None
+def _merged_causes(found: list[Finding]) -> list[Finding]:
+    """Causes at one place whose triggers are independent but which are one bug: the same
+    corrected function repairs each (each corrected control equals the reference), or, with no
+    fix verified, each breaks the same type rule at the same line (the gathered logits that
+    ``parallel_output=False`` and ``runtime_gather_output=True`` both pass to the vocab-parallel
+    cross-entropy). The first keeps the others' triggers and cases under ``same_fix``."""
+    hosts: dict[tuple[str, str], Finding] = {}
     kept = []
     for finding in found:
-        repaired = bool(finding.control and finding.control["equal_to_reference"])
-        if repaired and host is not None and finding.control["fix"] == host.control["fix"]:
-            host.same_fix.append({**finding.trigger, "cases": finding.cases,
-                                  "corrected": finding.control["result"]})
-            layouts = sorted({c["layout"] for c in finding.cases})
-            host.seen_in.append(f"the same fix repairs the independent trigger "
-                                f"{_options_text(finding.trigger)} (under {', '.join(layouts)})")
+        key = _same_cause(finding)
+        host = hosts.get(key) if key is not None else None
+        if host is None:
+            if key is not None:
+                hosts[key] = finding
+            kept.append(finding)
             continue
-        if repaired and host is None:
-            host = finding
-        kept.append(finding)
+        host.same_fix.append({**finding.trigger, "cases": finding.cases,
+                              "corrected": finding.control["result"] if audit_report.verified(finding) else None})
+        layouts = sorted({c["layout"] for c in finding.cases})
+        why = "the same fix repairs" if key[0] == "fix" else "the same violation shows for"
+        host.seen_in.append(f"{why} the independent trigger {_options_text(finding.trigger)} "
+                            f"(under {', '.join(layouts)})")
     return kept
+
+
+def _same_cause(finding: Finding) -> tuple[str, str] | None:
+    """What makes two causes at one place one: the fix that repairs it, else (no verified fix)
+    the type rule and line its checker line names; None when neither is known."""
+    if audit_report.verified(finding):
+        return "fix", finding.control["fix"]
+    if finding.checker:
+        return "checker", finding.checker.removeprefix("checker: ").split(" in ", 1)[0]
+    return None
 
 
 def _options_text(trigger: dict) -> str:

@@ -1,0 +1,156 @@
+"""Where a finding is located: the line that chose a wrong group (walking out from the
+collective), one finding for causes that share a checker violation when no fix is verified,
+and a corrected control shown only where it repaired the finding. In-process, on recorded
+findings and on frames of code compiled under megatron-core-looking paths."""
+
+import sys
+
+import torch
+
+from shardcheck.fuzz.findings import Finding
+from shardcheck.megatron.audit.divergence import Gap
+from shardcheck.megatron.audit.findings import _merged_causes
+from shardcheck.megatron.audit.outcome import Outcome
+from shardcheck.megatron.audit.report import NORM_CONTRACT, control_line, global_group_use, title
+from shardcheck.megatron.audit.sweep import Case
+from shardcheck.megatron.checks.explicit import RULE, _chooser
+from shardcheck.parity.layout import Layout
+
+GENERIC = "/site/megatron/core/tensor_parallel/fake_layers.py"
+MODEL = "/site/megatron/core/models/fake_model.py"
+
+LAYERS = '''
+def collective(x, group):
+    return WHERE(sys._getframe(0), group)
+
+def scatter(x, group=None):
+    group = group or GLOBAL
+    return collective(x, group)
+
+def ignoring(x, group):
+    return WHERE(sys._getframe(0), GLOBAL)
+
+class Linear(torch.nn.Module):
+    def forward(self, x):
+        return collective(x, self.group)
+'''
+MODEL_CODE = '''
+def passes_none(x):
+    return scatter(x)
+
+def reads_and_passes(x):
+    group = GLOBAL
+    return forwards(x, group)
+
+def forwards(x, group):
+    return collective(x, group)
+
+def through_layer(layer, x):
+    return layer(x)
+
+def given_explicit(x, explicit):
+    return ignoring(x, explicit)
+'''
+
+
+def _namespace(where):
+    """Both fake files' functions in one namespace, each compiled under its own path."""
+    space = {"sys": sys, "torch": torch, "GLOBAL": GLOBAL, "WHERE": where}
+    exec(compile(LAYERS, GENERIC, "exec"), space)
+    exec(compile(MODEL_CODE, MODEL, "exec"), space)
+    return space
+
+
+GLOBAL = object()  # stands for parallel_state's global group
+
+
+def _line(code: str, path: str, text: str) -> str:
+    number = next(n for n, line in enumerate(code.splitlines()) if text in line)
+    return f"{path.split('/site/', 1)[1]}:{number + 1}"  # the code opens with a blank line 1
+
+
+def test_the_call_that_passes_no_group_is_the_root_not_the_generic_layer_that_ran_it():
+    space = _namespace(lambda frame, group: _chooser(frame, group))
+    assert space["passes_none"](1) == f"{_line(MODEL_CODE, MODEL, 'return scatter(x)')} in passes_none"
+
+
+def test_a_group_passed_down_as_an_argument_is_chosen_where_it_was_read():
+    space = _namespace(lambda frame, group: _chooser(frame, group))
+    assert space["reads_and_passes"](1) == f"{_line(MODEL_CODE, MODEL, 'return forwards(x, group)')} in reads_and_passes"
+
+
+def test_a_layer_built_without_the_group_is_located_where_it_was_built():
+    built = {}
+    space = _namespace(lambda frame, group: _chooser(frame, group, built))
+    layer = space["Linear"]()
+    layer.group = GLOBAL
+    built[layer] = "megatron/core/transformer/attention.py:2097 in CrossAttention.__init__"
+    assert space["through_layer"](layer, 1) == built[layer]
+
+
+def test_the_harness_choosing_the_group_gives_no_megatron_root():
+    space = _namespace(lambda frame, group: _chooser(frame, group))
+    assert space["collective"](1, GLOBAL) is None  # called from this test: the harness
+
+
+def test_a_generic_function_that_ignores_the_group_it_was_given_is_the_root():
+    import torch.distributed as dist
+
+    explicit = dist.ProcessGroup(dist.HashStore(), 0, 1)  # the model's group, never initialised
+    space = _namespace(lambda frame, group: _chooser(frame, group))
+    assert space["given_explicit"](1, explicit) == f"{_line(LAYERS, GENERIC, 'WHERE(sys._getframe(0), GLOBAL)')} in ignoring"
+
+
+def _use(line: int, function: str = "CrossAttention.__init__", file: str = "megatron/core/transformer/attention.py"):
+    return {"rule": RULE, "location": f"{file}:{line}", "op": "all_reduce", "group": "tp", "function": function,
+            "showed": "megatron/core/tensor_parallel/layers.py:639", "line": f"checker: {file}:{line}: ..."}
+
+
+def test_a_constructor_building_two_layers_without_the_group_is_one_place_under_every_layout():
+    """Under sp the kv projection's all-gather runs first, without sp the q projection's
+    backward all-reduce: either way the finding is at the function's first such line."""
+    outcome = Outcome(Case("t5", (), Layout.parse("tp2-dp2-sp@dp-tp")),
+                      violations=[_use(2109), _use(2097), _use(50, "other", "megatron/core/x.py")])
+    assert global_group_use(outcome)["location"] == "megatron/core/transformer/attention.py:2097"
+    assert "CrossAttention.__init__ builds the layer without it (issued at megatron/core/tensor_parallel/" \
+        "layers.py:639)" in title(("", ""), outcome)
+
+
+def _finding(options: dict, checker: str | None, repaired: bool | None) -> Finding:
+    control = None if repaired is None else {"fix": "global smoothing", "equal_to_reference": repaired,
+                                             "result": "corrected == reference" if repaired else "still differs"}
+    trigger = {"component": "output_loss", "options": options, "layout": "tp2"}
+    return Finding.audited(trigger, [], control, title="t", kind="type+numeric", location="x.py:1", contract="c",
+                           checker=checker, cases=[{"layout": "tp2", "options": options}])
+
+
+DOUBLE = "checker: double count at megatron/core/tensor_parallel/cross_entropy.py:150 in c10d.allreduce_.default: {tp:R}"
+
+
+def test_causes_with_no_verified_fix_and_one_violation_are_one_finding_with_both_triggers():
+    smoothing = _finding({"label_smoothing": 0.1}, "checker: mean over shard at x.py:176 in aten.sub: {tp:R}", True)
+    gathered = _finding({"parallel_output": False}, DOUBLE, False)
+    runtime = _finding({"runtime_gather_output": True}, DOUBLE.replace("{tp:R}", "{tp:R, dp:R}"), False)
+    kept = _merged_causes([smoothing, gathered, runtime])
+    assert kept == [smoothing, gathered]
+    assert [s["options"] for s in gathered.same_fix] == [{"runtime_gather_output": True}]
+    assert gathered.same_fix[0]["corrected"] is None
+    assert "the independent trigger runtime_gather_output=True" in gathered.seen_in[-1]
+    # a fix shown only where it repaired the finding
+    assert control_line(smoothing) == "corrected == reference"
+    assert control_line(gathered).startswith("no verified fix")
+    assert control_line(_finding({}, None, None)).startswith("no verified fix")
+
+
+def test_causes_without_a_checker_line_or_a_verified_fix_stay_apart():
+    first, second = _finding({"a": 1}, None, False), _finding({"b": 1}, None, None)
+    assert _merged_causes([first, second]) == [first, second]
+
+
+def test_a_parameter_the_norm_miscounts_is_titled_by_where_its_tp_was_declared():
+    declared = {"w": "has no tensor_model_parallel (built at megatron/core/transformer/dot_product_attention.py:127 "
+                     "in __init__)"}
+    outcome = Outcome(Case("gpt", (("softmax_type", "learnable"),), Layout(tp=2)),
+                      [Gap("norm_counted/w", 0.5, 1.0, 0.5, 0.5, 1e-6)], declared=declared)
+    assert title(("megatron/core/transformer/dot_product_attention.py:127", NORM_CONTRACT), outcome) == (
+        f"the gradient norm miscounts w, which {declared['w']}, under tp2 (softmax_type=learnable)")
