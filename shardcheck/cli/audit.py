@@ -75,6 +75,12 @@ def _plan(only: tuple[str, ...], layouts_text: str | None, sets: tuple[str, ...]
 @click.option("--set", "sets", multiple=True, metavar="NAME=VALUE",
               help=("Run exactly these options (repeatable) instead of sweeping; used by reproduce commands. "
                     "impl=te runs gpt, moe, mtp, gdn or mamba on Transformer Engine."))
+@click.option("--full", is_flag=True,
+              help="Run the whole plan: every option set under every layout, without a time limit "
+                   "unless --time-limit is given. The default plan runs every component's defaults "
+                   "under every layout and each option under one layout per parallel dimension "
+                   "(and an explicit-group one), and counts the rest as left to --full "
+                   "(docs/audit.md); --layouts or --set runs every case asked for.")
 @click.option("--out", "out_dir", default="audit-out", show_default=True, type=click.Path(file_okay=False),
               help="Where report.md and findings.json go.")
 @click.option("--json", "as_json", is_flag=True, help="Print findings.json to stdout instead of the summary.")
@@ -90,7 +96,7 @@ def _plan(only: tuple[str, ...], layouts_text: str | None, sets: tuple[str, ...]
 @click.pass_context
 @input_errors(StoreError)
 def audit_command(ctx: click.Context, budget: int | None, time_limit: float | None, only: tuple[str, ...],
-                  layouts_text: str | None, sets: tuple[str, ...], out_dir: str, as_json: bool,
+                  layouts_text: str | None, sets: tuple[str, ...], full: bool, out_dir: str, as_json: bool,
                   no_typecheck: bool, megatron_path: str | None, root: str, shard_text: str | None) -> None:
     """Audit megatron-core: run its components over the generic sweep of options and layouts
     on Gloo ranks, compare each with one rank, type-check it, and report deduplicated findings.
@@ -114,17 +120,25 @@ def audit_command(ctx: click.Context, budget: int | None, time_limit: float | No
 
         cases = shard(cases, *share)
     _check_writable(out_dir, root)
-    limit = None if budget is not None or sets else 60 * (time_limit or DEFAULT_TIME_LIMIT_MIN)
+    limit = None if budget is not None or sets or full else 60 * DEFAULT_TIME_LIMIT_MIN
     if time_limit is not None:
         limit = 60 * time_limit
+    whole = full or bool(sets) or layouts_text is not None  # else the default plan's selection
     with _progress(len(cases) if budget is None else min(budget, len(cases)), as_json) as show:
         result = audit(cases, budget=budget, time_limit=limit, typecheck=not no_typecheck, progress=show,
-                       unbuilt=unbuilt)
+                       unbuilt=unbuilt, full=whole)
     if share is not None:
         from shardcheck.megatron.audit.shards import save_share
 
         save_share(result, *share, Path(out_dir))
-    _finish(result, started, out_dir, root, source, as_json, planned=len(cases))
+    _finish(result, started, out_dir, root, source, as_json, planned=len(cases),
+            rest=_rest_command(only, megatron_path))
+
+
+def _rest_command(only: tuple[str, ...], megatron_path: str | None) -> str:
+    """The command that runs the cases this audit's default plan left to --full (and the rest)."""
+    scope = "".join(f" --only {c}" for c in only) + (f" --megatron {megatron_path}" if megatron_path else "")
+    return f"shardcheck audit --full{scope}"
 
 
 def _share(text: str | None) -> tuple[int, int] | None:
@@ -171,12 +185,17 @@ def _check_writable(out_dir: str, root: str) -> None:
 
 
 def _finish(result, started: float, out_dir: str, root: str, source, as_json: bool,
-            planned: int | None = None) -> None:
-    """Scripts, store, report and summary of an audit result."""
+            planned: int | None = None, rest: str = "shardcheck audit --full") -> None:
+    """Scripts, store, report and summary of an audit result; ``rest`` is the command that
+    runs what the default plan left to --full."""
     from shardcheck.megatron.audit import report as audit_report
     from shardcheck.megatron.repro.scripts import save_with_scripts
 
     summary = result.summary()
+    if result.left_to_full:
+        summary["run the cases left to --full"] = (
+            f"{rest} --out audit-full; in N shares: {rest} --shard K/N --out share-K for K = 1..N, "
+            "then shardcheck audit merge share-1 ... share-N --out audit-full")
     save_with_scripts(result.findings, Path(out_dir), root, source)
     summary["wall time (s)"] = round(time.monotonic() - started, 1)
     audit_report.write(Path(out_dir), result.findings, summary, source)
@@ -260,8 +279,13 @@ def _print_summary(result, summary: dict, out_dir: Path, source) -> None:
     for component, why in result.unavailable.items():
         console.print(f"cannot run on this version: {component}: {why}")
     console.print(f"audit: {summary['cases run']} cases run, {summary['cases failed to run']} failed to run, "
-                  f"{summary['options not swept']} options not swept, {summary['wall time (s)']} s"
+                  f"{summary['options not swept']} options not swept ({result.not_reached} not reached), "
+                  f"{summary['wall time (s)']} s"
                   + (" (stopped at the limit)" if result.stopped_early else ""))
+    if result.left_to_full:
+        console.print(f"left to --full: {sum(result.left_to_full.values())} cases of "
+                      f"{len(result.left_to_full)} option sets outside the default plan; "
+                      f"run them: {summary['run the cases left to --full']}")
     confirmed = [f for f in result.findings if f.kind not in ("type-only", "crash")]
     crashes = [f for f in result.findings if f.kind == "crash"]
     typed_only = [f for f in result.findings if f.kind == "type-only"]
