@@ -98,6 +98,17 @@ def test_context_parallel_with_eod_masking_agrees_with_one_rank_when_the_loss_is
     assert not any(ln.startswith("first ") for ln in lines)
 
 
+def test_torch_fsdp2_agrees_with_one_rank_parameter_by_parameter():
+    """Megatron's torch FSDP2 wrapper on Gloo (its device mesh on the CPU, no NCCL options, no
+    CUDA_DEVICE_MAX_CONNECTIONS): each rank holds a share of each gradient, and the per-parameter
+    norms add the shares (they read one share, a quarter off, before)."""
+    result = CliRunner().invoke(main, ["train", "-n", "2", "--steps", "2", "--", *BASE, "--use-torch-fsdp2",
+                                       "--untie-embeddings-and-output-weights"])
+    lines = result.output.splitlines()
+    assert (result.exit_code, lines[-1]) == (0, "verdict: AGREE"), result.output
+    assert not any(line.startswith("note: per-parameter gradient norms not compared") for line in lines)
+
+
 def test_moe_with_expert_parallelism_agrees_and_counts_tokens_per_expert(tmp_path):
     plan = plan_runs(BASE + MOE + ["--expert-model-parallel-size", "2"], 2, STEPS)
     reference = run_training(plan.reference, 1, LAUNCH, "one-rank run", save_init=tmp_path)

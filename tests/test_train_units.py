@@ -220,6 +220,13 @@ assert torch.equal(fused_bias_gelu.bias_gelu(bias, y), plain(bias, y))
 assert utils.compile_helpers() is None and hasattr(helpers_cpp, 'build_sample_idx_int64')
 assert filesystem_async._process_memory() > 1 << 20
 assert torch.cuda.device_count() == 1 and not torch.cuda.is_available()
+from megatron.core import parallel_state
+assert parallel_state.get_nccl_options('dp', {'dp': {'is_high_priority_stream': True}}) is None
+from megatron.core.distributed import torch_fully_sharded_data_parallel as fsdp
+import torch.distributed as dist
+dist.init_process_group('gloo', init_method='tcp://127.0.0.1:0', rank=0, world_size=1)
+assert fsdp.DeviceMesh.from_group(dist.group.WORLD, 'cuda').device_type == 'cpu'
+dist.destroy_process_group()
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 adam = torch.optim.Adam([torch.nn.Parameter(torch.ones(2))])
 steps = lambda: [g['step'] for g in DistributedOptimizer.state_dict(
@@ -247,8 +254,8 @@ assert weight.tolist() == [1.0, 1.0]
 print(' '.join(applied_patches()))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.split() == ["typing_override", "allow_no_cuda", "device_count", "device_arch",
-                           "dataset_helpers", "eager_fusions", "process_memory", "optimizer_steps",
+    assert out.split() == ["typing_override", "allow_no_cuda", "device_count", "device_arch", "nccl_options",
+                           "fsdp_mesh", "dataset_helpers", "eager_fusions", "process_memory", "optimizer_steps",
                            "fp32_optimizer_load", "cpu"]
 
 

@@ -14,7 +14,11 @@ hold two megatron-core bugs that stop or change a resumed run (8-9):
    no-op (there is no device to select).
 4. ``device_arch``: argument validation reads the GPU generation from
    ``get_device_arch_version`` (``torch.cuda.get_device_properties``); it reports Hopper (9),
-   whose only consequence is that TP/CP need ``CUDA_DEVICE_MAX_CONNECTIONS=1``, which is set.
+   whose only consequence is that TP/CP need ``CUDA_DEVICE_MAX_CONNECTIONS=1``, which is set
+   (left unset for FSDP, which asserts more than one; a CPU has no CUDA streams to connect).
+4b. ``nccl_options``: some groups (FSDP's data-parallel one) are built with NCCL communicator
+   options (``parallel_state.get_nccl_options``: ``ProcessGroupNCCL.Options``, which a CPU
+   torch lacks); Gloo's groups take none.
 5. ``dataset_helpers``: ``initialize_megatron`` runs ``make`` in megatron-core's dataset folder
    to build ``helpers_cpp``; the wheel ships it prebuilt, so the build is skipped when it imports.
 6. ``eager_fusions``: Megatron's fused elementwise functions are wrapped in ``torch.compile``,
@@ -60,6 +64,7 @@ the CPU layer: the GPU path never calls it (:func:`cpu_layer_active` says whethe
 from __future__ import annotations
 
 import os
+import sys
 import typing
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -101,11 +106,40 @@ def _patch_device_count() -> None:
     torch.cuda.set_device = lambda *_args, **_kwargs: None
 
 
+FSDP_FLAGS = ("--use-torch-fsdp2", "--use-megatron-fsdp")
+
+
 def _patch_device_arch() -> None:
     from megatron.training import arguments
 
     arguments.get_device_arch_version = lambda: 9
-    os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
+    if any(flag in sys.argv for flag in FSDP_FLAGS):
+        os.environ.pop("CUDA_DEVICE_MAX_CONNECTIONS", None)  # what Megatron asserts for FSDP
+    else:
+        os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
+
+
+def _patch_nccl_options() -> None:
+    from megatron.core import parallel_state
+
+    parallel_state.get_nccl_options = lambda *_args, **_kwargs: None
+
+
+class _CpuDeviceMesh:
+    """torch's ``DeviceMesh`` as Megatron's FSDP2 wrapper uses it, on the CPU's device type."""
+
+    @staticmethod
+    def from_group(group, device_type, *args, **kwargs):
+        from torch.distributed import DeviceMesh
+
+        return DeviceMesh.from_group(group, "cpu" if device_type == "cuda" else device_type, *args, **kwargs)
+
+
+def _patch_fsdp_mesh() -> None:
+    from megatron.core.distributed import torch_fully_sharded_data_parallel as fsdp
+
+    if hasattr(fsdp, "DeviceMesh"):
+        fsdp.DeviceMesh = _CpuDeviceMesh
 
 
 def _patch_dataset_helpers() -> None:
@@ -199,7 +233,9 @@ def apply_training_patches() -> None:
 
     apply_cpu_patches()
     for name, patch in (("allow_no_cuda", _patch_allow_no_cuda), ("device_count", _patch_device_count),
-                        ("device_arch", _patch_device_arch), ("dataset_helpers", _patch_dataset_helpers),
+                        ("device_arch", _patch_device_arch), ("nccl_options", _patch_nccl_options),
+                        ("fsdp_mesh", _patch_fsdp_mesh),
+                        ("dataset_helpers", _patch_dataset_helpers),
                         ("eager_fusions", _patch_eager_fusions), ("process_memory", _patch_process_memory),
                         ("optimizer_steps", _patch_optimizer_steps),
                         ("fp32_optimizer_load", _patch_fp32_optimizer_load)):

@@ -6,7 +6,8 @@ Three wrappers, installed before ``pretrain`` runs, observe without changing any
 - the optimizer's ``step`` (wrapped once ``setup_model_and_optimizer`` built it) first reads
   each parameter's gradient (``main_grad``, reduced by ``finalize_model_grads``) as a sum of
   squares, keyed by the parameter's global name and, for a tensor-parallel shard, its rank in
-  the tensor-parallel group, so that the parent can add shards and drop replicas;
+  the tensor-parallel group (under torch FSDP2 also its data-parallel rank: each holds a share),
+  so that the parent can add shards and drop replicas;
 - the model ``setup_model_and_optimizer`` built is checked against the flags
   (:mod:`shardcheck.megatron.train.model_check`) and its layers' module classes recorded;
 - a forward hook on each MoE router counts the tokens each expert received, keyed by which
@@ -236,6 +237,9 @@ def _param_sums(model: list[Any]) -> dict[str, list[Any]]:
                 expert = not getattr(param, "allreduce", True)
                 rank = ps.get_expert_tensor_parallel_rank() if expert else ps.get_tensor_model_parallel_rank()
                 shard = f"{'e' if expert else ''}tp{rank}"
+            if hasattr(grad, "to_local"):  # torch FSDP2's gradient: this data-parallel rank's share of it
+                grad = grad.to_local()
+                shard += f"fsdp{ps.get_data_parallel_rank(with_context_parallel=True)}"
             size = grad.detach().abs()
             tiny = int((size <= size.max() * 2.0 ** -20).sum()) if size.numel() else 0
             sums[name] = [shard, float(grad.double().pow(2).sum()), int((grad == 0).sum()), tiny]
