@@ -203,7 +203,7 @@ def _finish(result, started: float, out_dir: str, root: str, source, as_json: bo
         click.echo((Path(out_dir) / "findings.json").read_text())
     else:
         _print_summary(result, summary, Path(out_dir), source)
-    if not summary["cases run"]:
+    if not summary["cases run"] and not result.findings:  # a one-rank crash is a finding
         raise InputError(_nothing_ran(summary, planned))
     if result.findings:
         sys.exit(EXIT_FOUND)

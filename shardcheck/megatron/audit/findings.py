@@ -34,7 +34,7 @@ def build_findings(runner: Runner, outcomes: list[Outcome]) -> list[Finding]:
                  for n, cause in enumerate(audit_report.causes(members))]
         findings += _merged_causes(built)
     findings += [_crash_finding(key, cause, first=n == 0)
-                 for key, members in _crashes(outcomes).items()
+                 for key, members in [*_crashes(outcomes).items(), *_one_rank_crashes(runner).items()]
                  for n, cause in enumerate(audit_report.causes(members))]
     return sorted(findings, key=lambda f: (f.kind, f.location, f.id))
 
@@ -113,18 +113,40 @@ def _crashes(outcomes: list[Outcome]) -> dict[tuple[str, str], list[Outcome]]:
     return found
 
 
+ONE_RANK_CONTRACT = "runs on one rank"
+ONE_RANK_CRASH = "one-rank crash"  # the kind of a crash in megatron-core's code that needs no layout
+
+
+def _one_rank_crashes(runner: Runner) -> dict[tuple[str, str], list[Outcome]]:
+    """Option sets whose one-rank reference raised in megatron-core's own code, not refusing
+    their arguments (:attr:`Outcome.one_rank_crash`), by place: the innermost megatron-core
+    frame and the exception type."""
+    found: dict[tuple[str, str], list[Outcome]] = {}
+    for outcome in (o for o in runner.one_rank_failures() if o.one_rank_crash and o.frame):
+        what = outcome.error.split(":", 1)[0]
+        found.setdefault((outcome.frame.split(" in ")[0], f"{ONE_RANK_CONTRACT} ({what})"), []).append(outcome)
+    return found
+
+
 def _crash_finding(key: tuple[str, str], members: list[Outcome], first: bool) -> Finding:
+    """A crash under a layout while one rank runs the case, or (a one-rank outcome) a crash in
+    megatron-core's code on one rank, which gets a script that raises it."""
     minimal = audit_report.minimal_case(members)
     case = minimal.case
+    alone = case.layout.world_size == 1
+    where = "on one rank" if alone else f"under {case.layout}"
     return Finding.audited(
         audit_report.trigger(case), [], None,
-        title=f"{case.component} {minimal.error_kind} under {case.layout} "
+        title=f"{case.component} {minimal.error_kind} {where} "
               f"({_options_text(audit_report.trigger(case))}): {minimal.error}"[:240],
-        kind="crash", location=key[0], contract=key[1], reproduce=audit_report.reproduce_command(case), seen_in=audit_report.seen_in(members, minimal),
+        kind=ONE_RANK_CRASH if alone else "crash", location=key[0], contract=key[1],
+        reproduce=audit_report.reproduce_command(case), seen_in=audit_report.seen_in(members, minimal),
         cases=[audit_report.case_entry(o.case) for o in members],
         id="" if first else _trigger_id(key, case), training_args=training_verdict(case),
-        one_rank=f"{minimal.error} (frame {minimal.frame or 'outside megatron-core'}); "
-                 f"the same component and options run on one rank")
+        one_rank=f"{minimal.error} (frame {minimal.frame or 'outside megatron-core'}); " + (
+            "megatron-core raises it in its own code on one rank, with no layout (its arguments "
+            "pass its checks); the component runs on one rank without these options" if alone
+            else "the same component and options run on one rank"))
 
 
 def _fix_of(minimal: Outcome) -> tuple[str, str] | None:

@@ -52,6 +52,7 @@ class Pools:
         self._pools: dict[int, RankPool] = {}
         self._te: TEHost | None = None
         self.references: dict[tuple[str, tuple, int], CaseResult | str] = {}
+        self.failures: dict[tuple[str, tuple, int], Outcome] = {}  # the references that raised
 
     def run(self, layout: Layout, fn: Callable[..., Any], *args: Any, impl: str = "local") -> list[Any]:
         if impl == "te":
@@ -115,6 +116,7 @@ class Runner:
         self.prune = True
         self._changed: dict[tuple, frozenset[str] | None] = {}
         self._meaning: dict[tuple, str | None] = {}
+        self._asked: dict[tuple[str, tuple, int], None] = {}  # references asked for, in order
 
     def not_read(self, case: Case) -> frozenset[str] | None:
         """The config fields the case's options change when the component's default run under
@@ -150,7 +152,15 @@ class Runner:
                                                       False, rng_offset, impl=impl_of(options))[0]
             except PoolFailure as failure:
                 self.references[key] = first_line(failure)
+                self.pools.failures[key] = Outcome.raised(Case(component, options, Layout()), failure)
+        self._asked.setdefault(key)
         return self.references[key]
+
+    def one_rank_failures(self) -> list[Outcome]:
+        """The option sets this runner screened whose one-rank reference raised, as outcomes at
+        one rank (their traceback read: a refusal of the arguments, or a crash in megatron-core)."""
+        return [self.pools.failures[key] for key in self._asked
+                if key in self.pools.failures and key[1] and not key[2]]
 
     def screen(self, component: str, options: tuple) -> str | None:
         """Why an option is not swept, else None: it fails or changes nothing at one rank, or

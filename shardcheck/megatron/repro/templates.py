@@ -27,7 +27,7 @@ from typing import Any
 
 from shardcheck.fuzz.findings import Finding
 from shardcheck.fuzz.repro import ReproError, ScriptBody
-from shardcheck.megatron.audit.findings import REPAIRED
+from shardcheck.megatron.audit.findings import ONE_RANK_CRASH, REPAIRED
 from shardcheck.megatron.audit.report import GLOBAL_GROUP_CONTRACT
 from shardcheck.megatron.audit.sweep import setup_kwargs
 from shardcheck.megatron.checks.contracts import BY_NAME, Contract
@@ -217,12 +217,27 @@ def script_body(finding: Finding) -> ScriptBody:
         constants += f"SECTIONS = {template.sections(setup, overrides)!r}  # of fused weights, cut over tp\n"
     constants += f"SIZES = {_sizes(finding.layout)!r}\nONE_RANK = {_sizes('')!r}\n"
     extras = [snippet for needed, snippet in template.extras if needed(layout, finding.config)]
+    if finding.kind == ONE_RANK_CRASH:  # it raises; the script shows where
+        constants += f"RAISED = {_raised(finding)!r}  # the exception and the megatron-core file it comes from\n"
     own = [Snippet(constants), template.code, *([fix] if fix is not None else []),
-           Snippet.of("fixed_entry_points" if fix is not None else "entry_points")]
+           Snippet.of(_entry_points(finding, fix))]
     support = [*template.before, *extras]
     return ScriptBody(code=_joined(own), support=_joined(support),
                       imports=_sorted_imports(s.imports for s in own + support),
                       has_corrected=fix is not None, sys_path=tuple(finding.sys_path))
+
+
+def _entry_points(finding: Finding, fix: Snippet | None) -> str:
+    """The part with the script's runs: a one-rank crash's, the fix's, or the plain ones."""
+    if finding.kind == ONE_RANK_CRASH:
+        return "crash_entry_points"
+    return "fixed_entry_points" if fix is not None else "entry_points"
+
+
+def _raised(finding: Finding) -> tuple[str, str]:
+    """A one-rank crash's exception type (from its contract, ``runs on one rank (RuntimeError)``)
+    and the megatron-core file it was raised in (its location, without the line)."""
+    return finding.contract.rpartition("(")[2].rstrip(")"), finding.location.rsplit(":", 1)[0]
 
 
 def _joined(snippets: list[Snippet]) -> str:

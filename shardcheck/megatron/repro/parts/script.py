@@ -16,6 +16,7 @@ SECTIONS: dict[str, list[int]] = {}  # of fused weights, cut over tp
 SIZES: dict[str, Any] = {}  # the finding's layout
 ONE_RANK: dict[str, Any] = {}  # the reference's layout
 CHECKER: str | None = None  # the checker's line the audit recorded
+RAISED: tuple[str, str] = ("", "")  # a one-rank crash's exception type and megatron-core file
 FIXED = False  # --fixed: run everything with the fix
 mamba_module: Any = None  # megatron's mamba_mixer, imported once its Triton helpers are stubbed
 
