@@ -75,6 +75,32 @@ def _schedule_check() -> object:
         micro_batch_size=1)
 
 
+def _torch_norm_check() -> object:
+    """megatron-core's local norm checks its config in ``WrappedTorchNorm.__new__``."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4,
+                               layernorm_zero_centered_gamma=True)
+    return WrappedTorchNorm(config, hidden_size=32)
+
+
+def _missing_cuda_extension() -> object:
+    """A column-parallel linear layer asked for gradient accumulation fusion, whose CUDA
+    extension this machine lacks (megatron-core checks it as it builds the layer)."""
+    import torch.distributed as dist
+    from megatron.core.model_parallel_config import ModelParallelConfig
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
+    try:
+        return ColumnParallelLinear(4, 4, config=ModelParallelConfig(gradient_accumulation_fusion=True, use_cpu_initialization=True),
+                                    init_method=torch.nn.init.zeros_, tp_group=dist.group.WORLD)
+    finally:
+        dist.destroy_process_group()
+
+
 def _split_mid_computation() -> object:
     from megatron.core.tensor_parallel.utils import split_tensor_along_last_dim
 
@@ -94,7 +120,8 @@ def _shape_mismatch_in_a_forward() -> object:
      "fused_softmax.py"),
     (_schedule_check, "ValueError: Non-interleaved pipeline parallelism does not support overlapping p2p "
      "communication", "in forward_backward_pipelining_without_interleaving"),
-], ids=["config-post-init", "constructor-assertion", "schedule-refuses-its-config"])
+    (_torch_norm_check, "AssertionError: zero_centered_gamma not supported by torch LayerNorm", "torch_norm.py"),
+], ids=["config-post-init", "constructor-assertion", "schedule-refuses-its-config", "norm-new-assertion"])
 def test_megatron_cores_own_argument_checks_are_refusals(call, error, frame):
     outcome = Outcome.raised(CASE, _raised(call))
     assert outcome.config_check and not outcome.crashed
@@ -164,3 +191,12 @@ def test_the_refusal_is_on_the_finding_in_findings_json_and_report_md(arguments,
     assert entry["training_args"] == training_verdict(case)
     assert Finding.from_report(entry).training_args == entry["training_args"]
     assert f"- **training arguments**: {entry['training_args']}\n" in (tmp_path / "report.md").read_text()
+
+
+def test_code_this_machine_lacks_is_not_a_one_rank_crash():
+    """megatron-core's own error for a CUDA extension that is not installed, on one rank: what
+    this machine lacks (listed as not swept), not a megatron-core bug."""
+    failure = _raised(_missing_cuda_extension)
+    outcome = Outcome.raised(Case("gpt", (), Layout()), failure)
+    assert "CUDA extension" in outcome.error and outcome.in_megatron
+    assert not outcome.one_rank_crash
