@@ -39,7 +39,8 @@ def test_the_arguments_the_scenario_leaves_at_their_defaults_are_swept():
             "GPTModel.forward.runtime_gather_output"} <= set(found)
     passed = passed_by_scenario("gpt", "__init__")
     assert {"share_embeddings_and_output_weights", "position_embedding_type", "vocab_size"} <= passed
-    assert {"input_ids", "position_ids", "attention_mask", "labels"} == passed_by_scenario("gpt", "forward")
+    assert {"input_ids", "position_ids", "attention_mask", "labels", "loss_mask", "padding_mask"} == \
+        passed_by_scenario("gpt", "forward")
     constructor = {n.split(".", 1)[1] for n in found if not n.startswith("GPTModel.forward.")}
     assert not constructor & passed
     assert constructor <= set(inspect.signature(GPTModel.__init__).parameters)

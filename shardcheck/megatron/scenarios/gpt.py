@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from shardcheck.megatron.cpu.parallel import (
+    LayoutUnsupported,
     explicit_kwargs,
     megatron_parallel,
     scenario_groups,
@@ -45,6 +46,12 @@ class GPTSetup:
     micro_batch: int = field(default=2, metadata={"fuzz": (1, 2)})
     microbatches: int = field(default=2, metadata={"fuzz": (2, 4)})
     loss_mask: bool = False
+    # GPTModel.forward's optional tensor inputs, drawn as a data pipeline makes them
+    # (:func:`global_batches`): padded tokens at the end of each sequence, unevenly many; the
+    # dataloader's causal attention mask, reset at document ends; packed sequences (THD)
+    padding_mask: bool = False
+    attention_mask: bool = False
+    packed_sequences: bool = False
     share_embeddings: bool = False
     position_embedding: str = "learned_absolute"
     optimizer_step: bool = True
@@ -112,29 +119,89 @@ def transformer_config(layout: Any, setup: GPTSetup, **extra: Any):
 
 
 def global_batches(setup: GPTSetup) -> list[dict[str, torch.Tensor]]:
-    """All microbatches of the global batch, identical on every rank and in every layout."""
+    """All microbatches of the global batch, identical on every rank and in every layout.
+
+    ``loss_mask``: each token kept with probability 0.6, so the valid counts differ between
+    sequences, micro-batches, data-parallel ranks and context-parallel pieces.
+    ``padding_mask``: :func:`padded_tokens` pad tokens end each sequence (``padding_mask`` True
+    there, the loss mask 0). ``attention_mask``: :func:`document_attention_mask`."""
     gen = torch.Generator().manual_seed(1000 + setup.seed)
     shape = (setup.microbatches, setup.micro_batch, setup.seq)
     tokens = torch.randint(0, setup.vocab, shape, generator=gen)
     labels = torch.randint(0, setup.vocab, shape, generator=gen)
     mask = (torch.rand(shape, generator=gen) < 0.6).float() if setup.loss_mask else torch.ones(shape)
     positions = torch.arange(setup.seq).expand(shape).contiguous()
-    return [dict(tokens=tokens[i], labels=labels[i], loss_mask=mask[i], position_ids=positions[i])
+    inputs: dict[str, torch.Tensor] = {}
+    if setup.padding_mask:
+        padding = padded_tokens(setup)
+        tokens = tokens.masked_fill(padding, PAD_TOKEN)
+        mask = mask.masked_fill(padding, 0.0)
+        inputs["padding_mask"] = padding
+    if setup.attention_mask:
+        inputs["attention_mask"] = document_attention_mask(setup)
+    return [dict(tokens=tokens[i], labels=labels[i], loss_mask=mask[i], position_ids=positions[i],
+                 **{name: value[i] for name, value in inputs.items()})
             for i in range(setup.microbatches)]
 
 
-def local_batches(setup: GPTSetup, pg: Any = None) -> list[dict[str, torch.Tensor]]:
-    """This rank's microbatches: a contiguous share per data-parallel rank, cut for its CP rank."""
+PAD_TOKEN = 0
+PACKED_ON_CPU = ("packed sequences (THD, cu_seqlens) need Transformer Engine's fused attention: "
+                 "megatron-core's local DotProductAttention refuses them, and shardcheck's CPU "
+                 "kernels implement only the sbhd and bshd layouts")
+
+
+def padded_tokens(setup: GPTSetup) -> torch.Tensor:
+    """[microbatches, micro_batch, seq], True at padding: the n-th sequence of the global batch
+    ends with ``(5n + 3) mod seq/2`` pad tokens (3, 0, 5, 2, ... at seq 16), so the padded counts
+    differ between micro-batches, data-parallel ranks and context-parallel pieces."""
+    count = setup.microbatches * setup.micro_batch
+    pads = (torch.arange(count) * 5 + 3) % (setup.seq // 2)
+    padding = torch.arange(setup.seq)[None, :] >= (setup.seq - pads)[:, None]
+    return padding.reshape(setup.microbatches, setup.micro_batch, setup.seq)
+
+
+def document_attention_mask(setup: GPTSetup) -> torch.Tensor:
+    """[microbatches, micro_batch, 1, seq, seq], True where attention is masked: causal, and
+    reset at each document's end, as Megatron's ``get_ltor_masks_and_position_ids`` makes it
+    with ``reset_attention_mask``. The n-th sequence's second document starts at ``(3n + 5)
+    mod (seq - 2) + 1``."""
+    count = setup.microbatches * setup.micro_batch
+    starts = (torch.arange(count) * 3 + 5) % (setup.seq - 2) + 1
+    position = torch.arange(setup.seq)
+    document = (position[None, :] >= starts[:, None]).int()  # [count, seq]: 0, then 1
+    later = position[None, :, None] < position[None, None, :]  # key after query
+    other = document[:, :, None] != document[:, None, :]
+    return (later | other)[:, None].reshape(setup.microbatches, setup.micro_batch, 1, setup.seq, setup.seq)
+
+
+def split_free(config) -> bool:
+    """Whether Megatron's loss does not depend on how the global batch is split into
+    micro-batches: per-token loss (summed over tokens, then divided by the global token count)
+    with no loss term computed per micro-batch (MoE's auxiliary and z losses)."""
+    per_micro_batch = config.moe_aux_loss_coeff, config.moe_z_loss_coeff
+    return bool(config.calculate_per_token_loss) and not any(
+        any(c if isinstance(c, list) else [c]) for c in per_micro_batch)
+
+
+def local_batches(setup: GPTSetup, pg: Any = None, whole: bool = False) -> list[dict[str, torch.Tensor]]:
+    """This rank's microbatches: a contiguous share per data-parallel rank, cut for its CP rank.
+    ``whole`` (one rank only): the whole global batch in one micro-batch."""
     from megatron.core.utils import get_batch_on_this_cp_rank
 
     from shardcheck.megatron.cpu.versions import cp_batch_kwargs
 
+    batches = global_batches(setup)
+    if whole:
+        return [{name: torch.cat([b[name] for b in batches]) for name in batches[0]}]
     used = scenario_groups(pg)
     dp, dp_rank = used.dp.size(), used.dp.rank()
     if setup.microbatches % dp:
         raise ValueError(f"{setup.microbatches} microbatches do not split over dp={dp}")
     share = setup.microbatches // dp
-    mine = global_batches(setup)[dp_rank * share:(dp_rank + 1) * share]
+    mine = batches[dp_rank * share:(dp_rank + 1) * share]
+    if setup.attention_mask and used.cp.size() > 1:
+        raise LayoutUnsupported("an explicit attention mask under context parallelism needs "
+                                "Transformer Engine's CP attention (no CPU kernel)")
     # the CP group always given: without one, 0.19 cuts over the whole world, not parallel_state's cp
     release = cp_batch_kwargs(get_batch_on_this_cp_rank)
     return [get_batch_on_this_cp_rank(dict(batch), cp_group=used.cp, **release) for batch in mine]
@@ -191,8 +258,10 @@ def _forward_step(batches, forward_args: dict[str, Any]):
 
     def forward_step(_data_iterator, model):
         batch = next(batch_iter)
-        output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
-                       **forward_args)
+        # the loss mask reaches the model too (MTP's loss reads it), as pretrain_gpt.py gives it
+        output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
+                       labels=batch["labels"], loss_mask=batch["loss_mask"],
+                       padding_mask=batch.get("padding_mask"), **forward_args)
         return output, lambda out: masked_loss(batch, out)
 
     return forward_step
@@ -247,6 +316,16 @@ class Training:
     setup: GPTSetup
     pg: Any = None
 
+    @property
+    def whole_batch(self) -> bool:
+        """Whether this run is a one-rank reference of a loss that does not depend on the split
+        (:func:`split_free`): it then takes the whole global batch in one micro-batch, so a
+        parallel run whose result depends on its micro-batches or data-parallel shares parts
+        ways with it."""
+        used = scenario_groups(self.pg)
+        alone = all(group.size() == 1 for group in (used.tp, used.cp, used.dp, used.pp))
+        return alone and split_free(self.config)
+
     def forward_backward(self) -> tuple[list[dict], int]:
         """Zero the gradients, run Megatron's schedule over this rank's microbatches (forward,
         backward, ``finalize_model_grads``); the loss reports (on the last pipeline stage) and
@@ -255,12 +334,12 @@ class Training:
 
         self.ddp.zero_grad_buffer()
         _fresh_mtp_logs()
-        batches = local_batches(self.setup, self.pg)
+        batches = local_batches(self.setup, self.pg, whole=self.whole_batch)
         reports = get_forward_backward_func()(
             forward_step_func=_forward_step(batches, self.setup.forward_args), data_iterator=None,
             model=[self.ddp],
             num_microbatches=len(batches), seq_length=self.setup.seq,
-            micro_batch_size=self.setup.micro_batch, forward_only=False,
+            micro_batch_size=batches[0]["tokens"].shape[0], forward_only=False,
             **schedule_groups(self.pg, self.config))
         return reports, len(batches)
 
@@ -289,6 +368,8 @@ def build_training(ctx: Any, setup: GPTSetup, pg: Any = None) -> Training:
 
 def train_step(ctx: Any, setup: GPTSetup) -> dict[str, torch.Tensor]:
     """One training step of the tiny GPT on ``ctx``'s layout; global values by name."""
+    if setup.packed_sequences:
+        raise LayoutUnsupported(PACKED_ON_CPU)
     with megatron_parallel(ctx) as pg:
         training = build_training(ctx, setup, pg)
         config, model, optimizer = training.config, training.model, training.optimizer
@@ -297,7 +378,7 @@ def train_step(ctx: Any, setup: GPTSetup) -> dict[str, torch.Tensor]:
         outputs = {"loss": reported_loss([r["lm loss"] for r in reports],
                                          config.calculate_per_token_loss, pg)}
         if config.mtp_num_layers:
-            outputs.update(mtp_metrics(microbatches, pg))
+            outputs.update(mtp_metrics(microbatches, pg, with_loss=not split_free(config)))
         grads, spread = gather_global(model, gradient_of, world_group(ctx))
         outputs.update({f"grad/{k}": v for k, v in grads.items()})
         outputs["grad_replica_spread"] = torch.tensor(max(spread.values()))
@@ -323,10 +404,12 @@ class _Scalars:
         self.values[name] = float(value)
 
 
-def mtp_metrics(num_microbatches: int, pg: Any = None) -> dict[str, torch.Tensor]:
+def mtp_metrics(num_microbatches: int, pg: Any = None, with_loss: bool = True) -> dict[str, torch.Tensor]:
     """The MTP losses and acceptance rates as Megatron's training loop logs them after a step
     (``track_mtp_metrics``, which reduces them over the last stage's ranks), on every rank.
-    The cumulative rates are left out: they add up over the steps a process has run."""
+    The cumulative rates are left out: they add up over the steps a process has run. Without
+    ``with_loss`` the logged losses are left out too: each is a mean of micro-batch means,
+    defined by the split, so a whole-batch reference (:func:`split_free`) has none to match."""
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
     writer = _Scalars()
@@ -335,7 +418,8 @@ def mtp_metrics(num_microbatches: int, pg: Any = None) -> dict[str, torch.Tensor
     stages: list[Any] = [None] * pp.size()
     dist.all_gather_object(stages, writer.values, group=pp)  # only the last stage logs them
     return {f"mtp/{name}": torch.tensor(value, dtype=torch.float64)
-            for logged in stages for name, value in logged.items() if "cumulative" not in name}
+            for logged in stages for name, value in logged.items()
+            if "cumulative" not in name and (with_loss or not name.endswith(" loss"))}
 
 
 def _in_half(config, model, half: torch.dtype | None):

@@ -18,16 +18,28 @@ from shardcheck.megatron.repro.parts.script import SETUP
 from shardcheck.megatron.repro.parts.training import train
 
 
-def batches(pg):
-    """The microbatches, each cut for this rank's CP rank by megatron."""
+def batches(pg, whole=False):
+    """The microbatches, each cut for this rank's CP rank by megatron; ``whole``: all of them in one."""
     gen = torch.Generator().manual_seed(1000)
     shape = (SETUP["microbatches"], SETUP["micro_batch"], SETUP["seq"])
     tokens, labels = (torch.randint(0, SETUP["vocab"], shape, generator=gen) for _ in range(2))
     mask = (torch.rand(shape, generator=gen) < 0.6).float() if SETUP["loss_mask"] else torch.ones(shape)
     positions = torch.arange(SETUP["seq"]).expand(shape[1:]).contiguous()
+    position, inputs = torch.arange(SETUP["seq"]), {}
+    n = torch.arange(shape[0] * shape[1]).view(shape[0], shape[1], 1)  # each sequence's place in the batch
+    if SETUP.get("padding_mask"):  # (5n + 3) mod seq/2 pad tokens (id 0, no loss) end the n-th sequence
+        inputs["padding_mask"] = position >= SETUP["seq"] - (n * 5 + 3) % (SETUP["seq"] // 2)
+        tokens, mask = tokens.masked_fill(inputs["padding_mask"], 0), mask.masked_fill(inputs["padding_mask"], 0.0)
+    if SETUP.get("attention_mask"):  # causal, and reset where the n-th sequence's second document starts
+        second = position >= (n * 3 + 5) % (SETUP["seq"] - 2) + 1
+        inputs["attention_mask"] = ((position[None, :] > position[:, None])
+                                    | (second[..., :, None] != second[..., None, :])).unsqueeze(2)
+    microbatches = [dict(tokens=tokens[i], labels=labels[i], loss_mask=mask[i], position_ids=positions,
+                         **{name: value[i] for name, value in inputs.items()}) for i in range(len(tokens))]
+    if whole:
+        return [{name: torch.cat([b[name] for b in microbatches]) for name in microbatches[0]}]
     release = {"is_hybrid_cp": False} if "is_hybrid_cp" in inspect.signature(get_batch_on_this_cp_rank).parameters else {}
-    return [get_batch_on_this_cp_rank(dict(tokens=tokens[i], labels=labels[i], loss_mask=mask[i],
-                                           position_ids=positions), cp_group=pg.cp, **release) for i in range(len(tokens))]
+    return [get_batch_on_this_cp_rank(batch, cp_group=pg.cp, **release) for batch in microbatches]
 
 
 def run(sizes, pg):
@@ -42,5 +54,11 @@ def run(sizes, pg):
                      pre_process=pg.pp.rank() == 0, post_process=pg.pp.rank() == pg.pp.size() - 1,
                      position_embedding_type=SETUP["position_embedding"], mtp_block_spec=mtp,
                      share_embeddings_and_output_weights=SETUP["share_embeddings"], **SETUP.get("model_args", {}))
-    return train(sizes, pg, config, model, batches(pg), SETUP["seq"], lambda model, batch: (model(
-        batch["tokens"], batch["position_ids"], None, labels=batch["labels"], **SETUP.get("forward_args", {})), batch["loss_mask"]))
+    # per-token loss without a loss term megatron computes per micro-batch (MoE's aux and z losses) does not
+    # depend on the split: the one-rank reference takes the whole batch in one micro-batch
+    per_micro_batch = any(any(c if isinstance(c, list) else [c]) for c in (config.moe_aux_loss_coeff, config.moe_z_loss_coeff))
+    whole = sizes["whole_batch"] and config.calculate_per_token_loss and not per_micro_batch
+    return train(sizes, pg, config, model, batches(pg, whole), SETUP["seq"], lambda model, batch: (model(
+        batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"],
+        loss_mask=batch["loss_mask"], padding_mask=batch.get("padding_mask"), **SETUP.get("forward_args", {})),
+        batch["loss_mask"]))
