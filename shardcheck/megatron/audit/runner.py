@@ -149,7 +149,7 @@ class Runner:
         if key not in self.references:
             try:
                 self.references[key] = self.pools.run(Layout(), run_case, component, options, (),
-                                                      False, rng_offset, impl=impl_of(options))[0]
+                                                      False, rng_offset, impl=impl_of(options, component))[0]
             except PoolFailure as failure:
                 self.references[key] = first_line(failure)
                 self.pools.failures[key] = Outcome.raised(Case(component, options, Layout()), failure)
@@ -188,7 +188,7 @@ class Runner:
         assert isinstance(ref, CaseResult), "screened cases have a reference"
         try:
             ranks = self.pools.run(case.layout, run_case, case.component, case.options, fixes, self.typecheck,
-                                   impl=impl_of(case.options))
+                                   impl=impl_of(case.options, case.component))
         except PoolFailure as failure:
             return Outcome.raised(case, failure, seconds=time.monotonic() - started,
                                   reference_digest=self.digest(case), entry=ref.entry)

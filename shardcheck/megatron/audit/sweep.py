@@ -86,9 +86,15 @@ class Case:
         return Case(self.component, self.options, layout)
 
 
-def impl_of(options: Iterable[tuple[str, Any]]) -> str:
-    """The implementation a case's options choose: "te" (Transformer Engine) or "local"."""
-    return dict(options).get(IMPL, "local")
+def impl_of(options: Iterable[tuple[str, Any]], component: str | None = None) -> str:
+    """The implementation a case runs on: "te" (Transformer Engine) or "local", as its options
+    choose, else as the component's setup does by default (``hybrid``: TE only)."""
+    chosen = dict(options).get(IMPL)
+    if chosen is None and component is not None:
+        from shardcheck.megatron.scenarios import COMPONENTS
+
+        chosen = getattr(COMPONENTS[component].setup, IMPL, None)
+    return chosen or "local"
 
 
 def te_cases(components: Iterable[str], layout_list: list[Layout]) -> list[Case]:
@@ -448,13 +454,13 @@ def model_class(component: str) -> type | None:
 def model_options(component: str) -> list[tuple[str, Any]]:
     """Non-default values of the model class's own boolean, ``Literal`` and ``Enum`` arguments,
     of its constructor (``Class.<arg>``) and of its forward (``Class.forward.<arg>``), that the
-    scenario leaves at their defaults; for a component whose setup holds them and that sweeps
-    every field (the prefixed components leave shared ones to ``gpt``)."""
+    scenario leaves at their defaults; for a component that names its model class (the GPT's
+    MoE and MTP variants name none: ``gpt`` sweeps GPTModel's) and whose setup holds them."""
     from shardcheck.megatron.scenarios import COMPONENTS
 
     entry, cls = COMPONENTS[component], model_class(component)
     own = {f.name for f in dataclasses.fields(entry.setup)}
-    if cls is None or entry.config_prefix:
+    if cls is None:
         return []
     found = []
     for method, setup_field in ARGUMENT_FIELDS.items():

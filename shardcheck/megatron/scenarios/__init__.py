@@ -11,11 +11,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from importlib.util import find_spec
 from typing import Any
 
 from shardcheck.megatron.cpu.parallel import LayoutUnsupported
 from shardcheck.megatron.scenarios import multimodal, ssm, t5
 from shardcheck.megatron.scenarios.gpt import GPTSetup, MoEGPTSetup, MTPGPTSetup, train_step
+from shardcheck.megatron.scenarios.hybrid import HybridSetup, hybrid_step
 from shardcheck.megatron.scenarios.moe_router import RouterSetup, router_step
 from shardcheck.megatron.scenarios.multimodal import MultimodalSetup, multimodal_step
 from shardcheck.megatron.scenarios.output_loss import OutputLossSetup, output_loss
@@ -62,6 +64,7 @@ class Component:
 
 
 GPT_MODEL = "megatron.core.models.gpt.gpt_model:GPTModel"
+HYBRID_MODEL = "megatron.core.models.hybrid.hybrid_model:HybridModel"
 COMPONENTS: dict[str, Component] = {
     "gpt": Component(train_step, GPTSetup, explicit_groups=True, model=GPT_MODEL),
     "output_loss": Component(output_loss, OutputLossSetup, explicit_groups=True),
@@ -80,6 +83,10 @@ COMPONENTS: dict[str, Component] = {
     "mamba": Component(mamba_step, MambaSetup, check_layout=ssm.check_mamba_layout,
                        explicit_groups=True),
 }
+if find_spec("megatron.core.models.hybrid") is not None:  # megatron-core 0.19 on; 0.16 has none
+    # Transformer Engine only (HybridSetup.impl); its own Mamba and GDN config fields, MoE's left to moe
+    COMPONENTS["hybrid"] = Component(hybrid_step, HybridSetup, config_prefix=("mamba_", "linear_"),
+                                     explicit_groups=True, model=HYBRID_MODEL)
 
 
 def scenario(component: str, **options: Any) -> Callable[[Any], dict]:

@@ -73,6 +73,10 @@ class GPTSetup:
         """Megatron's name of the implementation (its ``--transformer-impl``)."""
         return "transformer_engine" if self.impl == "te" else "local"
 
+    def build_model(self, config: Any, pg: Any = None) -> Any:
+        """The Megatron model of this setup for this pipeline stage (:func:`build_gpt`)."""
+        return build_gpt(config, self, pg)
+
 
 @dataclass(frozen=True)
 class TEGPTSetup(GPTSetup):
@@ -354,7 +358,7 @@ def build_training(ctx: Any, setup: GPTSetup, pg: Any = None) -> Training:
     half = half_dtype(config)
     if half is not None:  # 16-bit weights and activations, as Megatron's training runs them
         config.params_dtype = config.pipeline_dtype = half
-    model = build_gpt(config, setup, pg)
+    model = setup.build_model(config, pg)
     load_global_weights(model, seed=setup.seed)
     ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=half is not None),
                                   _in_half(config, model, half), **explicit_kwargs(pg))

@@ -70,21 +70,11 @@ def _hybrid_model(args: Any, config: Any, pre_process: bool, post_process: bool,
 
 
 def _hybrid_stack_spec(args: Any) -> Any:
-    """megatron-core's hybrid stack spec (``--spec`` names no other: planning refuses it). Its MoE
-    layers hold TE's grouped GEMM experts whatever the flags say; without ``--moe-grouped-gemm``
-    (a CPU run drops it) they hold megatron-core's MoE spec without it, as the GPT specs do."""
-    import dataclasses
+    """megatron-core's hybrid stack spec (``--spec`` names no other: planning refuses it), its MoE
+    experts without grouped GEMM unless ``--moe-grouped-gemm`` (a CPU run drops it)."""
+    from shardcheck.megatron.scenarios.hybrid import stack_spec
 
-    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
-    from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
-
-    if args.moe_grouped_gemm or not args.num_experts:
-        return hybrid_stack_spec
-    moe_layer = hybrid_stack_spec.submodules.moe_layer
-    experts = get_moe_module_spec(use_te=True, num_experts=args.num_experts, moe_grouped_gemm=False)
-    moe_layer = dataclasses.replace(moe_layer, submodules=dataclasses.replace(moe_layer.submodules, mlp=experts))
-    return dataclasses.replace(hybrid_stack_spec,
-                               submodules=dataclasses.replace(hybrid_stack_spec.submodules, moe_layer=moe_layer))
+    return stack_spec(grouped_gemm=args.moe_grouped_gemm or not args.num_experts)
 
 
 def _layer_spec(args: Any, config: Any, vp_stage: int | None = None) -> Any:
