@@ -113,6 +113,8 @@ def test_recomputation_findings_and_clean_controls():
     decoder = by_kind["type+numeric"]
     assert (decoder.target, decoder.layout, decoder.config) == ("gpt", str(EXPLICIT), dict(DISTRIBUTED))
     assert "global tp group" in decoder.checker and "tensor_parallel/utils.py" in decoder.checker
+    # located where the fix goes: the line that checkpoints without the model's group
+    assert decoder.location.startswith("megatron/core/recompute.py:"), decoder.location
     assert decoder.control["equal_to_reference"]
     crash = by_kind[ONE_RANK_CRASH]
     assert crash.location.startswith("megatron/core/transformer/multi_token_prediction.py:")

@@ -147,6 +147,8 @@ def _caller() -> str:
 # or parallel_state's global when the caller passes none), so a wrong group is their caller's bug
 GENERIC = ("megatron/core/tensor_parallel/", "megatron/core/utils.py", "megatron/core/parallel_state.py",
            "megatron/core/process_groups_config.py")
+# modules of megatron-core's generic autograd functions (tensor_parallel.checkpoint's CheckpointFunction)
+GENERIC_FUNCTIONS = "megatron.core.tensor_parallel."
 # the functions of megatron.core.utils that fall back to parallel_state's global group
 GROUP_DEFAULTS = ("get_tensor_model_parallel_group_if_none",)
 # tensor_parallel's autograd functions whose forward keeps this rank's slice by the group's rank,
@@ -323,10 +325,18 @@ def global_group_uses(pg: Any) -> Iterator[list[dict]]:
     def applied(cls: Any, *args: Any, **kwargs: Any) -> Any:
         result = apply(cls, *args, **kwargs)
         group = next((a for a in (*args, *kwargs.values()) if id(a) in misused), None)
+        outputs = [out for out in (result if isinstance(result, tuple) else (result,))
+                   if isinstance(out, torch.Tensor)]
+        if group is None and cls.__module__.startswith(GENERIC_FUNCTIONS) \
+                and not any(isinstance(a, dist.ProcessGroup) for a in (*args, *kwargs.values())):
+            # given no group, its backward takes the global one: the megatron-core line that
+            # applied it without one chose it (the decoder's recomputation, tensor_parallel.checkpoint)
+            root = _chooser(sys._getframe(1), None, built)
+            for out in outputs:
+                if out.grad_fn is not None and root is not None:
+                    nodes.setdefault(id(out.grad_fn), (out.grad_fn, root))
         if group is not None:
             root = _chooser(sys._getframe(1), group, built)
-            outputs = [out for out in (result if isinstance(result, tuple) else (result,))
-                       if isinstance(out, torch.Tensor)]
             for out in outputs:
                 if out.grad_fn is not None:
                     nodes[id(out.grad_fn)] = (out.grad_fn, root)
