@@ -11,6 +11,7 @@ import inspect  # noqa: E402
 from megatron.core.models.gpt.gpt_model import GPTModel  # noqa: E402
 from megatron_release import RELEASE  # noqa: E402
 
+from shardcheck.megatron.audit.findings import ONE_RANK_CRASH  # noqa: E402
 from shardcheck.megatron.audit.fixed_options import OptionError, checked_value  # noqa: E402
 from shardcheck.megatron.audit.run import audit  # noqa: E402
 from shardcheck.megatron.audit.runner import PRELOAD  # noqa: E402
@@ -105,7 +106,11 @@ def test_model_arguments_reach_the_model_and_match_one_rank_on_correct_layouts()
              ("gpt", "GPTModel.forward.runtime_gather_output", False)]
     failing = ("gpt", "GPTModel.forward.runtime_gather_output", True)
     result = audit([Case(c, ((name, value),), Layout(tp=2)) for c, name, value in [*clean, failing]])
-    assert not result.errors and result.findings == [], (result.errors, result.findings)
+    assert not result.errors, result.errors
+    # megatron-core's own in-place write to the gathered logits on one rank: a one-rank crash
+    [crash] = result.findings
+    assert crash.kind == ONE_RANK_CRASH and crash.config == {failing[1]: True}, crash
+    assert crash.location.startswith("megatron/core/tensor_parallel/cross_entropy.py:"), crash.location
     assert sorted(o.case.component for o in result.outcomes) == sorted(c for c, _, _ in clean)
     assert any("GPTModel.forward.runtime_gather_output" in line and "fails on one rank" in line
                for line in result.not_swept), result.not_swept
