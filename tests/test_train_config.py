@@ -39,6 +39,13 @@ def _value(flags: list[str], flag: str) -> str | None:
     return flags[flags.index(flag) + 1] if flag in flags else None
 
 
+def _shrunk(tmp_path: Path, model_args: dict[str, str]):
+    """``flags_from_model_config`` of a config with these MODEL_ARGS."""
+    config = tmp_path / "model_config.yaml"
+    config.write_text("MODEL_ARGS:\n" + "".join(f"  {flag}: {value}\n" for flag, value in model_args.items()))
+    return flags_from_model_config(config)
+
+
 def _te_installed() -> bool:
     from shardcheck.megatron.cpu.te import te_dir
 
@@ -122,25 +129,22 @@ def test_parallel_sizes_shrink_to_at_most_eight_ranks(tmp_path):
 @pytest.mark.parametrize("provider,refused", [("llava_vlm", True), ("hybrid", False)])
 def test_a_config_whose_script_builds_another_model_is_refused_not_trained_as_a_gpt(tmp_path, provider, refused):
     """Megatron-LM's MIMO configs pick their model with their script's ``--model-provider``."""
-    config = tmp_path / "model_config.yaml"
-    config.write_text("MODEL_ARGS:\n  --num-layers: 2\n  --hidden-size: 64\n  --num-attention-heads: 4\n"
-                      f"  --model-provider: {provider}\n  --tensor-model-parallel-size: 2\n")
+    args = {"--num-layers": "2", "--hidden-size": "64", "--num-attention-heads": "4",
+            "--model-provider": provider, "--tensor-model-parallel-size": "2"}
     if refused:
         with pytest.raises(TrainInputError, match=rf"^--model-provider {provider}: the config's entry script "
                            r"builds that model .*give their entry script with --entry$"):
-            flags_from_model_config(config)
+            _shrunk(tmp_path, args)
     else:
-        assert "--model-provider left out: not a flag of this megatron-core" in flags_from_model_config(config).mapping
+        assert "--model-provider left out: not a flag of this megatron-core" in _shrunk(tmp_path, args).mapping
 
 
 @pytest.mark.parametrize("levels", ["2 2", '"[2 2]"'])  # as Megatron's functional tests write them
 def test_hierarchical_context_parallelism_keeps_its_levels_and_the_one_rank_run_drops_them(tmp_path, levels):
     """A cp4 a2a+p2p job (levels 2 x 2): the pipeline shrinks first; the one-rank run has no CP to split."""
-    config = tmp_path / "model_config.yaml"
-    config.write_text("MODEL_ARGS:\n  --num-layers: 4\n  --hidden-size: 64\n  --num-attention-heads: 4\n"
-                      "  --pipeline-model-parallel-size: 2\n  --context-parallel-size: 4\n"
-                      f"  --cp-comm-type: a2a+p2p\n  --hierarchical-context-parallel-sizes: {levels}\n")
-    shrunk = flags_from_model_config(config)
+    shrunk = _shrunk(tmp_path, {"--num-layers": "4", "--hidden-size": "64", "--num-attention-heads": "4",
+                                "--pipeline-model-parallel-size": "2", "--context-parallel-size": "4",
+                                "--cp-comm-type": "a2a+p2p", "--hierarchical-context-parallel-sizes": levels})
     assert _value(shrunk.flags, "--context-parallel-size") == "4"
     assert _value(shrunk.flags, "--pipeline-model-parallel-size") == "1"
     assert shrunk.flags[shrunk.flags.index("--hierarchical-context-parallel-sizes") + 1:][:2] == ["2", "2"]
@@ -151,11 +155,9 @@ def test_hierarchical_context_parallelism_keeps_its_levels_and_the_one_rank_run_
 
 def test_with_tp_pp_dp_mapping_expert_tensor_parallelism_shrinks_with_tp_and_cp(tmp_path):
     """Megatron's tp-pp-dp rank order asserts as many data-parallel ranks for experts as for attention."""
-    config = tmp_path / "model_config.yaml"
-    config.write_text("MODEL_ARGS:\n  --num-layers: 4\n  --hidden-size: 64\n  --num-attention-heads: 4\n"
-                      "  --tensor-model-parallel-size: 2\n  --pipeline-model-parallel-size: 2\n"
-                      "  --context-parallel-size: 2\n  --expert-tensor-parallel-size: 4\n"
-                      "  --use-tp-pp-dp-mapping: true\n")
-    shrunk = flags_from_model_config(config)
+    shrunk = _shrunk(tmp_path, {"--num-layers": "4", "--hidden-size": "64", "--num-attention-heads": "4",
+                                "--tensor-model-parallel-size": "2", "--pipeline-model-parallel-size": "2",
+                                "--context-parallel-size": "2", "--expert-tensor-parallel-size": "4",
+                                "--use-tp-pp-dp-mapping": "true"})
     tp, cp = int(_value(shrunk.flags, "--tensor-model-parallel-size")), int(_value(shrunk.flags, "--context-parallel-size"))
     assert int(_value(shrunk.flags, "--expert-tensor-parallel-size")) == tp * cp < 4
