@@ -21,9 +21,10 @@ from shardcheck.megatron.audit.training_args import training_verdict
 from shardcheck.megatron.checks import contracts, explicit
 
 
-def build_findings(runner: Runner, outcomes: list[Outcome]) -> list[Finding]:
+def build_findings(runner: Runner, outcomes: list[Outcome], one_rank: list[Outcome] | None = None) -> list[Finding]:
     """One finding per root cause: failing cases grouped by place, split by trigger
-    (:func:`audit_report.causes`); independent triggers that one fix repairs are one cause."""
+    (:func:`audit_report.causes`); independent triggers that one fix repairs are one cause.
+    ``one_rank``: the option sets whose one-rank reference raised (default: the runner's)."""
     baseline = {(o.case.component, o.case.layout): {audit_report.violation_key(v) for v in o.violations}
                 for o in outcomes if not o.case.options}
     outcomes = sorted(outcomes, key=lambda o: (o.case.component, audit_report.case_size(o.case),
@@ -34,7 +35,7 @@ def build_findings(runner: Runner, outcomes: list[Outcome]) -> list[Finding]:
                  for n, cause in enumerate(audit_report.causes(members))]
         findings += _merged_causes(built)
     findings += [_crash_finding(key, cause, first=n == 0)
-                 for key, members in [*_crashes(outcomes).items(), *_one_rank_crashes(runner).items()]
+                 for key, members in [*_crashes(outcomes).items(), *_one_rank_crashes(runner.one_rank_failures() if one_rank is None else one_rank).items()]
                  for n, cause in enumerate(audit_report.causes(members))]
     return sorted(findings, key=lambda f: (f.kind, f.location, f.id))
 
@@ -117,12 +118,12 @@ ONE_RANK_CONTRACT = "runs on one rank"
 ONE_RANK_CRASH = "one-rank crash"  # the kind of a crash in megatron-core's code that needs no layout
 
 
-def _one_rank_crashes(runner: Runner) -> dict[tuple[str, str], list[Outcome]]:
+def _one_rank_crashes(failures: list[Outcome]) -> dict[tuple[str, str], list[Outcome]]:
     """Option sets whose one-rank reference raised in megatron-core's own code, not refusing
     their arguments (:attr:`Outcome.one_rank_crash`), by place: the innermost megatron-core
     frame and the exception type."""
     found: dict[tuple[str, str], list[Outcome]] = {}
-    for outcome in (o for o in runner.one_rank_failures() if o.one_rank_crash and o.frame):
+    for outcome in (o for o in failures if o.one_rank_crash and o.frame):
         what = outcome.error.split(":", 1)[0]
         found.setdefault((outcome.frame.split(" in ")[0], f"{ONE_RANK_CONTRACT} ({what})"), []).append(outcome)
     return found

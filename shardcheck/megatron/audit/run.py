@@ -44,10 +44,11 @@ def audit(cases: Iterable[Case], *, budget: int | None = None, time_limit: float
         runner.prune = prune
         swept = sweep(runner, cases, budget, time_limit, progress, started, full)
         swept.not_swept.update(unbuilt or {})
-        findings = build_findings(runner, swept.outcomes)
+        one_rank = runner.one_rank_failures()
+        findings = build_findings(runner, swept.outcomes, one_rank)
     return audit_result(findings, swept.outcomes, swept.not_swept, swept.not_applicable.values(),
                         swept.pruned, time.monotonic() - started, swept.stopped_early, patches,
-                        swept.left_to_full)
+                        swept.left_to_full, one_rank)
 
 
 def merge_shares(dirs: Iterable[Any], *, typecheck: bool = True, run_pools: Pools | None = None) -> AuditResult:
@@ -55,6 +56,6 @@ def merge_shares(dirs: Iterable[Any], *, typecheck: bool = True, run_pools: Pool
     the same findings one run of the whole plan gives; each corrected control is rerun here."""
     share = merged(load_shares(list(dirs)))
     with nullcontext(run_pools) if run_pools else pools() as owned:
-        findings = build_findings(Runner(owned, typecheck), share.outcomes)
+        findings = build_findings(Runner(owned, typecheck), share.outcomes, share.one_rank)
     return audit_result(findings, share.outcomes, share.not_swept, share.not_applicable, share.pruned,
-                        share.seconds, share.stopped_early, share.patches, share.left_to_full)
+                        share.seconds, share.stopped_early, share.patches, share.left_to_full, share.one_rank)

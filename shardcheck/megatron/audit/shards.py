@@ -21,7 +21,7 @@ from typing import Any
 from shardcheck.megatron.audit.sweep import Case
 
 SHARE_FILE = "share.pkl"
-FORMAT = 2  # 2: left_to_full
+FORMAT = 3  # 2: left_to_full; 3: one_rank
 
 
 class ShareError(ValueError):
@@ -66,6 +66,7 @@ class Share:
     seconds: float
     patches: dict[str, str] = field(default_factory=dict)
     left_to_full: dict[tuple, int] = field(default_factory=dict)  # (component, options) -> cases
+    one_rank: list[Any] = field(default_factory=list)  # option sets whose one-rank reference raised
     format: int = FORMAT
 
 
@@ -73,7 +74,7 @@ def save_share(result: Any, k: int, n: int, out_dir: Path) -> Path:
     """Write ``out_dir/share.pkl`` for an :class:`~shardcheck.megatron.audit.summary.AuditResult`."""
     out_dir.mkdir(parents=True, exist_ok=True)
     share = Share((k, n), result.outcomes, result.left_out, result.not_applicable, result.pruned,
-                  result.stopped_early, result.seconds, result.patches, result.left_to_full)
+                  result.stopped_early, result.seconds, result.patches, result.left_to_full, result.one_rank)
     path = out_dir / SHARE_FILE
     path.write_bytes(pickle.dumps(share))
     return path
@@ -109,6 +110,7 @@ def load_shares(dirs: Sequence[Path | str]) -> list[Share]:
 def merged(shares: Sequence[Share]) -> Share:
     """The union of the shares: each case once (the defaults tier ran in every share)."""
     outcomes, seen = [], set()
+    one_rank = list({(o.case.component, o.case.options): o for s in shares for o in s.one_rank}.values())
     not_swept: dict[tuple, str] = {}
     pruned: dict[tuple, list[str]] = {}
     patches: dict[str, str] = {}
@@ -127,4 +129,4 @@ def merged(shares: Sequence[Share]) -> Share:
                    not_applicable=sorted({a for s in shares for a in s.not_applicable}),
                    stopped_early=any(s.stopped_early for s in shares),
                    seconds=max(s.seconds for s in shares), patches=patches,
-                   left_to_full={k: n for s in shares for k, n in s.left_to_full.items()})
+                   left_to_full={k: n for s in shares for k, n in s.left_to_full.items()}, one_rank=one_rank)

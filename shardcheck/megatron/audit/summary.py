@@ -30,6 +30,7 @@ class AuditResult:
     not_read: dict[str, list[str]] = field(default_factory=dict)  # component -> option sets pruned
     pruned: dict[tuple, list[str]] = field(default_factory=dict)  # (component, options) -> layouts
     left_to_full: dict[tuple, int] = field(default_factory=dict)  # (component, options) -> cases
+    one_rank: list[Outcome] = field(default_factory=list)  # option sets whose one-rank reference raised
 
     @property
     def errors(self) -> list[Outcome]:
@@ -123,14 +124,15 @@ def typed_share(counts: dict, top: int = 10) -> dict[str, Any]:
 def audit_result(findings: list[Finding], outcomes: list[Outcome], not_swept: dict[tuple, str],
             not_applicable: Iterable[str], pruned: dict[tuple, list[str]], seconds: float,
             stopped_early: bool, patches: dict[str, str],
-            left_to_full: dict[tuple, int] | None = None) -> AuditResult:
+            left_to_full: dict[tuple, int] | None = None, one_rank: list[Outcome] | None = None) -> AuditResult:
     """The result of the outcomes and findings, with the options left out listed by why and
     the cases the default plan left to --full counted per option set."""
     unavailable = {component: why for (component, options), why in not_swept.items()
                    if not options and why.startswith(FAILS)}
     return AuditResult(findings, outcomes, _listed(not_swept), seconds, stopped_early,
                        sorted(not_applicable), patches, unavailable, dict(not_swept),
-                       _never_read(outcomes, not_swept, pruned), dict(pruned), dict(left_to_full or {}))
+                       _never_read(outcomes, not_swept, pruned), dict(pruned), dict(left_to_full or {}),
+                       list(one_rank or []))
 
 
 def _never_read(outcomes: list[Outcome], not_swept: dict[tuple, str],
