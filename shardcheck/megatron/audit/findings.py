@@ -21,10 +21,10 @@ from shardcheck.megatron.audit.training_args import training_verdict
 from shardcheck.megatron.checks import contracts, explicit
 
 
-def build_findings(runner: Runner, outcomes: list[Outcome], one_rank: list[Outcome] | None = None) -> list[Finding]:
+def build_findings(runner: Runner, outcomes: list[Outcome], one_rank: list[Outcome]) -> list[Finding]:
     """One finding per root cause: failing cases grouped by place, split by trigger
     (:func:`audit_report.causes`); independent triggers that one fix repairs are one cause.
-    ``one_rank``: the option sets whose one-rank reference raised (default: the runner's)."""
+    ``one_rank``: the option sets whose one-rank reference raised (a run's, or its shares')."""
     baseline = {(o.case.component, o.case.layout): {audit_report.violation_key(v) for v in o.violations}
                 for o in outcomes if not o.case.options}
     outcomes = sorted(outcomes, key=lambda o: (o.case.component, audit_report.case_size(o.case),
@@ -35,7 +35,7 @@ def build_findings(runner: Runner, outcomes: list[Outcome], one_rank: list[Outco
                  for n, cause in enumerate(audit_report.causes(members))]
         findings += _merged_causes(built)
     findings += [_crash_finding(key, cause, first=n == 0)
-                 for key, members in [*_crashes(outcomes).items(), *_one_rank_crashes(runner.one_rank_failures() if one_rank is None else one_rank).items()]
+                 for key, members in [*_crashes(outcomes).items(), *_one_rank_crashes(one_rank).items()]
                  for n, cause in enumerate(audit_report.causes(members))]
     return sorted(findings, key=lambda f: (f.kind, f.location, f.id))
 

@@ -78,7 +78,7 @@ CONSTRUCTORS = ("__init__", "__new__", "__post_init__")  # __new__: WrappedTorch
 # megatron-core saying that code it needs is not installed (a CUDA extension, Apex): what this
 # machine lacks, listed as not swept, not a megatron-core bug
 MISSING_CODE = re.compile(r"ModuleNotFoundError|ImportError|No module named|CUDA extension|"
-                          r"\b(not installed|is not found|module is not found)\b")
+                          r"\b(not installed|is not found)\b")
 VALIDATOR = re.compile(r"_?(ensure|validate|check|verify)(_|$)")  # ensure_divisibility, _validate_x
 
 
