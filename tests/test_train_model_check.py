@@ -27,11 +27,13 @@ TP2 = ["--tensor-model-parallel-size", "2"]
 MOE_EP2 = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-token-dispatcher-type", "alltoall",
            "--disable-bias-linear", "--expert-model-parallel-size", "2"]
 MEGATRON_LM_ENTRY = Path(__file__).parent / "data" / "megatron-lm-entry" / "pretrain_gpt.py"
-REFUSED = {
-    "--heterogeneous-layers-config-path": ["layers.json"],
-    "--heterogeneous-layers-config-encoded-json": ["{}"],
-    "--spec": ["megatron.core.models.gpt.gpt_layer_specs", "get_gpt_layer_local_spec"],
-}
+REFUSED = {"--spec": ["megatron.core.models.gpt.gpt_layer_specs", "get_gpt_layer_local_spec"]}
+# a Llama-Nemotron-style model: per layer, attention or MLP full, left out (no_op) or a linear layer
+HETEROGENEOUS = ["--num-layers", "4", "--swiglu", "--normalization", "RMSNorm", "--group-query-attention",
+                 "--num-query-groups", "2", "--position-embedding-type", "rope", "--rotary-percent", "1.0",
+                 "--use-rope-scaling", "--rotary-base", "500000", "--rope-scaling-factor", "8.0",
+                 "--untie-embeddings-and-output-weights", "--use-rotary-position-embeddings",
+                 "--heterogeneous-layers-config-path", str(Path(__file__).parent / "data" / "heterogeneous-layers.json")]
 
 
 def _invoke(*args: str):
@@ -58,10 +60,18 @@ def test_a_flag_the_entry_point_does_not_build_is_refused_in_one_line_before_any
 
 
 def test_with_an_entry_script_those_flags_are_the_scripts_to_build():
-    layers = ["--heterogeneous-layers-config-path", "layers.json"]
-    plan_runs([*BASE, *layers], 2, 1)
-    with pytest.raises(TrainInputError, match="--heterogeneous-layers-config-path"):
-        plan_runs([*BASE, *layers], 2, 1, own_entry=True)
+    spec = ["--spec", *REFUSED["--spec"]]
+    plan_runs([*BASE, *spec], 2, 1)
+    with pytest.raises(TrainInputError, match="--spec"):
+        plan_runs([*BASE, *spec], 2, 1, own_entry=True)
+
+
+@pytest.mark.parametrize("own_entry", [True, False])
+def test_a_heterogeneous_layers_json_without_its_path_is_refused_even_for_an_entry_script(own_entry):
+    """megatron-core reads the JSON only where the path is given: Megatron-LM's script would train a plain GPT."""
+    with pytest.raises(TrainInputError, match="^--heterogeneous-layers-config-encoded-json without "
+                                              "--heterogeneous-layers-config-path: megatron-core builds"):
+        plan_runs([*BASE, "--heterogeneous-layers-config-encoded-json", "{}"], 2, 1, own_entry=own_entry)
 
 
 def test_mtp_on_a_custom_pipeline_layout_is_refused_in_one_line():
@@ -108,6 +118,14 @@ from shardcheck.megatron.train import entry
 entry._layer_spec = lambda *_: gpt_layer_specs.get_gpt_layer_local_spec()
 entry._pretrain()
 """
+DROPS_HETEROGENEOUS = """\
+from megatron.core.models.gpt import gpt_layer_specs
+from shardcheck.megatron.train import entry
+
+# planted: every layer built as a plain one, whatever the heterogeneous layers config's block says
+entry._layer_spec = lambda *_: gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+entry._pretrain()
+"""
 MISSING = {
     "experts dropped": (DROPS_EXPERTS, MOE_EP2, "Error: --num-experts asks for 4 experts at this layer "
                         "(--moe-layer-freq), but the built model's MLP is MLP (layer 0)"),
@@ -115,6 +133,9 @@ MISSING = {
                      "a multi-token prediction block, but the built model has none"),
     "no mla": (DROPS_MLA, [*TP2, "--multi-latent-attention"], "Error: --multi-latent-attention asks "
                "for multi-latent attention, but the built model's attention is SelfAttention (layer 0)"),
+    "heterogeneous blocks": (DROPS_HETEROGENEOUS, [*TP2, *HETEROGENEOUS], "Error: --heterogeneous-layers-config-path "
+                             "asks for no attention at this layer (its block's no_op), but the built model's "
+                             "attention is SelfAttention (layer 1)"),
 }
 
 
@@ -128,11 +149,14 @@ def test_a_built_model_that_lacks_what_its_flags_ask_for_stops_in_one_line(case,
     assert _one_error_line(result) == expected
 
 
-def test_a_correct_tp2_run_prints_and_writes_the_layers_both_runs_built(tmp_path):
-    result = _invoke("-n", "2", "--steps", "1", "--out", str(tmp_path), "--", *BASE, *TP2)
+def test_a_correct_heterogeneous_tp2_run_prints_and_writes_the_layers_both_runs_built(tmp_path):
+    """Each block as its config says (layer 2: linear layers in place of attention and MLP), at
+    TP2 as on one rank."""
+    result = _invoke("-n", "2", "--steps", "1", "--out", str(tmp_path), "--", *BASE, *TP2, *HETEROGENEOUS)
     assert result.exit_code == 0, result.output
-    built = ["built: 2-rank run: layers 0-1: SelfAttention + MLP",
-             "built: one-rank run: layers 0-1: SelfAttention + MLP"]
+    layers = ("layer 0: SelfAttention + MLP; layer 1: MLP; layer 2: ColumnParallelLinearGathered + "
+              "ColumnParallelLinearGathered; layer 3: SelfAttention")
+    built = [f"built: 2-rank run: {layers}", f"built: one-rank run: {layers}"]
     lines = result.output.splitlines()
     assert [ln for ln in lines if ln.startswith("built:")] == built
     assert (tmp_path / "layers.txt").read_text().splitlines() == built

@@ -109,6 +109,22 @@ def test_a_config_without_a_megatron_flag_is_refused_in_one_line(tmp_path):
         flags_from_model_config(path)
 
 
+@pytest.mark.parametrize(("family", "script"), [("bert", "pretrain_bert.py"), ("t5", "pretrain_t5.py")])
+def test_a_config_of_another_model_family_is_refused_unless_its_entry_script_is_given(tmp_path, family, script):
+    """BERT's configs hold GPT flags only: the folder Megatron keeps them in names their model."""
+    path = tmp_path / family / "a_test" / "model_config.yaml"
+    path.parent.mkdir(parents=True)
+    path.write_text("MODEL_ARGS:\n  --num-layers: 4\n  --hidden-size: 128\n  --num-attention-heads: 8\n"
+                    "  --seq-length: 128\n  --max-position-embeddings: 128\n  --micro-batch-size: 2\n")
+    with pytest.raises(TrainInputError, match=f"Megatron-LM trains with {script}; shardcheck's GPT entry point "
+                                              "does not build them: give that script with --entry$"):
+        flags_from_model_config(path)
+    assert flags_from_model_config(path, own_entry=False).nproc == 2
+    (tmp_path / "gpt").mkdir()
+    gpt = path.parent.rename(tmp_path / "gpt" / "a_test") / "model_config.yaml"
+    assert flags_from_model_config(gpt).nproc == 2
+
+
 def test_a_config_keeps_a_one_value_flag_with_blanks_whole_and_leaves_out_its_batch_schedule(tmp_path):
     path = tmp_path / "model_config.yaml"
     path.write_text("MODEL_ARGS:\n  --num-layers: 4\n  --hidden-size: 128\n  --num-attention-heads: 8\n"
@@ -125,7 +141,9 @@ def test_a_config_keeps_a_one_value_flag_with_blanks_whole_and_leaves_out_its_ba
 @pytest.mark.parametrize(("name", "kind", "flag"), [
     ("gpt/gpt3_15b_8t_release", PLANNED, ""),  # its batch schedule "0:384 200B:768 ..." once broke the flags
     ("mixtral/mixtral_8x7b_alltoall_tp2pp4ep4_release", PLANNED, ""),  # --use-flash-attn, once refused
-    ("multimodal-llava/multimodal_llava_mcore_te_tp1_pp1", REFUSED, "--img-h"),  # once planned as a GPT
+    # once planned as a GPT: their folders name models with entry scripts of their own
+    ("multimodal-llava/multimodal_llava_mcore_te_tp1_pp1", REFUSED, "a functional test of Megatron's LLaVA models"),
+    ("bert/bert_mcore_tp2_pp2", REFUSED, "a functional test of Megatron's BERT models"),
     ("gpt/gpt_dynamic_inference_tp1_pp1_583m_cuda_graphs_validation", REFUSED, "no MODEL_ARGS in it"),
 ])
 def test_real_configs_the_survey_once_misplanned(name, kind, flag):

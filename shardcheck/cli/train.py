@@ -205,7 +205,7 @@ def train_command(nproc, model_config, steps, megatron_path, entry, out, repeats
     try:
         args = list(megatron_args)
         if model_config is not None:
-            shrunk = flags_from_model_config(model_config, nproc)
+            shrunk = flags_from_model_config(model_config, nproc, own_entry=entry is None)
             for line in shrunk.mapping:
                 click.echo(f"config: {line}")
             args, nproc = shrunk.flags + args, shrunk.nproc

@@ -84,8 +84,9 @@ class ContextParallelTorchAttention(DotProductAttention):
 
 def local_spec_for(config, spec):
     """``spec`` with CP-capable core attention when ``config`` uses context parallelism."""
-    if config.context_parallel_size == 1:
-        return spec
+    attention = getattr(spec.submodules.self_attention, "submodules", None)
+    if config.context_parallel_size == 1 or not hasattr(attention, "core_attention"):
+        return spec  # a heterogeneous layer's attention may be a linear layer or none
     spec = copy.deepcopy(spec)
     spec.submodules.self_attention.submodules.core_attention = ContextParallelTorchAttention
     return spec

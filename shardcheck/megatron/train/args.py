@@ -40,11 +40,8 @@ IMPOSSIBLE = {
 HYBRID_PATTERNS = ("--hybrid-layer-pattern", "--hybrid-override-pattern")  # HybridModel's layers
 # model-shaping flags shardcheck's own entry point does not build yet: refused (Megatron-LM's
 # pretrain_gpt.py, given with --entry, builds them; the model check guards what slips through)
-NOT_BUILT = {
-    "--heterogeneous-layers-config-path": "heterogeneous layer specs",
-    "--heterogeneous-layers-config-encoded-json": "heterogeneous layer specs",
-    "--spec": "a layer spec module named by --spec",
-}
+NOT_BUILT = {"--spec": "a layer spec module named by --spec"}
+HETEROGENEOUS_PATH, HETEROGENEOUS_JSON = "--heterogeneous-layers-config-path", "--heterogeneous-layers-config-encoded-json"
 # flags of Megatron's other model families (besides its vision group): their entry scripts build them
 OTHER_MODELS = {**dict.fromkeys(("--encoder-num-layers", "--encoder-seq-length"), "encoder-decoder models (T5)"),
                 "--bert-no-binary-head": "BERT models"}
@@ -239,6 +236,10 @@ def plan_runs(user_args: Sequence[str], nproc: int, steps: int | None, cpu: bool
     sizes = {name: int(flags.value(name) or 1) for name in PARALLEL_SIZES}
     tp, pp, cp = (sizes[n] for n in PARALLEL_SIZES[:3])
     te = _transformer_engine(flags, changes, cp) if cpu else flags.value("--transformer-impl") == TE
+    if flags.has(HETEROGENEOUS_JSON) and not flags.has(HETEROGENEOUS_PATH):
+        raise TrainInputError(f"{HETEROGENEOUS_JSON} without {HETEROGENEOUS_PATH}: megatron-core builds heterogeneous "
+                              "layers only when the path is given (Megatron-LM's pretrain_gpt.py would train a "
+                              f"plain GPT); give {HETEROGENEOUS_PATH}")
     if own_entry:
         _refuse_not_built(flags, te)
     if nproc % (tp * pp * cp):

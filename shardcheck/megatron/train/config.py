@@ -40,6 +40,10 @@ CLUSTER_ONLY = ("--async-save", "--use-persistent-ckpt-worker", "--ckpt-assume-c
 MODEL_PROVIDER = "--model-provider"
 HIERARCHICAL_CP = "--hierarchical-context-parallel-sizes"
 BUILT_PROVIDERS = frozenset({"gpt", "hybrid", "mamba"})
+# Megatron's functional tests sit in a folder per model; these folders' models have entry scripts
+# of their own, whose models shardcheck's GPT entry point does not build
+OTHER_FAMILIES = {"bert": ("BERT", "pretrain_bert.py"), "t5": ("T5", "pretrain_t5.py"),
+                  "multimodal-llava": ("LLaVA", "pretrain_vlm.py")}
 
 
 @dataclass
@@ -51,8 +55,14 @@ class ShrunkConfig:
     mapping: list[str] = field(default_factory=list)
 
 
-def flags_from_model_config(path: Path, nproc: int | None = None) -> ShrunkConfig:
-    """The flags of a small CPU run of the functional test at ``path``."""
+def flags_from_model_config(path: Path, nproc: int | None = None, own_entry: bool = True) -> ShrunkConfig:
+    """The flags of a small CPU run of the functional test at ``path``; ``own_entry``: for
+    shardcheck's GPT entry point, which refuses the tests of Megatron's other model families."""
+    family = OTHER_FAMILIES.get(path.parent.parent.name)
+    if own_entry and family is not None:
+        raise TrainInputError(f"{path}: a functional test of Megatron's {family[0]} models (its folder "
+                              f"{path.parent.parent.name}/), which Megatron-LM trains with {family[1]}; "
+                              "shardcheck's GPT entry point does not build them: give that script with --entry")
     try:
         config = load_model_config(path)
     except GoldenInputError as exc:

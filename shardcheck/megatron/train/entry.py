@@ -4,7 +4,8 @@ It does what Megatron-LM's ``pretrain_gpt.py`` does for a GPT on mock data: a mo
 (Megatron's local or Transformer Engine layer spec, with multi-latent attention under
 ``--multi-latent-attention``; its decoder-block spec with experts, so that ``--moe-layer-freq``
 places them; the experimental attention variants' block spec, so that ``--linear-attention-freq``
-places gated delta nets; the MTP block of ``--mtp-num-layers``), or, for ``--hybrid-layer-pattern``,
+places gated delta nets; the heterogeneous layers of ``--heterogeneous-layers-config-path``;
+the MTP block of ``--mtp-num-layers``), or, for ``--hybrid-layer-pattern``,
 what Megatron-LM's ``hybrid_builders.py`` builds (Megatron's ``HybridModel`` on megatron-core's
 hybrid stack spec), a dataset
 provider (``MockGPTDataset`` built on every rank), a forward step that cuts each rank's
@@ -80,7 +81,8 @@ def _hybrid_stack_spec(args: Any) -> Any:
 def _layer_spec(args: Any, config: Any, vp_stage: int | None = None) -> Any:
     """Megatron's layer spec; with an experimental attention variant, its block spec
     (``--linear-attention-freq``'s and ``--moe-layer-freq``'s patterns); with experts, its
-    decoder-block spec (``--moe-layer-freq``'s pattern)."""
+    decoder-block spec (``--moe-layer-freq``'s pattern); with a heterogeneous layers config, its
+    heterogeneous block spec (each layer's attention and MLP as the config's blocks say)."""
     from megatron.core.models.gpt import experimental_attention_variant_module_specs as variants
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
@@ -92,6 +94,12 @@ def _layer_spec(args: Any, config: Any, vp_stage: int | None = None) -> Any:
     if args.num_experts:
         spec = specs.get_gpt_decoder_block_spec(config, use_transformer_engine=te, normalization=args.normalization,
                                                 qk_l2_norm=qk_l2_norm, vp_stage=vp_stage)
+    elif args.heterogeneous_layers_config_path is not None:  # config: a HeterogeneousTransformerConfig
+        from megatron.core.models.gpt.heterogeneous.heterogeneous_layer_specs import (
+            get_gpt_heterogeneous_layer_spec,
+        )
+
+        spec = get_gpt_heterogeneous_layer_spec(config, te)
     elif te:  # CP with Transformer Engine is refused while planning: no stand-in to put in
         return specs.get_gpt_layer_with_transformer_engine_spec(
             args.num_experts, args.moe_grouped_gemm, args.qk_layernorm, args.multi_latent_attention,
@@ -127,7 +135,7 @@ def _mtp_spec(args: Any, config: Any, vp_stage: int | None) -> Any:
         from megatron.core.models.gpt import experimental_attention_variant_module_specs as variants
 
         last = variants.get_transformer_layer_with_experimental_attention_variant_spec(config=config)[-1]
-    elif args.num_experts:
+    elif args.num_experts or args.heterogeneous_layers_config_path is not None:
         last = specs.get_gpt_decoder_layer_specs(config, te, normalization=args.normalization,
                                                  qk_l2_norm=getattr(args, "qk_l2_norm", False))[-1]
     else:

@@ -5,7 +5,8 @@ and the runs then agree about that model. After ``setup_model_and_optimizer`` bu
 :func:`mismatches` compares (a) the model's ``TransformerConfig`` with the one Megatron derives
 from the arguments, field by field, and (b) the modules of each layer with those the flags ask
 for (experts where ``--moe-layer-freq`` puts them, gated delta nets where
-``--linear-attention-freq`` does, multi-latent or sparse attention, the MTP block; for a hybrid
+``--linear-attention-freq`` does, multi-latent or sparse attention, the MTP block, each
+heterogeneous block's attention and MLP; for a hybrid
 model, the kind of layer ``--hybrid-layer-pattern`` names at each index). Every rank
 checks its own layers; the ranks share what they found, so that all stop with the same line.
 """
@@ -136,7 +137,9 @@ def _layer_mismatches(layer: Any, config: Any, pattern: tuple[str, str] | None =
         return found + _pattern_mismatches(layer, index, *pattern)
     if not _is_transformer_layer(layer):
         return found
-    for flag, wants, what, ok in _attention_wants(config, index) + _mlp_wants(config, index):
+    heterogeneous = getattr(config, "per_block_parameters", None) is not None
+    blocks = _heterogeneous_wants(config, index) if heterogeneous else []
+    for flag, wants, what, ok in blocks + _attention_wants(config, index) + _mlp_wants(config, index):
         module = layer.mlp if what == "MLP" else layer.self_attention
         if not ok(module):
             found.append(f"{flag} asks for {wants}, but the built model's {what} is "
@@ -194,6 +197,35 @@ def _pattern_mismatches(layer: Any, index: int, flag: str, symbols: str) -> list
 
 
 Want = tuple[str, str, str, Callable[[Any], bool]]
+
+
+HETEROGENEOUS = "--heterogeneous-layers-config-path"
+
+
+def _block_wants(block: Any, what: str, full: str, full_holds: Callable[[Any], bool]) -> Want:
+    """What a heterogeneous layers config's block asks of its attention or MLP: none, a linear
+    layer in its place, or the full module (``full``, tested by ``full_holds``)."""
+    if block.no_op:
+        return HETEROGENEOUS, f"no {what} at this layer (its block's no_op)", what, lambda m: type(m).__name__ == "IdentityOp"
+    if block.replace_with_linear:
+        return (HETEROGENEOUS, f"a linear layer in place of the {what} (its block's replace_with_linear)", what,
+                lambda m: type(m).__name__.endswith("ColumnParallelLinearGathered"))
+    return HETEROGENEOUS, full, what, full_holds
+
+
+def _heterogeneous_wants(config: Any, index: int) -> list[Want]:
+    """Each heterogeneous block's attention and MLP, with its query groups and FFN size."""
+    from megatron.core.transformer.attention import Attention
+    from megatron.core.transformer.mlp import MLP
+
+    block = config.per_block_parameters[index]
+    groups, ffn = block.attention.num_query_groups, block.mlp.ffn_hidden_size
+    return [
+        _block_wants(block.attention, "attention", f"attention with {groups or config.num_query_groups} query groups",
+                     lambda m: isinstance(m, Attention) and m.config.num_query_groups == (groups or config.num_query_groups)),
+        _block_wants(block.mlp, "MLP", f"an MLP of FFN size {ffn or config.ffn_hidden_size}",
+                     lambda m: isinstance(m, MLP) and m.config.ffn_hidden_size == (ffn or config.ffn_hidden_size)),
+    ]
 
 
 def _attention_wants(config: Any, index: int) -> list[Want]:

@@ -49,8 +49,8 @@ def plan_config(path: Path) -> Outcome:
         plan = plan_runs(shrunk.flags, shrunk.nproc, None, cpu=True, own_entry=True)
     except TrainInputError as exc:
         line = str(exc).removeprefix(f"{path}: ")
-        named = _FLAG.search(line)
-        return Outcome(path, REFUSED, named.group() if named else line, line)
+        named = _FLAG.match(line)
+        return Outcome(path, REFUSED, named.group() if named else re.split(r" \(|:", line)[0], line)
     except Exception as exc:  # noqa: BLE001 -- what a user would see as a traceback
         where = traceback.extract_tb(exc.__traceback__)[-1]
         return Outcome(path, CRASHED, "", f"{type(exc).__name__}: {exc} (at {where.filename}:{where.lineno})")
