@@ -243,6 +243,7 @@ def test_script_reproduces_a_bug_planted_in_megatron_core_and_passes_without_it(
     (_finding("moe_router", {}, "tp2"), "needs sequence parallelism"),
     (_finding("mamba", {}, "tp2-pp2"), "no pipeline stages"),
     (_finding("moe", {"impl": "te"}, "tp2-sp"), "no script for a finding on Transformer Engine yet"),
+    (_finding("gpt", {"heterogeneous": True}, "tp2-dp2@dp-tp"), "no script for a heterogeneous GPT yet"),
     (_finding("gpt", {}, "cp2", kind="type-only"), "type-only"),
 ])
 def test_finding_without_a_script_says_why(finding, message, tmp_path):

@@ -193,6 +193,10 @@ TEMPLATES: dict[str, Template] = {
 }
 
 
+# the options whose models the templates do not build (they build Megatron's plain local layer specs)
+UNSCRIPTED = {"impl": ("te", "a finding on Transformer Engine"), "heterogeneous": (True, "a heterogeneous GPT")}
+
+
 def contract_of(finding: Finding) -> Contract | None:
     """The contract a finding breaks, when it is one of the catalogue's."""
     return BY_NAME.get(finding.contract.split(":", 1)[0])
@@ -204,9 +208,10 @@ def script_body(finding: Finding) -> ScriptBody:
     if template is None:
         raise ReproError(f"no repro template for component {finding.target!r} yet "
                          f"(templates: {', '.join(sorted(TEMPLATES))})")
-    if finding.config.get("impl") == "te":  # the templates build Megatron's local layer specs
-        raise ReproError(f"no script for a finding on Transformer Engine yet: a script of the local spec would "
-                         f"not run the code it names; rerun it with its reproduce command (finding {finding.id})")
+    for option, (value, what) in UNSCRIPTED.items():
+        if finding.config.get(option) == value:
+            raise ReproError(f"no script for {what} yet: a script of the plain local spec would not run the code "
+                             f"it names; rerun it with its reproduce command (finding {finding.id})")
     layout = Layout.parse(finding.layout)
     if why := template.refuses(layout, finding.config):
         raise ReproError(f"{why}; finding {finding.id} needs {finding.layout}")

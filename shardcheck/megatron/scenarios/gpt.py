@@ -25,6 +25,7 @@ from shardcheck.megatron.cpu.parallel import (
     scenario_groups,
     world_group,
 )
+from shardcheck.megatron.scenarios import heterogeneous
 from shardcheck.megatron.scenarios.reference import (
     counted_in_grad_norm,
     gather_global,
@@ -53,6 +54,9 @@ class GPTSetup:
     attention_mask: bool = False
     packed_sequences: bool = False
     share_embeddings: bool = False
+    # a Llama-Nemotron-style model: its layers of scenarios/heterogeneous.py's BLOCKS, each
+    # attention and MLP full, left out or one linear layer (megatron-core's heterogeneous spec)
+    heterogeneous: bool = False
     position_embedding: str = "learned_absolute"
     optimizer_step: bool = True
     clip_grad: float = 0.05
@@ -72,6 +76,14 @@ class GPTSetup:
     def layer_spec(self) -> str:
         """Megatron's name of the implementation (its ``--transformer-impl``)."""
         return "transformer_engine" if self.impl == "te" else "local"
+
+    def config_type(self) -> type:
+        """The Megatron config class of this setup's model."""
+        if self.heterogeneous:
+            return heterogeneous.config_type()
+        from megatron.core.transformer.transformer_config import TransformerConfig
+
+        return TransformerConfig
 
     def build_model(self, config: Any, pg: Any = None) -> Any:
         """The Megatron model of this setup for this pipeline stage (:func:`build_gpt`)."""
@@ -102,9 +114,8 @@ class MTPGPTSetup(GPTSetup):
 
 
 def transformer_config(layout: Any, setup: GPTSetup, **extra: Any):
-    """A CPU-runnable TransformerConfig for ``layout`` with the setup's overrides applied."""
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
+    """A CPU-runnable TransformerConfig (the setup's :meth:`~GPTSetup.config_type`) for ``layout``
+    with the setup's overrides applied."""
     options = dict(
         num_layers=setup.layers, hidden_size=setup.hidden, num_attention_heads=setup.heads,
         use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
@@ -118,8 +129,10 @@ def transformer_config(layout: Any, setup: GPTSetup, **extra: Any):
     options.update(setup.base_config)
     if isinstance(setup, MTPGPTSetup):
         options["mtp_num_layers"] = setup.mtp_layers
+    if setup.heterogeneous:
+        options.update(heterogeneous.config_options())
     options.update(setup.config)
-    return TransformerConfig(**options)
+    return setup.config_type()(**options)
 
 
 def global_batches(setup: GPTSetup) -> list[dict[str, torch.Tensor]]:
@@ -221,7 +234,9 @@ def build_gpt(config, setup: GPTSetup, pg: Any = None):
 
     options = dict(num_experts=config.num_moe_experts, qk_layernorm=config.qk_layernorm,
                    qk_l2_norm=config.qk_l2_norm)
-    if setup.layer_spec == "transformer_engine":  # TE's norms read config.normalization
+    if setup.heterogeneous:
+        spec = heterogeneous.layer_specs(config, setup.layer_spec == "transformer_engine")
+    elif setup.layer_spec == "transformer_engine":  # TE's norms read config.normalization
         spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(**options)
     else:
         spec = local_spec_for(config, gpt_layer_specs.get_gpt_layer_local_spec(

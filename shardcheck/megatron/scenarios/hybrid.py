@@ -95,6 +95,8 @@ def check_setup(layout: Any, setup: HybridSetup) -> None:
     if setup.impl != "te":
         raise ValueError("HybridModel runs on Transformer Engine only: megatron-core's hybrid stack "
                          "spec is TE's and HybridStack builds its final norm with TENorm")
+    if setup.heterogeneous:
+        raise LayoutUnsupported("HybridModel takes its layers from its pattern, not from heterogeneous block configs")
     if layout.cp > 1 and not (setup.config.get("bf16") or setup.config.get("fp16")):
         raise LayoutUnsupported("Transformer Engine has no fp32 attention under context parallelism "
                                 "(flash and fused attention take 16 bits, unfused attention no CP): bf16 runs it")
