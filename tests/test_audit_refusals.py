@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("megatron.core")
 
 from shardcheck.megatron.audit import report as audit_report  # noqa: E402
-from shardcheck.megatron.audit.outcome import _in_config_check  # noqa: E402
+from shardcheck.megatron.audit.outcome import Outcome, _in_config_check  # noqa: E402
 from shardcheck.megatron.audit.run import audit  # noqa: E402
 from shardcheck.megatron.audit.sweep import Case  # noqa: E402
 from shardcheck.parity.layout import Layout  # noqa: E402
@@ -79,3 +79,28 @@ def test_an_error_in_the_middle_of_a_computation_is_no_argument_check(frames, ra
 def test_a_check_a_constructor_calls_is_an_argument_check():
     assert _in_config_check(_failure("tensor_parallel/layers.py:__init__", "utils.py:divide",
                                      "utils.py:ensure_divisibility", raised="AssertionError: 1 is not divisible by 2"))
+
+
+FUSED_ROPE = "AssertionError: fused_single_qkv_rope requested but not available/supported for the config."
+
+
+@pytest.mark.parametrize(("options", "raised", "refused"), [
+    (("fused_single_qkv_rope",), FUSED_ROPE, True),  # a check where the option is read
+    (("moe_apply_probs_on_input",), "AssertionError: `moe_apply_probs_on_input` only works with `moe_router_topk`=1.",
+     True),
+    ((), FUSED_ROPE, False),  # the case did not set it: megatron-core's own state, a crash
+    (("fused_single_qkv_rope",), FUSED_ROPE.replace("AssertionError", "RuntimeError"), False),
+    (("bias",), "AssertionError: bias of the wrong shape", False),  # a word, not a field's name
+], ids=["fused-rope", "probs-on-input", "not-an-option-of-the-case", "runtimeerror", "plain-word"])
+def test_an_assertion_naming_an_option_of_the_case_is_its_argument_check(options, raised, refused):
+    failure = _failure("models/gpt/gpt_model.py:forward", "transformer/attention.py:forward", raised=raised)
+    assert _in_config_check(failure, options) is refused
+
+
+def test_megatron_asking_for_a_package_to_be_installed_is_missing_code_not_a_crash():
+    error = "ValueError: fused_topk_with_score_function is not available. Please install TE >= 2.6.0."
+    outcome = Outcome(Case("moe_router", (("moe_router_fusion", True),), Layout()), error=error,
+                      error_kind="error", in_megatron=True)
+    assert not outcome.one_rank_crash
+    assert Outcome(Case("gpt", (), Layout()), error="RuntimeError: boom", error_kind="error",
+                   in_megatron=True).one_rank_crash

@@ -68,7 +68,8 @@ class Outcome:
         """The outcome of a case whose ranks raised, hung or desynced: the error's line, kind and
         innermost megatron-core frame, and whether megatron-core's argument checks raised it."""
         return cls(case, error=first_line(failure), error_kind=failure.kind, frame=_megatron_frame(failure),
-                   config_check=_in_config_check(failure), in_megatron=_raised_in_megatron(failure), **known)
+                   config_check=_in_config_check(failure, option_fields(case)), in_megatron=_raised_in_megatron(failure),
+                   **known)
 
 
 _FRAME = re.compile(r'^ +File "([^"]*)", line \d+, in (\S+)', re.MULTILINE)
@@ -78,7 +79,7 @@ CONSTRUCTORS = ("__init__", "__new__", "__post_init__")  # __new__: WrappedTorch
 # megatron-core saying that code it needs is not installed (a CUDA extension, Apex): what this
 # machine lacks, listed as not swept, not a megatron-core bug
 MISSING_CODE = re.compile(r"ModuleNotFoundError|ImportError|No module named|CUDA extension|"
-                          r"\b(not installed|is not found)\b")
+                          r"\b(not installed|is not found|[Pp]lease install)\b")
 VALIDATOR = re.compile(r"_?(ensure|validate|check|verify)(_|$)")  # ensure_divisibility, _validate_x
 
 
@@ -115,18 +116,33 @@ def _raised_type(text: str) -> str:
     return line.split(":", 1)[0].rsplit(".", 1)[-1]
 
 
-def _in_config_check(failure: PoolFailure) -> bool:
+def option_fields(case: Case) -> tuple[str, ...]:
+    """The config fields and arguments the case's options set (``GPTModel.parallel_output``: its
+    ``parallel_output``)."""
+    return tuple(name.rsplit(".", 1)[-1] for name, _ in case.options)
+
+
+def _in_config_check(failure: PoolFailure, options: tuple[str, ...] = ()) -> bool:
     """Whether megatron-core refused its arguments: the error passed through a config's
     ``__post_init__`` (its own check, or a validator it calls), or megatron-core itself raised
-    an AssertionError or ValueError in an argument check (:func:`_argument_check`)."""
+    an AssertionError or ValueError in an argument check (:func:`_argument_check`) or naming one
+    of the case's ``options`` (a check where the option is read: ``fused_single_qkv_rope requested
+    but not ... supported for the config``)."""
     whole = failure.tracebacks[min(failure.tracebacks)] if failure.tracebacks else ""
     if re.search(r'File "[^"]*/megatron/core/[^"]*", line \d+, in __post_init__', whole):
         return True
     text = whole.rsplit("Traceback (most recent call last):", 1)[-1]  # the last exception's
     frames = _FRAME.findall(text)
     raised = _raised_type(text)
-    return (failure.kind == "error" and bool(frames) and _MEGATRON in frames[-1][0]
-            and raised in REFUSED_TYPES and _argument_check(frames, raised))
+    return (failure.kind == "error" and bool(frames) and _MEGATRON in frames[-1][0] and raised in REFUSED_TYPES
+            and (_argument_check(frames, raised) or _names_an_option(text, options)))
+
+
+def _names_an_option(text: str, options: tuple[str, ...]) -> bool:
+    """Whether the last exception's message names one of the options (as a word, a field's name
+    with an underscore: a long enough name not to be an English word)."""
+    message = text.rstrip().rsplit("\n", 1)[-1]
+    return any("_" in name and re.search(rf"\b{re.escape(name)}\b", message) for name in options)
 
 
 def _argument_check(frames: list[tuple[str, str]], raised: str) -> bool:
