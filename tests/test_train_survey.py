@@ -101,6 +101,17 @@ def test_another_model_familys_flag_is_refused_for_the_gpt_entry_point_and_left_
     plan_runs([*SMALL, flag, *values], 2, 1)  # an --entry script's to build
 
 
+@pytest.mark.parametrize(("flags", "line"), [
+    (["--fim-data"], "--fim-data: fill-in-the-middle rearranges the documents of real data files"),
+    (["--error-injection-rate", "100", "--error-injection-type", "persistent_error"],
+     "--error-injection-rate: Megatron's rerun machinery then injects errors into the results on purpose"),
+])
+def test_a_job_whose_runs_cannot_be_compared_is_refused_in_one_line(flags, line):
+    with pytest.raises(TrainInputError, match=f"^{re.escape(line)}"):
+        plan_runs([*SMALL, *flags], 2, 1)
+    plan_runs([*SMALL, "--error-injection-rate", "0"], 2, 1)  # Megatron's default: nothing injected
+
+
 def test_a_config_without_a_megatron_flag_is_refused_in_one_line(tmp_path):
     path = tmp_path / "model_config.yaml"
     path.write_text("MODEL_ARGS:\n  trainer.num_nodes: 1\n  data.micro_batch_size: 1\n")
@@ -145,6 +156,9 @@ def test_a_config_keeps_a_one_value_flag_with_blanks_whole_and_leaves_out_its_ba
     ("multimodal-llava/multimodal_llava_mcore_te_tp1_pp1", REFUSED, "a functional test of Megatron's LLaVA models"),
     ("bert/bert_mcore_tp2_pp2", REFUSED, "a functional test of Megatron's BERT models"),
     ("gpt/gpt_dynamic_inference_tp1_pp1_583m_cuda_graphs_validation", REFUSED, "no MODEL_ARGS in it"),
+    # their runs failed on the ranks (one line, exit 2) before these were refused while planning
+    ("gpt/gpt3_mcore_reruns_persistent_1", REFUSED, "--error-injection-rate"),
+    ("gpt/gpt3_mcore_te_tp1_pp1_dist_optimizer_fim_dataset", REFUSED, "--fim-data"),
 ])
 def test_real_configs_the_survey_once_misplanned(name, kind, flag):
     outcome = plan_config(full_data_root() / "head" / name / "model_config.yaml")

@@ -89,6 +89,13 @@ SAMPLE_SCHEDULES = {"--lr-decay-samples": "--lr-decay-iters", "--lr-warmup-sampl
                     "--lr-wsd-decay-samples": "--lr-wsd-decay-iters"}
 # flags that change the global batch as training goes: the runs compare steps of one batch size
 BATCH_SCHEDULES = ("--step-batch-size-schedule", "--rampup-batch-size")
+# flags whose runs cannot be compared, and why (refused when given a value other than "0")
+NOT_COMPARABLE = {
+    "--fim-data": ("fill-in-the-middle rearranges the documents of real data files, and the runs train on mock "
+                   "data (Megatron's FIM dataset refuses it)"),
+    "--error-injection-rate": ("Megatron's rerun machinery then injects errors into the results on purpose "
+                               "(a test of its result validation), so the runs would compare injected errors"),
+}
 DATA_FLAGS = ("--data-path", "--train-data-path", "--valid-data-path", "--test-data-path",
               "--data-args-path", "--per-split-data-args-path", "--tokenizer-model", "--vocab-file",
               "--merge-file", "--data-cache-path", "--train-samples", "--save", "--load",
@@ -409,6 +416,9 @@ def _common_flags(flags: Flags, changes: list[str], steps: int | None, dp: int) 
     if optimizer not in ("adam", "sgd") and not _have_emerging_optimizers():
         raise TrainInputError(f"--optimizer {optimizer}: megatron-core builds it from the emerging-optimizers "
                               "package, which is not installed (pip install emerging-optimizers)")
+    for flag, why in NOT_COMPARABLE.items():
+        if flags.has(flag) and flags.get(flag) != "0":
+            raise TrainInputError(f"{flag}: {why}")
     for flag in BATCH_SCHEDULES:
         if flags.has(flag):
             raise TrainInputError(f"{flag}: the global batch changes as training goes, and the runs compare "
