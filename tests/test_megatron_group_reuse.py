@@ -63,3 +63,22 @@ def test_scenarios_on_the_reused_groups_match_one_rank(ran):
     result = parity(scenario("output_loss"), layouts, pool=pool, noise_runs=0, typecheck=False,
                     timeout=300)
     assert compared_clean(result, layouts), str(result)
+
+
+def _moe_metrics_of_two_models(ctx) -> bool:
+    """A 2-layer model's MoE metric, then a 4-layer one's at layer 4, each in its own case."""
+    import torch
+    from megatron.core.transformer.moe import moe_logging
+
+    for layers in (2, 4):
+        with megatron_parallel(ctx):
+            moe_logging.get_moe_metrics_tracker().record("load_balancing_loss", torch.ones(()), layers, layers)
+    return moe_logging._MOE_METRICS_TRACKER is None
+
+
+def test_megatrons_moe_metrics_tracker_is_left_behind_with_its_groups(ran):
+    """Its per-layer tensors are sized by the first model that records: kept across cases, a
+    warm rank's next, deeper model indexed past them (a false one-rank crash in the audit)."""
+    pytest.importorskip("megatron.core.transformer.moe.moe_logging")
+    pool, _ = ran
+    assert pool.run("tp2", _moe_metrics_of_two_models) == [True, True]

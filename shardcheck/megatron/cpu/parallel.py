@@ -222,6 +222,17 @@ def _explicit_run(pg: Any) -> Iterator[None]:
         yield
 
 
+def _forget_moe_metrics() -> None:
+    """Drop megatron-core's process-wide MoE metrics tracker (0.19 on), as Megatron's groups are
+    dropped: its per-layer tensors are sized by the first model that used them, so a warm rank's
+    next model with more layers would index past them."""
+    try:
+        from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
+    except ImportError:  # megatron-core 0.16 keeps its MoE losses in another tracker
+        return
+    destroy_moe_metrics_tracker()
+
+
 @contextmanager
 def megatron_parallel(ctx: Any, seed: int = 1234) -> Iterator[Any]:
     """Initialise Megatron's model-parallel groups and RNG for ``ctx.layout``; destroy them after.
@@ -247,3 +258,4 @@ def megatron_parallel(ctx: Any, seed: int = 1234) -> Iterator[Any]:
                 yield pg
         finally:
             parallel_state.destroy_model_parallel()
+            _forget_moe_metrics()
