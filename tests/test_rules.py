@@ -29,6 +29,23 @@ def _repeated_key():
     return T(4, 2, 1, 3).repeat_interleave(2, dim=2)
 
 
+def _grouped_qkv(shape=(4, 2, 32)):
+    """Megatron's fused QKV of one query group a rank (2 query heads, 1 key, 1 value, 8 wide)
+    viewed by groups, [s, b, g * 32] -> [s, b, g, 32], cut into q, k and v (``shape``: the
+    input in another layout of the same elements)."""
+    return torch.split(T(*shape, tp=S(2)).view(4, 2, 1, 32), [16, 8, 8], dim=3)
+
+
+def _grouped_query():
+    """The rank's query heads of its one group: [s, b, 1, 16] -> [s, b, 2, 8]."""
+    return _grouped_qkv()[0].reshape(4, 2, 2, 8)
+
+
+def _grouped_key():
+    """The key of the rank's one group, repeated to its 2 query heads (DotProductAttention)."""
+    return _grouped_qkv()[1].repeat_interleave(2, dim=2)
+
+
 def own_order():
     """Row indices each rank computed from its own data (an argsort of its routing map): V."""
     return sc.annotate(torch.tensor([2, 0, 3, 1]), tp=V)
@@ -236,6 +253,23 @@ SHAPES = [
      "mixed shards"),
     ("blocks bmm", lambda: torch.bmm(T(2, 3, 4, 5, tp=S(1)).view(6, 4, 5),
                                      T(2, 3, 5, 2, tp=S(1)).view(6, 5, 2)).view(2, 3, 4, 2), S(1)),
+    # a view putting a dim of one before a shard's dim reads two ways: an inserted dim (the
+    # shard stays on its data) or one group a rank (the shard on the dim of one); a cut of the
+    # data takes the second, as Megatron's QKV viewed by query groups means it
+    ("view inserting dims of one", lambda: T(2, tp=S(0)).view(1, 2, 1, 1), S(1)),
+    ("view inserting dims of one + S", lambda: T(2, tp=S(0)).view(1, 2, 1, 1) + T(3, 2, 4, 4, tp=S(1)),
+     S(1)),
+    ("view by groups, one a rank, cut", lambda: _grouped_qkv()[2], S(2)),
+    ("view by groups, one a rank, select", lambda: T(4, 2, 32, tp=S(2)).view(4, 2, 1, 32)[..., 0], S(2)),
+    ("grouped query heads", _grouped_query, S(2)),
+    ("grouped key repeated to the heads", _grouped_key, S(2)),
+    ("grouped query x key", lambda: _grouped_query() * _grouped_key(), S(2)),
+    ("grouped attention scores", lambda: torch.einsum("sbhd,tbhd->bhst", _grouped_query(), _grouped_key()),
+     S(1)),
+    ("grouped key tiled, not interleaved", lambda: _grouped_query() * _grouped_qkv()[1].repeat(1, 1, 2, 1), V),
+    ("grouped query x every group's key", lambda: _grouped_query() * T(4, 2, 2, 8), "global shape mismatch"),
+    ("cut after an annotated dim of one", lambda: torch.split(T(4, 2, 1, 32, tp=S(3)), [16, 8, 8], 3)[0], V),
+    ("cut after a view that kept a dim of one", lambda: _grouped_qkv((8, 1, 32))[0], V),
     ("flatten", lambda: T(2, 3, 4, tp=S(0)).flatten(), S(0)),
     ("permute", lambda: T(2, 3, 4, tp=S(0)).permute(2, 0, 1), S(1)),
     ("transpose", lambda: T(2, 3, 4, tp=S(2)).transpose(0, 2), S(0)),
@@ -364,6 +398,17 @@ def test_known_zero_buffer_accumulates_partial():
         with pytest.raises(sc.SpmdTypeError) as info:
             filled += T(4, tp=P)
         assert info.value.rule == "affine on partial"
+
+
+def test_grouped_attention_of_one_group_a_rank_types_its_gradient():
+    """The fused QKV's gradient, back through the cut, the key's repeat and the group view, is
+    its shard (the column-parallel weight's gradient follows)."""
+    with sc.typecheck(MESH):
+        qkv = sc.annotate(torch.randn(4, 2, 32, requires_grad=True), tp=S(2))
+        query, key, value = torch.split(qkv.view(4, 2, 1, 32), [16, 8, 8], dim=3)
+        scores = query.reshape(4, 2, 2, 8) * key.repeat_interleave(2, dim=2)
+        (scores.sum() + value.sum()).backward()
+        assert sc.typeof(qkv.grad) == {"tp": S(2)}
 
 
 def test_inplace_op_updates_views_of_the_same_storage():

@@ -14,7 +14,8 @@ The fields:
   all-gathered (see :mod:`rules.common`); ``exchanged``, ``exchanged_piece``: an all-to-all's
   output and its pieces (see :mod:`exchange`); ``grouped``, ``rows_of``: an index of grouped
   rows and rows read by it (see :mod:`rules.token_rows`, :mod:`rules.routing`); ``norm``: the
-  gradient norm term it is (see :mod:`rules.norm_tracking`).
+  gradient norm term it is (see :mod:`rules.norm_tracking`); ``viewed``: a view's other reading
+  of its shards (see :mod:`rules.shape`).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ class TensorState:
 
     type = untyped = root = views = spans = overlaps = origin = landing = None
     broadcast = cut = stacked = gathered = exchanged = exchanged_piece = None
-    grouped = rows_of = norm = None
+    grouped = rows_of = norm = viewed = None
 
 
 def read(t: Any, field: str) -> Any:

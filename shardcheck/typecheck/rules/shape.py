@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import torch
 
+from shardcheck.typecheck import tensor_state
 from shardcheck.typecheck.exchange import rejoined_pieces, rejoined_rows
 from shardcheck.typecheck.rules.arithmetic import ADD, Typed, elementwise, reduced_dims
 from shardcheck.typecheck.rules.common import (
@@ -111,8 +112,44 @@ def _view_rule(ctx: RuleContext, x, pl, args, kwargs, out):
     if in_shape == out_shape:
         return pl
     prefer = _reshaped_back(ctx, x, out, pl)
-    return tuple(view_shard(in_shape, out_shape, p, prefer[a]) if isinstance(p, Shard)
-                 else (None if isinstance(p, Gathered) else p) for a, p in enumerate(pl))
+    viewed = tuple(view_shard(in_shape, out_shape, p, prefer[a]) if isinstance(p, Shard)
+                   else (None if isinstance(p, Gathered) else p) for a, p in enumerate(pl))
+    _note_outer_reading(ctx, x, out, pl, viewed)
+    return viewed
+
+
+def _note_outer_reading(ctx: RuleContext, x: torch.Tensor, out: torch.Tensor, pl: Pl, viewed: Pl) -> None:
+    """Remember on ``out`` the other reading of a view whose shard lands on a dim right after a
+    size-1 dim it inserted: ``[s, b, g * X] -> [s, b, 1, X]`` cuts the sharded dim into g groups
+    of X with one group on this rank (S on the size-1 dim: Megatron's QKV viewed by query
+    groups, one per rank), or puts a dim of one before it (S on X: ``[h] -> [1, h, 1, 1]``).
+    Both are the same local tensor; the view takes the second, a cut along X the first (see
+    :func:`_read_for_cut`)."""
+    other = None
+    for a, p in enumerate(viewed):
+        if type(p) is Shard and p.dim > 0 and out.shape[p.dim - 1] == 1 and _inserted_before(x, pl[a]):
+            other = other or list(viewed)
+            other[a] = S(p.dim - 1, p.outside)
+    if other is not None:
+        tensor_state.write(out, "viewed", (ctx.key, viewed, tuple(other)))
+
+
+def _inserted_before(x: torch.Tensor, p: Placement) -> bool:
+    """Whether the view's input shard ``p`` has no dim of one before it (else the input has
+    read the dims already, and the view only carries them)."""
+    d = norm_dim(p.dim, x.dim())
+    return type(p) is Shard and (d == 0 or x.shape[d - 1] != 1)
+
+
+def _read_for_cut(ctx: RuleContext, x: torch.Tensor, pl: Pl, dim: int) -> Pl:
+    """``x``'s placements for a cut along ``dim``: where a view made ``x`` with a shard on
+    ``dim`` that could as well sit on the dim of one before it (see :func:`_note_outer_reading`),
+    that reading: a dim the ranks' pieces fill whole is cut into q, k and v of one query group.
+    A shard read on ``dim`` would make every piece V."""
+    mark = tensor_state.read(x, "viewed")
+    if mark is None or mark[0] is not ctx.key or mark[1] != pl:
+        return pl
+    return tuple(q if isinstance(p, Shard) and p.dim == dim else p for p, q in zip(pl, mark[2], strict=True))
 
 
 def _reshaped_back(ctx: RuleContext, x: torch.Tensor, out: torch.Tensor, pl: Pl) -> tuple:
@@ -295,6 +332,7 @@ def _slice_rule(ctx: RuleContext, x, pl, args, kwargs, out):
     step = arg(args, kwargs, 4, "step", 1)
     start = max(0, min(size, norm_dim(start, size)))
     length = out.shape[dim]
+    pl = _read_for_cut(ctx, x, pl, dim)
     if step != 1:
         start = -1  # a strided slice is no rank's chunk
     else:
@@ -306,6 +344,7 @@ def _slice_rule(ctx: RuleContext, x, pl, args, kwargs, out):
 def _select_rule(ctx: RuleContext, x, pl, args, kwargs, out):
     ndim = x.dim()
     dim = norm_dim(args[1], ndim)
+    pl = _read_for_cut(ctx, x, pl, dim)
     # one index is no rank's chunk: it equals this rank's index by chance too often (a layer,
     # a microbatch when there are as many as ranks)
     (piece,) = _cut_along(ctx, pl, ndim, dim, [(-1, 1)], x.shape[dim])
@@ -316,6 +355,7 @@ def _select_rule(ctx: RuleContext, x, pl, args, kwargs, out):
 def _split_rule(ctx: RuleContext, x, pl, args, kwargs, out):
     ndim = x.dim()
     dim = norm_dim(arg(args, kwargs, 2, "dim", 0), ndim)
+    pl = _read_for_cut(ctx, x, pl, dim)
     pieces, start = [], 0
     for t in out:
         pieces.append((start, t.shape[dim]))
@@ -332,6 +372,7 @@ def _split_rule(ctx: RuleContext, x, pl, args, kwargs, out):
 def _unbind_rule(ctx: RuleContext, x, pl, args, kwargs, out):
     ndim = x.dim()
     dim = norm_dim(arg(args, kwargs, 1, "dim", 0), ndim)
+    pl = _read_for_cut(ctx, x, pl, dim)
     ctx.remember_pieces(out, pl)
     pieces = _cut_along(ctx, pl, ndim, dim, [(k, 1) for k in range(len(out))], len(out))
     # a rank-slice guess along the unbound dim has no dim left to shard: the piece of a
