@@ -109,10 +109,13 @@ def router_step(ctx: Any, setup: RouterSetup) -> dict[str, torch.Tensor]:
         options = dict(num_moe_experts=setup.experts, moe_router_topk=setup.topk,
                        moe_aux_loss_coeff=1.0, moe_router_load_balancing_type="aux_loss",
                        add_bias_linear=False)
+        if setup.model_args.get("is_mtp_layer"):  # Megatron builds an MTP layer's router in a model with MTP layers
+            options["mtp_num_layers"] = 1
         options.update(setup.config)
         config = transformer_config(ctx.layout, GPTSetup(hidden=setup.hidden, heads=4, layers=1),
                                     **options)
         router = TopKRouter(config, pg, **setup.model_args)
+        router.set_layer_number(1)  # as MoELayer numbers its router
         router.train()
         load_global_weights(router, seed=setup.seed)
         layout = ctx.layout
