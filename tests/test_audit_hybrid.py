@@ -4,7 +4,7 @@ MLP or MoE layers and an MTP depth) on Transformer Engine, swept like the GPT.
 megatron-core 0.19.2 deprecates ``GPTModel`` for it; 0.16.1 has none (the catalogue leaves the
 component out there). On 0.19.2 it agrees with one rank under tp2-sp (its MoE pattern too),
 and under tp2 (without sequence parallelism) gives #7452's GDN output-norm finding through
-the model.
+the model: the same finding as the GDN layer's alone, at the line that builds out_norm.
 """
 
 import typing
@@ -101,13 +101,23 @@ def test_the_stack_spec_keeps_grouped_gemm_experts_only_when_asked():
 
 @needs_te
 def test_the_hybrid_model_agrees_with_one_rank_and_finds_the_gdn_out_norm_under_tp2(audit_pools):
+    """The GDN layer's out_norm gradient, reached through the model and through the layer alone,
+    is one finding, located where GatedDeltaNet builds out_norm (the model's gradients are
+    checked there, as the layer's are)."""
     cases = [Case("hybrid", (), Layout.parse(name)) for name in ("tp2-sp", "tp2")]
-    cases.append(Case("hybrid", MOE, Layout.parse("tp2-sp")))
+    cases += [Case("hybrid", MOE, Layout.parse("tp2-sp")), Case("gdn", (), Layout.parse("tp2"))]
     result = audit(cases, run_pools=audit_pools)
     assert not result.errors and len(result.outcomes) == len(cases)
-    assert [str(o.case.layout) for o in result.outcomes if o.failed] == ["tp2"]
+    assert [(o.case.component, str(o.case.layout)) for o in result.outcomes if o.failed] == [
+        ("hybrid", "tp2"), ("gdn", "tp2")]
     [finding] = result.findings
-    assert finding.trigger == {"component": "hybrid", "options": {}, "layout": "tp2"}
-    assert finding.seen_in == ["layouts: tp2"]
-    [effect] = [e for e in finding.effect if e["value"].startswith("grad/")]
-    assert effect["value"].endswith("self_attention.out_norm.weight")  # the G layer's
+    assert finding.trigger == {"component": "gdn", "options": {}, "layout": "tp2"}
+    assert finding.location.startswith("megatron/core/ssm/gated_delta_net/common.py:"), finding.location
+    assert finding.checker.startswith(f"checker: unreduced gradient at {finding.location} in check_gradients")
+    assert finding.seen_in == ["layouts: tp2", "components: gdn, and through hybrid"]
+    assert {"component": "hybrid", "layout": "tp2", "options": {}} in finding.cases
+    [hybrid] = [o for o in result.outcomes if o.failed and o.case.component == "hybrid"]
+    [gap] = [g for g in hybrid.gaps if g.name.startswith("grad/")]
+    assert gap.name.endswith("self_attention.out_norm.weight")  # the G layer's
+    # checked where built, not again at the optimizer step
+    assert [v["location"] for v in hybrid.violations if v["rule"] == "unreduced gradient"] == [finding.location]

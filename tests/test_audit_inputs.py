@@ -134,12 +134,15 @@ def test_the_repro_scripts_draw_the_same_inputs(monkeypatch):
 
 PER_TOKEN_MASKED = (("loss_mask", True), ("calculate_per_token_loss", True))
 # 0.19.2's router reads its local token count after the in-place all-reduce when given a padding
-# mask: the checker sees it wherever the MoE GPT takes one; the numbers show it in moe_router
+# mask: the checker sees it wherever the MoE GPT takes one, and where the calls align with one
+# rank's (not under dp) the count itself differs, no output unless per-token loss scales by it
 ROUTER_COUNT = "checker: contract at megatron/core/transformer/moe/router.py:"
+TOKEN_COUNT = "get_tokens_per_expert_and_token_count#0.local_num_tokens"
 CASES = {  # name: case, whether the numbers part ways
     # GPTModel scatters the MoE padding mask on parallel_state's global tp group (#7452 finding 5)
     "padding, explicit groups": (Case("moe", (("padding_mask", True),), Layout.parse("tp2-dp2-sp@dp-tp")), True),
     "padding, plain groups": (Case("moe", (("padding_mask", True),), Layout.parse("tp2-dp2-sp")), False),
+    "padding, sequence parallel": (Case("moe", (("padding_mask", True),), Layout.parse("tp2-sp")), False),
     # MTP's per-token loss normalised per micro-batch (#7452 finding 3), against the whole batch:
     # 0.19.2 scales each micro-batch's MTP loss by its own valid-token ratio, 0.16.1 by nothing
     "mtp per-token": (Case("mtp", (*PER_TOKEN_MASKED, ("position_embedding", "rope")), Layout(dp=2)),
@@ -178,3 +181,13 @@ def test_each_input_finds_its_bug_or_stays_clean(inputs_audit, name):
         assert all(v["line"].startswith(ROUTER_COUNT) for v in outcome.violations), outcome.violations
     if name == "mtp per-token" and differs:  # the MTP layers' own gradients part ways
         assert any(g.name.startswith("grad/mtp.") for g in outcome.gaps), outcome.gaps
+        # located where the MTP loss is normalised by this rank's own token counts: its
+        # scaled losses, summed over dp, part ways first; the counts summed over dp repair it
+        assert finding.location.startswith("megatron/core/transformer/multi_token_prediction.py:"), finding.location
+        assert finding.contract.startswith("process_mtp_loss:") and finding.control["equal_to_reference"]
+    if name == "padding, sequence parallel":  # the count differs: confirmed, at the function
+        assert outcome.call_gap is not None and outcome.call_gap.gap.name == TOKEN_COUNT
+        [finding] = [f for f in inputs_audit.findings if {"layout": "tp2-sp", "options": dict(case.options)} in f.cases]
+        assert finding.kind == "type+numeric" and finding.location.startswith(
+            "megatron/core/transformer/moe/moe_utils.py:"), (finding.kind, finding.location)
+        assert finding.control["equal_to_reference"], finding.control

@@ -20,10 +20,12 @@ for module in PRELOAD:
     __import__(module)
 
 # release: trigger (component, options, layout) -> (id, kind, location), or None: no finding
+GDN_OUT_NORM = "megatron/core/ssm/gated_delta_net/common.py:256"  # 0.19's `self.out_norm = build_module(`
 KNOWN = {
     "0.16": {  # the default audits of docs/audit.md, by trigger
-        # the checker too: out_norm's gradient unreduced over tp (its parameter R, its gradient P)
-        ("gdn", (), "tp2"): ("e2492bf11a", "type+numeric", "megatron/core/ssm/gated_delta_net.py:249"),
+        # the checker too: out_norm's gradient unreduced over tp (its parameter R, its gradient P),
+        # located where GatedDeltaNet builds out_norm (the HybridModel's is the same finding)
+        ("gdn", (), "tp2"): ("0417853b55", "type+numeric", "megatron/core/ssm/gated_delta_net.py:202"),
         ("moe_router", (("calculate_per_token_loss", True),), "cp2"):
             ("07d6e19d68", "numeric-only", "megatron/core/transformer/moe/router.py:639"),
         # located where the embedding's weight is built without its tensor_model_parallel mark
@@ -60,7 +62,7 @@ KNOWN = {
         ("mamba", (), "tp2-cp2-sp"): None,  # (GDN refuses cp on 0.16)
     },
     "0.19": {  # the same triggers on 0.19.2: three fixed in megatron-core, the others found again
-        ("gdn", (), "tp2"): ("df7ff9da75", "type+numeric", "megatron/core/ssm/gated_delta_net/gdn.py:64"),
+        ("gdn", (), "tp2"): ("6eb63a0a54", "type+numeric", GDN_OUT_NORM),
         ("moe_router", (("calculate_per_token_loss", True),), "cp2"): None,
         ("gpt", (("perform_initialization", False),), "tp2"): None,
         ("gpt", (("loss_mask", True),), "cp2"):
@@ -86,7 +88,7 @@ KNOWN = {
         ("gdn", (), "tp2-cp2-sp"): None,  # GDN's sections too, permuted for one all-to-all
         # the real out_norm gradient bug, confirmed by parity and typed (the checker's contract
         # of the nesting gap gone from it)
-        ("gdn", (), "tp2-cp2"): ("df7ff9da75", "type+numeric", "megatron/core/ssm/gated_delta_net/gdn.py:64"),
+        ("gdn", (), "tp2-cp2"): ("6eb63a0a54", "type+numeric", GDN_OUT_NORM),
         # checker false alarm, gone: the alltoall dispatcher's rows routed to the experts' ranks
         ("moe", (("moe_token_dispatcher_type", "alltoall"),), "dp2-ep2"): None,
         ("moe", (("moe_token_dispatcher_type", "alltoall"),), "cp2-ep2"): None,

@@ -11,7 +11,18 @@ from shardcheck.fuzz.findings import Finding
 from shardcheck.megatron.audit.divergence import Gap
 from shardcheck.megatron.audit.findings import _merged_causes
 from shardcheck.megatron.audit.outcome import Outcome
-from shardcheck.megatron.audit.report import NORM_CONTRACT, control_line, global_group_use, title
+from shardcheck.megatron.audit.report import (
+    GRADIENT_CONTRACT,
+    NORM_CONTRACT,
+    case_entry,
+    causes,
+    control_line,
+    global_group_use,
+    group,
+    minimal_case,
+    seen_in,
+    title,
+)
 from shardcheck.megatron.audit.sweep import Case
 from shardcheck.megatron.checks.explicit import RULE, _chooser
 from shardcheck.parity.layout import Layout
@@ -154,3 +165,132 @@ def test_a_parameter_the_norm_miscounts_is_titled_by_where_its_tp_was_declared()
                       [Gap("norm_counted/w", 0.5, 1.0, 0.5, 0.5, 1e-6)], declared=declared)
     assert title(("megatron/core/transformer/dot_product_attention.py:127", NORM_CONTRACT), outcome) == (
         f"the gradient norm miscounts w, which {declared['w']}, under tp2 (softmax_type=learnable)")
+
+
+# ---- a gradient bug at the line that built the parameter, whichever component reached it ----
+
+GDN_LINE = "megatron/core/ssm/gated_delta_net/common.py:256"
+
+
+def _unreduced(param: str, location: str, op: str = "check_gradients") -> dict:
+    return {"rule": "unreduced gradient", "location": location, "op": op,
+            "line": f"checker: unreduced gradient at {location} in {op}: {param}: parameter R on tp, gradient P"}
+
+
+def _gradient_outcome(component: str, param: str, *violations: dict) -> Outcome:
+    return Outcome(Case(component, (), Layout(tp=2)), [Gap(f"grad/{param}", 0.5, 1.0, 0.5, 0.5, 1e-6)],
+                   violations=list(violations), entry=f"megatron/core/{component}_entry.py:1")
+
+
+def test_a_layer_alone_and_in_a_model_are_one_finding_at_the_line_that_built_the_parameter():
+    layer = _gradient_outcome("gdn", "out_norm.weight", _unreduced("out_norm.weight", GDN_LINE))
+    model = _gradient_outcome("hybrid", "decoder.layers.1.self_attention.out_norm.weight",
+                              _unreduced("decoder.layers.1.self_attention.out_norm.weight", GDN_LINE))
+    [(key, members)] = group([layer, model]).items()
+    assert key == (GDN_LINE, GRADIENT_CONTRACT)
+    [cause] = causes(members)
+    trigger = minimal_case(cause)
+    assert trigger is layer and seen_in(cause, trigger)[-1] == "components: gdn, and through hybrid"
+    assert [case_entry(o.case, trigger.case.component) for o in cause] == [
+        {"layout": "tp2", "options": {}}, {"component": "hybrid", "layout": "tp2", "options": {}}]
+
+
+def test_a_gradient_checked_only_at_the_optimizer_step_or_right_is_not_located_where_built():
+    at_step = _unreduced("w", "megatron/core/optimizer/optimizer.py:1296", op="optimizer.step")
+    other = _unreduced("v", GDN_LINE)  # a parameter whose gradient agrees with one rank
+    for outcome in (_gradient_outcome("gpt", "w", at_step), _gradient_outcome("gpt", "w", other)):
+        [key] = group([outcome])
+        assert key == ("megatron/core/gpt_entry.py:1", "outputs match the one-rank run")
+
+
+TE_NORM = "/site/transformer_engine/pytorch/ops/fake_norm.py"
+GDN_MODULE = "/site/megatron/core/ssm/fake_gdn.py"
+NORM_CODE = """
+class Norm(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(2))
+"""
+LAYER_CODE = """
+class Layer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.A_log = torch.nn.Parameter(torch.ones(2))
+        self.out_norm = Norm()
+"""
+
+
+def _compiled_class(monkeypatch, code: str, path: str, module: str, **names) -> type:
+    """The one class ``code`` defines, compiled under ``path`` as module ``module`` (registered
+    for the test, its source readable by inspect through linecache)."""
+    import linecache
+    import types
+
+    monkeypatch.setitem(linecache.cache, path, (len(code), None, code.splitlines(True), path))
+    space = types.ModuleType(module)
+    space.__file__ = path
+    space.__dict__.update(torch=torch, **names)
+    monkeypatch.setitem(sys.modules, module, space)
+    exec(compile(code, path, "exec"), space.__dict__)
+    return next(v for k, v in vars(space).items() if isinstance(v, type) and k not in names)
+
+
+def test_a_parameter_of_a_library_module_is_built_where_megatron_core_builds_that_module(monkeypatch):
+    from shardcheck.megatron.checks.typecheck import construction_site
+
+    norm = _compiled_class(monkeypatch, NORM_CODE, TE_NORM, "transformer_engine.pytorch.ops.fake_norm")
+    layer = _compiled_class(monkeypatch, LAYER_CODE, GDN_MODULE, "megatron.core.ssm.fake_gdn", Norm=norm)()
+    # Transformer Engine's norm assigns its weight itself, but megatron-core's line built the norm
+    assert construction_site(layer, "out_norm.weight") == f"{GDN_MODULE}:6"
+    assert construction_site(layer, "A_log") == f"{GDN_MODULE}:5"
+
+
+# ---- a typed case that a contracted result confirms: numeric, at the contracted function ----
+
+ROUTER_CALL = "megatron/core/transformer/moe/router.py:420"
+
+
+def _token_count_case(layout: str, counted: bool) -> Outcome:
+    """The MoE GPT given a padding mask: the checker breaks the token count's contract at the
+    router's call; where the calls align with one rank's (not under dp), the count itself is
+    compared: twice the one-rank count (read after the in-place all-reduce), no output moved."""
+    from shardcheck.megatron.audit.divergence import CallGap
+
+    gap = Gap("get_tokens_per_expert_and_token_count#0.local_num_tokens", 58.0, 29.0, 29.0, 1.0, 1e-6)
+    violation = {"rule": "contract", "location": ROUTER_CALL, "op": "contract",
+                 "line": f"checker: contract at {ROUTER_CALL} in contract: {{tp:R}}"}
+    return Outcome(Case("moe", (("padding_mask", True),), Layout.parse(layout)), [],
+                   CallGap("get_tokens_per_expert_and_token_count", 0, gap) if counted else None,
+                   [violation])
+
+
+def test_a_checker_violation_whose_contracted_result_differs_is_confirmed_at_the_function():
+    from shardcheck.megatron.audit.report import effect, kind, outputs_moved
+    from shardcheck.megatron.checks.contracts import BY_NAME
+
+    counted, under_dp = _token_count_case("tp2-sp", True), _token_count_case("tp2-dp2-sp", False)
+    [(key, members)] = group([counted, under_dp]).items()
+    contract = BY_NAME["get_tokens_per_expert_and_token_count"]
+    assert key == (contract.location(), contract.notation())  # moe_utils.py, not the router's call
+    assert key[0].startswith("megatron/core/transformer/moe/moe_utils.py:")
+    assert minimal_case(members) is counted and kind(members, "checker: contract") == "type+numeric"
+    # a type-only case stays type-only, and a finding that moved no output gets no script
+    assert kind([under_dp], "checker: contract") == "type-only"
+    found = Finding.audited({"component": "moe", "options": {}, "layout": "tp2-sp"}, effect(counted), None,
+                            title="", location=key[0], contract=key[1],
+                            first_divergence=counted.call_gap.gap.summary())
+    assert not outputs_moved(found)
+
+
+def test_mtp_losses_add_up_over_data_parallel_ranks_where_one_micro_batch_holds_the_whole_batch():
+    from shardcheck.megatron.audit.divergence import first_call_gap
+    from shardcheck.megatron.checks.contracts import ProbeRecord
+
+    def calls(loss: float) -> list[ProbeRecord]:
+        return [ProbeRecord("process_mtp_loss", 0, [torch.tensor([loss])], {})]
+
+    reference = calls(4.0)
+    assert first_call_gap(Layout(dp=2), [calls(1.0), calls(3.0)], reference) is None
+    # each rank normalised by its own token counts: the sum over dp parts ways
+    found = first_call_gap(Layout(dp=2), [calls(1.0), calls(2.5)], reference)
+    assert found is not None and found.gap.name == "process_mtp_loss#0.mtp_losses"

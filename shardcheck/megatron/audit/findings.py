@@ -52,7 +52,7 @@ def _finding(runner: Runner, key: tuple[str, str], members: list[Outcome],
         first_divergence=minimal.call_gap.gap.summary() if minimal.call_gap else None,
         checker=checker, reproduce=audit_report.reproduce_command(minimal.case),
         seen_in=audit_report.seen_in(members, minimal),
-        cases=[audit_report.case_entry(o.case) for o in members],
+        cases=[audit_report.case_entry(o.case, minimal.case.component) for o in members],
         id="" if first else _trigger_id(key, minimal.case), training_args=training_verdict(minimal.case))
 
 
@@ -177,7 +177,9 @@ def corrected_control(runner: Runner, minimal: Outcome) -> dict[str, Any] | None
     errors = {name: fixed.errors.get(name) for name in names}
     worst = max((e for e in errors.values() if e is not None), default=0.0)
     ok = not fixed.gaps and fixed.call_gap is None
-    verdict = (REPAIRED if ok else
-               f"still differs: {', '.join(g.name for g in fixed.gaps[:3])}")
+    verdict = REPAIRED
+    if not ok:  # outputs still differ, else the contracted result the fix was to repair
+        differing = [g.name for g in fixed.gaps[:3]] or [fixed.call_gap.gap.name]
+        verdict = f"still differs: {', '.join(differing)}"
     return {"fix": note, "result": f"{verdict} (max abs error of the diverging outputs "
             f"{worst:.3g} after the fix)", "equal_to_reference": ok, "max_abs_error": worst}

@@ -8,7 +8,11 @@ elsewhere, or else form a finding located at their first diverging output.
 
 The minimal trigger of a finding is its failing case with the fewest ranks, then the fewest
 options. ``kind`` is ``type+numeric`` when both parity and the checker saw it, ``numeric-only``
-when only parity did, ``type-only`` when only the checker did.
+when only parity did, ``type-only`` when only the checker did. Parity sees a case
+(:func:`numeric`) when an output differs from the one-rank run, or the result of a contracted
+call does: the quantity its contract ensures, rebuilt from every rank (a local token count read
+after an in-place all-reduce moves no output unless the loss scales by it, yet is twice the
+one-rank count).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from shardcheck.fuzz.findings import Finding, show_number
 from shardcheck.megatron.audit.sweep import Case
 from shardcheck.megatron.checks.contracts import BY_NAME
 from shardcheck.parity.layout import Layout
+from shardcheck.typecheck.gradient_rules import MISDECLARED, MISMATCH, UNREDUCED
 
 GLOBAL_GROUP_CONTRACT = ("collectives of a model given a pg_collection use its groups: a value "
                          "laid out over pg_collection.X is reduced over pg_collection.X, not over "
@@ -51,23 +56,48 @@ def violation_key(violation: dict) -> tuple[str, str]:
 
 NORM_CONTRACT = ("a parameter cut over tp is declared so (tensor_model_parallel), and the gradient "
                  "norm counts every rank's piece of it")
+GRADIENT_CONTRACT = ("a parameter's reduced gradient has its parameter's type (reduced over every axis "
+                     "it is replicated on), as megatron-core builds the parameter")
 
 
 def _key(outcome) -> tuple[str, str] | None:
     """Where an outcome is located: the line that chose a global group it used, else its first
-    diverging contracted call upstream of the gradient norm, else the line that declared the
-    tensor parallelism of the parameter the norm miscounts, else the norm's own call."""
+    diverging contracted call upstream of the gradient norm, else the line that built a
+    parameter whose gradient differs and breaks its type (:func:`_built_site`), else the line
+    that declared the tensor parallelism of the parameter the norm miscounts, else the norm's
+    own call. None of them is a component's own line, so one bug reached through two
+    components (a layer alone and in a model) is keyed, and found, once."""
     misuse = global_group_use(outcome)
     if misuse is not None:
         return misuse["location"], GLOBAL_GROUP_CONTRACT
     if outcome.call_gap is not None and not BY_NAME[outcome.call_gap.contract].downstream:
         contract = BY_NAME[outcome.call_gap.contract]
         return contract.location(), contract.notation()
+    if (built := _built_site(outcome)) is not None:
+        return built, GRADIENT_CONTRACT
     if (declared := _declaration_site(outcome)) is not None:
         return declared, NORM_CONTRACT
     if outcome.call_gap is not None:
         contract = BY_NAME[outcome.call_gap.contract]
         return contract.location(), contract.notation()
+    return None
+
+
+# the checker's gradient rules, and the check that reports them where the parameter is built
+GRADIENT_RULES = (UNREDUCED, MISDECLARED, MISMATCH)
+_CHECKED_WHERE_BUILT = re.compile(r" in check_gradients: (\S+): parameter ")
+
+
+def _built_site(outcome) -> str | None:
+    """``file:line`` in megatron-core where a parameter was built whose gradient differs from
+    the one-rank run and breaks the checker's gradient rules there: a violation the scenario
+    reported where the parameter's module is built (``check_gradients`` at its construction
+    site, not at the optimizer step every gradient reaches), for a ``grad/NAME`` that differs."""
+    differs = {g.name.removeprefix("grad/") for g in outcome.gaps if g.name.startswith("grad/")}
+    for violation in outcome.violations:
+        named = _CHECKED_WHERE_BUILT.search(violation["line"])
+        if violation["rule"] in GRADIENT_RULES and named and named.group(1) in differs:
+            return violation["location"]
     return None
 
 
@@ -79,6 +109,12 @@ def _declaration_site(outcome) -> str | None:
         return None
     site = re.search(r"(megatron/core/\S+?\.py:\d+)", found[1])
     return site.group(1) if site else None
+
+
+def numeric(outcome) -> bool:
+    """Whether parity saw the outcome: an output, or a contracted call's result, differs from
+    the one-rank run."""
+    return bool(outcome.gaps) or outcome.call_gap is not None
 
 
 def case_size(case: Case) -> tuple:
@@ -104,20 +140,20 @@ def group(failed: Sequence) -> dict[tuple[str, str], list]:
     Findings of different options that share a key are one. Type-only outcomes are keyed by
     their violation, unless a numeric finding's cases have the same violation: they explain it.
     """
-    numeric = [o for o in failed if o.gaps]
+    seen = [o for o in failed if numeric(o)]
     by_options: dict[tuple, tuple[str, str]] = {}
-    for outcome in sorted(numeric, key=lambda o: (_key(o) is None, _downstream(o), case_size(o.case))):
-        located = outcome.entry or f"{outcome.case.component} output {outcome.gaps[0].name}"
-        by_options.setdefault((outcome.case.component, outcome.case.options),
-                              _key(outcome) or (located, "outputs match the one-rank run"))
+    for outcome in sorted(seen, key=lambda o: (_key(o) is None, _downstream(o), case_size(o.case))):
+        by_options.setdefault((outcome.case.component, outcome.case.options), _key(outcome) or (
+            outcome.entry or f"{outcome.case.component} output {outcome.gaps[0].name}",
+            "outputs match the one-rank run"))
     groups: dict[tuple[str, str], list] = {}
-    for outcome in numeric:
+    for outcome in seen:
         own = None if _downstream(outcome) else _key(outcome)
         groups.setdefault(own or by_options[(outcome.case.component, outcome.case.options)],
                           []).append(outcome)
     explained = {violation_key(v): key for key, members in groups.items()
                  for o in members for v in o.violations if _explains(key, v)}
-    for outcome in (o for o in failed if not o.gaps):
+    for outcome in (o for o in failed if not numeric(o)):
         for violation in outcome.violations:
             groups.setdefault(explained.get(violation_key(violation), violation_key(violation)),
                               []).append(outcome)
@@ -137,7 +173,7 @@ def causes(members: Sequence) -> list[list]:
     options contain no failing case's starts a cause of its own. Numeric failures come first,
     so a cause's smallest trigger is a numeric one when it has any.
     """
-    ordered = sorted(members, key=lambda o: (not o.gaps, len(o.case.options), case_size(o.case)))
+    ordered = sorted(members, key=lambda o: (not numeric(o), len(o.case.options), case_size(o.case)))
     found: list[list] = []
     owner: dict[frozenset, int] = {}
     placed: dict[tuple[frozenset, str], int] = {}
@@ -158,11 +194,14 @@ def causes(members: Sequence) -> list[list]:
 
 def minimal_case(members: Sequence):
     """The trigger of a cause: a numeric failure before a typed one, then the fewest ranks and options."""
-    return min(members, key=lambda o: (not o.gaps, case_size(o.case)))
+    return min(members, key=lambda o: (not numeric(o), case_size(o.case)))
 
 
-def case_entry(case: Case) -> dict[str, Any]:
-    return {"layout": str(case.layout), "options": dict(case.options)}
+def case_entry(case: Case, component: str | None = None) -> dict[str, Any]:
+    """A case as findings.json lists it; one of another component than the finding's
+    (``component``: one bug reached through a layer and a model that holds it) names its own."""
+    entry = {"layout": str(case.layout), "options": dict(case.options)}
+    return entry if case.component == (component or case.component) else {"component": case.component, **entry}
 
 
 def seen_in(members: Sequence, minimal) -> list[str]:
@@ -170,6 +209,9 @@ def seen_in(members: Sequence, minimal) -> list[str]:
     of the option sets that leave this component's one-rank outputs as the trigger's."""
     layouts = sorted({str(o.case.layout) for o in members}, key=lambda t: (Layout.parse(t).world_size, t))
     lines = [f"layouts: {', '.join(layouts)}"]
+    others = sorted({o.case.component for o in members} - {minimal.case.component})
+    if others:
+        lines.append(f"components: {minimal.case.component}, and through {', '.join(others)}")
     base = minimal.reference_digest
     changing = sorted({_show_options(o.case.options) for o in members
                        if o.case.options != minimal.case.options and o.reference_digest != base})
@@ -306,8 +348,8 @@ def _ratio(gap) -> float:
 
 
 def kind(outcomes: Sequence, checker: str | None) -> str:
-    numeric = any(o.gaps for o in outcomes)
-    return "type+numeric" if numeric and checker else "numeric-only" if numeric else "type-only"
+    seen = any(numeric(o) for o in outcomes)
+    return "type+numeric" if seen and checker else "numeric-only" if seen else "type-only"
 
 
 def effect(outcome, limit: int = 3) -> list[dict[str, Any]]:
@@ -352,6 +394,12 @@ def _finding_lines(n: int, f: Finding) -> list[str]:
     if f.repro:
         lines.append(f"- **repro script**: {script_line(f, quote='`')}")
     return lines + [""]
+
+
+def outputs_moved(f: Finding) -> bool:
+    """Whether the finding's trigger moved an output of its component, not only a contracted
+    call's result (its first effect when it has a first divergence): a script compares outputs."""
+    return len(f.effect) > (1 if f.first_divergence else 0)
 
 
 def verified(f: Finding) -> bool:

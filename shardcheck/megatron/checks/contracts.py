@@ -163,19 +163,24 @@ def _loss_over_global_token_count(*args, **kwargs):
 
 
 def _mtp_loss_over_global_counts(*args, **kwargs):
-    """``process_mtp_loss`` normalising by token counts summed over cp, not each CP rank's own.
+    """``process_mtp_loss`` normalising by token counts summed over the ranks that share the
+    loss, not each rank's own: over cp, and for a per-token loss over dp too.
 
     Megatron takes the token count that ``roll_tensor`` returns with the rolled loss mask, a
-    sum over this CP rank's tokens only (the tokens rolled out of the sequence all sit on CP
-    rank 0). Here that count is the CP-global one, divided by the cp size (the gradient
-    average over cp undoes it), or, for a per-token loss, the share of the global count that
-    makes Megatron's ratio of counts the global ratio.
+    sum over this rank's tokens only (the tokens rolled out of the sequence all sit on CP
+    rank 0). Here that count is the global one, divided by the cp size (the gradient
+    average over cp undoes it), or, for a per-token loss (summed over every data-parallel and
+    CP rank's tokens), the share of the global count that makes Megatron's ratio of counts
+    the global ratio.
     """
+    from megatron.core import parallel_state
     from megatron.core.transformer import multi_token_prediction as mtp
 
     original = _ORIGINALS["process_mtp_loss"]
     bound = inspect.signature(original).bind(*args, **kwargs).arguments
     group, config = bound.get("cp_group"), bound["config"]
+    if config.calculate_per_token_loss:
+        group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     if group is None or group.size() == 1 or bound.get("labels") is None:
         return original(*args, **kwargs)
     mask = bound.get("loss_mask")
@@ -201,17 +206,23 @@ def _mtp_loss_over_global_counts(*args, **kwargs):
 
 
 def _mtp_losses(call: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[Any, Any]:
-    """Run ``process_mtp_loss``; record each MTP layer's loss as the gradient sums it over cp.
+    """Run ``process_mtp_loss``; record each MTP layer's loss as the gradient sums it over cp
+    and dp.
 
     The loss of layer k reaches autograd through ``MTPLossAutoScaler.apply(hidden, loss_k)``.
-    DDP averages gradients over cp unless the loss is per token, so the recorded sum of
-    ``loss_k`` is divided by the cp size then: summed over cp, it is the one-rank value.
+    DDP averages gradients over dp and cp unless the loss is per token, so the recorded sum of
+    ``loss_k`` is divided by their sizes then: summed over cp and dp, it is the one-rank value.
+    (Under dp the calls align with the one-rank run's only where its loss takes the whole
+    batch in one micro-batch: a per-token loss, whose normalisation by this rank's own token
+    counts then shows in its own result.)
     """
+    from megatron.core import parallel_state
     from megatron.core.transformer import multi_token_prediction as mtp
 
     bound = inspect.signature(_ORIGINALS["process_mtp_loss"]).bind(*args, **kwargs).arguments
     group, config = bound.get("cp_group"), bound["config"]
-    averaged = 1 if config.calculate_per_token_loss or group is None else group.size()
+    averaged = 1 if config.calculate_per_token_loss else (
+        (group.size() if group is not None else 1) * parallel_state.get_data_parallel_world_size())
     scaler, seen = mtp.MTPLossAutoScaler, []
     applied = scaler.apply
 
@@ -289,11 +300,12 @@ CONTRACTS: tuple[Contract, ...] = (
     Contract(
         "process_mtp_loss",
         "megatron.core.transformer.multi_token_prediction:process_mtp_loss",
-        ensures=(("mtp_losses", {"tp": "R", "cp": "P"}),),
+        ensures=(("mtp_losses", {"tp": "R", "cp": "P", "dp": "P"}),),
         observe=_mtp_losses,
         fix=_mtp_loss_over_global_counts,
         fix_note="normalise each MTP loss by the token count summed over cp (the rolled-out "
-                 "tokens all sit on CP rank 0), not by this CP rank's own count"),
+                 "tokens all sit on CP rank 0), and for a per-token loss over dp too, not by "
+                 "this rank's own count"),
     Contract(
         "_allreduce_word_embedding_grads",
         "megatron.core.distributed.finalize_model_grads:_allreduce_word_embedding_grads",

@@ -474,21 +474,21 @@ def _short(location: str) -> str:
 
 def construction_site(root: torch.nn.Module, name: str) -> str | None:
     """``file:line`` where parameter ``name`` of ``root`` is built: the ``self.A_log = ...`` of
-    the class that holds it, or, for a parameter of one of torch's generic modules (a norm's
-    ``weight``), the ``self.out_norm = ...`` of that module's owner, whose constructor gives it
-    its metadata. None when no class's source assigns it."""
+    the megatron-core class that holds it, or, for a parameter of a generic module (torch's or
+    Transformer Engine's norm ``weight``), the ``self.out_norm = ...`` of that module's owner,
+    whose constructor gives it its metadata. None when no class's source assigns it."""
     *path, leaf = name.split(".")
-    module = root.get_submodule(".".join(path))
-    site = None if type(module).__module__.startswith("torch.") else _assignment(type(module), leaf)
+    site = _assignment(type(root.get_submodule(".".join(path))), leaf)
     if site is None and path:
         site = _assignment(type(root.get_submodule(".".join(path[:-1]))), path[-1])
     return site
 
 
 def _assignment(cls: type, attribute: str) -> str | None:
-    """``file:line`` of the first ``self.<attribute> = ...`` in the sources of ``cls``'s classes."""
+    """``file:line`` of the first ``self.<attribute> = ...`` in the sources of ``cls``'s
+    megatron-core classes (a library's module is generic: its owner builds it)."""
     assignment = re.compile(rf"^\s*self\.{re.escape(attribute)}\s*(:[^=]+)?=[^=]")
-    for base in cls.__mro__:
+    for base in (c for c in cls.__mro__ if c.__module__.startswith("megatron.")):
         try:
             lines, first = inspect.getsourcelines(base)
         except (OSError, TypeError):

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from shardcheck.fuzz.findings import TYPE_ONLY, Finding, FindingStore
 from shardcheck.fuzz.repro import ReproError, write_script
+from shardcheck.megatron.audit.report import outputs_moved
 from shardcheck.megatron.repro.templates import script_body
 
 CRASH = "crash"
@@ -34,7 +35,10 @@ def save_with_scripts(findings: Sequence[Finding], out_dir: Path, root: Path | s
         finding.sys_path = [source.path] if source and source.tree else []
         store.place(finding)
         why = "a crash shows without comparing numbers; rerun its reproduce command" if finding.kind == CRASH else None
-        if finding.kind not in (CRASH, TYPE_ONLY):
+        if finding.kind not in (CRASH, TYPE_ONLY) and not outputs_moved(finding):
+            why = (f"its outputs equal one rank's, only {finding.effect[0]['value']} differs, which a "
+                   "script does not compare; rerun its reproduce command")
+        elif finding.kind not in (CRASH, TYPE_ONLY):
             try:
                 finding.repro = str(write_audit_script(finding, out_dir / "repro" / f"{finding.id}.py"))
             except ReproError as exc:

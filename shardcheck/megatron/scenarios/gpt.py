@@ -12,6 +12,8 @@ harness cuts and reduces its data over the same groups.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
@@ -27,6 +29,7 @@ from shardcheck.megatron.cpu.parallel import (
 )
 from shardcheck.megatron.scenarios import heterogeneous
 from shardcheck.megatron.scenarios.reference import (
+    check_gradients_where_built,
     counted_in_grad_norm,
     gather_global,
     gradient_of,
@@ -71,6 +74,9 @@ class GPTSetup:
     # shardcheck.megatron.cpu.te.install(), as the audit's TE rank pools do)
     impl: Literal["local", "te"] = "local"
     base_config: ClassVar[dict[str, Any]] = {}
+    # the reduced gradients checked where megatron-core builds each parameter's module (as the
+    # SSM scenarios check their layers'), not at the optimizer step
+    gradients_where_built: ClassVar[bool] = False
 
     @property
     def layer_spec(self) -> str:
@@ -394,6 +400,8 @@ def train_step(ctx: Any, setup: GPTSetup) -> dict[str, torch.Tensor]:
         config, model, optimizer = training.config, training.model, training.optimizer
         note_declarations(model)
         reports, microbatches = training.forward_backward()
+        if setup.gradients_where_built:
+            check_gradients_where_built(model)
         outputs = {"loss": reported_loss([r["lm loss"] for r in reports],
                                          config.calculate_per_token_loss, pg)}
         if config.mtp_num_layers:
@@ -402,8 +410,26 @@ def train_step(ctx: Any, setup: GPTSetup) -> dict[str, torch.Tensor]:
         outputs.update({f"grad/{k}": v for k, v in grads.items()})
         outputs["grad_replica_spread"] = torch.tensor(max(spread.values()))
         if optimizer is not None:
-            outputs.update(_step(ctx, model, optimizer))
+            with _gradients_unchecked_at_step(setup.gradients_where_built):
+                outputs.update(_step(ctx, model, optimizer))
         return outputs
+
+
+@contextmanager
+def _gradients_unchecked_at_step(unchecked: bool) -> Iterator[None]:
+    """The checker's gradient check before ``optimizer.step`` off (``unchecked``: the gradients
+    were checked where their parameters are built), so a gradient is reported once."""
+    from shardcheck.typecheck.checker import current
+
+    checker = current()
+    if not unchecked or checker is None:
+        yield
+        return
+    before, checker.check_gradients_on_step = checker.check_gradients_on_step, False
+    try:
+        yield
+    finally:
+        checker.check_gradients_on_step = before
 
 
 def _fresh_mtp_logs() -> None:

@@ -48,6 +48,9 @@ class HybridSetup(GPTSetup):
         "normalization": "RMSNorm", "activation_func": torch.nn.functional.silu,
         "num_moe_experts": 4, "moe_router_topk": 2, "moe_aux_loss_coeff": 0.01,
         "add_bias_linear": False, "mtp_num_layers": 1}
+    # its Mamba and GDN layers' gradients checked where the SSM scenarios check them, so a
+    # layer's bug reached through the model is located at the same line
+    gradients_where_built: ClassVar[bool] = True
 
     def build_model(self, config: Any, pg: Any = None) -> Any:
         """The ``HybridModel`` of this pipeline stage."""

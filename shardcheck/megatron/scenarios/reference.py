@@ -197,6 +197,24 @@ TP_MARK = "tensor_model_parallel"
 _RECORDERS: list[tuple[dict[int, str], dict[str, str]]] = []  # (by parameter id, by global key)
 
 
+def check_gradients_where_built(module: torch.nn.Module) -> None:
+    """In a checked run, each reduced gradient against its parameter's type, reported where
+    megatron-core's constructor assigns the parameter's module
+    (:func:`~shardcheck.megatron.checks.typecheck.construction_site`): the line that built it
+    without the metadata it needs, whichever model or layer holds it."""
+    from shardcheck.megatron.checks.typecheck import construction_site
+    from shardcheck.typecheck.checker import current
+    from shardcheck.typecheck.gradients import check_gradients
+
+    if current() is None:
+        return
+    by_site: dict[str | None, dict[str, torch.Tensor]] = {}
+    for name, param in module.named_parameters():
+        by_site.setdefault(construction_site(module, name), {})[name] = param
+    for site, params in by_site.items():
+        check_gradients(params, at=site)
+
+
 def _megatron_line() -> str:
     """``file:line in function`` of the innermost megatron-core frame calling here."""
     from shardcheck.megatron.checks.contracts import _short

@@ -30,6 +30,7 @@ from shardcheck.megatron.cpu.parallel import (
 )
 from shardcheck.megatron.scenarios.gpt import GPTSetup, transformer_config
 from shardcheck.megatron.scenarios.reference import (
+    check_gradients_where_built,
     gather_global,
     gradient_of,
     load_global_weights,
@@ -256,23 +257,6 @@ def _reported_loss(loss: torch.Tensor, sp: bool, pg: Any = None) -> torch.Tensor
     return total / dist.get_world_size(_axis(pg, "dp"))
 
 
-def _check_gradients(layer: torch.nn.Module) -> None:
-    """In a checked run, each reduced gradient against its parameter's type (the GPT
-    scenario's optimizer step has them checked), reported where the layer's constructor
-    assigns the parameter's module: the line that built it without the metadata it needs."""
-    from shardcheck.megatron.checks.typecheck import construction_site
-    from shardcheck.typecheck.checker import current
-    from shardcheck.typecheck.gradients import check_gradients
-
-    if current() is None:
-        return
-    by_site: dict[str | None, dict[str, torch.Tensor]] = {}
-    for name, param in layer.named_parameters():
-        by_site.setdefault(construction_site(layer, name), {})[name] = param
-    for site, params in by_site.items():
-        check_gradients(params, at=site)
-
-
 def _train_step(ctx: Any, setup: Any, make_config: Callable[[], Any],
                 build: Callable[[Any, Any, Any], torch.nn.Module], **forward_kwargs: Any,
                 ) -> dict[str, torch.Tensor]:
@@ -303,7 +287,7 @@ def _train_step(ctx: Any, setup: Any, make_config: Callable[[], Any],
         scale = 1 / dp if config.calculate_per_token_loss else cp
         (loss * scale).backward()
         finalize_model_grads([ddp], **explicit_kwargs(pg))
-        _check_gradients(layer)
+        check_gradients_where_built(layer)
         grads, spread = gather_global(layer, gradient_of, world_group(ctx))
         input_grad = hidden.grad / (dp * scale)  # the gradient of the global batch mean
         return {"loss": _reported_loss(loss, sp, pg), "output": _global(output.detach(), sp, setup.seq, pg),
