@@ -152,12 +152,8 @@ def record(kind: str, func, args: tuple, out: Any) -> None:
     (``kind``: what :func:`op_kind` says of ``func``, not "")."""
     if not isinstance(out, torch.Tensor) or out.dim() == 0:
         return
-    if kind != "expand":
-        for a in args:
-            if tensor_state.read(a, "broadcast") is not None:
-                break
-        else:
-            return
+    if kind != "expand" and not tensor_state.any_set(args, "broadcast"):
+        return
     if kind in ("view", "move"):
         blocks = broadcast_blocks(args[0])
         blocks = (_viewed(args[0].shape, out.shape, blocks) if kind == "view"

@@ -66,6 +66,7 @@ _LAST: list[Checker] = []
 # into the output after the op is that copy, the collective's own (an async op is waited on
 # at ``handle.wait()``, with no torch.distributed frame on the stack).
 _LANDS_ON_WAIT = frozenset({torch.ops.c10d._reduce_scatter_base_.default})
+_LANDING_NAMES = frozenset({"copy", "split"})  # the ops that land one (see Checker._landing)
 
 
 def confirmed_across_ranks(per_rank: Iterable[Iterable[Mapping[str, Any]]]) -> list[Mapping[str, Any]]:
@@ -243,8 +244,12 @@ class Checker(TypeStore, RankValues, TorchDispatchMode):
         if mutated:
             for t in _mutated_tensors(mutated, args, kwargs):
                 self.update_inplace(t, pl, None, flags)
-            return out
-        self._type_outputs(out, pl, flags, args[0] if entry.is_view else None)
+        elif isinstance(out, torch.Tensor):  # _type_outputs' common case, inline
+            self.set_type(out, pl, flags)
+            if entry.is_view and pl is not None:
+                self.register_view(out, args[0])
+        else:
+            self._type_outputs(out, pl, flags, args[0] if entry.is_view else None)
         return out
 
     def _count_site(self, func, args, out, typed: bool) -> None:
@@ -253,9 +258,12 @@ class Checker(TypeStore, RankValues, TorchDispatchMode):
         found by following unknown inputs back (``origins``). Ops torch.distributed makes to
         carry out a collective (the collective itself is typed) are not the caller's."""
         location = op_site()
-        if location is None or self._landing(func, args, out):
+        name = _ENTRIES[id(func)].name
+        if location is None or (name in _LANDING_NAMES and self._landing(name, args, out)):
             return
-        site = self.sites.setdefault(location, [0, 0])
+        site = self.sites.get(location)
+        if site is None:
+            site = self.sites[location] = [0, 0]
         site[0 if typed else 1] += 1
         if typed:
             return
@@ -263,17 +271,16 @@ class Checker(TypeStore, RankValues, TorchDispatchMode):
                        if isinstance(t, torch.Tensor) and self.types(t) is None
                        and tensor_state.read(t, "origin") is not None), None)
         if origin is None:
-            origin = f"{location} {base_name(func)}"
+            origin = f"{location} {name}"
         self.origins[origin] += 1
         for t in (out if isinstance(out, (tuple, list)) else (out,)):
             if isinstance(t, torch.Tensor):
                 tensor_state.write(t, "origin", origin)
 
-    def _landing(self, func, args, out) -> bool:
-        """Whether the op is Gloo landing an async collective when it is waited on: cutting its
-        reduced buffer (one the checker never saw) and copying this rank's piece into the
-        output. Both are the collective's own ops, typed by it."""
-        name = base_name(func)
+    def _landing(self, name: str, args, out) -> bool:
+        """Whether the op (of :func:`base_name` ``name``) is Gloo landing an async collective
+        when it is waited on: cutting its reduced buffer (one the checker never saw) and copying
+        this rank's piece into the output. Both are the collective's own ops, typed by it."""
         if name == "copy":
             return bool(tensor_state.read(args[0], "landing"))
         return (name == "split" and isinstance(out, (tuple, list)) and bool(out)
@@ -487,11 +494,12 @@ class OpEntry:
     moves_views: bool  # an in-place view op (t_, resize_, set_, ...) or an out= op (resizes its output)
     broadcast: str  # what broadcast.record does for it (see broadcast.op_kind)
     aten: bool  # in the aten namespace
+    name: str  # its base_name
 
 
 def _resolve(func) -> OpEntry:
     """What the dispatch needs of ``func``."""
-    rule = registry.rule_for(func)
+    rule, name = registry.rule_for(func), base_name(func)
     schema = func._schema
     mutated = tuple((i, a.name) for i, a in enumerate(schema.arguments)
                     if a.alias_info is not None and a.alias_info.is_write)
@@ -500,9 +508,9 @@ def _resolve(func) -> OpEntry:
         mutated = ((0, schema.arguments[0].name),)
     return OpEntry(
         call=func._op if type(func) is torch._ops.OpOverload else func, rule=rule,
-        value_rule=registry.value_rule(base_name(func)), mutated=mutated, is_view=is_view,
+        value_rule=registry.value_rule(name), mutated=mutated, is_view=is_view,
         moves_views=torch.Tag.inplace_view in func.tags or any(a.is_out for a in schema.arguments),
-        broadcast=broadcast_kind(func), aten=func.namespace == "aten")
+        broadcast=broadcast_kind(func), aten=func.namespace == "aten", name=name)
 
 
 # --- public API ------------------------------------------------------------------------------

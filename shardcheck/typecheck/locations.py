@@ -8,7 +8,7 @@ import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from types import FrameType
+from types import CodeType, FrameType
 
 import torch
 import typing_extensions
@@ -24,6 +24,9 @@ _SKIP_PREFIXES = (
     "<frozen",
 )
 _KINDS: dict[str, int] = {}  # _kind by file name, under the current _SKIP_PREFIXES
+# "file:line" by the id of a code object (kept, so that the id stays its own) and an offset in
+# it: a frame's line is decoded from its code's line table, at each op that asks otherwise
+_LOCATIONS: dict[int, tuple[CodeType, dict[int, str]]] = {}
 
 
 @contextmanager
@@ -83,8 +86,21 @@ def op_site() -> str | None:
         if kind is None:
             kind = _kind(name)
         if kind == _USER:
-            return f"{name}:{frame.f_lineno}"
+            return _location(frame)
         if kind == _COLLECTIVE:
             return None
         frame = frame.f_back
     return "<unknown>"
+
+
+def _location(frame: FrameType) -> str:
+    """``frame``'s "file:line", cached by its code and offset (see _LOCATIONS)."""
+    code = frame.f_code
+    known = _LOCATIONS.get(id(code))
+    if known is None or known[0] is not code:
+        known = _LOCATIONS[id(code)] = (code, {})
+    at = frame.f_lasti
+    location = known[1].get(at)
+    if location is None:
+        location = known[1][at] = f"{code.co_filename}:{frame.f_lineno}"
+    return location

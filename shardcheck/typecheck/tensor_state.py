@@ -54,6 +54,15 @@ def write(t: Any, field: str, value: Any) -> None:
     setattr(state, field, value)
 
 
+def any_set(values: Any, field: str) -> bool:
+    """Whether any of ``values`` has ``field`` set (one call for an op's arguments)."""
+    for t in values:
+        state = getattr(t, _ATTR, None)
+        if state is not None and getattr(state, field) is not None:
+            return True
+    return False
+
+
 def type_of(t: Any) -> tuple | None:
     """``t``'s (mesh key, placements, known value), or None (the checker's hot path)."""
     state = getattr(t, _ATTR, None)

@@ -36,9 +36,13 @@ from shardcheck.typecheck.rules.contraction import (
     in_backward_of,
 )
 from shardcheck.typecheck.types import (
+    PAVG,
+    PEVEN,
     BlockShard,
     Gathered,
     GatheredPiece,
+    I,
+    P,
     Pl,
     Placement,
     R,
@@ -106,14 +110,31 @@ def _sections_viewed(p: SectionShard, in_shape, out_shape, d: int, j: int) -> Sh
     return SectionShard(j, tuple(size * rows_in // rows_out for size in p.sections), p.outside)
 
 
+# A view's placements by (input shape, output shape, placements, their types, preferred dims):
+# a model views the same layouts the same way in every layer and step. Placements of the types
+# here compare by value (their types are in the key: S(0) == RankChunk(0)); others are not kept.
+_VIEWED: dict[tuple, Pl] = {}
+_VIEWED_KEPT = 4096
+_VIEWED_TYPES = frozenset({type(None), *(type(p) for p in (R, P, V, I, PAVG, PEVEN)), Shard, RankChunk,
+                           GatheredPiece, BlockShard, SectionShard})
+
+
 @on_typed_operand
 def _view_rule(ctx: RuleContext, x, pl, args, kwargs, out):
     in_shape, out_shape = x.shape, out.shape
     if in_shape == out_shape:
         return pl
     prefer = _reshaped_back(ctx, x, out, pl)
-    viewed = tuple(view_shard(in_shape, out_shape, p, prefer[a]) if isinstance(p, Shard)
-                   else (None if isinstance(p, Gathered) else p) for a, p in enumerate(pl))
+    types = tuple(map(type, pl))
+    key = (in_shape, out_shape, pl, types, prefer) if _VIEWED_TYPES.issuperset(types) else None
+    viewed = _VIEWED.get(key) if key is not None else None
+    if viewed is None:
+        viewed = tuple(view_shard(in_shape, out_shape, p, prefer[a]) if isinstance(p, Shard)
+                       else (None if isinstance(p, Gathered) else p) for a, p in enumerate(pl))
+        if key is not None:
+            if len(_VIEWED) >= _VIEWED_KEPT:
+                _VIEWED.clear()
+            _VIEWED[key] = viewed
     _note_outer_reading(ctx, x, out, pl, viewed)
     return viewed
 
@@ -155,11 +176,13 @@ def _read_for_cut(ctx: RuleContext, x: torch.Tensor, pl: Pl, dim: int) -> Pl:
 def _reshaped_back(ctx: RuleContext, x: torch.Tensor, out: torch.Tensor, pl: Pl) -> tuple:
     """The dims, by axis, that the shards of the forward input of the view that this one undoes
     sat on (a gradient reshaped back: GDN's one local head repeated, then merged, [1, 2] <->
-    [2], where the piece's length alone would name the repeats); in the forward, remembered."""
+    [2], where the piece's length alone would name the repeats); in the forward, remembered.
+    Keyed by the shapes as torch.Size (a tuple: equal to and hashed as one)."""
     if torch._C._current_graph_task_id() >= 0:
-        return ctx.reshaped.get((tuple(x.shape), tuple(out.shape)), (None,) * len(pl))
-    ctx.reshaped[(tuple(out.shape), tuple(x.shape))] = tuple(
-        norm_dim(p.dim, x.dim()) if isinstance(p, Shard) else None for p in pl)
+        return ctx.reshaped.get((x.shape, out.shape), (None,) * len(pl))
+    ndim = x.dim()
+    ctx.reshaped[(out.shape, x.shape)] = tuple(
+        (p.dim + ndim if p.dim < 0 else p.dim) if isinstance(p, Shard) else None for p in pl)
     return (None,) * len(pl)
 
 
@@ -390,14 +413,16 @@ def _pieces(ctx: RuleContext, tensors, joined_dim: int | None = None) -> list:
     (CP's key gradient, this rank's chunk of the reduced whole, next to the query's)."""
     if len(tensors) < 2:
         return [(t, ADD) for t in tensors]
-    items = []
-    for t in tensors:
+    items, views = [], None
+    for i, t in enumerate(tensors):
         pl = ctx.types(t)
         if pl is not None:
             if joined_dim is None:
                 pl = as_pieces(pl)
             else:
-                repeated = sum(_same_view(t, u) for u in tensors) > 1
+                if views is None:  # once per cat: its operands' views, compared pairwise
+                    views = [_view_of(u) for u in tensors]
+                repeated = views.count(views[i]) > 1
                 pl = tuple(S(p.dim, p.outside) if type(p) in (SectionShard, Routed) and norm_dim(p.dim, t.dim()) == joined_dim
                            else _across(p, t.dim(), joined_dim, repeated) for p in pl)
             t = Typed(pl, tuple(t.shape), ctx.const(t), t)
@@ -405,10 +430,10 @@ def _pieces(ctx: RuleContext, tensors, joined_dim: int | None = None) -> list:
     return items
 
 
-def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether ``a`` and ``b`` view the same elements the same way."""
-    return (a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() and a.shape == b.shape
-            and a.storage_offset() == b.storage_offset() and a.stride() == b.stride())
+def _view_of(t: torch.Tensor) -> tuple:
+    """What says which elements ``t`` views, and how: equal for two tensors that view the same
+    elements the same way."""
+    return (t.untyped_storage().data_ptr(), tuple(t.shape), t.storage_offset(), t.stride())
 
 
 def _across(p, ndim: int, joined_dim: int, repeated: bool = False):
