@@ -22,16 +22,19 @@ noise, with no scale of its own.
 
 from __future__ import annotations
 
+import itertools
+import re
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from shardcheck.megatron.checks.contracts import BY_NAME, ProbeRecord
+from shardcheck.megatron.checks.contracts import BY_NAME, ProbeRecord, _short
 from shardcheck.parity.assemble import tolerance
 from shardcheck.parity.layout import BASE_DIMS, Layout
+from shardcheck.parity.op_record import OpRecord
 
 RELATIVE = 1e-4
 STEP_RELATIVE = 5e-2
@@ -151,16 +154,30 @@ def _load_balanced(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
     return torch.cat(chunks, dim)  # type: ignore[arg-type]
 
 
-def _combine(axis: str, placement: str, parts: list[torch.Tensor]) -> torch.Tensor:
+def _combine(axis: str, placement: str, parts: list[torch.Tensor], balanced: bool = True) -> torch.Tensor:
     if placement == "P":
         return torch.stack(parts).sum(0)
     if placement == "P(avg)":
         return torch.stack(parts).mean(0)
     if placement.startswith("S("):
         dim = int(placement[2:-1])
-        return _load_balanced(parts, dim) if axis == "cp" else torch.cat(parts, dim)
+        return _load_balanced(parts, dim) if axis == "cp" and balanced else torch.cat(parts, dim)
     spreads = [(part - parts[0]).abs().max().item() if part.numel() else 0.0 for part in parts]
     return parts[spreads.index(max(spreads))]  # R: the replica most unlike the first
+
+
+def _merged(values: dict[int, torch.Tensor], axis: str, placement: str,
+            groups: Iterable[tuple[int, ...]], balanced: bool = True) -> dict[int, torch.Tensor]:
+    """``values`` by rank with each group's members present combined into its first one
+    (``balanced``: a cp shard in Megatron's load-balanced order, else in rank order)."""
+    merged = dict(values)
+    for group in groups:
+        members = [r for r in group if r in values]
+        if len(members) > 1:
+            for rank in members:
+                merged.pop(rank)
+            merged[members[0]] = _combine(axis, placement, [values[r] for r in members], balanced)
+    return merged
 
 
 def _partition(axis: str, layout: Layout, records: Mapping[int, ProbeRecord]) -> list[tuple[int, ...]]:
@@ -181,14 +198,7 @@ def assemble_result(layout: Layout, records: Mapping[int, ProbeRecord], position
     if any(v is None for v in values.values()):
         return None
     for axis, placement in ensures.items():
-        merged = dict(values)
-        for group in _partition(axis, layout, records):
-            members = [r for r in group if r in values]
-            if len(members) > 1:
-                for rank in members:
-                    merged.pop(rank)
-                merged[members[0]] = _combine(axis, placement, [values[r] for r in members])
-        values = merged
+        values = _merged(values, axis, placement, _partition(axis, layout, records))
     return next(iter(values.values())) if len(values) == 1 else None
 
 
@@ -229,4 +239,154 @@ def first_call_gap(layout: Layout, per_rank: Sequence[Sequence[ProbeRecord]],
                         dtype=dtype)
             if found is not None:
                 return CallGap(ref.contract, ref.index, found)
+    return None
+
+
+# ---- op calls ------------------------------------------------------------------------------
+
+OP_AXES = ("tp", "cp", "ep", "dp", "pp")
+_ASSEMBLED = re.compile(r"R|I|P|P\(avg\)|S\(-?\d+\)")  # placements a global value is rebuilt from
+
+
+def assemble_op(layout: Layout, records: Mapping[int, OpRecord], position: int,
+                balanced: bool = True) -> torch.Tensor | None:
+    """The global value of output ``position`` of one op call recorded on ``records``' ranks,
+    or None where its types cannot rebuild it.
+
+    Per axis, the ranks present in one group are combined by their placement (all alike: R,
+    I, P, P(avg) or S(d)); an axis on which no group holds two of them (a pipeline stage's op,
+    run on that stage only) needs none. S(d) on cp says nothing of the pieces' order:
+    ``balanced`` reads them in Megatron's load-balanced order (the batch's), else in rank order."""
+    values = {rank: rec.values[position] for rank, rec in records.items()}
+    if any(v is None for v in values.values()):
+        return None
+    for axis in OP_AXES:
+        groups = [g for g in layout.partition(axis) if sum(r in values for r in g) > 1]
+        if not groups:
+            continue
+        kinds = {(records[r].placements[position] or {}).get(axis) for g in groups for r in g if r in values}
+        kind = kinds.pop() if len(kinds) == 1 else None
+        if kind is None or not _ASSEMBLED.fullmatch(kind) or not _fit(kind, list(values.values())):
+            return None
+        values = _merged(values, axis, "R" if kind == "I" else kind, groups, balanced)
+    return next(iter(values.values())) if len(values) == 1 else None
+
+
+def _fit(placement: str, parts: list[torch.Tensor]) -> bool:
+    """Whether ``parts`` have the shapes ``placement`` combines: alike, or for S(d) alike but
+    along ``d``."""
+    shapes = {tuple(p.shape) for p in parts}
+    if not placement.startswith("S(") or len(shapes) == 1:
+        return len(shapes) == 1
+    ndims = {len(shape) for shape in shapes}
+    if len(ndims) != 1:
+        return False
+    dim = int(placement[2:-1]) % max(ndims.pop(), 1)
+    return len({shape[:dim] + shape[dim + 1:] for shape in shapes}) == 1
+
+
+_UNCOMPARED = object()  # an op output whose types do not rebuild it with the reference's shape
+
+
+def _op_gap(name: str, layout: Layout, records: Mapping[int, OpRecord], position: int,
+            expected: torch.Tensor, dtype: torch.dtype) -> Gap | None | object:
+    """The gap of one op output rebuilt from the ranks' records (in the cp order that fits the
+    reference best), None when within tolerance, ``_UNCOMPARED`` when not rebuilt with the
+    reference's shape."""
+    gaps = []
+    for balanced in (True, False):
+        value = assemble_op(layout, records, position, balanced)
+        if value is None or value.shape != expected.shape:
+            return _UNCOMPARED
+        for ordered in _cp_orders(value, layout.cp):
+            found = gap(name, ordered, expected, dtype=dtype)
+            if found is None:
+                return None
+            gaps.append(found)
+    return min(gaps, key=lambda g: g.max_error)
+
+
+def _cp_orders(value: torch.Tensor, cp: int) -> Iterator[torch.Tensor]:
+    """``value``, then (under cp) read back from Megatron's load-balanced order along each set of
+    dims that it divides into 2 * cp chunks: a sequence gathered over cp is replicated in the
+    ranks' order (attention's keys), which its type does not say."""
+    yield value
+    if cp < 2:
+        return
+    dims = [d for d in range(value.dim()) if value.shape[d] and value.shape[d] % (2 * cp) == 0]
+    for n in range(1, len(dims) + 1):
+        for chosen in itertools.combinations(dims, n):
+            ordered = value
+            for d in chosen:
+                ordered = _load_balanced(list(ordered.chunk(cp, d)), d)
+            yield ordered
+
+
+@dataclass(frozen=True)
+class OpGap:
+    """The first op call whose rebuilt output differs from the one-rank run's."""
+
+    site: str  # megatron/core/...py:NNN
+    function: str
+    op: str
+    gap: Gap
+
+    @property
+    def location(self) -> str:
+        return self.site
+
+    def line(self) -> str:
+        """The finding's line: ``first op: FILE:LINE in FUNCTION: OP (max abs error E)``."""
+        return f"first op: {self.site} in {self.function}: {self.op} (max abs error {self.gap.max_error:.3g})"
+
+
+def op_gaps(layout: Layout, per_rank: Sequence[Sequence[OpRecord]], reference: Sequence[OpRecord],
+            dtype: torch.dtype = torch.float32, until: int | None = None) -> Iterator[tuple[OpRecord, Gap]]:
+    """In the reference's order, each op call whose output rebuilt from the ranks' records
+    (:func:`assemble_op`) differs from the one-rank run's, with its gap; with ``until``, among
+    the reference's calls whose ``mark`` is at most ``until`` only (those made up to the end of
+    the first diverging contracted call: an op after it is no nearer the cause than that call).
+
+    Calls are aligned by key (call site, function, op, autograd node) and index; a key is
+    compared only where every rank that made it made it as often as the reference (a site that
+    runs differently under the layout, e.g. a layer loop cut into pipeline stages, is skipped),
+    and an output only where it is rebuilt with the reference's shape. An op that differs is
+    passed over where a later op of the same run of its line, of the same shape, agrees: a line
+    computes its value in pieces that the layout may factor otherwise
+    (``aux_loss * num_local_tokens * cp_size``: the first product is the ranks' local share,
+    the second the global value). At most one op is yielded per run of a line."""
+    counts = Counter(ref.key() for ref in reference)
+    made = [Counter(rec.key() for rec in calls) for calls in per_rank]
+    by_call = [{(rec.key(), rec.index): rec for rec in calls} for calls in per_rank]
+    aligned = {key for key, count in counts.items() if all(m[key] in (0, count) for m in made)}
+    shown = [ref for ref in reference if until is None or ref.mark <= until]
+    for _, line in itertools.groupby(shown, key=lambda ref: (ref.site, ref.function, ref.backward)):
+        judged = []  # (record, gap or None) of each op of one run of the line that was compared
+        for ref in line:
+            records = {rank: calls[(ref.key(), ref.index)] for rank, calls in enumerate(by_call)
+                       if (ref.key(), ref.index) in calls}
+            if ref.key() not in aligned or not records:
+                continue
+            found = [g for position, expected in enumerate(ref.values) if expected is not None
+                     and (g := _op_gap(f"{ref.op}#{ref.index}", layout, records, position, expected,
+                                       dtype)) is not _UNCOMPARED]
+            if found:
+                judged.append((ref, next((g for g in found if g is not None), None)))
+        for n, (ref, found) in enumerate(judged):
+            if found is not None and not any(later is None and _shape(other) == _shape(ref)
+                                             for other, later in judged[n + 1:]):
+                yield ref, found
+                break
+
+
+def _shape(record: OpRecord) -> tuple | None:
+    value = next((v for v in record.values if v is not None), None)
+    return None if value is None else tuple(value.shape)
+
+
+def first_op_gap(layout: Layout, per_rank: Sequence[Sequence[OpRecord]], reference: Sequence[OpRecord],
+                 dtype: torch.dtype = torch.float32, until: int | None = None) -> OpGap | None:
+    """The first of :func:`op_gaps`, or None."""
+    for ref, found in op_gaps(layout, per_rank, reference, dtype, until):
+        return OpGap(_short(ref.site), ref.function, ref.describe().split(": ", 1)[1], found)
     return None

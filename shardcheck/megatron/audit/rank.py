@@ -8,6 +8,7 @@ usable for hundreds of cases.
 from __future__ import annotations
 
 import hashlib
+import os
 import warnings
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager, nullcontext
@@ -20,7 +21,9 @@ import torch
 from shardcheck.megatron.audit.sweep import setup_kwargs
 from shardcheck.megatron.checks import contracts, explicit
 from shardcheck.megatron.checks.typecheck import checked_region
+from shardcheck.parity.op_record import recording_ops
 from shardcheck.patching import patched, patched_attrs
+from shardcheck.typecheck import checker as typecheck_checker
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,8 @@ class CaseResult:
     # where megatron-core declared each parameter's tensor parallelism, by global key
     # (:func:`~shardcheck.megatron.scenarios.reference.parameter_declarations`)
     declared: dict[str, str] = field(default_factory=dict)
+    # with ``record_ops``: megatron-core's op calls and their outputs (:mod:`shardcheck.parity.op_record`)
+    op_calls: list = field(default_factory=list)
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickled (a rank's pipe, a share's file) with each output that float32 holds exactly
@@ -69,11 +74,16 @@ def _narrowed(value: torch.Tensor) -> torch.Tensor:
 # ---- on each rank --------------------------------------------------------------------------
 
 def run_case(ctx: Any, component: str, options: tuple, fixes: tuple[str, ...], typecheck: bool,
-             rng_offset: int = 0) -> CaseResult:
+             rng_offset: int = 0, record_ops: bool = False) -> CaseResult:
     """Run one component with its options on this rank; outputs, contracted calls, violations,
     and (type-checked) the op calls megatron-core made, typed and unknown.
 
     ``rng_offset`` shifts the seed of Megatron's model-parallel RNG (screening for randomness).
+    ``record_ops`` records every op megatron-core calls, with its outputs and (type-checked) their
+    types and the number of contracted calls made before each, from the first megatron-core
+    forward on (building and initialising the model differ by design), to narrow a divergence
+    to its first op
+    (:func:`~shardcheck.megatron.audit.divergence.first_op_gap`).
     Collectives issued on a global group that the layout's explicit groups replace are
     violations too (:mod:`shardcheck.megatron.checks.explicit`); the fix ``explicit.FIX`` reruns with
     the global groups pointed at the explicit ones.
@@ -97,10 +107,25 @@ def run_case(ctx: Any, component: str, options: tuple, fixes: tuple[str, ...], t
         found = stack.enter_context(checked_region(ctx, ops) if typecheck else nullcontext([]))
         reads = stack.enter_context(config_reads())
         declared = stack.enter_context(parameter_declarations())
+        op_calls = stack.enter_context(recording_ops(_megatron_core(), lambda: len(calls), lambda: bool(entries), _PROBES)
+                                       if record_ops else nullcontext([]))
         outputs = run(ctx)
     return CaseResult({k: torch.as_tensor(v).detach().double().clone() for k, v in outputs.items()},
                       calls, [*misuses, *found], ops or None, entries[0] if entries else None,
-                      tuple(sorted(reads)), declared)
+                      tuple(sorted(reads)), declared, op_calls)
+
+
+# the ops of the probes, the checker and the scenarios' harness (copying a result to record it,
+# typing a returned count) are not megatron-core's; shardcheck's CPU stand-ins for its kernels are
+_PROBES = tuple(os.path.dirname(module.__file__) + os.sep for module in (contracts, typecheck_checker))
+_PROBES += (os.path.join(os.path.dirname(os.path.dirname(contracts.__file__)), "scenarios") + os.sep,)
+
+
+def _megatron_core() -> str:
+    """The directory of the megatron-core this rank runs, with a trailing separator."""
+    import megatron.core
+
+    return os.path.dirname(megatron.core.__file__) + os.sep
 
 
 def _config_classes() -> list[type]:

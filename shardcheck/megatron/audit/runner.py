@@ -12,8 +12,11 @@ from typing import Any
 import torch
 
 from shardcheck.megatron.audit.divergence import (
+    CallGap,
+    OpGap,
     compute_dtype,
     first_call_gap,
+    first_op_gap,
     max_errors,
     output_gaps,
 )
@@ -198,6 +201,28 @@ class Runner:
                 name for r in ranks for name in r.reads)
         outcome.seconds = time.monotonic() - started
         return outcome
+
+    def first_op(self, case: Case, call_gap: CallGap | None = None) -> OpGap | None:
+        """The first op whose values part ways with the one-rank run's, for a case that diverges
+        with no type rule to explain it: a second pass reruns the case and its one-rank
+        reference recording every op megatron-core calls (:func:`first_op_gap`), up to the end
+        of ``call_gap``'s call, the case's first diverging contracted call, where it has one.
+        None when no aligned op that its types rebuild differs there, or a run raised."""
+        try:
+            ref, ranks = self._recorded(case)
+        except PoolFailure:
+            return None
+        until = next((n for n, call in enumerate(ref.calls) if call_gap is not None
+                      and (call.contract, call.index) == (call_gap.contract, call_gap.call)), None)
+        return first_op_gap(case.layout, [r.op_calls for r in ranks], ref.op_calls,
+                            compute_dtype(case.options), until)
+
+    def _recorded(self, case: Case) -> tuple[CaseResult, list[CaseResult]]:
+        """The case's one-rank reference and its ranks' results, recording megatron-core's ops."""
+        impl = impl_of(case.options, case.component)
+        ref = self.pools.run(Layout(), run_case, case.component, case.options, (), False, 0, True, impl=impl)[0]
+        ranks = self.pools.run(case.layout, run_case, case.component, case.options, (), True, 0, True, impl=impl)
+        return ref, ranks
 
     def judge(self, case: Case, ranks: list[CaseResult], ref: CaseResult) -> Outcome:
         """The case's outcome from its ranks' results against the one-rank reference."""

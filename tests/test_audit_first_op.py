@@ -1,0 +1,138 @@
+"""A numeric-only divergence narrowed to its first op: the ops recorded with their call sites,
+aligned between a one-rank run and the ranks of a layout, rebuilt from their types, and the
+first that parts ways named (in process, no ranks: recorded op lists from two runs)."""
+
+import textwrap
+
+import torch
+
+from shardcheck.megatron.audit.divergence import first_op_gap, op_gaps
+from shardcheck.parity.layout import Layout
+from shardcheck.parity.op_record import OpRecord, recording_ops
+from shardcheck.typecheck.locations import harness_code
+
+TP2 = Layout(tp=2)
+
+
+def _op(site, op, values, placements=None, index=0, mark=0, backward=""):
+    values = tuple(values)
+    return OpRecord(f"/x/megatron/core/{site}", "forward", op, backward, index, values,
+                    tuple(placements or (None,) * len(values)), mark)
+
+
+def _program(x, w, planted=False):
+    """The one-rank run and two tp ranks of ``y = x @ w`` (w cut by columns), ``z = y * 2``,
+    ``s = z.sum()`` (a partial sum on each rank), ``loss = s / 4``; ``planted``: rank 1's
+    ``z`` off by 0.5 (the bug)."""
+    y, z = x @ w, (x @ w) * 2
+    reference = [_op("layers.py:10", "aten.mm.default", [y]), _op("model.py:20", "aten.mul.Tensor", [z]),
+                 _op("model.py:21", "aten.sum.default", [z.sum()]),
+                 _op("model.py:22", "aten.div.Tensor", [z.sum() / 4])]
+    ranks = []
+    for rank, piece in enumerate(w.chunk(2, 1)):
+        y_r = x @ piece
+        z_r = y_r * 2 + (0.5 if planted and rank == 1 else 0.0)
+        ranks.append([_op("layers.py:10", "aten.mm.default", [y_r], [{"tp": "S(1)"}]),
+                      _op("model.py:20", "aten.mul.Tensor", [z_r], [{"tp": "S(1)"}]),
+                      _op("model.py:21", "aten.sum.default", [z_r.sum()], [{"tp": "P"}]),
+                      _op("model.py:22", "aten.div.Tensor", [z_r.sum() / 4], [{"tp": "P"}])])
+    return ranks, reference
+
+
+def test_the_first_op_that_parts_ways_is_named_and_a_correct_run_names_none():
+    torch.manual_seed(0)
+    x, w = torch.randn(4, 3), torch.randn(3, 6)
+    assert first_op_gap(TP2, *_program(x, w)) is None
+    found = first_op_gap(TP2, *_program(x, w, planted=True))
+    assert found is not None
+    assert found.line().startswith("first op: megatron/core/model.py:20 in forward: aten.mul.Tensor (max abs error 0.5")
+    assert found.location == "megatron/core/model.py:20"
+
+
+def test_ops_after_the_first_diverging_contracted_call_are_passed_over():
+    torch.manual_seed(0)
+    x, w = torch.randn(4, 3), torch.randn(3, 6)
+    ranks, reference = _program(x, w, planted=True)
+    assert [ref.site.rsplit("/", 1)[1] for ref, _ in op_gaps(TP2, ranks, reference)] == [
+        "model.py:20", "model.py:21", "model.py:22"]
+    late = [OpRecord(*[getattr(r, f) for f in ("site", "function", "op", "backward", "index", "values",
+                                              "placements")], mark=1) for r in reference]
+    assert first_op_gap(TP2, ranks, [late[0], *late[1:]], until=0) is None
+
+
+def test_ops_whose_types_cannot_rebuild_them_or_whose_count_differs_are_not_compared():
+    torch.manual_seed(0)
+    x, w = torch.randn(4, 3), torch.randn(3, 6)
+    ranks, reference = _program(x, w, planted=True)
+    varying = [[OpRecord(*[getattr(r, f) for f in ("site", "function", "op", "backward", "index", "values")],
+                         placements=({"tp": "V"},)) for r in calls] for calls in ranks]
+    assert first_op_gap(TP2, varying, reference) is None
+    twice = [[*calls, OpRecord(*[getattr(calls[1], f) for f in ("site", "function", "op", "backward")], 1,
+                               calls[1].values, calls[1].placements)] for calls in ranks]
+    assert first_op_gap(TP2, twice, reference).location == "megatron/core/model.py:21"
+
+
+def test_a_pipeline_stage_op_is_rebuilt_from_the_stage_that_ran_it():
+    value = torch.arange(6.0)
+    reference = [_op("stage.py:1", "aten.mul.Tensor", [value]), _op("head.py:2", "aten.add.Tensor", [value + 1])]
+    ranks = [[_op("stage.py:1", "aten.mul.Tensor", [value], [{"pp": "V"}])],
+             [_op("head.py:2", "aten.add.Tensor", [value + 1.5], [{"pp": "V"}])]]
+    assert first_op_gap(Layout(pp=2), ranks, reference).location == "megatron/core/head.py:2"
+
+
+def test_a_line_whose_later_piece_agrees_is_not_where_values_part_ways():
+    """``aux_loss * num_local_tokens * cp_size``: the first product is each rank's share of
+    another factoring, the second the global value; only a line whose result differs counts."""
+    reference = [_op("router.py:633", "aten.mul.Tensor", [torch.tensor(16.0)]),
+                 _op("router.py:633", "aten.mul.Tensor", [torch.tensor(16.0)], index=1)]
+    ranks = [[_op("router.py:633", "aten.mul.Tensor", [torch.tensor(4.0)], [{"cp": "P"}]),
+              _op("router.py:633", "aten.mul.Tensor", [torch.tensor(8.0)], [{"cp": "P"}], index=1)]] * 2
+    assert first_op_gap(Layout(cp=2), ranks, reference) is None
+    assert first_op_gap(Layout(cp=2), [calls[:1] for calls in ranks], reference[:1]) is not None
+
+
+def test_a_sequence_gathered_over_cp_in_the_ranks_order_agrees_with_one_rank():
+    keys = torch.arange(8.0).reshape(4, 2)  # four sequence chunks; rank r holds r and 3 - r
+    gathered = keys[[0, 3, 1, 2]]
+    ranks = [[_op("attention.py:186", "aten.view.default", [gathered], [{"cp": "R"}])]] * 2
+    assert first_op_gap(Layout(cp=2), ranks, [_op("attention.py:186", "aten.view.default", [keys])]) is None
+
+
+def test_recorded_ops_carry_their_call_site_and_a_backward_op_its_forward_line(tmp_path):
+    code = tmp_path / "lib" / "model.py"
+    code.parent.mkdir()
+    code.write_text(textwrap.dedent("""\
+        import torch
+
+        def build():
+            return torch.ones(3)
+
+        def forward(x, w, probe):
+            y = x * w
+            probe(y)
+            return y.sin().sum()
+        """))
+    probe = tmp_path / "probe.py"
+    probe.write_text("def copy(x):\n    return x.clone()\n")
+    namespace: dict = {}
+    exec(compile(code.read_text(), str(code), "exec"), namespace)
+    probe_ns: dict = {}
+    exec(compile(probe.read_text(), str(probe), "exec"), probe_ns)
+    started = [False]
+    x = torch.randn(3, requires_grad=True)
+    with harness_code(str(probe)), recording_ops(str(code.parent) + "/", started=lambda: started[0],
+                                                 probes=(str(probe),)) as records:
+        namespace["build"]()
+        started[0] = True
+        loss = namespace["forward"](x, torch.full((3,), 2.0), probe_ns["copy"])
+        loss.backward()
+    lines = [(r.site.rsplit("/", 1)[1], r.function, r.op, r.backward) for r in records]
+    assert lines[:3] == [("model.py:7", "forward", "aten.mul.Tensor", ""),
+                         ("model.py:9", "forward", "aten.sin.default", ""),
+                         ("model.py:9", "forward", "aten.sum.default", "")]
+    assert ("model.py:9", "forward", "aten.cos.default", "SinBackward0") in lines
+    assert ("model.py:7", "forward", "aten.mul.Tensor", "MulBackward0") in lines
+    assert not any(r.function == "build" for r in records)
+    assert all(r.op != "aten.clone.default" for r in records)  # the probe's copy, called at line 8
+    mul = next(r for r in records if r.op == "aten.mul.Tensor" and not r.backward)
+    assert torch.equal(mul.values[0], x.detach() * 2) and mul.placements == (None,)
