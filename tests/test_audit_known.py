@@ -11,7 +11,7 @@ import pytest
 core = pytest.importorskip("megatron.core")
 
 from shardcheck.megatron.audit.run import audit  # noqa: E402
-from shardcheck.megatron.audit.runner import PRELOAD  # noqa: E402
+from shardcheck.megatron.audit.runner import PRELOAD, Runner  # noqa: E402
 from shardcheck.megatron.audit.sweep import Case  # noqa: E402
 from shardcheck.parity.layout import Layout  # noqa: E402
 
@@ -26,8 +26,11 @@ KNOWN = {
         # the checker too: out_norm's gradient unreduced over tp (its parameter R, its gradient P),
         # located where GatedDeltaNet builds out_norm (the HybridModel's is the same finding)
         ("gdn", (), "tp2"): ("0417853b55", "type+numeric", "megatron/core/ssm/gated_delta_net.py:202"),
+        # numeric-only, narrowed to its first op (test below): the aux loss scaled by the local
+        # token count, the line 0.19 fixed (it multiplies by the tp x cp group's size too); it
+        # showed at the router's forward, router.py:639
         ("moe_router", (("calculate_per_token_loss", True),), "cp2"):
-            ("07d6e19d68", "numeric-only", "megatron/core/transformer/moe/router.py:639"),
+            ("389982c4ca", "numeric-only", "megatron/core/transformer/moe/router.py:466"),
         # located where the embedding's weight is built without its tensor_model_parallel mark
         # (the norm that miscounts it, optimizer/clip_grads.py, is where it shows)
         ("gpt", (("perform_initialization", False),), "tp2"):
@@ -95,6 +98,7 @@ KNOWN = {
     },
 }
 RELEASE = ".".join(core.__version__.split(".")[:2])
+PER_TOKEN_AUX_LOSS = ("moe_router", (("calculate_per_token_loss", True),), "cp2")
 
 
 @pytest.mark.parametrize("trigger", list(KNOWN.get(RELEASE, {})), ids=str)
@@ -105,3 +109,20 @@ def test_each_known_finding_is_found_again_by_its_trigger(audit_pools, trigger):
     expected = KNOWN[RELEASE][trigger]
     assert [(f.id, f.kind, f.location) for f in result.findings] == ([expected] if expected else [])
 
+
+@pytest.mark.release_specific
+def test_a_numeric_only_divergence_is_narrowed_to_its_first_op_and_its_fix_to_none(audit_pools):
+    """0.16 scales the per-token aux loss by the local token count alone: the finding is located
+    at that product, the first op whose values part ways, and shows where it showed (the
+    router's forward). 0.19 scales it by the tp x cp size too (the fix): no op parts ways there
+    (the first product alone differs, the line's result agrees)."""
+    component, options, layout = PER_TOKEN_AUX_LOSS
+    case = Case(component, options, Layout.parse(layout))
+    if RELEASE == "0.19":
+        assert Runner(audit_pools, typecheck=True).first_op(case) is None
+        return
+    [finding] = audit([case], run_pools=audit_pools).findings
+    assert finding.first_op == ("first op: megatron/core/transformer/moe/router.py:466 in "
+                                "attach_and_log_load_balancing_loss: aten.mul.Tensor (max abs error 8.01)")
+    assert (finding.location, finding.showed) == ("megatron/core/transformer/moe/router.py:466",
+                                                  "megatron/core/transformer/moe/router.py:639")

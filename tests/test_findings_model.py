@@ -56,7 +56,7 @@ def test_an_audit_findings_json_entry_round_trips():
     entry = json.loads(json.dumps(finding.report_entry()))
     assert list(entry) == ["title", "kind", "location", "contract", "trigger", "effect", "first_divergence",
                            "checker", "corrected", "reproduce", "seen_in", "id", "repro", "cases", "same_fix",
-                           "one_rank", "training_args"]
+                           "one_rank", "training_args", "first_op", "showed"]
     assert entry["corrected"] == finding.control and entry["trigger"] == {"component": "gpt",
                                                                         "options": {"seq": 4}, "layout": "tp2"}
     again = Finding.from_report(entry)

@@ -293,8 +293,10 @@ def _print_summary(result, summary: dict, out_dir: Path, source) -> None:
                   + (f", {len(crashes)} crash(es) only a layout causes" if crashes else ""))
     for n, f in enumerate(confirmed, 1):
         options = ", ".join(f"{k}={v}" for k, v in f.config.items()) or "defaults"
-        console.print(f"[{n}] {f.id} {f.kind}  {f.location}\n    {f.title}\n"
-                      f"    trigger: {f.target} @ {f.layout} ({options})")
+        console.print(f"[{n}] {f.id} {f.kind}  {f.location}"
+                      + (f"\n    where it showed: {f.showed}" if f.showed else "")
+                      + f"\n    {f.title}" + (f"\n    {f.first_op}" if f.first_op else "")
+                      + f"\n    trigger: {f.target} @ {f.layout} ({options})")
         for other in f.same_fix:
             also = ", ".join(f"{k}={v}" for k, v in other["options"].items()) or "defaults"
             console.print(f"    trigger: {other['component']} @ {other['layout']} ({also})")

@@ -108,6 +108,8 @@ class Finding:
     same_fix: list[dict[str, Any]] = field(default_factory=list)  # audit: independent triggers it repairs
     one_rank: str | None = None  # audit, a crash: the exception the layout causes, while one rank runs
     training_args: str | None = None  # audit: megatron.training's validate_args refusing the trigger's configuration
+    first_op: str | None = None  # audit, numeric-only: the first op whose values part ways ("first op: ...")
+    showed: str | None = None  # audit: where it showed, when the location is a line upstream of it
 
     def __post_init__(self) -> None:
         self.options = sorted(set(self.options))
@@ -156,7 +158,8 @@ class Finding:
                 "trigger": self.trigger, "effect": self.effect, "first_divergence": self.first_divergence,
                 "checker": self.checker, "corrected": self.control, "reproduce": self.reproduce,
                 "seen_in": self.seen_in, "id": self.id, "repro": self.repro, "cases": self.cases,
-                "same_fix": self.same_fix, "one_rank": self.one_rank, "training_args": self.training_args}
+                "same_fix": self.same_fix, "one_rank": self.one_rank, "training_args": self.training_args,
+                "first_op": self.first_op, "showed": self.showed}
 
     def to_json(self) -> str:
         """The store's record (:data:`STORED`; an audit's report stays in its findings.json)."""

@@ -45,10 +45,14 @@ def _finding(runner: Runner, key: tuple[str, str], members: list[Outcome],
     minimal = audit_report.minimal_case(members)
     seen = baseline.get((minimal.case.component, minimal.case.layout), set())
     checker = audit_report.checker_line(key[0], [minimal, *members], seen if minimal.case.options else set())
+    kind = audit_report.kind(members, checker)
+    narrowed = runner.first_op(minimal.case, minimal.call_gap) if kind == "numeric-only" else None
+    location = narrowed.location if narrowed is not None and key[1] != audit_report.NORM_CONTRACT else key[0]
     return Finding.audited(
         audit_report.trigger(minimal.case), audit_report.effect(minimal), corrected_control(runner, minimal),
-        title=audit_report.title(key, minimal, checker), kind=audit_report.kind(members, checker),
-        location=key[0], contract=key[1],
+        title=audit_report.title(key, minimal, checker), kind=kind,
+        location=location, contract=key[1], first_op=narrowed.line() if narrowed is not None else None,
+        showed=key[0] if location != key[0] else None,
         first_divergence=minimal.call_gap.gap.summary() if minimal.call_gap else None,
         checker=checker, reproduce=audit_report.reproduce_command(minimal.case),
         seen_in=audit_report.seen_in(members, minimal),

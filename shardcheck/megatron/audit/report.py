@@ -375,6 +375,8 @@ def _finding_lines(n: int, f: Finding) -> list[str]:
     lines = [f"### {n}. {f.title}", "",
              f"- **id**: `{f.id}` ({f.kind})",
              f"- **location**: `{f.location}`",
+             *([f"- **where it showed**: `{f.showed}`"] if f.showed else []),
+             *([f"- **first op**: `{f.first_op.removeprefix('first op: ')}`"] if f.first_op else []),
              f"- **minimal trigger**: component `{f.trigger['component']}`, options "
              f"`{f.trigger['options'] or 'defaults'}`, layout `{f.trigger['layout']}`",
              f"- **contract**: `{f.contract}`",
