@@ -185,6 +185,33 @@ def test_a_learning_rate_schedule_in_samples_becomes_the_same_in_iterations():
     assert "--lr-decay-samples 390 -> --lr-decay-iters 98: the runs count iterations, of 4 samples each" in plan.changes
 
 
+def test_a_parallel_run_that_starts_from_the_one_rank_weights_checkpoints_in_torch_dist():
+    """A torch-format checkpoint of one rank does not load into a pipeline: the runs once trained
+    nothing (gpt3_mcore_te_tp1_pp4_vp1_decoupled_lr, --ckpt-format torch)."""
+    pipeline = [*SMALL, "--num-layers", "4", "--pipeline-model-parallel-size", "2", "--ckpt-format", "torch"]
+    plan = plan_runs(pipeline, 2, 1)
+    assert plan.same_init
+    for tokens in (plan.parallel, plan.reference):
+        assert tokens[tokens.index("--ckpt-format") + 1] == "torch_dist"
+    assert "--ckpt-format torch -> torch_dist: only Megatron's torch_dist checkpoints load into another layout" \
+        in plan.changes
+    unchanged = plan_runs([*SMALL, "--ckpt-format", "torch"], 2, 1)  # dp2: both runs initialise alike
+    assert not unchanged.same_init and unchanged.parallel[unchanged.parallel.index("--ckpt-format") + 1] == "torch"
+
+
+def test_an_overlap_megatron_allows_with_an_interleaved_pipeline_only_is_dropped_with_a_line():
+    """The one-rank run has no pipeline; the parallel run loads the one-rank run's weights from a
+    torch_dist checkpoint, which Megatron refuses the overlap with
+    (gpt3_mcore_te_tp1_pp4_vp1_dist_optimizer_overlap_grad_reduce_param_gather_overlap_optimizer)."""
+    overlap = "--overlap-param-gather-with-optimizer-step"
+    plan = plan_runs([*SMALL, "--num-layers", "4", "--pipeline-model-parallel-size", "2",
+                      "--num-virtual-stages-per-pipeline-rank", "2", "--use-distributed-optimizer",
+                      "--overlap-grad-reduce", "--overlap-param-gather", overlap], 2, 1)
+    assert plan.same_init and overlap not in plan.reference + plan.parallel
+    assert any(line.startswith(f"one-rank run: {overlap} dropped") for line in plan.changes)
+    assert any(line.startswith(f"{overlap} dropped: Megatron refuses it with torch_dist") for line in plan.changes)
+
+
 def test_virtual_pipeline_stages_are_kept_on_the_pipeline_and_dropped_on_one_rank():
     plan = plan_runs([*SMALL, "--num-layers", "4", "--pipeline-model-parallel-size", "2",
                       "--num-virtual-stages-per-pipeline-rank", "2"], 2, 1)

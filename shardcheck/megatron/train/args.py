@@ -27,6 +27,10 @@ PIPELINE_SPLITS = ("--num-virtual-stages-per-pipeline-rank", "--num-layers-per-v
                    "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers",
                    "--pipeline-model-parallel-layout", "--account-for-embedding-in-pipeline-split",
                    "--account-for-loss-in-pipeline-split")
+# communication overlaps that Megatron allows with an interleaved pipeline only: dropped on one rank
+PIPELINE_OVERLAPS = {"--overlap-param-gather-with-optimizer-step": (
+    "Megatron overlaps the parameter gather with the optimizer step under an interleaved pipeline only; "
+    "the same math")}
 # how context parallelism communicates: nothing to do on one rank
 CONTEXT_PARALLEL_SPLITS = ("--cp-comm-type", "--hierarchical-context-parallel-sizes")
 # flags whose CUDA code has no CPU path: refused, with the reason
@@ -281,6 +285,15 @@ def plan_runs(user_args: Sequence[str], nproc: int, steps: int | None, cpu: bool
     if same_init:
         changes.append("the parallel run starts from the one-rank run's initial weights (Megatron's own "
                        f"torch_dist save and load): {'; '.join(reasons)}")
+        if (checkpoints := flags.value("--ckpt-format")) != "torch_dist":
+            changes.append(f"--ckpt-format {checkpoints} -> torch_dist: only Megatron's torch_dist checkpoints load "
+                           "into another layout")
+            for run in (flags, one_rank):
+                run.set("--ckpt-format", "torch_dist")
+        for flag in PIPELINE_OVERLAPS:
+            if flags.drop(flag):
+                changes.append(f"{flag} dropped: Megatron refuses it with torch_dist checkpoints, from which the "
+                               "parallel run loads its initial weights; it overlaps communication only")
     precision = (_half_precision(flags) or "--fp32")[2:]
     return RunPlan(nproc, flags.tokens(), one_rank.tokens(), changes, {**sizes, "dp": dp}, same_init,
                    kind, lines, precision)
@@ -469,6 +482,9 @@ def _one_rank(flags: Flags, tp: int, changes: list[str]) -> Flags:
         reference.drop(flag)
     for flag in (*PIPELINE_SPLITS, *CONTEXT_PARALLEL_SPLITS, "--sequence-parallel"):
         reference.drop(flag)
+    for flag, why in PIPELINE_OVERLAPS.items():
+        if reference.drop(flag):
+            changes.append(f"one-rank run: {flag} dropped: {why}")
     for flag in HYBRID_PATTERNS:
         pattern = reference.get(flag)
         if pattern and "|" in pattern:  # its pipeline stages would be virtual ones on one rank
