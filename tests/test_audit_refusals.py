@@ -104,3 +104,21 @@ def test_megatron_asking_for_a_package_to_be_installed_is_missing_code_not_a_cra
     assert not outcome.one_rank_crash
     assert Outcome(Case("gpt", (), Layout()), error="RuntimeError: boom", error_kind="error",
                    in_megatron=True).one_rank_crash
+
+
+def test_crashes_at_one_place_with_one_message_are_one_cause_whatever_triggers_them():
+    """megatron-core's in-place write to gathered logits, reached by each model's own options,
+    is one bug; another exception at the same line is another."""
+    from shardcheck.megatron.audit.findings import _crash_causes
+
+    view = "RuntimeError: Output 0 of _GatherFromModelParallelRegion is a view and is modified inplace"
+    frame = "megatron/core/tensor_parallel/cross_entropy.py:190 in forward"
+    triggers = [("gpt", "GPTModel.parallel_output", False), ("gpt", "GPTModel.forward.runtime_gather_output", True),
+                ("t5", "T5Model.parallel_output", False)]
+    crashes = [Outcome(Case(component, ((name, value),), Layout()), error=view, error_kind="error", frame=frame,
+                       in_megatron=True) for component, name, value in triggers]
+    other = Outcome(Case("gpt", (("vocab_size", 7),), Layout()), error="RuntimeError: size 7 vs 8",
+                    error_kind="error", frame=frame, in_megatron=True)
+    causes = _crash_causes([*crashes, other])
+    assert sorted(len(cause) for cause in causes) == [1, 3]
+    assert [o.case.component for cause in causes if len(cause) == 3 for o in cause].count("t5") == 1

@@ -10,6 +10,7 @@ megatron.training's argument validation refuses says so, with the line
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from shardcheck.fuzz.findings import Finding, finding_id
@@ -36,7 +37,7 @@ def build_findings(runner: Runner, outcomes: list[Outcome], one_rank: list[Outco
         findings += _merged_causes(built)
     findings += [_crash_finding(key, cause, first=n == 0)
                  for key, members in [*_crashes(outcomes).items(), *_one_rank_crashes(one_rank).items()]
-                 for n, cause in enumerate(audit_report.causes(members))]
+                 for n, cause in enumerate(_crash_causes(members))]
     return sorted(findings, key=lambda f: (f.kind, f.location, f.id))
 
 
@@ -131,6 +132,18 @@ def _one_rank_crashes(failures: list[Outcome]) -> dict[tuple[str, str], list[Out
         what = outcome.error.split(":", 1)[0]
         found.setdefault((outcome.frame.split(" in ")[0], f"{ONE_RANK_CONTRACT} ({what})"), []).append(outcome)
     return found
+
+
+def _crash_causes(members: list[Outcome]) -> list[list[Outcome]]:
+    """The causes of the crashes at one place, those that raise the same message (its numbers
+    aside) joined: one bug that several independent triggers reach (megatron-core's in-place write
+    to gathered logits, through each model's ``parallel_output=False`` and
+    ``runtime_gather_output=True``)."""
+    joined: dict[str, list[Outcome]] = {}
+    for cause in audit_report.causes(members):
+        message = re.sub(r"\d+", "#", audit_report.minimal_case(cause).error or "")
+        joined.setdefault(message, []).extend(cause)
+    return list(joined.values())
 
 
 def _crash_finding(key: tuple[str, str], members: list[Outcome], first: bool) -> Finding:
