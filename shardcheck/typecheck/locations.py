@@ -27,6 +27,7 @@ _KINDS: dict[str, int] = {}  # _kind by file name, under the current _SKIP_PREFI
 # "file:line" by the id of a code object (kept, so that the id stays its own) and an offset in
 # it: a frame's line is decoded from its code's line table, at each op that asks otherwise
 _LOCATIONS: dict[int, tuple[CodeType, dict[int, str]]] = {}
+_LOCATIONS_KEPT = 4096  # code objects kept at most (all dropped past it: code generated and run)
 
 
 @contextmanager
@@ -98,6 +99,8 @@ def _location(frame: FrameType) -> str:
     code = frame.f_code
     known = _LOCATIONS.get(id(code))
     if known is None or known[0] is not code:
+        if len(_LOCATIONS) >= _LOCATIONS_KEPT:
+            _LOCATIONS.clear()
         known = _LOCATIONS[id(code)] = (code, {})
     at = frame.f_lasti
     location = known[1].get(at)
