@@ -337,6 +337,16 @@ class Mesh:
         return tuple(a.name for a in self.axes.values()
                      if a in combo or (a.size > 1 and frozenset(a.ranks) in same))
 
+    def nested(self, dim: int, *axes: str) -> dict[str, Shard]:
+        """The placements of a tensor whose dim ``dim`` is cut over ``axes`` in turn, the first
+        outermost (a sequence cut over cp, then each piece over tp for sequence parallelism):
+        S(dim) on each, ``outside`` on an axis faster in rank order than one whose pieces it
+        holds (see :class:`Shard`), so the same cut reads the same under any rank order."""
+        self.placements(dict.fromkeys(axes, R))  # unknown axes: ValueError
+        strides = {a: abs(r[1] - r[0]) for a in axes if len(r := self.axes[a].ranks) > 1}
+        return {a: S(dim, a in strides and any(strides[a] < strides[b] for b in axes[i + 1:] if b in strides))
+                for i, a in enumerate(axes)}
+
     def placements(self, spec: Mapping[str, Placement]) -> dict[str, Placement]:
         """Validate a {axis name: placement} mapping against this mesh."""
         unknown = set(spec) - set(self.axes)

@@ -221,16 +221,18 @@ def _local_input(name: str, setup: Any, sp: bool, pg: Any = None) -> torch.Tenso
 
 def _typed_input(local: torch.Tensor, sp: bool) -> torch.Tensor:
     """Tell an active type checker how the input was cut: V over dp (each data-parallel rank
-    has its own samples, as Megatron's batches), S(0) over cp (load-balanced order) and over
-    tp under sequence parallelism."""
+    has its own samples, as Megatron's batches), S(0) over cp (load-balanced order) and, under
+    sequence parallelism, each cp piece over tp: nested by the mesh's rank order, which
+    explicit groups may reverse (tp2-cp2-sp@cp-tp)."""
     import shardcheck as sc
     from shardcheck.typecheck.checker import current
-    from shardcheck.typecheck.types import S, V
+    from shardcheck.typecheck.types import V
 
     checker = current()
     if checker is None:
         return local
-    placements = {"dp": V, "cp": S(0), **({"tp": S(0)} if sp else {})}
+    cuts = [a for a in ("cp", "tp") if a in checker.names and (sp or a == "cp")]
+    placements = {"dp": V, **checker.mesh.nested(0, *cuts)}
     return sc.annotate(local, **{a: p for a, p in placements.items() if a in checker.names})
 
 

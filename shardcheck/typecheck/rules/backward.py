@@ -12,6 +12,7 @@ from shardcheck.typecheck.rules.common import (
     Refinement,
     RuleContext,
     arg,
+    inside,
     interleaves,
     norm_dim,
     replicated,
@@ -48,33 +49,37 @@ def _logits_loss(ctx: RuleContext, args, kwargs, out):
 def _slice_backward(ctx: RuleContext, args, kwargs, out):
     """slice_backward(grad, input_sizes, dim, start, end, step): grad padded with zeros. The
     gradient of this rank's chunk on an axis that cuts the dim (a rank slice), put at that
-    chunk's place, is a partial sum there; a shard outside that axis' pieces is whole again
-    (see :class:`~shardcheck.typecheck.types.Shard`). Any other shard of the dim: V."""
+    chunk's place, is a partial sum there; a shard whose pieces hold that axis' is whole again,
+    whichever of the two is the faster in rank order (see :func:`inside`). Any other shard of
+    the dim: V."""
     pl = ctx.types(args[0])
     if pl is None:
         return None
     ndim = len(args[1])
     dim = norm_dim(args[2], ndim)
-    cut = [b for b, p in enumerate(pl) if _padded_at_rank(ctx, b, p, args, dim)]
-    return tuple(_slice_gradient(p, b, cut, dim, ndim) for b, p in enumerate(pl))
+    along = [b for b, p in enumerate(pl)
+             if isinstance(p, Shard) and norm_dim(p.dim, ndim) == dim and ctx.sizes[b] > 1]
+    cut = [b for b in along if _padded_at_rank(ctx, b, pl[b], args, dim)
+           and all(inside(ctx, pl, b, a) for a in along if a != b)]
+    return tuple(_slice_gradient(ctx, pl, b, cut, dim, ndim) for b in range(len(pl)))
 
 
 def _padded_at_rank(ctx: RuleContext, b: int, p, args, dim: int) -> bool:
     total, length = args[1][dim], args[0].shape[dim]
     start = norm_dim(args[3], total) if args[3] is not None else 0
-    return (type(p) in (Shard, RankChunk) and not p.outside and norm_dim(p.dim, len(args[1])) == dim
-            and args[5] == 1 and ctx.sizes[b] > 1 and length < total
+    return (type(p) in (Shard, RankChunk) and args[5] == 1 and length < total
             and (start, length) in rank_chunks(total, ctx.sizes[b], ctx.index[b]))
 
 
-def _slice_gradient(p, b: int, cut: list[int], dim: int, ndim: int):
+def _slice_gradient(ctx: RuleContext, pl: tuple, b: int, cut: list[int], dim: int, ndim: int):
+    p = pl[b]
     if not isinstance(p, Shard) or norm_dim(p.dim, ndim) != dim:
         return p
     if len(cut) != 1:
         return V
     if b in cut:
         return P
-    return S(p.dim) if type(p) is Shard and p.outside else V
+    return S(p.dim) if type(p) is Shard and inside(ctx, pl, cut[0], b) else V
 
 
 def _select_backward(ctx: RuleContext, args, kwargs, out):
