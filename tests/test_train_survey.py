@@ -212,6 +212,32 @@ def test_an_overlap_megatron_allows_with_an_interleaved_pipeline_only_is_dropped
     assert any(line.startswith(f"{overlap} dropped: Megatron refuses it with torch_dist") for line in plan.changes)
 
 
+@pytest.mark.parametrize(("flags", "dropped"), [
+    (["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2",
+      "--overlap-p2p-communication-warmup-flush"], "--overlap-p2p-communication-warmup-flush"),
+    (["--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2"],
+     "--num-distributed-optimizer-instances"),
+], ids=["p2p-warmup-flush", "optimizer-instances"])
+def test_what_megatron_allows_with_a_pipeline_or_data_parallel_ranks_only_is_dropped_on_one_rank(flags, dropped):
+    """Megatron refused them on the one-rank run (tunable_overlap, multi_dist_optimizer_instances)."""
+    plan = plan_runs([*SMALL, "--num-layers", "4", *flags], 2, 1)
+    assert dropped in plan.parallel and dropped not in plan.reference
+    assert any(line.startswith(f"one-rank run: {dropped} dropped: ") for line in plan.changes)
+
+
+def test_a_split_that_counts_the_embedding_and_loss_as_layers_keeps_them_divisible(tmp_path):
+    """(layers + 2) over 4 x 2 virtual stages: 6 layers, where 8 failed Megatron's check."""
+    path = tmp_path / "model_config.yaml"
+    path.write_text("MODEL_ARGS:\n  --num-layers: 30\n  --hidden-size: 128\n  --num-attention-heads: 8\n"
+                    "  --seq-length: 128\n  --max-position-embeddings: 128\n  --micro-batch-size: 4\n"
+                    "  --pipeline-model-parallel-size: 4\n  --num-virtual-stages-per-pipeline-rank: 2\n"
+                    "  --account-for-embedding-in-pipeline-split: true\n  --account-for-loss-in-pipeline-split: true\n")
+    shrunk = flags_from_model_config(path)
+    assert shrunk.flags[shrunk.flags.index("--num-layers") + 1] == "6"
+    assert ("--num-layers 30 -> 6: one layer per pipeline stage, the embedding and the loss counted as layers"
+            in shrunk.mapping)
+
+
 def test_virtual_pipeline_stages_are_kept_on_the_pipeline_and_dropped_on_one_rank():
     plan = plan_runs([*SMALL, "--num-layers", "4", "--pipeline-model-parallel-size", "2",
                       "--num-virtual-stages-per-pipeline-rank", "2"], 2, 1)
@@ -227,6 +253,11 @@ def test_a_virtual_pipeline_config_gets_at_least_one_micro_batch_per_pipeline_ra
                     "  --num-layers-per-virtual-pipeline-stage: 1\n")
     shrunk = flags_from_model_config(path)
     assert (shrunk.nproc, shrunk.flags[shrunk.flags.index("--global-batch-size") + 1]) == (8, "8")  # dp2, 4 each
+    # Megatron wants a micro-batch group between the pipeline size and the micro-batches (tunable_overlap's 5)
+    grouped = path.with_name("grouped.yaml")
+    grouped.write_text(path.read_text() + "  --microbatch-group-size-per-virtual-pipeline-stage: 5\n")
+    group = flags_from_model_config(grouped).flags
+    assert group[group.index("--microbatch-group-size-per-virtual-pipeline-stage") + 1] == "4"
     plan_runs(shrunk.flags, shrunk.nproc, 1, own_entry=True)
 
 

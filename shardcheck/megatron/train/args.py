@@ -27,10 +27,16 @@ PIPELINE_SPLITS = ("--num-virtual-stages-per-pipeline-rank", "--num-layers-per-v
                    "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers",
                    "--pipeline-model-parallel-layout", "--account-for-embedding-in-pipeline-split",
                    "--account-for-loss-in-pipeline-split")
-# communication overlaps that Megatron allows with an interleaved pipeline only: dropped on one rank
-PIPELINE_OVERLAPS = {"--overlap-param-gather-with-optimizer-step": (
-    "Megatron overlaps the parameter gather with the optimizer step under an interleaved pipeline only; "
-    "the same math")}
+# what Megatron allows with a pipeline or several data-parallel ranks only: dropped on one rank
+PARALLEL_ONLY = {
+    "--overlap-param-gather-with-optimizer-step": ("Megatron overlaps the parameter gather with the optimizer "
+                                                    "step under an interleaved pipeline only; the same math"),
+    "--overlap-p2p-communication-warmup-flush": ("Megatron overlaps the pipeline's sends and receives in its "
+                                                 "warmup and flush only with a pipeline; the same math"),
+    "--num-distributed-optimizer-instances": ("each instance of the distributed optimizer holds its state over a "
+                                              "share of the data-parallel ranks, and one rank has one; the same math"),
+}
+NOT_WITH_TORCH_DIST = ("--overlap-param-gather-with-optimizer-step",)  # Megatron refuses them together
 # how context parallelism communicates: nothing to do on one rank
 CONTEXT_PARALLEL_SPLITS = ("--cp-comm-type", "--hierarchical-context-parallel-sizes")
 # flags whose CUDA code has no CPU path: refused, with the reason
@@ -290,7 +296,7 @@ def plan_runs(user_args: Sequence[str], nproc: int, steps: int | None, cpu: bool
                            "into another layout")
             for run in (flags, one_rank):
                 run.set("--ckpt-format", "torch_dist")
-        for flag in PIPELINE_OVERLAPS:
+        for flag in NOT_WITH_TORCH_DIST:
             if flags.drop(flag):
                 changes.append(f"{flag} dropped: Megatron refuses it with torch_dist checkpoints, from which the "
                                "parallel run loads its initial weights; it overlaps communication only")
@@ -482,7 +488,7 @@ def _one_rank(flags: Flags, tp: int, changes: list[str]) -> Flags:
         reference.drop(flag)
     for flag in (*PIPELINE_SPLITS, *CONTEXT_PARALLEL_SPLITS, "--sequence-parallel"):
         reference.drop(flag)
-    for flag, why in PIPELINE_OVERLAPS.items():
+    for flag, why in PARALLEL_ONLY.items():
         if reference.drop(flag):
             changes.append(f"one-rank run: {flag} dropped: {why}")
     for flag in HYBRID_PATTERNS:

@@ -39,6 +39,10 @@ CLUSTER_ONLY = ("--async-save", "--use-persistent-ckpt-worker", "--ckpt-assume-c
 # entry point builds these (a hybrid or Mamba model from its layer pattern).
 MODEL_PROVIDER = "--model-provider"
 HIERARCHICAL_CP = "--hierarchical-context-parallel-sizes"
+GROUP_SIZE = "--microbatch-group-size-per-virtual-pipeline-stage"
+# a pipeline split that counts the embedding or the loss as a layer of the first or last stage
+SPLIT_COUNTED = {"--account-for-embedding-in-pipeline-split": "the embedding",
+                 "--account-for-loss-in-pipeline-split": "the loss"}
 BUILT_PROVIDERS = frozenset({"gpt", "hybrid", "mamba"})
 # Megatron's functional tests sit in a folder per model; these folders' models have entry scripts
 # of their own, whose models shardcheck's GPT entry point does not build
@@ -162,7 +166,11 @@ def _shrink_model(args: dict[str, str], sizes: dict[str, int], dp: int, mapping:
         if args.pop(flag, None) is not None:
             mapping.append(f"{flag} left out: the layers split evenly over the shrunk pipeline")
     pattern = next((flag for flag in HYBRID_PATTERNS if flag in args), None)
-    if pattern is None:
+    counted = [flag for flag in SPLIT_COUNTED if args.get(flag) == "true"]
+    if pattern is None and counted:  # (layers + the embedding and/or loss) split evenly over the stages
+        _set(args, mapping, "--num-layers", -len(counted) % stages or stages,
+             f"one layer per pipeline stage, {' and '.join(SPLIT_COUNTED[f] for f in counted)} counted as layers")
+    elif pattern is None:
         _set(args, mapping, "--num-layers", max(2, stages), "at least one layer per pipeline stage")
     else:
         _set(args, mapping, pattern, shrink_pattern(args[pattern]), "each kind of layer once per pipeline "
@@ -192,6 +200,8 @@ def _shrink_model(args: dict[str, str], sizes: dict[str, int], dp: int, mapping:
     if stages > pp:  # the interleaved schedule wants at least one micro-batch per pipeline rank
         _set(args, mapping, "--global-batch-size", max(2, pp) * dp,
              f"{max(2, pp)} micro-batches per data-parallel rank, at least one per pipeline rank")
+        if GROUP_SIZE in args:  # Megatron wants it between the pipeline size and the micro-batches
+            _set(args, mapping, GROUP_SIZE, max(2, pp), "the micro-batches per data-parallel rank")
     else:
         _set(args, mapping, "--global-batch-size", 2 * dp, "two micro-batches per data-parallel rank")
     _shrink_experts(args, dp * cp, mapping)
