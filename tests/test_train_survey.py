@@ -73,6 +73,7 @@ def test_the_command_prints_the_table_and_exits_0_without_a_crash(capsys):
 @pytest.mark.parametrize(("flags", "line"), [
     (["--use-flash-attn"], "--use-flash-attn dropped: flash attention is a CUDA kernel"),
     (["--te-rng-tracker"], "--te-rng-tracker dropped: Transformer Engine's RNG tracker holds CUDA generator states"),
+    (["--defer-embedding-wgrad-compute"], "--defer-embedding-wgrad-compute dropped: Megatron defers the embedding's weight gradient only through"),
     (["--fine-grained-activation-offloading", "--offload-modules", "expert_fc1", "moe_act"],
      "--fine-grained-activation-offloading dropped: activation offloading moves activations to host memory"),
 ])

@@ -93,6 +93,8 @@ SAME_MATH = {
     "--fine-grained-activation-offloading": ("activation offloading moves activations to host memory, where a "
                                              "CPU run's are already"),
     "--offload-modules": "the modules of the activation offloading, dropped with it",
+    "--defer-embedding-wgrad-compute": ("Megatron defers the embedding's weight gradient only through "
+                                        "gradient-accumulation fusion, a CUDA extension; the same math"),
 }
 # a learning-rate schedule in samples -> the same in iterations (the runs count --train-iters)
 SAMPLE_SCHEDULES = {"--lr-decay-samples": "--lr-decay-iters", "--lr-warmup-samples": "--lr-warmup-iters",
