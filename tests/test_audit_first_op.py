@@ -57,7 +57,8 @@ def test_ops_after_the_first_diverging_contracted_call_are_passed_over():
         "model.py:20", "model.py:21", "model.py:22"]
     late = [OpRecord(*[getattr(r, f) for f in ("site", "function", "op", "backward", "index", "values",
                                               "placements")], mark=1) for r in reference]
-    assert first_op_gap(TP2, ranks, [late[0], *late[1:]], until=0) is None
+    assert first_op_gap(TP2, ranks, late, until=0) is None
+    assert first_op_gap(TP2, ranks, late, until=1).location == "megatron/core/model.py:20"
 
 
 def test_ops_whose_types_cannot_rebuild_them_or_whose_count_differs_are_not_compared():
@@ -80,15 +81,24 @@ def test_a_pipeline_stage_op_is_rebuilt_from_the_stage_that_ran_it():
     assert first_op_gap(Layout(pp=2), ranks, reference).location == "megatron/core/head.py:2"
 
 
-def test_a_line_whose_later_piece_agrees_is_not_where_values_part_ways():
+def test_a_step_that_a_later_step_of_the_same_function_corrects_is_not_where_values_part_ways():
     """``aux_loss * num_local_tokens * cp_size``: the first product is each rank's share of
-    another factoring, the second the global value; only a line whose result differs counts."""
+    another factoring, the second the global value; a vocab-parallel embedding's lookup is
+    masked on its next line. Only a result that stays different counts."""
     reference = [_op("router.py:633", "aten.mul.Tensor", [torch.tensor(16.0)]),
                  _op("router.py:633", "aten.mul.Tensor", [torch.tensor(16.0)], index=1)]
     ranks = [[_op("router.py:633", "aten.mul.Tensor", [torch.tensor(4.0)], [{"cp": "P"}]),
               _op("router.py:633", "aten.mul.Tensor", [torch.tensor(8.0)], [{"cp": "P"}], index=1)]] * 2
     assert first_op_gap(Layout(cp=2), ranks, reference) is None
     assert first_op_gap(Layout(cp=2), [calls[:1] for calls in ranks], reference[:1]) is not None
+    rows = torch.arange(6.0).reshape(3, 2)
+    reference = [_op("layers.py:356", "aten.embedding.default", [rows])]  # one rank masks nothing
+    ranks = [[_op("layers.py:356", "aten.embedding.default", [rows / 2 + 1], [{"tp": "P"}]),
+              _op("layers.py:359", "aten.index_put_.default", [rows / 2], [{"tp": "P"}])]] * 2
+    assert first_op_gap(TP2, ranks, reference) is None
+    elsewhere = [[calls[0], _op("other.py:1", "aten.add.Tensor", [rows], [{"tp": "P"}]), calls[1]]
+                 for calls in ranks]
+    assert first_op_gap(TP2, elsewhere, reference).location == "megatron/core/layers.py:356"
 
 
 def test_a_sequence_gathered_over_cp_in_the_ranks_order_agrees_with_one_rank():
@@ -110,7 +120,8 @@ def test_recorded_ops_carry_their_call_site_and_a_backward_op_its_forward_line(t
         def forward(x, w, probe):
             y = x * w
             probe(y)
-            return y.sin().sum()
+            keep = 1.0 - (x > 0).float()
+            return (y.sin() * keep).sum()
         """))
     probe = tmp_path / "probe.py"
     probe.write_text("def copy(x):\n    return x.clone()\n")
@@ -127,10 +138,11 @@ def test_recorded_ops_carry_their_call_site_and_a_backward_op_its_forward_line(t
         loss = namespace["forward"](x, torch.full((3,), 2.0), probe_ns["copy"])
         loss.backward()
     lines = [(r.site.rsplit("/", 1)[1], r.function, r.op, r.backward) for r in records]
-    assert lines[:3] == [("model.py:7", "forward", "aten.mul.Tensor", ""),
-                         ("model.py:9", "forward", "aten.sin.default", ""),
-                         ("model.py:9", "forward", "aten.sum.default", "")]
-    assert ("model.py:9", "forward", "aten.cos.default", "SinBackward0") in lines
+    assert lines[:4] == [("model.py:7", "forward", "aten.mul.Tensor", ""),  # not the mask's cast and rsub
+                         ("model.py:10", "forward", "aten.sin.default", ""),
+                         ("model.py:10", "forward", "aten.mul.Tensor", ""),
+                         ("model.py:10", "forward", "aten.sum.default", "")]
+    assert ("model.py:10", "forward", "aten.cos.default", "SinBackward0") in lines
     assert ("model.py:7", "forward", "aten.mul.Tensor", "MulBackward0") in lines
     assert not any(r.function == "build" for r in records)
     assert all(r.op != "aten.clone.default" for r in records)  # the probe's copy, called at line 8

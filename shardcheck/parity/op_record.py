@@ -6,7 +6,9 @@ copy and, inside a type checker's region, its placements by axis name. A backwar
 at the forward line that made the autograd node it runs for (anomaly mode keeps that line on
 each node), except inside a Python ``backward`` (an autograd Function), which is located where
 it runs. Ops inside torch.distributed and collectives are not recorded: they move values, they
-do not compute them; nor are those that allocate memory without writing it (``empty``). The ``index`` of a record counts the earlier records of its key
+do not compute them; nor are those that allocate memory without writing it (``empty``), nor
+the floating values made from integers and masks alone (token ids, a rank's vocabulary range:
+where a layout's per-rank offsets live, which types say least of). The ``index`` of a record counts the earlier records of its key
 (:meth:`OpRecord.key`) on this rank, so that two runs of one program align call by call.
 """
 
@@ -15,12 +17,14 @@ from __future__ import annotations
 import re
 import sys
 import warnings
+import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from shardcheck.typecheck.checker import current
@@ -60,6 +64,7 @@ class _Recorder(TorchDispatchMode):
         super().__init__()
         self.within, self.mark, self.started, self.probes = within, mark, started, probes
         self.records: list[OpRecord] = []
+        self.from_integers: dict[int, weakref.ref] = {}  # floating values made from no float, by id
         self._counts: Counter = Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -74,6 +79,9 @@ class _Recorder(TorchDispatchMode):
         outputs = out if isinstance(out, (tuple, list)) else (out,)
         if not any(isinstance(t, torch.Tensor) and t.is_floating_point() for t in outputs):
             return out
+        if self._from_integers(args, kwargs):
+            self.from_integers.update((id(t), weakref.ref(t)) for t in outputs if _floating(t))
+            return out
         where = _call_site(self.within, self.probes)
         if where is None:
             return out
@@ -87,6 +95,17 @@ class _Recorder(TorchDispatchMode):
                                      values, placements, self.mark() if self.mark else 0))
         self._counts[key] += 1
         return out
+
+
+    def _from_integers(self, args: tuple, kwargs: dict | None) -> bool:
+        """Whether the op's tensor inputs hold no floating value but one made from integers and
+        masks alone (a cast mask, ``1.0 - mask``)."""
+        inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        return bool(inputs) and all(not t.is_floating_point() or self._made_from_integers(t) for t in inputs)
+
+    def _made_from_integers(self, t: torch.Tensor) -> bool:
+        held = self.from_integers.get(id(t))
+        return held is not None and held() is t
 
 
 def _floating(t: object) -> bool:

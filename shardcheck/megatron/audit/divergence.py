@@ -351,37 +351,59 @@ def op_gaps(layout: Layout, per_rank: Sequence[Sequence[OpRecord]], reference: S
     compared only where every rank that made it made it as often as the reference (a site that
     runs differently under the layout, e.g. a layer loop cut into pipeline stages, is skipped),
     and an output only where it is rebuilt with the reference's shape. An op that differs is
-    passed over where a later op of the same run of its line, of the same shape, agrees: a line
-    computes its value in pieces that the layout may factor otherwise
-    (``aux_loss * num_local_tokens * cp_size``: the first product is the ranks' local share,
-    the second the global value). At most one op is yielded per run of a line."""
+    passed over where a later op on the ranks, in the same run of its function's lines (no
+    other function's ops between), rebuilds to its one-rank value: Megatron computes some
+    values in steps whose first is no global value under a layout
+    (``aux_loss * num_local_tokens * cp_size``: the first product is each rank's share of
+    another factoring; a vocab-parallel embedding looks up row 0 for the other ranks' tokens,
+    then zeroes them on its next line, which one rank skips)."""
     counts = Counter(ref.key() for ref in reference)
     made = [Counter(rec.key() for rec in calls) for calls in per_rank]
     by_call = [{(rec.key(), rec.index): rec for rec in calls} for calls in per_rank]
     aligned = {key for key, count in counts.items() if all(m[key] in (0, count) for m in made)}
-    shown = [ref for ref in reference if until is None or ref.mark <= until]
-    for _, line in itertools.groupby(shown, key=lambda ref: (ref.site, ref.function, ref.backward)):
-        judged = []  # (record, gap or None) of each op of one run of the line that was compared
-        for ref in line:
-            records = {rank: calls[(ref.key(), ref.index)] for rank, calls in enumerate(by_call)
-                       if (ref.key(), ref.index) in calls}
-            if ref.key() not in aligned or not records:
+    positions = [{id(rec): n for n, rec in enumerate(calls)} for calls in per_rank]
+    for ref in reference:
+        if until is not None and ref.mark > until:
+            return
+        records = {rank: calls[(ref.key(), ref.index)] for rank, calls in enumerate(by_call)
+                   if (ref.key(), ref.index) in calls}
+        if ref.key() not in aligned or not records:
+            continue
+        for position, expected in enumerate(ref.values):
+            if expected is None:
                 continue
-            found = [g for position, expected in enumerate(ref.values) if expected is not None
-                     and (g := _op_gap(f"{ref.op}#{ref.index}", layout, records, position, expected,
-                                       dtype)) is not _UNCOMPARED]
-            if found:
-                judged.append((ref, next((g for g in found if g is not None), None)))
-        for n, (ref, found) in enumerate(judged):
-            if found is not None and not any(later is None and _shape(other) == _shape(ref)
-                                             for other, later in judged[n + 1:]):
+            found = _op_gap(f"{ref.op}#{ref.index}", layout, records, position, expected, dtype)
+            if found is _UNCOMPARED:
+                continue
+            if found is not None and not _corrected_later(layout, per_rank, positions, records, expected, dtype):
                 yield ref, found
-                break
+            break
 
 
-def _shape(record: OpRecord) -> tuple | None:
-    value = next((v for v in record.values if v is not None), None)
-    return None if value is None else tuple(value.shape)
+def _run(record: OpRecord) -> tuple[str, str, str]:
+    return record.site.rsplit(":", 1)[0], record.function, record.backward
+
+
+def _corrected_later(layout: Layout, per_rank: Sequence[Sequence[OpRecord]], positions: list[dict[int, int]],
+                     records: Mapping[int, OpRecord], expected: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether a later op on the ranks, in the same run of the function's lines (the same ops on
+    every rank, none of another function between), rebuilds to ``expected``, the one-rank value."""
+    run = _run(next(iter(records.values())))
+    for step in itertools.count(1):
+        later = {}
+        for rank, rec in records.items():
+            at = positions[rank][id(rec)] + step
+            if at >= len(per_rank[rank]) or _run(per_rank[rank][at]) != run:
+                return False
+            later[rank] = per_rank[rank][at]
+        if len({rec.key() for rec in later.values()}) != 1:
+            return False
+        values = next(iter(later.values())).values
+        if any(v is not None and v.shape == expected.shape
+               and _op_gap("", layout, later, position, expected, dtype) is None
+               for position, v in enumerate(values)):
+            return True
+    return False
 
 
 def first_op_gap(layout: Layout, per_rank: Sequence[Sequence[OpRecord]], reference: Sequence[OpRecord],
