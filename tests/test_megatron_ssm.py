@@ -248,9 +248,10 @@ def test_gdn_takes_explicit_groups_clean_where_megatron_is_right():
 @pytest.mark.slow
 def test_mamba_takes_explicit_groups_and_matches_one_rank_or_says_why_not():
     """The Mamba mixer under explicit groups, with an option: the parallel runs agree with one
-    rank on 0.19 and later (parity only: its context-parallel all-to-alls are a checker gap of
-    their own, typed on the plain layouts alike); a release whose mixer disagrees there for a
-    reason not pinned down refuses the layouts in one line, before any rank starts."""
+    rank on 0.19 and later, and type clean (at tp2-cp2-sp@cp-tp, where cp is the faster axis,
+    the per-head parameters sliced by the cp rank gave 11 type-only entries while the numbers
+    agreed); a release whose mixer disagrees there for a reason not pinned down refuses the
+    layouts in one line, before any rank starts."""
     from shardcheck.megatron.audit.run import audit
     from shardcheck.megatron.audit.sweep import Case
     from shardcheck.megatron.cpu.versions import mamba_takes_conv_module
@@ -260,7 +261,7 @@ def test_mamba_takes_explicit_groups_and_matches_one_rank_or_says_why_not():
     texts = ["tp2-dp2@dp-tp", "tp2-cp2-sp@cp-tp", "cp2-dp2@dp-cp"]
     cases = [Case("mamba", options, Layout.parse(t)) for t in texts
              for options in ((), (("d_has_hdim", True),))]
-    result = audit(cases, typecheck=False)
+    result = audit(cases)
     if mamba_takes_conv_module():
         assert result.outcomes == [] and len(result.not_applicable) == len(texts), result.not_applicable
         assert all("not pinned down" in line for line in result.not_applicable)
