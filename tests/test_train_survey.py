@@ -83,6 +83,19 @@ def test_a_flag_that_picks_a_kernel_rng_or_memory_placement_is_dropped_with_a_li
     assert any(change.startswith(line) for change in plan.changes)
 
 
+def test_the_flex_dispatcher_becomes_the_all_to_all_one_with_a_line():
+    """Its DeepEP and HybridEP backends are CUDA kernels (deepseekv3_proxy_flex failed on
+    'HybridEP is not installed')."""
+    moe = ["--num-experts", "4", "--moe-router-topk", "2", "--disable-bias-linear", "--expert-model-parallel-size", "2"]
+    plan = plan_runs([*SMALL, *moe, "--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend",
+                      "hybridep"], 2, 1)
+    for tokens in (plan.parallel, plan.reference):
+        assert tokens[tokens.index("--moe-token-dispatcher-type") + 1] == "alltoall"
+        assert "--moe-flex-dispatcher-backend" not in tokens
+    assert any(line.startswith("--moe-token-dispatcher-type flex -> alltoall: the flex dispatcher's backends")
+               for line in plan.changes)
+
+
 @pytest.mark.parametrize("flag", ["--step-batch-size-schedule", "--rampup-batch-size"])
 def test_a_batch_size_schedule_is_refused_in_one_line(flag):
     values = ["0:4 1B:8"] if flag == "--step-batch-size-schedule" else ["2", "2", "100"]

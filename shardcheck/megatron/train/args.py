@@ -96,6 +96,7 @@ SAME_MATH = {
     "--defer-embedding-wgrad-compute": ("Megatron defers the embedding's weight gradient only through "
                                         "gradient-accumulation fusion, a CUDA extension; the same math"),
 }
+DISPATCHER = "--moe-token-dispatcher-type"
 # a learning-rate schedule in samples -> the same in iterations (the runs count --train-iters)
 SAMPLE_SCHEDULES = {"--lr-decay-samples": "--lr-decay-iters", "--lr-warmup-samples": "--lr-warmup-iters",
                     "--lr-wsd-decay-samples": "--lr-wsd-decay-iters"}
@@ -408,6 +409,11 @@ def _cpu_flags(flags: Flags, changes: list[str], te: bool, keep_half: bool) -> N
     for flag, why in SAME_MATH.items():
         if flags.drop(flag):
             changes.append(f"{flag} dropped: {why}")
+    if flags.get(DISPATCHER) == "flex":
+        flags.set(DISPATCHER, "alltoall")
+        flags.drop("--moe-flex-dispatcher-backend")
+        changes.append(f"{DISPATCHER} flex -> alltoall: the flex dispatcher's backends (DeepEP, HybridEP) are CUDA "
+                       "kernels; Megatron's all-to-all dispatcher routes the same tokens to the same experts")
     _recompute_without(flags, changes, "moe_act", "megatron-core recomputes the expert activation only with "
                        "the grouped GEMM, dropped on a CPU; recomputing is the same math")
     for flag in ("--bf16", "--fp16"):
