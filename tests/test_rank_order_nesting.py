@@ -44,33 +44,21 @@ def test_nested_takes_only_the_mesh_axes():
         _mesh("tp-cp", 0).nested(0, "cp", "dp")
 
 
+@pytest.mark.parametrize(("outer", "inner"), [("tp", "cp"), ("cp", "tp")])
 @pytest.mark.parametrize(("order", "rank"), CASES)
-def test_a_tp_shard_sliced_by_the_cp_rank_gives_its_gradient_back_whole_on_tp(order, rank):
-    """The slice is tp's shard cut into cp pieces (tp outermost, whichever axis is faster);
-    its gradient padded back into the parameter is a partial sum over cp, still S(0) over tp."""
+def test_a_shard_sliced_by_the_other_axis_rank_gives_its_gradient_back_whole_on_its_own(order, rank, outer, inner):
+    """The slice is ``outer``'s shard cut into ``inner`` pieces (``outer`` outermost, whichever
+    axis is faster); its gradient padded back into the parameter is a partial sum over ``inner``,
+    still S(0) over ``outer``."""
     mesh = _mesh(order, rank)
     with sc.typecheck(mesh):
-        k = mesh.axes["cp"].ranks.index(rank)
-        param = sc.annotate(torch.randn(4, requires_grad=True), tp=sc.S(0), cp=sc.R)
+        k = mesh.axes[inner].ranks.index(rank)
+        param = sc.annotate(torch.randn(4, requires_grad=True), **{outer: sc.S(0), inner: sc.R})
         piece = param[k * 2:(k + 1) * 2]
-        nested = mesh.nested(0, "tp", "cp")
+        nested = mesh.nested(0, outer, inner)
         assert sc.typeof(piece) == nested
         piece.backward(sc.annotate(torch.ones(2), **nested))
-        assert _shown(param.grad) == {"tp": "S(0)", "cp": "P"}
-
-
-@pytest.mark.parametrize(("order", "rank"), CASES)
-def test_a_cp_shard_sliced_by_the_tp_rank_gives_its_gradient_back_whole_on_cp(order, rank):
-    """The other nesting (cp's shard cut into tp pieces): P over tp, S(0) over cp."""
-    mesh = _mesh(order, rank)
-    with sc.typecheck(mesh):
-        t = mesh.axes["tp"].ranks.index(rank)
-        param = sc.annotate(torch.randn(4, requires_grad=True), tp=sc.R, cp=sc.S(0))
-        piece = param[t * 2:(t + 1) * 2]
-        nested = mesh.nested(0, "cp", "tp")
-        assert sc.typeof(piece) == nested
-        piece.backward(sc.annotate(torch.ones(2), **nested))
-        assert _shown(param.grad) == {"tp": "P", "cp": "S(0)"}
+        assert _shown(param.grad) == {outer: "S(0)", inner: "P"}
 
 
 @pytest.mark.parametrize(("order", "rank"), CASES)
