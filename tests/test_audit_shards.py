@@ -47,7 +47,9 @@ def test_three_shares_merged_give_the_whole_runs_findings(tmp_path, audit_pools)
         save_share(share, k, 3, tmp_path / f"share{k}")
         dirs.append(tmp_path / f"share{k}")
     joined = merge_shares(dirs, run_pools=audit_pools)
-    assert len(whole.findings) >= 4  # label smoothing, gathered logits, padding, per-token loss
+    # label smoothing, gathered logits (both triggers), the router's local token count (padding
+    # and per-token loss: one corrected function repairs both)
+    assert len(whole.findings) >= 3
     assert [asdict(f) for f in joined.findings] == [asdict(f) for f in whole.findings]
     assert _without_ops(joined.coverage()) == _without_ops(whole.coverage())
     # op counts depend a little on what a warm rank ran before (one-time allocations, e.g.

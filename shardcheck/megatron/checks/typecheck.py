@@ -472,9 +472,12 @@ def _short(location: str) -> str:
     return location[index + 1:] if index >= 0 else location
 
 
+GENERIC_LIBRARIES = ("torch.", "transformer_engine.", "builtins")  # their modules' owners build them
+
+
 def construction_site(root: torch.nn.Module, name: str) -> str | None:
     """``file:line`` where parameter ``name`` of ``root`` is built: the ``self.A_log = ...`` of
-    the megatron-core class that holds it, or, for a parameter of a generic module (torch's or
+    the class that holds it (megatron-core's), or, for a parameter of a generic module (torch's or
     Transformer Engine's norm ``weight``), the ``self.out_norm = ...`` of that module's owner,
     whose constructor gives it its metadata. None when no class's source assigns it."""
     *path, leaf = name.split(".")
@@ -485,10 +488,10 @@ def construction_site(root: torch.nn.Module, name: str) -> str | None:
 
 
 def _assignment(cls: type, attribute: str) -> str | None:
-    """``file:line`` of the first ``self.<attribute> = ...`` in the sources of ``cls``'s
-    megatron-core classes (a library's module is generic: its owner builds it)."""
+    """``file:line`` of the first ``self.<attribute> = ...`` in the sources of ``cls``'s classes
+    that are not torch's or Transformer Engine's (a library's module is generic: its owner builds it)."""
     assignment = re.compile(rf"^\s*self\.{re.escape(attribute)}\s*(:[^=]+)?=[^=]")
-    for base in (c for c in cls.__mro__ if c.__module__.startswith("megatron.")):
+    for base in (c for c in cls.__mro__ if not c.__module__.startswith(GENERIC_LIBRARIES)):
         try:
             lines, first = inspect.getsourcelines(base)
         except (OSError, TypeError):
