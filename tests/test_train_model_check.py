@@ -27,7 +27,7 @@ TP2 = ["--tensor-model-parallel-size", "2"]
 MOE_EP2 = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-token-dispatcher-type", "alltoall",
            "--disable-bias-linear", "--expert-model-parallel-size", "2"]
 MEGATRON_LM_ENTRY = Path(__file__).parent / "data" / "megatron-lm-entry" / "pretrain_gpt.py"
-REFUSED = {"--spec": ["megatron.core.models.gpt.gpt_layer_specs", "get_gpt_layer_local_spec"]}
+REFUSED = {"--spec": ["megatron.core.models.gpt.gpt_layer_specs", "get_gpt_layer_local_spec"], "--sft": []}
 # a Llama-Nemotron-style model: per layer, attention or MLP full, left out (no_op) or a linear layer
 HETEROGENEOUS = ["--num-layers", "4", "--swiglu", "--normalization", "RMSNorm", "--group-query-attention",
                  "--num-query-groups", "2", "--position-embedding-type", "rope", "--rotary-percent", "1.0",

@@ -50,7 +50,8 @@ IMPOSSIBLE = {
 HYBRID_PATTERNS = ("--hybrid-layer-pattern", "--hybrid-override-pattern")  # HybridModel's layers
 # model-shaping flags shardcheck's own entry point does not build yet: refused (Megatron-LM's
 # pretrain_gpt.py, given with --entry, builds them; the model check guards what slips through)
-NOT_BUILT = {"--spec": "a layer spec module named by --spec"}
+NOT_BUILT = {"--spec": "a layer spec module named by --spec",
+             "--sft": "Megatron's SFT data (conversations packed into sequences, the prompts masked from the loss)"}
 HETEROGENEOUS_PATH, HETEROGENEOUS_JSON = "--heterogeneous-layers-config-path", "--heterogeneous-layers-config-encoded-json"
 # flags of Megatron's other model families (besides its vision group): their entry scripts build them
 OTHER_MODELS = {**dict.fromkeys(("--encoder-num-layers", "--encoder-seq-length"), "encoder-decoder models (T5)"),
@@ -358,9 +359,10 @@ def _refuse_not_built(flags: Flags, te: bool) -> None:
         del built["--spec"]  # the spec shardcheck's entry point builds for a hybrid pattern
     if flags.has("--mtp-num-layers") and flags.has("--pipeline-model-parallel-layout"):
         built["--mtp-num-layers with --pipeline-model-parallel-layout"] = "MTP layers a pipeline layout places"
+    script = "pretrain_hybrid.py" if _pattern(flags) else "pretrain_gpt.py"
     for flag, what in built.items():
         raise TrainInputError(f"{flag}: shardcheck's entry point does not build {what} yet; run "
-                              "Megatron-LM's own pretrain_gpt.py with --entry PATH/pretrain_gpt.py")
+                              f"Megatron-LM's own {script} with --entry PATH/{script}")
 
 
 def _vision_flags(parser: argparse.ArgumentParser) -> list[str]:
