@@ -32,6 +32,7 @@ from shardcheck.cli import main  # noqa: E402
 from shardcheck.fuzz.findings import AUDIT, Finding, FindingStore  # noqa: E402
 from shardcheck.fuzz.repro import FIXED, REPRODUCES, SUPPORT_HEADER, ReproError, run_repro  # noqa: E402
 from shardcheck.megatron.audit import report as audit_report  # noqa: E402
+from shardcheck.megatron.audit.findings import ONE_RANK_CRASH  # noqa: E402
 from shardcheck.megatron.audit.report import GLOBAL_GROUP_CONTRACT  # noqa: E402
 from shardcheck.megatron.checks.contracts import BY_NAME  # noqa: E402
 from shardcheck.megatron.cpu import MEGATRON_PRELOAD  # noqa: E402
@@ -263,13 +264,20 @@ def _audit_finding(component, layout, kind="numeric-only"):
 def test_audit_findings_join_the_store_with_their_scripts_and_repro_reads_them(tmp_path):
     found = [_audit_finding("output_loss", "tp2"), _audit_finding("retro", "tp2"),
              _audit_finding("gpt", "tp2", kind="type-only")]
-    save_with_scripts(found, tmp_path / "out", tmp_path / "store")
+    # a one-rank crash compares nothing (no effect): its script raises it (the default audit once
+    # stopped here with an IndexError)
+    crash = Finding.audited({"component": "gpt", "options": {}, "layout": "tp1"}, [], None, title="t",
+                            kind=ONE_RANK_CRASH, location="megatron/core/tensor_parallel/cross_entropy.py:190",
+                            contract="runs on one rank (RuntimeError)", first_divergence=None, checker=None,
+                            reproduce="shardcheck audit --only gpt --layouts tp1")
+    save_with_scripts([*found, crash], tmp_path / "out", tmp_path / "store")
+    assert crash.repro == str(tmp_path / "out" / "repro" / f"{crash.id}.py")
     scripted, untemplated, typed = found
     assert scripted.repro == str(tmp_path / "out" / "repro" / f"{scripted.id}.py")
     assert untemplated.repro.startswith("no script: no repro template for component 'retro'")
     assert typed.repro is None
     stored = {f.id: f for f in FindingStore(tmp_path / "store").all()}
-    assert set(stored) == {f.id for f in found} and {f.origin for f in stored.values()} == {AUDIT}
+    assert set(stored) == {f.id for f in [*found, crash]} and {f.origin for f in stored.values()} == {AUDIT}
     assert stored[scripted.id].repro == scripted.repro and stored[scripted.id].config == {}
     assert f"**repro script**: `torchrun --standalone --nproc-per-node=2 {scripted.repro}`" in \
         audit_report.markdown(found, {})

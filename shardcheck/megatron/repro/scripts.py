@@ -35,7 +35,7 @@ def save_with_scripts(findings: Sequence[Finding], out_dir: Path, root: Path | s
         finding.sys_path = [source.path] if source and source.tree else []
         store.place(finding)
         why = "a crash shows without comparing numbers; rerun its reproduce command" if finding.kind == CRASH else None
-        if finding.kind not in (CRASH, TYPE_ONLY) and not outputs_moved(finding):
+        if finding.kind not in (CRASH, TYPE_ONLY) and finding.effect and not outputs_moved(finding):
             why = (f"its outputs equal one rank's, only {finding.effect[0]['value']} differs, which a "
                    "script does not compare; rerun its reproduce command")
         elif finding.kind not in (CRASH, TYPE_ONLY):
