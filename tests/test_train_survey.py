@@ -76,6 +76,8 @@ def test_the_command_prints_the_table_and_exits_0_without_a_crash(capsys):
     (["--defer-embedding-wgrad-compute"], "--defer-embedding-wgrad-compute dropped: Megatron defers the embedding's weight gradient only through"),
     (["--fine-grained-activation-offloading", "--offload-modules", "expert_fc1", "moe_act"],
      "--fine-grained-activation-offloading dropped: activation offloading moves activations to host memory"),
+    (["--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute"],
+     "--overlap-moe-expert-parallel-comm dropped: the expert-parallel all-to-all overlaps another micro-batch's"),
 ])
 def test_a_flag_that_picks_a_kernel_rng_or_memory_placement_is_dropped_with_a_line_not_refused(flags, line):
     plan = plan_runs([*SMALL, *flags], 2, 1)
@@ -273,6 +275,24 @@ def test_a_virtual_pipeline_config_gets_at_least_one_micro_batch_per_pipeline_ra
     group = flags_from_model_config(grouped).flags
     assert group[group.index("--microbatch-group-size-per-virtual-pipeline-stage") + 1] == "4"
     plan_runs(shrunk.flags, shrunk.nproc, 1, own_entry=True)
+
+
+def test_distributed_optimizer_instances_shrink_to_divide_the_dense_and_the_expert_data_parallel_sizes(tmp_path):
+    """moe's 8experts2parallel_multi_dist_optimizer_instances at tp2 ep2 on 4 ranks has one expert data-parallel rank:
+    Megatron asserted 'Expert data parallel size should be divisible by partial DistOpt shard factor'."""
+    path = tmp_path / "model_config.yaml"
+    base = ("MODEL_ARGS:\n  --num-layers: 2\n  --hidden-size: 128\n  --num-attention-heads: 8\n"
+            "  --seq-length: 128\n  --max-position-embeddings: 128\n  --micro-batch-size: 1\n"
+            "  --global-batch-size: 8\n  --tensor-model-parallel-size: 2\n  --use-distributed-optimizer: true\n"
+            "  --num-distributed-optimizer-instances: 2\n")
+    path.write_text(base)
+    dense = flags_from_model_config(path)
+    assert (dense.nproc, dense.flags[dense.flags.index("--num-distributed-optimizer-instances") + 1]) == (4, "2")
+    path.write_text(base + "  --num-experts: 8\n  --moe-router-topk: 2\n  --expert-model-parallel-size: 2\n")
+    experts = flags_from_model_config(path)
+    assert experts.flags[experts.flags.index("--num-distributed-optimizer-instances") + 1] == "1"
+    assert ("--num-distributed-optimizer-instances 2 -> 1: it must divide the data-parallel sizes, dense and expert"
+            in experts.mapping)
 
 
 def test_the_expert_activation_leaves_the_recomputed_modules_with_the_grouped_gemm():

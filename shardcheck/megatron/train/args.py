@@ -96,6 +96,11 @@ SAME_MATH = {
     "--offload-modules": "the modules of the activation offloading, dropped with it",
     "--defer-embedding-wgrad-compute": ("Megatron defers the embedding's weight gradient only through "
                                         "gradient-accumulation fusion, a CUDA extension; the same math"),
+    "--overlap-moe-expert-parallel-comm": ("the expert-parallel all-to-all overlaps another micro-batch's "
+                                           "computation on CUDA streams, in half precision only; the same math"),
+    "--delay-wgrad-compute": ("the weight gradients wait to overlap the all-to-all above, dropped with it; "
+                              "the same math"),
+    "--ep-overlap-early-attn-memory-release": "a memory saving of the all-to-all overlap above, dropped with it",
 }
 DISPATCHER = "--moe-token-dispatcher-type"
 # a learning-rate schedule in samples -> the same in iterations (the runs count --train-iters)

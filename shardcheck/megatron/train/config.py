@@ -40,6 +40,7 @@ CLUSTER_ONLY = ("--async-save", "--use-persistent-ckpt-worker", "--ckpt-assume-c
 MODEL_PROVIDER = "--model-provider"
 HIERARCHICAL_CP = "--hierarchical-context-parallel-sizes"
 GROUP_SIZE = "--microbatch-group-size-per-virtual-pipeline-stage"
+OPTIMIZER_INSTANCES = "--num-distributed-optimizer-instances"
 # a pipeline split that counts the embedding or the loss as a layer of the first or last stage
 SPLIT_COUNTED = {"--account-for-embedding-in-pipeline-split": "the embedding",
                  "--account-for-loss-in-pipeline-split": "the loss"}
@@ -205,8 +206,22 @@ def _shrink_model(args: dict[str, str], sizes: dict[str, int], dp: int, mapping:
     else:
         _set(args, mapping, "--global-batch-size", 2 * dp, "two micro-batches per data-parallel rank")
     _shrink_experts(args, dp * cp, mapping)
+    _shrink_optimizer_instances(args, sizes, dp, mapping)
     if "--eval-iters" in args:
         _set(args, mapping, "--eval-iters", 0, "no evaluation")
+
+
+def _shrink_optimizer_instances(args: dict[str, str], sizes: dict[str, int], dp: int, mapping: list[str]) -> None:
+    """The distributed optimizer's instances to a count that divides both data-parallel sizes
+    (Megatron asserts it for the dense and the expert ranks) of the shrunk layout."""
+    instances = _int(args, OPTIMIZER_INSTANCES, 1)
+    if instances <= 1:
+        return
+    tp, cp = sizes["tp"], sizes["cp"]
+    expert_width = _int(args, "--expert-tensor-parallel-size", tp) * _int(args, "--expert-model-parallel-size", 1)
+    expert_dp = max(1, tp * cp * dp // expert_width)
+    _set(args, mapping, OPTIMIZER_INSTANCES, math.gcd(instances, dp * cp, expert_dp),
+         "it must divide the data-parallel sizes, dense and expert")
 
 
 def shrink_pattern(pattern: str) -> str:
