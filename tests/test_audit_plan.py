@@ -11,6 +11,7 @@ import time
 import pytest
 
 from shardcheck.megatron.audit.outcome import Outcome
+from shardcheck.megatron.audit.runner import INERT
 from shardcheck.megatron.audit.schedule import (
     Swept,
     explicit_layout,
@@ -128,6 +129,30 @@ def test_the_real_plan_selects_every_component_layout_and_option_class():
     assert {"loss_mask", "recompute_granularity", "GPTModel.forward.runtime_gather_output"} <= names
     assert all(c.options and str(c.layout) not in option_layouts(c.component) for c in whole if not in_default_plan(c))
     assert Case("gpt", (), Layout(tp=2, cp=2, sp=True).regrouped("cp-tp")) in selected
+
+
+class _InertA(_Pools):
+    """``a`` changes no one-rank output: its cases wait for the plan to move to larger layouts."""
+
+    def screen(self, component: str, options: tuple) -> str | None:
+        return INERT if options == (("a", True),) else None
+
+
+@pytest.mark.parametrize("share", [0.5, 0.8, 0.95])
+def test_each_default_case_the_limit_cuts_is_listed_an_inert_options_deferred_ones_too(cases, share):
+    whole = sweep(_InertA(), cases, None, None, None, time.monotonic(), full=False)
+    budget = int(share * len(whole.outcomes))
+    cut = sweep(_InertA(), cases, budget, None, None, time.monotonic(), full=False)
+    ran = {o.case for o in cut.outcomes}
+    assert cut.stopped_early and len(ran) == budget
+    missing = {o.case for o in whole.outcomes} - ran
+    assert missing  # the cut leaves default cases unrun, and each is named, once
+    for case in missing:
+        key = (case.component, case.options)
+        assert (str(case.layout) in cut.unreached.get(key, ())) != (key in cut.not_swept)
+    assert all(lay in {str(c.layout) for c in missing if (c.component, c.options) == key}
+               for key, lays in cut.unreached.items() for lay in lays)
+    assert not whole.unreached and not whole.stopped_early
 
 
 def test_the_summary_counts_what_was_left_to_full_apart_from_what_was_not_reached():

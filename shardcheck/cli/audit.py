@@ -282,6 +282,10 @@ def _print_summary(result, summary: dict, out_dir: Path, source) -> None:
                   f"{summary['options not swept']} options not swept ({result.not_reached} not reached), "
                   f"{summary['wall time (s)']} s"
                   + (" (stopped at the limit)" if result.stopped_early else ""))
+    if result.unreached:
+        key = "cases not reached of option sets run elsewhere (budget or time limit)"
+        console.print(f"not reached: {summary[key]} cases of {len(result.unreached)} option sets that ran "
+                      "under other layouts (report.md lists them under 'Not reached')")
     if result.left_to_full:
         console.print(f"left to --full: {sum(result.left_to_full.values())} cases of "
                       f"{len(result.left_to_full)} option sets outside the default plan; "

@@ -472,7 +472,8 @@ def _listed_sections(summary: dict[str, Any]) -> list[tuple[str, list[str]]]:
     the rest of ``not_applicable`` (which holds them too)."""
     refused = summary.get("refused") or []
     applicable = [entry for entry in summary.get("not_applicable") or [] if entry not in refused]
-    return [("Not swept", summary.get("not_swept") or []), ("Not read", summary.get("not_read") or []),
+    return [("Not swept", summary.get("not_swept") or []), ("Not reached", summary.get("not_reached") or []),
+            ("Not read", summary.get("not_read") or []),
             ("Configurations megatron-core refuses", refused), ("Not applicable", applicable),
             ("Errors", summary.get("errors") or [])]
 

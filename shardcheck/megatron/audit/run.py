@@ -48,7 +48,7 @@ def audit(cases: Iterable[Case], *, budget: int | None = None, time_limit: float
         findings = build_findings(runner, swept.outcomes, one_rank)
     return audit_result(findings, swept.outcomes, swept.not_swept, swept.not_applicable.values(),
                         swept.pruned, time.monotonic() - started, swept.stopped_early, patches,
-                        swept.left_to_full, one_rank)
+                        swept.left_to_full, one_rank, swept.unreached)
 
 
 def merge_shares(dirs: Iterable[Any], *, typecheck: bool = True, run_pools: Pools | None = None) -> AuditResult:
@@ -58,4 +58,5 @@ def merge_shares(dirs: Iterable[Any], *, typecheck: bool = True, run_pools: Pool
     with nullcontext(run_pools) if run_pools else pools() as owned:
         findings = build_findings(Runner(owned, typecheck), share.outcomes, share.one_rank)
     return audit_result(findings, share.outcomes, share.not_swept, share.not_applicable, share.pruned,
-                        share.seconds, share.stopped_early, share.patches, share.left_to_full, share.one_rank)
+                        share.seconds, share.stopped_early, share.patches, share.left_to_full, share.one_rank,
+                        share.unreached)

@@ -100,6 +100,7 @@ class Swept:
     stopped_early: bool = False
     pruned: dict[tuple, list[str]] = field(default_factory=dict)  # (component, options) -> layouts
     left_to_full: dict[tuple, int] = field(default_factory=dict)  # (component, options) -> cases
+    unreached: dict[tuple, list[str]] = field(default_factory=dict)  # (component, options) -> layouts
     ran: set[tuple] = field(default_factory=set)  # (component, options) of the outcomes
 
 
@@ -175,15 +176,21 @@ def _would_run(runner: Runner, swept: Swept, case: Case) -> bool:
 
 def _note_unreached(runner: Runner, swept: Swept, unreached: list[Case]) -> None:
     """Option sets the budget or time limit left without a single case, with the count of
-    their cases that would have run (not refused, not pruned)."""
+    their cases that would have run (not refused, not pruned); and, per option set that ran
+    elsewhere, the layouts of its cases left unrun (an inert option's deferred ones among them)."""
     for case in (c for c in swept.inert + swept.done_inert if not _has_run(swept, c)):
         swept.not_swept.setdefault((case.component, case.options),
                                    f"{INERT}; its multi-rank cases were not reached in the budget")
     left: dict[tuple, int] = {}
-    for case in unreached:
+    done = {(o.case.component, o.case.options, str(o.case.layout)) for o in swept.outcomes}
+    for case in unreached + swept.inert + swept.done_inert:
         key = (case.component, case.options)
-        if not _has_run(swept, case) and _would_run(runner, swept, case):
+        if (*key, str(case.layout)) in done or not _would_run(runner, swept, case):
+            continue
+        if not _has_run(swept, case):
             left[key] = left.get(key, 0) + 1
+        elif str(case.layout) not in swept.unreached.setdefault(key, []):
+            swept.unreached[key].append(str(case.layout))
     for key, count in left.items():
         swept.not_swept[key] = f"{NOT_REACHED} ({count} case(s) left)"
 

@@ -21,7 +21,7 @@ from typing import Any
 from shardcheck.megatron.audit.sweep import Case
 
 SHARE_FILE = "share.pkl"
-FORMAT = 3  # 2: left_to_full; 3: one_rank
+FORMAT = 4  # 2: left_to_full; 3: one_rank; 4: unreached
 
 
 class ShareError(ValueError):
@@ -67,6 +67,7 @@ class Share:
     patches: dict[str, str] = field(default_factory=dict)
     left_to_full: dict[tuple, int] = field(default_factory=dict)  # (component, options) -> cases
     one_rank: list[Any] = field(default_factory=list)  # option sets whose one-rank reference raised
+    unreached: dict[tuple, list[str]] = field(default_factory=dict)  # (component, options) -> layouts
     format: int = FORMAT
 
 
@@ -74,7 +75,8 @@ def save_share(result: Any, k: int, n: int, out_dir: Path) -> Path:
     """Write ``out_dir/share.pkl`` for an :class:`~shardcheck.megatron.audit.summary.AuditResult`."""
     out_dir.mkdir(parents=True, exist_ok=True)
     share = Share((k, n), result.outcomes, result.left_out, result.not_applicable, result.pruned,
-                  result.stopped_early, result.seconds, result.patches, result.left_to_full, result.one_rank)
+                  result.stopped_early, result.seconds, result.patches, result.left_to_full, result.one_rank,
+                  result.unreached)
     path = out_dir / SHARE_FILE
     path.write_bytes(pickle.dumps(share))
     return path
@@ -107,12 +109,20 @@ def load_shares(dirs: Sequence[Path | str]) -> list[Share]:
     return shares
 
 
+def _union(maps: Iterable[dict[tuple, list[str]]]) -> dict[tuple, list[str]]:
+    """Per key, the sorted union of the lists the maps give it."""
+    joined: dict[tuple, list[str]] = {}
+    for mapping in maps:
+        for key, values in mapping.items():
+            joined[key] = sorted({*joined.get(key, []), *values})
+    return joined
+
+
 def merged(shares: Sequence[Share]) -> Share:
     """The union of the shares: each case once (the defaults tier ran in every share)."""
     outcomes, seen = [], set()
     one_rank = list({(o.case.component, o.case.options): o for s in shares for o in s.one_rank}.values())
     not_swept: dict[tuple, str] = {}
-    pruned: dict[tuple, list[str]] = {}
     patches: dict[str, str] = {}
     for share in shares:
         for outcome in share.outcomes:
@@ -122,11 +132,11 @@ def merged(shares: Sequence[Share]) -> Share:
                 outcomes.append(outcome)
         for key, why in share.not_swept.items():
             not_swept.setdefault(key, why)
-        for key, layouts in share.pruned.items():
-            pruned[key] = sorted({*pruned.get(key, []), *layouts})
         patches.update(share.patches)
-    return replace(shares[0], shard=(1, 1), outcomes=outcomes, not_swept=not_swept, pruned=pruned,
+    return replace(shares[0], shard=(1, 1), outcomes=outcomes, not_swept=not_swept,
+                   pruned=_union(s.pruned for s in shares),
                    not_applicable=sorted({a for s in shares for a in s.not_applicable}),
                    stopped_early=any(s.stopped_early for s in shares),
                    seconds=max(s.seconds for s in shares), patches=patches,
-                   left_to_full={k: n for s in shares for k, n in s.left_to_full.items()}, one_rank=one_rank)
+                   left_to_full={k: n for s in shares for k, n in s.left_to_full.items()}, one_rank=one_rank,
+                   unreached=_union(s.unreached for s in shares))

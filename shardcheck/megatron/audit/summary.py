@@ -31,6 +31,7 @@ class AuditResult:
     pruned: dict[tuple, list[str]] = field(default_factory=dict)  # (component, options) -> layouts
     left_to_full: dict[tuple, int] = field(default_factory=dict)  # (component, options) -> cases
     one_rank: list[Outcome] = field(default_factory=list)  # option sets whose one-rank reference raised
+    unreached: dict[tuple, list[str]] = field(default_factory=dict)  # (component, options) -> layouts
 
     @property
     def errors(self) -> list[Outcome]:
@@ -52,6 +53,8 @@ class AuditResult:
             "cases run": len(ran), "cases failed to run": len(self.errors),
             "options not swept": len(self.not_swept),
             "option sets not reached (budget or time limit)": self.not_reached,
+            "cases not reached of option sets run elsewhere (budget or time limit)":
+                sum(len(lays) for lays in self.unreached.values()),
             "cases left to --full (the default plan's selection leaves them out)":
                 sum(self.left_to_full.values()),
             "option sets with cases left to --full": len(self.left_to_full),
@@ -65,6 +68,8 @@ class AuditResult:
             "wall time (s)": round(self.seconds, 1),
             "stopped at the budget or time limit": self.stopped_early,
             "not_swept": self.not_swept,
+            "not_reached": [f"{c} {dict(options) or 'defaults'}: not reached under {', '.join(lays)}"
+                            for (c, options), lays in sorted(self.unreached.items(), key=repr)],
             "not_applicable": self.not_applicable,  # the refused ones too
             "refused": self.refused,
             "not_read": [f"{c}: {len(sets)} option set(s) never read: {'; '.join(sets)}"
@@ -124,7 +129,8 @@ def typed_share(counts: dict, top: int = 10) -> dict[str, Any]:
 def audit_result(findings: list[Finding], outcomes: list[Outcome], not_swept: dict[tuple, str],
             not_applicable: Iterable[str], pruned: dict[tuple, list[str]], seconds: float,
             stopped_early: bool, patches: dict[str, str],
-            left_to_full: dict[tuple, int] | None = None, one_rank: list[Outcome] | None = None) -> AuditResult:
+            left_to_full: dict[tuple, int] | None = None, one_rank: list[Outcome] | None = None,
+            unreached: dict[tuple, list[str]] | None = None) -> AuditResult:
     """The result of the outcomes and findings, with the options left out listed by why and
     the cases the default plan left to --full counted per option set."""
     unavailable = {component: why for (component, options), why in not_swept.items()
@@ -132,7 +138,7 @@ def audit_result(findings: list[Finding], outcomes: list[Outcome], not_swept: di
     return AuditResult(findings, outcomes, _listed(not_swept), seconds, stopped_early,
                        sorted(not_applicable), patches, unavailable, dict(not_swept),
                        _never_read(outcomes, not_swept, pruned), dict(pruned), dict(left_to_full or {}),
-                       list(one_rank or []))
+                       list(one_rank or []), dict(unreached or {}))
 
 
 def _never_read(outcomes: list[Outcome], not_swept: dict[tuple, str],
