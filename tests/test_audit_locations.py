@@ -7,9 +7,9 @@ import sys
 
 import torch
 
-from shardcheck.fuzz.findings import Finding
+from shardcheck.fuzz.findings import Finding, finding_id
 from shardcheck.megatron.audit.divergence import Gap
-from shardcheck.megatron.audit.findings import _merged_causes
+from shardcheck.megatron.audit.findings import _merged_causes, _unique_ids
 from shardcheck.megatron.audit.outcome import Outcome
 from shardcheck.megatron.audit.report import (
     GRADIENT_CONTRACT,
@@ -157,6 +157,36 @@ def test_causes_without_a_checker_line_or_a_verified_fix_stay_apart():
     first, second = _finding({"a": 1}, None, False), _finding({"b": 1}, None, None)
     assert _merged_causes([first, second]) == [first, second]
 
+
+ROUTER = "checker: contract at megatron/core/transformer/moe/router.py:420 in contract: {cp:R}"
+
+
+def test_a_cause_the_fix_repairs_and_one_it_does_not_with_one_violation_are_one_finding():
+    """The router's token count reached by the MoE model's padding_mask (its fix leaves other
+    outputs differing) and by the router's padding (repaired): one finding, shown with the
+    verified fix, the other trigger noted with what the fix left."""
+    model = _finding({"padding_mask": True}, ROUTER, False)
+    model.control["result"] = "still differs: grad/w (max abs error 0.025 after the fix)"
+    router = _finding({"padding": True}, ROUTER, True)
+    assert _merged_causes([model, router]) == [router]
+    assert router.same_fix == [{**model.trigger, "cases": model.cases, "corrected": None}]
+    assert router.seen_in[-1] == ("the same violation shows for the independent trigger padding_mask=True "
+                                  "(under tp2; the fix tried there: still differs: grad/w (max abs error "
+                                  "0.025 after the fix))")
+    # a cause sharing its fix with one and its violation with another joins both
+    other = _finding({"bias": True}, "checker: non-linear on partial at y.py:3 in aten.gt: {cp:P}", True)
+    third = _finding({"seq": 4}, "checker: non-linear on partial at y.py:3 in aten.gt: {cp:P}", False)
+    assert _merged_causes([other, _finding({"a": 1}, None, True), third]) == [other]
+    assert [s["options"] for s in other.same_fix] == [{"a": 1}, {"seq": 4}]
+
+
+def test_two_causes_at_one_place_whose_options_differ_in_values_only_get_two_ids():
+    findings = [Finding.audited({"component": "hybrid", "options": {"position_embedding": value}, "layout": "tp2"},
+                                [], None, title="t", kind="numeric-only", location="x.py:1", contract="c")
+                for value in ("mrope", "none")]
+    assert findings[0].id == findings[1].id  # the id hashes the option names
+    ids = [f.id for f in _unique_ids(findings)]
+    assert ids[0] != ids[1] and ids[0] == finding_id("x.py:1", "c", ["position_embedding"])
 
 def test_a_parameter_the_norm_miscounts_is_titled_by_where_its_tp_was_declared():
     declared = {"w": "has no tensor_model_parallel (built at megatron/core/transformer/dot_product_attention.py:127 "

@@ -38,7 +38,7 @@ def build_findings(runner: Runner, outcomes: list[Outcome], one_rank: list[Outco
     findings += [_crash_finding(key, cause, first=n == 0)
                  for key, members in [*_crashes(outcomes).items(), *_one_rank_crashes(one_rank).items()]
                  for n, cause in enumerate(_crash_causes(members))]
-    return sorted(findings, key=lambda f: (f.kind, f.location, f.id))
+    return _unique_ids(sorted(findings, key=lambda f: (f.kind, f.location, f.id)))
 
 
 def _finding(runner: Runner, key: tuple[str, str], members: list[Outcome],
@@ -66,39 +66,81 @@ def _trigger_id(key: tuple[str, str], case: Case) -> str:
     return finding_id(key[0], "\0".join([key[1], *sorted(name for name, _ in case.options)]))
 
 
+def _unique_ids(findings: list[Finding]) -> list[Finding]:
+    """The findings, each with an id of its own: an id hashes the location, the contract and the
+    trigger's option names, so two causes at one place whose triggers set one option to two
+    values (``position_embedding=none``, ``=mrope``) would share one; the later one's id hashes
+    its options' values too."""
+    taken: set[str] = set()
+    for finding in findings:
+        if finding.id in taken:
+            finding.id = finding_id(finding.location, finding.contract,
+                                    [f"{name}={value}" for name, value in finding.config.items()])
+        taken.add(finding.id)
+    return findings
+
+
 def _merged_causes(found: list[Finding]) -> list[Finding]:
     """Causes at one place whose triggers are independent but which are one bug: the same
-    corrected function repairs each (each corrected control equals the reference), or, with no
-    fix verified, each breaks the same type rule at the same line (the gathered logits that
-    ``parallel_output=False`` and ``runtime_gather_output=True`` both pass to the vocab-parallel
-    cross-entropy). The first keeps the others' triggers and cases under ``same_fix``."""
-    hosts: dict[tuple[str, str], Finding] = {}
+    corrected function repairs each (each corrected control equals the reference), or each
+    breaks the same type rule at the same line (the gathered logits that ``parallel_output=False``
+    and ``runtime_gather_output=True`` both pass to the vocab-parallel cross-entropy; the router's
+    token count that the MoE model's ``padding_mask`` and the router's own padding both reach,
+    one repaired by the fix, one not). Causes sharing either join (:func:`_same_causes`). One of
+    them, a verified one when any is, keeps the others' triggers and cases under ``same_fix``."""
     kept = []
-    for finding in found:
-        key = _same_cause(finding)
-        host = hosts.get(key) if key is not None else None
-        if host is None:
-            if key is not None:
-                hosts[key] = finding
-            kept.append(finding)
-            continue
-        host.same_fix.append({**finding.trigger, "cases": finding.cases,
-                              "corrected": finding.control["result"] if audit_report.verified(finding) else None})
-        layouts = sorted({c["layout"] for c in finding.cases})
-        why = "the same fix repairs" if key[0] == "fix" else "the same violation shows for"
-        host.seen_in.append(f"{why} the independent trigger {_options_text(finding.trigger)} "
-                            f"(under {', '.join(layouts)})")
+    for joined in _same_causes(found):
+        host = next((f for f in joined if audit_report.verified(f)), joined[0])
+        for finding in (f for f in joined if f is not host):
+            _join(host, finding)
+        kept.append(host)
     return kept
 
 
-def _same_cause(finding: Finding) -> tuple[str, str] | None:
-    """What makes two causes at one place one: the fix that repairs it, else (no verified fix)
-    the type rule and line its checker line names; None when neither is known."""
+def _same_causes(found: list[Finding]) -> list[list[Finding]]:
+    """The causes that are one bug, in order: those sharing a key of :func:`_cause_keys` (with
+    any of its members, so a chain of shared keys joins)."""
+    joined: list[list[Finding]] = []
+    owner: dict[tuple[str, str], int] = {}
+    for finding in found:
+        keys = _cause_keys(finding)
+        hits = sorted({owner[k] for k in keys if k in owner})
+        if not hits:
+            joined.append([])
+            hits = [len(joined) - 1]
+        into = hits[0]
+        for other in reversed(hits[1:]):  # a finding that shares keys with two: both are one bug
+            joined[into] += joined[other]
+            joined[other] = []
+        joined[into].append(finding)
+        for member in joined[into]:
+            owner.update((k, into) for k in _cause_keys(member))
+    return [causes for causes in joined if causes]
+
+
+def _join(host: Finding, finding: Finding) -> None:
+    """Note an independent trigger of the host's bug on the host: its trigger and cases, and
+    what its corrected control gave (shown only when the fix repaired it)."""
+    verified = audit_report.verified(finding)
+    host.same_fix.append({**finding.trigger, "cases": finding.cases,
+                          "corrected": finding.control["result"] if verified else None})
+    layouts = sorted({c["layout"] for c in finding.cases})
+    shared = _cause_keys(host) & _cause_keys(finding)
+    why = "the same fix repairs" if any(kind == "fix" for kind, _ in shared) else "the same violation shows for"
+    tried = "" if verified or not finding.control else f"; the fix tried there: {finding.control['result']}"
+    host.seen_in.append(f"{why} the independent trigger {_options_text(finding.trigger)} "
+                        f"(under {', '.join(layouts)}{tried})")
+
+
+def _cause_keys(finding: Finding) -> set[tuple[str, str]]:
+    """What makes two causes at one place one: the fix that repaired it (verified), and the type
+    rule and line its checker line names; none when neither is known."""
+    keys = set()
     if audit_report.verified(finding):
-        return "fix", finding.control["fix"]
+        keys.add(("fix", finding.control["fix"]))
     if finding.checker:
-        return "checker", finding.checker.removeprefix("checker: ").split(" in ", 1)[0]
-    return None
+        keys.add(("checker", finding.checker.removeprefix("checker: ").split(" in ", 1)[0]))
+    return keys
 
 
 def _options_text(trigger: dict) -> str:
