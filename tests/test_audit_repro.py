@@ -321,3 +321,19 @@ def test_a_script_runs_the_fix_only_when_the_audit_saw_it_repair_the_finding(con
         finding.corrected = control["result"] if control else None
         text = write_audit_script(finding, tmp_path / "x.py").read_text()
         assert ("def corrected():" in text and "FIXED" in text) is fixed, contract
+
+
+def test_a_scripts_fix_takes_the_arguments_of_the_function_it_replaces():
+    """Under ``--fixed`` the script puts its fix in megatron-core before the checker's probes
+    wrap what they find there; a probe binds the call's arguments by that function's signature
+    (``process_mtp_loss``'s ``config``), so the fix answers with the original's."""
+    import inspect
+    import sys
+
+    from shardcheck.megatron.repro.templates import _fix
+
+    finding = _finding("mtp", {}, "cp2", "process_mtp_loss")
+    contract = BY_NAME["process_mtp_loss"]
+    snippet, namespace = _fix(finding), {"sys": sys}
+    exec(f"{snippet.imports}\n{snippet.code}", namespace)
+    assert inspect.signature(namespace[contract.fix.__name__]) == inspect.signature(contract.original())

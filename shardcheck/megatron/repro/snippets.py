@@ -175,6 +175,9 @@ _ORIGINALS = {{{name!r}: importlib.import_module({module!r}).{attribute}}}
 {source}
 
 
+{fix}.__wrapped__ = _ORIGINALS[{name!r}]  # it takes the original's arguments: a probe binds them by its signature
+
+
 def with_fix(sizes, on):
     """``sizes``; every megatron-core reference to {attribute} calls {fix} when ``on``."""
     original = _ORIGINALS[{name!r}]
