@@ -106,6 +106,25 @@ def test_megatron_asking_for_a_package_to_be_installed_is_missing_code_not_a_cra
                    in_megatron=True).one_rank_crash
 
 
+def test_a_torch_function_this_build_lacks_is_an_option_that_cannot_run_here_not_a_crash():
+    """``use_ring_exchange_p2p`` calls ``torch.distributed.ring_exchange``, which only NVIDIA's
+    PyTorch builds have: listed as not swept under its layout, no finding, no error."""
+    from shardcheck.megatron.audit.schedule import Swept, record
+
+    case = Case("gpt", (("use_ring_exchange_p2p", True),), Layout.parse("pp2"))
+    error = "AttributeError: module 'torch.distributed' has no attribute 'ring_exchange'"
+    outcome = Outcome(case, error=error, error_kind="error", reference_digest="r", in_megatron=True,
+                      frame="megatron/core/pipeline_parallel/p2p_communication.py:370 in _communicate")
+    assert outcome.missing_code and not outcome.crashed
+    swept = Swept()
+    record(swept, outcome)
+    assert not swept.outcomes and not swept.not_applicable
+    assert swept.not_swept == {(case.component, case.options): f"this machine lacks code it needs under pp2: {error}"}
+    # megatron-core's own attribute error is a crash
+    own = Outcome(case, error="AttributeError: 'NoneType' object has no attribute 'size'", error_kind="error")
+    assert own.crashed and not own.missing_code
+
+
 def test_crashes_at_one_place_with_one_message_are_one_cause_whatever_triggers_them():
     """megatron-core's in-place write to gathered logits, reached by each model's own options,
     is one bug; another exception at the same line is another."""

@@ -42,12 +42,19 @@ class Outcome:
         """It raised on one rank (its reference, at ``Layout()``) in megatron-core's own code,
         not refusing its arguments: a megatron-core bug that needs no layout."""
         return (self.case.layout.world_size == 1 and self.error_kind == "error" and self.in_megatron
-                and self.refusal is None and not MISSING_CODE.search(self.error or ""))
+                and self.refusal is None and not self.missing_code)
+
+    @property
+    def missing_code(self) -> bool:
+        """It raised because this machine lacks code it needs (:data:`MISSING_CODE`): an option
+        that cannot run here, not a megatron-core bug."""
+        return self.error_kind == "error" and bool(MISSING_CODE.search(self.error or ""))
 
     @property
     def crashed(self) -> bool:
-        """It raised (or hung) under its layout while its one-rank reference ran."""
-        return bool(self.error) and self.refusal is None
+        """It raised (or hung) under its layout while its one-rank reference ran, not for want
+        of code this machine lacks."""
+        return bool(self.error) and self.refusal is None and not self.missing_code
 
     @property
     def failed(self) -> bool:
@@ -76,10 +83,13 @@ _FRAME = re.compile(r'^ +File "([^"]*)", line \d+, in (\S+)', re.MULTILINE)
 _MEGATRON = "/megatron/core/"
 REFUSED_TYPES = ("AssertionError", "ValueError")  # Python's exceptions for a refused argument
 CONSTRUCTORS = ("__init__", "__new__", "__post_init__")  # __new__: WrappedTorchNorm's checks
-# megatron-core saying that code it needs is not installed (a CUDA extension, Apex): what this
-# machine lacks, listed as not swept, not a megatron-core bug
+# megatron-core saying that code it needs is not installed (a CUDA extension, Apex), or calling
+# a function this PyTorch lacks (``torch.distributed.ring_exchange``, in NVIDIA's PyTorch builds
+# only): what this machine lacks, listed as not swept, not a megatron-core bug
 MISSING_CODE = re.compile(r"ModuleNotFoundError|ImportError|No module named|CUDA extension|"
-                          r"\b(not installed|is not found|[Pp]lease install)\b")
+                          r"\b(not installed|is not found|[Pp]lease install)\b|"
+                          r"module 'torch(\.\w+)*' has no attribute")
+CANNOT_RUN_HERE = "this machine lacks code it needs"
 VALIDATOR = re.compile(r"_?(ensure|validate|check|verify)(_|$)")  # ensure_divisibility, _validate_x
 
 

@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from shardcheck.megatron.audit.outcome import CONFIG_REFUSES, Outcome
+from shardcheck.megatron.audit.outcome import CANNOT_RUN_HERE, CONFIG_REFUSES, Outcome
 from shardcheck.megatron.audit.runner import INERT, Runner
 from shardcheck.megatron.audit.sweep import IMPL, Case
 from shardcheck.parity.layout import Layout
@@ -239,8 +239,12 @@ def _runnable(runner: Runner, swept: Swept, case: Case, defer_inert: bool) -> bo
 
 def record(swept: Swept, outcome: Outcome) -> None:
     """Keep an outcome; a layout the component refuses is noted as such, not as an error (a
-    config's refusal of an option under the layout closes that option there, not the layout)."""
+    config's refusal of an option under the layout closes that option there, not the layout); an
+    option that fails for want of code this machine lacks is listed as not swept."""
     case = outcome.case
+    if outcome.missing_code:  # an option this machine cannot run: listed as not swept
+        swept.not_swept[(case.component, case.options)] = f"{CANNOT_RUN_HERE} under {case.layout}: {outcome.error}"
+        return
     if why := outcome.refusal:
         if case.options and why.startswith(CONFIG_REFUSES):
             swept.not_applicable[(case.component, str(case.layout), case.options)] = (
