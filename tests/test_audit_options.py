@@ -102,3 +102,36 @@ def test_the_audit_lists_the_plans_unbuilt_options_as_not_swept():
     unbuilt = {("gpt", (("fp8_param", True),)): "TransformerConfig rejects it: ValueError: needs fp8"}
     result = audit([], unbuilt=unbuilt, run_pools=NoRanks())
     assert result.not_swept == ["gpt {'fp8_param': True}: TransformerConfig rejects it: ValueError: needs fp8"]
+
+
+def test_a_component_sweeps_the_path_options_its_own_code_reads(tmp_path, monkeypatch):
+    """The MoE GPT's sweep holds the per-token loss, read by the router's auxiliary-loss
+    scaling (Megatron-LM #5047 fixed a TP bug there), besides its ``moe_`` fields: the fields a
+    component's ``config_code`` reads as ``config.NAME``, whatever their prefix."""
+    pytest.importorskip("megatron.core")
+    from shardcheck.megatron.audit.sweep import component_options, fields_read
+
+    package = tmp_path / "own_code"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "layer.py").write_text(
+        "def f(self, config):\n"
+        "    return self.config.calculate_per_token_loss, config.no_such_field, myconfig.add_bias_linear\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert fields_read(("own_code",)) == {"calculate_per_token_loss"}
+    assert fields_read(("own_code.layer", "no_such_module")) == {"calculate_per_token_loss"}
+    moe = component_options("moe")
+    assert ("calculate_per_token_loss", True) in moe
+    assert "calculate_per_token_loss" in fields_read(("megatron.core.transformer.moe",))
+
+
+def test_a_field_that_takes_a_string_or_a_list_keeps_one_string_as_a_string():
+    """``--set moe_router_load_balancing_type=seq_aux_loss`` is the string the field takes (a
+    list of one would need a list of coefficients); a comma still gives a list."""
+    pytest.importorskip("megatron.core")
+    from shardcheck.megatron.audit.sweep import config_value
+
+    assert config_value("moe_router_load_balancing_type", "seq_aux_loss") == "seq_aux_loss"
+    assert config_value("moe_router_load_balancing_type", "aux_loss,seq_aux_loss") == ["aux_loss", "seq_aux_loss"]
+    assert config_value("recompute_modules", "core_attn") == ["core_attn"]  # a list field only
+    assert config_value("moe_router_topk", 3) == 3

@@ -30,13 +30,16 @@ import dataclasses
 import enum
 import functools
 import importlib
+import importlib.util
 import inspect
 import itertools
+import re
 import textwrap
 import traceback
 import typing
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from shardcheck.megatron.audit.annotations import literal_values, members, type_hints, unique
@@ -243,23 +246,25 @@ def config_options(component: str) -> tuple[list[tuple[str, Any]], Unbuilt]:
     """Non-default values of TransformerConfig's boolean, Literal and Enum fields, and of its
     integer fields (see :func:`integer_values`; the first value accepted): those whose config
     builds on one rank, and the others with why (an integer field none of whose values builds
-    is listed at its first value)."""
+    is listed at its first value). A component with a ``config_prefix`` gets the fields with
+    that prefix, and the boolean, Literal and Enum fields its ``config_code`` reads."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from shardcheck.megatron.scenarios import COMPONENTS
 
     hints = type_hints(TransformerConfig)
     skip = LAYOUT_FIELDS | pinned_config_fields(component)
-    prefix = COMPONENTS[component].config_prefix
+    prefix, read = COMPONENTS[component].config_prefix, fields_read(COMPONENTS[component].config_code)
     found: list[tuple[str, Any]] = []
     for f in dataclasses.fields(TransformerConfig):
-        if f.name in skip or f.default is dataclasses.MISSING or not f.name.startswith(prefix):
+        if (f.name in skip or f.default is dataclasses.MISSING
+                or not (f.name.startswith(prefix) or f.name in read)):
             continue
         found += [(f.name, v) for v in values_to_try(hints[f.name], f.default)
                   if not isinstance(v, float)]
     unbuilt = {(option,): why for option in found if (why := config_failure(component, option))}
     accepted = [option for option in found if (option,) not in unbuilt]
-    for f in dataclasses.fields(TransformerConfig):
+    for f in dataclasses.fields(TransformerConfig):  # sizes: the component's own prefix only
         if f.name in skip | SIZE_FIELDS or f.default is dataclasses.MISSING or not f.name.startswith(prefix):
             continue
         tried = [((f.name, v), config_failure(component, (f.name, v)))
@@ -268,6 +273,28 @@ def config_options(component: str) -> tuple[list[tuple[str, Any]], Unbuilt]:
         if tried and all(why for _, why in tried):
             unbuilt[(tried[0][0],)] = f"{tried[0][1]} (and every other value tried)"
     return accepted, unbuilt
+
+
+CONFIG_READ = re.compile(r"\bconfig\.([A-Za-z_]\w*)")
+
+
+@functools.cache
+def fields_read(modules: tuple[str, ...]) -> frozenset[str]:
+    """The TransformerConfig fields that the source of ``modules`` (a module, or every module
+    of a package) reads as ``config.NAME``; read from the megatron-core imported, so from a
+    ``--megatron`` tree's own source."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    names: set[str] = set()
+    for module in modules:
+        spec = importlib.util.find_spec(module)
+        if spec is None or spec.origin is None:
+            continue
+        root = Path(spec.origin)
+        files = sorted(root.parent.rglob("*.py")) if spec.submodule_search_locations else [root]
+        for path in files:
+            names.update(CONFIG_READ.findall(path.read_text(encoding="utf-8")))
+    return frozenset(names) & {f.name for f in dataclasses.fields(TransformerConfig)}
 
 
 def config_failure(component: str, *options: tuple[str, Any]) -> str | None:
@@ -381,8 +408,21 @@ def list_fields() -> frozenset[str]:
 
 def config_value(name: str, value: Any) -> Any:
     """An option's value as TransformerConfig takes it: a list field is given as one
-    comma-separated string (hashable in a :class:`Case`, and as ``--set`` writes it)."""
-    return value.split(",") if isinstance(value, str) and name in list_fields() else value
+    comma-separated string (hashable in a :class:`Case`, and as ``--set`` writes it), and one
+    that also takes a single string (``moe_router_load_balancing_type``) keeps a string
+    without a comma as it is."""
+    if not isinstance(value, str) or name not in list_fields():
+        return value
+    return value if "," not in value and name in string_fields() else value.split(",")
+
+
+@functools.cache
+def string_fields() -> frozenset[str]:
+    """TransformerConfig's fields that take a string."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return frozenset(name for name, annotation in type_hints(TransformerConfig).items()
+                     if str in members(annotation))
 
 
 @functools.cache

@@ -33,6 +33,10 @@ class Component:
     sweep varies only the TransformerConfig fields with this prefix (the MoE GPT leaves the
     fields it shares with the plain GPT to the ``gpt`` component; the MTP GPT varies its own
     ``mtp_`` fields, the per-token loss and muP, whose MTP scaling is its own code).
+    ``config_code``: megatron-core modules or packages that are the component's own code; the
+    sweep also varies every TransformerConfig field they read (``config.NAME``), whatever its
+    prefix: a general option that changes the component's own path (the per-token loss in the
+    router's auxiliary-loss scaling) is swept with the component.
     ``check_layout``: raises ``LayoutUnsupported`` for the layouts the component's own
     scenario refuses.
     ``explicit_groups``: it passes the explicit ``ProcessGroupCollection`` that
@@ -45,6 +49,7 @@ class Component:
     setup: type
     experts: bool = False
     config_prefix: str | tuple[str, ...] = ""
+    config_code: tuple[str, ...] = ()
     check_layout: Callable[[Any], None] | None = None
     explicit_groups: bool = False
     model: str = ""
@@ -69,7 +74,7 @@ COMPONENTS: dict[str, Component] = {
     "gpt": Component(train_step, GPTSetup, explicit_groups=True, model=GPT_MODEL),
     "output_loss": Component(output_loss, OutputLossSetup, explicit_groups=True),
     "moe": Component(train_step, MoEGPTSetup, experts=True, config_prefix="moe_",
-                     explicit_groups=True),
+                     config_code=("megatron.core.transformer.moe",), explicit_groups=True),
     "mtp": Component(train_step, MTPGPTSetup, config_prefix=("mtp_", "calculate_per_token_loss", "use_mup"),
                      explicit_groups=True),
     "moe_router": Component(router_step, RouterSetup, experts=True, explicit_groups=True,
