@@ -54,3 +54,30 @@ def test_mean_loss_over_a_shard_is_a_partial_average(tp):
     with sc.typecheck(sc.Mesh(tp=tp)):
         x = sc.annotate(torch.randn(4, 6, 8), tp=sc.S(2))
         assert repr(sc.typeof(F.mse_loss(x, target(x)))["tp"]) == "P(avg)"
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_depthwise_convolution_over_tp_channels_keeps_them_sharded_forward_and_backward(tp, bias):
+    """Megatron's GDN in deterministic mode convolves its tp-local channels with
+    ``F.conv1d(groups=channels)``: channels S(1) with a weight S(0) give channels S(1), and
+    the weight's gradient S(0) (each rank's own channels, summed over batch and positions)."""
+    with sc.typecheck(sc.Mesh(tp=tp)):
+        x = sc.annotate(torch.randn(2, 6, 8, requires_grad=True), tp=sc.S(1))
+        weight = sc.annotate(torch.randn(6, 1, 4, requires_grad=True), tp=sc.S(0))
+        b = sc.annotate(torch.randn(6, requires_grad=True), tp=sc.S(0)) if bias else None
+        y = F.conv1d(x, weight, b, padding=3, groups=6)
+        assert sc.typeof(y) == {"tp": sc.S(1)}
+        y.pow(2).sum().backward()
+        assert sc.typeof(x.grad) == {"tp": sc.S(1)} and sc.typeof(weight.grad) == {"tp": sc.S(0)}
+        assert b is None or sc.typeof(b.grad) == {"tp": sc.S(0)}
+        assert sc.coverage().unknown == 0
+
+
+def test_a_plain_convolution_of_replicated_values_is_replicated_and_a_cut_sequence_unknown(tp):
+    with sc.typecheck(sc.Mesh(tp=tp)):
+        x = sc.annotate(torch.randn(2, 3, 8), tp=sc.R)
+        weight = sc.annotate(torch.randn(5, 3, 2), tp=sc.R)
+        assert sc.typeof(F.conv1d(x, weight)) == {"tp": sc.R}
+        # each position reads its neighbours: a sequence cut over tp has no type
+        cut = sc.annotate(torch.randn(2, 3, 8), tp=sc.S(2))
+        assert sc.typeof(F.conv1d(cut, weight)) == {}

@@ -155,6 +155,65 @@ def _with_bias(contract: Callable) -> Callable:
     return rule
 
 
+_SPATIAL, _KERNEL = "lmn", "pqr"  # the letters of a convolution's spatial and kernel dims
+
+
+def _conv_letters(ctx: RuleContext, x: torch.Tensor, weight: torch.Tensor, groups: int,
+                  *spatial: torch.Tensor) -> tuple[str, str, str] | None:
+    """The dim letters of a convolution's input, weight and output, as a contraction over
+    input channels and kernel positions: plain (``groups=1``) or depthwise (one input channel
+    per group: the channel dim is the group's, shared by all three). None, left untyped, for
+    other groupings and for a tensor cut along a spatial dim (each output position reads its
+    neighbours' inputs across the cut)."""
+    dims = x.dim() - 2
+    if groups != 1 and weight.shape[1] != 1:
+        return None
+    for t in (x, *spatial):
+        pl = ctx.types(t)
+        if pl is not None and any(isinstance(p, Shard) and norm_dim(p.dim, t.dim()) >= 2 for p in pl):
+            return None
+    channel, contracted = ("g", "x") if groups != 1 else ("o", "c")
+    source = "g" if groups != 1 else "c"
+    return (f"b{source}{_SPATIAL[:dims]}", f"{channel}{contracted}{_KERNEL[:dims]}",
+            f"b{channel}{_SPATIAL[:dims]}")
+
+
+def _convolution_rule(ctx: RuleContext, args, kwargs, out):
+    """convolution(input, weight, bias, stride, padding, dilation, transposed, output_padding,
+    groups): a contraction of the input's channels with the weight, plus a bias per output
+    channel (see :func:`_conv_letters`)."""
+    x, weight, bias = args[0], args[1], arg(args, kwargs, 2, "bias", None)
+    letters = None if arg(args, kwargs, 6, "transposed", False) else _conv_letters(
+        ctx, x, weight, arg(args, kwargs, 8, "groups", 1))
+    if letters is None:
+        return None
+    product = einsum_rule(ctx, [(x, letters[0]), (weight, letters[1])], letters[2])
+    if product is None or bias is None:
+        return product
+    per_channel = ctx.types(bias)  # [C_out], added along the output's dim 1
+    if per_channel is None:
+        return None
+    lifted = tuple(moved(p, 1) if isinstance(p, Shard) else p for p in per_channel)
+    return elementwise(ctx, [(Typed(product, tuple(out.shape)), ADD),
+                             (Typed(lifted, (1, bias.shape[0], *[1] * (out.dim() - 2))), ADD)])
+
+
+def _convolution_backward_rule(ctx: RuleContext, args, kwargs, out):
+    """convolution_backward(grad, input, weight, bias_sizes, stride, padding, dilation,
+    transposed, output_padding, groups, output_mask): the input's gradient contracts the
+    output's with the weight, the weight's the output's with the input (over the batch and
+    the positions), the bias's sums the output's over both."""
+    grad, x, weight = args[0], args[1], args[2]
+    letters = None if args[7] else _conv_letters(ctx, x, weight, args[9], grad)
+    if letters is None:
+        return None
+    into, kernel, out_letters = letters
+    channel = out_letters[1]
+    return [einsum_rule(ctx, [(grad, out_letters), (weight, kernel)], into),
+            einsum_rule(ctx, [(grad, out_letters), (x, into)], kernel),
+            einsum_rule(ctx, [(grad, out_letters)], channel)]
+
+
 def _embedding_rule(ctx: RuleContext, args, kwargs, out):
     """embedding(weight, indices): a vocab-sharded weight yields a partial (masked) lookup."""
     weight, idx = args[0], args[1]
@@ -278,5 +337,6 @@ RULES: dict[str, Callable] = {
     "addmm": _with_bias(_mm), "baddbmm": _with_bias(_bmm),
     "embedding": _embedding_rule, "embedding_dense_backward": _embedding_backward_rule,
     "nll_loss_forward": _nll_rule, "nll_loss_backward": _nll_backward_rule,
+    "convolution": _convolution_rule, "convolution_backward": _convolution_backward_rule,
 }
 """Contraction rules per op base name."""
