@@ -21,6 +21,7 @@ as dicts with ``rule``, ``location``, ``op`` and ``line`` (the ``checker:`` line
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import io
 import re
@@ -487,9 +488,11 @@ def construction_site(root: torch.nn.Module, name: str) -> str | None:
     return site
 
 
+@functools.cache
 def _assignment(cls: type, attribute: str) -> str | None:
     """``file:line`` of the first ``self.<attribute> = ...`` in the sources of ``cls``'s classes
-    that are not torch's or Transformer Engine's (a library's module is generic: its owner builds it)."""
+    that are not torch's or Transformer Engine's (a library's module is generic: its owner builds it).
+    Cached: reading a class's source parses its whole file, and every case asks again."""
     assignment = re.compile(rf"^\s*self\.{re.escape(attribute)}\s*(:[^=]+)?=[^=]")
     for base in (c for c in cls.__mro__ if not c.__module__.startswith(GENERIC_LIBRARIES)):
         try:
