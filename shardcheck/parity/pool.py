@@ -28,7 +28,6 @@ import importlib
 import io
 import multiprocessing as mp
 import os
-import pickle
 import signal
 import tempfile
 import time
@@ -42,7 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardcheck.parity import collective_log
+from shardcheck.parity import collective_log, transport
 from shardcheck.parity.forkserver import die_with_parent
 from shardcheck.parity.gloo_avg import avg_problems
 from shardcheck.parity.launch import first_failures, free_port, join_gloo
@@ -138,9 +137,9 @@ def _worker_main(rank: int, world_size: int, port: int, conn: Connection, log_di
         except BaseException as exc:  # noqa: BLE001 - every failure goes back to the parent
             reply = (False, _user_traceback(exc))
         try:  # by value: torch's reducers would pass each tensor as a shared-memory descriptor
-            conn.send_bytes(pickle.dumps(reply))
+            conn.send_bytes(transport.dumps(reply))
         except Exception:  # the result does not pickle
-            conn.send_bytes(pickle.dumps((False, traceback.format_exc())))
+            conn.send_bytes(transport.dumps((False, traceback.format_exc())))
 
 
 def warm_checker() -> None:
@@ -258,7 +257,7 @@ class RankPool:
             for conn in wait(list(pending), timeout=max(left, 0)):
                 rank = pending.pop(conn)
                 try:
-                    ok, payload = pickle.loads(conn.recv_bytes())
+                    ok, payload = transport.loads(conn.recv_bytes())
                 except EOFError:
                     ok, payload = False, f"rank {rank} died (exit code {self._procs[rank].exitcode})\n"
                 (results if ok else errors)[rank] = payload

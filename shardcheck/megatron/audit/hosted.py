@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import importlib
 import os
-import pickle
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
+from shardcheck.parity import transport
 from shardcheck.parity.layout import Layout
 from shardcheck.parity.pool import PoolFailure
 
@@ -61,8 +61,8 @@ class TEHost:
             self._start()
         assert self._send is not None and self._recv is not None
         try:
-            self._send.send_bytes(pickle.dumps((layout, fn, args)))
-            ok, payload = pickle.loads(self._recv.recv_bytes())
+            self._send.send_bytes(transport.dumps((layout, fn, args)))
+            ok, payload = transport.loads(self._recv.recv_bytes())
         except (EOFError, OSError):
             code = self.close()
             raise PoolFailure("error", f"the Transformer Engine pool's host stopped (exit code {code})") from None
@@ -104,7 +104,7 @@ def _serve(read_fd: int, write_fd: int, timeout: float, modules: Sequence[str]) 
     pools: dict[int, RankPool] = {}
     while True:
         try:
-            layout, fn, args = pickle.loads(jobs.recv_bytes())
+            layout, fn, args = transport.loads(jobs.recv_bytes())
         except EOFError:
             break
         if broken:
@@ -116,7 +116,7 @@ def _serve(read_fd: int, write_fd: int, timeout: float, modules: Sequence[str]) 
                 reply = (True, pools[layout.world_size].run(layout, fn, *args))
             except PoolFailure as failure:
                 reply = (False, (failure.kind, str(failure), failure.tracebacks, failure.last_collectives))
-        answers.send_bytes(pickle.dumps(reply))
+        answers.send_bytes(transport.dumps(reply))
     for pool in pools.values():
         pool.close()
     os._exit(0)  # no interpreter teardown of the preloaded modules

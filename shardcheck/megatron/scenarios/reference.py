@@ -26,6 +26,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
 from shardcheck.megatron.checks.shards import ParamShards, param_shards
 from shardcheck.megatron.checks.typecheck import MESH_AXES, harness_typed
+from shardcheck.parity import transport
 from shardcheck.typecheck.types import R
 
 
@@ -125,8 +126,9 @@ def gather_global(model: torch.nn.Module,
     mine = local_pieces(model, tensor_of)
     size = dist.get_world_size(group) if dist.is_initialized() else 1
     everyone: list = [None] * size
-    if size > 1:
-        dist.all_gather_object(everyone, mine, group=group)
+    if size > 1:  # the pieces as raw bytes: torch would pickle each tensor as a torch.save file
+        dist.all_gather_object(everyone, transport.dumps(mine), group=group)
+        everyone = [transport.loads(data) for data in everyone]
     else:
         everyone = [mine]
     return assemble(everyone)
