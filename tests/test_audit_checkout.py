@@ -99,3 +99,26 @@ def test_a_folder_that_is_not_a_megatron_tree_gets_one_line_and_exit_2(folder, t
     assert done.returncode == 2
     assert done.stdout == "" and len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert str(path) in done.stderr and "Traceback" not in done.stderr
+
+
+FIXES = REPO / "tests" / "data" / "megatron-fixes"  # upstream diffs, BSD-3 (README.md there)
+
+
+def test_a_real_megatron_fix_reverted_in_the_checkout_is_found(checkout, tmp_path):
+    """Megatron-LM 4abeecce74 (#3199) made the logged MoE z-loss an average over tp, dp and cp;
+    the installed release holds it, so the checkout with it reverted is its parent's router.
+    The MoE GPT sweeps ``moe_z_loss_coeff`` (an auxiliary loss's weight) and compares the MoE
+    metrics Megatron's training loop logs, so the parent gives a finding on ``moe/z_loss``."""
+    diff = FIXES / "4abeecce74.diff"
+    if subprocess.run(["git", "-C", str(checkout), "apply", "-R", "--check", str(diff)],
+                      capture_output=True, check=False).returncode:
+        pytest.skip("this megatron-core's router records its z-loss metric differently")
+    _git(checkout, "apply", "-R", str(diff))
+    try:
+        done = _audit(checkout, tmp_path, "--only", "moe", "--layouts", "tp2-sp", "--set", "moe_z_loss_coeff=0.1")
+    finally:
+        _git(checkout, "checkout", "--", "megatron/core/transformer/moe/router.py")
+    assert done.returncode == 1, done.stdout + done.stderr
+    [finding] = json.loads((tmp_path / "findings.json").read_text())["findings"]
+    assert [effect["value"] for effect in finding["effect"]] == ["moe/z_loss"], finding["effect"]
+    assert finding["location"].startswith("megatron/core/transformer/moe/"), finding["location"]

@@ -122,6 +122,7 @@ def test_a_component_sweeps_the_path_options_its_own_code_reads(tmp_path, monkey
     assert fields_read(("own_code.layer", "no_such_module")) == {"calculate_per_token_loss"}
     moe = component_options("moe")
     assert ("calculate_per_token_loss", True) in moe
+    assert ("moe_z_loss_coeff", 0.1) in moe  # an auxiliary loss's weight, off by default
     assert "calculate_per_token_loss" in fields_read(("megatron.core.transformer.moe",))
 
 

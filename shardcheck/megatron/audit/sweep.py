@@ -246,8 +246,9 @@ def config_options(component: str) -> tuple[list[tuple[str, Any]], Unbuilt]:
     """Non-default values of TransformerConfig's boolean, Literal and Enum fields, and of its
     integer fields (see :func:`integer_values`; the first value accepted): those whose config
     builds on one rank, and the others with why (an integer field none of whose values builds
-    is listed at its first value). A component with a ``config_prefix`` gets the fields with
-    that prefix, and the boolean, Literal and Enum fields its ``config_code`` reads."""
+    is listed at its first value), and the auxiliary losses' weights that default to off
+    (:data:`LOSS_COEFFICIENT`). A component with a ``config_prefix`` gets the fields with that
+    prefix, and the boolean, Literal and Enum fields (and weights) its ``config_code`` reads."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from shardcheck.megatron.scenarios import COMPONENTS
@@ -262,6 +263,8 @@ def config_options(component: str) -> tuple[list[tuple[str, Any]], Unbuilt]:
             continue
         found += [(f.name, v) for v in values_to_try(hints[f.name], f.default)
                   if not isinstance(v, float)]
+        if f.name.endswith(LOSS_COEFFICIENT) and not f.default:  # an auxiliary loss switched on
+            found.append((f.name, COEFFICIENT_TRIED))
     unbuilt = {(option,): why for option in found if (why := config_failure(component, option))}
     accepted = [option for option in found if (option,) not in unbuilt]
     for f in dataclasses.fields(TransformerConfig):  # sizes: the component's own prefix only
@@ -275,6 +278,9 @@ def config_options(component: str) -> tuple[list[tuple[str, Any]], Unbuilt]:
     return accepted, unbuilt
 
 
+# an auxiliary loss's weight (moe_z_loss_coeff, dsa_indexer_loss_coeff), off by default: tried
+# at this value, as a setup's float that defaults to 0 is
+LOSS_COEFFICIENT, COEFFICIENT_TRIED = "_loss_coeff", 0.1
 CONFIG_READ = re.compile(r"\bconfig\.([A-Za-z_]\w*)")
 
 

@@ -359,6 +359,7 @@ class Training:
 
         self.ddp.zero_grad_buffer()
         _fresh_mtp_logs()
+        _fresh_moe_logs()
         batches = local_batches(self.setup, self.pg, whole=self.whole_batch)
         reports = get_forward_backward_func()(
             forward_step_func=_forward_step(batches, self.setup.forward_args), data_iterator=None,
@@ -406,6 +407,8 @@ def train_step(ctx: Any, setup: GPTSetup) -> dict[str, torch.Tensor]:
                                          config.calculate_per_token_loss, pg)}
         if config.mtp_num_layers:
             outputs.update(mtp_metrics(microbatches, pg, with_loss=not split_free(config)))
+        if config.num_moe_experts:
+            outputs.update(moe_metrics(config, microbatches, pg))
         grads, spread = gather_global(model, gradient_of, world_group(ctx))
         outputs.update({f"grad/{k}": v for k, v in grads.items()})
         outputs["grad_replica_spread"] = torch.tensor(max(spread.values()))
@@ -437,6 +440,39 @@ def _fresh_mtp_logs() -> None:
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
     MTPLossLoggingHelper.tracker.clear()
+
+
+def _fresh_moe_logs() -> None:
+    """Forget the MoE metrics earlier runs in this process recorded, their names too (a
+    module-level tracker: 0.19's ``MoEMetricsTracker``, a plain dict before)."""
+    from megatron.core.transformer.moe import moe_utils
+
+    tracker = getattr(moe_utils, "get_moe_metrics_tracker", None)
+    if tracker is not None:
+        tracker()._metrics.clear()
+    else:
+        moe_utils.get_moe_layer_wise_logging_tracker().clear()
+
+
+def moe_metrics(config, num_microbatches: int, pg: Any = None) -> dict[str, torch.Tensor]:
+    """The MoE metrics (load-balancing and z losses) as Megatron's training loop logs them
+    after a step (``track_moe_metrics``: summed over the pipeline stages and each metric's
+    reduce group, averaged over its average group and data parallelism), on every rank.
+    The names are those any pipeline stage recorded: a stage without MoE layers reports zeros."""
+    from megatron.core.transformer.moe.moe_utils import (
+        get_moe_layer_wise_logging_tracker,
+        track_moe_metrics,
+    )
+
+    pp = scenario_groups(pg).pp
+    names: list[Any] = [None] * pp.size()
+    dist.all_gather_object(names, sorted(get_moe_layer_wise_logging_tracker()), group=pp)
+    writer = _Scalars()
+    track_moe_metrics(1.0 / num_microbatches, 0, writer, force_initialize=True,
+                      track_names=sorted({name for ranks in names for name in ranks}),
+                      num_layers=config.num_layers, moe_layer_freq=config.moe_layer_freq,
+                      mtp_num_layers=config.mtp_num_layers, pg_collection=pg)
+    return {f"moe/{name}": torch.tensor(value, dtype=torch.float64) for name, value in writer.values.items()}
 
 
 class _Scalars:
