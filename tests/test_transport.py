@@ -15,6 +15,12 @@ def _tagged() -> torch.Tensor:
     return tensor
 
 
+def _self_referring() -> torch.Tensor:
+    tensor = torch.randn(2)
+    tensor.root = [tensor]  # the checker's record may name the tensor it sits on
+    return tensor
+
+
 def _non_leaf() -> torch.Tensor:
     return torch.randn(2, requires_grad=True) * 2
 
@@ -31,6 +37,7 @@ CASES = {
     "leaf requiring grad": lambda: torch.randn(4, requires_grad=True),
     "parameter": lambda: torch.nn.Parameter(torch.randn(2, 2)),
     "tagged": _tagged,
+    "self-referring": _self_referring,
     "non-leaf requiring grad": _non_leaf,
     "sparse": lambda: torch.eye(3).to_sparse(),
 }
@@ -46,6 +53,7 @@ def test_a_tensor_comes_back_as_pickle_gives_it(name):
         type(want), want.dtype, want.shape, want.requires_grad, want.is_leaf, want.layout)
     assert torch.equal(got.detach().resolve_conj().to_dense(), tensor.detach().resolve_conj().to_dense())
     assert got.__dict__.keys() == tensor.__dict__.keys()
+    assert "root" not in got.__dict__ or got.root[0] is got
 
 
 def test_plain_tensors_travel_as_their_bytes_not_as_torch_save_files():
