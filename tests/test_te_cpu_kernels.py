@@ -6,12 +6,21 @@ TE's unmodified module classes (``Linear``, ``LayerNorm``, ``RMSNorm``, ``LayerN
 the same computation written in plain torch with autograd.
 """
 
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from shardcheck.megatron.cpu import patches
-from shardcheck.megatron.cpu.te import QuantisationRefused, WaitOnce, installed, te_dir
+from shardcheck.megatron.cpu.te import (
+    CACHED_TENSORS,
+    QuantisationRefused,
+    WaitOnce,
+    forget_cached_tensors,
+    installed,
+    te_dir,
+)
 
 if not (te_dir() / "transformer_engine").is_dir():
     pytest.skip(f"transformer-engine is not installed in {te_dir()}", allow_module_level=True)
@@ -272,3 +281,25 @@ def test_context_parallel_ring_requests_are_waited_on_once(te):
     assert request.waits == 1
     exchange = context_parallel.flash_attn_p2p_communicate
     assert exchange.__wrapped__.__module__ == context_parallel.__name__
+
+
+def test_te_tensor_caches_are_emptied_so_each_checked_region_builds_its_own(te):
+    """TE keeps its causal masks (and a few other tensors) per process. A warm rank's scenario
+    under another mesh than the one before it read the mask cached in the earlier checked region,
+    a tensor of unknown type there, and so lost the type of every attention output after it.
+    :func:`forget_cached_tensors`, run before each Megatron scenario, empties those caches."""
+    import shardcheck as sc
+
+    assert all(hasattr(sys.modules[module], name) for module, name in CACHED_TENSORS)
+    attention = te.DotProductAttention(4, 8, attn_mask_type="causal", qkv_format="sbhd")
+
+    def output_type(axis: str):
+        with sc.typecheck(sc.Mesh(rank=0, **{axis: [0, 1]}), mode="collect") as checker:
+            q, k, v = (sc.annotate(_randn(6, 2, 4, 8, seed=s), **{axis: sc.R}) for s in range(3))
+            return checker.types(attention(q, k, v))
+
+    forget_cached_tensors()
+    assert output_type("dp") == (sc.R,)
+    assert output_type("tp") is None  # the mask cached in the dp region
+    forget_cached_tensors()
+    assert output_type("tp") == (sc.R,)

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from shardcheck.megatron.cpu.patches import apply_cpu_patches
+from shardcheck.megatron.cpu.te import forget_cached_tensors
 from shardcheck.patching import patched, patched_attrs
 
 DEFAULT_ORDER = "tp-cp-ep-dp-pp"
@@ -245,6 +246,7 @@ def megatron_parallel(ctx: Any, seed: int = 1234) -> Iterator[Any]:
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     apply_cpu_patches()
+    forget_cached_tensors()  # TE's cached tensors are built again, in this run's checked region
     # A forked rank must not reuse OpenMP threads its parent started: libgomp deadlocks.
     torch.set_num_threads(1)
     _check(ctx.layout)

@@ -255,6 +255,41 @@ def install() -> ModuleType:
     return te_pytorch
 
 
+# Every process-wide cache of tensors in TE's Python, as (module, name): a dict, or a function
+# under functools.lru_cache. Each holds values derived from its key alone (causal masks,
+# cumulative sequence lengths, context-parallel chunk orders, dummy weight gradients, ones).
+CACHED_TENSORS = (
+    ("transformer_engine.pytorch.attention.dot_product_attention.softmax", "_default_causal_mask"),
+    ("transformer_engine.pytorch.attention.dot_product_attention.utils", "_cu_seqlens_cache"),
+    ("transformer_engine.pytorch.attention.dot_product_attention.context_parallel", "_cu_seqlens_info_with_cp_cache"),
+    ("transformer_engine.pytorch.attention.dot_product_attention.context_parallel",
+     "_seq_chunk_ids_cache_for_reordering_before_attn"),
+    ("transformer_engine.pytorch.attention.dot_product_attention.context_parallel",
+     "_seq_chunk_ids_cache_for_reordering_after_attn"),
+    ("transformer_engine.pytorch.attention.dot_product_attention.context_parallel", "_softmax_offset_chunk_ids_cache"),
+    ("transformer_engine.pytorch.module.base", "_dummy_wgrads"),
+    ("transformer_engine.pytorch.utils", "get_cached_ones_tensor"),
+    ("transformer_engine.pytorch.utils", "_empty_tensor"),
+)
+
+
+def forget_cached_tensors() -> None:
+    """Empty TE's process-wide tensor caches (:data:`CACHED_TENSORS`) where TE is loaded.
+
+    A warm rank process runs scenario after scenario. A tensor TE cached in one scenario's
+    type-checked region has that region's types only: in the next region, on another mesh, it
+    is a tensor made outside the region, of unknown type, and so is all computed from it (the
+    causal mask, so every attention score and all that follows). Emptied before each scenario,
+    the caches are filled in its own region, as when it is the process's first.
+    """
+    for module_name, name in CACHED_TENSORS:
+        cache = getattr(sys.modules.get(module_name), name, None)
+        if isinstance(cache, dict):
+            cache.clear()
+        elif cache is not None:
+            cache.cache_clear()
+
+
 FUSED_OPTIMIZERS = "transformer_engine.pytorch.optimizers"
 
 
