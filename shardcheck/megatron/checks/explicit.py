@@ -52,6 +52,9 @@ _GLOBALS = {"tp": "_TENSOR_MODEL_PARALLEL_GROUP", "pp": "_PIPELINE_MODEL_PARALLE
             "tp_ep_pp": "_EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP",
             "expt_dp": "_EXPERT_DATA_PARALLEL_GROUP", "embd": "_EMBEDDING_GROUP",
             "pos_embd": "_POSITION_EMBEDDING_GROUP"}
+# what explicit_collection gives the constructor: the collection a user builds for a model
+# (derived fields such as dp_cp_gtp_remat, which only use_mpu_process_groups sets, stay unset)
+CONSTRUCTED = (*sorted(_GLOBALS), "intra_dp_cp", "intra_expt_dp", "inter_dist_opt", "intra_dist_opt", "hcp")
 _made: dict[tuple[int, tuple[int, ...]], dist.ProcessGroup] = {}
 _uses: list[list[dict]] = []
 _routing: list[bool] = []
@@ -100,6 +103,7 @@ def explicit_collection(layout: Layout, rank: int) -> Any:
         chosen[name] = _group(next(g for g in layout.spanning(dims) if rank in g))
     chosen.update(intra_dp_cp=chosen["dp_cp"], intra_expt_dp=chosen["expt_dp"],
                   inter_dist_opt=None, intra_dist_opt=None, hcp=None)
+    assert set(chosen) == set(CONSTRUCTED)
     return ProcessGroupCollection(**chosen)
 
 

@@ -31,6 +31,7 @@ from shardcheck.megatron.audit.findings import ONE_RANK_CRASH, REPAIRED
 from shardcheck.megatron.audit.report import GLOBAL_GROUP_CONTRACT
 from shardcheck.megatron.audit.sweep import setup_kwargs
 from shardcheck.megatron.checks.contracts import BY_NAME, Contract
+from shardcheck.megatron.checks.explicit import CONSTRUCTED
 from shardcheck.megatron.repro import snippets as code
 from shardcheck.megatron.scenarios import COMPONENTS
 from shardcheck.parity.layout import DEFAULT_ORDER, Layout
@@ -66,6 +67,7 @@ MAMBA_KERNELS = Snippet(code.MAMBA_KERNELS, "import importlib\nimport math\nimpo
 GDN_KERNELS = Snippet(code.GDN_KERNELS, "import torch._dynamo\nfrom megatron.core.ssm import gated_delta_net as gdn_module")
 CP_ATTENTION = Snippet.of("cp_attention")
 TRAINING = Snippet.of("training")
+MOE_METRICS = Snippet.of("moe_metrics")
 GPT_CODE = Snippet.of("gpt")
 T5_CODE = Snippet.of("t5")
 MULTIMODAL_CODE = Snippet.of("multimodal")
@@ -165,6 +167,7 @@ class Template:
 GPT_SUPPORT = (RNG_ON_CPU, DEVICE_ON_CPU, CUDA_TENSORS_ON_CPU, STREAMS_ON_CPU, BASE, SEEDED, WEIGHTS, TRAINING)
 SP_NORM = (lambda layout, options: layout.sp, NORM_UNDER_SP)
 GPT_EXTRAS = (SP_NORM,
+              (lambda layout, options: bool(options.get("num_moe_experts")), MOE_METRICS),
               (lambda layout, options: layout.cp > 1, CP_ATTENTION),
               (lambda layout, options: layout.pp > 1, NO_SYNCHRONIZE))
 TEMPLATES: dict[str, Template] = {
@@ -173,7 +176,7 @@ TEMPLATES: dict[str, Template] = {
                            (DEVICE_ON_CPU, TE_GEMM_UNSET, BASE, SEEDED, PIECES, SHARD), _router_refuses),
     "gpt": Template(GPT_CODE, GPT_SUPPORT,
                     sections=_gpt_sections, extras=GPT_EXTRAS),
-    "moe": Template(GPT_CODE, (*GPT_SUPPORT, TE_GEMM_UNSET),
+    "moe": Template(GPT_CODE, (*GPT_SUPPORT, MOE_METRICS, TE_GEMM_UNSET),
                     _moe_refuses, sections=_gpt_sections,
                     extras=(*GPT_EXTRAS, (lambda layout, options: _alltoall(options), ALLTOALL_ON_CPU))),
     "mtp": Template(GPT_CODE, GPT_SUPPORT,
@@ -226,7 +229,7 @@ def script_body(finding: Finding) -> ScriptBody:
         constants += f"RAISED = {_raised(finding)!r}  # the exception and the megatron-core file it comes from\n"
     own = [Snippet(constants), template.code, *([fix] if fix is not None else []),
            Snippet.of(_entry_points(finding, fix))]
-    support = [*template.before, *extras]
+    support = list(dict.fromkeys([*template.before, *extras]))  # a snippet once, needed twice or not
     return ScriptBody(code=_joined(own), support=_joined(support),
                       imports=_sorted_imports(s.imports for s in own + support),
                       has_corrected=fix is not None, sys_path=tuple(finding.sys_path))
@@ -289,7 +292,7 @@ def _sizes(layout_text: str) -> dict[str, Any]:
     explicit = layout_text.partition("@")[2]
     return {"tp": layout.tp, "cp": layout.cp, "pp": layout.pp, "ep": layout.ep, "sp": layout.sp,
             "order": order, "model_order": _megatron_order(explicit.split("-")) if explicit else order,
-            "whole_batch": not layout_text}
+            "model_groups": list(CONSTRUCTED) if explicit else None, "whole_batch": not layout_text}
 
 
 def _megatron_order(named: list[str]) -> str:

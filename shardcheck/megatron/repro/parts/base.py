@@ -35,7 +35,8 @@ def process_groups(sizes):
                                      expert_model_parallel_size=sizes["ep"], order=order,
                                      create_gloo_process_groups=False)
         collections.append(ProcessGroupCollection.use_mpu_process_groups())
-    return collections[0]
+    fields = sizes.get("model_groups")  # explicit groups: the collection as a user constructs it
+    return ProcessGroupCollection(**{f: getattr(collections[0], f, None) for f in fields}) if fields else collections[0]
 
 
 def config_for(sizes, **options):

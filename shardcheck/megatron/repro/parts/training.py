@@ -10,8 +10,8 @@ from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
-from megatron.core.transformer.moe import moe_utils
 
+from shardcheck.megatron.repro.parts.moe_metrics import moe_metrics
 from shardcheck.megatron.repro.parts.script import SETUP
 from shardcheck.megatron.repro.parts.weights import grad_norms, load_weights
 
@@ -48,19 +48,3 @@ def train(sizes, pg, config, model, microbatches, seq, losses):
                for grad in (getattr(chained, "get_grads_for_grad_norm", None) or chained.get_main_grads_for_grad_norm)()}
     return torch.cat([torch.tensor([float(grad_norm)]), loss, norms, grad_norms(model, pg, counted), metrics])
 
-
-def moe_metrics(config, num_microbatches, pg):
-    """The MoE metrics (load-balancing and z losses) as megatron's training loop logs them after a step
-    (``track_moe_metrics``), in name order; the names any pipeline stage recorded."""
-    names, logged = [None] * pg.pp.size(), {}
-    dist.all_gather_object(names, sorted(moe_utils.get_moe_layer_wise_logging_tracker()), group=pg.pp)
-
-    class Writer:  # a tensorboard writer's add_scalar
-        def add_scalar(self, name, value, _iteration):
-            logged[name] = float(value)
-
-    moe_utils.track_moe_metrics(1.0 / num_microbatches, 0, Writer(), force_initialize=True,
-                                track_names=sorted(set().union(*names)), num_layers=config.num_layers,
-                                moe_layer_freq=config.moe_layer_freq, mtp_num_layers=config.mtp_num_layers,
-                                pg_collection=pg)
-    return torch.tensor([logged[name] for name in sorted(logged)])
