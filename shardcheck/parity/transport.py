@@ -24,7 +24,7 @@ def dumps(value: Any) -> bytes:
     """``pickle.dumps(value)``, with plain tensors as raw bytes."""
     buffer = io.BytesIO()
     pickler = pickle.Pickler(buffer, pickle.HIGHEST_PROTOCOL)
-    pickler.dispatch_table = _TABLE
+    pickler.dispatch_table = _REDUCERS
     with _disable_current_modes():  # a type checker on the rank would record the copies as views
         pickler.dump(value)
     return buffer.getvalue()
@@ -61,4 +61,4 @@ def _set_attributes(tensor: torch.Tensor, attributes: dict[str, Any]) -> None:
     tensor.__dict__.update(attributes)
 
 
-_TABLE = {**copyreg.dispatch_table, torch.Tensor: _reduce}
+_REDUCERS = {**copyreg.dispatch_table, torch.Tensor: _reduce}
