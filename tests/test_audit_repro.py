@@ -341,3 +341,13 @@ def test_a_scripts_fix_takes_the_arguments_of_the_function_it_replaces():
     snippet, namespace = _fix(finding), {"sys": sys}
     exec(f"{snippet.imports}\n{snippet.code}", namespace)
     assert inspect.signature(namespace[contract.fix.__name__]) == inspect.signature(contract.original())
+
+
+def test_a_recompute_script_reruns_its_checkpoints_backward_on_the_cpu(tmp_path):
+    """A checkpoint's backward reruns forward code outside the script's CPU mode: the decoder's
+    distributed-recompute finding (365a83aafe) stopped with 'Torch not compiled with CUDA'."""
+    options = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+    recompute = write_audit_script(_finding("gpt", options, "tp2"), tmp_path / "recompute.py").read_text()
+    plain = write_audit_script(_finding("gpt", {}, "tp2"), tmp_path / "plain.py").read_text()
+    assert "_function.backward = _under_cpu_mode(_function.backward)" in recompute
+    assert "_under_cpu_mode" not in plain

@@ -120,6 +120,20 @@ torch.cuda.set_rng_state = tensor_parallel.random._set_cuda_rng_state = lambda s
 torch.cuda.manual_seed = torch.manual_seed
 '''
 
+PATCH_RECOMPUTE = '''
+def _under_cpu_mode(backward):
+    def rerun(ctx, *grads):
+        with CudaToCpu():
+            return backward(ctx, *grads)
+    return staticmethod(rerun)
+
+
+# CUDA-only: a checkpoint's backward reruns forward code, without the mode entered above
+for _function in list(vars(tensor_parallel.random).values()):
+    if isinstance(_function, type) and issubclass(_function, torch.autograd.Function) and "backward" in vars(_function):
+        _function.backward = _under_cpu_mode(_function.backward)
+'''
+
 PATCH_DEVICE = '''
 torch.cuda.current_device = lambda: "cpu"  # CUDA-only: megatron puts tensors on the current device
 '''

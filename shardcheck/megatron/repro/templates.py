@@ -57,6 +57,7 @@ PIECES = Snippet.of("pieces")
 SHARD = Snippet.of("shard")
 WEIGHTS = Snippet.of("weights")
 RNG_ON_CPU = Snippet(code.PATCH_RNG, "from megatron.core import tensor_parallel")
+RECOMPUTE_ON_CPU = Snippet(code.PATCH_RECOMPUTE, "from megatron.core import tensor_parallel")
 DEVICE_ON_CPU = Snippet(code.PATCH_DEVICE)
 NO_SYNCHRONIZE = Snippet(code.PATCH_SYNCHRONIZE)
 STREAMS_ON_CPU = Snippet(code.PATCH_STREAMS, "import contextlib")
@@ -168,6 +169,7 @@ GPT_SUPPORT = (RNG_ON_CPU, DEVICE_ON_CPU, CUDA_TENSORS_ON_CPU, STREAMS_ON_CPU, B
 SP_NORM = (lambda layout, options: layout.sp, NORM_UNDER_SP)
 GPT_EXTRAS = (SP_NORM,
               (lambda layout, options: bool(options.get("num_moe_experts")), MOE_METRICS),
+              (lambda layout, options: bool(options.get("recompute_granularity")), RECOMPUTE_ON_CPU),
               (lambda layout, options: layout.cp > 1, CP_ATTENTION),
               (lambda layout, options: layout.pp > 1, NO_SYNCHRONIZE))
 TEMPLATES: dict[str, Template] = {
