@@ -118,12 +118,20 @@ def _raised_in_megatron(failure: PoolFailure) -> bool:
     return bool(own) and _MEGATRON in own[-1]
 
 
+def _after_last_frame(text: str) -> list[str]:
+    """The lines of a traceback after its last frame's header: the source line, the exception."""
+    last = list(_FRAME.finditer(text))
+    return (text[last[-1].end():] if last else text).splitlines()
+
+
+def _exception_line(text: str) -> str:
+    """The line a traceback ends with: ``Type: message``."""
+    return next((ln for ln in _after_last_frame(text) if ln and not ln.startswith(" ")), "")
+
+
 def _raised_type(text: str) -> str:
     """The class name (unqualified) of the exception a traceback ends with."""
-    last = list(_FRAME.finditer(text))
-    after = text[last[-1].end():] if last else text
-    line = next((ln for ln in after.splitlines() if ln and not ln.startswith(" ")), "")
-    return line.split(":", 1)[0].rsplit(".", 1)[-1]
+    return _exception_line(text).split(":", 1)[0].rsplit(".", 1)[-1]
 
 
 def option_fields(case: Case) -> tuple[str, ...]:
@@ -169,10 +177,31 @@ def _argument_check(frames: list[tuple[str, str]], raised: str) -> bool:
 
 
 def first_line(failure: PoolFailure) -> str:
-    """The line of a failure a person reads: its last error line (300 characters at most)."""
+    """The line of a failure a person reads (300 characters at most): the exception the first
+    rank that raised ended with, as that rank left the others waiting; else the hang or desync."""
+    if failure.tracebacks:
+        return raised_line(failure.tracebacks[min(failure.tracebacks)])[:300]
     lines = [ln.strip() for ln in str(failure).splitlines() if ln.strip() and not ln.startswith(" ")]
     errors = [ln for ln in lines if not ln.startswith(("rank ", "last collective", "Traceback"))]
     return (errors[-1] if errors else lines[0] if lines else failure.kind)[:300]
+
+
+def raised_line(traceback_text: str) -> str:
+    """A traceback's exception line; a bare ``assert`` (no message, or one that only prints
+    values) is named by its statement: ``AssertionError: assert x not in d``."""
+    line = _exception_line(traceback_text) or traceback_text.strip()
+    if line.split(":", 1)[0].endswith("AssertionError") and not _prose(line.partition(":")[2]):
+        statement = next((ln.strip() for ln in _after_last_frame(traceback_text)
+                          if ln.strip().startswith("assert ")), None)
+        if statement and not statement.endswith(("(", "\\")):  # the whole statement is on its line
+            return f"AssertionError: {statement}"
+    return line
+
+
+def _prose(message: str) -> bool:
+    """Whether an exception message reads as words (not empty, not a printed value)."""
+    words = re.findall(r"[A-Za-z]{3,}", message)
+    return len(words) >= 3 and not re.match(r"\s*[\w.]*[(\[{]", message)
 
 
 def op_counts(per_rank: Iterable[dict | None]) -> dict | None:

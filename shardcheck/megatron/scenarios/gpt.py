@@ -281,7 +281,9 @@ def masked_loss(batch: dict[str, torch.Tensor], output: torch.Tensor):
 def _forward_step(batches, forward_args: dict[str, Any]):
     batch_iter = iter(batches)
 
-    def forward_step(_data_iterator, model):
+    # the schedule passes a third argument under num_microbatches_with_partial_activation_checkpoints:
+    # whether to checkpoint this micro-batch, for a model that can; no megatron-core model takes it
+    def forward_step(_data_iterator, model, _checkpoint_activations_microbatch=None):
         batch = next(batch_iter)
         # the loss mask reaches the model too (MTP's loss reads it), as pretrain_gpt.py gives it
         output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
