@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from shardcheck.typecheck import rank_branches, tensor_state, unseen
+from shardcheck.typecheck import rank_branches, tensor_state, unknown_origins, unseen
 from shardcheck.typecheck.broadcast import op_kind as broadcast_kind
 from shardcheck.typecheck.broadcast import record as record_broadcast
 from shardcheck.typecheck.locations import inside_collective, op_site, user_location
@@ -96,9 +96,11 @@ class Coverage:
     unknown: int = 0
     top_unknown: list[tuple[str, int]] = field(default_factory=list)
     # with typecheck(..., sites=True): (file:line, typed, unknown) per call site, most unknown
-    # first, and the sites where unknown values began ("file:line op", op calls they reached)
+    # first; where unknown values began and why ("file:line op: cause", op calls they reached,
+    # most first), and those calls by their own site ((origin, file:line, calls): ``reached``)
     by_site: list[tuple[str, int, int]] = field(default_factory=list)
     origins: list[tuple[str, int]] = field(default_factory=list)
+    reached: list[tuple[str, str, int]] = field(default_factory=list)
 
     @property
     def fraction(self) -> float:
@@ -108,8 +110,12 @@ class Coverage:
     def within(self, prefix: str) -> Coverage:
         """The share of op calls made from files under ``prefix`` (e.g. megatron-core's)."""
         sites = [s for s in self.by_site if s[0].startswith(prefix)]
-        origins = [o for o in self.origins if o[0].startswith(prefix)]
-        return Coverage(sum(s[1] for s in sites), sum(s[2] for s in sites), [], sites, origins)
+        reached = [r for r in self.reached if r[1].startswith(prefix)]
+        origins = Counter()
+        for origin, _, calls in reached:
+            origins[origin] += calls
+        return Coverage(sum(s[1] for s in sites), sum(s[2] for s in sites), [], sites,
+                        origins.most_common(), reached)
 
     def __str__(self) -> str:
         lines = [f"typed {self.typed} of {self.typed + self.unknown} op calls "
@@ -214,7 +220,7 @@ class Checker(TypeStore, RankValues, TorchDispatchMode):
         if pl is None:
             self.unknown[id(func)] += 1
             if self.sites is not None:
-                self._count_site(func, args, out, typed=False)
+                self._count_site(func, args, out, typed=False, ruled=True)
             if mutated:
                 self._forget(mutated, args, kwargs)
             else:
@@ -252,11 +258,13 @@ class Checker(TypeStore, RankValues, TorchDispatchMode):
             self._type_outputs(out, pl, flags, args[0] if entry.is_view else None)
         return out
 
-    def _count_site(self, func, args, out, typed: bool) -> None:
+    def _count_site(self, func, args, out, typed: bool, ruled: bool = False) -> None:
         """Per source location: op calls typed and unknown. An unknown result remembers where
-        its unknown was made: the first op that gave no type from typed inputs (or none at all),
-        found by following unknown inputs back (``origins``). Ops torch.distributed makes to
-        carry out a collective (the collective itself is typed) are not the caller's."""
+        its unknown was made and why (:mod:`unknown_origins`): the first op that gave no type
+        from inputs with no origin, found by following unknown inputs back (``origins``, by
+        origin and the location of each op call it reached; ``ruled``: a rule ran and gave no
+        type). Ops torch.distributed makes to carry out a collective (the collective itself is
+        typed) are not the caller's."""
         location = op_site()
         name = _ENTRIES[id(func)].name
         if location is None or (name in _LANDING_NAMES and self._landing(name, args, out)):
@@ -271,8 +279,8 @@ class Checker(TypeStore, RankValues, TorchDispatchMode):
                        if isinstance(t, torch.Tensor) and self.types(t) is None
                        and tensor_state.read(t, "origin") is not None), None)
         if origin is None:
-            origin = f"{location} {name}"
-        self.origins[origin] += 1
+            origin = f"{location} {name}: {unknown_origins.cause(self, func, args, ruled)}"
+        self.origins[origin, location] += 1
         for t in (out if isinstance(out, (tuple, list)) else (out,)):
             if isinstance(t, torch.Tensor):
                 tensor_state.write(t, "origin", origin)
@@ -404,8 +412,12 @@ class Checker(TypeStore, RankValues, TorchDispatchMode):
         for key, count in self.unknown.items():
             names[str(_OPS[key])] += count
         by_site = sorted(((loc, t, u) for loc, (t, u) in (self.sites or {}).items()), key=lambda x: -x[2])
+        origins = Counter()
+        for (origin, _), calls in self.origins.items():
+            origins[origin] += calls
         return Coverage(self.typed, sum(self.unknown.values()), names.most_common(top),
-                        by_site, self.origins.most_common(top))
+                        by_site, origins.most_common(top),
+                        [(origin, loc, calls) for (origin, loc), calls in self.origins.items()])
 
     def summary(self) -> str:
         if not self.records:

@@ -205,14 +205,20 @@ def _prose(message: str) -> bool:
 
 
 def op_counts(per_rank: Iterable[dict | None]) -> dict | None:
-    """The sum of op-call counts (``typed``, ``unknown``, ``unknown_at`` by location); None
-    when none was counted (the checker was off)."""
+    """The sum of op-call counts (``typed``, ``unknown``, ``unknown_at`` by location,
+    ``unknown_from`` by the origin of the unknown); None when none was counted (the checker
+    was off)."""
     counted = [c for c in per_rank if c]
     if not counted:
         return None
-    unknown_at: dict[str, int] = {}
-    for c in counted:
-        for location, n in c["unknown_at"].items():
-            unknown_at[location] = unknown_at.get(location, 0) + n
     return {"typed": sum(c["typed"] for c in counted), "unknown": sum(c["unknown"] for c in counted),
-            "unknown_at": unknown_at}
+            "unknown_at": _summed(c["unknown_at"] for c in counted),
+            "unknown_from": _summed(c.get("unknown_from", {}) for c in counted)}
+
+
+def _summed(counts: Iterable[dict[str, int]]) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for c in counts:
+        for key, n in c.items():
+            total[key] = total.get(key, 0) + n
+    return total

@@ -464,6 +464,26 @@ def _ops_by_layout(coverage: dict[str, dict[str, Any]]) -> list[str]:
     lines += [f"| {component} | {layout} | {_percent(ops)} | {ops['calls']} | "
               f"{'; '.join(f'`{site}`' for site in ops['unknown_at'][:3]) or '-'} |"
               for component, layout, ops in rows]
+    return lines + [""] + _gaps(rows)
+
+
+TYPED_ENOUGH = 0.99  # a layout typing less of megatron-core's op calls has its gaps named
+
+
+def _gaps(rows: list[tuple[str, str, dict[str, Any]]]) -> list[str]:
+    """Per component and layout typed below :data:`TYPED_ENOUGH`: the origins of its unknown
+    op calls (the op that made the first unknown, and why), with the share each explains."""
+    gaps = [(component, layout, ops, origin) for component, layout, ops in rows
+            if ops["typed_share"] < TYPED_ENOUGH for origin in ops.get("unknown_from") or [{}]]
+    if not gaps:
+        return []
+    lines = [f"Where the unknown types began, for each layout typed below {TYPED_ENOUGH:.0%} (the op "
+             "that first gave no type, why, and the share of the layout's unknown op calls that "
+             "followed from it):", "",
+             "| component | layout | typed | unknown from | cause | share of unknown |", "|---|---|---|---|---|---|"]
+    lines += [f"| {component} | {layout} | {_percent(ops)} | `{origin.get('origin', '-')}` | "
+              f"{origin.get('cause', 'not traced')} | {100 * origin.get('share', 0):.1f}% |"
+              for component, layout, ops, origin in gaps]
     return lines + [""]
 
 

@@ -118,12 +118,30 @@ def _megatron_ops(outcomes: list[Outcome]) -> dict[str, Any]:
 
 
 def typed_share(counts: dict, top: int = 10) -> dict[str, Any]:
-    """Counts as the report shows them: the typed share and the most frequent unknown sites."""
+    """Counts as the report shows them: the typed share, the most frequent unknown sites, and
+    the origins that explain the unknown calls (:func:`unknown_origins`)."""
     total = counts["typed"] + counts["unknown"]
     worst = sorted(counts["unknown_at"].items(), key=lambda kv: (-kv[1], kv[0]))[:top]
     return {"typed": counts["typed"], "calls": total,
             "typed_share": round(counts["typed"] / total, 4) if total else 1.0,
-            "unknown_at": [f"{location} ({n})" for location, n in worst]}
+            "unknown_at": [f"{location} ({n})" for location, n in worst],
+            "unknown_from": unknown_origins(counts.get("unknown_from", {}), counts["unknown"])
+            if top else []}
+
+
+def unknown_origins(by_origin: dict[str, int], unknown: int, explained: float = 0.9,
+                    most: int = 5) -> list[dict[str, Any]]:
+    """The few origins (``file:line op: cause``) whose unknowns made most of the ``unknown``
+    op calls, most first, until they explain ``explained`` of them (``most`` at most): each
+    with its place, its cause in words, the calls it reached and their share."""
+    found: list[dict[str, Any]] = []
+    for origin, n in sorted(by_origin.items(), key=lambda kv: (-kv[1], kv[0]))[:most]:
+        if sum(o["calls"] for o in found) >= explained * unknown:
+            break
+        place, _, cause = origin.partition(": ")
+        found.append({"origin": place, "cause": cause, "calls": n,
+                      "share": round(n / unknown, 4) if unknown else 0.0})
+    return found
 
 
 def audit_result(findings: list[Finding], outcomes: list[Outcome], not_swept: dict[tuple, str],

@@ -452,14 +452,22 @@ def checked_region(ctx: Any, ops: dict | None = None) -> Iterator[list[dict]]:
 
 def megatron_ops(coverage: Any) -> dict[str, Any]:
     """The op calls of a :class:`~shardcheck.typecheck.checker.Coverage` (counted by site) that
-    megatron-core's own files made: typed, unknown, and the unknown ones by ``file:line``."""
+    megatron-core's own files made: typed, unknown, and the unknown ones by ``file:line`` and
+    by the origin of their unknown (``file:line op: cause``, wherever it began)."""
     import os
 
     import megatron.core
 
     inside = coverage.within(os.path.dirname(megatron.core.__file__) + os.sep)
     return {"typed": inside.typed, "unknown": inside.unknown,
-            "unknown_at": {_short(loc): unknown for loc, _, unknown in inside.by_site if unknown}}
+            "unknown_at": {_short(loc): unknown for loc, _, unknown in inside.by_site if unknown},
+            "unknown_from": {_short_origin(origin): n for origin, n in inside.origins}}
+
+
+def _short_origin(origin: str) -> str:
+    """An origin (``file:line op: cause``) with its file shortened as :func:`_short` does."""
+    location, _, rest = origin.partition(" ")
+    return f"{_short(location)} {rest}"
 
 
 def _in_megatron(location: str) -> bool:
