@@ -15,6 +15,7 @@ from typing import Any
 
 from shardcheck.fuzz.findings import Finding, finding_id
 from shardcheck.megatron.audit import report as audit_report
+from shardcheck.megatron.audit.operands import SHAPE_ERROR, operand_root
 from shardcheck.megatron.audit.outcome import Outcome
 from shardcheck.megatron.audit.runner import Runner
 from shardcheck.megatron.audit.sweep import Case
@@ -35,7 +36,7 @@ def build_findings(runner: Runner, outcomes: list[Outcome], one_rank: list[Outco
         built = [_finding(runner, key, cause, baseline, first=n == 0)
                  for n, cause in enumerate(audit_report.causes(members))]
         findings += _merged_causes(built)
-    findings += [_crash_finding(key, cause, first=n == 0)
+    findings += [_crash_finding(runner, key, cause, first=n == 0)
                  for key, members in [*_crashes(outcomes).items(), *_one_rank_crashes(one_rank).items()]
                  for n, cause in enumerate(_crash_causes(members))]
     return _unique_ids(sorted(findings, key=lambda f: (f.kind, f.location, f.id)))
@@ -188,18 +189,23 @@ def _crash_causes(members: list[Outcome]) -> list[list[Outcome]]:
     return list(joined.values())
 
 
-def _crash_finding(key: tuple[str, str], members: list[Outcome], first: bool) -> Finding:
+def _crash_finding(runner: Runner, key: tuple[str, str], members: list[Outcome], first: bool) -> Finding:
     """A crash under a layout while one rank runs the case, or (a one-rank outcome) a crash in
-    megatron-core's code on one rank, which gets a script that raises it."""
+    megatron-core's code on one rank, which gets a script that raises it. A shape error is
+    located where megatron-core made the ill-shaped operand, when another function made it
+    (:func:`~shardcheck.megatron.audit.operands.operand_root`); the raising line is where it
+    showed."""
     minimal = audit_report.minimal_case(members)
     case = minimal.case
+    root = operand_root(runner.pools, case) if SHAPE_ERROR.search(minimal.error or "") else None
     alone = case.layout.world_size == 1
     where = "on one rank" if alone else f"under {case.layout}"
     return Finding.audited(
         audit_report.trigger(case), [], None,
         title=f"{case.component} {minimal.error_kind} {where} "
               f"({_options_text(audit_report.trigger(case))}): {minimal.error}"[:240],
-        kind=ONE_RANK_CRASH if alone else "crash", location=key[0], contract=key[1],
+        kind=ONE_RANK_CRASH if alone else "crash", location=root[0] if root else key[0], contract=key[1],
+        showed=key[0] if root else None,
         reproduce=audit_report.reproduce_command(case), seen_in=audit_report.seen_in(members, minimal),
         cases=[audit_report.case_entry(o.case) for o in members],
         id="" if first else _trigger_id(key, case), training_args=training_verdict(case),
