@@ -100,7 +100,7 @@ def _masked_on_rank(ctx, mask_kind: str, source_kind: str):
     """zeros.masked_scatter(mask, source) with the mask and source of the kinds named."""
     mesh = sc.Mesh(rank=ctx.rank, tp=ctx.groups["tp"])
     with sc.typecheck(mesh, mode="collect") as checker:
-        scores = _scores()
+        scores = sc.annotate(_scores(), tp=sc.R)  # the same seed on every rank
         rows = scores.chunk(2)[ctx.rank].clone()
         whole, own = _mask(scores), _mask(_scores(5 + ctx.rank).chunk(2)[0])
         mask = {"whole": (whole, sc.R), "rows": (_mask(rows), sc.S(0)), "own": (own, sc.V),

@@ -404,40 +404,56 @@ class Route:
 
 class Routed(Shard):
     """S(dim) of rows routed by ``route``: this rank holds ``parts`` (source, local group) in
-    order, whose rows came from ranks whose own rows were ``source`` (V or a row shard)."""
+    order, whose rows came from ranks whose own rows were ``source`` (V or a row shard), and
+    then ``pad`` rows of no part (a quantized expert's rows padded to a multiple of its
+    block: rows of zeros where ``zero_pad``)."""
 
-    __slots__ = ("route", "parts", "source")
+    __slots__ = ("route", "parts", "source", "pad", "zero_pad")
 
-    def __init__(self, dim: int, route: Route, parts: tuple[tuple[int, int], ...], source: Placement) -> None:
+    def __init__(self, dim: int, route: Route, parts: tuple[tuple[int, int], ...], source: Placement,
+                 pad: int = 0, zero_pad: bool = True) -> None:
         super().__init__(dim)
         self.route, self.parts, self.source = route, tuple(parts), source
+        self.pad, self.zero_pad = pad, zero_pad or not pad
 
     def __repr__(self) -> str:
-        return f"S({self.dim}, routed {list(self.parts)})"
+        padding = f" + {self.pad} {'zero' if self.zero_pad else 'pad'} rows" if self.pad else ""
+        return f"S({self.dim}, routed {list(self.parts)}{padding})"
 
     def __eq__(self, other: object) -> bool:
         return (type(other) is Routed and other.dim == self.dim and other.parts == self.parts
-                and other.route == self.route and other.source == self.source)
+                and other.route == self.route and other.source == self.source
+                and other.pad == self.pad and other.zero_pad == self.zero_pad)
 
     def __hash__(self) -> int:
-        return hash(("routed", self.dim, self.parts))
+        return hash(("routed", self.dim, self.parts, self.pad))
 
     def lines_up(self, other: Routed) -> bool:
-        """Whether the local rows of both are the same rows (their sources may differ)."""
-        return other.parts == self.parts and other.route == self.route
+        """Whether the local rows of both are the same rows (their sources and the values of
+        their padding rows may differ)."""
+        return other.parts == self.parts and other.route == self.route and other.pad == self.pad
 
-    def at(self, dim: int, source: Placement | None = None) -> Routed:
-        return Routed(dim, self.route, self.parts, self.source if source is None else source)
+    def at(self, dim: int, source: Placement | None = None, zero_pad: bool | None = None) -> Routed:
+        return Routed(dim, self.route, self.parts, self.source if source is None else source,
+                      self.pad, self.zero_pad if zero_pad is None else zero_pad)
+
+    def padded(self, rows: int, zero: bool) -> Routed:
+        """These rows followed by ``rows`` more rows of no part (zeros where ``zero``)."""
+        return Routed(self.dim, self.route, self.parts, self.source, self.pad + rows,
+                      zero and self.zero_pad)
 
     def piece(self, start: int, length: int) -> Routed | None:
-        """The parts of the local rows [start, start+length), if it starts and ends at part bounds."""
+        """The parts of the local rows [start, start+length), if it starts and ends at part
+        bounds (the padding rows, if it takes them, all of them at its end)."""
         bounds = [0]
         for part in self.parts:
             bounds.append(bounds[-1] + self.route.count(part))
-        if start not in bounds or start + length not in bounds:
+        end = start + length
+        pad = self.pad if self.pad and end == bounds[-1] + self.pad else 0
+        if start not in bounds or end - pad not in bounds or (pad and start == bounds[-1]):
             return None
-        first, last = bounds.index(start), bounds.index(start + length)
-        return Routed(self.dim, self.route, self.parts[first:last], self.source)
+        first, last = bounds.index(start), bounds.index(end - pad)
+        return Routed(self.dim, self.route, self.parts[first:last], self.source, pad, self.zero_pad)
 
     def complete(self) -> bool:
         """Whether the parts are every sent part of one local group, each once."""
@@ -449,10 +465,12 @@ class Routed(Shard):
 
 
 def joined(pieces: list[Routed], dim: int) -> Routed | None:
-    """Routed pieces of one route joined along their rows, in order, else None."""
-    first = pieces[0]
-    if any(p.route != first.route or p.dim != first.dim for p in pieces):
+    """Routed pieces of one route joined along their rows, in order (padding rows only at the
+    end), else None."""
+    first, last = pieces[0], pieces[-1]
+    if any(p.route != first.route or p.dim != first.dim for p in pieces) or any(p.pad for p in pieces[:-1]):
         return None
     sources = {p.source for p in pieces}
     source = sources.pop() if len(sources) == 1 else V
-    return Routed(dim, first.route, tuple(part for p in pieces for part in p.parts), source)
+    return Routed(dim, first.route, tuple(part for p in pieces for part in p.parts), source,
+                  last.pad, last.zero_pad)

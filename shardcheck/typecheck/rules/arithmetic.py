@@ -304,12 +304,15 @@ def _common_sections(tensors: list[_Operand], a: int, d: int, outside: bool) -> 
 
 def _common_route(tensors: list[_Operand], a: int, d: int, routed: list[Routed]) -> Shard:
     """Routed rows meet the same rows routed alike (their source V unless they agree), else
-    rows that do not line up with theirs."""
+    rows that do not line up with theirs. Their padding rows stay zeros only in a product
+    with zeros (an operand the op is linear in, none it divides by or adds)."""
     if len(routed) != sum(isinstance(o.pl[a], Shard) for o in tensors) or any(
             not routed[0].lines_up(p) for p in routed):
         raise Violation("mixed shards", a, "rows routed between the ranks meet other rows")
     sources = {p.source for p in routed}
-    return routed[0].at(d, sources.pop() if len(sources) == 1 else V)
+    zeros = all(o.role in (MUL, NL) for o in tensors) and any(
+        o.role == MUL and type(o.pl[a]) is Routed and o.pl[a].zero_pad for o in tensors)
+    return routed[0].at(d, sources.pop() if len(sources) == 1 else V, zeros)
 
 
 def _sections_of(o: _Operand, a: int) -> tuple[int, ...]:
@@ -457,6 +460,8 @@ def _reduce_axis(kind: str, p: Placement | None, a: int, dims: set[int], keep: b
     if not isinstance(p, Shard):
         return p
     if p.dim in dims:
+        if type(p) is Routed and p.pad and (kind == "mean" or kind == "sum" and not p.zero_pad):
+            return V  # padding rows summed in, or counted in a mean
         if kind == "sum":
             return PEVEN if even else P
         if kind == "mean":

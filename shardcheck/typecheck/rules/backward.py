@@ -20,7 +20,17 @@ from shardcheck.typecheck.rules.common import (
 )
 from shardcheck.typecheck.rules.indexing import _along_dim_rule
 from shardcheck.typecheck.rules.shape import rank_chunks
-from shardcheck.typecheck.types import InterleavedShard, P, RankChunk, S, SectionShard, Shard, V
+from shardcheck.typecheck.types import (
+    InterleavedShard,
+    P,
+    Placement,
+    RankChunk,
+    Routed,
+    S,
+    SectionShard,
+    Shard,
+    V,
+)
 
 aten = torch.ops.aten
 _REDUCTION_KIND = {1: "mean", 2: "sum"}  # at::Reduction: 0 none, 1 mean, 2 sum
@@ -50,7 +60,8 @@ def _slice_backward(ctx: RuleContext, args, kwargs, out):
     """slice_backward(grad, input_sizes, dim, start, end, step): grad padded with zeros. The
     gradient of this rank's chunk on an axis that cuts the dim (a rank slice), put at that
     chunk's place, is a partial sum there; a shard whose pieces hold that axis' is whole again,
-    whichever of the two is the faster in rank order (see :func:`inside`). Any other shard of
+    whichever of the two is the faster in rank order (see :func:`inside`). Routed rows taken
+    from the front of padded ones get their padding rows back, as zeros. Any other shard of
     the dim: V."""
     pl = ctx.types(args[0])
     if pl is None:
@@ -61,7 +72,16 @@ def _slice_backward(ctx: RuleContext, args, kwargs, out):
              if isinstance(p, Shard) and norm_dim(p.dim, ndim) == dim and ctx.sizes[b] > 1]
     cut = [b for b in along if _padded_at_rank(ctx, b, pl[b], args, dim)
            and all(inside(ctx, pl, b, a) for a in along if a != b)]
-    return tuple(_slice_gradient(ctx, pl, b, cut, dim, ndim) for b in range(len(pl)))
+    return tuple(_front_rows_gradient(pl[b], args, dim) if b in along and type(pl[b]) is Routed
+                 else _slice_gradient(ctx, pl, b, cut, dim, ndim) for b in range(len(pl)))
+
+
+def _front_rows_gradient(p: Routed, args, dim: int) -> Placement:
+    """The gradient of routed rows sliced from the front of a longer tensor (a padded
+    expert's output cut back to its rows): the rows, then zeros in the rows left out."""
+    total, length = args[1][dim], args[0].shape[dim]
+    start = norm_dim(args[3], total) if args[3] is not None else 0
+    return p.padded(total - length, zero=True) if start == 0 and args[5] == 1 else V
 
 
 def _padded_at_rank(ctx: RuleContext, b: int, p, args, dim: int) -> bool:

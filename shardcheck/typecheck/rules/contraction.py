@@ -110,8 +110,9 @@ def _axis_contract(pls, a: int, out_spec: str) -> Placement | None:
 def _routed_contract(ps: list, specs: list[str], out_spec: str) -> Placement:
     """A contraction of routed rows (see :mod:`routed`) with rows routed alike and with
     replicated operands or the rank's own group's (a shard of another dim): row-wise, the
-    routed rows; over the rows, one local group's complete value (S(0)) or a share of a sum
-    over all rows (P). Anything else: V."""
+    routed rows (padding rows of zeros in any factor give zeros); over the rows, one local
+    group's complete value (S(0)) or a share of a sum over all rows (P), where padding rows
+    add nothing: zeros in some factor. Anything else: V."""
     routed = [(p, spec[norm_dim(p.dim, len(spec))]) for p, spec in zip(ps, specs, strict=True) if type(p) is Routed]
     first, letter = routed[0]
     if any(not first.lines_up(p) or row != letter for p, row in routed):
@@ -120,10 +121,11 @@ def _routed_contract(ps: list, specs: list[str], out_spec: str) -> Placement:
     if not all(replicated(p) or (type(p) is Shard and spec[norm_dim(p.dim, len(spec))] != letter)
                for p, spec in others):
         return V
+    zeros = any(p.zero_pad for p, _ in routed)
     if letter in out_spec:
         sources = {p.source for p, _ in routed}
-        return first.at(out_spec.index(letter), sources.pop() if len(sources) == 1 else V)
-    if any(isinstance(p, Shard) for p, _ in others):
+        return first.at(out_spec.index(letter), sources.pop() if len(sources) == 1 else V, zeros)
+    if any(isinstance(p, Shard) for p, _ in others) or not zeros:
         return V
     return S(0) if first.complete() else P
 

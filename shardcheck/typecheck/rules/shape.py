@@ -320,7 +320,7 @@ def rank_piece(ctx: RuleContext, pl: Pl, dim: int, total: int, start: int, lengt
         return dict.fromkeys(by_rank, S(dim) if check_varying else RankChunk(dim))
     if by_rank:  # ambiguous: several axes (some untyped) have the same size and index here
         return dict.fromkeys(by_rank + unknown)
-    if spanning := _cut_by_two_axes(ctx, pl, total, start, length):
+    if spanning := _cut_by_two_axes(ctx, pl, total, start, length, parts):
         return spanning
     if check_varying and not unknown and any(p is V for p in pl):
         occurrence = ctx.count_varying_cut()
@@ -523,11 +523,10 @@ def _joined_sections(ctx: RuleContext, tensors, a: int, dim: int) -> Placement:
     """cat along a dim the pieces are cut along on axis ``a``: every rank holds its part of
     each piece, in order, so the result is a fused dim with the pieces as its sections (GLU's
     backward joins the gradients of its two halves so); routed rows of one route join their
-    parts (see :mod:`routed`). A piece cut otherwise does not line up with the others: V."""
-    pieces = [ctx.types(t)[a] for t in tensors if t.shape[dim] or type(ctx.types(t)[a]) is Routed]
-    if any(type(p) is Routed for p in pieces):
-        routed = all(type(p) is Routed and norm_dim(p.dim, tensors[0].dim()) == dim for p in pieces)
-        return (routed and joined(pieces, dim)) or V
+    parts (see :mod:`routed`), and constant rows after them pad them. A piece cut otherwise
+    does not line up with the others: V."""
+    if any(type(ctx.types(t)[a]) is Routed for t in tensors):
+        return _joined_routes(ctx, tensors, a, dim)
     sections: list[int] = []
     outside = set()
     for t in tensors:
@@ -543,6 +542,22 @@ def _joined_sections(ctx: RuleContext, tensors, a: int, dim: int) -> Placement:
     return SectionShard(dim, tuple(sections), *outside) if len(sections) > 1 else S(dim, *outside)
 
 
+def _joined_routes(ctx: RuleContext, tensors, a: int, dim: int) -> Placement:
+    """Routed rows of one route joined in order, then any constant rows (zeros or not): the
+    route's rows followed by that many padding rows (see :class:`types.Routed`)."""
+    tensors = [t for t in tensors if t.shape[dim] or type(ctx.types(t)[a]) is Routed]
+    pieces = [ctx.types(t)[a] for t in tensors]
+    count = next((k for k, p in enumerate(pieces) if type(p) is not Routed), len(pieces))
+    routed, padding = pieces[:count], tensors[count:]
+    if not all(norm_dim(p.dim, tensors[0].dim()) == dim for p in routed) or not all(
+            ctx.const(t) and replicated(p) for t, p in zip(padding, pieces[count:], strict=True)):
+        return V
+    rows = joined(routed, dim) if routed else None
+    if rows is None or not padding:
+        return rows or V
+    return rows.padded(sum(t.shape[dim] for t in padding), all(ctx.zero(t) for t in padding))
+
+
 def _stack_rule(ctx: RuleContext, args, kwargs, out):
     ndim = out.dim()
     dim = norm_dim(arg(args, kwargs, 1, "dim", 0), ndim)
@@ -552,15 +567,19 @@ def _stack_rule(ctx: RuleContext, args, kwargs, out):
     return shift_shards(pl, lambda d: d + (d >= dim))
 
 
-def _cut_by_two_axes(ctx: RuleContext, pl: Pl, total: int, start: int, length: int) -> dict[int, None]:
+def _cut_by_two_axes(ctx: RuleContext, pl: Pl, total: int, start: int, length: int,
+                     parts: int | None = None) -> dict[int, None]:
     """The piece is this rank's chunk by its rank in a group over two replicated (or untyped)
     axes (Megatron's tp x ep expert group, dp x cp): a cut the per-axis types cannot say, so
-    both axes become unknown rather than stay replicated."""
+    both axes become unknown rather than stay replicated. A piece of a split into another
+    number of ``parts`` than the group has ranks is not (GDN's sections [16, 16, 32] at cp2-dp2,
+    whose first is rank 0's quarter by chance)."""
     axes = [a for a, p in enumerate(pl) if (p is None or replicated(p)) and ctx.sizes[a] > 1]
     for a, b in itertools.combinations(axes, 2):
         size = ctx.sizes[a] * ctx.sizes[b]
         orders = {ctx.index[a] * ctx.sizes[b] + ctx.index[b], ctx.index[b] * ctx.sizes[a] + ctx.index[a]}
-        if length < total and any((start, length) in rank_chunks(total, size, i) for i in orders):
+        if length < total and parts in (None, size) and any(
+                (start, length) in rank_chunks(total, size, i) for i in orders):
             return {a: None, b: None}
     return {}
 
