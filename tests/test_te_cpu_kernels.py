@@ -20,6 +20,7 @@ from shardcheck.megatron.cpu.te import (
     forget_cached_tensors,
     installed,
     te_dir,
+    unquantised,
 )
 
 if not (te_dir() / "transformer_engine").is_dir():
@@ -303,3 +304,51 @@ def test_te_tensor_caches_are_emptied_so_each_checked_region_builds_its_own(te):
     assert output_type("tp") is None  # the mask cached in the dp region
     forget_cached_tensors()
     assert output_type("tp") == (sc.R,)
+
+
+def test_unquantised_recipes_run_te_in_the_models_precision_and_are_refused_outside(te):
+    """The audit's FP8/FP4 stand-in (:func:`unquantised`): inside it TE's autocast takes every
+    recipe, records it as TE does, and quantises nothing, so a layer's outputs and gradients are
+    exactly those without autocast; outside it the recipe is refused in one line again."""
+    from transformer_engine.common import recipe
+    from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+
+    layer = te.Linear(16, 16)
+    x = _randn(4, 16, grad=True)
+    expected = layer(x)
+    expected_grads = torch.autograd.grad(expected.sum(), (x, layer.weight))
+    for fp8_recipe in (recipe.DelayedScaling(), recipe.MXFP8BlockScaling(), recipe.NVFP4BlockScaling()):
+        with unquantised(), te.autocast(enabled=True, recipe=fp8_recipe):
+            assert FP8GlobalStateManager.get_fp8_recipe() is fp8_recipe
+            assert not FP8GlobalStateManager.is_fp8_enabled()
+            out = layer(x)
+            grads = torch.autograd.grad(out.sum(), (x, layer.weight))
+        assert torch.equal(out, expected)
+        assert all(torch.equal(a, b) for a, b in zip(grads, expected_grads, strict=True))
+        with pytest.raises(QuantisationRefused):
+            with te.autocast(enabled=True, recipe=fp8_recipe):
+                layer(x)
+
+
+def test_te_checkpoint_restores_the_cpu_generator_and_recomputes_the_same_gradients(te):
+    """TE's checkpoint saves and restores its 'CUDA' RNG state: the CPU generator's here (a
+    CPU-only torch has no CUDA generator), so a dropout inside it draws the same mask again
+    when its forward is recomputed in the backward."""
+    from transformer_engine.pytorch.distributed import _get_cuda_rng_state, checkpoint
+
+    assert torch.equal(_get_cuda_rng_state(), torch.get_rng_state())
+    layer = te.Linear(16, 16)
+
+    def block(inp):
+        return F.dropout(layer(inp), p=0.5)
+
+    def gradients(run) -> list[torch.Tensor]:  # TE's checkpoint refuses autograd.grad
+        x = _randn(4, 16, grad=True)
+        layer.weight.grad = None
+        torch.manual_seed(7)
+        run(x).sum().backward()
+        return [x.grad, layer.weight.grad]
+
+    expected = gradients(block)
+    recomputed = gradients(lambda x: checkpoint(block, x))
+    assert all(torch.equal(a, b) for a, b in zip(recomputed, expected, strict=True))

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from shardcheck.megatron.cpu.patches import apply_cpu_patches
-from shardcheck.megatron.cpu.te import forget_cached_tensors
+from shardcheck.megatron.cpu.te import forget_cached_tensors, unquantised
 from shardcheck.patching import patched, patched_attrs
 
 DEFAULT_ORDER = "tp-cp-ep-dp-pp"
@@ -256,7 +256,7 @@ def megatron_parallel(ctx: Any, seed: int = 1234) -> Iterator[Any]:
             _verify(ctx)
             pg = _explicit(ctx)
             model_parallel_cuda_manual_seed(seed)
-            with _explicit_run(pg):
+            with _explicit_run(pg), unquantised():  # FP8/FP4 recipes run unquantised on TE
                 yield pg
         finally:
             parallel_state.destroy_model_parallel()

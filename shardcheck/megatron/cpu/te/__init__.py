@@ -223,6 +223,55 @@ def _refusing_quantisation(enter: Callable[..., None]) -> Callable[..., None]:
     return checked
 
 
+def _accept_recipe(_recipe: Any = None) -> None:
+    """TE's recipe support check under :func:`unquantised`: every recipe is taken (none quantises)."""
+
+
+def _entering_unquantised(enter: Callable[..., None]) -> Callable[..., None]:
+    """TE's autocast entry with quantisation (and calibration) off: the recipe, the amax group and
+    the nesting depth are recorded as TE records them, and TE's modules compute unquantised."""
+
+    @functools.wraps(enter)
+    def unquantised_entry(cls: Any, enabled: bool = False, calibrating: bool = False,
+                          fp8_recipe: Any = None, *args: Any, **kwargs: Any) -> None:
+        enter(cls, False, False, fp8_recipe, *args, **kwargs)
+
+    return unquantised_entry
+
+
+@contextmanager
+def unquantised() -> Iterator[None]:
+    """For the block, TE's FP8/FP4 autocast regions are entered without quantising.
+
+    megatron-core's FP8/FP4 paths (``config.fp8``, ``config.fp4``) then run as written: its
+    ``get_fp8_context``/``get_fp4_context`` build their recipes and enter TE's ``autocast``, and
+    the code that branches on those options (``te_checkpoint`` for recomputation) runs; only
+    the quantisation, which these CPU kernels lack, is left out. TE's modules see FP8 off
+    (``FP8GlobalStateManager.is_fp8_enabled()``) and compute in the model's precision, the same
+    on one rank and on many. Outside the block (and in ``shardcheck train``) recipes are refused.
+    Nothing happens where TE is not loaded.
+    """
+    te_pytorch = sys.modules.get("transformer_engine.pytorch")
+    if te_pytorch is None:
+        yield
+        return
+    quantization = te_pytorch.quantization
+    manager = quantization.FP8GlobalStateManager
+    refusing = manager.__dict__["autocast_enter"].__func__
+    with patched_attrs([(quantization, "check_recipe_support", _accept_recipe),
+                        (manager, "autocast_enter",
+                         classmethod(_entering_unquantised(refusing.__wrapped__)))]):
+        yield
+
+
+def _patch_rng() -> None:
+    """TE's CUDA RNG state (its checkpoint saves and restores it): the CPU generator's, which
+    CPU ops draw from (as megatron-core's ``rng`` patch does for its tracker)."""
+    distributed = sys.modules["transformer_engine.pytorch.distributed"]
+    _rebind(distributed._get_cuda_rng_state, lambda *_args, **_kwargs: torch.get_rng_state())
+    _rebind(distributed._set_cuda_rng_state, lambda state, *_args, **_kwargs: torch.set_rng_state(state))
+
+
 def install() -> ModuleType:
     """Import ``transformer_engine.pytorch`` on its CPU extension (idempotent); returns it."""
     if "transformer_engine.pytorch" in sys.modules:
@@ -249,6 +298,7 @@ def install() -> ModuleType:
     _patch_device_queries(te_pytorch)
     _backwards_in_device_mode()
     _patch_context_parallel_ring()
+    _patch_rng()
     te_pytorch.quantization.check_recipe_support = refuse_recipe
     manager = te_pytorch.quantization.FP8GlobalStateManager
     manager.autocast_enter = classmethod(_refusing_quantisation(manager.__dict__["autocast_enter"].__func__))
