@@ -112,6 +112,18 @@ def test_a_generic_function_that_ignores_the_group_it_was_given_is_the_root():
     assert space["given_explicit"](1, explicit) == f"{_line(LAYERS, GENERIC, 'WHERE(sys._getframe(0), GLOBAL)')} in ignoring"
 
 
+def test_a_group_given_to_transformer_engine_is_chosen_by_the_megatron_line_that_gave_it():
+    """TE's Python is passed like torch's: MTP's ``te_checkpoint`` call handing parallel_state's
+    group to TE's checkpoint, whose backward gathers on it, is the root (#7452 finding 4)."""
+    library = "/site/transformer_engine/pytorch/fake_distributed.py"
+    space = {"sys": sys, "GLOBAL": GLOBAL, "WHERE": lambda frame, group: _chooser(frame, group)}
+    exec(compile("\ndef checkpoint(x, tp_group):\n    return WHERE(sys._getframe(0), tp_group)\n",
+                 library, "exec"), space)
+    code = "\ndef checkpointed(x):\n    return checkpoint(x, GLOBAL)\n"
+    exec(compile(code, MODEL, "exec"), space)
+    assert space["checkpointed"](1) == f"{_line(code, MODEL, 'return checkpoint(x, GLOBAL)')} in checkpointed"
+
+
 def _use(line: int, function: str = "CrossAttention.__init__", file: str = "megatron/core/transformer/attention.py"):
     return {"rule": RULE, "location": f"{file}:{line}", "op": "all_reduce", "group": "tp", "function": function,
             "showed": "megatron/core/tensor_parallel/layers.py:639", "line": f"checker: {file}:{line}: ..."}

@@ -134,7 +134,7 @@ def check_mesh(pg: Any) -> None:
 
 
 def _short(path: str) -> str:
-    for marker in ("/megatron/core/", "/shardcheck/", "/tests/"):
+    for marker in ("/megatron/core/", "/transformer_engine/", "/shardcheck/", "/tests/"):
         index = path.rfind(marker)
         if index >= 0:
             return path[index + 1:]
@@ -174,7 +174,8 @@ def _chooser(frame: FrameType | None, group: Any, built: Any = None) -> str | No
     caller; one that received another group and used this one chose it; outside the generic
     layers (:data:`GENERIC`) one that received none chose it (it read or omitted it); inside
     them, the module whose constructor took the global group (``built``: module -> site) chose
-    it there. None where the walk leaves megatron-core first (the harness chose it)."""
+    it there. The walk passes torch's, the standard library's and Transformer Engine's frames
+    (:data:`LIBRARY`). None where it leaves megatron-core for other code (the harness chose it)."""
     while frame is not None:
         name = frame.f_code.co_filename
         if _MEGATRON in name:
@@ -188,7 +189,7 @@ def _chooser(frame: FrameType | None, group: Any, built: Any = None) -> str | No
                 owner = frame.f_locals.get("self")
                 if isinstance(owner, torch.nn.Module) and owner in built:
                     return built[owner]
-        elif not name.startswith(_PASSED):
+        elif not name.startswith(_PASSED) and LIBRARY not in name:
             return None
         frame = frame.f_back
     return None
@@ -206,6 +207,11 @@ _SHARDCHECK = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__
 _PASSED = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(os.__file__) + os.sep,
            *(os.path.join(_SHARDCHECK, *part) for part in (("megatron", "checks", ""), ("typecheck", ""),
                                                            ("patching.py",))))
+
+
+# Transformer Engine's Python, which megatron-core calls as it calls torch: its group is its
+# caller's choice (te_checkpoint's checkpoint splits and gathers on the tp_group it is given)
+LIBRARY = f"{os.sep}transformer_engine{os.sep}pytorch{os.sep}"
 
 
 def _constructing(frame: FrameType | None) -> torch.nn.Module | None:
