@@ -26,8 +26,10 @@ from shardcheck.megatron.audit.sweep import (  # noqa: E402
     Case,
     components_plan,
     impl_of,
+    in_te_tier,
     layouts,
     setup_options,
+    te_option_sets,
 )
 from shardcheck.megatron.cpu.te import te_dir  # noqa: E402
 from shardcheck.megatron.scenarios.gpt import GPTSetup, MoEGPTSetup, TEGPTSetup  # noqa: E402
@@ -67,6 +69,20 @@ def test_the_default_plan_runs_the_defaults_on_te_at_a_few_layouts_after_the_def
     assert planned[first:first + len(te)] == te
     assert components_plan(["gpt"], [Layout.parse("tp2")]).count(Case("gpt", (("impl", "te"),), Layout(tp=2))) == 1
     assert not any(impl_of(c.options) == "te" for c in components_plan(["gdn", "gpt"], [Layout.parse("cp2")]))
+
+
+def test_the_te_tier_runs_mtp_recomputation_under_fp8_plain_and_with_explicit_groups():
+    """MTP's quantised recomputation (te_checkpoint) is reachable on TE only: the TE tier runs it
+    after MTP's defaults on TE, at tp2-dp2 and tp2-dp2@dp-tp, in the default plan."""
+    from shardcheck.megatron.audit.schedule import in_default_plan
+
+    [(options, names)] = te_option_sets()["mtp"]
+    assert dict(options)["fp8"] and dict(options)["distribute_saved_activations"] and impl_of(options) == "te"
+    te = [c for c in components_plan(["mtp"], layouts(explicit=True)) if impl_of(c.options) == "te"]
+    assert [(c.options, str(c.layout)) for c in te] == [
+        *(((("impl", "te"),), name) for name in TE_LAYOUTS["mtp"]), *((options, name) for name in names)]
+    assert all(in_te_tier(c) and in_default_plan(c) for c in te)
+    assert not in_te_tier(Case("mtp", options, Layout(tp=2)))
 
 
 def _outcome(declared: dict[str, str], *wrong: str, clip: tuple[float, float] | None = None) -> Outcome:

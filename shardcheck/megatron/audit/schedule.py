@@ -9,7 +9,8 @@ to larger layouts, within the same budget. A layout the component refuses, or wh
 fail, is not tried with options; a case whose options the defaults never read is pruned.
 
 The default plan is a selection of the whole plan (:func:`in_default_plan`): each component's
-defaults under every layout, its defaults on Transformer Engine, each option set under the
+defaults under every layout, its defaults and a few option sets on Transformer Engine
+(:func:`~shardcheck.megatron.audit.sweep.te_cases`), each option set under the
 cheapest layout of each parallel dimension the component runs under (:data:`OPTION_LAYOUTS`:
 tp2, or tp2-sp where tp needs sp; cp2; dp2; dp2-ep2; pp2), and each option set of the scenario's
 own classes (its setup fields and inputs, the model's arguments, bundles) under one
@@ -31,7 +32,7 @@ from dataclasses import dataclass, field
 
 from shardcheck.megatron.audit.outcome import CANNOT_RUN_HERE, CONFIG_REFUSES, Outcome
 from shardcheck.megatron.audit.runner import INERT, Runner
-from shardcheck.megatron.audit.sweep import IMPL, Case
+from shardcheck.megatron.audit.sweep import Case, in_te_tier
 from shardcheck.parity.layout import Layout
 
 Progress = Callable[[Case, int], None]
@@ -46,11 +47,11 @@ NOT_REACHED = "not reached within the budget or time limit"
 
 def in_default_plan(case: Case) -> bool:
     """Whether the default plan runs the case whatever else ran: a component's defaults (every
-    layout), its defaults on Transformer Engine (the TE tier), an option set under one of the
+    layout), the TE tier (its defaults and TE's option sets on Transformer Engine), an option set under one of the
     component's :func:`option_layouts`, or an option set of the scenario's own classes under its
     :func:`explicit_layout`. (An option set none of those runs also runs at its first larger
     layout that is not pruned, see :func:`sweep`.)"""
-    if not case.options or case.options == ((IMPL, "te"),):
+    if not case.options or in_te_tier(case):
         return True
     name = str(case.layout)
     return name in option_layouts(case.component) or (

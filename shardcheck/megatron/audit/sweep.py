@@ -18,9 +18,9 @@ rank order, e.g. ``tp2-dp2@dp-tp``) while Megatron's global groups keep the defa
 Cases are ordered so that a budget cut keeps the space covered evenly: first every component's
 defaults under every layout (explicit-group layouts only for the components that pass the
 groups to Megatron), then the defaults of the GPT family, GDN and Mamba on Transformer
-Engine's layers at a few layouts (:data:`TE_LAYOUTS`), then each option under each two-rank
-layout, then under the larger ones (explicit-group layouts included, for the components that
-pass the groups).
+Engine's layers at a few layouts (:data:`TE_LAYOUTS`) and a few option sets only TE runs
+(:func:`te_option_sets`), then each option under each two-rank layout, then under the larger
+ones (explicit-group layouts included, for the components that pass the groups).
 """
 
 from __future__ import annotations
@@ -102,10 +102,24 @@ def impl_of(options: Iterable[tuple[str, Any]], component: str | None = None) ->
 
 def te_cases(components: Iterable[str], layout_list: list[Layout]) -> list[Case]:
     """The default plan's Transformer Engine cases: each component of :data:`TE_LAYOUTS` with
-    its defaults on TE, at those of its layouts that ``layout_list`` holds."""
+    its defaults on TE, then each option set of :func:`te_option_sets`, at those of their
+    layouts that ``layout_list`` holds."""
     given = {str(layout): layout for layout in layout_list}
-    return [Case(component, ((IMPL, "te"),), given[name])
-            for component in components for name in TE_LAYOUTS.get(component, ()) if name in given]
+    components = list(components)
+    sets = [(component, ((IMPL, "te"),), TE_LAYOUTS.get(component, ())) for component in components]
+    sets += [(component, options, names) for component in components
+             for options, names in te_option_sets().get(component, ())]
+    return [Case(component, options, given[name]) for component, options, names in sets
+            for name in names if name in given]
+
+
+def in_te_tier(case: Case) -> bool:
+    """Whether the case is one of :func:`te_cases`: defaults on TE, or a TE option set at one of
+    its layouts."""
+    if case.options == ((IMPL, "te"),):
+        return True
+    return any(case.options == options and str(case.layout) in names
+               for options, names in te_option_sets().get(case.component, ()))
 
 
 def model_argument(name: str) -> tuple[str, str] | None:
@@ -401,6 +415,21 @@ FULL_BUNDLES: tuple[tuple[tuple[str, Any], ...], ...] = (
     (*_FULL, ("recompute_method", "uniform"), ("distribute_saved_activations", True)),
 )
 SELECTIVE = ("recompute_granularity", "selective")
+
+
+def te_option_sets() -> dict[str, tuple[tuple[tuple[tuple[str, Any], ...], tuple[str, ...]], ...]]:
+    """Option sets the default plan runs on Transformer Engine beyond the defaults, each with
+    its layouts: megatron-core code that runs only on TE's modules with an FP8 recipe, the
+    recipe run unquantised (:func:`shardcheck.megatron.cpu.te.unquantised`).
+
+    MTP's full recomputation with activations distributed over tp goes through ``te_checkpoint``
+    under FP8 (``_checkpointed_forward``'s quantised branch; without TE it raises ImportError),
+    plain and with explicit groups: one MTP layer (with two, the second's checkpoint flattens
+    the first's output, which the MTP block keeps: the one-rank crash of the bundle without
+    FP8) and rotary positions (megatron.training refuses MTP with learned ones)."""
+    quantised_recompute = ((IMPL, "te"), ("mtp_layers", 1), ("position_embedding", "rope"),
+                           ("fp8", "hybrid"), *FULL_BUNDLES[2])
+    return {"mtp": ((quantised_recompute, ("tp2-dp2", "tp2-dp2@dp-tp")),)}
 
 
 @functools.cache
