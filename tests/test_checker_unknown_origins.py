@@ -53,3 +53,29 @@ def test_a_real_bug_next_to_an_unknown_is_still_flagged():
         torch.nn.functional.gelu(partial * _CACHE)  # unknown: not checked
         torch.nn.functional.gelu(partial)  # non-linear on partial
     assert [r.rule for r in sc.violations()] == ["non-linear on partial"]
+
+
+def test_a_rank_slice_on_two_axes_alike_is_named_as_such():
+    """dp and cp ranks [0, 2] and [0, 1]: rank 0's index is 0 on both, so the first half of a
+    replicated tensor is its chunk on either; the rule cannot tell which group's rank chose it
+    (Mamba's and GDN's cp slices of their parameters), and the origin says so."""
+    with sc.typecheck(sc.Mesh(rank=0, cp=[0, 1], dp=[0, 2]), sites=True):
+        weight = sc.annotate(torch.randn(8, 4), cp=sc.R, dp=sc.R)
+        assert sc.typeof(weight[0:4].exp()) == {}
+    cov = sc.coverage()
+    [(origin, calls)] = cov.origins
+    assert origin.endswith("slice: aten.slice [0:4] of dim 0 is this rank's chunk by its rank on cp and dp "
+                           "alike: which group's rank chose it is not known")
+    assert calls == 2 == cov.unknown and cov.typed == 1  # the randn: a slice knowing no axis is untyped
+
+
+def test_sections_of_a_split_are_no_rank_chunk_of_two_axes():
+    """A split into three sections at cp2-dp2: the first, a quarter of the dim at rank 0, is
+    no chunk of the 4-rank dp x cp group (another number of parts): replicated like the others
+    (GDN's conv weight split [16, 16, 32] lost its type there). A split into four equal parts
+    still may be that group's chunk: unknown."""
+    with sc.typecheck(sc.Mesh(rank=0, cp=[0, 1], dp=[0, 2])):
+        weight = sc.annotate(torch.randn(64, 1, 4), cp=sc.R, dp=sc.R)
+        assert [sc.typeof(p) for p in torch.split(weight, [16, 16, 32])] == [{"cp": sc.R, "dp": sc.R}] * 3
+        quarters = torch.split(weight, 16)
+        assert sc.typeof(quarters[0]) == {} and sc.typeof(quarters[1]) == {"cp": sc.R, "dp": sc.R}

@@ -234,9 +234,14 @@ class Checker(TypeStore, RankValues, TorchDispatchMode):
         value_rule, mutated = entry.value_rule, entry.mutated
         if self.rank_scalars:
             pl = self._varied_by_scalars(pl, func, args, kwargs)
-        self.typed += 1
-        if self.sites is not None:
+        if self.sites is None:
+            self.typed += 1
+        elif _knows_an_axis(pl):
+            self.typed += 1
             self._count_site(func, args, out, typed=True)
+        else:  # no axis known is no type (coverage by site asks): its origin is here
+            self.unknown[id(func)] += 1
+            self._count_site(func, args, out, typed=False, ruled=True)
         flags = self._value_flags(value_rule, func, args) if value_rule else NOTHING
         if value_rule is _ADD:
             flags = self._accumulation(args, flags)
@@ -475,6 +480,14 @@ def _flat(args: Any) -> Iterator[Any]:
             yield from _flat(a)
         else:
             yield a
+
+
+def _knows_an_axis(pl: Any) -> bool:
+    """Whether a rule's verdict (a placement per axis, or a list of them, one per output)
+    knows any axis of any output."""
+    if isinstance(pl, list):
+        return any(_knows_an_axis(p) for p in pl)
+    return pl is not None and pl.count(None) != len(pl)
 
 
 def _holds_nothing(out: Any) -> bool:
