@@ -3,7 +3,10 @@ region untyped, an op no rule types, a rule that gave no type to its inputs' typ
 
 import inspect
 
+import pytest
 import torch
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import shardcheck as sc
 from shardcheck.typecheck.unknown_origins import DECLINED, ENTERED, NO_RULE
@@ -79,3 +82,37 @@ def test_sections_of_a_split_are_no_rank_chunk_of_two_axes():
         assert [sc.typeof(p) for p in torch.split(weight, [16, 16, 32])] == [{"cp": sc.R, "dp": sc.R}] * 3
         quarters = torch.split(weight, 16)
         assert sc.typeof(quarters[0]) == {} and sc.typeof(quarters[1]) == {"cp": sc.R, "dp": sc.R}
+
+
+@pytest.fixture
+def cp_dp_groups():
+    """Rank 0 of 4 (fake backend): cp over [0, 1], dp over [0, 2]; index 0 on both."""
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        yield dist.new_group([0, 1]), dist.new_group([0, 2])
+    finally:
+        dist.destroy_process_group()
+
+
+def _local_chunk(param: torch.Tensor, group) -> torch.Tensor:
+    """GDN's get_parameter_local_cp: this rank's rows, by the group's rank read as a number."""
+    rank = group.rank()
+    rows = [slice(None)] * param.dim()
+    rows[0] = slice(rank * param.shape[0] // group.size(), (rank + 1) * param.shape[0] // group.size())
+    return param[tuple(rows)]
+
+
+def test_a_rank_slice_is_the_chunk_of_the_group_whose_rank_computed_its_bounds(cp_dp_groups):
+    """At a rank whose cp and dp indices agree, the bounds computed from ``cp.rank()`` say
+    which: S(0) on cp (correct), on dp when cut by the dp rank; a fixed slice stays unknown.
+    The wrong group's chunk added to a cp chunk is still flagged."""
+    cp, dp = cp_dp_groups
+    with sc.typecheck(sc.Mesh(cp=cp, dp=dp), mode="collect"):
+        weight = sc.annotate(torch.randn(8, 4), cp=sc.R, dp=sc.R)
+        by_cp, by_dp = _local_chunk(weight, cp), _local_chunk(weight, dp)
+        assert sc.typeof(by_cp) == {"cp": sc.S(0), "dp": sc.R}
+        assert sc.typeof(by_dp) == {"cp": sc.R, "dp": sc.S(0)}
+        assert sc.typeof(weight[0:4]) == {}
+        by_cp + by_dp  # rows of another rank on each axis: a bug
+    assert sc.violations(), "the mixed chunks were not flagged"
+    assert type(cp.rank()) is int  # itself again outside the region

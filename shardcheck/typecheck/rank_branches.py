@@ -13,6 +13,13 @@ later, or a branch that calls a function, is not followed.
 
 A rank read as the index of a subscript (``x.chunk(n)[get_rank(group)]``) tells the checker
 which of the pieces a split just made each rank picks (``Checker.picked_by_rank``).
+
+Numbers computed from a rank (``rank * size``, ``(rank + 1) * n // size``), of ``get_rank`` or
+of ``ProcessGroup.rank()``, are :class:`RankDerived`: ints that remember the mesh axes whose
+rank they came from, and nothing else (comparing them is no branch). A slice that is this
+rank's chunk on several axes alike asks :func:`bound_axes` which axes' rank computed its
+bounds (GDN's and Mamba's cp slices of their parameters, at a rank whose dp index is its cp
+index).
 """
 
 from __future__ import annotations
@@ -35,13 +42,64 @@ MACHINERY = (_TORCH, _TYPECHECK, os.path.dirname(functools.__file__) + os.sep + 
 _DECISIONS_KEPT = 32
 
 
-class RankNumber(int):
+class _Derives(int):
+    """Int arithmetic that keeps the mesh axes (``axes``) of the rank a number came from."""
+
+    axes: tuple[int, ...] = ()
+
+    def _derived(self, value: Any, other: Any = None) -> Any:
+        if type(value) is not int:
+            return value
+        return RankDerived(value, tuple(sorted({*self.axes, *getattr(other, "axes", ())})))
+
+    def __add__(self, other: Any) -> Any:
+        return self._derived(int.__add__(self, other), other)
+
+    def __radd__(self, other: Any) -> Any:
+        return self._derived(int.__radd__(self, other), other)
+
+    def __sub__(self, other: Any) -> Any:
+        return self._derived(int.__sub__(self, other), other)
+
+    def __rsub__(self, other: Any) -> Any:
+        return self._derived(int.__rsub__(self, other), other)
+
+    def __mul__(self, other: Any) -> Any:
+        return self._derived(int.__mul__(self, other), other)
+
+    def __rmul__(self, other: Any) -> Any:
+        return self._derived(int.__rmul__(self, other), other)
+
+    def __floordiv__(self, other: Any) -> Any:
+        return self._derived(int.__floordiv__(self, other), other)
+
+    def __mod__(self, other: Any) -> Any:
+        return self._derived(int.__mod__(self, other), other)
+
+    __hash__ = int.__hash__
+
+    def __reduce__(self):
+        return int, (int(self),)
+
+
+class RankDerived(_Derives):
+    """A number computed from a rank read on mesh ``axes`` (see the module docstring)."""
+
+    def __new__(cls, value: int, axes: tuple[int, ...]) -> RankDerived:
+        self = super().__new__(cls, value)
+        self.axes = axes
+        return self
+
+
+class RankNumber(_Derives):
     """A rank read by user code (see the module docstring); ``on(frame)`` is told of each
     comparison or truth test."""
 
-    def __new__(cls, value: int, seen: Callable[[FrameType], None] | None = None) -> RankNumber:
+    def __new__(cls, value: int, seen: Callable[[FrameType], None] | None = None,
+                axes: tuple[int, ...] = ()) -> RankNumber:
         self = super().__new__(cls, value)
         self._seen = seen
+        self.axes = axes
         return self
 
     def _decided(self) -> None:
@@ -77,10 +135,6 @@ class RankNumber(int):
         self._decided()
         return int(self) != 0
 
-    __hash__ = int.__hash__
-
-    def __reduce__(self):
-        return int, (int(self),)
 
 
 class RankBranches:
@@ -227,10 +281,40 @@ class RankUse:
 
     decided: Callable[[FrameType], None]
     picked: Callable[[FrameType, int, int], None]
+    axes: tuple[int, ...] = ()  # the mesh axes of the group
 
 
 _get_rank = dist.get_rank
+_group_rank = dist.ProcessGroup.rank  # the C++ method, called as a function
+_group_rank_method = dist.ProcessGroup.__dict__["rank"]  # what the class holds (restored as is)
 _installed: list[Callable[[Any], RankUse | None]] = []
+
+
+def _watched_group_rank(group: Any) -> int:
+    """``ProcessGroup.rank``: a :class:`RankDerived` for user code, when the group is of mesh axes."""
+    rank = _group_rank(group)
+    if not _installed or rank < 0 or sys._getframe(1).f_code.co_filename.startswith(MACHINERY):
+        return rank
+    use = _installed[-1](group)
+    return rank if use is None else RankDerived(rank, use.axes)
+
+
+def bound_axes(start: int, stop: int, frames: int = 3) -> set[int]:
+    """The mesh axes of the :class:`RankDerived` numbers equal to ``start`` or ``stop`` in the
+    locals of the innermost ``frames`` user frames (a slice's bounds, or the slices holding
+    them: ``x[start:end]``, ``param[slices]``)."""
+    found: set[int] = set()
+    frame = user_frame(sys._getframe(1))
+    for _ in range(frames):
+        if frame is None:
+            break
+        for value in frame.f_locals.values():
+            for item in (value if isinstance(value, (list, tuple)) and len(value) <= 8 else (value,)):
+                for bound in ((item.start, item.stop) if isinstance(item, slice) else (item,)):
+                    if isinstance(bound, _Derives) and bound in (start, stop):
+                        found.update(bound.axes)
+        frame = user_frame(frame.f_back)
+    return found
 
 
 def _watched_get_rank(group: Any = None) -> int:
@@ -244,7 +328,7 @@ def _watched_get_rank(group: Any = None) -> int:
     site = subscript_site(caller)
     if site is not None:
         use.picked(*site, rank)
-    return RankNumber(rank, use.decided)
+    return RankNumber(rank, use.decided, use.axes)
 
 
 def watch(on_read: Callable[[Any], RankUse | None]) -> None:
@@ -252,6 +336,7 @@ def watch(on_read: Callable[[Any], RankUse | None]) -> None:
     read for ``group`` (None: return a plain int)."""
     if not _installed:
         dist.get_rank = dist.distributed_c10d.get_rank = _watched_get_rank
+        dist.ProcessGroup.rank = _watched_group_rank
     _installed.append(on_read)
 
 
@@ -259,3 +344,4 @@ def unwatch(on_read: Callable) -> None:
     _installed.remove(on_read)
     if not _installed:
         dist.get_rank = dist.distributed_c10d.get_rank = _get_rank
+        dist.ProcessGroup.rank = _group_rank_method

@@ -41,7 +41,7 @@ class RankValues:
             return None
         axes = tuple(self.names.index(n) for n in names)
         return rank_branches.RankUse(lambda frame: self.branches.decided(frame, axes),
-                                     lambda frame, at, rank: self.picked_by_rank(frame, at, rank, axes))
+                                     lambda frame, at, rank: self.picked_by_rank(frame, at, rank, axes), axes)
 
     def remember_pieces(self, pieces, source: tuple) -> None:
         """The pieces a split just made of a value typed ``source``, and the user code's call

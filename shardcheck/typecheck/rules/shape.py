@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-from shardcheck.typecheck import tensor_state
+from shardcheck.typecheck import rank_branches, tensor_state
 from shardcheck.typecheck.exchange import rejoined_pieces, rejoined_rows
 from shardcheck.typecheck.rules.arithmetic import ADD, Typed, elementwise, reduced_dims
 from shardcheck.typecheck.rules.common import (
@@ -301,7 +301,9 @@ def rank_piece(ctx: RuleContext, pl: Pl, dim: int, total: int, start: int, lengt
     """Axes on which the piece [start, start+length) is this rank's chunk of ``total``.
 
     The guess needs one candidate axis: when an untyped axis would match too, the cut may be
-    by that axis's rank (MoE's local experts, by the ep rank), so no axis is guessed.
+    by that axis's rank (MoE's local experts, by the ep rank), so no axis is guessed. Of several
+    typed ones (cp and dp at a rank whose index is the same on both), the axes whose rank read
+    computed the bounds are (:func:`rank_branches.bound_axes`), when one group's.
 
     The whole dim is no rank's chunk: ``x[:, 0]`` of a dim of size 1 on rank 0 is the tensor;
     nor is a piece of a split into another number of ``parts`` than the axis has ranks (GDN's
@@ -318,7 +320,11 @@ def rank_piece(ctx: RuleContext, pl: Pl, dim: int, total: int, start: int, lengt
     if by_rank and not unknown and len({ctx.rank_sets[a] for a in by_rank}) == 1:
         # one axis, or axes over the same ranks (cp and ep at cp2-dp2-ep2): one rank index
         return dict.fromkeys(by_rank, S(dim) if check_varying else RankChunk(dim))
-    if by_rank:  # ambiguous: several axes (some untyped) have the same size and index here
+    if by_rank:  # ambiguous: several axes (some untyped) have the same size and index here,
+        # unless the bounds were computed from the rank of one of them (see rank_branches)
+        chosen = [a for a in by_rank if a in rank_branches.bound_axes(start, start + length)]
+        if chosen and not unknown and len({ctx.rank_sets[a] for a in chosen}) == 1:
+            return dict.fromkeys(chosen, S(dim) if check_varying else RankChunk(dim))
         return dict.fromkeys(by_rank + unknown)
     if spanning := _cut_by_two_axes(ctx, pl, total, start, length, parts):
         return spanning
