@@ -172,6 +172,14 @@ def test_megatron_training_accepts_the_same_job_with_rotary_positions_and_the_gp
     assert training_verdict(Case("moe", (), Layout.parse("tp2-pp2-sp"))) is None
 
 
+def test_a_case_on_transformer_engine_is_checked_against_the_te_its_ranks_run(arguments):
+    """This process has no TE, so validate_args's TE version checks fail; a case on TE is
+    checked as with the pinned TE 2.20.2 installed (FP4 needs TE 2.7)."""
+    fp4 = (("position_embedding", "rope"), ("fp4", "e2m1"))
+    assert "--fp4-format requires Transformer Engine" in training_verdict(Case("mtp", fp4, Layout(tp=2)))
+    assert training_verdict(Case("mtp", (("impl", "te"), *fp4), Layout(tp=2))) is None
+
+
 def test_a_component_pretrain_gpt_does_not_build_is_not_checked():
     assert training_verdict(Case("output_loss", (("parallel_output", False),), Layout(tp=2))) is None
 

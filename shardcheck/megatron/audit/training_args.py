@@ -14,7 +14,8 @@ derives from them) and the model's sizes copied to the flag of the same name (``
 embedding, tied embeddings, sequence length, batch sizes, gradient clipping, the model
 arguments that are flags of the same name), with the local layer spec the scenarios build.
 Hardware is not a configuration: the validation runs as on a GPU that asks for no
-``CUDA_DEVICE_MAX_CONNECTIONS`` setting (device architecture 10). Only the components that
+``CUDA_DEVICE_MAX_CONNECTIONS`` setting (device architecture 10), and a case on Transformer
+Engine as with the TE its ranks run installed. Only the components that
 build a ``GPTModel`` from a GPT setup are checked: ``pretrain_gpt`` would build them.
 """
 
@@ -31,7 +32,7 @@ import typing
 import warnings
 from typing import Any
 
-from shardcheck.megatron.audit.sweep import SIZE_FIELDS, Case, setup_kwargs
+from shardcheck.megatron.audit.sweep import SIZE_FIELDS, Case, impl_of, setup_kwargs
 from shardcheck.megatron.checks import contracts
 from shardcheck.patching import patched
 
@@ -123,7 +124,8 @@ def training_verdict(case: Case) -> str | None:
         return f"{NOT_CHECKED}: its TransformerConfig does not build ({_said(exc)})"
     try:
         with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings(), \
-                patched(arguments, "get_device_arch_version", lambda: DEVICE_ARCH):
+                patched(arguments, "get_device_arch_version", lambda: DEVICE_ARCH), \
+                _with_te_of(case, arguments):
             warnings.simplefilter("ignore")
             arguments.validate_args(flags, {})  # prints every argument: kept off stdout
     except Exception as exc:  # noqa: BLE001 - a refusal, or a check that cannot run here: said so
@@ -132,6 +134,23 @@ def training_verdict(case: Case) -> str | None:
         where = f"{contracts._short(frame.filename)}:{frame.lineno} in {frame.name}"
         return f"{REFUSES if isinstance(exc, REFUSED_TYPES) else NOT_CHECKED}: {_said(exc)} ({where})"
     return None
+
+
+def _with_te_of(case: Case, arguments: Any) -> contextlib.AbstractContextManager[None]:
+    """For a case on Transformer Engine, ``validate_args``'s TE version checks answer for the
+    pinned TE its ranks run (this process imported no TE: every check would fail, ``--fp4-format``
+    refused for want of TE 2.7); nothing otherwise."""
+    if impl_of(case.options, case.component) != "te":
+        return contextlib.nullcontext()
+    from packaging.version import Version
+
+    from shardcheck.megatron.cpu.te import TE_VERSION
+
+    def pinned_at_least(version: str, check_equality: bool = True) -> bool:
+        pinned, wanted = Version(TE_VERSION), Version(version)
+        return pinned >= wanted if check_equality else pinned > wanted
+
+    return patched(arguments, "is_te_min_version", pinned_at_least)
 
 
 def _said(exc: BaseException) -> str:
