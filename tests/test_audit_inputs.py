@@ -106,6 +106,22 @@ def test_only_a_per_token_loss_without_per_micro_batch_terms_is_split_free():
     assert not split_free(transformer_config(Layout(), MoEGPTSetup(config=per_token)))  # aux loss
 
 
+@pytest.mark.parametrize(("kinds", "coeffs", "z_loss", "free"), [
+    ("seq_aux_loss", 0.01, None, True),  # a mean over sequences (Megatron-LM e3fe5508c9's class)
+    ("seq_aux_loss", 0.01, 0.1, False),  # the z loss: a mean over a micro-batch's tokens
+    ("global_aux_loss", 0.01, None, False),
+    ("seq_aux_loss,aux_loss", "0.01,0.01", None, False),
+    ("seq_aux_loss,aux_loss", "0.01,0", None, True),
+])
+def test_a_sequence_level_aux_loss_is_split_free(kinds, coeffs, z_loss, free):
+    from shardcheck.megatron.audit.sweep import config_value
+
+    options = {"calculate_per_token_loss": True, "moe_z_loss_coeff": z_loss,
+               "moe_router_load_balancing_type": config_value("moe_router_load_balancing_type", kinds),
+               "moe_aux_loss_coeff": [float(c) for c in coeffs.split(",")] if isinstance(coeffs, str) else coeffs}
+    assert split_free(transformer_config(Layout(), MoEGPTSetup(config=options))) is free
+
+
 def test_the_whole_batch_is_one_micro_batch_of_every_sequence():
     setup = GPTSetup(loss_mask=True, padding_mask=True)
     [whole] = local_batches(setup, whole=True)

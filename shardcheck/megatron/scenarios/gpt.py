@@ -197,13 +197,26 @@ def document_attention_mask(setup: GPTSetup) -> torch.Tensor:
     return (later | other)[:, None].reshape(setup.microbatches, setup.micro_batch, 1, setup.seq, setup.seq)
 
 
+# MoE load-balancing losses that are a mean over sequences (each sequence's loss computed on its
+# own tokens), so independent of how sequences are grouped into micro-batches
+PER_SEQUENCE_AUX_LOSSES = frozenset({"seq_aux_loss"})
+
+
+def aux_loss_coeffs(config) -> list[tuple[str, float]]:
+    """Each MoE load-balancing loss type with its coefficient, as the router reads them
+    (``TopKRouter.get_aux_loss_coeff``): one type and coefficient, or a list of each."""
+    kinds, coeffs = config.moe_router_load_balancing_type, config.moe_aux_loss_coeff
+    kinds = [kinds] if isinstance(kinds, str) else kinds
+    return list(zip(kinds, coeffs if isinstance(coeffs, list) else [coeffs] * len(kinds), strict=False))
+
+
 def split_free(config) -> bool:
     """Whether Megatron's loss does not depend on how the global batch is split into
     micro-batches: per-token loss (summed over tokens, then divided by the global token count)
-    with no loss term computed per micro-batch (MoE's auxiliary and z losses)."""
-    per_micro_batch = config.moe_aux_loss_coeff, config.moe_z_loss_coeff
-    return bool(config.calculate_per_token_loss) and not any(
-        any(c if isinstance(c, list) else [c]) for c in per_micro_batch)
+    with no loss term computed over a micro-batch as a whole (MoE's z loss, its load-balancing
+    losses but the sequence-level one, :data:`PER_SEQUENCE_AUX_LOSSES`)."""
+    per_micro_batch = [c for kind, c in aux_loss_coeffs(config) if kind not in PER_SEQUENCE_AUX_LOSSES]
+    return bool(config.calculate_per_token_loss) and not any([*per_micro_batch, config.moe_z_loss_coeff])
 
 
 def local_batches(setup: GPTSetup, pg: Any = None, whole: bool = False) -> list[dict[str, torch.Tensor]]:
