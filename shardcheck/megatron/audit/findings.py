@@ -21,6 +21,7 @@ from shardcheck.megatron.audit.runner import Runner
 from shardcheck.megatron.audit.sweep import Case
 from shardcheck.megatron.audit.training_args import training_verdict
 from shardcheck.megatron.checks import contracts, explicit
+from shardcheck.megatron.scenarios.reference import recorded_at
 
 
 def build_findings(runner: Runner, outcomes: list[Outcome], one_rank: list[Outcome]) -> list[Finding]:
@@ -50,6 +51,7 @@ def _finding(runner: Runner, key: tuple[str, str], members: list[Outcome],
     kind = audit_report.kind(members, checker)
     narrowed = runner.first_op(minimal.case, minimal.call_gap) if kind == "numeric-only" else None
     location = narrowed.location if narrowed is not None and key[1] != audit_report.NORM_CONTRACT else key[0]
+    location = (_metric_record(minimal) if kind == "numeric-only" else None) or location
     return Finding.audited(
         audit_report.trigger(minimal.case), audit_report.effect(minimal), corrected_control(runner, minimal),
         title=audit_report.title(key, minimal, checker), kind=kind,
@@ -60,6 +62,19 @@ def _finding(runner: Runner, key: tuple[str, str], members: list[Outcome],
         seen_in=audit_report.seen_in(members, minimal),
         cases=[audit_report.case_entry(o.case, minimal.case.component) for o in members],
         id="" if first else _trigger_id(key, minimal.case), training_args=training_verdict(minimal.case))
+
+
+def _metric_record(outcome: Outcome) -> str | None:
+    """``file:line`` of the megatron-core call that recorded the first diverging metric in its
+    tracker, where only metrics the training loop logs differ (no loss, gradient or contracted
+    result): each rank records its share of a metric, which the groups that call gives the
+    tracker make whole, so the call is the root; the first op whose share differs from the
+    one-rank value is not (Megatron-LM 4abeecce74: the z-loss recorded without ``avg_group``).
+    None otherwise."""
+    if outcome.call_gap is not None or not outcome.gaps:
+        return None
+    sites = [recorded_at(outcome.declared, gap.name) for gap in outcome.gaps]
+    return None if None in sites else sites[0].split(" in ", 1)[0]
 
 
 def _trigger_id(key: tuple[str, str], case: Case) -> str:

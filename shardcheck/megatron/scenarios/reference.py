@@ -229,13 +229,61 @@ def _megatron_line() -> str:
     return f"{_short(frame.f_code.co_filename)}:{frame.f_lineno} in {frame.f_code.co_name}"
 
 
+RECORDED = "recorded at "  # a logged metric's declaration: the call that handed it to its tracker
+# megatron-core's trackers of the metrics its training loop logs: (module, class, method), and the
+# outputs (scenarios' names) that a call's bound arguments feed
+METRIC_TRACKERS: tuple[tuple[str, str, str, Callable[[dict], list[str]]], ...] = (
+    ("megatron.core.transformer.moe.moe_logging", "MoEMetricsTracker", "record",
+     lambda bound: [f"moe/{bound['name']}"]),
+    ("megatron.core.transformer.multi_token_prediction", "MTPLossLoggingHelper", "save_metrics_to_tracker",
+     lambda bound: [f"mtp/mtp_{bound['layer_number'] + 1} loss",
+                    f"mtp/mtp_{bound['layer_number'] + 1}_acceptance_rate"]),
+    ("megatron.core.transformer.multi_token_prediction", "MTPLossLoggingHelper", "save_loss_to_tracker",
+     lambda bound: [f"mtp/mtp_{bound['layer_number'] + 1} loss"]),
+)
+
+
+def _metric_recorders(by_key: dict[str, str]) -> list[tuple[Any, str, Any]]:
+    """Patches of this megatron-core's metric trackers (:data:`METRIC_TRACKERS`) that note in
+    ``by_key``, per output a call feeds, the megatron-core line that made the call: where the
+    metric's groups (what it is reduced and averaged over) are chosen."""
+    import importlib
+    import inspect
+
+    patches = []
+    for module, owner, method, outputs in METRIC_TRACKERS:
+        cls = getattr(importlib.import_module(module), owner, None)
+        original = getattr(cls, method, None)
+        if original is None:
+            continue
+
+        def noting(*args: Any, _original: Any = original, _outputs: Any = outputs, **kwargs: Any) -> Any:
+            site = f"{RECORDED}{_megatron_line()}"
+            for name in _outputs(inspect.signature(_original).bind(*args, **kwargs).arguments):
+                by_key.setdefault(name, site)
+            return _original(*args, **kwargs)
+
+        static = isinstance(inspect.getattr_static(cls, method), staticmethod)
+        patches.append((cls, method, staticmethod(noting) if static else noting))
+    return patches
+
+
+def recorded_at(declared: dict[str, str], name: str) -> str | None:
+    """``file:line in function`` of the call that recorded the logged metric ``name``
+    (:func:`parameter_declarations`), or None (not a metric, or not recorded)."""
+    found = declared.get(name, "")
+    return found.removeprefix(RECORDED) if found.startswith(RECORDED) else None
+
+
 @contextmanager
 def parameter_declarations() -> Iterator[dict[str, str]]:
     """Where megatron-core declared the tensor parallelism of each parameter built inside the
     block, by global key, for the models :func:`note_declarations` is given: the last line that
     set its ``tensor_model_parallel`` (in megatron-core, or where megatron-core called the code
     that did, such as Transformer Engine's), else the line that built it (registered it in a
-    module). A parameter the gradient norm counts wrongly is declared there."""
+    module). A parameter the gradient norm counts wrongly is declared there. A metric the
+    training loop logs is declared, by its output name, where megatron-core recorded it in its
+    tracker (:data:`RECORDED`, :func:`recorded_at`): the call that gives its groups."""
     from shardcheck.patching import patched_attrs
 
     by_id: dict[int, str] = {}
@@ -255,7 +303,7 @@ def parameter_declarations() -> Iterator[dict[str, str]]:
     _RECORDERS.append((by_id, by_key))
     try:
         with patched_attrs([(torch.nn.Module, "register_parameter", registering),
-                            (torch.nn.Parameter, "__setattr__", marking)]):
+                            (torch.nn.Parameter, "__setattr__", marking), *_metric_recorders(by_key)]):
             yield by_key
     finally:
         _RECORDERS.remove((by_id, by_key))
