@@ -1,5 +1,6 @@
 """`shardcheck audit --megatron PATH`: a source tree audited as such, a planted bug found in it."""
 
+import ast
 import json
 import os
 import re
@@ -104,21 +105,58 @@ def test_a_folder_that_is_not_a_megatron_tree_gets_one_line_and_exit_2(folder, t
 FIXES = REPO / "tests" / "data" / "megatron-fixes"  # upstream diffs, BSD-3 (README.md there)
 
 
-def test_a_real_megatron_fix_reverted_in_the_checkout_is_found(checkout, tmp_path):
-    """Megatron-LM 4abeecce74 (#3199) made the logged MoE z-loss an average over tp, dp and cp;
-    the installed release holds it, so the checkout with it reverted is its parent's router.
-    The MoE GPT sweeps ``moe_z_loss_coeff`` (an auxiliary loss's weight) and compares the MoE
-    metrics Megatron's training loop logs, so the parent gives a finding on ``moe/z_loss``."""
-    diff = FIXES / "4abeecce74.diff"
+# Real Megatron-LM fixes of silent bugs, each reverted in the checkout (which holds the fix):
+# the diff, the audit that reaches it, the outputs that differ first, and whether the finding is
+# located in the function the fix changes
+REVERTED = {
+    # the logged z-loss metric recorded without averaging over tp, dp and cp (#3199): MoE's
+    # aux-loss weights are swept, the MoE metrics the training loop logs are outputs, and a
+    # metric's finding is located at the call that recorded it
+    "4abeecce74": (("--only", "moe", "--layouts", "tp2-sp", "--set", "moe_z_loss_coeff=0.1"), ["moe/z_loss"], True),
+    # the sequence-level aux loss's gradient kept a 1/micro-batch-size factor under the
+    # per-token loss (#5798): the one-rank reference takes the whole batch in one micro-batch.
+    # Located where the gradients are scaled (DDP's scale_gradients): the router's own values are
+    # each dp rank's share of the batch, which the whole-batch reference has none of to compare
+    "e3fe5508c9": (("--only", "moe", "--layouts", "dp2", "--set", "moe_router_load_balancing_type=seq_aux_loss",
+                    "--set", "calculate_per_token_loss=True"),
+                   ["get_grad_norm_fp32#0.total_norm", "grad/decoder.layers.mlp.router.weight"], False),
+}
+
+
+def _function_at(path: Path, line: int) -> str | None:
+    """The innermost function of ``path`` whose lines hold ``line``."""
+    found = None
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.lineno <= line <= node.end_lineno:
+            if found is None or node.lineno > found.lineno:
+                found = node
+    return found.name if found is not None else None
+
+
+@pytest.mark.parametrize("fix", sorted(REVERTED))
+def test_a_real_megatron_fix_reverted_in_the_checkout_is_found(fix, checkout, tmp_path):
+    """The parent of a real fix gives a finding, located in the file and function the fix changes
+    (its first hunk's changed line, in the parent's file) where the table says so."""
+    diff = FIXES / f"{fix}.diff"
     if subprocess.run(["git", "-C", str(checkout), "apply", "-R", "--check", str(diff)],
                       capture_output=True, check=False).returncode:
-        pytest.skip("this megatron-core's router records its z-loss metric differently")
+        pytest.skip(f"this megatron-core's code differs where {fix} changed it")
+    args, differ, in_fixed_function = REVERTED[fix]
+    text = diff.read_text()
+    fixed = re.search(r"^\+\+\+ b/(\S+)", text, re.MULTILINE).group(1)
+    first = int(re.search(r"^@@ -(\d+)", text, re.MULTILINE).group(1)) + 3  # the parent's, after 3 of context
     _git(checkout, "apply", "-R", str(diff))
     try:
-        done = _audit(checkout, tmp_path, "--only", "moe", "--layouts", "tp2-sp", "--set", "moe_z_loss_coeff=0.1")
+        function = _function_at(checkout / fixed, first)
+        done = _audit(checkout, tmp_path, *args)
+        [finding] = json.loads((tmp_path / "findings.json").read_text())["findings"]
+        path, line = finding["location"].rsplit(":", 1)
+        located = _function_at(checkout / path, int(line))
     finally:
-        _git(checkout, "checkout", "--", "megatron/core/transformer/moe/router.py")
+        _git(checkout, "checkout", "--", fixed)
     assert done.returncode == 1, done.stdout + done.stderr
-    [finding] = json.loads((tmp_path / "findings.json").read_text())["findings"]
-    assert [effect["value"] for effect in finding["effect"]] == ["moe/z_loss"], finding["effect"]
-    assert finding["location"].startswith("megatron/core/transformer/moe/"), finding["location"]
+    values = [effect["value"] for effect in finding["effect"]]
+    assert values[:len(differ)] == differ, values
+    # a metric recorded wrong changes no loss or gradient: its effect is the metric alone
+    assert not differ[0].startswith(("moe/", "mtp/")) or values == differ, values
+    assert not in_fixed_function or (path, located) == (fixed, function), (finding["location"], finding["first_op"])
