@@ -206,8 +206,7 @@ def aux_loss_coeffs(config) -> list[tuple[str, float]]:
     """Each MoE load-balancing loss type with its coefficient, as the router reads them
     (``TopKRouter.get_aux_loss_coeff``): one type and coefficient, or a list of each."""
     kinds, coeffs = config.moe_router_load_balancing_type, config.moe_aux_loss_coeff
-    kinds = [kinds] if isinstance(kinds, str) else kinds
-    return list(zip(kinds, coeffs if isinstance(coeffs, list) else [coeffs] * len(kinds), strict=False))
+    return list(zip(*(([kinds], [coeffs]) if isinstance(kinds, str) else (kinds, coeffs)), strict=False))
 
 
 def split_free(config) -> bool:

@@ -54,12 +54,10 @@ def run(sizes, pg):
                      pre_process=pg.pp.rank() == 0, post_process=pg.pp.rank() == pg.pp.size() - 1,
                      position_embedding_type=SETUP["position_embedding"], mtp_block_spec=mtp,
                      share_embeddings_and_output_weights=SETUP["share_embeddings"], **SETUP.get("model_args", {}))
-    # per-token loss without a loss term megatron computes over a micro-batch as a whole (MoE's z loss, its load-balancing
-    # losses but the per-sequence seq_aux_loss) does not depend on the split: the one-rank reference takes the whole batch
+    # per-token loss with no term over a micro-batch as a whole (MoE's z loss, aux losses but seq_aux_loss) is split-free
     kinds, coeffs = config.moe_router_load_balancing_type, config.moe_aux_loss_coeff
-    kinds = [kinds] if isinstance(kinds, str) else kinds
-    coeffs = coeffs if isinstance(coeffs, list) else [coeffs] * len(kinds)
-    per_micro_batch = config.moe_z_loss_coeff or any(c for kind, c in zip(kinds, coeffs, strict=False) if kind != "seq_aux_loss")
+    pairs = zip(*(([kinds], [coeffs]) if isinstance(kinds, str) else (kinds, coeffs)), strict=False)
+    per_micro_batch = config.moe_z_loss_coeff or any(c for kind, c in pairs if kind != "seq_aux_loss")
     whole = sizes["whole_batch"] and config.calculate_per_token_loss and not per_micro_batch
     return train(sizes, pg, config, model, batches(pg, whole), SETUP["seq"], lambda model, batch: (model(
         batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"],
