@@ -51,6 +51,12 @@ def own_order():
     return sc.annotate(torch.tensor([2, 0, 3, 1]), tp=V)
 
 
+def _top_k_scattered(rows):
+    """Each row's top 2 values written into zeros of the rows' shape, as topk's backward does."""
+    values, index = rows.topk(2, dim=1)
+    return torch.zeros(rows.shape).scatter(1, index, values)
+
+
 def even(n=4):
     """The token count of a sequence shard of an all-ones mask: P(even)."""
     return C(n, tp=S(0)).sum()
@@ -319,6 +325,8 @@ SHAPES = [
     ("gather unsharded dim", lambda: torch.gather(T(4, 3, tp=S(0)), 1,
                                                   sc.annotate(torch.zeros(4, 1).long(), tp=S(0))),
      S(0)),
+    # topk's backward under a rank-sliced batch (the router's tokens, a rank's chunk of them)
+    ("scatter into zeros of a rank chunk's top-k", lambda: _top_k_scattered(T(8, 3).chunk(2)[0]), S(0)),
     # MoE's unpermute: each rank adds its own (permuted) rows back by its own index
     ("index_add of a row shard by each rank's own index", lambda: torch.zeros(4, 3).index_add_(
         0, own_order(), T(4, 3, tp=S(0))), S(0)),

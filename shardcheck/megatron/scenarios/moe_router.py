@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shardcheck.megatron.checks.typecheck import harness_typed
 from shardcheck.megatron.cpu.parallel import megatron_parallel, world_group
 from shardcheck.megatron.scenarios.gpt import GPTSetup, transformer_config
 from shardcheck.megatron.scenarios.output_loss import _sequence_gather, _sequence_shard
@@ -31,12 +32,18 @@ from shardcheck.megatron.scenarios.reference import (
     seeded_global,
 )
 from shardcheck.patching import patched
+from shardcheck.typecheck.types import R, S
 
 
 def _token_shard(tensor: torch.Tensor, layout: Any, pg: Any) -> torch.Tensor:
     """This rank's tokens: its CP chunk of the sequence, then its sequence-parallel share
-    (over the scenario's groups ``pg``)."""
-    chunk = tensor.chunk(layout.cp, dim=0)[pg.cp.rank()]
+    (over the scenario's groups ``pg``). The chunk is typed (where cp and dp have one size,
+    the checker cannot tell which group's rank chose it): S(0) on cp and on any axis over the
+    cp ranks (ep at cp2-ep2), R on the others, whose ranks hold the same tokens."""
+    cp_ranks = set(dist.get_process_group_ranks(pg.cp))
+    chunk = harness_typed(tensor.chunk(layout.cp, dim=0)[pg.cp.rank()], **{
+        axis: S(0) if set(dist.get_process_group_ranks(group)) == cp_ranks else R
+        for axis in ("cp", "dp", "ep", "pp") if (group := getattr(pg, axis, None)) is not None})
     return _sequence_shard(chunk, layout.sp, pg.tp)
 
 

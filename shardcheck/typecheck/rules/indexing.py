@@ -28,6 +28,7 @@ from shardcheck.typecheck.types import (
     Pl,
     Placement,
     R,
+    RankChunk,
     S,
     SectionShard,
     Shard,
@@ -90,8 +91,9 @@ def _interleaved_by(ctx: RuleContext, p, q, i, index: torch.Tensor, dim: int, nd
 def _scatter_rule(ctx: RuleContext, args, kwargs, out):
     """scatter(self, dim, index, src or value). Into zeros (a one-hot routing map, the
     backward of a gather), the zeros fit the cut of index and source along another dim than
-    ``dim`` where the zeros have the index's extent: each rank writes its own rows; a rank's
-    own values (V: the gradient of its own part of the loss) written into zeros stay V."""
+    ``dim`` where the zeros have the index's extent: each rank writes its own rows (of a rank
+    chunk, its chunk's rows: topk's backward under a rank-sliced batch); a rank's own values
+    (V: the gradient of its own part of the loss) written into zeros stay V."""
     src = args[3] if len(args) > 3 else kwargs.get("src", kwargs.get("value"))
     base = _along_dim_rule(0, 1, 2)(ctx, args, kwargs, out)
     if base is not None and ctx.zero(args[0]):
@@ -107,13 +109,14 @@ def _rows_written_into_zeros(ctx: RuleContext, args, src, base: Pl) -> Pl:
     il = ctx.types(index)
     sl = ctx.types(src) if is_tensor(src) else None
     def cut_of(t, p) -> int | None:
-        return norm_dim(p.dim, t.dim()) if type(p) is Shard else None
+        return norm_dim(p.dim, t.dim()) if type(p) in (Shard, RankChunk) else None
     result = []
     for a, (p, i) in enumerate(zip(base, il, strict=True)):
         cut = cut_of(index, i)
         if cut is not None and cut != dim and x.shape[cut] == index.shape[cut] and (
                 sl is None or (src.dim() == index.dim() and cut_of(src, sl[a]) == cut)):
-            result.append(S(cut))
+            chunk = type(i) is RankChunk and (sl is None or type(sl[a]) is RankChunk)
+            result.append(RankChunk(cut) if chunk else S(cut))
         elif sl is not None and sl[a] is V and i is not None and not is_partial(i):
             result.append(V)
         else:
