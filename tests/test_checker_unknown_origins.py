@@ -116,3 +116,18 @@ def test_a_rank_slice_is_the_chunk_of_the_group_whose_rank_computed_its_bounds(c
         by_cp + by_dp  # rows of another rank on each axis: a bug
     assert sc.violations(), "the mixed chunks were not flagged"
     assert type(cp.rank()) is int  # itself again outside the region
+
+
+def test_numbers_from_a_rank_remember_its_axes_and_stay_ints():
+    """A rank read (get_rank's RankNumber) and what arithmetic makes of it keep the axes, hash
+    and compare as the int they are, and pickle as plain ints."""
+    import pickle
+
+    from shardcheck.typecheck.rank_branches import RankDerived, RankNumber
+
+    rank = RankNumber(1, None, (0,))
+    start = (rank + 1) * 8 // 2
+    assert type(start) is RankDerived and start == 8 and start.axes == (0,)
+    assert (RankDerived(2, (1,)) * rank).axes == (0, 1)
+    assert {rank: "a", start: "b"} == {1: "a", 8: "b"}
+    assert type(pickle.loads(pickle.dumps(start))) is int

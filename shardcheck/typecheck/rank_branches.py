@@ -135,6 +135,8 @@ class RankNumber(_Derives):
         self._decided()
         return int(self) != 0
 
+    __hash__ = int.__hash__  # defining __eq__ dropped the inherited one
+
 
 
 class RankBranches:
