@@ -30,10 +30,10 @@ def test_an_assertion_that_only_prints_values_is_named_by_its_statement():
     assert first_line(bare) == "AssertionError: assert x == y"
 
 
-def test_an_assertion_with_a_message_in_words_keeps_its_message():
-    failure = _raised("assert ok, 'the pipeline needs an even number of layers'",
-                      "AssertionError: the pipeline needs an even number of layers")
-    assert first_line(failure) == "AssertionError: the pipeline needs an even number of layers"
+@pytest.mark.parametrize("message", ["the pipeline needs an even number of layers", "3 is not divisible by 2"])
+def test_an_assertion_with_a_message_in_words_keeps_its_message(message):
+    failure = _raised(f"assert ok, {message!r}", f"AssertionError: {message}")
+    assert first_line(failure) == f"AssertionError: {message}"
 
 
 def test_a_hang_without_a_raise_is_named_by_the_hang():

@@ -200,8 +200,7 @@ def raised_line(traceback_text: str) -> str:
 
 def _prose(message: str) -> bool:
     """Whether an exception message reads as words (not empty, not a printed value)."""
-    words = re.findall(r"[A-Za-z]{3,}", message)
-    return len(words) >= 3 and not re.match(r"\s*[\w.]*[(\[{]", message)
+    return bool(re.search(r"[A-Za-z]{3,}", message)) and not re.match(r"\s*[\w.]*[(\[{]", message)
 
 
 def op_counts(per_rank: Iterable[dict | None]) -> dict | None:
