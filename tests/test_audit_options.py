@@ -136,3 +136,20 @@ def test_a_field_that_takes_a_string_or_a_list_keeps_one_string_as_a_string():
     assert config_value("moe_router_load_balancing_type", "aux_loss,seq_aux_loss") == ["aux_loss", "seq_aux_loss"]
     assert config_value("recompute_modules", "core_attn") == ["core_attn"]  # a list field only
     assert config_value("moe_router_topk", 3) == 3
+
+
+def test_a_sequence_level_aux_loss_is_swept_with_the_per_token_loss_where_the_code_reads_it():
+    """Megatron-LM e3fe5508c9 (#5798) needs both options at once: only together is the loss
+    split-free, so that the one-rank reference takes the whole batch in one micro-batch."""
+    pytest.importorskip("megatron.core")
+    from shardcheck.megatron.audit.sweep import (
+        components_plan,
+        layouts,
+        option_bundles,
+        split_free_bundles,
+    )
+
+    bundle = (("moe_router_load_balancing_type", "seq_aux_loss"), ("calculate_per_token_loss", True))
+    assert split_free_bundles("moe") == [bundle] and bundle in option_bundles("moe")
+    assert split_free_bundles("gpt") == [] and bundle not in option_bundles("gpt")  # no router in its code
+    assert any(case.options == bundle and str(case.layout) == "dp2" for case in components_plan(["moe"], layouts()))

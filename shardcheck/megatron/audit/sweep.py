@@ -501,9 +501,28 @@ def screened_bundles(component: str) -> tuple[list[tuple[tuple[str, Any], ...]],
 
     if "config" not in {f.name for f in dataclasses.fields(COMPONENTS[component].setup)}:
         return [], {}
-    unbuilt = {bundle: why for bundle in bundles()
+    candidates = (*bundles(), *split_free_bundles(component))
+    unbuilt = {bundle: why for bundle in candidates
                if (why := CPU_LIMITS.get(bundle) or config_failure(component, *bundle))}
-    return [bundle for bundle in bundles() if bundle not in unbuilt], unbuilt
+    return [bundle for bundle in candidates if bundle not in unbuilt], unbuilt
+
+
+PER_TOKEN = ("calculate_per_token_loss", True)
+LOSS_TYPE = "moe_router_load_balancing_type"
+
+
+def split_free_bundles(component: str) -> list[tuple[tuple[str, Any], ...]]:
+    """Each sequence-level auxiliary loss type with the per-token loss, for a component whose
+    megatron-core code reads the loss type: only together do they make the loss independent of
+    the micro-batch split, so that the one-rank reference takes the whole batch in one
+    micro-batch (:func:`~shardcheck.megatron.scenarios.gpt.split_free`) and a term scaled by
+    the micro-batch size parts ways with it (Megatron-LM e3fe5508c9); each alone does not."""
+    from shardcheck.megatron.scenarios import COMPONENTS
+    from shardcheck.megatron.scenarios.gpt import PER_SEQUENCE_AUX_LOSSES
+
+    if LOSS_TYPE not in fields_read(COMPONENTS[component].config_code):
+        return []
+    return [((LOSS_TYPE, kind), PER_TOKEN) for kind in sorted(PER_SEQUENCE_AUX_LOSSES)]
 
 
 # Bundles the CPU cannot run yet, with why (listed as not swept): under the recompute patch
