@@ -178,6 +178,76 @@ def test_fused_attention_returns_output_and_log_sum_exp_and_its_backward(te, dty
         _close(ours, ref.permute(2, 0, 1, 3), dtype)
 
 
+def _per_sequence_reference(q, k, v, cu, starts, causal, scale):
+    """Plain-torch attention of each packed sequence ``[s, h, d]`` on its own, fp32, with
+    autograd: the outputs at their rows (zeros elsewhere), the log-sum-exp ``[t, h, 1]`` and
+    the largest score per head."""
+    out = torch.zeros(q.shape)
+    lse = torch.full((*q.shape[:2], 1), float("-inf"))
+    peak = torch.full(q.shape[1:2], float("-inf"))
+    for start, length in zip(starts, (cu[1:] - cu[:-1]).tolist(), strict=True):
+        rows = slice(start, start + length)
+        qs, ks, vs = (t[rows].permute(1, 0, 2) for t in (q, k, v))
+        out[rows] = F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal, scale=scale).permute(1, 0, 2)
+        scores = qs @ ks.transpose(-1, -2) * scale
+        if causal:
+            scores = scores.masked_fill(torch.ones(length, length, dtype=torch.bool).triu(1), float("-inf"))
+        lse[rows] = torch.logsumexp(scores, -1, keepdim=True).permute(1, 0, 2).detach()
+        peak = torch.maximum(peak, scores.detach().amax((1, 2)))
+    return out, lse, peak
+
+
+@pytest.mark.parametrize("padded", [False, True])  # padded: a gap after each sequence
+@pytest.mark.parametrize("mask", ["padding", "padding_causal"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_attention_on_packed_sequences_attends_within_each(te, dtype, mask, padded):
+    """thd, uneven lengths 5, 3, 8: forward, log-sum-exp per token and backward against each
+    sequence attended on its own; rows outside every sequence get zeros."""
+    import transformer_engine_torch as tex
+    from transformer_engine.pytorch.cpp_extensions.fused_attn import fused_attn_bwd, fused_attn_fwd
+
+    cu = torch.tensor([0, 5, 8, 16], dtype=torch.int32)
+    cu_padded = torch.tensor([0, 6, 10, 19], dtype=torch.int32) if padded else cu
+    tokens = int(cu_padded[-1]) + 1 if padded else 16
+    q, k, v = (_randn(tokens, 2, 8, seed=s, dtype=dtype) for s in range(3))
+    backend = tex.NVTE_Fused_Attn_Backend.NVTE_F16_arbitrary_seqlen
+    common = dict(attn_scale=0.3, qkv_layout="thd_thd_thd", attn_mask_type=mask, o_format="thd",
+                  cu_seqlens_q_padded=cu_padded, cu_seqlens_kv_padded=cu_padded)
+    out, aux, max_logit = fused_attn_fwd(True, 8, 8, cu, cu, q, k, v, dtype, backend,
+                                         return_max_logit=True, **common)
+    floats = [t.float().requires_grad_() for t in (q, k, v)]
+    reference, lse, peak = _per_sequence_reference(*floats, cu, cu_padded[:-1].tolist(),
+                                                   "causal" in mask, 0.3)
+    _close(out, reference, dtype)
+    _close(max_logit, peak, dtype)
+    valid = lse.isfinite()
+    assert torch.equal(aux[0].isfinite(), valid)
+    torch.testing.assert_close(aux[0][valid].float(), lse[valid], **TOL[dtype])
+    d_out = _randn(*out.shape, seed=9, dtype=dtype)
+    grads = fused_attn_bwd(8, 8, cu, cu, q, k, v, out, d_out, dtype, aux, backend, do_format="thd",
+                           **common)
+    for ours, ref in zip(grads[:3], torch.autograd.grad(reference, floats, d_out.float()), strict=True):
+        _close(ours, ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dot_product_attention_module_on_packed_sequences(te, dtype):
+    """TE's DotProductAttention on thd with a padding-causal mask: fp32 runs its unfused
+    attention (thd converted to a padded batch and back), bf16 its fused attention."""
+    attention = te.DotProductAttention(2, 8, attn_mask_type="padding_causal", qkv_format="thd",
+                                       softmax_scale=0.3)
+    cu = torch.tensor([0, 5, 8, 16], dtype=torch.int32)
+    q, k, v = (_randn(16, 2, 8, seed=s, dtype=dtype, grad=True) for s in range(3))
+    out = attention(q, k, v, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=8, max_seqlen_kv=8)
+    floats = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    reference, *_ = _per_sequence_reference(*floats, cu, cu[:-1].tolist(), True, 0.3)
+    _close(out, reference.reshape(16, 16), dtype)
+    grad = _randn(*out.shape, seed=99, dtype=dtype)
+    for ours, ref in zip(torch.autograd.grad(out, (q, k, v), grad),
+                         torch.autograd.grad(reference, floats, grad.float().reshape(16, 2, 8)), strict=True):
+        _close(ours, ref, dtype)
+
+
 # ---- TE's module classes, unmodified -------------------------------------------------------------
 
 def _check_module(module, x, reference, dtype):

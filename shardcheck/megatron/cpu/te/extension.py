@@ -445,17 +445,28 @@ scaled_aligned_causal_masked_softmax_backward = _softmax_backward
 # --- fused attention --------------------------------------------------------------------------
 
 _FORMAT_DIMS = {"sbhd": (1, 0, 2, 3), "bshd": (0, 1, 2, 3)}  # -> [b, s, h, d]
+# thd: packed sequences [t, h, d], each sequence's rows given by cu_seqlens (and their _padded)
+_FORMATS = frozenset({*_FORMAT_DIMS, "thd"})
 
 
 def _layout_format(layout: Any) -> str:
     """The q/k/v format of a layout: Q, K and V arrive as separate tensors in it, also when
-    they are views of one packed buffer (``sb3hd``, ``sbhd_sb2hd``, ...)."""
+    they are views of one packed buffer (``sb3hd``, ``sbhd_sb2hd``, ``th3d``, ...)."""
     name = NVTE_QKV_Layout(int(layout)).name
     formats = {"".join(c for c in part if not c.isdigit()).lower()
                for part in name.removeprefix("NVTE_").split("_")}
-    if len(formats) != 1 or not formats <= _FORMAT_DIMS.keys():
+    if len(formats) != 1 or not formats <= _FORMATS:
         raise NotImplementedError(f"fused attention layout {name} is not implemented on a CPU")
     return formats.pop()
+
+
+def _format_of(tensor_format: Any, layout_format: str) -> str:
+    """The format an output or its gradient comes in: ``tensor_format``, else the layout's."""
+    name = NVTE_QKV_Format(int(tensor_format)).name.removeprefix("NVTE_").lower()
+    fmt = name if name in _FORMATS else layout_format
+    if "thd" in (fmt, layout_format) and fmt != layout_format:
+        raise NotImplementedError(f"fused attention from {layout_format} to {fmt} is not implemented on a CPU")
+    return fmt
 
 
 def _to_bhsd(t: torch.Tensor, fmt: str) -> torch.Tensor:
@@ -467,11 +478,35 @@ def _from_bhsd(t: torch.Tensor, fmt: str) -> torch.Tensor:
     return bshd.transpose(0, 1) if fmt == "sbhd" else bshd
 
 
+def _sequence_to_bhsd(t: torch.Tensor) -> torch.Tensor:
+    """One packed sequence's rows ``[s, h, d]`` as a batch of one ``[1, h, s, d]``, in fp32."""
+    return t.permute(1, 0, 2)[None].float()
+
+
+def _sequence_from_bhsd(t: torch.Tensor) -> torch.Tensor:
+    return t[0].permute(1, 0, 2)
+
+
+def _sequences(cu_seqlens_q: torch.Tensor, cu_seqlens_kv: torch.Tensor,
+               padded_q: torch.Tensor | None, padded_kv: torch.Tensor | None
+               ) -> list[tuple[slice, slice]]:
+    """Packed sequences (thd): each sequence's rows of Q and of K/V, its length from
+    ``cu_seqlens`` and its start from the ``_padded`` offsets (``cu_seqlens`` when not given).
+    Rows outside every sequence (padding between or after them) attend to nothing."""
+    def rows(cu: torch.Tensor, padded: torch.Tensor | None) -> list[slice]:
+        starts = (cu if padded is None else padded)[:-1].tolist()
+        lengths = (cu[1:] - cu[:-1]).tolist()
+        return [slice(start, start + length) for start, length in zip(starts, lengths, strict=True)]
+
+    return list(zip(rows(cu_seqlens_q, padded_q), rows(cu_seqlens_kv, padded_kv), strict=True))
+
+
 def _attention_mask(mask_type: Any, window: Any, sq: int, sk: int, bottom_right: bool
                     ) -> torch.Tensor | None:
+    """True where a query (row) may not see a key (column) of one sequence: causal (top-left
+    or bottom-right aligned) and the sliding window. Padding is where a sequence ends
+    (:func:`_sequences`), checked by :func:`_check_mask`."""
     name = NVTE_Mask_Type(int(mask_type)).name
-    if "PADDING" in name:
-        raise NotImplementedError("fused attention with a padding mask is not implemented on a CPU")
     offset = sk - sq if ("BOTTOM_RIGHT" in name or bottom_right) else 0
     rows = torch.arange(sq)[:, None] + offset
     cols = torch.arange(sk)[None, :]
@@ -484,6 +519,15 @@ def _attention_mask(mask_type: Any, window: Any, sq: int, sk: int, bottom_right:
     if right >= 0:
         masked |= cols > rows + right
     return masked if masked.any() else None
+
+
+def _check_mask(fmt: str, mask_type: Any, bias_type: Any) -> None:
+    """Padding masks are implemented for packed sequences (thd) only, and those take no bias."""
+    if "PADDING" in NVTE_Mask_Type(int(mask_type)).name and fmt != "thd":
+        raise NotImplementedError("fused attention with a padding mask is implemented on a CPU "
+                                  "only for packed sequences (thd)")
+    if fmt == "thd" and NVTE_Bias_Type(int(bias_type)).name != "NVTE_NO_BIAS":
+        raise NotImplementedError("fused attention bias on packed sequences (thd) is not implemented on a CPU")
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, masked: torch.Tensor | None,
@@ -500,6 +544,36 @@ def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, masked: torch.Tensor
 
 def _expand_kv(t: torch.Tensor, heads: int) -> torch.Tensor:
     return t.repeat_interleave(heads // t.shape[1], dim=1) if t.shape[1] != heads else t
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+            masked: torch.Tensor | None, bias: torch.Tensor | None
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Attention on ``[b, h, s, d]`` in fp32: the output, and per query the log-sum-exp and
+    the largest of the scaled, masked scores (both ``[b, h, sq, 1]``)."""
+    s = _scores(q, k, scale, masked, bias)
+    lse = torch.logsumexp(s, dim=-1, keepdim=True)
+    probs = torch.exp(s - lse).nan_to_num(0.0)
+    return probs @ _expand_kv(v, q.shape[1]), lse, s.amax(-1, keepdim=True)
+
+
+def _attend_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                     do: torch.Tensor, lse: torch.Tensor, scale: float,
+                     masked: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """The backward of :func:`_attend` (without bias) from its log-sum-exp: dq, dk, dv and the
+    scores' gradient."""
+    heads = q.shape[1]
+    probs = torch.exp(_scores(q, k, scale, masked, None) - lse).nan_to_num(0.0)
+    dv = probs.transpose(-1, -2) @ do
+    dp = do @ _expand_kv(v, heads).transpose(-1, -2)
+    ds = probs * (dp - (do * o).sum(-1, keepdim=True))
+    dq = ds @ _expand_kv(k, heads) * scale
+    dk = ds.transpose(-1, -2) @ q * scale
+    groups = heads // k.shape[1]
+    if groups > 1:
+        dk = dk.unflatten(1, (k.shape[1], groups)).sum(2)
+        dv = dv.unflatten(1, (k.shape[1], groups)).sum(2)
+    return dq, dk, dv, ds
 
 
 def _check_attention(p_dropout: float, bias_type: Any, softmax_type: Any) -> None:
@@ -521,27 +595,42 @@ def fused_attn_fwd(max_seqlen_q: int, max_seqlen_kv: int, is_training: bool, att
                    Bias: torch.Tensor | None, SoftmaxOffset: Any, rng_gen: Any,
                    rng_elts_per_thread: int, return_max_logit: bool, cuda_graph: bool
                    ) -> list[Any]:
-    """cuDNN's F16 arbitrary-seqlen attention in fp32: ``[O, softmax_lse, rng_state]``.
+    """cuDNN's F16 arbitrary-seqlen attention in fp32: ``[O, softmax_lse, (Max,) rng_state]``.
 
-    ``softmax_lse`` is the log-sum-exp of the scaled, masked scores per query ``[b, h, sq, 1]``
-    (what TE's context-parallel ring merges partial outputs with); a fully masked row has
-    -inf. ``O`` comes in ``o_format`` (the layout's own format otherwise).
+    ``softmax_lse`` is the log-sum-exp of the scaled, masked scores per query (what TE's
+    context-parallel ring merges partial outputs with), ``Max`` (with ``return_max_logit``)
+    their largest, both ``[b, h, sq, 1]``; a fully masked row has -inf. ``O`` comes in
+    ``o_format`` (the layout's own format otherwise). Packed sequences (thd, ``[t, h, d]``)
+    attend within each sequence only (:func:`_sequences`); their statistics are ``[t, h, 1]``,
+    as newer cuDNN returns them, and rows outside every sequence get a zero output.
     """
     _check_attention(p_dropout, bias_type, softmax_type)
     fmt = _layout_format(qkv_layout)
-    q, k, v = (_to_bhsd(_plain(t), fmt) for t in (Q, K, V))
-    masked = _attention_mask(attn_mask_type, window_size, q.shape[2], k.shape[2],
-                             bottom_right_diagonal)
-    s = _scores(q, k, attn_scale, masked, Bias)
-    lse = torch.logsumexp(s, dim=-1, keepdim=True)
-    probs = torch.exp(s - lse).nan_to_num(0.0)
-    out = probs @ _expand_kv(v, q.shape[1])
-    out_fmt = NVTE_QKV_Format(int(o_format)).name.removeprefix("NVTE_").lower()
-    out = _from_bhsd(out, out_fmt if out_fmt in _FORMAT_DIMS else fmt).contiguous().to(Q.dtype)
-    result: list[Any] = [out, lse, torch.zeros(2, dtype=torch.int64)]
+    _check_mask(fmt, attn_mask_type, bias_type)
+    Q, K, V = (_plain(t) for t in (Q, K, V))
+    out_fmt = _format_of(o_format, fmt)
+    if fmt == "thd":
+        out = torch.zeros(*Q.shape[:2], V.shape[-1])
+        lse = torch.full((*Q.shape[:2], 1), float("-inf"))
+        peak = lse.clone()
+        for rows_q, rows_kv in _sequences(cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
+                                          cu_seqlens_kv_padded):
+            q, k, v = (_sequence_to_bhsd(t) for t in (Q[rows_q], K[rows_kv], V[rows_kv]))
+            masked = _attention_mask(attn_mask_type, window_size, q.shape[2], k.shape[2],
+                                     bottom_right_diagonal)
+            for whole, part in zip((out, lse, peak), _attend(q, k, v, attn_scale, masked, None),
+                                   strict=True):
+                whole[rows_q] = _sequence_from_bhsd(part)
+    else:
+        q, k, v = (_to_bhsd(t, fmt) for t in (Q, K, V))
+        masked = _attention_mask(attn_mask_type, window_size, q.shape[2], k.shape[2],
+                                 bottom_right_diagonal)
+        out, lse, peak = _attend(q, k, v, attn_scale, masked, Bias)
+        out = _from_bhsd(out, out_fmt)
+    result: list[Any] = [out.contiguous().to(Q.dtype), lse]
     if return_max_logit:
-        result.append(s.amax(dim=(0, 2, 3)))
-    return result
+        result.append(peak)
+    return [*result, torch.zeros(2, dtype=torch.int64)]
 
 
 def fused_attn_bwd(max_seqlen_q: int, max_seqlen_kv: int, attn_scale: float, p_dropout: float,
@@ -557,29 +646,54 @@ def fused_attn_bwd(max_seqlen_q: int, max_seqlen_kv: int, attn_scale: float, p_d
     """The backward of :func:`fused_attn_fwd` from its saved log-sum-exp: ``[dQ, dK, dV, dBias, dSoftmaxOffset]``."""
     _check_attention(p_dropout, bias_type, softmax_type)
     fmt = _layout_format(qkv_layout)
-    q, k, v = (_to_bhsd(_plain(t), fmt) for t in (Q, K, V))
-    o_name = NVTE_QKV_Format(int(o_format)).name.removeprefix("NVTE_").lower()
-    do_name = NVTE_QKV_Format(int(do_format)).name.removeprefix("NVTE_").lower()
-    o = _to_bhsd(_plain(O), o_name if o_name in _FORMAT_DIMS else fmt)
-    do = _to_bhsd(_plain(dO), do_name if do_name in _FORMAT_DIMS else fmt)
+    _check_mask(fmt, attn_mask_type, bias_type)
+    Q, K, V, O, dO = (_plain(t) for t in (Q, K, V, O, dO))  # noqa: E741
     lse = Aux_CTX_Tensors[0].float()
-    heads = q.shape[1]
-    masked = _attention_mask(attn_mask_type, window_size, q.shape[2], k.shape[2],
-                             bottom_right_diagonal)
-    s = _scores(q, k, attn_scale, masked, None)
-    probs = torch.exp(s - lse).nan_to_num(0.0)
-    dv = probs.transpose(-1, -2) @ do
-    dp = do @ _expand_kv(v, heads).transpose(-1, -2)
-    ds = probs * (dp - (do * o).sum(-1, keepdim=True))
-    dq = ds @ _expand_kv(k, heads) * attn_scale
-    dk = ds.transpose(-1, -2) @ q * attn_scale
-    groups = heads // k.shape[1]
-    if groups > 1:
-        dk = dk.unflatten(1, (k.shape[1], groups)).sum(2)
-        dv = dv.unflatten(1, (k.shape[1], groups)).sum(2)
-    grads = [_from_bhsd(g, fmt).contiguous().to(t.dtype) for g, t in ((dq, Q), (dk, K), (dv, V))]
-    dbias = ds.sum(0, keepdim=True).to(Q.dtype) if NVTE_Bias_Type(int(bias_type)).name != "NVTE_NO_BIAS" else None
-    return [*grads, dbias, None]
+    if fmt == "thd":
+        grads = [torch.zeros(t.shape) for t in (Q, K, V)]
+        for rows_q, rows_kv in _sequences(cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
+                                          cu_seqlens_kv_padded):
+            q, k, v, o, do, stats = (_sequence_to_bhsd(t[rows]) for t, rows in (
+                (Q, rows_q), (K, rows_kv), (V, rows_kv), (O, rows_q), (dO, rows_q), (lse, rows_q)))
+            masked = _attention_mask(attn_mask_type, window_size, q.shape[2], k.shape[2],
+                                     bottom_right_diagonal)
+            dq, dk, dv, _ = _attend_backward(q, k, v, o, do, stats, attn_scale, masked)
+            for whole, rows, part in zip(grads, (rows_q, rows_kv, rows_kv), (dq, dk, dv), strict=True):
+                whole[rows] = _sequence_from_bhsd(part)
+        dbias = None
+    else:
+        q, k, v = (_to_bhsd(t, fmt) for t in (Q, K, V))
+        o = _to_bhsd(O, _format_of(o_format, fmt))
+        do = _to_bhsd(dO, _format_of(do_format, fmt))
+        masked = _attention_mask(attn_mask_type, window_size, q.shape[2], k.shape[2],
+                                 bottom_right_diagonal)
+        dq, dk, dv, ds = _attend_backward(q, k, v, o, do, lse, attn_scale, masked)
+        grads = [_from_bhsd(g, fmt) for g in (dq, dk, dv)]
+        with_bias = NVTE_Bias_Type(int(bias_type)).name != "NVTE_NO_BIAS"
+        dbias = ds.sum(0, keepdim=True).to(Q.dtype) if with_bias else None
+    return [*(g.contiguous().to(t.dtype) for g, t in zip(grads, (Q, K, V), strict=True)), dbias, None]
+
+
+def convert_thd_to_bshd(tensor: torch.Tensor, cu_seqlens: torch.Tensor, b: int, max_seq_len: int
+                        ) -> torch.Tensor:
+    """Packed sequences ``[t, h, d]`` as a zero-padded batch ``[b, max_seq_len, h, d]`` (TE's
+    unfused attention on thd)."""
+    out = tensor.new_zeros(b, max_seq_len, *tensor.shape[1:])
+    for i, (start, end) in enumerate(zip(cu_seqlens[:b].tolist(), cu_seqlens[1:b + 1].tolist(),
+                                         strict=True)):
+        out[i, :end - start] = tensor[start:end]
+    return out
+
+
+def convert_bshd_to_thd(tensor: torch.Tensor, cu_seqlens: torch.Tensor, t: int) -> torch.Tensor:
+    """A padded batch ``[b, s, h, d]`` packed back into ``t`` rows ``[t, h, d]``: the inverse
+    of :func:`convert_thd_to_bshd` (zeros where no sequence is)."""
+    out = tensor.new_zeros(t, *tensor.shape[2:])
+    b = tensor.shape[0]
+    for i, (start, end) in enumerate(zip(cu_seqlens[:b].tolist(), cu_seqlens[1:b + 1].tolist(),
+                                         strict=True)):
+        out[start:end] = tensor[i, :end - start]
+    return out
 
 
 def get_fused_attn_backend(params: Any) -> tuple[Any, str]:
@@ -591,10 +705,8 @@ def get_fused_attn_backend(params: Any) -> tuple[Any, str]:
     reason = ""
     try:
         _check_attention(params.dropout, params.bias_type, params.softmax_type)
-        _layout_format(params.qkv_layout)
-        if "PADDING" in NVTE_Mask_Type(int(params.attn_mask_type)).name:
-            reason = "padding masks are not implemented on a CPU"
-        elif params.head_dim_qk != params.head_dim_v:
+        _check_mask(_layout_format(params.qkv_layout), params.attn_mask_type, params.bias_type)
+        if params.head_dim_qk != params.head_dim_v:
             reason = "different q/k and v head dims are not implemented on a CPU"
     except NotImplementedError as why:
         reason = str(why)
