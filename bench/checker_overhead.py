@@ -7,7 +7,8 @@ bench/.deps (``make bench`` installs it there) on sys.path. The Megatron step (t
 Gloo ranks, one thread each: forward, backward and optimizer step) takes unchecked, checked
 and floor steps in turn in the same run, for four GPT sizes (see _megatron_step.py), and
 gives the checker's cost per intercepted op beside the microbenchmark's; ``--megatron-only``
-runs just that (and the microbenchmark's typed runs it is compared with).
+runs just that (and the microbenchmark's typed runs it is compared with), ``--hidden N`` only
+the GPT of hidden size N (e.g. ``--megatron-only --hidden 256``, the goal's row).
 """
 
 from __future__ import annotations
@@ -93,9 +94,15 @@ def micro_added_us(runs: dict[str, dict[str, float]]) -> float:
     return statistics.mean((r[TYPED] - r["eager"]) / OPS * 1e6 for r in runs.values())
 
 
-def megatron_step(micro_us: float) -> None:
-    """Print the checked / unchecked time of one Megatron GPT training step, per model size, and
-    the checker's added µs per intercepted op against ``micro_us`` (the microbenchmark's)."""
+def _hidden(sizes: dict[str, int]) -> int:
+    """A GPT's hidden size (the audit GPT's is GPTSetup's default, 32)."""
+    return sizes.get("hidden", 32)
+
+
+def megatron_step(micro_us: float, hidden: int | None = None) -> None:
+    """Print the checked / unchecked time of one Megatron GPT training step, per model size (or
+    only the one of ``hidden`` size), and the checker's added µs per intercepted op against
+    ``micro_us`` (the microbenchmark's)."""
     from shardcheck.parity.layout import Layout
     from shardcheck.parity.pool import RankPool
 
@@ -108,6 +115,8 @@ def megatron_step(micro_us: float) -> None:
         table.add_column(column, justify="left" if column == "model" else "right")
     with RankPool(layout.world_size, timeout=900, preload=PRELOAD) as pool:
         for name, sizes in SIZES.items():
+            if hidden is not None and _hidden(sizes) != hidden:
+                continue
             ranks = pool.run(layout, step_seconds, sizes, ROUNDS, BLOCK)
             (plain, plain_wall), (checked, checked_wall), (audit, _), (floor, _) = (
                 tuple(max(r[key][i] for r in ranks) for i in (0, 1))
@@ -131,8 +140,12 @@ def megatron_step(micro_us: float) -> None:
 
 
 def main() -> None:
-    if "--megatron-only" in sys.argv[1:]:
-        megatron_step(micro_added_us(microbenchmark(("eager", TYPED))))
+    argv = sys.argv[1:]
+    hidden = int(argv[argv.index("--hidden") + 1]) if "--hidden" in argv else None
+    if hidden is not None and hidden not in map(_hidden, SIZES.values()):
+        sys.exit(f"--hidden: one of {sorted(map(_hidden, SIZES.values()))}")
+    if "--megatron-only" in argv:
+        megatron_step(micro_added_us(microbenchmark(("eager", TYPED))), hidden)
         return
     other = _spmd_types()
     table = Table(title=f"SPMD checker overhead ({OPS} ops, 256x256 fp32, 1 thread, median CPU time)")
@@ -152,7 +165,7 @@ def main() -> None:
           "dispatch mode that only calls the op, i.e. the checker's own work. spmd_types runs "
           "in strict mode with every input annotated R on a 2-rank fake group "
           "(its own subprocess, same workloads); it is a TorchFunctionMode.")
-    megatron_step(micro_added_us(runs))
+    megatron_step(micro_added_us(runs), hidden)
 
 
 if __name__ == "__main__":
