@@ -501,6 +501,21 @@ def _sequences(cu_seqlens_q: torch.Tensor, cu_seqlens_kv: torch.Tensor,
     return list(zip(rows(cu_seqlens_q, padded_q), rows(cu_seqlens_kv, padded_kv), strict=True))
 
 
+def _packed_rows(pieces: list[tuple[slice, torch.Tensor]], total: int, fill: float) -> torch.Tensor:
+    """Each sequence's rows ``(rows, [s, ...])`` joined into the packed buffer of ``total`` rows
+    in one ``cat`` (so the result derives from the pieces, for the type checker too), ``fill``
+    in the rows outside every sequence."""
+    parts, end = [], 0
+    for rows, piece in sorted(pieces, key=lambda entry: entry[0].start):
+        if rows.start > end:
+            parts.append(piece.new_full((rows.start - end, *piece.shape[1:]), fill))
+        parts.append(piece)
+        end = rows.stop
+    if total > end:
+        parts.append(pieces[0][1].new_full((total - end, *pieces[0][1].shape[1:]), fill))
+    return torch.cat(parts)
+
+
 def _attention_mask(mask_type: Any, window: Any, sq: int, sk: int, bottom_right: bool
                     ) -> torch.Tensor | None:
     """True where a query (row) may not see a key (column) of one sequence: causal (top-left
@@ -610,17 +625,16 @@ def fused_attn_fwd(max_seqlen_q: int, max_seqlen_kv: int, is_training: bool, att
     Q, K, V = (_plain(t) for t in (Q, K, V))
     out_fmt = _format_of(o_format, fmt)
     if fmt == "thd":
-        out = torch.zeros(*Q.shape[:2], V.shape[-1])
-        lse = torch.full((*Q.shape[:2], 1), float("-inf"))
-        peak = lse.clone()
+        pieces: list[list[tuple[slice, torch.Tensor]]] = [[], [], []]  # out, lse, peak
         for rows_q, rows_kv in _sequences(cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
                                           cu_seqlens_kv_padded):
             q, k, v = (_sequence_to_bhsd(t) for t in (Q[rows_q], K[rows_kv], V[rows_kv]))
             masked = _attention_mask(attn_mask_type, window_size, q.shape[2], k.shape[2],
                                      bottom_right_diagonal)
-            for whole, part in zip((out, lse, peak), _attend(q, k, v, attn_scale, masked, None),
-                                   strict=True):
-                whole[rows_q] = _sequence_from_bhsd(part)
+            for kept, part in zip(pieces, _attend(q, k, v, attn_scale, masked, None), strict=True):
+                kept.append((rows_q, _sequence_from_bhsd(part)))
+        out, lse, peak = (_packed_rows(kept, Q.shape[0], fill)
+                          for kept, fill in zip(pieces, (0.0, float("-inf"), float("-inf")), strict=True))
     else:
         q, k, v = (_to_bhsd(t, fmt) for t in (Q, K, V))
         masked = _attention_mask(attn_mask_type, window_size, q.shape[2], k.shape[2],
@@ -650,16 +664,17 @@ def fused_attn_bwd(max_seqlen_q: int, max_seqlen_kv: int, attn_scale: float, p_d
     Q, K, V, O, dO = (_plain(t) for t in (Q, K, V, O, dO))  # noqa: E741
     lse = Aux_CTX_Tensors[0].float()
     if fmt == "thd":
-        grads = [torch.zeros(t.shape) for t in (Q, K, V)]
+        pieces: list[list[tuple[slice, torch.Tensor]]] = [[], [], []]  # dq, dk, dv
         for rows_q, rows_kv in _sequences(cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
                                           cu_seqlens_kv_padded):
             q, k, v, o, do, stats = (_sequence_to_bhsd(t[rows]) for t, rows in (
                 (Q, rows_q), (K, rows_kv), (V, rows_kv), (O, rows_q), (dO, rows_q), (lse, rows_q)))
             masked = _attention_mask(attn_mask_type, window_size, q.shape[2], k.shape[2],
                                      bottom_right_diagonal)
-            dq, dk, dv, _ = _attend_backward(q, k, v, o, do, stats, attn_scale, masked)
-            for whole, rows, part in zip(grads, (rows_q, rows_kv, rows_kv), (dq, dk, dv), strict=True):
-                whole[rows] = _sequence_from_bhsd(part)
+            grads_of_sequence = _attend_backward(q, k, v, o, do, stats, attn_scale, masked)[:3]
+            for kept, rows, part in zip(pieces, (rows_q, rows_kv, rows_kv), grads_of_sequence, strict=True):
+                kept.append((rows, _sequence_from_bhsd(part)))
+        grads = [_packed_rows(kept, t.shape[0], 0.0) for kept, t in zip(pieces, (Q, K, V), strict=True)]
         dbias = None
     else:
         q, k, v = (_to_bhsd(t, fmt) for t in (Q, K, V))
