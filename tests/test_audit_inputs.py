@@ -1,9 +1,10 @@
 """GPTModel.forward's optional tensor inputs in the audit's search (issue 33 item 1).
 
 The inputs are drawn as a data pipeline makes them (padding at the ends of sequences, loss
-masks with uneven valid counts, the dataloader's document attention mask), and with per-token
-loss the one-rank reference takes the whole batch in one micro-batch. The unit tests check the
-generators; one audit over a few cases shows what each input finds and where it stays clean.
+masks with uneven valid counts, the dataloader's document attention mask, documents of uneven
+lengths packed into one row on Transformer Engine), and with per-token loss the one-rank
+reference takes the whole batch in one micro-batch. The unit tests check the generators; one
+audit over a few cases shows what each input finds and where it stays clean.
 """
 
 import pytest
@@ -15,14 +16,18 @@ pytest.importorskip("megatron.core")
 
 from shardcheck.megatron.audit.sweep import Case, setup_options  # noqa: E402
 from shardcheck.megatron.cpu.parallel import LayoutUnsupported  # noqa: E402
+from shardcheck.megatron.cpu.te import te_dir  # noqa: E402
 from shardcheck.megatron.scenarios.gpt import (  # noqa: E402
     PAD_TOKEN,
     GPTSetup,
     MoEGPTSetup,
     MTPGPTSetup,
+    TEGPTSetup,
     document_attention_mask,
+    document_bounds,
     global_batches,
     local_batches,
+    packed_seq_params,
     padded_tokens,
     split_free,
     train_step,
@@ -93,9 +98,40 @@ def test_inputs_are_setup_options_the_sweep_finds():
             assert (name, True) in found, (setup.__name__, name)
 
 
-def test_packed_sequences_are_refused_in_one_line():
-    with pytest.raises(LayoutUnsupported, match="packed sequences .THD"):
+def test_packed_sequences_are_refused_in_one_line_on_the_local_spec_and_beside_an_attention_mask():
+    with pytest.raises(LayoutUnsupported, match="packed sequences .THD.*impl=te"):
         train_step(None, GPTSetup(packed_sequences=True))
+    with pytest.raises(LayoutUnsupported, match="packed sequences carry their document boundaries"):
+        train_step(None, TEGPTSetup(packed_sequences=True, attention_mask=True))
+
+
+def test_packed_micro_batches_are_one_row_of_uneven_documents_with_positions_reset_at_each():
+    """As Megatron's data pipeline packs documents (flatten_batch_for_packed_sequences): each
+    micro-batch one row [1, micro_batch * seq], cu_seqlens over every document of its sequences."""
+    setup = TEGPTSetup(packed_sequences=True, loss_mask=True, padding_mask=True)
+    plain = global_batches(TEGPTSetup(loss_mask=True, padding_mask=True))
+    lengths = []
+    for i, (batch, unpacked) in enumerate(zip(global_batches(setup), plain, strict=True)):
+        row = setup.micro_batch * setup.seq
+        assert all(batch[name].shape == (1, row) for name in ("tokens", "labels", "loss_mask", "position_ids", "padding_mask"))
+        for name in ("tokens", "labels", "loss_mask", "padding_mask"):  # the same tokens, in one row
+            assert torch.equal(batch[name], unpacked[name].reshape(1, -1))
+        bounds = [document_bounds(setup, i * setup.micro_batch + j) + j * setup.seq for j in range(setup.micro_batch)]
+        cu = torch.cat([*(b[:-1] for b in bounds), torch.tensor([row], dtype=torch.int32)])
+        assert torch.equal(batch["cu_seqlens"], cu) and cu.dtype == torch.int32
+        for start, end in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True):  # positions restart
+            assert batch["position_ids"][0, start:end].tolist() == list(range(end - start))
+        lengths += (cu[1:] - cu[:-1]).tolist()
+        longest = int((cu[1:] - cu[:-1]).max())
+        params = packed_seq_params(batch["cu_seqlens"])
+        assert (params.qkv_format, params.max_seqlen_q, params.max_seqlen_kv) == ("thd", longest, longest)
+        assert params.cu_seqlens_q is params.cu_seqlens_kv is batch["cu_seqlens"]
+    assert _uneven(lengths) and len(set(lengths)) > 3
+    [whole] = local_batches(setup, whole=True)  # the one-rank reference of a split-free loss
+    batches = global_batches(setup)
+    assert torch.equal(whole["tokens"], torch.cat([b["tokens"] for b in batches], dim=-1))
+    assert whole["cu_seqlens"].tolist() == sorted({
+        int(v) + n * setup.micro_batch * setup.seq for n, b in enumerate(batches) for v in b["cu_seqlens"]})
 
 
 def test_only_a_per_token_loss_without_per_micro_batch_terms_is_split_free():
@@ -166,6 +202,11 @@ CASES = {  # name: case, whether the numbers part ways
     "gpt per-token": (Case("gpt", PER_TOKEN_MASKED, Layout(dp=2)), False),  # the main loss is right
     "document attention mask": (Case("gpt", (("attention_mask", True),), Layout.parse("tp2-sp")), False),
 }
+# packed documents (THD) through TE's fused attention: the packed row split by sp, whole packed
+# micro-batches per dp rank, explicit groups (where TE runs: installed, megatron-core 0.19 on)
+if (te_dir() / "transformer_engine").is_dir() and (RELEASE is None or RELEASE >= Version("0.19")):
+    CASES["packed sequences"] = (Case("gpt", (("impl", "te"), ("packed_sequences", True), ("bf16", True)),
+                                      Layout.parse("tp2-dp2-sp@dp-tp")), False)
 
 
 @pytest.fixture(scope="module")

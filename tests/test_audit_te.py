@@ -61,9 +61,13 @@ def test_the_default_plan_runs_the_defaults_on_te_at_a_few_layouts_after_the_def
     every = layouts(explicit=True)
     planned = components_plan(["gpt", "moe", "gdn"], every)
     te = [case for case in planned if impl_of(case.options) == "te"]
-    assert [(c.component, str(c.layout)) for c in te] == [
+    defaults = [case for case in te if case.options == (("impl", "te"),)]
+    assert [(c.component, str(c.layout)) for c in defaults] == [
         (component, name) for component in ("gpt", "moe", "gdn") for name in TE_LAYOUTS[component]]
-    assert all(c.options == (("impl", "te"),) for c in te)
+    # then the option sets of te_option_sets (the GPT's packed sequences), at their layouts
+    assert [(c.component, c.options, str(c.layout)) for c in te[len(defaults):]] == [
+        (component, options, name) for component in ("gpt", "moe", "gdn")
+        for options, names in te_option_sets().get(component, ()) for name in names]
     first = planned.index(te[0])
     assert all(not c.options for c in planned[:first]) and len(planned[:first]) > len(every)
     assert planned[first:first + len(te)] == te
@@ -83,6 +87,21 @@ def test_the_te_tier_runs_mtp_recomputation_under_fp8_plain_and_with_explicit_gr
         *(((("impl", "te"),), name) for name in TE_LAYOUTS["mtp"]), *((options, name) for name in names)]
     assert all(in_te_tier(c) and in_default_plan(c) for c in te)
     assert not in_te_tier(Case("mtp", options, Layout(tp=2)))
+
+
+def test_the_te_tier_runs_the_gpt_on_packed_sequences_in_bf16_plain_and_with_explicit_groups():
+    """Packed sequences (THD) run on TE's attention only, so in the TE tier: bf16 (TE's fused
+    attention on them), the packed row split by sp, and whole packed micro-batches per dp rank
+    under explicit groups; the local spec's refusal stays listed as not swept."""
+    from shardcheck.megatron.audit.schedule import in_default_plan
+
+    [(options, names)] = te_option_sets()["gpt"]
+    assert dict(options) == {"impl": "te", "packed_sequences": True, "bf16": True}
+    assert names == ("tp2-sp", "tp2-dp2@dp-tp")
+    te = [c for c in components_plan(["gpt"], layouts(explicit=True)) if c.options == options]
+    assert [str(c.layout) for c in te] == list(names)
+    assert all(in_te_tier(c) and in_default_plan(c) for c in te)
+    assert not in_te_tier(Case("gpt", options, Layout(dp=2)))
 
 
 def _outcome(declared: dict[str, str], *wrong: str, clip: tuple[float, float] | None = None) -> Outcome:

@@ -426,10 +426,18 @@ def te_option_sets() -> dict[str, tuple[tuple[tuple[tuple[str, Any], ...], tuple
     under FP8 (``_checkpointed_forward``'s quantised branch; without TE it raises ImportError),
     plain and with explicit groups: one MTP layer (with two, the second's checkpoint flattens
     the first's output, which the MTP block keeps: the one-rank crash of the bundle without
-    FP8) and rotary positions (megatron.training refuses MTP with learned ones)."""
+    FP8) and rotary positions (megatron.training refuses MTP with learned ones).
+
+    The GPT's packed sequences (THD, ``cu_seqlens``) run on TE's attention only (megatron-core's
+    local attention refuses them): in bf16, as Megatron trains, so TE runs its fused attention
+    on them (in fp32 it converts them to a padded batch with a custom op the checker has no
+    rule for), with the packed row split by sequence parallelism, and whole packed
+    micro-batches per data-parallel rank under explicit groups."""
     quantised_recompute = ((IMPL, "te"), ("mtp_layers", 1), ("position_embedding", "rope"),
                            ("fp8", "hybrid"), *FULL_BUNDLES[2])
-    return {"mtp": ((quantised_recompute, ("tp2-dp2", "tp2-dp2@dp-tp")),)}
+    packed = ((IMPL, "te"), ("packed_sequences", True), ("bf16", True))
+    return {"mtp": ((quantised_recompute, ("tp2-dp2", "tp2-dp2@dp-tp")),),
+            "gpt": ((packed, ("tp2-sp", "tp2-dp2@dp-tp")),)}
 
 
 @functools.cache

@@ -52,7 +52,8 @@ class GPTSetup:
     loss_mask: bool = False
     # GPTModel.forward's optional tensor inputs, drawn as a data pipeline makes them
     # (:func:`global_batches`): padded tokens at the end of each sequence, unevenly many; the
-    # dataloader's causal attention mask, reset at document ends; packed sequences (THD)
+    # dataloader's causal attention mask, reset at document ends; packed sequences (THD, on
+    # Transformer Engine only: :func:`packed`)
     padding_mask: bool = False
     attention_mask: bool = False
     packed_sequences: bool = False
@@ -147,7 +148,8 @@ def global_batches(setup: GPTSetup) -> list[dict[str, torch.Tensor]]:
     ``loss_mask``: each token kept with probability 0.6, so the valid counts differ between
     sequences, micro-batches, data-parallel ranks and context-parallel pieces.
     ``padding_mask``: :func:`padded_tokens` pad tokens end each sequence (``padding_mask`` True
-    there, the loss mask 0). ``attention_mask``: :func:`document_attention_mask`."""
+    there, the loss mask 0). ``attention_mask``: :func:`document_attention_mask`.
+    ``packed_sequences``: each micro-batch one row of packed documents (:func:`packed`)."""
     gen = torch.Generator().manual_seed(1000 + setup.seed)
     shape = (setup.microbatches, setup.micro_batch, setup.seq)
     tokens = torch.randint(0, setup.vocab, shape, generator=gen)
@@ -162,15 +164,63 @@ def global_batches(setup: GPTSetup) -> list[dict[str, torch.Tensor]]:
         inputs["padding_mask"] = padding
     if setup.attention_mask:
         inputs["attention_mask"] = document_attention_mask(setup)
-    return [dict(tokens=tokens[i], labels=labels[i], loss_mask=mask[i], position_ids=positions[i],
-                 **{name: value[i] for name, value in inputs.items()})
-            for i in range(setup.microbatches)]
+    batches = [dict(tokens=tokens[i], labels=labels[i], loss_mask=mask[i], position_ids=positions[i],
+                    **{name: value[i] for name, value in inputs.items()})
+               for i in range(setup.microbatches)]
+    return [packed(setup, i, batch) for i, batch in enumerate(batches)] if setup.packed_sequences else batches
 
 
 PAD_TOKEN = 0
-PACKED_ON_CPU = ("packed sequences (THD, cu_seqlens) need Transformer Engine's fused attention: "
-                 "megatron-core's local DotProductAttention refuses them, and shardcheck's CPU "
-                 "kernels implement only the sbhd and bshd layouts")
+PACKED_ON_CPU = ("packed sequences (THD, cu_seqlens) need Transformer Engine's attention (impl=te): "
+                 "megatron-core's local DotProductAttention refuses them")
+PACKED_UNDER_CP = ("packed sequences (THD) under context parallelism need Transformer Engine's "
+                   "thd_* CP kernels, which shardcheck's CPU extension does not implement")
+PACKED_WITH_MASK = ("packed sequences carry their document boundaries in cu_seqlens: an explicit "
+                    "attention mask beside them is not drawn")
+
+
+def document_bounds(setup: GPTSetup, n: int) -> torch.Tensor:
+    """The n-th sequence of the global batch as packed documents: its ``cu_seqlens`` (int32),
+    starts at ``(3n + 5) mod (seq - 2) + 1`` and ``(7n + 2) mod (seq - 2) + 1``, so the lengths
+    are uneven (3, 3, 10; 9, 1, 6; 3, 9, 4; ... at seq 16); the last document runs to the end, as
+    Megatron's SFT packing pads it."""
+    starts = {(3 * n + 5) % (setup.seq - 2) + 1, (7 * n + 2) % (setup.seq - 2) + 1}
+    return torch.tensor(sorted({0, *starts, setup.seq}), dtype=torch.int32)
+
+
+def packed(setup: GPTSetup, index: int, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Micro-batch ``index`` (sequences ``[micro_batch, seq]``) as Megatron's data pipeline gives
+    packed documents to ``GPTModel`` (``flatten_batch_for_packed_sequences``): each sequence its
+    :func:`document_bounds`, position ids reset at each document start, and the sequences
+    packed into one row (:func:`pack`)."""
+    rows = []
+    for j in range(setup.micro_batch):
+        bounds = document_bounds(setup, index * setup.micro_batch + j)
+        position = torch.arange(setup.seq)
+        document = torch.searchsorted(bounds[1:], position, right=True)
+        row = {name: value[j][None] for name, value in batch.items()}
+        rows.append(row | {"position_ids": (position - bounds[document])[None], "cu_seqlens": bounds})
+    return pack(rows)
+
+
+def pack(batches: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Packed micro-batches (one row ``[1, t]`` each, with their ``cu_seqlens``) as one: rows
+    joined, document bounds shifted and merged."""
+    offsets = [0, *torch.tensor([b["tokens"].shape[-1] for b in batches]).cumsum(0).tolist()]
+    bounds = [b["cu_seqlens"][:-1] + offset for b, offset in zip(batches, offsets[:-1], strict=True)]
+    joined = {name: torch.cat([b[name] for b in batches], dim=-1) for name in batches[0] if name != "cu_seqlens"}
+    return joined | {"cu_seqlens": torch.cat([*bounds, torch.tensor([offsets[-1]], dtype=torch.int32)])}
+
+
+def packed_seq_params(cu_seqlens: torch.Tensor) -> Any:
+    """Megatron's ``PackedSeqParams`` for one packed micro-batch, as ``pretrain_gpt.py``'s
+    ``forward_step`` builds them from a batch without padding between documents (no
+    ``cu_seqlens_padded``)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+                           max_seqlen_q=longest, max_seqlen_kv=longest)
 
 
 def padded_tokens(setup: GPTSetup) -> torch.Tensor:
@@ -227,6 +277,8 @@ def local_batches(setup: GPTSetup, pg: Any = None, whole: bool = False) -> list[
 
     batches = global_batches(setup)
     if whole:
+        if setup.packed_sequences:
+            return [pack(batches)]
         return [{name: torch.cat([b[name] for b in batches]) for name in batches[0]}]
     used = scenario_groups(pg)
     dp, dp_rank = used.dp.size(), used.dp.rank()
@@ -237,6 +289,8 @@ def local_batches(setup: GPTSetup, pg: Any = None, whole: bool = False) -> list[
     if setup.attention_mask and used.cp.size() > 1:
         raise LayoutUnsupported("an explicit attention mask under context parallelism needs "
                                 "Transformer Engine's CP attention (no CPU kernel)")
+    if setup.packed_sequences and used.cp.size() > 1:
+        raise LayoutUnsupported(PACKED_UNDER_CP)
     # the CP group always given: without one, 0.19 cuts over the whole world, not parallel_state's cp
     release = cp_batch_kwargs(get_batch_on_this_cp_rank)
     return [get_batch_on_this_cp_rank(dict(batch), cp_group=used.cp, **release) for batch in mine]
@@ -297,10 +351,11 @@ def _forward_step(batches, forward_args: dict[str, Any]):
     # whether to checkpoint this micro-batch, for a model that can; no megatron-core model takes it
     def forward_step(_data_iterator, model, _checkpoint_activations_microbatch=None):
         batch = next(batch_iter)
+        packing = {"packed_seq_params": packed_seq_params(batch["cu_seqlens"])} if "cu_seqlens" in batch else {}
         # the loss mask reaches the model too (MTP's loss reads it), as pretrain_gpt.py gives it
         output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
                        labels=batch["labels"], loss_mask=batch["loss_mask"],
-                       padding_mask=batch.get("padding_mask"), **forward_args)
+                       padding_mask=batch.get("padding_mask"), **packing, **forward_args)
         return output, lambda out: masked_loss(batch, out)
 
     return forward_step
@@ -365,6 +420,11 @@ class Training:
         alone = all(group.size() == 1 for group in (used.tp, used.cp, used.dp, used.pp))
         return alone and split_free(self.config)
 
+    def _seq_length(self, batches: list[dict[str, torch.Tensor]]) -> int:
+        """The schedule's sequence length: a packed micro-batch's row (its tokens all in one
+        sequence of the batch), else the setup's."""
+        return batches[0]["tokens"].shape[-1] if self.setup.packed_sequences else self.setup.seq
+
     def forward_backward(self) -> tuple[list[dict], int]:
         """Zero the gradients, run Megatron's schedule over this rank's microbatches (forward,
         backward, ``finalize_model_grads``); the loss reports (on the last pipeline stage) and
@@ -378,7 +438,7 @@ class Training:
         reports = get_forward_backward_func()(
             forward_step_func=_forward_step(batches, self.setup.forward_args), data_iterator=None,
             model=[self.ddp],
-            num_microbatches=len(batches), seq_length=self.setup.seq,
+            num_microbatches=len(batches), seq_length=self._seq_length(batches),
             micro_batch_size=batches[0]["tokens"].shape[0], forward_only=False,
             **schedule_groups(self.pg, self.config))
         return reports, len(batches)
@@ -408,8 +468,10 @@ def build_training(ctx: Any, setup: GPTSetup, pg: Any = None) -> Training:
 
 def train_step(ctx: Any, setup: GPTSetup) -> dict[str, torch.Tensor]:
     """One training step of the tiny GPT on ``ctx``'s layout; global values by name."""
-    if setup.packed_sequences:
+    if setup.packed_sequences and setup.impl != "te":
         raise LayoutUnsupported(PACKED_ON_CPU)
+    if setup.packed_sequences and setup.attention_mask:
+        raise LayoutUnsupported(PACKED_WITH_MASK)
     with megatron_parallel(ctx) as pg:
         training = build_training(ctx, setup, pg)
         config, model, optimizer = training.config, training.model, training.optimizer
