@@ -7,8 +7,7 @@ so the expert weights' gradients are the expert's whole value, S(0) on ep, as de
 Padded with zeros and cut back, the padding adds nothing to any sum over the rows: the
 gradients stay S(0) and equal the unpadded ones. Padded with other rows (ones, a copy of a
 token) whose outputs stay in the loss, the padding rows are summed into the weights'
-gradients and the loss: both are no longer the expert's, and the checker says so. A rank's
-own values (V) picked by a mask are its own values (MoE's allgather dispatcher at dp2).
+gradients and the loss: both are no longer the expert's, and the checker says so.
 """
 
 import pytest
@@ -104,13 +103,3 @@ def test_padding_rows_follow_the_parts_only():
     assert not padded.padded(1, zero=False).zero_pad and padded.lines_up(rows.padded(3, zero=False))
     assert not padded.lines_up(rows)
 
-
-def test_a_rank_s_own_values_picked_by_its_own_mask_are_its_own():
-    with sc.typecheck(sc.Mesh(rank=0, dp=[0, 1]), mode="collect"):
-        probs = sc.annotate(torch.rand(4, 8), dp=sc.V)  # this rank's tokens' probabilities
-        routing = sc.annotate(torch.rand(4, 8) < 0.5, dp=sc.V)  # by its own routing
-        shared = sc.annotate(torch.rand(4, 8) < 0.5, dp=sc.R)
-        cut = sc.annotate(torch.rand(4, 8), dp=sc.S(1))
-        picked = [sc.typeof(x.masked_select(m)).get("dp")
-                  for x, m in ((probs, routing), (probs, shared), (cut, routing))]
-    assert picked == [sc.V, sc.V, None]  # a shard cut along another dim: its order is lost

@@ -449,6 +449,21 @@ def test_rank_slice_heuristic_and_typed_helper():
         assert info.value.rule == "split of varying"
 
 
+def test_a_chunk_several_axes_choose_alike_is_the_named_axis_chunk():
+    """Rank 0 of tp [0, 1] and ep [0, 2] has index 0 on both: which one chose the chunk is
+    unknown, unless the code says (Megatron's local experts, by the ep rank)."""
+    from shardcheck.typecheck.rules.shape import rank_chunks_by
+
+    with sc.typecheck(sc.Mesh(rank=0, tp=[0, 1], ep=[0, 2])):
+        routing = sc.annotate(torch.rand(8, 4), tp=R, ep=R)
+        assert sc.typeof(routing[:, 0:2]) == {}
+        with rank_chunks_by("ep"):
+            assert sc.typeof(routing[:, 0:2]) == {"tp": R, "ep": S(1)}
+            assert sc.typeof(routing[:, 2:4]) == {"tp": R, "ep": R}  # another rank's chunk
+        with rank_chunks_by("dp"):  # no such axis here: no answer
+            assert sc.typeof(routing[:, 0:2]) == {}
+
+
 def test_the_whole_of_a_dim_is_no_ranks_chunk():
     """x[:, 0] of a dim of size 1 on rank 0 is tp rank 0's 'chunk' of 1 in 2 only by accident."""
     with sc.typecheck(MESH):

@@ -213,6 +213,26 @@ def _initial_weights_typed(axes: tuple[str, ...]) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def _local_experts_cut_by_ep() -> Iterator[None]:
+    """The allgather dispatcher takes its local experts' columns of the gathered routing map
+    and probabilities, a chunk by the ep rank (``local_expert_indices``): where tp or dp have
+    ep's size, the checker cannot tell which group's rank chose it unless told."""
+    from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
+
+    from shardcheck.typecheck.rules.shape import rank_chunks_by
+
+    original = MoEAllGatherTokenDispatcher.dispatch_postprocess
+
+    @functools.wraps(original)
+    def by_ep(*args: Any, **kwargs: Any) -> Any:
+        with rank_chunks_by("ep"):
+            return original(*args, **kwargs)
+
+    with patched(MoEAllGatherTokenDispatcher, "dispatch_postprocess", by_ep):
+        yield
+
+
+@contextlib.contextmanager
 def _context_parallel_cuts_typed(axes: tuple[str, ...]) -> Iterator[None]:
     """Type what Megatron cuts for this CP rank with a rank-dependent index (which the checker
     reads as replicated data): the batch by role, and the rotary position embedding as
@@ -432,6 +452,7 @@ def checked_region(ctx: Any, ops: dict | None = None) -> Iterator[list[dict]]:
         stack.enter_context(_parameters_typed_on_first_use(mesh.names))
         stack.enter_context(_initial_weights_typed(mesh.names))
         stack.enter_context(_context_parallel_cuts_typed(mesh.names))
+        stack.enter_context(_local_experts_cut_by_ep())
         stack.enter_context(_sequence_rolls_typed())
         stack.enter_context(_object_collectives_untyped())
         stack.enter_context(harness_values_typed(mesh.names))

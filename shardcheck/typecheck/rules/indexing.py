@@ -184,11 +184,9 @@ def _masked_rule(ctx: RuleContext, args, kwargs, out):
     row-major order where the (broadcast) mask is set. Replicated in, replicated out; a partial
     x (and source) under a replicated mask stays partial (selection is linear); shards along
     the broadcast shape's first dim give a shard along the result's first dim (each rank's
-    picks, in rank order, are the global picks); a rank's own values picked by its own or a
-    replicated mask (varying and replicated operands only, one varying at least: each
-    data-parallel rank's tokens by its own routing) are its own values, V; a shard cut along
-    another dim, or mixed with a varying operand: unknown. Zeros scattered into (autograd's
-    backward of masked_select) take the source's cut."""
+    picks, in rank order, are the global picks); a varying operand or another cut: unknown (V
+    is often a shard whose rows a rank reordered itself, which V would wrongly call varying).
+    Zeros scattered into (autograd's backward of masked_select) take the source's cut."""
     operands = [t for t in args[:3] if is_tensor(t)]
     types = [ctx.types(t) for t in operands]
     if any(pl is None for pl in types):
@@ -211,10 +209,8 @@ def _masked_rule(ctx: RuleContext, args, kwargs, out):
             result.append(P)
         elif _first_dim_cut(operands, placements, ndim):
             result.append(S(0))
-        elif all(p is V or replicated(p) for p in placements if p is not None):
-            result.append(V)
-        else:  # picks of a shard cut along another dim (the shard's elements in another
-            result.append(None)  # order), or of a shard and a varying mask: nothing to say
+        else:  # varying, or picks of a shard cut along another dim (the shard's elements in
+            result.append(None)  # another order): nothing the types can say
     return tuple(result)
 
 

@@ -5,9 +5,10 @@ Part of the rule table (see shardcheck.typecheck.rules.registry for the rule pro
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -296,6 +297,31 @@ def rank_chunks(total: int, parts: int, index: int) -> set[tuple[int, int]]:
     return {by_tensor_split, by_chunk}
 
 
+_CHUNKS_BY: list[str] = []  # the axes whose rank chooses the chunks cut inside open rank_chunks_by
+
+
+@contextlib.contextmanager
+def rank_chunks_by(axis: str) -> Iterator[None]:
+    """Inside, a piece that is this rank's chunk by its index on several axes of one size is
+    the chunk of ``axis`` (and of the axes over its ranks), R on the others: the code cuts by
+    that axis' rank (Megatron's local experts, by the ep rank, where tp and dp have its size).
+    Without it such a cut is ambiguous and left unknown."""
+    _CHUNKS_BY.append(axis)
+    try:
+        yield
+    finally:
+        _CHUNKS_BY.pop()
+
+
+def _chosen_by(ctx: RuleContext, axes: list[int]) -> list[int]:
+    """The axes among ``axes`` that the innermost :func:`rank_chunks_by` names, with their
+    aliases (axes over the same ranks); all of ``axes`` where it names none of them."""
+    if not _CHUNKS_BY or _CHUNKS_BY[-1] not in ctx.names:
+        return axes
+    ranks = ctx.rank_sets[ctx.names.index(_CHUNKS_BY[-1])]
+    return [a for a in axes if ctx.rank_sets[a] == ranks] or axes
+
+
 def rank_piece(ctx: RuleContext, pl: Pl, dim: int, total: int, start: int, length: int,
                check_varying: bool, parts: int | None = None) -> dict[int, Placement | None]:
     """Axes on which the piece [start, start+length) is this rank's chunk of ``total``.
@@ -317,6 +343,9 @@ def rank_piece(ctx: RuleContext, pl: Pl, dim: int, total: int, start: int, lengt
     if by_rank and _viewed_back_from_a_flat_buffer():
         return {}
     unknown = [a for a, p in enumerate(pl) if p is None and matches(a)]
+    chosen = _chosen_by(ctx, by_rank)
+    if chosen != by_rank:  # the named axis chose it: the others hold the piece whole
+        by_rank, unknown = chosen, []
     if by_rank and not unknown and len({ctx.rank_sets[a] for a in by_rank}) == 1:
         # one axis, or axes over the same ranks (cp and ep at cp2-dp2-ep2): one rank index
         return dict.fromkeys(by_rank, S(dim) if check_varying else RankChunk(dim))
