@@ -230,6 +230,22 @@ def test_fused_attention_on_packed_sequences_attends_within_each(te, dtype, mask
         _close(ours, ref, dtype)
 
 
+def test_a_packed_sequence_longer_than_max_seqlen_is_refused(te):
+    """cuDNN sizes its problem by max_seqlen: a longer sequence fails here rather than attend
+    over whatever the CPU kernel would make of it (so a wrong max_seqlen is a crash finding)."""
+    import transformer_engine_torch as tex
+    from transformer_engine.pytorch.cpp_extensions.fused_attn import fused_attn_fwd
+
+    cu = torch.tensor([0, 5, 8, 16], dtype=torch.int32)
+    q, k, v = (_randn(16, 2, 8, seed=s, dtype=torch.bfloat16) for s in range(3))
+    with pytest.raises(ValueError, match="a packed sequence of 8 tokens exceeds max_seqlen 7"):
+        fused_attn_fwd(True, 7, 8, cu, cu, q, k, v, torch.bfloat16,
+                       tex.NVTE_Fused_Attn_Backend.NVTE_F16_arbitrary_seqlen, qkv_layout="thd_thd_thd",
+                       o_format="thd", attn_mask_type="padding_causal")
+    with pytest.raises(ValueError, match="exceeds max_seqlen 7"):
+        tex.convert_thd_to_bshd(q, cu, 3, 7)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_dot_product_attention_module_on_packed_sequences(te, dtype):
     """TE's DotProductAttention on thd with a padding-causal mask: fp32 runs its unfused

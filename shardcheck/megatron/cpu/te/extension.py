@@ -488,17 +488,22 @@ def _sequence_from_bhsd(t: torch.Tensor) -> torch.Tensor:
 
 
 def _sequences(cu_seqlens_q: torch.Tensor, cu_seqlens_kv: torch.Tensor,
-               padded_q: torch.Tensor | None, padded_kv: torch.Tensor | None
-               ) -> list[tuple[slice, slice]]:
+               padded_q: torch.Tensor | None, padded_kv: torch.Tensor | None,
+               max_seqlen_q: int, max_seqlen_kv: int) -> list[tuple[slice, slice]]:
     """Packed sequences (thd): each sequence's rows of Q and of K/V, its length from
     ``cu_seqlens`` and its start from the ``_padded`` offsets (``cu_seqlens`` when not given).
-    Rows outside every sequence (padding between or after them) attend to nothing."""
-    def rows(cu: torch.Tensor, padded: torch.Tensor | None) -> list[slice]:
+    Rows outside every sequence (padding between or after them) attend to nothing. A sequence
+    longer than its ``max_seqlen`` is refused: cuDNN sizes its problem by it."""
+    def rows(cu: torch.Tensor, padded: torch.Tensor | None, longest: int) -> list[slice]:
         starts = (cu if padded is None else padded)[:-1].tolist()
         lengths = (cu[1:] - cu[:-1]).tolist()
+        if max(lengths, default=0) > longest:
+            raise ValueError(f"fused attention: a packed sequence of {max(lengths)} tokens exceeds "
+                             f"max_seqlen {longest}")
         return [slice(start, start + length) for start, length in zip(starts, lengths, strict=True)]
 
-    return list(zip(rows(cu_seqlens_q, padded_q), rows(cu_seqlens_kv, padded_kv), strict=True))
+    return list(zip(rows(cu_seqlens_q, padded_q, max_seqlen_q),
+                    rows(cu_seqlens_kv, padded_kv, max_seqlen_kv), strict=True))
 
 
 def _packed_rows(pieces: list[tuple[slice, torch.Tensor]], total: int, fill: float) -> torch.Tensor:
@@ -627,7 +632,7 @@ def fused_attn_fwd(max_seqlen_q: int, max_seqlen_kv: int, is_training: bool, att
     if fmt == "thd":
         pieces: list[list[tuple[slice, torch.Tensor]]] = [[], [], []]  # out, lse, peak
         for rows_q, rows_kv in _sequences(cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
-                                          cu_seqlens_kv_padded):
+                                          cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv):
             q, k, v = (_sequence_to_bhsd(t) for t in (Q[rows_q], K[rows_kv], V[rows_kv]))
             masked = _attention_mask(attn_mask_type, window_size, q.shape[2], k.shape[2],
                                      bottom_right_diagonal)
@@ -666,7 +671,7 @@ def fused_attn_bwd(max_seqlen_q: int, max_seqlen_kv: int, attn_scale: float, p_d
     if fmt == "thd":
         pieces: list[list[tuple[slice, torch.Tensor]]] = [[], [], []]  # dq, dk, dv
         for rows_q, rows_kv in _sequences(cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
-                                          cu_seqlens_kv_padded):
+                                          cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv):
             q, k, v, o, do, stats = (_sequence_to_bhsd(t[rows]) for t, rows in (
                 (Q, rows_q), (K, rows_kv), (V, rows_kv), (O, rows_q), (dO, rows_q), (lse, rows_q)))
             masked = _attention_mask(attn_mask_type, window_size, q.shape[2], k.shape[2],
@@ -696,6 +701,9 @@ def convert_thd_to_bshd(tensor: torch.Tensor, cu_seqlens: torch.Tensor, b: int, 
     out = tensor.new_zeros(b, max_seq_len, *tensor.shape[1:])
     for i, (start, end) in enumerate(zip(cu_seqlens[:b].tolist(), cu_seqlens[1:b + 1].tolist(),
                                          strict=True)):
+        if end - start > max_seq_len:
+            raise ValueError(f"convert_thd_to_bshd: a packed sequence of {end - start} tokens "
+                             f"exceeds max_seqlen {max_seq_len}")
         out[i, :end - start] = tensor[start:end]
     return out
 
