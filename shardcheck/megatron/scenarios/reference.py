@@ -252,7 +252,10 @@ def _metric_recorders(by_key: dict[str, str]) -> list[tuple[Any, str, Any]]:
 
     patches = []
     for module, owner, method, outputs in METRIC_TRACKERS:
-        cls = getattr(importlib.import_module(module), owner, None)
+        try:
+            cls = getattr(importlib.import_module(module), owner, None)
+        except ImportError:  # a release without the tracker (moe_logging is 0.19's)
+            continue
         original = getattr(cls, method, None)
         if original is None:
             continue
