@@ -28,7 +28,10 @@ from shardcheck.parity.launch import spawn_ranks
 from shardcheck.typecheck.checker import current
 
 pytestmark = pytest.mark.slow
-SEQ, BATCH, HEADS, HEAD_DIM = 3, 2, 4, 2  # the heads over both ranks, two on each
+# The heads over both ranks, three on each: with a multiple of BATCH on each rank, the key's
+# heads merged outside its batch repeat every BATCH rows in whole repeats on each rank, and the
+# bug computes on two ranks what it computes on one (no SPMD bug, though a bug).
+SEQ, BATCH, HEADS, HEAD_DIM = 3, 2, 6, 2
 HIDDEN, FFN = 3, 4
 
 

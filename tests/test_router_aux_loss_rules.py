@@ -4,7 +4,9 @@ Each rank routes its own tokens (S(0) over tp). The aux loss sums the router's s
 over the tokens (P over tp); its gradient reaches the scores as the backward of that sum: a
 replicated row expanded along the token dim (stride 0), which fits any token shard. A
 materialised full-size replicated operand combined with the shard stays a global shape
-mismatch.
+mismatch. The sequence-level aux loss views the scores ``[s, b * e]`` before that sum: its
+gradient, viewed back ``[s * b, e]``, repeats every ``b`` rows, which fits the token shard too
+(checked on a types-only mesh, no process).
 """
 
 import torch
@@ -12,8 +14,10 @@ import torch.distributed as dist
 
 import shardcheck as sc
 from shardcheck.parity.launch import spawn_ranks
+from shardcheck.typecheck.broadcast import broadcast_blocks, fits_shard
 
 TOKENS, HIDDEN, EXPERTS, TOPK = 16, 8, 4, 2
+SEQ, BATCH = 8, 2  # TOKENS = SEQ * BATCH, sequence-major as Megatron flattens [s, b]
 
 
 def _scores(logits: torch.Tensor, score_function: str) -> torch.Tensor:
@@ -113,3 +117,49 @@ def test_broadcast_rows_fit_a_shard_until_materialised_or_written():
     for types, rules in spawn_ranks(_broadcast_rows_times_shard, 2):
         assert types == {"expanded * shard": "S(0)", "negated * shard": "S(0)"}
         assert rules == ["global shape mismatch"] * 2
+
+
+def _sequence_aux_gradient(gradient: str) -> tuple[dict[str, str], list[tuple[str, str]]]:
+    """The router's softmax backward on a types-only tp mesh of 2 (this is rank 0). "seq aux
+    loss": Megatron's sequence-level aux loss (scores viewed [s, b * e], summed over the
+    sequence); otherwise the scores' gradient is given: "per position" (one replicated value per
+    sequence position, the full sequence's rather than this rank's) or "full size" (replicated)."""
+    with sc.typecheck(sc.Mesh(rank=0, tp=[0, 1]), mode="collect"):
+        logits = sc.annotate(torch.randn(TOKENS, EXPERTS, requires_grad=True), tp=sc.S(0))
+        scores = torch.softmax(logits, dim=-1)
+        types = {}
+        if gradient == "seq aux loss":
+            per_expert = sc.annotate(torch.rand(BATCH * EXPERTS), tp=sc.R)  # all-reduced counts
+            aux = (scores.reshape(SEQ, -1).sum(0) * per_expert).sum() / BATCH
+            aux.backward()
+            types["aux"] = repr(sc.typeof(aux)["tp"])
+        elif gradient == "per position":
+            per_position = sc.annotate(torch.rand(SEQ, 1), tp=sc.R)
+            scores.backward(per_position.expand(-1, BATCH * EXPERTS).reshape(TOKENS, EXPERTS))
+        else:
+            scores.backward(sc.annotate(torch.rand(TOKENS, EXPERTS), tp=sc.R))
+        types["logits.grad"] = repr(sc.typeof(logits.grad)["tp"])
+        rules = sorted({(v.rule, v.op) for v in sc.violations()})
+    return types, rules
+
+
+def test_sequence_aux_loss_gradient_fits_the_token_shard():
+    assert _sequence_aux_gradient("seq aux loss") == ({"aux": "P", "logits.grad": "S(0)"}, [])
+
+
+def test_replicated_gradient_of_the_whole_sequence_is_still_flagged():
+    for gradient in ("per position", "full size"):
+        types, rules = _sequence_aux_gradient(gradient)
+        assert rules == [("global shape mismatch", "aten._softmax_backward_data.default")]
+        assert types == {"logits.grad": "V"}
+
+
+def test_rows_repeating_fit_a_shard_whose_pieces_are_whole_repeats():
+    with sc.typecheck(sc.Mesh(rank=0, tp=[0, 1])):  # the checker tags what ops make
+        repeated = torch.randn(1, BATCH * EXPERTS).expand(SEQ, -1).reshape(TOKENS, EXPERTS)
+        in_blocks = torch.randn(SEQ, 1).expand(-1, BATCH * EXPERTS).reshape(TOKENS, EXPERTS)
+    assert broadcast_blocks(repeated) == {-2: (1, BATCH)}  # one value every BATCH rows
+    assert fits_shard(repeated, 0) and fits_shard(repeated, 0, TOKENS // BATCH)
+    assert not fits_shard(repeated, 0, TOKENS)  # pieces of one row: not whole repeats
+    assert broadcast_blocks(in_blocks) == {-2: (SEQ, 1), -1: (1, 1)}
+    assert fits_shard(in_blocks, 0, SEQ) and not fits_shard(in_blocks, 0)

@@ -19,14 +19,14 @@ def C(*shape, tp=R):  # noqa: N802 - a constant (all ones) typed tensor
     return sc.annotate(torch.ones(*shape), tp=tp)
 
 
-def _heads():
-    """Queries of this rank's 2 heads of batch 2, [s, b, heads, d] merged to [b * heads, s, d]."""
-    return T(4, 2, 2, 3, tp=S(2)).reshape(4, 4, 3).transpose(0, 1)
+def _heads(heads: int = 2):
+    """Queries of this rank's heads of batch 2, [s, b, heads, d] merged to [b * heads, s, d]."""
+    return T(4, 2, heads, 3, tp=S(2)).reshape(4, 2 * heads, 3).transpose(0, 1)
 
 
-def _repeated_key():
-    """One key head every rank holds whole, repeated to the rank's 2 heads: [s, b, 2, d]."""
-    return T(4, 2, 1, 3).repeat_interleave(2, dim=2)
+def _repeated_key(heads: int = 2):
+    """One key head every rank holds whole, repeated to the rank's heads: [s, b, heads, d]."""
+    return T(4, 2, 1, 3).repeat_interleave(heads, dim=2)
 
 
 def _grouped_qkv(shape=(4, 2, 32)):
@@ -237,8 +237,10 @@ MATMUL = [
     ("repeated key fits the heads' block shard",
      lambda: torch.bmm(_heads(), _repeated_key().view(4, 2 * 2, 3).transpose(0, 1).transpose(1, 2)),
      BlockShard(0, 2)),
+    # merged heads-outer, it repeats every 2 rows: 3 heads a rank are no whole repeats (2 would
+    # be, and would give on two ranks what one computes)
     ("key merged heads-outer is no broadcast in the batch blocks",
-     lambda: torch.bmm(_heads(), _repeated_key().transpose(1, 2).reshape(4, 2 * 2, 3)
+     lambda: torch.bmm(_heads(3), _repeated_key(3).transpose(1, 2).reshape(4, 2 * 3, 3)
                        .transpose(0, 1).transpose(1, 2)), "global shape mismatch"),
     ("full R key does not fit the heads' shard",
      lambda: torch.bmm(_heads(), T(4, 4, 3).transpose(0, 1).transpose(1, 2)), "global shape mismatch"),

@@ -2,12 +2,16 @@
 
 The gradient of a sum over a dim reaches the summed tensor as an ``expand`` of one row along
 that dim; elementwise ops on it keep that. Such an operand is the local piece of a global
-broadcast, so it fits any shard of that dim. Views keep what they can of it: a broadcast dim
-merged after another dim (``[b, n, h] -> [b * n, h]`` with ``n`` broadcast, as Megatron's
-attention views a repeated key) holds one value in each of ``b`` blocks, so it fits a shard
-of that dim in ``b`` blocks. Dims count from the end (-1 is the last), so they line up across
-broadcasting operands. A recorded tag is trusted only while the tensor's version counter is
-unchanged: any in-place write, through any view, drops it.
+broadcast, so it fits any shard of that dim. Views keep what they can of it. A dim is known as
+``(outer, period)``: read as ``[outer, n, period]``, it holds one value along ``n`` (``(1, 1)``:
+one value along the whole dim). A broadcast dim merged after another dim (``[b, n, h] ->
+[b * n, h]`` with ``n`` broadcast, as Megatron's attention views a repeated key) is ``(b, 1)``:
+one value in each of ``b`` blocks, so it fits a shard of that dim in ``b`` blocks. A broadcast
+dim merged before another (``[n, b * h] -> [n * b, h]``, the gradient of a sum over the
+sequence of scores viewed ``[s, b * e]``) is ``(1, b)``: it repeats every ``b`` rows, so it fits
+any shard whose pieces are whole repeats. Dims count from the end (-1 is the last), so they line
+up across broadcasting operands. A recorded tag is trusted only while the tensor's version
+counter is unchanged: any in-place write, through any view, drops it.
 """
 
 from __future__ import annotations
@@ -27,29 +31,37 @@ ELEMENTWISE = {
 VIEWS = {"view", "_unsafe_view", "reshape", "_reshape_alias"}
 MOVES = {"transpose", "permute"}
 
-Blocks = dict[int, int]  # dim (negative) -> the number of blocks it holds one value in (1: whole)
+# dim (negative) -> (outer, period): read as [outer, n, period], the dim holds one value along n
+Blocks = dict[int, tuple[int, int]]
+WHOLE = (1, 1)
 
 
 def broadcast_blocks(t: torch.Tensor) -> Blocks:
-    """The dims (negative) along which ``t`` holds one value in each of so many blocks: size 1,
-    stride 0 or recorded whole (1 block), or recorded in blocks."""
+    """The dims (negative) along which ``t`` holds one value, as ``(outer, period)``: size 1,
+    stride 0 or recorded whole ``(1, 1)``, or recorded in blocks or repeats."""
     tag = tensor_state.read(t, "broadcast")
     blocks = dict(tag[1]) if tag is not None and tag[0] == t._version else {}
     if t.layout is torch.strided:
-        blocks.update((d - t.dim(), 1) for d in range(t.dim()) if t.shape[d] == 1 or t.stride(d) == 0)
+        blocks.update((d - t.dim(), WHOLE) for d in range(t.dim())
+                      if t.shape[d] == 1 or t.stride(d) == 0)
     return blocks
 
 
 def broadcast_dims(t: torch.Tensor) -> frozenset[int]:
     """The dims (negative) along which ``t`` holds one value: size 1, stride 0, or recorded."""
-    return frozenset(d for d, outer in broadcast_blocks(t).items() if outer == 1)
+    return frozenset(d for d, known in broadcast_blocks(t).items() if known == WHOLE)
 
 
 def fits_shard(t: torch.Tensor, dim: int, outer: int = 1) -> bool:
-    """Whether ``t`` holds one value along ``dim`` in each of ``outer`` blocks (or whole), so
-    that it is the local piece of a global broadcast along a shard of ``dim`` in ``outer`` blocks."""
-    found = broadcast_blocks(t).get(dim - t.dim() if dim >= 0 else dim)
-    return found is not None and outer % found == 0
+    """Whether ``t`` is the local piece of a global broadcast along a shard of ``dim`` in
+    ``outer`` blocks: it holds one value in each of a number of blocks dividing ``outer``, and
+    repeats with a period that divides each of its ``outer`` pieces."""
+    dim = dim - t.dim() if dim >= 0 else dim
+    found = broadcast_blocks(t).get(dim)
+    if found is None:
+        return False
+    blocks, period = found
+    return outer % blocks == 0 and (t.shape[dim] // outer) % period == 0
 
 
 def op_kind(func) -> str:
@@ -67,17 +79,17 @@ def _of_operand(x: Any, ndim: int) -> Blocks | None:
     if not isinstance(x, torch.Tensor):
         return None
     blocks = broadcast_blocks(x)
-    blocks.update((d, 1) for d in range(-ndim, -x.dim()))
+    blocks.update((d, WHOLE) for d in range(-ndim, -x.dim()))
     return blocks
 
 
 def _common(found: list[Blocks]) -> Blocks:
-    """The blocks every operand holds one value in: a whole broadcast fits any block count."""
+    """What every operand holds one value along: a whole broadcast fits any other kind."""
     common = {}
     for d in set.intersection(*(set(b) for b in found)):
-        counts = {b[d] for b in found} - {1}
-        if len(counts) <= 1:
-            common[d] = counts.pop() if counts else 1
+        kinds = {b[d] for b in found} - {WHOLE}
+        if len(kinds) <= 1:
+            common[d] = kinds.pop() if kinds else WHOLE
     return common
 
 
@@ -103,35 +115,46 @@ def _groups(a: tuple[int, ...], b: tuple[int, ...]) -> list[tuple[list[int], lis
     return groups
 
 
-def _run_length(shape, dims: list[int], blocks: Blocks, ndim: int) -> int:
-    """How many consecutive elements of the dims ``dims`` flattened hold one value."""
-    run = 1
+def _spans(in_shape, dims: list[int], blocks: Blocks) -> list[tuple[int, int]]:
+    """The ``(stride, count)`` runs of the dims ``dims`` flattened along which the value is
+    one: a step of ``stride`` elements, taken up to ``count`` times, keeps the value."""
+    spans: list[tuple[int, int]] = []
+    inner = 1
     for d in reversed(dims):
-        outer = blocks.get(d - ndim)
-        if outer is None:
-            break
-        run *= shape[d] // outer
-        if outer != 1:
-            break
-    return run
+        size, known = in_shape[d], blocks.get(d - len(in_shape))
+        if known is not None and size // (known[0] * known[1]) > 1:
+            stride, count = inner * known[1], size // (known[0] * known[1])
+            if spans and spans[-1][0] * spans[-1][1] == stride:
+                stride, count = spans[-1][0], spans[-1][1] * count
+                spans.pop()
+            spans.append((stride, count))
+        inner *= size
+    return spans
+
+
+def _in_dim(inner: int, size: int, spans: list[tuple[int, int]]) -> tuple[int, int] | None:
+    """What a dim of ``size`` whose step is ``inner`` flattened elements holds one value along,
+    from the ``spans`` of its group (the widest part of one span it meets)."""
+    best, found = 1, None
+    for stride, count in spans:
+        lo, hi = max(inner, stride), min(inner * size, stride * count)
+        if (hi // lo > best and hi % lo == 0 and lo % inner == 0 and lo % stride == 0
+                and (inner * size) % hi == 0 and (stride * count) % hi == 0):
+            best, found = hi // lo, (inner * size // hi, lo // inner)
+    return found
 
 
 def _viewed(in_shape, out_shape, blocks: Blocks) -> Blocks:
     """A reshape's broadcast blocks from its input's."""
-    groups = _groups(tuple(in_shape), tuple(out_shape))
     result: Blocks = {}
-    for ins, outs in groups or ():
-        run, after = _run_length(in_shape, ins, blocks, len(in_shape)), 1
+    for ins, outs in _groups(tuple(in_shape), tuple(out_shape)) or ():
+        spans = _spans(in_shape, ins, blocks)
+        inner = 1
         for d in reversed(outs):
-            size = out_shape[d]
-            if run % after or run // after == 1:
-                break
-            block = run // after
-            if block % size == 0 and size > 1:
-                result[d - len(out_shape)] = 1
-            elif size % block == 0:
-                result[d - len(out_shape)] = size // block
-            after *= size
+            known = _in_dim(inner, out_shape[d], spans) if spans else None
+            if known is not None:
+                result[d - len(out_shape)] = known
+            inner *= out_shape[d]
     return result
 
 
