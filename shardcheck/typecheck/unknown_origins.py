@@ -4,6 +4,7 @@ Coverage by site (``typecheck(..., sites=True)``) follows an unknown value back 
 made it: its origin. Only that first op asks here why (the unknown path only: a typed op never
 does), and the answer is one of
 
+- the checker reported a violation at the op's line (its result has no type past it);
 - an input entered the checked region untyped (made before it or while the checker paused: a
   global buffer, a cache, a parameter nothing typed, a harness value), named by its kind,
   dtype and shape;
@@ -25,12 +26,17 @@ from shardcheck.typecheck.rules.shape import rank_piece
 ENTERED = "entered the checked region untyped"
 NO_RULE = "no rule for"
 DECLINED = "gives no type to"
+AFTER = "follows the violation"
 
 
-def cause(checker: Any, op: Any, args: Iterable[Any], ruled: bool) -> str:
+def cause(checker: Any, op: Any, args: Iterable[Any], ruled: bool, location: str = "") -> str:
     """Why ``op`` (an OpOverload) made an unknown from ``args``, none of them carrying an
-    unknown's origin: ``ruled`` when a rule for it ran and gave no type."""
+    unknown's origin: ``ruled`` when a rule for it ran and gave no type. A violation the
+    checker reported at ``location`` comes first: its result has no type past it."""
     name = f"{op.namespace}.{op._opname}"
+    broken = sorted({r.rule for r in checker.records if r.location == location})
+    if broken:
+        return f"{name} {AFTER} ({', '.join(broken)}) reported there"
     tensors = list(_tensors(args))
     for i, t in enumerate(tensors):
         if checker.types(t) is None:
