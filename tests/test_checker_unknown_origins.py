@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import shardcheck as sc
-from shardcheck.typecheck.unknown_origins import DECLINED, ENTERED, NO_RULE
+from shardcheck.typecheck.unknown_origins import AFTER, DECLINED, ENTERED, NO_RULE
 
 _CACHE = torch.ones(4)  # a module-level buffer made before any region: it has no type
 
@@ -131,3 +131,21 @@ def test_numbers_from_a_rank_remember_its_axes_and_stay_ints():
     assert (RankDerived(2, (1,)) * rank).axes == (0, 1)
     assert {rank: "a", start: "b"} == {1: "a", 8: "b"}
     assert type(pickle.loads(pickle.dumps(start))) is int
+
+
+def test_an_unknown_after_a_reported_violation_names_it(cp_dp_groups):
+    """A gather on a group that is no mesh axis (LLaVA's scatter on the global tp group under
+    explicit groups): reported, and the unknown it leaves begins at that line, following the
+    violation (its ops run inside torch.distributed, whose frames are no site)."""
+    cp, dp = cp_dp_groups
+    other = dist.new_group([0, 3])
+    line = inspect.currentframe().f_lineno
+    with sc.typecheck(sc.Mesh(cp=cp, dp=dp), mode="collect", sites=True):
+        x = sc.annotate(torch.randn(4, 4), cp=sc.S(0), dp=sc.R)
+        gathered = torch.empty(8, 4)
+        dist.all_gather_into_tensor(gathered, x, group=other)
+        (gathered * 2).sum()
+    assert [r.rule for r in sc.violations()] == ["unknown axis"]
+    [(origin, calls)] = sc.coverage().origins
+    assert origin == (f"{__file__}:{line + 4} _allgather_base: c10d._allgather_base_ {AFTER} "
+                      "(unknown axis) reported there") and calls == 2

@@ -269,26 +269,34 @@ class Checker(TypeStore, RankValues, TorchDispatchMode):
         from inputs with no origin, found by following unknown inputs back (``origins``, by
         origin and the location of each op call it reached; ``ruled``: a rule ran and gave no
         type). Ops torch.distributed makes to carry out a collective (the collective itself is
-        typed) are not the caller's."""
+        typed) are not the caller's: an unknown they make begins at the line that called it."""
         location = op_site()
         name = _ENTRIES[id(func)].name
-        if location is None or (name in _LANDING_NAMES and self._landing(name, args, out)):
+        if location is None:
+            if not typed:
+                self._origin(func, name, args, out, ruled, user_location())
+            return
+        if name in _LANDING_NAMES and self._landing(name, args, out):
             return
         site = self.sites.get(location)
         if site is None:
             site = self.sites[location] = [0, 0]
         site[0 if typed else 1] += 1
-        if typed:
-            return
+        if not typed:
+            self.origins[self._origin(func, name, args, out, ruled, location), location] += 1
+
+    def _origin(self, func, name: str, args, out, ruled: bool, location: str) -> str:
+        """Where the unknown ``out`` began (an unknown input's origin, else this op at
+        ``location`` with its cause), remembered on ``out``."""
         origin = next((tensor_state.read(t, "origin") for t in _flat(args)
                        if isinstance(t, torch.Tensor) and self.types(t) is None
                        and tensor_state.read(t, "origin") is not None), None)
         if origin is None:
-            origin = f"{location} {name}: {unknown_origins.cause(self, func, args, ruled)}"
-        self.origins[origin, location] += 1
+            origin = f"{location} {name}: {unknown_origins.cause(self, func, args, ruled, location)}"
         for t in (out if isinstance(out, (tuple, list)) else (out,)):
             if isinstance(t, torch.Tensor):
                 tensor_state.write(t, "origin", origin)
+        return origin
 
     def _landing(self, name: str, args, out) -> bool:
         """Whether the op (of :func:`base_name` ``name``) is Gloo landing an async collective
