@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from shardcheck.typecheck import rank_branches, tensor_state, unknown_origins, unseen
+from shardcheck.typecheck import op_memo, rank_branches, tensor_state, unknown_origins, unseen
 from shardcheck.typecheck.broadcast import op_kind as broadcast_kind
 from shardcheck.typecheck.broadcast import record as record_broadcast
 from shardcheck.typecheck.locations import inside_collective, op_site, user_location
@@ -200,9 +200,21 @@ class Checker(TypeStore, RankValues, TorchDispatchMode):
                 tensor_state.write(out, "untyped", self.key)
             return out
         branched = self.branches.axes_here() if entry.aten and self.branches.frames else ()
+        sig = None
+        if entry.memo and not (self.rank_scalars or self.accumulating or branched):
+            sig = op_memo.signature(id(func), self.key, args, kwargs)
+            if sig is not None:
+                try:
+                    known = op_memo.OUTCOMES.get(sig)
+                except TypeError:  # an unhashable argument
+                    known = sig = None
+                if known is not None:
+                    return self._typed(func, args, kwargs, out, known[0], entry, branched, known[1])
+                writes = tensor_state.WRITES[0]
         try:
             pl = rule(self, args, kwargs, out)
         except Violation as violation:
+            sig = None
             if func.namespace == "_c10d_functional" and isinstance(out, torch.Tensor):
                 torch.ops._c10d_functional.wait_tensor(out)  # raise with no work in flight
             empty = _holds_nothing(out)  # no element: no rule broken, and a write changes nothing
@@ -226,11 +238,15 @@ class Checker(TypeStore, RankValues, TorchDispatchMode):
             else:
                 self._type_outputs(out, None, NOTHING, None)
             return out
-        return self._typed(func, args, kwargs, out, pl, entry, branched)
+        if sig is not None and tensor_state.WRITES[0] != writes:
+            sig = None  # the rule wrote a field: not an outcome of the signature alone
+        return self._typed(func, args, kwargs, out, pl, entry, branched, None, sig)
 
-    def _typed(self, func, args, kwargs, out, pl, entry: OpEntry, branched: tuple[int, ...]):
+    def _typed(self, func, args, kwargs, out, pl, entry: OpEntry, branched: tuple[int, ...],
+               flags: Known | None = None, sig: tuple | None = None):
         """Type ``out`` (or the tensors an in-place op wrote) ``pl``, the rule's verdict, and
-        what is known of its value, after the rank's own numbers, accumulations and branches."""
+        what is known of its value (``flags``, else worked out, and with ``sig`` both kept as
+        its outcome: see op_memo), after the rank's own numbers, accumulations and branches."""
         value_rule, mutated = entry.value_rule, entry.mutated
         if self.rank_scalars:
             pl = self._varied_by_scalars(pl, func, args, kwargs)
@@ -242,9 +258,12 @@ class Checker(TypeStore, RankValues, TorchDispatchMode):
         else:  # no axis known is no type (coverage by site asks): its origin is here
             self.unknown[id(func)] += 1
             self._count_site(func, args, out, typed=False, ruled=True)
-        flags = self._value_flags(value_rule, func, args) if value_rule else NOTHING
-        if value_rule is _ADD:
-            flags = self._accumulation(args, flags)
+        if flags is None:
+            flags = self._value_flags(value_rule, func, args) if value_rule else NOTHING
+            if value_rule is _ADD:
+                flags = self._accumulation(args, flags)
+            if sig is not None:
+                op_memo.keep(sig, pl, flags)
         if self.accumulating and flags not in WITH_ACC and entry.aten:
             pl = self._after_accumulation(pl, args)
         if branched:
@@ -528,6 +547,7 @@ class OpEntry:
     broadcast: str  # what broadcast.record does for it (see broadcast.op_kind)
     aten: bool  # in the aten namespace
     name: str  # its base_name
+    memo: bool  # its rule's outcomes may be remembered by signature (see op_memo)
 
 
 def _resolve(func) -> OpEntry:
@@ -543,7 +563,8 @@ def _resolve(func) -> OpEntry:
         call=func._op if type(func) is torch._ops.OpOverload else func, rule=rule,
         value_rule=registry.value_rule(name), mutated=mutated, is_view=is_view,
         moves_views=torch.Tag.inplace_view in func.tags or any(a.is_out for a in schema.arguments),
-        broadcast=broadcast_kind(func), aten=func.namespace == "aten", name=name)
+        broadcast=broadcast_kind(func), aten=func.namespace == "aten", name=name,
+        memo=op_memo.memoised(func, rule))
 
 
 # --- public API ------------------------------------------------------------------------------

@@ -23,6 +23,12 @@ from __future__ import annotations
 from typing import Any
 
 _ATTR = "_sc"
+# Record writes so far (one count for all fields): the checker compares it around a rule's run
+# to tell a rule that wrote a field (a side effect, see op_memo) from one that only typed its result.
+WRITES = [0]
+# The fields a rule remembered by op_memo may find on its operands: their types, and the view
+# bookkeeping of the type store and the landing mark of an async collective, which no rule reads.
+_PLAIN = frozenset({"type", "root", "views", "spans", "overlaps", "landing"})
 
 
 class TensorState:
@@ -45,6 +51,7 @@ def read(t: Any, field: str) -> Any:
 
 def write(t: Any, field: str, value: Any) -> None:
     """Set ``t``'s ``field`` to ``value`` (None forgets it)."""
+    WRITES[0] += 1
     state = getattr(t, _ATTR, None)
     if state is None:
         if value is None:
@@ -67,3 +74,14 @@ def type_of(t: Any) -> tuple | None:
     """``t``'s (mesh key, placements, known value), or None (the checker's hot path)."""
     state = getattr(t, _ATTR, None)
     return None if state is None else state.type
+
+
+def plain_type(t: Any) -> tuple | None | bool:
+    """``t``'s type (as :func:`type_of`) when its record holds no field but its type and view
+    bookkeeping (or it has none), else False."""
+    state = getattr(t, _ATTR, None)
+    if state is None:
+        return None
+    if not state.__dict__.keys() <= _PLAIN:
+        return False
+    return state.type
