@@ -52,34 +52,25 @@ class _Derives(int):
             return value
         return RankDerived(value, tuple(sorted({*self.axes, *getattr(other, "axes", ())})))
 
-    def __add__(self, other: Any) -> Any:
-        return self._derived(int.__add__(self, other), other)
-
-    def __radd__(self, other: Any) -> Any:
-        return self._derived(int.__radd__(self, other), other)
-
-    def __sub__(self, other: Any) -> Any:
-        return self._derived(int.__sub__(self, other), other)
-
-    def __rsub__(self, other: Any) -> Any:
-        return self._derived(int.__rsub__(self, other), other)
-
-    def __mul__(self, other: Any) -> Any:
-        return self._derived(int.__mul__(self, other), other)
-
-    def __rmul__(self, other: Any) -> Any:
-        return self._derived(int.__rmul__(self, other), other)
-
-    def __floordiv__(self, other: Any) -> Any:
-        return self._derived(int.__floordiv__(self, other), other)
-
-    def __mod__(self, other: Any) -> Any:
-        return self._derived(int.__mod__(self, other), other)
-
     __hash__ = int.__hash__
 
     def __reduce__(self):
         return int, (int(self),)
+
+
+def _keeping_axes(name: str) -> Any:
+    """``int``'s operator ``name``, whose int result keeps the operands' mesh axes."""
+    operator = getattr(int, name)
+
+    def method(self: _Derives, other: Any) -> Any:
+        return self._derived(operator(self, other), other)
+
+    method.__name__ = name
+    return method
+
+
+for _name in ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__floordiv__", "__mod__"):
+    setattr(_Derives, _name, _keeping_axes(_name))
 
 
 class RankDerived(_Derives):
