@@ -97,6 +97,18 @@ def test_an_assertion_naming_an_option_of_the_case_is_its_argument_check(options
     assert _in_config_check(failure, options) is refused
 
 
+@pytest.mark.parametrize(("raised", "refused"), [
+    ("AssertionError: Attention bias is not supported for DotProductAttention.", True),
+    ("ValueError: Packed sequence is not supported by DotProductAttention.Please use TEDotProductAttention instead.",
+     True),
+    ("AssertionError: the supported position embedding types are rope and none", False),  # words, no refusal
+    ("RuntimeError: Attention bias is not supported for DotProductAttention.", False),  # not how a check says no
+], ids=["not-supported", "please-use", "supported-types", "runtimeerror"])
+def test_megatron_declining_a_combination_in_words_is_a_refusal(raised, refused):
+    failure = _failure("models/t5/t5_model.py:forward", "transformer/dot_product_attention.py:forward", raised=raised)
+    assert _in_config_check(failure) is refused
+
+
 def test_megatron_asking_for_a_package_to_be_installed_is_missing_code_not_a_crash():
     error = "ValueError: fused_topk_with_score_function is not available. Please install TE >= 2.6.0."
     outcome = Outcome(Case("moe_router", (("moe_router_fusion", True),), Layout()), error=error,

@@ -153,7 +153,17 @@ def _in_config_check(failure: PoolFailure, options: tuple[str, ...] = ()) -> boo
     frames = _FRAME.findall(text)
     raised = _raised_type(text)
     return (failure.kind == "error" and bool(frames) and _MEGATRON in frames[-1][0] and raised in REFUSED_TYPES
-            and (_argument_check(frames, raised) or _names_an_option(text, options)))
+            and (_argument_check(frames, raised) or _names_an_option(text, options) or _says_unsupported(text)))
+
+
+# megatron-core declining a combination in so many words: "Attention bias is not supported for
+# DotProductAttention", "Please use TEDotProductAttention instead"
+UNSUPPORTED = re.compile(r"\bnot (yet )?supported\b|\bunsupported\b|[Pp]lease use \S+ instead")
+
+
+def _says_unsupported(text: str) -> bool:
+    """Whether the last exception's message says the combination is not supported."""
+    return bool(UNSUPPORTED.search(text.rstrip().rsplit("\n", 1)[-1]))
 
 
 def _names_an_option(text: str, options: tuple[str, ...]) -> bool:
