@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shardcheck.megatron.cpu.caches import forget_function_caches
 from shardcheck.megatron.cpu.patches import apply_cpu_patches
 from shardcheck.megatron.cpu.te import forget_cached_tensors, unquantised
 from shardcheck.patching import patched, patched_attrs
@@ -247,6 +248,7 @@ def megatron_parallel(ctx: Any, seed: int = 1234) -> Iterator[Any]:
 
     apply_cpu_patches()
     forget_cached_tensors()  # TE's cached tensors are built again, in this run's checked region
+    forget_function_caches()  # and megatron-core's and TE's lru caches
     # A forked rank must not reuse OpenMP threads its parent started: libgomp deadlocks.
     torch.set_num_threads(1)
     _check(ctx.layout)
