@@ -172,10 +172,9 @@ def _moved(func, args: tuple, out: torch.Tensor, blocks: Blocks) -> Blocks:
 
 def record(kind: str, func, args: tuple, out: Any) -> None:
     """Tag ``out`` with the dims it is a broadcast along, for expand, elementwise ops and views
-    (``kind``: what :func:`op_kind` says of ``func``, not "")."""
+    (``kind``: what :func:`op_kind` says of ``func``, not ""); the checker calls it for an
+    expand, or where an operand has a tag (``tensor_state.any_set(args, "broadcast")``)."""
     if not isinstance(out, torch.Tensor) or out.dim() == 0:
-        return
-    if kind != "expand" and not tensor_state.any_set(args, "broadcast"):
         return
     if kind in ("view", "move"):
         blocks = broadcast_blocks(args[0])

@@ -187,7 +187,7 @@ class Checker(TypeStore, RankValues, TorchDispatchMode):
             LAYOUT_EPOCH[0] += 1
         if self._paused:
             return out
-        if entry.broadcast:
+        if entry.broadcast and (entry.broadcast == "expand" or tensor_state.any_set(args, "broadcast")):
             record_broadcast(entry.broadcast, func, args, out)
         kwargs = kwargs or {}
         if rule is None:
@@ -259,7 +259,8 @@ class Checker(TypeStore, RankValues, TorchDispatchMode):
             self.unknown[id(func)] += 1
             self._count_site(func, args, out, typed=False, ruled=True)
         if flags is None:
-            flags = self._value_flags(value_rule, func, args) if value_rule else NOTHING
+            flags = (self._flags(args[0]) if value_rule is _KEEP else  # views, detach: the common case
+                     self._value_flags(value_rule, func, args) if value_rule else NOTHING)
             if value_rule is _ADD:
                 flags = self._accumulation(args, flags)
             if sig is not None:
@@ -274,10 +275,8 @@ class Checker(TypeStore, RankValues, TorchDispatchMode):
         if mutated:
             for t in _mutated_tensors(mutated, args, kwargs):
                 self.update_inplace(t, pl, None, flags)
-        elif isinstance(out, torch.Tensor):  # _type_outputs' common case, inline
-            self.set_type(out, pl, flags)
-            if entry.is_view and pl is not None:
-                self.register_view(out, args[0])
+        elif isinstance(out, torch.Tensor):  # _type_outputs' common case
+            self.type_result(out, pl, flags, args[0] if entry.is_view else None)
         else:
             self._type_outputs(out, pl, flags, args[0] if entry.is_view else None)
         return out
@@ -341,18 +340,14 @@ class Checker(TypeStore, RankValues, TorchDispatchMode):
 
     def _type_outputs(self, out, pl, flags: Known, base: torch.Tensor | None) -> None:
         if isinstance(out, torch.Tensor):
-            self.set_type(out, pl, flags)
-            if base is not None and pl is not None:
-                self.register_view(out, base)
+            self.type_result(out, pl, flags, base)
             return
         if not isinstance(out, (tuple, list)):
             return
         each = pl if isinstance(pl, list) else [pl] * len(out)
         for t, p in zip(out, each, strict=False):
             if isinstance(t, torch.Tensor):
-                self.set_type(t, p, flags)
-                if base is not None and p is not None:
-                    self.register_view(t, base)
+                self.type_result(t, p, flags, base)
 
     def _accumulation(self, args, flags: Known) -> Known:
         """zeros + x (in place or not), x a value of its own: ACC."""

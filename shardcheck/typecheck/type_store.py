@@ -141,27 +141,26 @@ class TypeStore:
         if not views and root is t:
             return
         span = _storage_range(t)
-        self._retype_alias(root, t, span, old, pl, transform, flags)
+        a_lo, a_hi = _storage_range(root)
+        if root is not t and a_lo < span[1] and span[0] < a_hi:
+            self._retype_alias(root, t, old, pl, transform, flags)
         for ref in _overlapping(t, span, _view_spans(root, views)) if views else ():
             alias = ref()
-            if alias is not None:
-                self._retype_alias(alias, t, span, old, pl, transform, flags)
+            if alias is not None and alias is not t:
+                self._retype_alias(alias, t, old, pl, transform, flags)
 
-    def _retype_alias(self, alias, t, span: tuple[int, int], old, pl, transform, flags: Known) -> None:
-        """After ``t`` (spanning ``span`` of its storage) was written, retype ``alias``
-        where the two overlap."""
-        if alias is t:
-            return
+    def _retype_alias(self, alias, t, old, pl, transform, flags: Known) -> None:
+        """After ``t`` was written, retype ``alias``, which overlaps it (left as it is where
+        that changes nothing)."""
         st = tensor_state.type_of(alias)
         if st is None or st[0] is not self.key:
             return
-        a_lo, a_hi = _storage_range(alias)
-        if a_hi <= span[0] or span[1] <= a_lo:
-            return
-        self.set_type(alias, self._alias_type(alias, st[1], t, old, pl, transform),
-                      flags if _same_region(alias, t) else NOTHING)
+        same = _same_region(alias, t)
+        new, new_flags = self._alias_type(alias, st[1], t, old, pl, transform, same), flags if same else NOTHING
+        if new != st[1] or new_flags != st[2]:
+            self.set_type(alias, new, new_flags)
 
-    def _alias_type(self, alias, alias_pl, t, old, pl, transform) -> tuple | None:
+    def _alias_type(self, alias, alias_pl, t, old, pl, transform, same: bool) -> tuple | None:
         if transform is not None:
             try:
                 return transform(alias_pl)
@@ -169,7 +168,7 @@ class TypeStore:
                 return None
         if pl is None:
             return None
-        if _same_region(alias, t):
+        if same:
             return pl
         alias_zero = self.zero(alias)
         merged = []
@@ -186,17 +185,36 @@ class TypeStore:
                 merged.append(None)
         return tuple(merged)
 
+    def type_result(self, t: torch.Tensor, pl: tuple | None, flags: Known, base: torch.Tensor | None) -> None:
+        """:meth:`set_type` of an op's result, then, for a view of ``base`` with a type,
+        :meth:`register_view`: the dispatch's common case, in one call."""
+        if pl is None or pl.count(None) == len(pl):
+            self.set_type(t, pl, flags)
+            if base is not None and pl is not None:
+                self.register_view(t, base)
+            return
+        state = tensor_state.record(t)
+        state.type = (self.key, pl, flags)
+        if base is not None:
+            _add_view(t, state, base)
+
     def register_view(self, view: torch.Tensor, base: torch.Tensor) -> None:
         """Remember that ``view`` aliases ``base``'s storage (on their common root)."""
-        root = tensor_state.read(base, "root")
-        if root is None:
-            root = base
-        tensor_state.write(view, "root", root)
-        views = tensor_state.read(root, "views")
-        if views is None:
-            tensor_state.write(root, "views", [weakref.ref(view)])
-            return
-        views.append(weakref.ref(view))
-        if len(views) % 64 == 0:
-            views[:] = [w for w in views if w() is not None]
-            tensor_state.write(root, "spans", None)
+        _add_view(view, tensor_state.record(view), base)
+
+
+def _add_view(view: torch.Tensor, view_state: tensor_state.TensorState, base: torch.Tensor) -> None:
+    """register_view, given ``view``'s record."""
+    root = tensor_state.read(base, "root")
+    if root is None:
+        root = base
+    view_state.root = root
+    state = tensor_state.record(root)
+    views = state.views
+    if views is None:
+        state.views = [weakref.ref(view)]
+        return
+    views.append(weakref.ref(view))
+    if len(views) % 64 == 0:
+        views[:] = [w for w in views if w() is not None]
+        state.spans = None
