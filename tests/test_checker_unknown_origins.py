@@ -149,3 +149,22 @@ def test_an_unknown_after_a_reported_violation_names_it(cp_dp_groups):
     [(origin, calls)] = sc.coverage().origins
     assert origin == (f"{__file__}:{line + 4} _allgather_base: c10d._allgather_base_ {AFTER} "
                       "(unknown axis) reported there") and calls == 2
+
+
+def test_an_unknown_sent_through_an_all_to_all_keeps_its_origin(cp_dp_groups):
+    """``all_to_all_single`` writes its output and returns only its work: the output of an
+    unknown input keeps the input's origin (GDN's head permutation cached by an earlier
+    region: the unknown began at the permutation, not at the reshape after the exchange)."""
+    cp, dp = cp_dp_groups
+    line = inspect.currentframe().f_lineno
+    with sc.typecheck(sc.Mesh(cp=cp, dp=dp), mode="collect", sites=True):
+        x = sc.annotate(torch.randn(4, 4), cp=sc.S(0), dp=sc.R)
+        sent = x * _CACHE
+        received = torch.empty_like(sent)
+        dist.all_to_all_single(received, sent, group=cp)
+        (received * 2).sum()
+    cov = sc.coverage()
+    [(origin, calls)] = cov.origins
+    assert origin == f"{__file__}:{line + 3} mul: input 1 (a tensor float32[4]) {ENTERED}"
+    assert calls == 3  # the mul, and the two after the exchange (torch.distributed's frames: no site)
+    assert (origin, f"{__file__}:{line + 6}", 2) in cov.reached

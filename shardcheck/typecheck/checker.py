@@ -305,13 +305,15 @@ class Checker(TypeStore, RankValues, TorchDispatchMode):
 
     def _origin(self, func, name: str, args, out, ruled: bool, location: str) -> str:
         """Where the unknown ``out`` began (an unknown input's origin, else this op at
-        ``location`` with its cause), remembered on ``out``."""
+        ``location`` with its cause), remembered on ``out`` and on what a c10d collective
+        writes, its first argument (``all_to_all_single``'s output: the op returns its work)."""
         origin = next((tensor_state.read(t, "origin") for t in _flat(args)
                        if isinstance(t, torch.Tensor) and self.types(t) is None
                        and tensor_state.read(t, "origin") is not None), None)
         if origin is None:
             origin = f"{location} {name}: {unknown_origins.cause(self, func, args, ruled, location)}"
-        for t in (out if isinstance(out, (tuple, list)) else (out,)):
+        written = args[:1] if func.namespace == "c10d" else ()
+        for t in _flat((out, *written)):
             if isinstance(t, torch.Tensor):
                 tensor_state.write(t, "origin", origin)
         return origin
