@@ -24,6 +24,7 @@ from shardcheck.megatron.audit.sweep import Case  # noqa: E402
 from shardcheck.megatron.audit.training_args import (  # noqa: E402
     NOT_CHECKED,
     REFUSES,
+    crash_training_verdict,
     loaded_validation,
     training_verdict,
 )
@@ -151,12 +152,15 @@ def arguments():
 
 
 MTP_LEARNED = "Multi-Token Prediction (MTP) is not supported with learned_absolute position embedding type."
+LEARNED = (("position_embedding", "learned_absolute"),)
+DISTRIBUTED_RECOMPUTE = (("recompute_granularity", "full"), ("recompute_num_layers", 1),
+                         ("recompute_method", "uniform"), ("distribute_saved_activations", True))
 
 
 def test_the_mtp_position_embedding_finding_is_one_megatron_training_refuses(arguments):
     """#7452's MTP position-embedding bug at pp2 needs learned absolute positions, which
     validate_args refuses with MTP (and a later check of its own lists as supported)."""
-    verdict = training_verdict(Case("mtp", (), Layout(pp=2)))
+    verdict = training_verdict(Case("mtp", LEARNED, Layout(pp=2)))
     assert verdict.startswith(f"{REFUSES}: AssertionError: {MTP_LEARNED}")
     path, line = verdict.rsplit(" (", 1)[1].removesuffix(" in validate_args)").split(":")
     assert path == "megatron/training/arguments.py"
@@ -167,9 +171,22 @@ def test_the_mtp_position_embedding_finding_is_one_megatron_training_refuses(arg
 
 def test_megatron_training_accepts_the_same_job_with_rotary_positions_and_the_gpts_defaults(arguments):
     assert training_verdict(Case("mtp", (("position_embedding", "rope"),), Layout(pp=2))) is None
+    assert training_verdict(Case("mtp", (), Layout(pp=2))) is None  # the MTP GPT's default: rotary
     for layout in ("tp2", "pp2", "cp2", "tp2-dp2-sp", "tp2-cp2-sp@cp-tp"):
         assert training_verdict(Case("gpt", (), Layout.parse(layout))) is None, layout
     assert training_verdict(Case("moe", (), Layout.parse("tp2-pp2-sp"))) is None
+
+
+def test_a_crash_on_one_rank_is_refused_only_where_every_layout_is(arguments):
+    """A one-rank crash's run is the reference of its option set under every layout: one rank
+    alone refuses distributed recomputation (it needs tp > 1), tp2 accepts it; MTP with learned
+    positions is refused under every layout."""
+    alone = Case("mtp", DISTRIBUTED_RECOMPUTE, Layout())
+    assert "can distribute recomputed activations only across tensor model parallel groups" in training_verdict(alone)
+    assert crash_training_verdict(alone) is None
+    learned = Case("mtp", LEARNED + DISTRIBUTED_RECOMPUTE, Layout())
+    assert crash_training_verdict(learned) == training_verdict(learned)
+    assert MTP_LEARNED in crash_training_verdict(learned)
 
 
 def test_a_case_on_transformer_engine_is_checked_against_the_te_its_ranks_run(arguments):
@@ -190,7 +207,7 @@ def test_a_layout_megatron_cores_config_refuses_first_is_said_to_be_unchecked(ar
 
 
 def test_the_refusal_is_on_the_finding_in_findings_json_and_report_md(arguments, tmp_path):
-    case = Case("mtp", (), Layout(pp=2))
+    case = Case("mtp", LEARNED, Layout(pp=2))
     finding = Finding.audited(audit_report.trigger(case), [], None, title="mtp: position embeddings differ",
                               kind="numeric-only", location="megatron/core/x.py:1", contract="c",
                               reproduce=audit_report.reproduce_command(case), training_args=training_verdict(case))

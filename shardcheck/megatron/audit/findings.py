@@ -19,7 +19,7 @@ from shardcheck.megatron.audit.operands import SHAPE_ERROR, operand_root
 from shardcheck.megatron.audit.outcome import Outcome
 from shardcheck.megatron.audit.runner import Runner
 from shardcheck.megatron.audit.sweep import Case
-from shardcheck.megatron.audit.training_args import training_verdict
+from shardcheck.megatron.audit.training_args import crash_training_verdict, training_verdict
 from shardcheck.megatron.checks import contracts, explicit
 from shardcheck.megatron.scenarios.reference import recorded_at
 
@@ -223,7 +223,8 @@ def _crash_finding(runner: Runner, key: tuple[str, str], members: list[Outcome],
         showed=key[0] if root else None,
         reproduce=audit_report.reproduce_command(case), seen_in=audit_report.seen_in(members, minimal),
         cases=[audit_report.case_entry(o.case) for o in members],
-        id="" if first else _trigger_id(key, case), training_args=training_verdict(case),
+        id="" if first else _trigger_id(key, case),
+        training_args=crash_training_verdict(case) if alone else training_verdict(case),
         one_rank=f"{minimal.error} (frame {minimal.frame or 'outside megatron-core'}); " + (
             "megatron-core raises it in its own code on one rank, with no layout (its arguments "
             "pass its checks); the component runs on one rank without these options" if alone

@@ -136,6 +136,23 @@ def training_verdict(case: Case) -> str | None:
     return None
 
 
+def crash_training_verdict(case: Case) -> str | None:
+    """:func:`training_verdict` for a crash on one rank: its one-rank run is the reference of the
+    option set's cases under every layout, so the options are refused only when
+    ``validate_args`` refuses them under every layout the component runs (a one-rank layout
+    alone refuses ``distribute_saved_activations``, which needs tp > 1); the one-rank
+    verdict is given then."""
+    from shardcheck.megatron.audit.sweep import layouts
+    from shardcheck.megatron.scenarios import COMPONENTS
+
+    alone = training_verdict(case)
+    if alone is None or not alone.startswith(REFUSES):
+        return alone
+    runnable = (layout for layout in layouts() if COMPONENTS[case.component].refuses(layout) is None)
+    accepted = any(training_verdict(case.with_layout(layout)) is None for layout in runnable)
+    return None if accepted else alone
+
+
 def _with_te_of(case: Case, arguments: Any) -> contextlib.AbstractContextManager[None]:
     """For a case on Transformer Engine, ``validate_args``'s TE version checks answer for the
     pinned TE its ranks run (this process imported no TE: every check would fail, ``--fp4-format``

@@ -155,6 +155,8 @@ class CudaToCpu(TorchFunctionMode):
             return func(*args).replace("torch.", "torch.cuda.")
         if str(kwargs.get("device", "")).startswith("cuda"):
             kwargs["device"] = "cpu"
+        if kwargs.get("pin_memory"):  # rotary positions' CP slice (rope_utils) pins its index
+            kwargs["pin_memory"] = False
         return func(*args, **kwargs)
 
 

@@ -118,6 +118,9 @@ class MTPGPTSetup(GPTSetup):
     """The tiny GPT with ``mtp_layers`` multi-token-prediction layers after its decoder."""
 
     mtp_layers: int = field(default=2, metadata={"fuzz": (1, 2)})
+    # rotary positions, as megatron.training requires with MTP (learned absolute ones it
+    # refuses at validate_args; they stay an option the sweep tries)
+    position_embedding: str = "rope"
 
 
 def transformer_config(layout: Any, setup: GPTSetup, **extra: Any):
