@@ -48,7 +48,7 @@ def _named(params: ParamsLike) -> list[tuple[str, torch.Tensor]]:
         named.append((name, p))
     checker = _checker.current()
     if checker is not None:
-        gradient_state(checker).named.update((p, name) for name, p in named)
+        gradient_state(checker).name(named)
     return named
 
 

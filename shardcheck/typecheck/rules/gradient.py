@@ -4,6 +4,7 @@ seed of ``loss.backward()``. :mod:`shardcheck.typecheck.gradients` checks gradie
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +33,23 @@ class GradientState:
     loss_varies: set[int] = field(default_factory=set)
     reported: set[tuple[str, str, str, str]] = field(default_factory=set)
     named: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)
+    # (namings, entries) when made, and (name, weak reference) per named parameter: a norm
+    # compares its operand with every gradient, and listing the weak dict costs 1 µs an entry
+    _listed: tuple = ((-1, -1), ())
+    _namings: int = 0
+
+    def name(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        """Name ``named``'s parameters (a name given again replaces the old one)."""
+        self.named.update((p, name) for name, p in named)
+        self._namings += 1
+
+    def parameters(self) -> list[tuple[str, torch.Tensor]]:
+        """The live named parameters, in naming order."""
+        made, listed = self._listed
+        if made != (self._namings, len(self.named)):  # named since, or a parameter died
+            listed = [(name, weakref.ref(p)) for p, name in self.named.items()]
+            self._listed = ((self._namings, len(self.named)), listed)
+        return [(name, p) for name, ref in listed if (p := ref()) is not None]
 
 
 def gradient_state(checker: Any) -> GradientState:
@@ -48,7 +66,7 @@ def has_named_parameters(checker: Any) -> bool:
 
 def named_parameters(checker: Any) -> list[tuple[str, torch.Tensor]]:
     """The live parameters named in ``checker``'s region."""
-    return [(name, p) for p, name in gradient_state(checker).named.items()]
+    return gradient_state(checker).parameters()
 
 
 def gradient_of(param: torch.Tensor) -> torch.Tensor | None:

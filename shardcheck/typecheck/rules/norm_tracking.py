@@ -62,10 +62,10 @@ def _gradient_param(ctx: RuleContext, t) -> tuple[str, tuple] | None:
     if (not isinstance(t, torch.Tensor) or t.requires_grad
             or torch._C._current_autograd_node() is not None):
         return None
+    address, shape = t.data_ptr(), t.shape
     for name, param in named_parameters(ctx):
         grad = gradient_of(param)
-        if grad is t or (grad is not None and grad.data_ptr() == t.data_ptr()
-                         and grad.shape == t.shape):
+        if grad is t or (grad is not None and grad.data_ptr() == address and grad.shape == shape):
             pl = ctx.types(t)
             return None if pl is None or None in pl else (name, pl)
     return None
@@ -184,9 +184,9 @@ def _foreach_norm(ctx: RuleContext, args, kwargs, out):
 # --- the all-reduce of a norm ---------------------------------------------------------------
 
 def _allreduce(base, ctx: RuleContext, args, kwargs, out):
-    tensors, group, op = args[0], args[1], collectives._reduce_op(args[2])
-    if (len(tensors) != 1 or tensors[0].numel() != 1 or op != collectives.SUM
-            or not has_named_parameters(ctx)):
+    tensors, group = args[0], args[1]
+    if (len(tensors) != 1 or tensors[0].numel() != 1 or not has_named_parameters(ctx)
+            or collectives._reduce_op(args[2]) != collectives.SUM):  # a call into TorchScript: last
         return base(ctx, args, kwargs, out)
     t = tensors[0]
     term = _term(t)
