@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dis
 import functools
+import inspect
 import os
 import sys
 from collections.abc import Callable
@@ -40,6 +41,7 @@ _TORCH = os.path.dirname(torch.__file__) + os.sep
 _TYPECHECK = os.path.dirname(os.path.abspath(__file__)) + os.sep
 MACHINERY = (_TORCH, _TYPECHECK, os.path.dirname(functools.__file__) + os.sep + "functools.py")
 _DECISIONS_KEPT = 32
+_RESUMABLE = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR | inspect.CO_ITERABLE_COROUTINE
 
 
 class _Derives(int):
@@ -146,6 +148,7 @@ class RankBranches:
             return
         known = self.frames.get(id(frame))
         if known is None or known[0] is not frame:
+            self._forget_returned()
             if len(self.frames) >= _DECISIONS_KEPT:
                 self.frames.pop(next(iter(self.frames)))
             known = self.frames[id(frame)] = (frame, [])
@@ -154,6 +157,21 @@ class RankBranches:
         if (*span, axes) not in known[1]:  # a branch in a loop is one span
             known[1].append((*span, axes))
             self._spans.append((frame, *span))
+
+    def _forget_returned(self) -> None:
+        """Forget the kept frames that returned (on no thread's stack, and no generator's or
+        coroutine's, which may resume): they run no op again, and every op's
+        :meth:`axes_here` scans the spans of the frames kept (a helper that tests the rank,
+        called once per layer, left one each)."""
+        running = set()
+        for top in sys._current_frames().values():
+            while top is not None:
+                running.add(id(top))
+                top = top.f_back
+        returned = [key for key, (f, _) in self.frames.items()
+                    if key not in running and not f.f_code.co_flags & _RESUMABLE]
+        for key in returned:
+            del self.frames[key]
 
     def clear(self) -> None:
         """Forget the frames (they hold their locals)."""
