@@ -10,7 +10,8 @@ groups it builds are checked against the layout's own groups when the context ha
 
 Groups are created once per layout and process: the state is saved after the first
 initialisation and restored on the next run of the same layout, so that a long sweep does not
-open Gloo groups without end. ``destroy_model_parallel`` runs after every scenario (it destroys
+open Gloo groups without end; Megatron's global memory buffer is made anew (its tensors belong
+to the run that made them: in a later run's type-checked region they would enter untyped). ``destroy_model_parallel`` runs after every scenario (it destroys
 only the extra ``*_GLOO`` groups, which are not made here). Each Gloo group keeps a thread polling its
 sockets, so a rank process also reuses groups between layouts: a one-rank group is made once,
 and a field's group (Megatron's ``group_desc``) over ranks it had in an earlier layout is the
@@ -146,6 +147,7 @@ def _initialise(layout: Any) -> None:
     if key in _saved:
         for name, value in _saved[key].items():
             setattr(parallel_state, name, value)
+        parallel_state._set_global_memory_buffer()  # a new one: the last held an earlier run's tensors
         return
     with _local_groups():
         parallel_state.initialize_model_parallel(
@@ -156,7 +158,8 @@ def _initialise(layout: Any) -> None:
             order=getattr(layout, "order", DEFAULT_ORDER),
             create_gloo_process_groups=False,
         )
-    _saved[key] = {n: getattr(parallel_state, n) for n in _state_names(parallel_state)}
+    _saved[key] = {n: getattr(parallel_state, n) for n in _state_names(parallel_state)
+                   if n != "_GLOBAL_MEMORY_BUFFER"}
 
 
 def _verify(ctx: Any) -> None:
