@@ -8,6 +8,7 @@ corrected control repairs it. Data and pipeline parallelism stay clean.
 """
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -61,3 +62,19 @@ def test_the_linear_replacements_gather_on_the_global_tp_group_is_found_and_corr
     assert finding.control is not None and finding.control["equal_to_reference"], finding.control
     with pytest.raises(ReproError, match="^no script for a heterogeneous GPT yet"):
         script_body(finding)
+
+
+@pytest.mark.release_specific
+def test_the_linear_replacements_pad_of_the_wrong_dim_under_sequence_parallelism_is_located_at_the_pad(audit_pools):
+    """megatron-core's ColumnParallelLinearGathered under tp2-sp pads its output's sequence dim
+    where it means the hidden one (``F.pad``'s first pair is the last dim), and the layer's
+    residual add fails: the crash is located at the pad, where it showed at the add."""
+    [finding] = audit([Case("gpt", HETEROGENEOUS, Layout.parse("tp2-sp"))], run_pools=audit_pools).findings
+    assert finding.kind == "crash" and "must match the size of tensor b" in finding.title
+    path, line = finding.location.rsplit(":", 1)
+    assert path == "megatron/core/transformer/heterogeneous/linear_replacements.py"
+    import megatron.core
+
+    source = (Path(megatron.core.__file__).parents[2] / path).read_text().splitlines()
+    assert "F.pad(" in source[int(line) - 1], source[int(line) - 1]
+    assert finding.showed.startswith("megatron/core/fusions/fused_bias_dropout.py:")
