@@ -69,3 +69,23 @@ def test_a_norm_finds_gradients_by_the_parameters_named_last():
         gc.collect()
         assert [name for name, _ in named_parameters(checker)] == ["renamed"]
         assert _norm_names(grad) == []
+
+
+def _grid(rank: int) -> sc.Mesh:
+    """Rank ``rank``'s mesh of 4 ranks: tp over neighbours, dp over ranks 2 apart."""
+    return sc.Mesh(rank=rank, tp=[rank - rank % 2, rank - rank % 2 + 1], dp=[rank % 2, rank % 2 + 2])
+
+
+@pytest.mark.parametrize(("mesh", "piece", "types"), [
+    (sc.Mesh(rank=0, tp=[0, 1]), slice(0, 4), {"tp": "S(0)"}),
+    (sc.Mesh(rank=1, tp=[0, 1]), slice(0, 4), {"tp": "R"}),
+    (sc.Mesh(rank=1, tp=[0, 1]), slice(4, 8), {"tp": "S(0)"}),
+    (_grid(0), slice(0, 2), {}), (_grid(3), slice(0, 2), {"tp": "R", "dp": "R"}),
+    (_grid(3), slice(6, 8), {})])
+def test_a_rank_chunk_is_worked_out_per_mesh_and_cut(mesh, piece, types):
+    """One cut of replicated rows on the meshes of several ranks: a half of 8 rows is the tp
+    rank's chunk (S(0)) on the rank whose half it is, R elsewhere; a quarter, on 4 ranks, its
+    chunk of the tp x dp group (both axes unknown) on that rank only."""
+    with sc.typecheck(mesh):
+        rows = sc.annotate(torch.zeros(8, 2), **dict.fromkeys(mesh.names, sc.R))[piece]
+        assert {axis: repr(p) for axis, p in sc.typeof(rows).items()} == types

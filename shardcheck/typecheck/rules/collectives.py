@@ -68,6 +68,8 @@ def _reduce_op(obj: Any) -> str:
 
 def process_group(group: Any) -> dist.ProcessGroup:
     """The ProcessGroup given as a ScriptObject, a ProcessGroup or a name."""
+    if type(group) is torch.ScriptObject:  # as a c10d op carries it (isinstance of ProcessGroup
+        return dist.ProcessGroup.unbox(group)  # runs its metaclass' Python __instancecheck__)
     if isinstance(group, str):
         return dist.distributed_c10d._resolve_process_group(group)
     return group if isinstance(group, dist.ProcessGroup) else dist.ProcessGroup.unbox(group)

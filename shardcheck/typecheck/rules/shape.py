@@ -111,10 +111,11 @@ def _sections_viewed(p: SectionShard, in_shape, out_shape, d: int, j: int) -> Sh
     return SectionShard(j, tuple(size * rows_in // rows_out for size in p.sections), p.outside)
 
 
-# A view's placements by (input shape, output shape, placements, their types, preferred dims):
-# a model views the same layouts the same way in every layer and step. Placements of the types
-# here compare by value (their types are in the key: S(0) == RankChunk(0)); others are not kept.
-_VIEWED: dict[tuple, Pl] = {}
+# A view's placements and their other reading (see _other_reading) by (input shape, output
+# shape, placements, their types, preferred dims): a model views the same layouts the same way
+# in every layer and step. Placements of the types here compare by value (their types are in
+# the key: S(0) == RankChunk(0)); others are not kept.
+_VIEWED: dict[tuple, tuple[Pl, Pl | None]] = {}
 _VIEWED_KEPT = 4096
 _VIEWED_TYPES = frozenset({type(None), *(type(p) for p in (R, P, V, I, PAVG, PEVEN)), Shard, RankChunk,
                            GatheredPiece, BlockShard, SectionShard})
@@ -125,47 +126,49 @@ def _view_rule(ctx: RuleContext, x, pl, args, kwargs, out):
     in_shape, out_shape = x.shape, out.shape
     if in_shape == out_shape:
         return pl
-    prefer = _reshaped_back(ctx, x, out, pl)
+    prefer = _reshaped_back(ctx, in_shape, out_shape, pl)
     types = tuple(map(type, pl))
     key = (in_shape, out_shape, pl, types, prefer) if _VIEWED_TYPES.issuperset(types) else None
-    viewed = _VIEWED.get(key) if key is not None else None
-    if viewed is None:
+    known = _VIEWED.get(key) if key is not None else None
+    if known is None:
         viewed = tuple(view_shard(in_shape, out_shape, p, prefer[a]) if isinstance(p, Shard)
                        else (None if isinstance(p, Gathered) else p) for a, p in enumerate(pl))
+        known = viewed, _other_reading(in_shape, out_shape, pl, viewed)
         if key is not None:
             if len(_VIEWED) >= _VIEWED_KEPT:
                 _VIEWED.clear()
-            _VIEWED[key] = viewed
-    _note_outer_reading(ctx, x, out, pl, viewed)
+            _VIEWED[key] = known
+    viewed, other = known
+    if other is not None:
+        tensor_state.write(out, "viewed", (ctx.key, viewed, other))
     return viewed
 
 
-def _note_outer_reading(ctx: RuleContext, x: torch.Tensor, out: torch.Tensor, pl: Pl, viewed: Pl) -> None:
-    """Remember on ``out`` the other reading of a view whose shard lands on a dim right after a
-    size-1 dim it inserted: ``[s, b, g * X] -> [s, b, 1, X]`` cuts the sharded dim into g groups
-    of X with one group on this rank (S on the size-1 dim: Megatron's QKV viewed by query
-    groups, one per rank), or puts a dim of one before it (S on X: ``[h] -> [1, h, 1, 1]``).
-    Both are the same local tensor; the view takes the second, a cut along X the first (see
-    :func:`_read_for_cut`)."""
+def _other_reading(in_shape, out_shape, pl: Pl, viewed: Pl) -> Pl | None:
+    """The other reading of a view whose shard lands on a dim right after a size-1 dim it
+    inserted (remembered on the view's result): ``[s, b, g * X] -> [s, b, 1, X]`` cuts the
+    sharded dim into g groups of X with one group on this rank (S on the size-1 dim:
+    Megatron's QKV viewed by query groups, one per rank), or puts a dim of one before it (S on
+    X: ``[h] -> [1, h, 1, 1]``). Both are the same local tensor; the view takes the second, a
+    cut along X the first (see :func:`_read_for_cut`). None where there is no other."""
     other = None
     for a, p in enumerate(viewed):
-        if type(p) is Shard and p.dim > 0 and out.shape[p.dim - 1] == 1 and _inserted_before(x, pl[a]):
+        if type(p) is Shard and p.dim > 0 and out_shape[p.dim - 1] == 1 and _inserted_before(in_shape, pl[a]):
             other = other or list(viewed)
             other[a] = S(p.dim - 1, p.outside)
-    if other is not None:
-        tensor_state.write(out, "viewed", (ctx.key, viewed, tuple(other)))
+    return None if other is None else tuple(other)
 
 
-def _inserted_before(x: torch.Tensor, p: Placement) -> bool:
-    """Whether the view's input shard ``p`` has no dim of one before it (else the input has
-    read the dims already, and the view only carries them)."""
-    d = norm_dim(p.dim, x.dim())
-    return type(p) is Shard and (d == 0 or x.shape[d - 1] != 1)
+def _inserted_before(in_shape, p: Placement) -> bool:
+    """Whether the view's input shard ``p`` (of an input of ``in_shape``) has no dim of one
+    before it (else the input has read the dims already, and the view only carries them)."""
+    d = norm_dim(p.dim, len(in_shape))
+    return type(p) is Shard and (d == 0 or in_shape[d - 1] != 1)
 
 
 def _read_for_cut(ctx: RuleContext, x: torch.Tensor, pl: Pl, dim: int) -> Pl:
     """``x``'s placements for a cut along ``dim``: where a view made ``x`` with a shard on
-    ``dim`` that could as well sit on the dim of one before it (see :func:`_note_outer_reading`),
+    ``dim`` that could as well sit on the dim of one before it (see :func:`_other_reading`),
     that reading: a dim the ranks' pieces fill whole is cut into q, k and v of one query group.
     A shard read on ``dim`` would make every piece V."""
     mark = tensor_state.read(x, "viewed")
@@ -174,16 +177,17 @@ def _read_for_cut(ctx: RuleContext, x: torch.Tensor, pl: Pl, dim: int) -> Pl:
     return tuple(q if isinstance(p, Shard) and p.dim == dim else p for p, q in zip(pl, mark[2], strict=True))
 
 
-def _reshaped_back(ctx: RuleContext, x: torch.Tensor, out: torch.Tensor, pl: Pl) -> tuple:
-    """The dims, by axis, that the shards of the forward input of the view that this one undoes
-    sat on (a gradient reshaped back: GDN's one local head repeated, then merged, [1, 2] <->
-    [2], where the piece's length alone would name the repeats); in the forward, remembered.
-    Keyed by the shapes as torch.Size (a tuple: equal to and hashed as one)."""
+def _reshaped_back(ctx: RuleContext, in_shape, out_shape, pl: Pl) -> tuple:
+    """The dims, by axis, that the shards of the forward input of the view (``in_shape`` to
+    ``out_shape``) that this one undoes sat on (a gradient reshaped back: GDN's one local head
+    repeated, then merged, [1, 2] <-> [2], where the piece's length alone would name the
+    repeats); in the forward, remembered. Keyed by the shapes as torch.Size (a tuple: equal to
+    and hashed as one)."""
     if torch._C._current_graph_task_id() >= 0:
-        return ctx.reshaped.get((x.shape, out.shape), (None,) * len(pl))
-    ndim = x.dim()
-    ctx.reshaped[(out.shape, x.shape)] = tuple(
-        (p.dim + ndim if p.dim < 0 else p.dim) if isinstance(p, Shard) else None for p in pl)
+        return ctx.reshaped.get((in_shape, out_shape), (None,) * len(pl))
+    ndim = len(in_shape)
+    ctx.reshaped[(out_shape, in_shape)] = tuple([
+        (p.dim + ndim if p.dim < 0 else p.dim) if isinstance(p, Shard) else None for p in pl])
     return (None,) * len(pl)
 
 
@@ -335,14 +339,11 @@ def rank_piece(ctx: RuleContext, pl: Pl, dim: int, total: int, start: int, lengt
     nor is a piece of a split into another number of ``parts`` than the axis has ranks (GDN's
     sections [8, 8, 16], whose last is rank 1's half by chance).
     """
-    def matches(a: int) -> bool:
-        size = ctx.sizes[a]
-        return (size > 1 and length < total and parts in (None, size)
-                and (start, length) in rank_chunks(total, size, ctx.index[a]))
-    by_rank = [a for a, p in enumerate(pl) if replicated(p) and matches(a)]
+    single, pairs = _chunk_axes(ctx, total, start, length, parts)
+    by_rank = [a for a in single if replicated(pl[a])]
     if by_rank and _viewed_back_from_a_flat_buffer():
         return {}
-    unknown = [a for a, p in enumerate(pl) if p is None and matches(a)]
+    unknown = [a for a in single if pl[a] is None]
     chosen = _chosen_by(ctx, by_rank)
     if chosen != by_rank:  # the named axis chose it: the others hold the piece whole
         by_rank, unknown = chosen, []
@@ -351,18 +352,47 @@ def rank_piece(ctx: RuleContext, pl: Pl, dim: int, total: int, start: int, lengt
         return dict.fromkeys(by_rank, S(dim) if check_varying else RankChunk(dim))
     if by_rank:  # ambiguous: several axes (some untyped) have the same size and index here,
         # unless the bounds were computed from the rank of one of them (see rank_branches)
-        chosen = [a for a in by_rank if a in rank_branches.bound_axes(start, start + length)]
+        bound = rank_branches.bound_axes(start, start + length)  # a look at the stack: once
+        chosen = [a for a in by_rank if a in bound]
         if chosen and not unknown and len({ctx.rank_sets[a] for a in chosen}) == 1:
             return dict.fromkeys(chosen, S(dim) if check_varying else RankChunk(dim))
         return dict.fromkeys(by_rank + unknown)
-    if spanning := _cut_by_two_axes(ctx, pl, total, start, length, parts):
+    if spanning := _cut_by_two_axes(pl, pairs):
         return spanning
     if check_varying and not unknown and any(p is V for p in pl):
         occurrence = ctx.count_varying_cut()
-        for a, p in enumerate(pl):
-            if p is V and matches(a):
+        for a in single:
+            if pl[a] is V:
                 raise Violation("split of varying", a, occurrence=occurrence)
     return {}
+
+
+# By (id of the interned mesh key, total, start, length, parts): what rank_piece asks of a cut
+# whatever the tensor's type (see _chunk_axes), the same for the same cut in every layer and step.
+_CHUNK_AXES: dict[tuple, tuple[tuple[int, ...], tuple[tuple[int, int], ...]]] = {}
+_CHUNK_AXES_KEPT = 4096
+
+
+def _chunk_axes(ctx: RuleContext, total: int, start: int, length: int,
+                parts: int | None) -> tuple[tuple[int, ...], tuple[tuple[int, int], ...]]:
+    """The axes on whose rank the piece [start, start+length) of ``total`` is this rank's
+    chunk, and the pairs of axes (in order) on whose rank in their joint group it is (see
+    :func:`_cut_by_two_axes`). Neither the whole dim nor a piece of a split into another number
+    of ``parts`` than the ranks is one."""
+    key = (id(ctx.key), total, start, length, parts)  # the key holds every axis' ranks and this rank
+    known = _CHUNK_AXES.get(key)
+    if known is None:
+        def chunk(size: int, indices: set[int]) -> bool:
+            return (size > 1 and length < total and parts in (None, size)
+                    and any((start, length) in rank_chunks(total, size, i) for i in indices))
+        sizes, index = ctx.sizes, ctx.index
+        single = tuple(a for a in range(len(sizes)) if chunk(sizes[a], {index[a]}))
+        pairs = tuple((a, b) for a, b in itertools.combinations([a for a in range(len(sizes)) if sizes[a] > 1], 2)
+                      if chunk(sizes[a] * sizes[b], {index[a] * sizes[b] + index[b], index[b] * sizes[a] + index[a]}))
+        if len(_CHUNK_AXES) >= _CHUNK_AXES_KEPT:
+            _CHUNK_AXES.clear()
+        known = _CHUNK_AXES[key] = single, pairs
+    return known
 
 
 # torch's views of a coalesced buffer as the tensors it was flattened from: each at its own place,
@@ -604,19 +634,14 @@ def _stack_rule(ctx: RuleContext, args, kwargs, out):
     return shift_shards(pl, lambda d: d + (d >= dim))
 
 
-def _cut_by_two_axes(ctx: RuleContext, pl: Pl, total: int, start: int, length: int,
-                     parts: int | None = None) -> dict[int, None]:
+def _cut_by_two_axes(pl: Pl, pairs: tuple[tuple[int, int], ...]) -> dict[int, None]:
     """The piece is this rank's chunk by its rank in a group over two replicated (or untyped)
-    axes (Megatron's tp x ep expert group, dp x cp): a cut the per-axis types cannot say, so
-    both axes become unknown rather than stay replicated. A piece of a split into another
-    number of ``parts`` than the group has ranks is not (GDN's sections [16, 16, 32] at cp2-dp2,
-    whose first is rank 0's quarter by chance)."""
-    axes = [a for a, p in enumerate(pl) if (p is None or replicated(p)) and ctx.sizes[a] > 1]
-    for a, b in itertools.combinations(axes, 2):
-        size = ctx.sizes[a] * ctx.sizes[b]
-        orders = {ctx.index[a] * ctx.sizes[b] + ctx.index[b], ctx.index[b] * ctx.sizes[a] + ctx.index[a]}
-        if length < total and parts in (None, size) and any(
-                (start, length) in rank_chunks(total, size, i) for i in orders):
+    axes (Megatron's tp x ep expert group, dp x cp; ``pairs``: see :func:`_chunk_axes`): a cut
+    the per-axis types cannot say, so both axes become unknown rather than stay replicated. A
+    piece of a split into another number of parts than the group has ranks is not (GDN's
+    sections [16, 16, 32] at cp2-dp2, whose first is rank 0's quarter by chance)."""
+    for a, b in pairs:
+        if (pl[a] is None or replicated(pl[a])) and (pl[b] is None or replicated(pl[b])):
             return {a: None, b: None}
     return {}
 
