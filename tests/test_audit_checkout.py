@@ -114,12 +114,12 @@ REVERTED = {
     # metric's finding is located at the call that recorded it
     "4abeecce74": (("--only", "moe", "--layouts", "tp2-sp", "--set", "moe_z_loss_coeff=0.1"), ["moe/z_loss"], True),
     # the sequence-level aux loss's gradient kept a 1/micro-batch-size factor under the
-    # per-token loss (#5798): the one-rank reference takes the whole batch in one micro-batch.
-    # Located where the gradients are scaled (DDP's scale_gradients): the router's own values are
-    # each dp rank's share of the batch, which the whole-batch reference has none of to compare
+    # per-token loss (#5798): the one-rank reference takes the whole batch in one micro-batch, and
+    # the first gradient that depends on the split names the function whose aux-loss term scaled
+    # it (the call that attaches the term, in _apply_seq_aux_loss)
     "e3fe5508c9": (("--only", "moe", "--layouts", "dp2", "--set", "moe_router_load_balancing_type=seq_aux_loss",
                     "--set", "calculate_per_token_loss=True"),
-                   ["get_grad_norm_fp32#0.total_norm", "grad/decoder.layers.mlp.router.weight"], False),
+                   ["get_grad_norm_fp32#0.total_norm", "grad/decoder.layers.mlp.router.weight"], True),
 }
 
 

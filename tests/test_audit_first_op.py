@@ -6,7 +6,7 @@ import textwrap
 
 import torch
 
-from shardcheck.megatron.audit.divergence import first_op_gap, op_gaps
+from shardcheck.megatron.audit.divergence import first_op_gap, op_gaps, split_gradient_gap
 from shardcheck.parity.layout import Layout
 from shardcheck.parity.op_record import OpRecord, recording_ops
 from shardcheck.typecheck.locations import harness_code
@@ -148,3 +148,76 @@ def test_recorded_ops_carry_their_call_site_and_a_backward_op_its_forward_line(t
     assert all(r.op != "aten.clone.default" for r in records)  # the probe's copy, called at line 8
     mul = next(r for r in records if r.op == "aten.mul.Tensor" and not r.backward)
     assert torch.equal(mul.values[0], x.detach() * 2) and mul.placements == (None,)
+
+
+SPLIT_FREE = '''\
+import torch
+
+
+class Attach(torch.autograd.Function):
+    """A loss term joined to the loss through an activation's backward (as Megatron's MoE
+    attaches its auxiliary losses)."""
+
+    @staticmethod
+    def forward(ctx, output, term):
+        ctx.save_for_backward(term)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad):
+        (term,) = ctx.saved_tensors
+        return grad, torch.ones_like(term)
+
+
+def attach(scores, term, count):
+    return Attach.apply(scores, term * count)
+
+
+def forward(x, w, tokens_counted):
+    scores = (x @ w).softmax(-1)
+    term = (scores.sum(0) ** 2).sum() / x.shape[1]
+    scores = attach(scores, term, x.shape[1] if tokens_counted else 1)
+    return (scores * x[..., :1]).sum()
+'''
+
+
+def _micro_batches(tmp_path, batches, tokens_counted):
+    """The ops recorded while ``forward`` of :data:`SPLIT_FREE` (a per-token loss and a term,
+    a mean over the micro-batch's sequences, scaled by the micro-batch's size where
+    ``tokens_counted``, else by 1: the bug) runs forward and backward on each of ``batches``
+    (``[seq, batch, hidden]``) in turn."""
+    code = tmp_path / "lib" / "model.py"
+    code.parent.mkdir(exist_ok=True)
+    code.write_text(SPLIT_FREE)
+    namespace: dict = {}
+    exec(compile(SPLIT_FREE, str(code), "exec"), namespace)
+    w = torch.randn(3, 4, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    with recording_ops(str(code.parent) + "/") as records:
+        for x in batches:
+            namespace["forward"](x, w, tokens_counted).backward()
+    return records
+
+
+def test_a_gradient_that_depends_on_the_micro_batch_split_is_located_where_its_term_was_scaled(tmp_path):
+    """A split-free loss's one-rank reference takes the whole batch; two data-parallel ranks
+    take two micro-batches each. The term's scalars are no values the ranks' shares compare by;
+    the first gradient per token that parts ways is named, located at the line of the function
+    holding the term's steps that attached it to the loss (Megatron-LM e3fe5508c9's class)."""
+    x = torch.randn(5, 4, 3, generator=torch.Generator().manual_seed(0))
+    for counted in (True, False):
+        reference = _micro_batches(tmp_path, [x], counted)
+        ranks = [_micro_batches(tmp_path, [x[:, 2 * r:2 * r + 1], x[:, 2 * r + 1:2 * r + 2]], counted)
+                 for r in range(2)]
+        assert first_op_gap(Layout(dp=2), ranks, reference) is None  # untyped shares: nothing rebuilt
+        found = split_gradient_gap(Layout(dp=2), ranks, reference)
+        if counted:
+            assert found is None
+            continue
+        assert found is not None
+        attach_line = SPLIT_FREE.splitlines().index("    scores = attach(scores, term, x.shape[1] if "
+                                                    "tokens_counted else 1)") + 1
+        assert found.location.endswith(f"lib/model.py:{attach_line}")
+        assert found.line().startswith(f"first op: {found.site} in forward: aten.")
+        assert found.line().endswith(f"; its gradient scaled at {found.location} in forward")
+        assert found.site.endswith(f"lib/model.py:{attach_line - 1}")  # the term's per-sequence sum
+        assert split_gradient_gap(Layout(tp=2), ranks, reference) is None  # the ranks are no dp shares

@@ -47,6 +47,8 @@ class OpRecord:
     values: tuple[torch.Tensor | None, ...]
     placements: tuple[dict[str, str] | None, ...]  # per output: repr of each known placement
     mark: int = 0  # what the recorder's ``mark`` said when the op ran (e.g. the calls made so far)
+    # a backward op's forward call stack under ``within``, outermost first: (file:line, function)
+    stack: tuple[tuple[str, str], ...] = ()
 
     def key(self) -> tuple[str, str, str, str]:
         """What a call is aligned by across runs, with its ``index``."""
@@ -85,14 +87,14 @@ class _Recorder(TorchDispatchMode):
         where = _call_site(self.within, self.probes)
         if where is None:
             return out
-        site, function, backward = where
+        site, function, backward, stack = where
         key = (site, function, str(func), backward)
         checker = current()
         with _disable_current_modes():
             values = tuple(t.detach().clone() if _floating(t) else None for t in outputs)
             placements = tuple(_placements(checker, t) if _floating(t) else None for t in outputs)
         self.records.append(OpRecord(site, function, str(func), backward, self._counts[key],
-                                     values, placements, self.mark() if self.mark else 0))
+                                     values, placements, self.mark() if self.mark else 0, stack))
         self._counts[key] += 1
         return out
 
@@ -120,9 +122,9 @@ def _placements(checker, t: torch.Tensor) -> dict[str, str] | None:
     return {name: repr(p) for name, p in zip(checker.names, known, strict=False) if p is not None}
 
 
-def _call_site(within: str, probes: tuple[str, ...] = ()) -> tuple[str, str, str] | None:
-    """(file:line, function, autograd node or "") of the op being dispatched, or None outside
-    ``within`` or called by code under ``probes``.
+def _call_site(within: str, probes: tuple[str, ...] = ()) -> tuple[str, str, str, tuple] | None:
+    """(file:line, function, autograd node or "", the node's forward stack under ``within``) of
+    the op being dispatched, or None outside ``within`` or called by code under ``probes``.
 
     The innermost frame outside torch and shardcheck is the caller, unless the autograd engine
     runs between it and the op (a C++ backward node): then the node's forward traceback is."""
@@ -131,17 +133,23 @@ def _call_site(within: str, probes: tuple[str, ...] = ()) -> tuple[str, str, str
     frame = user_code_frame()
     node = torch._C._current_autograd_node()
     name = node.name() if node is not None else ""
+    stack = _forward_stack(node, within)
     engine = sys._getframe(1)
     while engine is not None and engine is not frame and engine.f_code.co_name != "_engine_run_backward":
         engine = engine.f_back
     if engine is not None and engine is not frame:  # a C++ node: where its forward op was called
-        trace = node.metadata.get("traceback_") if node is not None else None
-        frames = _TRACE_FRAME.findall("".join(trace)) if trace else []
-        inside = [f for f in frames if f[0].startswith(within)]
-        return (f"{inside[-1][0]}:{inside[-1][1]}", inside[-1][2], name) if inside else None
+        return (*stack[-1], name, stack) if stack else None
     if frame is None or not frame.f_code.co_filename.startswith(within):
         return None
-    return f"{frame.f_code.co_filename}:{frame.f_lineno}", frame.f_code.co_name, name
+    return f"{frame.f_code.co_filename}:{frame.f_lineno}", frame.f_code.co_name, name, stack
+
+
+def _forward_stack(node: object, within: str) -> tuple[tuple[str, str], ...]:
+    """The frames under ``within`` of the forward traceback that anomaly mode kept on ``node``
+    (none outside a backward), outermost first, as (file:line, function)."""
+    trace = node.metadata.get("traceback_") if node is not None else None
+    frames = _TRACE_FRAME.findall("".join(trace)) if trace else []
+    return tuple((f"{path}:{line}", function) for path, line, function in frames if path.startswith(within))
 
 
 def _probed(within: str, probes: tuple[str, ...]) -> bool:

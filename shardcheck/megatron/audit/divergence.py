@@ -330,14 +330,17 @@ class OpGap:
     function: str
     op: str
     gap: Gap
+    root: tuple[str, str] | None = None  # (site, function) that scaled its gradient (split_gradient_gap)
 
     @property
     def location(self) -> str:
-        return self.site
+        return self.root[0] if self.root is not None else self.site
 
     def line(self) -> str:
-        """The finding's line: ``first op: FILE:LINE in FUNCTION: OP (max abs error E)``."""
-        return f"first op: {self.site} in {self.function}: {self.op} (max abs error {self.gap.max_error:.3g})"
+        """The finding's line: ``first op: FILE:LINE in FUNCTION: OP (max abs error E)``, and
+        where its gradient was scaled, where that is elsewhere."""
+        line = f"first op: {self.site} in {self.function}: {self.op} (max abs error {self.gap.max_error:.3g})"
+        return line + (f"; its gradient scaled at {self.root[0]} in {self.root[1]}" if self.root else "")
 
 
 def op_gaps(layout: Layout, per_rank: Sequence[Sequence[OpRecord]], reference: Sequence[OpRecord],
@@ -412,3 +415,97 @@ def first_op_gap(layout: Layout, per_rank: Sequence[Sequence[OpRecord]], referen
     for ref, found in op_gaps(layout, per_rank, reference, dtype, until):
         return OpGap(_short(ref.site), ref.function, ref.describe().split(": ", 1)[1], found)
     return None
+
+
+# ---- gradients under a split-free loss ---------------------------------------------------------
+
+def split_gradient_gap(layout: Layout, per_rank: Sequence[Sequence[OpRecord]], reference: Sequence[OpRecord],
+                       dtype: torch.dtype = torch.float32) -> OpGap | None:
+    """The first gradient that depends on how the batch is split, where the one-rank reference
+    took the whole batch in one micro-batch (a loss that promises not to depend on the split) and
+    every rank is a data-parallel share of it; None otherwise.
+
+    The gradient of the loss with respect to one token's value does not depend on which rank or
+    micro-batch holds the token, so a backward op's output summed over its batch dim (the one dim
+    that the ranks' micro-batches cut, whose pieces add up to the reference's) equals the
+    reference's sum of all pieces. The first that does not is named; where the gradient reached
+    it through values reduced over a micro-batch (a loss term, scalars the ranks' shares cannot
+    be compared by), the finding is located at the line, in the innermost function holding all
+    the steps of that reduction's backward, of the step nearest the loss (:func:`_scaled_at`)."""
+    if layout.world_size < 2 or layout.dp != layout.world_size or layout.ep > 1:
+        return None
+    counts = Counter(ref.key() for ref in reference)
+    made = [Counter(rec.key() for rec in calls) for calls in per_rank]
+    by_call = [{(rec.key(), rec.index): rec for rec in calls} for calls in per_rank]
+    split = [_split(ref, _pieces(ref, counts[ref.key()], made, by_call)) if ref.backward else _UNCOMPARED
+             for ref in reference]
+    for n, (ref, cut) in enumerate(zip(reference, split, strict=True)):
+        if not isinstance(cut, tuple):
+            continue
+        expected, observed, scale = cut
+        found = gap(f"{ref.op}#{ref.index}", observed, expected, RELATIVE * scale, dtype)
+        if found is not None:
+            return OpGap(_short(ref.site), ref.function, ref.describe().split(": ", 1)[1], found,
+                         _scaled_at(reference, split, n))
+    return None
+
+
+_Sums = tuple[torch.Tensor, torch.Tensor, float]  # reference's, pieces', scale of the terms
+
+
+def _pieces(ref: OpRecord, count: int, made: list[Counter], by_call: list[dict]) -> list[OpRecord] | None:
+    """The ranks' calls that hold ``ref``'s call's pieces: on each rank, the call of each
+    micro-batch (a rank making ``count`` calls of the key per micro-batch); None when a rank's
+    calls are no whole number of micro-batches."""
+    key = ref.key()
+    if any(m[key] == 0 or m[key] % count for m in made):
+        return None
+    return [calls[(key, ref.index + j * count)] for m, calls in zip(made, by_call, strict=True)
+            for j in range(m[key] // count)]
+
+
+def _split(ref: OpRecord, pieces: list[OpRecord] | None) -> _Sums | None | object:
+    """For the first output of ``ref`` cut along a batch dim by ``pieces``, the reference's and
+    the pieces' sums over it and the scale of its terms; None where no output is cut so (a value
+    reduced over the batch); ``_UNCOMPARED`` where the pieces do not align."""
+    if not pieces:
+        return _UNCOMPARED
+    for position, expected in enumerate(ref.values):
+        parts = [p.values[position] if position < len(p.values) else None for p in pieces]
+        if expected is None or any(part is None or part.dim() != expected.dim() for part in parts):
+            continue
+        cut = [d for d in range(expected.dim()) if any(part.shape[d] != expected.shape[d] for part in parts)]
+        if len(cut) == 1 and sum(part.shape[cut[0]] for part in parts) == expected.shape[cut[0]]:
+            d = cut[0]
+            observed = torch.stack([part.double().sum(d) for part in parts]).sum(0)
+            scale = expected.double().abs().sum(d).max().item() if expected.numel() else 0.0
+            return expected.double().sum(d), observed, scale
+    return None
+
+
+def _scaled_at(reference: Sequence[OpRecord], split: Sequence[_Sums | None | object],
+               first: int) -> tuple[str, str] | None:
+    """Where the gradient that first parts ways (``reference[first]``) was scaled, when it came
+    from a loss term through scalars (the backward steps of a reduction over a micro-batch, run
+    just before it, that no batch dim cuts): the innermost megatron-core function whose forward
+    call stack holds every such step, at its line that led to the step nearest the loss (the
+    first to run backward). None when it came straight from a gradient the pieces compare (then
+    the op itself is the root)."""
+    steps = []
+    for n in range(first - 1, -1, -1):
+        ref = reference[n]
+        if not ref.backward or split[n] is not None or not all(v is None or v.numel() == 1 for v in ref.values):
+            break
+        if ref.stack:
+            steps.append(ref.stack)
+    if not steps:
+        return None
+    depth = 0
+    while all(len(s) > depth and _frame(s[depth]) == _frame(steps[0][depth]) for s in steps):
+        depth += 1
+    return (_short(steps[-1][depth - 1][0]), steps[-1][depth - 1][1]) if depth else None
+
+
+def _frame(entry: tuple[str, str]) -> tuple[str, str]:
+    """A stack entry's file and function (its line aside)."""
+    return entry[0].rsplit(":", 1)[0], entry[1]

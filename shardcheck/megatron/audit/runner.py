@@ -19,6 +19,7 @@ from shardcheck.megatron.audit.divergence import (
     first_op_gap,
     max_errors,
     output_gaps,
+    split_gradient_gap,
 )
 from shardcheck.megatron.audit.hosted import TEHost
 from shardcheck.megatron.audit.outcome import Outcome, first_line, op_counts
@@ -206,7 +207,9 @@ class Runner:
         """The first op whose values part ways with the one-rank run's, for a case that diverges
         with no type rule to explain it: a second pass reruns the case and its one-rank
         reference recording every op megatron-core calls (:func:`first_op_gap`), up to the end
-        of ``call_gap``'s call, the case's first diverging contracted call, where it has one.
+        of ``call_gap``'s call, the case's first diverging contracted call, where it has one;
+        where the reference took the whole batch and the ranks share it over dp, the first
+        gradient that depends on the split comes first (:func:`split_gradient_gap`).
         None when no aligned op that its types rebuild differs there, or a run raised."""
         try:
             ref, ranks = self._recorded(case)
@@ -214,8 +217,9 @@ class Runner:
             return None
         until = next((n for n, call in enumerate(ref.calls) if call_gap is not None
                       and (call.contract, call.index) == (call_gap.contract, call_gap.call)), None)
-        return first_op_gap(case.layout, [r.op_calls for r in ranks], ref.op_calls,
-                            compute_dtype(case.options), until)
+        dtype, recorded = compute_dtype(case.options), [r.op_calls for r in ranks]
+        return (split_gradient_gap(case.layout, recorded, ref.op_calls, dtype)
+                or first_op_gap(case.layout, recorded, ref.op_calls, dtype, until))
 
     def _recorded(self, case: Case) -> tuple[CaseResult, list[CaseResult]]:
         """The case's one-rank reference and its ranks' results, recording megatron-core's ops."""
