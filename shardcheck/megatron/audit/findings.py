@@ -17,6 +17,7 @@ from shardcheck.fuzz.findings import Finding, finding_id
 from shardcheck.megatron.audit import report as audit_report
 from shardcheck.megatron.audit.operands import SHAPE_ERROR, operand_root
 from shardcheck.megatron.audit.outcome import Outcome
+from shardcheck.megatron.audit.param_layouts import mismatched_layout
 from shardcheck.megatron.audit.runner import Runner
 from shardcheck.megatron.audit.sweep import Case
 from shardcheck.megatron.audit.training_args import crash_training_verdict, training_verdict
@@ -52,9 +53,15 @@ def _finding(runner: Runner, key: tuple[str, str], members: list[Outcome],
     narrowed = runner.first_op(minimal.case, minimal.call_gap) if kind == "numeric-only" else None
     location = narrowed.location if narrowed is not None and key[1] != audit_report.NORM_CONTRACT else key[0]
     location = (_metric_record(minimal) if kind == "numeric-only" else None) or location
+    control = corrected_control(runner, minimal)
+    title = audit_report.title(key, minimal, checker)
+    if not (control and control.get("equal_to_reference")) and \
+            (mismatch := mismatched_layout(runner.pools, minimal)) is not None:
+        location = mismatch.location or location
+        title = f"{mismatch.title(minimal.case.layout)} ({_options_text(audit_report.trigger(minimal.case))})"
     return Finding.audited(
-        audit_report.trigger(minimal.case), audit_report.effect(minimal), corrected_control(runner, minimal),
-        title=audit_report.title(key, minimal, checker), kind=kind,
+        audit_report.trigger(minimal.case), audit_report.effect(minimal), control,
+        title=title, kind=kind,
         location=location, contract=key[1], first_op=narrowed.line() if narrowed is not None else None,
         showed=key[0] if location != key[0] else None,
         first_divergence=minimal.call_gap.gap.summary() if minimal.call_gap else None,

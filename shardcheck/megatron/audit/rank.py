@@ -41,6 +41,9 @@ class CaseResult:
     declared: dict[str, str] = field(default_factory=dict)
     # with ``record_ops``: megatron-core's op calls and their outputs (:mod:`shardcheck.parity.op_record`)
     op_calls: list = field(default_factory=list)
+    # with a ``UNIFORM`` fix: per global key filled with one value, where its layout is made
+    # (:func:`~shardcheck.megatron.scenarios.reference.uniform_weights`)
+    owners: dict[str, str | None] = field(default_factory=dict)
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickled (a rank's pipe, a share's file) with each output that float32 holds exactly
@@ -73,6 +76,9 @@ def _narrowed(value: torch.Tensor) -> torch.Tensor:
 
 # ---- on each rank --------------------------------------------------------------------------
 
+# a fix that fills a global key's weights with one value: ``UNIFORM + key`` (:mod:`param_layouts`)
+UNIFORM = "uniform weights of "
+
 def run_case(ctx: Any, component: str, options: tuple, fixes: tuple[str, ...], typecheck: bool,
              rng_offset: int = 0, record_ops: bool = False) -> CaseResult:
     """Run one component with its options on this rank; outputs, contracted calls, violations,
@@ -89,7 +95,7 @@ def run_case(ctx: Any, component: str, options: tuple, fixes: tuple[str, ...], t
     the global groups pointed at the explicit ones.
     """
     from shardcheck.megatron.scenarios import COMPONENTS, scenario
-    from shardcheck.megatron.scenarios.reference import parameter_declarations
+    from shardcheck.megatron.scenarios.reference import parameter_declarations, uniform_weights
 
     warnings.filterwarnings("ignore")
     _quiet_worker()
@@ -100,7 +106,9 @@ def run_case(ctx: Any, component: str, options: tuple, fixes: tuple[str, ...], t
         stack.enter_context(_seed_shifted(rng_offset))
         entries = stack.enter_context(_entry_points())
         calls = stack.enter_context(contracts.recording())
-        stack.enter_context(contracts.fixed(tuple(f for f in fixes if f != explicit.FIX)))
+        owners = stack.enter_context(uniform_weights(tuple(f.removeprefix(UNIFORM) for f in fixes
+                                                           if f.startswith(UNIFORM))))
+        stack.enter_context(contracts.fixed(tuple(f for f in fixes if f != explicit.FIX and not f.startswith(UNIFORM))))
         stack.enter_context(explicit.routed(explicit.FIX in fixes))
         misuses = stack.enter_context(explicit.recording())
         ops: dict = {}
@@ -110,9 +118,10 @@ def run_case(ctx: Any, component: str, options: tuple, fixes: tuple[str, ...], t
         op_calls = stack.enter_context(recording_ops(_megatron_core(), lambda: len(calls), lambda: bool(entries), _PROBES)
                                        if record_ops else nullcontext([]))
         outputs = run(ctx)
+        filled = dict(owners)
     return CaseResult({k: torch.as_tensor(v).detach().double().clone() for k, v in outputs.items()},
                       calls, [*misuses, *found], ops or None, entries[0] if entries else None,
-                      tuple(sorted(reads)), declared, op_calls)
+                      tuple(sorted(reads)), declared, op_calls, filled)
 
 
 # the ops of the probes, the checker and the scenarios' harness (copying a result to record it,

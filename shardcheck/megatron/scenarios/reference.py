@@ -14,6 +14,7 @@ that description both ways:
 from __future__ import annotations
 
 import hashlib
+import inspect
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -64,6 +65,43 @@ def seeded_values(key: str, shape: tuple[int, ...], seed: int = 0) -> torch.Tens
     return values
 
 
+# keys whose global tensors are one value throughout (:func:`uniform_weights`), and the site of
+# the sharded_state_dict that lays out each one's parameter
+_UNIFORM: dict[str, str | None] = {}
+
+
+@contextmanager
+def uniform_weights(keys: tuple[str, ...]) -> Iterator[dict[str, str | None]]:
+    """Within the block, :func:`load_global_weights` fills the pieces of these global keys with
+    one value throughout, so that no layout of them across ranks can change a number
+    (:mod:`shardcheck.megatron.audit.param_layouts`); yields, per key it filled, the
+    ``file:line in Class.sharded_state_dict`` that lays out its parameter (:func:`layout_owner`)."""
+    _UNIFORM.clear()
+    _UNIFORM.update(dict.fromkeys(keys))
+    try:
+        yield _UNIFORM
+    finally:
+        _UNIFORM.clear()
+
+
+def layout_owner(model: torch.nn.Module, name: str) -> str | None:
+    """Where the checkpoint layout of parameter ``name`` is made: the ``sharded_state_dict`` of
+    the innermost module holding it whose class defines its own outside megatron-core's generic
+    layers and base module (a layer's own splitting of its fused projection), else None."""
+    from shardcheck.megatron.checks.contracts import _short
+    from shardcheck.megatron.checks.explicit import GENERIC
+
+    parts = name.split(".")
+    for depth in range(len(parts) - 1, -1, -1):
+        module = model.get_submodule(".".join(parts[:depth]))
+        owner = next((c for c in type(module).__mro__ if "sharded_state_dict" in vars(c)), None)
+        code = getattr(inspect.unwrap(vars(owner)["sharded_state_dict"]), "__code__", None) if owner else None
+        path = _short(code.co_filename) if code is not None else ""
+        if path.startswith("megatron/core/") and not path.startswith((*GENERIC, "megatron/core/transformer/module.py")):
+            return f"{path}:{code.co_firstlineno} in {owner.__name__}.sharded_state_dict"
+    return None
+
+
 @torch.no_grad()
 def load_global_weights(model: torch.nn.Module, seed: int = 0,
                         make: Callable[[str, tuple[int, ...], int], torch.Tensor] = seeded_values,
@@ -74,6 +112,9 @@ def load_global_weights(model: torch.nn.Module, seed: int = 0,
         for piece in entry.build(entry.param.data):
             if piece.key not in cache:
                 cache[piece.key] = make(piece.key, tuple(piece.global_shape), seed)
+                if piece.key in _UNIFORM:
+                    cache[piece.key] = torch.full_like(cache[piece.key], cache[piece.key].mean().item())
+                    _UNIFORM[piece.key] = layout_owner(model, entry.name)
             piece.data.copy_(cache[piece.key][_index(piece)])
 
 
