@@ -156,34 +156,9 @@ class TypeStore:
         if st is None or st[0] is not self.key:
             return
         same = _same_region(alias, t)
-        new, new_flags = self._alias_type(alias, st[1], t, old, pl, transform, same), flags if same else NOTHING
+        new, new_flags = _alias_type(alias, st, t, old, pl, transform, same), flags if same else NOTHING
         if new != st[1] or new_flags != st[2]:
             self.set_type(alias, new, new_flags)
-
-    def _alias_type(self, alias, alias_pl, t, old, pl, transform, same: bool) -> tuple | None:
-        if transform is not None:
-            try:
-                return transform(alias_pl)
-            except Violation:
-                return None
-        if pl is None:
-            return None
-        if same:
-            return pl
-        alias_zero = self.zero(alias)
-        merged = []
-        for a, (mine, new) in enumerate(zip(alias_pl, pl, strict=True)):
-            if new is V and mine is not V:  # values of each rank's own written into it
-                merged.append(V)
-            elif mine == new or (old is not None and old[a] == new):
-                merged.append(mine)
-            elif alias_zero and not isinstance(new, Shard):
-                merged.append(new)
-            elif alias_zero and same_elements(alias, t):  # zeros overwritten whole
-                merged.append(view_shard(t.shape, alias.shape, new))
-            else:
-                merged.append(None)
-        return tuple(merged)
 
     def type_result(self, t: torch.Tensor, pl: tuple | None, flags: Known, base: torch.Tensor | None) -> None:
         """:meth:`set_type` of an op's result, then, for a view of ``base`` with a type,
@@ -218,3 +193,32 @@ def _add_view(view: torch.Tensor, view_state: tensor_state.TensorState, base: to
     if len(views) % 64 == 0:
         views[:] = [w for w in views if w() is not None]
         state.spans = None
+
+
+def _alias_type(alias, alias_st: tuple, t, old, pl, transform, same: bool) -> tuple | None:
+    """``alias``'s type (``alias_st``: its record's, in this region) after ``t`` was written
+    ``pl`` over part of it (``same``: over the same elements)."""
+    alias_pl = alias_st[1]
+    if transform is not None:
+        try:
+            return transform(alias_pl)
+        except Violation:
+            return None
+    if pl is None:
+        return None
+    if same:
+        return pl
+    alias_zero = alias_st[2] == ZERO
+    merged = []
+    for a, (mine, new) in enumerate(zip(alias_pl, pl, strict=True)):
+        if new is V and mine is not V:  # values of each rank's own written into it
+            merged.append(V)
+        elif mine == new or (old is not None and old[a] == new):
+            merged.append(mine)
+        elif alias_zero and not isinstance(new, Shard):
+            merged.append(new)
+        elif alias_zero and same_elements(alias, t):  # zeros overwritten whole
+            merged.append(view_shard(t.shape, alias.shape, new))
+        else:
+            merged.append(None)
+    return tuple(merged)
