@@ -133,15 +133,15 @@ def _call_site(within: str, probes: tuple[str, ...] = ()) -> tuple[str, str, str
     frame = user_code_frame()
     node = torch._C._current_autograd_node()
     name = node.name() if node is not None else ""
-    stack = _forward_stack(node, within)
     engine = sys._getframe(1)
     while engine is not None and engine is not frame and engine.f_code.co_name != "_engine_run_backward":
         engine = engine.f_back
     if engine is not None and engine is not frame:  # a C++ node: where its forward op was called
+        stack = _forward_stack(node, within)
         return (*stack[-1], name, stack) if stack else None
     if frame is None or not frame.f_code.co_filename.startswith(within):
         return None
-    return f"{frame.f_code.co_filename}:{frame.f_lineno}", frame.f_code.co_name, name, stack
+    return f"{frame.f_code.co_filename}:{frame.f_lineno}", frame.f_code.co_name, name, _forward_stack(node, within)
 
 
 def _forward_stack(node: object, within: str) -> tuple[tuple[str, str], ...]:
