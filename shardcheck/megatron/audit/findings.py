@@ -55,8 +55,9 @@ def _finding(runner: Runner, key: tuple[str, str], members: list[Outcome],
     location = (_metric_record(minimal) if kind == "numeric-only" else None) or location
     control = corrected_control(runner, minimal)
     title = audit_report.title(key, minimal, checker)
-    if not (control and control.get("equal_to_reference")) and \
-            (mismatch := mismatched_layout(runner.pools, minimal)) is not None:
+    explained = (control and control.get("equal_to_reference")) or minimal.call_gap is not None \
+        or audit_report.global_group_use(minimal) is not None
+    if not explained and (mismatch := mismatched_layout(runner.pools, minimal)) is not None:
         location = mismatch.location or location
         title = f"{mismatch.title(minimal.case.layout)} ({_options_text(audit_report.trigger(minimal.case))})"
     return Finding.audited(

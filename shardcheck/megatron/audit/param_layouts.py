@@ -11,7 +11,10 @@ shows it is far from the cause.
 :func:`mismatched_layout` asks each parameter whose gradient differs in turn: filled with one
 value throughout in both runs (no layout of it can then change the forward), do fewer outputs
 differ, and no forward value (loss, output, metric)? (All of them at once first, then halves.)
-Its own gradient may still differ: the ranks' gradients are put together by the same layout. That parameter's layout is the cause, located at the ``sharded_state_dict`` that makes it
+Its own gradient may still differ: the ranks' gradients are put together by the same layout.
+A finding explained otherwise (a verified fix, a contracted call that differs, a collective on a
+global group) is not asked: filling a weight with one value can hide a bug that is no layout's
+(an output layer of one value makes every token's loss the same, whatever group sums them). That parameter's layout is the cause, located at the ``sharded_state_dict`` that makes it
 (:func:`~shardcheck.megatron.scenarios.reference.layout_owner`).
 """
 
