@@ -1,11 +1,14 @@
 """Rows routed to experts sharded over ep by Megatron's uneven all-to-all, on real Gloo ranks.
 
 Each rank routes its own tokens (V over ep: data-parallel samples) to 4 experts, 2 per rank,
-with Megatron's permute, all_to_all, sort_chunks_by_idxs and unpermute. Correctly routed,
-every token of an expert reaches its rank: the expert weights' gradients are complete (S(0)
-on ep, as declared) and equal the one-rank ones. Kept local (no all-to-all), sent by splits
-that cut across the experts, or all-reduced over ep after the step's backward, they are not,
-the numbers differ from one rank, and the checker says so.
+with Megatron's permute, all_to_all, sort_chunks_by_idxs and unpermute, each row scaled by its
+probability (picked by the rank's own routing map with masked_select, as megatron-core 0.16's
+permute does, and routed alongside). Correctly routed, every token of an expert reaches its
+rank: the expert weights' gradients are complete (S(0) on ep, as declared) and equal the
+one-rank ones. Kept local (no all-to-all), sent by splits that cut across the experts, or
+all-reduced over ep after the step's backward, they are not, the numbers differ from one rank,
+and the checker says so; so it does where the probabilities are left in the order they arrived
+(each row scaled by another row's probability).
 """
 
 import pytest
@@ -36,18 +39,24 @@ def _experts(rows: torch.Tensor, counts: list[int], weights) -> torch.Tensor:
     return torch.cat([torch.tanh(chunk @ w) for chunk, w in zip(rows.split(counts), weights, strict=True)])
 
 
-def _moe(variant: str, tokens, routing_map, weights, group, n: int, k: int) -> torch.Tensor:
+def _probs(tokens: torch.Tensor, router: torch.Tensor, routing_map: torch.Tensor) -> torch.Tensor:
+    """Each token's softmax over its routed experts' scores, zero elsewhere: [tokens, experts]."""
+    return (tokens @ router).masked_fill(~routing_map, float("-inf")).softmax(-1)
+
+
+def _moe(variant: str, tokens, probs, routing_map, weights, group, n: int, k: int) -> torch.Tensor:
     """Megatron's alltoall dispatch, the local experts, and the combine."""
     from megatron.core.tensor_parallel.mappings import all_to_all
     from megatron.core.transformer.moe.moe_utils import permute, sort_chunks_by_idxs, unpermute
 
     counts = routing_map.sum(0)
     permuted, _, indices = permute(tokens, routing_map, num_out_tokens=int(counts.sum()))[:3]
+    picks = probs.T.contiguous().masked_select(routing_map.T.contiguous())
     everyone = [torch.zeros_like(counts) for _ in range(n)]
     dist.all_gather(everyone, counts, group=group)
     if variant == "local":  # each rank's own tokens of its experts only: no all-to-all
         start, end = int(counts[:k * LOCAL].sum()), int(counts[:(k + 1) * LOCAL].sum())
-        done = _experts(permuted[start:end], counts[k * LOCAL:(k + 1) * LOCAL].tolist(), weights)
+        done = _experts(permuted[start:end] * picks[start:end, None], counts[k * LOCAL:(k + 1) * LOCAL].tolist(), weights)
         out = torch.cat([torch.zeros_like(permuted[:start]), done, torch.zeros_like(permuted[end:])])
         return unpermute(out, indices, restore_shape=tokens.shape, routing_map=routing_map)
     per_rank = [c.view(n, LOCAL) for c in everyone]
@@ -56,8 +65,12 @@ def _moe(variant: str, tokens, routing_map, weights, group, n: int, k: int) -> t
     table = torch.stack([c[k] for c in per_rank])  # [source, local expert]
     sent, received = per_rank[k].sum(1).tolist(), table.sum(1).tolist()
     arrived = all_to_all(group, permuted, received, sent)
-    by_expert, _ = sort_chunks_by_idxs(arrived, table.ravel(), torch.arange(n * LOCAL).view(n, LOCAL).T.ravel())
-    done = _experts(by_expert, table.sum(0).tolist(), weights)
+    arrived_picks = all_to_all(group, picks, received, sent)
+    by_expert, sorted_picks = sort_chunks_by_idxs(arrived, table.ravel(), torch.arange(n * LOCAL).view(n, LOCAL).T.ravel(),
+                                                  probs=arrived_picks)
+    if variant == "unsorted_probs":  # the probabilities in the order they arrived, not by expert
+        sorted_picks = arrived_picks
+    done = _experts(by_expert * sorted_picks[:, None], table.sum(0).tolist(), weights)
     back, _ = sort_chunks_by_idxs(done, table.T.ravel(), torch.arange(n * LOCAL).view(LOCAL, n).T.ravel())
     returned = all_to_all(group, back, sent, received)
     return unpermute(returned, indices, restore_shape=tokens.shape, routing_map=routing_map)
@@ -74,7 +87,8 @@ def _routed(variant: str):
         mine = sc.annotate(tokens.chunk(2)[k].clone(), ep=sc.V)
         route = sc.annotate(router.clone(), ep=sc.R)
         sc.annotate_parameters({f"expert{i}": w for i, w in enumerate(weights)}, ep=sc.S(0))
-        out = _moe(variant, mine, _routing_map(mine, route), weights, group, 2, k)
+        routing_map = _routing_map(mine, route)
+        out = _moe(variant, mine, _probs(mine, route, routing_map), routing_map, weights, group, 2, k)
         (out * out).sum().backward()
         if variant == "reduced_twice":  # summed over ep as a dense gradient would be
             for w in weights:
@@ -90,10 +104,11 @@ def _one_rank() -> list[torch.Tensor]:
     tokens, router, experts = _values()
     weights = [experts[e].clone().requires_grad_() for e in range(EXPERTS)]
     routing_map = _routing_map(tokens, router)
+    probs = _probs(tokens, router, routing_map)
     out = torch.zeros_like(tokens)
     for e, w in enumerate(weights):
         picked = routing_map[:, e]
-        out[picked] += torch.tanh(tokens[picked] @ w)
+        out[picked] += torch.tanh(tokens[picked] * probs[picked, e].unsqueeze(-1) @ w)
     (out * out).sum().backward()
     return [w.grad for w in weights]
 
@@ -116,6 +131,13 @@ def test_expert_gradients_of_rows_routed_to_their_ranks_are_complete():
 def test_expert_gradients_of_rows_not_routed_to_their_ranks_are_found(variant):
     ranks = spawn_ranks(_routed, 2, variant, timeout=300)
     assert all(r[0] == ["V", "V"] and UNREDUCED in r[1] for r in ranks), [r[:2] for r in ranks]
+    assert not _matches_one_rank(ranks)
+
+
+@pytest.mark.slow
+def test_probabilities_not_sorted_like_their_routed_rows_are_found():
+    ranks = spawn_ranks(_routed, 2, "unsorted_probs", timeout=300)
+    assert all("mixed shards" in r[1] for r in ranks), [r[:2] for r in ranks]
     assert not _matches_one_rank(ranks)
 
 

@@ -20,6 +20,8 @@ same order: a ``SectionShard`` by the mask's counts per leading index, which
 A flat view of a whole [groups, rows] map sorted so is marked too (with no axes: the rows are
 each rank's own). Rows read by a marked index, and a flat group-major value read by the flat
 positions, are marked grouped (``routing.mark_rows``): an all-to-all may route them by group.
+So are the picks of a [groups, rows] value by a mask of its shape (0.16's permuted
+probabilities): a rank's own values picked by its own or a replicated mask are V.
 """
 
 from __future__ import annotations
@@ -30,7 +32,14 @@ from math import prod
 import torch
 
 from shardcheck.typecheck import tensor_state
-from shardcheck.typecheck.rules.common import Refinement, RuleContext, arg, is_partial, norm_dim
+from shardcheck.typecheck.rules.common import (
+    Refinement,
+    RuleContext,
+    arg,
+    is_partial,
+    norm_dim,
+    replicated,
+)
 from shardcheck.typecheck.rules.routing import mark_rows
 from shardcheck.typecheck.types import BlockShard, P, R, Route, Routed, S, SectionShard, Shard, V
 
@@ -236,6 +245,9 @@ def _masked(base, ctx: RuleContext, args, kwargs, out):
     scatter = len(args) > 2
     if not scatter and _row_positions(x):
         return _mark_positions(ctx, x, mask, out, pl)
+    grouped = not scatter and _by_groups(ctx, x, mask)
+    if grouped:
+        mark_rows(out, _positions_mark(ctx, x, mask))
     result = list(pl)
     for a, p in enumerate(pl):
         picks = _picks_of_groups(ctx, a, args, mask, scatter) if _groups_picked(
@@ -244,6 +256,8 @@ def _masked(base, ctx: RuleContext, args, kwargs, out):
             result[a] = picks
         elif p is not None:
             continue
+        elif grouped and _own(ctx.types(x), ctx.types(mask), a):
+            result[a] = V  # a rank's own values (probabilities) by its own or a replicated map
         elif not scatter and ctx.types(x) is not None:
             dim = _cut_alike(ctx, a, (x, mask), x.shape)
             if dim is not None:
@@ -285,6 +299,23 @@ def _row_positions(x: torch.Tensor) -> bool:
             and torch.equal(x[0], torch.arange(x.shape[1], dtype=x.dtype)))
 
 
+def _positions_mark(ctx: RuleContext, x, mask) -> Grouped:
+    """The mark of the picks of a [groups, rows] ``x`` by its mask: this rank's own rows on the
+    axes the mask is cut along the rows, and on those it holds whole groups of replicated rows."""
+    xl, ml = ctx.types(x), ctx.types(mask)
+    axes = tuple(a for a in range(ctx.n) if _cut_alike(ctx, a, (mask,), x.shape) == 1
+                 and xl[a] is not None and not is_partial(xl[a]))
+    picked = tuple(a for a in range(ctx.n) if xl[a] is R and _cut_into_groups(ctx, ml, a))
+    return Grouped(ctx.key, axes, _mask_counts(mask, 1), x.shape[1], False, picked)
+
+
+def _own(xl, ml, a: int) -> bool:
+    """Whether the picks on axis ``a`` are a rank's own: a varying mask or value, the other
+    varying or replicated."""
+    both = (xl[a], ml[a])
+    return V in both and all(p is V or (p is not None and replicated(p)) for p in both)
+
+
 def _mark_positions(ctx: RuleContext, x, mask, out, pl):
     """The positions of a mask's set entries, group by group (0.16's permute): an index of
     this rank's own rows, cut so on the axes the mask is cut along the rows (V: each rank's own
@@ -293,13 +324,17 @@ def _mark_positions(ctx: RuleContext, x, mask, out, pl):
     xl, ml = ctx.types(x), ctx.types(mask)
     if xl is None:
         return pl
-    axes = tuple(a for a in range(ctx.n) if _cut_alike(ctx, a, (mask,), x.shape) == 1
-                 and xl[a] is not None and not is_partial(xl[a]))
-    picked = tuple(a for a in range(ctx.n) if xl[a] is R and _cut_into_groups(ctx, ml, a))
-    counts, rows = _mask_counts(mask, 1), x.shape[1]
-    tensor_state.write(out, "grouped", Grouped(ctx.key, axes, counts, rows, False, picked))
-    return tuple(V if a in axes or (ml[a] is V and xl[a] is not None and not is_partial(xl[a]))
-                 else _picked_rows(counts, rows) if a in picked else p for a, p in enumerate(pl))
+    mark = _positions_mark(ctx, x, mask)
+    tensor_state.write(out, "grouped", mark)
+    return tuple(V if a in mark.axes or _own(xl, ml, a)
+                 else _picked_rows(mark.counts, mark.rows) if a in mark.picked else p for a, p in enumerate(pl))
+
+
+def _by_groups(ctx: RuleContext, x, mask) -> bool:
+    """A typed [groups, rows] value picked by a typed mask of its shape (a transposed routing
+    map: the picks are grouped as the positions it gives)."""
+    return (x.dim() == 2 and mask.shape == x.shape and ctx.types(x) is not None
+            and not any(_groups_picked(ctx, a, x, mask) for a in range(ctx.n)))
 
 
 RULES_BY_OP: dict = {}
