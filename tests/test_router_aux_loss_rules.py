@@ -1,12 +1,13 @@
 """A MoE router's load-balancing loss under sequence parallelism, on real Gloo ranks.
 
 Each rank routes its own tokens (S(0) over tp). The aux loss sums the router's softmax scores
-over the tokens (P over tp); its gradient reaches the scores as the backward of that sum: a
-replicated row expanded along the token dim (stride 0), which fits any token shard. A
-materialised full-size replicated operand combined with the shard stays a global shape
-mismatch. The sequence-level aux loss views the scores ``[s, b * e]`` before that sum: its
-gradient, viewed back ``[s * b, e]``, repeats every ``b`` rows, which fits the token shard too
-(checked on a types-only mesh, no process).
+over the tokens (P over tp); its gradient reaches the scores as the backward of that sum: the
+replicated gradient of the sum expanded along the rank's own tokens, its rows of the global
+gradient (S(0), as the summed scores). A replicated row expanded along the token dim (stride 0)
+fits any token shard; a materialised full-size replicated operand combined with the shard stays
+a global shape mismatch. The sequence-level aux loss views the scores ``[s, b * e]`` before that
+sum: its gradient is S(0) there and viewed back ``[s * b, e]`` (checked on a types-only mesh, no
+process); summed over the sequence it is a partial sum that needs an all-reduce over tp.
 """
 
 import torch
@@ -145,6 +146,87 @@ def _sequence_aux_gradient(gradient: str) -> tuple[dict[str, str], list[tuple[st
 
 def test_sequence_aux_loss_gradient_fits_the_token_shard():
     assert _sequence_aux_gradient("seq aux loss") == ({"aux": "P", "logits.grad": "S(0)"}, [])
+
+
+def _sequence_aux_loss_gradients(steps: int) -> list[dict[str, str]]:
+    """Megatron's ``_apply_seq_aux_loss`` on this rank's tokens (types-only tp mesh of 2), run
+    ``steps`` times in one region (a sum met again may be typed by its remembered outcome):
+    the types of each step's gradients, and of their sums over the sequence."""
+    found = []
+    with sc.typecheck(sc.Mesh(rank=0, tp=[0, 1]), mode="collect"):
+        for _ in range(steps):
+            logits = sc.annotate(torch.randn(TOKENS, EXPERTS, requires_grad=True), tp=sc.S(0))
+            scores = torch.softmax(logits, dim=-1)
+            per_sequence = scores.reshape(SEQ, -1)  # [s, b * e]
+            for kept in (scores, per_sequence):
+                kept.retain_grad()
+            per_expert = sc.annotate(torch.rand(BATCH * EXPERTS), tp=sc.R)
+            ((per_sequence.sum(0) * per_expert).sum() / BATCH).backward()
+            found.append({name: repr(sc.typeof(t)["tp"]) for name, t in (
+                ("[s, b * e] grad", per_sequence.grad), ("scores.grad", scores.grad),
+                ("logits.grad", logits.grad), ("its sum over s", per_sequence.grad.sum(0)),
+                ("scores.grad summed", scores.grad.sum(0)))})
+        assert sc.violations() == []
+    return found
+
+
+def test_sequence_aux_loss_gradients_are_the_ranks_own_rows():
+    expected = {"[s, b * e] grad": "S(0)", "scores.grad": "S(0)", "logits.grad": "S(0)",
+                "its sum over s": "P", "scores.grad summed": "P"}
+    assert _sequence_aux_loss_gradients(steps=2) == [expected, expected]
+
+
+def test_a_sum_over_a_dim_no_axis_cuts_keeps_the_gradients_type():
+    with sc.typecheck(sc.Mesh(rank=0, tp=[0, 1]), mode="collect"):
+        shard = sc.annotate(torch.randn(TOKENS, EXPERTS, requires_grad=True), tp=sc.S(0))
+        replicated = sc.annotate(torch.randn(TOKENS, EXPERTS, requires_grad=True), tp=sc.R)
+        (shard.sum(1) * sc.annotate(torch.rand(TOKENS), tp=sc.S(0))).sum().backward()
+        replicated.sum(0).sum().backward()
+        types = {"shard.grad": sc.typeof(shard.grad), "replicated.grad": sc.typeof(replicated.grad)}
+        assert sc.violations() == []
+    assert types == {"shard.grad": {"tp": sc.S(0)}, "replicated.grad": {"tp": sc.R}}
+
+
+def _summed_scores_gradient(all_reduced: bool):
+    """A bias on the router's scores under the sequence-level aux loss, on real Gloo ranks: its
+    gradient sums the scores' gradient over this rank's tokens (P over tp), so a step with it
+    needs the all-reduce first. Returns the findings and the step's error against one rank."""
+    group = dist.new_group([0, 1])
+    rank = dist.get_rank()
+    tokens, weight, _ = _global_inputs()
+
+    def step(x, bias, per_expert, reduce: bool):
+        scores = torch.softmax(x @ weight, dim=-1) + bias
+        aux = (scores.reshape(x.shape[0] // BATCH, -1).sum(0) * per_expert).sum() / BATCH
+        aux.backward()
+        grad = bias.grad
+        if reduce:
+            dist.all_reduce(grad, group=group)
+        return bias.detach() - 0.1 * grad
+
+    per_expert = torch.arange(BATCH * EXPERTS, dtype=torch.float32)  # counts, all-reduced
+    start = torch.rand(EXPERTS, generator=torch.Generator().manual_seed(1))
+    reference = step(tokens, start.clone().requires_grad_(), per_expert, False)
+    mine = slice(rank * TOKENS, (rank + 1) * TOKENS)
+    with sc.typecheck(sc.Mesh(tp=group), mode="collect"):
+        x = sc.annotate(tokens[mine].clone(), tp=sc.S(0))
+        bias = sc.annotate(start.clone().requires_grad_(), tp=sc.R)
+        sc.annotate(weight, tp=sc.R)
+        updated = step(x, bias, sc.annotate(per_expert, tp=sc.R), all_reduced)
+        rules = sorted({(v.rule, v.op) for v in sc.violations()})
+    return rules, (updated - reference).abs().max().item()
+
+
+def _summed_scores_gradient_both_ways():
+    return {reduced: _summed_scores_gradient(reduced) for reduced in (False, True)}
+
+
+def test_a_sum_of_the_sequence_aux_gradient_needs_an_all_reduce_over_tp():
+    for by_reduce in spawn_ranks(_summed_scores_gradient_both_ways, 2):
+        rules, error = by_reduce[False]
+        assert rules == [("affine on partial", "aten.sub.Tensor")] and error > 1e-4
+        rules, error = by_reduce[True]
+        assert rules == [] and error < 1e-6
 
 
 def test_replicated_gradient_of_the_whole_sequence_is_still_flagged():

@@ -62,6 +62,12 @@ def write(t: Any, field: str, value: Any) -> None:
     setattr(state, field, value)
 
 
+def wrote_elsewhere() -> None:
+    """Count a rule's write outside any record (an autograd node's metadata) as a record write:
+    its outcome then depends on more than its operands' signature (see op_memo)."""
+    WRITES[0] += 1
+
+
 def record(t: Any) -> TensorState:
     """``t``'s record, made where it has none, for the type store to set fields on directly
     (one call for several fields: the dispatch's hot path); counted as a write."""

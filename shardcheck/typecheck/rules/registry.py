@@ -27,6 +27,7 @@ from shardcheck.typecheck.rules import (
     indexing,
     norm_tracking,
     shape,
+    sum_gradient,
     token_rows,
 )
 from shardcheck.typecheck.rules.common import NO_TENSOR, Refinement, Rule, RuleContext
@@ -121,7 +122,7 @@ def _build(by_name: Iterable[dict], families: Iterable[Any]) -> None:
 
 
 _build((arithmetic.RULES, contraction.RULES, shape.RULES, indexing.RULES, collectives.RULES),
-       (backward, norm_tracking, token_rows, gradient))
+       (backward, norm_tracking, token_rows, gradient, sum_gradient))
 
 
 def _own_name(func: Any) -> str:
