@@ -144,8 +144,7 @@ torch.cuda.synchronize = lambda *a, **k: None  # CUDA-only: pipeline send/recv w
 
 PATCH_CUDA_TENSORS = '''
 class CudaToCpu(TorchFunctionMode):
-    """CUDA-only: tensors the schedules, DDP and the optimizer make on "cuda" are made on the CPU
-    (and a tensor's type() reads as the CUDA type that gradient clipping asserts)."""
+    """CUDA-only: what Megatron makes on "cuda" or pinned is on the CPU; type() reads as CUDA's."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
@@ -155,8 +154,7 @@ class CudaToCpu(TorchFunctionMode):
             return func(*args).replace("torch.", "torch.cuda.")
         if str(kwargs.get("device", "")).startswith("cuda"):
             kwargs["device"] = "cpu"
-        if kwargs.get("pin_memory"):  # rotary positions' CP slice (rope_utils) pins its index
-            kwargs["pin_memory"] = False
+        kwargs.pop("pin_memory", None)  # rotary positions' CP slice (rope_utils) pins its index
         return func(*args, **kwargs)
 
 
