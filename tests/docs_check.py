@@ -164,6 +164,7 @@ AUDIT_LINE = re.compile(r"^audit: (\d+) cases run, (\d+) failed to run, (\d+) op
 VERDICT_LINE = re.compile(r"^(\d+) finding\(s\) confirmed by parity, (\d+) type-only(?:, (\d+) crash\(es\))?")
 FINDING_LINE = re.compile(r"^\[(\d+)\] ([0-9a-f]{10}) (\S+)  (.*)$")
 FIELDS = ("trigger:", "effect:", "checker:", "corrected control:", "reproduce:", "script:")
+SHOWED = "where it showed:"  # a finding located at its root names where it showed first
 
 
 def shown_audit(lines: list[str]) -> dict:
@@ -173,8 +174,11 @@ def shown_audit(lines: list[str]) -> dict:
     findings = []
     for index, line in enumerate(lines):
         if match := FINDING_LINE.match(line):
-            title = lines[index + 1].strip() if index + 1 < len(lines) else ""
-            untitled = match[3] == "type-only" or not lines[index + 1].startswith("    ") or title.startswith(FIELDS)
+            after = index + 1
+            while after < len(lines) and lines[after].strip().startswith(SHOWED):  # before the title
+                after += 1
+            title = lines[after].strip() if after < len(lines) else ""
+            untitled = match[3] == "type-only" or not lines[after].startswith("    ") or title.startswith(FIELDS)
             location = match[4].rsplit("  (", 1)[0] if match[3] == "type-only" else match[4]
             findings.append({"n": int(match[1]), "id": match[2], "kind": match[3], "location": location,
                              "title": None if untitled else title})
