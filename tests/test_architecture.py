@@ -106,26 +106,37 @@ def _string_imports(source: str) -> set[str]:
                     and isinstance(node.value, str) and (match := OBJECT_REFERENCE.match(node.value))}
 
 
-def _cycle_from(start: str) -> list[str] | None:
-    stack, path, on_path = [(start, iter(sorted(GRAPH[start])))], [start], {start}
-    while stack:
-        node, children = stack[-1]
-        child = next(children, None)
-        if child is None:
-            stack.pop()
-            on_path.discard(path.pop())
-        elif child == start:
-            return [*path, start]
-        elif child not in on_path and child > start:
-            stack.append((child, iter(sorted(GRAPH[child]))))
-            path.append(child)
-            on_path.add(child)
+def _cycle_from(start: str, graph: dict[str, set[str]] = GRAPH) -> list[str] | None:
+    """The shortest import cycle through ``start``, or None (a breadth-first walk, each module once)."""
+    parent: dict[str, str] = {}
+    frontier = [start]
+    while frontier:
+        following = []
+        for node in frontier:
+            for child in sorted(graph[node]):
+                if child == start:
+                    path = [node]
+                    while path[-1] != start:
+                        path.append(parent[path[-1]])
+                    return [*reversed(path), start]
+                if child not in parent:
+                    parent[child] = node
+                    following.append(child)
+        frontier = following
     return None
 
 
 def test_the_graph_sees_imports():
     assert "shardcheck.typecheck.checker" in GRAPH["shardcheck.parity.pool"]
     assert "shardcheck.typecheck.checker" in GRAPH["shardcheck"]
+
+
+def test_a_planted_cycle_is_found_through_each_of_its_modules():
+    graph = {"a": {"b"}, "b": {"c", "e"}, "c": {"a", "d"}, "d": set(), "e": {"e"}}
+    assert _cycle_from("b", graph) == ["b", "c", "a", "b"]
+    assert _cycle_from("a", graph) == ["a", "b", "c", "a"]
+    assert _cycle_from("e", graph) == ["e", "e"]
+    assert _cycle_from("d", graph) is None
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))
