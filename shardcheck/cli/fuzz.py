@@ -67,17 +67,12 @@ def _show_findings(findings: list[Finding], statuses: dict[str, str] | None = No
     for f in findings:
         status = [statuses[f.id]] if statuses is not None else []
         table.add_row(f.id, *status, f.kind, escape(f"{f.layout} {f.config}"), escape(str(f.observed)),
-                      escape(str(f.reference)), escape(_short(f.location)))
+                      escape(str(f.reference)), escape(package_location(f.location)))
     console = Console(width=160)
     console.print(table)
     for f in findings:
         console.print(f"{f.id}: {escape(f.title)}" + (f"\n  repro: {f.repro}" if f.repro else ""),
                       highlight=False)
-
-
-def _short(location: str) -> str:
-    """A location with its file shown relative to its package or project (as its id hashes it)."""
-    return package_location(location)
 
 
 @click.command("fuzz")

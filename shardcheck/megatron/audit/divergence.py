@@ -31,7 +31,8 @@ from typing import Any
 
 import torch
 
-from shardcheck.megatron.checks.contracts import BY_NAME, ProbeRecord, _short
+from shardcheck.megatron.checks.contracts import BY_NAME, ProbeRecord
+from shardcheck.megatron.checks.paths import megatron_path
 from shardcheck.parity.assemble import tolerance
 from shardcheck.parity.layout import BASE_DIMS, Layout
 from shardcheck.parity.op_record import OpRecord
@@ -413,7 +414,7 @@ def first_op_gap(layout: Layout, per_rank: Sequence[Sequence[OpRecord]], referen
                  dtype: torch.dtype = torch.float32, until: int | None = None) -> OpGap | None:
     """The first of :func:`op_gaps`, or None."""
     for ref, found in op_gaps(layout, per_rank, reference, dtype, until):
-        return OpGap(_short(ref.site), ref.function, ref.describe().split(": ", 1)[1], found)
+        return OpGap(megatron_path(ref.site), ref.function, ref.describe().split(": ", 1)[1], found)
     return None
 
 
@@ -445,7 +446,7 @@ def split_gradient_gap(layout: Layout, per_rank: Sequence[Sequence[OpRecord]], r
         expected, observed, scale = cut
         found = gap(f"{ref.op}#{ref.index}", observed, expected, RELATIVE * scale, dtype)
         if found is not None:
-            return OpGap(_short(ref.site), ref.function, ref.describe().split(": ", 1)[1], found,
+            return OpGap(megatron_path(ref.site), ref.function, ref.describe().split(": ", 1)[1], found,
                          _scaled_at(reference, split, n))
     return None
 
@@ -503,7 +504,7 @@ def _scaled_at(reference: Sequence[OpRecord], split: Sequence[_Sums | None | obj
     depth = 0
     while all(len(s) > depth and _frame(s[depth]) == _frame(steps[0][depth]) for s in steps):
         depth += 1
-    return (_short(steps[-1][depth - 1][0]), steps[-1][depth - 1][1]) if depth else None
+    return (megatron_path(steps[-1][depth - 1][0]), steps[-1][depth - 1][1]) if depth else None
 
 
 def _frame(entry: tuple[str, str]) -> tuple[str, str]:

@@ -38,8 +38,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardcheck.megatron.audit.rank import _megatron_core, run_case
 from shardcheck.megatron.audit.sweep import Case, impl_of
-from shardcheck.megatron.checks.contracts import _short
 from shardcheck.megatron.checks.explicit import GENERIC
+from shardcheck.megatron.checks.paths import megatron_path
 from shardcheck.parity.layout import Layout
 from shardcheck.parity.pool import PoolFailure
 from shardcheck.typecheck.locations import user_code_frame
@@ -75,7 +75,7 @@ class _Makers(TorchDispatchMode):
         inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         frame = user_code_frame()
         ours = frame is not None and frame.f_code.co_filename.startswith(self.within)
-        site = f"{_short(frame.f_code.co_filename)}:{frame.f_lineno}" if ours else ""
+        site = f"{megatron_path(frame.f_code.co_filename)}:{frame.f_lineno}" if ours else ""
         if ours:
             self.calls[site] += 1
         try:
@@ -95,7 +95,7 @@ class _Makers(TorchDispatchMode):
     def note(self, exc: Exception, inputs: list[torch.Tensor], frame: Any, site: str) -> None:
         """Add to a shape error where its one operand was made (:data:`MADE_AT`), or for two
         operands that do not broadcast, both operands' shapes and makers (:data:`OPERANDS`)."""
-        path, function = _short(frame.f_code.co_filename), frame.f_code.co_name
+        path, function = megatron_path(frame.f_code.co_filename), frame.f_code.co_name
         root = self.root(inputs, path, function)
         if root is not None:
             exc.add_note(f"{MADE_AT}{root.site} in {root.function}")
@@ -162,7 +162,7 @@ class _ShapesAt(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         frame = user_code_frame()
-        if frame is not None and f"{_short(frame.f_code.co_filename)}:{frame.f_lineno}" == self.site:
+        if frame is not None and f"{megatron_path(frame.f_code.co_filename)}:{frame.f_lineno}" == self.site:
             self.seen += 1
             if self.seen == self.call:
                 self.shapes = [list(t.shape) for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]

@@ -10,7 +10,7 @@ from typing import Any
 
 from shardcheck.megatron.audit.divergence import CallGap, Gap
 from shardcheck.megatron.audit.sweep import Case
-from shardcheck.megatron.checks import contracts
+from shardcheck.megatron.checks.paths import megatron_path
 from shardcheck.megatron.cpu.parallel import LayoutUnsupported
 from shardcheck.parity.pool import PoolFailure
 
@@ -99,7 +99,7 @@ def _megatron_frame(failure: PoolFailure) -> str | None:
         frames = re.findall(r'File "([^"]*/megatron/core/[^"]*)", line (\d+), in (\S+)', text)
         if frames:
             path, line, function = frames[-1]
-            return f"{contracts._short(path)}:{line} in {function}"
+            return f"{megatron_path(path)}:{line} in {function}"
     return None
 
 

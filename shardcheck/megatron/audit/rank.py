@@ -204,7 +204,7 @@ def _entry_points() -> Iterator[list[str]]:
     ``module`` attribute), whose forward is where every bug of the model would show."""
     import inspect
 
-    from shardcheck.megatron.checks.contracts import _short
+    from shardcheck.megatron.checks.paths import megatron_path
 
     found: list[str] = []
 
@@ -213,7 +213,7 @@ def _entry_points() -> Iterator[list[str]]:
         wrapper = isinstance(getattr(module, "module", None), torch.nn.Module)
         if not found and not wrapper and cls.__module__.startswith("megatron.core"):
             forward = inspect.unwrap(cls.forward)
-            found.append(f"{_short(inspect.getsourcefile(forward))}:{inspect.getsourcelines(forward)[1]}")
+            found.append(f"{megatron_path(inspect.getsourcefile(forward))}:{inspect.getsourcelines(forward)[1]}")
 
     handle = torch.nn.modules.module.register_module_forward_pre_hook(record)
     try:

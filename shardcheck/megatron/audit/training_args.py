@@ -33,7 +33,7 @@ import warnings
 from typing import Any
 
 from shardcheck.megatron.audit.sweep import SIZE_FIELDS, Case, impl_of, setup_kwargs
-from shardcheck.megatron.checks import contracts
+from shardcheck.megatron.checks.paths import megatron_path
 from shardcheck.patching import patched
 
 REFUSES = "megatron.training refuses it"
@@ -44,7 +44,8 @@ FLAG_NAMES = {"num_moe_experts": "num_experts",
               "num_layers_in_first_pipeline_stage": "decoder_first_pipeline_num_layers",
               "num_layers_in_last_pipeline_stage": "decoder_last_pipeline_num_layers"}
 LAYOUT_FLAGS = frozenset({"tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
-                          "expert_model_parallel_size", "sequence_parallel"})
+                          "expert_model_parallel_size", "expert_tensor_parallel_size",
+                          "sequence_parallel"})
 DEVICE_ARCH = 10  # validate_args's CUDA_DEVICE_MAX_CONNECTIONS demand stops at Blackwell
 
 
@@ -131,7 +132,7 @@ def training_verdict(case: Case) -> str | None:
     except Exception as exc:  # noqa: BLE001 - a refusal, or a check that cannot run here: said so
         frames = traceback.extract_tb(exc.__traceback__)
         frame = [f for f in frames if f.filename == arguments.__file__][-1]  # validate_args's line
-        where = f"{contracts._short(frame.filename)}:{frame.lineno} in {frame.name}"
+        where = f"{megatron_path(frame.filename)}:{frame.lineno} in {frame.name}"
         return f"{REFUSES if isinstance(exc, REFUSED_TYPES) else NOT_CHECKED}: {_said(exc)} ({where})"
     return None
 

@@ -42,6 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shardcheck.megatron.checks.paths import megatron_path
 from shardcheck.patching import patched
 
 
@@ -80,7 +81,7 @@ class Contract:
     def location(self) -> str:
         """file:line of the function's definition in megatron-core."""
         fn = inspect.unwrap(_ORIGINALS.get(self.name) or self.original())
-        return f"{_short(inspect.getsourcefile(fn))}:{inspect.getsourcelines(fn)[1]}"
+        return f"{megatron_path(inspect.getsourcefile(fn))}:{inspect.getsourcelines(fn)[1]}"
 
     def notation(self) -> str:
         """The contract in R/P/S notation, e.g. ``requires logits: tp=S(-1); ensures loss: tp=R``."""
@@ -90,13 +91,6 @@ class Contract:
         parts = [f"requires {spec(self.requires.items())}"] if self.requires else []
         parts += [f"ensures {spec(self.ensures)}"] if self.ensures else []
         return f"{self.name}: " + "; ".join(parts)
-
-
-def _short(path: str | None) -> str:
-    """A path from ``megatron/`` on (site-packages prefixes dropped)."""
-    text = path or "<unknown>"
-    index = text.rfind("/megatron/")
-    return text[index + 1:] if index >= 0 else text
 
 
 # ---- fixes: corrected functions (used only for the audit's corrected controls) -------------

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from shardcheck.megatron.checks.paths import megatron_path
 from shardcheck.megatron.checks.pipeline_types import received_activations_typed
 from shardcheck.patching import patched, patched_attrs
 
@@ -466,8 +467,8 @@ def checked_region(ctx: Any, ops: dict | None = None) -> Iterator[list[dict]]:
         yield found
     if ops is not None:
         ops.update(megatron_ops(checker.coverage()))
-    found.extend({**v.as_dict(), "location": _short(v.location),
-                  "line": v.first_line.replace(v.location, _short(v.location))}
+    found.extend({**v.as_dict(), "location": megatron_path(v.location),
+                  "line": v.first_line.replace(v.location, megatron_path(v.location))}
                  for v in sc.violations() if _in_megatron(v.location))
 
 
@@ -481,25 +482,20 @@ def megatron_ops(coverage: Any) -> dict[str, Any]:
 
     inside = coverage.within(os.path.dirname(megatron.core.__file__) + os.sep)
     return {"typed": inside.typed, "unknown": inside.unknown,
-            "unknown_at": {_short(loc): unknown for loc, _, unknown in inside.by_site if unknown},
+            "unknown_at": {megatron_path(loc): unknown for loc, _, unknown in inside.by_site if unknown},
             "unknown_from": {_short_origin(origin): n for origin, n in inside.origins}}
 
 
 def _short_origin(origin: str) -> str:
-    """An origin (``file:line op: cause``) with its file shortened as :func:`_short` does."""
+    """An origin (``file:line op: cause``) with its file shortened as :func:`megatron_path` does."""
     location, _, rest = origin.partition(" ")
-    return f"{_short(location)} {rest}"
+    return f"{megatron_path(location)} {rest}"
 
 
 def _in_megatron(location: str) -> bool:
     """Violations located in our own harness (scenario set-up, gathering results) are not
     findings about megatron-core; they are left to the harness's own tests."""
     return "/megatron/core/" in location
-
-
-def _short(location: str) -> str:
-    index = location.rfind("/megatron/")
-    return location[index + 1:] if index >= 0 else location
 
 
 GENERIC_LIBRARIES = ("torch.", "transformer_engine.", "builtins")  # their modules' owners build them

@@ -88,15 +88,15 @@ def layout_owner(model: torch.nn.Module, name: str) -> str | None:
     """Where the checkpoint layout of parameter ``name`` is made: the ``sharded_state_dict`` of
     the innermost module holding it whose class defines its own outside megatron-core's generic
     layers and base module (a layer's own splitting of its fused projection), else None."""
-    from shardcheck.megatron.checks.contracts import _short
     from shardcheck.megatron.checks.explicit import GENERIC
+    from shardcheck.megatron.checks.paths import megatron_path
 
     parts = name.split(".")
     for depth in range(len(parts) - 1, -1, -1):
         module = model.get_submodule(".".join(parts[:depth]))
         owner = next((c for c in type(module).__mro__ if "sharded_state_dict" in vars(c)), None)
         code = getattr(inspect.unwrap(vars(owner)["sharded_state_dict"]), "__code__", None) if owner else None
-        path = _short(code.co_filename) if code is not None else ""
+        path = megatron_path(code.co_filename) if code is not None else ""
         if path.startswith("megatron/core/") and not path.startswith((*GENERIC, "megatron/core/transformer/module.py")):
             return f"{path}:{code.co_firstlineno} in {owner.__name__}.sharded_state_dict"
     return None
@@ -260,14 +260,14 @@ def check_gradients_where_built(module: torch.nn.Module) -> None:
 
 def _megatron_line() -> str:
     """``file:line in function`` of the innermost megatron-core frame calling here."""
-    from shardcheck.megatron.checks.contracts import _short
+    from shardcheck.megatron.checks.paths import megatron_path
 
     frame = sys._getframe(2)
     while frame is not None and "/megatron/core/" not in frame.f_code.co_filename:
         frame = frame.f_back
     if frame is None:
         return "outside megatron-core"
-    return f"{_short(frame.f_code.co_filename)}:{frame.f_lineno} in {frame.f_code.co_name}"
+    return f"{megatron_path(frame.f_code.co_filename)}:{frame.f_lineno} in {frame.f_code.co_name}"
 
 
 RECORDED = "recorded at "  # a logged metric's declaration: the call that handed it to its tracker
