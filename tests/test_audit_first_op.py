@@ -2,6 +2,7 @@
 aligned between a one-rank run and the ranks of a layout, rebuilt from their types, and the
 first that parts ways named (in process, no ranks: recorded op lists from two runs)."""
 
+import dataclasses
 import textwrap
 
 import torch
@@ -220,4 +221,45 @@ def test_a_gradient_that_depends_on_the_micro_batch_split_is_located_where_its_t
         assert found.line().startswith(f"first op: {found.site} in forward: aten.")
         assert found.line().endswith(f"; its gradient scaled at {found.location} in forward")
         assert found.site.endswith(f"lib/model.py:{attach_line - 1}")  # the term's per-sequence sum
-        assert split_gradient_gap(Layout(tp=2), ranks, reference) is None  # the ranks are no dp shares
+        assert split_gradient_gap(Layout(tp=2), ranks, reference) is None  # untyped: no tp piece rebuilt
+
+
+def _sequence_shards(records, layout, rank, seq):
+    """``records`` as tp rank ``rank`` of ``layout`` holds them under sequence parallelism: each
+    value of ``seq`` rows (``[seq, batch, ...]``) its shard of rows, typed S(0) over tp, any other
+    (a value reduced over the sequence) whole, typed R."""
+    tp = layout.coords(rank)["tp"]
+
+    def held(value):
+        if value is None or value.dim() == 0 or value.shape[0] != seq:
+            return value, {"tp": "R"}
+        return value.chunk(layout.tp)[tp], {"tp": "S(0)"}
+
+    return [dataclasses.replace(r, values=tuple(v for v, _ in kept), placements=tuple(p for _, p in kept))
+            for r in records for kept in [[held(v) for v in r.values]]]
+
+
+def test_a_gradient_that_depends_on_the_split_is_located_from_tp_pieces_rebuilt_by_their_types(tmp_path):
+    """Under tp with sequence parallelism each rank holds a shard of a micro-batch's
+    ``[seq, batch, ...]`` gradients: each micro-batch's value is rebuilt from the tp ranks'
+    pieces by their types before the micro-batches are summed over the batch dim; the bug is
+    located where its term was scaled, the correct variant clean (e3fe5508c9 at tp2-sp)."""
+    x = torch.randn(6, 4, 3, generator=torch.Generator().manual_seed(0))
+    attach_line = SPLIT_FREE.splitlines().index("    scores = attach(scores, term, x.shape[1] if "
+                                                "tokens_counted else 1)") + 1
+    for layout in (Layout(tp=2), Layout(tp=2, dp=2)):
+        for counted in (True, False):
+            reference = _micro_batches(tmp_path, [x], counted)
+            ranks = []
+            for rank in range(layout.world_size):
+                share = x.chunk(layout.dp, 1)[layout.coords(rank)["dp"]]
+                recorded = _micro_batches(tmp_path, list(share.split(1, 1)), counted)
+                ranks.append(_sequence_shards(recorded, layout, rank, len(x)))
+            found = split_gradient_gap(layout, ranks, reference)
+            assert (found is None) == counted, (layout, found)
+            if not counted:
+                assert found.location.endswith(f"lib/model.py:{attach_line}")
+                assert found.site.endswith(f"lib/model.py:{attach_line - 1}")
+            untyped = [[dataclasses.replace(r, placements=(None,) * len(r.values)) for r in calls]
+                       for calls in ranks]
+            assert split_gradient_gap(layout, untyped, reference) is None  # pieces its types cannot rebuild

@@ -258,10 +258,18 @@ def assemble_op(layout: Layout, records: Mapping[int, OpRecord], position: int,
     I, P, P(avg) or S(d)); an axis on which no group holds two of them (a pipeline stage's op,
     run on that stage only) needs none. S(d) on cp says nothing of the pieces' order:
     ``balanced`` reads them in Megatron's load-balanced order (the batch's), else in rank order."""
+    values = _rebuilt(layout, records, position, OP_AXES, balanced)
+    return next(iter(values.values())) if values is not None and len(values) == 1 else None
+
+
+def _rebuilt(layout: Layout, records: Mapping[int, OpRecord], position: int, axes: Iterable[str],
+             balanced: bool = True) -> dict[int, torch.Tensor] | None:
+    """Output ``position`` of ``records``' ranks with each group of each of ``axes`` combined by
+    its placement into its first rank (see :func:`assemble_op`), or None where its types cannot."""
     values = {rank: rec.values[position] for rank, rec in records.items()}
     if any(v is None for v in values.values()):
         return None
-    for axis in OP_AXES:
+    for axis in axes:
         groups = [g for g in layout.partition(axis) if sum(r in values for r in g) > 1]
         if not groups:
             continue
@@ -270,7 +278,7 @@ def assemble_op(layout: Layout, records: Mapping[int, OpRecord], position: int,
         if kind is None or not _ASSEMBLED.fullmatch(kind) or not _fit(kind, list(values.values())):
             return None
         values = _merged(values, axis, "R" if kind == "I" else kind, groups, balanced)
-    return next(iter(values.values())) if len(values) == 1 else None
+    return values
 
 
 def _fit(placement: str, parts: list[torch.Tensor]) -> bool:
@@ -424,22 +432,23 @@ def split_gradient_gap(layout: Layout, per_rank: Sequence[Sequence[OpRecord]], r
                        dtype: torch.dtype = torch.float32) -> OpGap | None:
     """The first gradient that depends on how the batch is split, where the one-rank reference
     took the whole batch in one micro-batch (a loss that promises not to depend on the split) and
-    every rank is a data-parallel share of it; None otherwise.
+    the ranks share it over dp, each micro-batch's value rebuilt from the tp ranks' pieces by
+    their recorded types (:func:`_rebuilt`); None otherwise.
 
     The gradient of the loss with respect to one token's value does not depend on which rank or
     micro-batch holds the token, so a backward op's output summed over its batch dim (the one dim
-    that the ranks' micro-batches cut, whose pieces add up to the reference's) equals the
+    that the micro-batches cut, whose pieces add up to the reference's) equals the
     reference's sum of all pieces. The first that does not is named; where the gradient reached
     it through values reduced over a micro-batch (a loss term, scalars the ranks' shares cannot
     be compared by), the finding is located at the line, in the innermost function holding all
     the steps of that reduction's backward, of the step nearest the loss (:func:`_scaled_at`)."""
-    if layout.world_size < 2 or layout.dp != layout.world_size or layout.ep > 1:
+    if layout.world_size < 2 or layout.dp * layout.tp != layout.world_size or layout.ep > 1:
         return None
     counts = Counter(ref.key() for ref in reference)
     made = [Counter(rec.key() for rec in calls) for calls in per_rank]
     by_call = [{(rec.key(), rec.index): rec for rec in calls} for calls in per_rank]
-    split = [_split(ref, _pieces(ref, counts[ref.key()], made, by_call)) if ref.backward else _UNCOMPARED
-             for ref in reference]
+    split = [_split(layout, ref, _pieces(ref, counts[ref.key()], made, by_call)) if ref.backward
+             else _UNCOMPARED for ref in reference]
     for n, (ref, cut) in enumerate(zip(reference, split, strict=True)):
         if not isinstance(cut, tuple):
             continue
@@ -454,26 +463,30 @@ def split_gradient_gap(layout: Layout, per_rank: Sequence[Sequence[OpRecord]], r
 _Sums = tuple[torch.Tensor, torch.Tensor, float]  # reference's, pieces', scale of the terms
 
 
-def _pieces(ref: OpRecord, count: int, made: list[Counter], by_call: list[dict]) -> list[OpRecord] | None:
-    """The ranks' calls that hold ``ref``'s call's pieces: on each rank, the call of each
-    micro-batch (a rank making ``count`` calls of the key per micro-batch); None when a rank's
-    calls are no whole number of micro-batches."""
+def _pieces(ref: OpRecord, count: int, made: list[Counter], by_call: list[dict]) -> list[dict[int, OpRecord]] | None:
+    """The ranks' calls that hold ``ref``'s call's pieces, by micro-batch: the call of each rank
+    in its ``j``-th micro-batch (a rank making ``count`` calls of the key per micro-batch); None
+    when the ranks' calls are no whole and equal number of micro-batches."""
     key = ref.key()
-    if any(m[key] == 0 or m[key] % count for m in made):
+    if any(m[key] == 0 or m[key] % count or m[key] != made[0][key] for m in made):
         return None
-    return [calls[(key, ref.index + j * count)] for m, calls in zip(made, by_call, strict=True)
-            for j in range(m[key] // count)]
+    return [{rank: calls[(key, ref.index + j * count)] for rank, calls in enumerate(by_call)}
+            for j in range(made[0][key] // count)]
 
 
-def _split(ref: OpRecord, pieces: list[OpRecord] | None) -> _Sums | None | object:
-    """For the first output of ``ref`` cut along a batch dim by ``pieces``, the reference's and
-    the pieces' sums over it and the scale of its terms; None where no output is cut so (a value
-    reduced over the batch); ``_UNCOMPARED`` where the pieces do not align."""
+def _split(layout: Layout, ref: OpRecord, pieces: list[dict[int, OpRecord]] | None) -> _Sums | None | object:
+    """For the first output of ``ref`` cut along a batch dim by ``pieces`` (each micro-batch's
+    calls, rebuilt over tp by their types), the reference's and the pieces' sums over it and
+    the scale of its terms; None where no output is cut so (a value reduced over the batch);
+    ``_UNCOMPARED`` where the pieces do not align."""
     if not pieces:
         return _UNCOMPARED
     for position, expected in enumerate(ref.values):
-        parts = [p.values[position] if position < len(p.values) else None for p in pieces]
-        if expected is None or any(part is None or part.dim() != expected.dim() for part in parts):
+        rebuilt = [] if expected is None else [_rebuilt(layout, calls, position, ("tp",)) for calls in pieces]
+        if not rebuilt or any(values is None for values in rebuilt):
+            continue
+        parts = [part for values in rebuilt for part in values.values()]
+        if any(part.dim() != expected.dim() for part in parts):
             continue
         cut = [d for d in range(expected.dim()) if any(part.shape[d] != expected.shape[d] for part in parts)]
         if len(cut) == 1 and sum(part.shape[cut[0]] for part in parts) == expected.shape[cut[0]]:

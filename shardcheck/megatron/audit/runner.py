@@ -208,8 +208,9 @@ class Runner:
         with no type rule to explain it: a second pass reruns the case and its one-rank
         reference recording every op megatron-core calls (:func:`first_op_gap`), up to the end
         of ``call_gap``'s call, the case's first diverging contracted call, where it has one;
-        where the reference took the whole batch and the ranks share it over dp, the first
-        gradient that depends on the split comes first (:func:`split_gradient_gap`).
+        where the reference took the whole batch and the ranks share it over dp (each
+        micro-batch rebuilt over tp), the first gradient that depends on the split comes first
+        (:func:`split_gradient_gap`).
         None when no aligned op that its types rebuild differs there, or a run raised."""
         try:
             ref, ranks = self._recorded(case)
