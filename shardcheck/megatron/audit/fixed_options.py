@@ -20,6 +20,7 @@ from typing import Any
 from shardcheck.megatron.audit.annotations import literal_values, members, type_hints
 from shardcheck.megatron.audit.sweep import (
     ARGUMENT_FIELDS,
+    config_class,
     megatron_literals,
     model_argument,
     model_class,
@@ -77,12 +78,11 @@ def field_annotation(component: str, name: str) -> Any:
         return typing.Literal[choices] if annotation is str and choices else annotation
     if "config" not in {f.name for f in dataclasses.fields(setup_cls)}:
         raise OptionError(f"{component} has no option {name!r}; its options: {sorted(own)}")
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    if name not in {f.name for f in dataclasses.fields(TransformerConfig)}:
+    cls = config_class(component)
+    if name not in {f.name for f in dataclasses.fields(cls)}:
         raise OptionError(f"{component} has no option {name!r}: not a field of its setup "
-                          f"({', '.join(sorted(own))}) nor of TransformerConfig")
-    return type_hints(TransformerConfig).get(name, Any)
+                          f"({', '.join(sorted(own))}) nor of {cls.__name__}")
+    return type_hints(cls).get(name, Any)
 
 
 def _argument_annotation(component: str, name: str, setup_field: str, argument: str) -> Any:

@@ -47,15 +47,25 @@ NOT_REACHED = "not reached within the budget or time limit"
 
 def in_default_plan(case: Case) -> bool:
     """Whether the default plan runs the case whatever else ran: a component's defaults (every
-    layout), the TE tier (its defaults and TE's option sets on Transformer Engine), an option set under one of the
+    layout, or those of its ``default_layouts`` slice, which runs nothing else), the TE tier (its defaults and TE's option sets on Transformer Engine), an option set under one of the
     component's :func:`option_layouts`, or an option set of the scenario's own classes under its
     :func:`explicit_layout`. (An option set none of those runs also runs at its first larger
     layout that is not pruned, see :func:`sweep`.)"""
-    if not case.options or in_te_tier(case):
+    if in_te_tier(case):
         return True
-    name = str(case.layout)
+    name, sliced = str(case.layout), _default_layouts(case.component)
+    if sliced is not None:
+        return not case.options and name in sliced
+    if not case.options:
+        return True
     return name in option_layouts(case.component) or (
         name == explicit_layout(case.component) and _scenario_class(case))
+
+
+def _default_layouts(component: str) -> tuple[str, ...] | None:
+    from shardcheck.megatron.scenarios import COMPONENTS
+
+    return COMPONENTS[component].default_layouts
 
 
 def _scenario_class(case: Case) -> bool:
@@ -137,7 +147,7 @@ def sweep(runner: Runner, cases: Iterable[Case], budget: int | None, time_limit:
         waiting = _inert_below(swept, case.layout.world_size) if case.options else []
         if not all(attempt(deferred, False) for deferred in waiting):
             break
-        if full or in_default_plan(case) or not _taken(swept, case):
+        if full or in_default_plan(case) or (_default_layouts(case.component) is None and not _taken(swept, case)):
             if not attempt(case, True):
                 break
         else:
@@ -147,8 +157,8 @@ def sweep(runner: Runner, cases: Iterable[Case], budget: int | None, time_limit:
         all(attempt(deferred, False) for deferred in _inert_below(swept, None))
     unreached = planned[reached:]
     if not full:
-        beyond += [c for c in unreached if not in_default_plan(c) and _has_run(swept, c)]
-        unreached = [c for c in unreached if in_default_plan(c) or not _has_run(swept, c)]
+        beyond += [c for c in unreached if not in_default_plan(c) and _left_to_full(swept, c)]
+        unreached = [c for c in unreached if in_default_plan(c) or not _left_to_full(swept, c)]
     if swept.stopped_early:
         _note_unreached(runner, swept, unreached)
     _note_left_to_full(runner, swept, beyond)
@@ -158,6 +168,12 @@ def sweep(runner: Runner, cases: Iterable[Case], budget: int | None, time_limit:
 def _has_run(swept: Swept, case: Case) -> bool:
     """Whether a case of the case's option set has run (one that failed to run counts)."""
     return (case.component, case.options) in swept.ran
+
+
+def _left_to_full(swept: Swept, case: Case) -> bool:
+    """Whether a case outside the default plan is left to --full once the plan ends: its option
+    set ran, or its component's default plan is a slice (``Component.default_layouts``)."""
+    return _has_run(swept, case) or _default_layouts(case.component) is not None
 
 
 def _taken(swept: Swept, case: Case) -> bool:

@@ -223,17 +223,21 @@ def _gpt_setup_class(component: str) -> type:
     return MoEGPTSetup if entry.experts else GPTSetup
 
 
+def config_class(component: str) -> type:
+    """The Megatron config class of the component (``MLATransformerConfig`` for ``mla``, else
+    ``TransformerConfig``), whose fields its ``config`` options set."""
+    return _gpt_setup_class(component)().config_type()
+
+
 def pinned_config_fields(component: str) -> frozenset[str]:
     """Config fields the component sets itself (its CPU choices), which the sweep leaves alone."""
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
     from shardcheck.megatron.scenarios.gpt import transformer_config
 
-    ours = transformer_config(Layout(), _gpt_setup_class(component)())
+    ours, cls = transformer_config(Layout(), _gpt_setup_class(component)()), config_class(component)
     required = {"num_layers": ours.num_layers, "hidden_size": ours.hidden_size,
                 "num_attention_heads": ours.num_attention_heads}
-    plain = TransformerConfig(**required)
-    return frozenset(f.name for f in dataclasses.fields(TransformerConfig)
+    plain = cls(**required)
+    return frozenset(f.name for f in dataclasses.fields(cls)
                      if f.name not in required and getattr(ours, f.name) != getattr(plain, f.name))
 
 
@@ -263,15 +267,14 @@ def config_options(component: str) -> tuple[list[tuple[str, Any]], Unbuilt]:
     is listed at its first value), and the auxiliary losses' weights that default to off
     (:data:`LOSS_COEFFICIENT`). A component with a ``config_prefix`` gets the fields with that
     prefix, and the boolean, Literal and Enum fields (and weights) its ``config_code`` reads."""
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
     from shardcheck.megatron.scenarios import COMPONENTS
 
-    hints = type_hints(TransformerConfig)
+    cls = config_class(component)
+    hints = type_hints(cls)
     skip = LAYOUT_FIELDS | pinned_config_fields(component)
-    prefix, read = COMPONENTS[component].config_prefix, fields_read(COMPONENTS[component].config_code)
+    prefix, read = COMPONENTS[component].config_prefix, fields_read(COMPONENTS[component].config_code, cls)
     found: list[tuple[str, Any]] = []
-    for f in dataclasses.fields(TransformerConfig):
+    for f in dataclasses.fields(cls):
         if (f.name in skip or f.default is dataclasses.MISSING
                 or not (f.name.startswith(prefix) or f.name in read)):
             continue
@@ -281,7 +284,7 @@ def config_options(component: str) -> tuple[list[tuple[str, Any]], Unbuilt]:
             found.append((f.name, COEFFICIENT_TRIED))
     unbuilt = {(option,): why for option in found if (why := config_failure(component, option))}
     accepted = [option for option in found if (option,) not in unbuilt]
-    for f in dataclasses.fields(TransformerConfig):  # sizes: the component's own prefix only
+    for f in dataclasses.fields(cls):  # sizes: the component's own prefix only
         if f.name in skip | SIZE_FIELDS or f.default is dataclasses.MISSING or not f.name.startswith(prefix):
             continue
         tried = [((f.name, v), config_failure(component, (f.name, v)))
@@ -299,10 +302,10 @@ CONFIG_READ = re.compile(r"\bconfig\.([A-Za-z_]\w*)")
 
 
 @functools.cache
-def fields_read(modules: tuple[str, ...]) -> frozenset[str]:
-    """The TransformerConfig fields that the source of ``modules`` (a module, or every module
-    of a package) reads as ``config.NAME``; read from the megatron-core imported, so from a
-    ``--megatron`` tree's own source."""
+def fields_read(modules: tuple[str, ...], config_cls: type | None = None) -> frozenset[str]:
+    """The fields of ``config_cls`` (default ``TransformerConfig``) that the source of
+    ``modules`` (a module, or every module of a package) reads as ``config.NAME``; read from
+    the megatron-core imported, so from a ``--megatron`` tree's own source."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     names: set[str] = set()
@@ -314,7 +317,7 @@ def fields_read(modules: tuple[str, ...]) -> frozenset[str]:
         files = sorted(root.parent.rglob("*.py")) if spec.submodule_search_locations else [root]
         for path in files:
             names.update(CONFIG_READ.findall(path.read_text(encoding="utf-8")))
-    return frozenset(names) & {f.name for f in dataclasses.fields(TransformerConfig)}
+    return frozenset(names) & {f.name for f in dataclasses.fields(config_cls or TransformerConfig)}
 
 
 def config_failure(component: str, *options: tuple[str, Any]) -> str | None:
@@ -359,13 +362,11 @@ def changed_config_fields(component: str, options: tuple, layout: Layout) -> fro
     options' own fields and what TransformerConfig's ``__post_init__`` derives from them.
     None when the options set a field of the setup itself or a model argument, or the config
     does not build."""
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
     built = _built_configs(component, options, layout)
     if built is None:
         return None
     with_options, base = built
-    return frozenset(f.name for f in dataclasses.fields(TransformerConfig)
+    return frozenset(f.name for f in dataclasses.fields(config_class(component))
                      if not _same_value(getattr(with_options, f.name), getattr(base, f.name)))
 
 
@@ -393,14 +394,12 @@ def layout_dependent_fields(component: str, options: tuple, layout: Layout) -> d
     (``moe_router_topk_limited_devices`` sets ``moe_router_num_groups`` to the expert-parallel
     size), so the one-rank run of the same options computes something else. A field that
     differs without the options too (``expert_tensor_parallel_size``) is the layout's own."""
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
     here, alone = _built_configs(component, options, layout), _built_configs(component, options, Layout())
     if here is None or alone is None:
         return {}
     (ours, base), (one_rank, one_rank_base) = here, alone
     return {f.name: (getattr(ours, f.name), getattr(one_rank, f.name))
-            for f in dataclasses.fields(TransformerConfig)
+            for f in dataclasses.fields(config_class(component))
             if f.name not in LAYOUT_FIELDS
             and not _same_value(getattr(ours, f.name), getattr(one_rank, f.name))
             and _same_value(getattr(base, f.name), getattr(one_rank_base, f.name))}
@@ -432,12 +431,19 @@ def te_option_sets() -> dict[str, tuple[tuple[tuple[tuple[str, Any], ...], tuple
     local attention refuses them): in bf16, as Megatron trains, so TE runs its fused attention
     on them (in fp32 it converts them to a padded batch with a custom op the checker has no
     rule for), with the packed row split by sequence parallelism, and whole packed
-    micro-batches per data-parallel rank under explicit groups."""
+    micro-batches per data-parallel rank under explicit groups.
+
+    MLA's fused down projection (``FusedMLASelfAttention``, megatron-core 0.19 on) is built by
+    TE's layer spec only."""
     quantised_recompute = ((IMPL, "te"), ("mtp_layers", 1), ("position_embedding", "rope"),
                            ("fp8", "hybrid"), *FULL_BUNDLES[2])
     packed = ((IMPL, "te"), ("packed_sequences", True), ("bf16", True))
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    fused_mla = ((("mla_down_proj_fusion", True),), ("tp2-sp",))
     return {"mtp": ((quantised_recompute, ("tp2-dp2", "tp2-dp2@dp-tp")),),
-            "gpt": ((packed, ("tp2-sp", "tp2-dp2@dp-tp")),)}
+            "gpt": ((packed, ("tp2-sp", "tp2-dp2@dp-tp")),),
+            **({"mla": (fused_mla,)} if hasattr(MLATransformerConfig, "mla_down_proj_fusion") else {})}
 
 
 @functools.cache

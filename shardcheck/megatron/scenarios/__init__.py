@@ -18,6 +18,7 @@ from shardcheck.megatron.cpu.parallel import LayoutUnsupported
 from shardcheck.megatron.scenarios import multimodal, ssm, t5
 from shardcheck.megatron.scenarios.gpt import GPTSetup, MoEGPTSetup, MTPGPTSetup, train_step
 from shardcheck.megatron.scenarios.hybrid import HybridSetup, hybrid_step
+from shardcheck.megatron.scenarios.mla import MLASetup, mla_step
 from shardcheck.megatron.scenarios.moe_router import RouterSetup, router_step
 from shardcheck.megatron.scenarios.multimodal import MultimodalSetup, multimodal_step
 from shardcheck.megatron.scenarios.output_loss import OutputLossSetup, output_loss
@@ -43,6 +44,9 @@ class Component:
     ``megatron_parallel`` yields to Megatron, so it runs under layouts with explicit groups.
     ``model``: ``module:Class`` of the Megatron model it builds, whose own constructor and
     forward arguments its setup's ``model_args`` and ``forward_args`` pass on.
+    ``default_layouts``: the default audit plan runs only the component's defaults, at these
+    layouts (and its Transformer Engine tier), and leaves the rest of its plan to ``--full``;
+    None: the default plan's whole selection.
     """
 
     run: Callable[[Any, Any], dict]
@@ -53,6 +57,7 @@ class Component:
     check_layout: Callable[[Any], None] | None = None
     explicit_groups: bool = False
     model: str = ""
+    default_layouts: tuple[str, ...] | None = None
 
     def refuses(self, layout: Any) -> str | None:
         """Why the component cannot run under ``layout`` (checked before any rank starts)."""
@@ -68,6 +73,9 @@ class Component:
         return None
 
 
+# MLA's default-plan slice: its defaults under tensor parallelism with and without sp (and its
+# fused down projection at tp2-sp, sweep.te_option_sets); its options and other layouts: --full
+MLA_DEFAULT_LAYOUTS = ("tp2", "tp2-sp")
 GPT_MODEL = "megatron.core.models.gpt.gpt_model:GPTModel"
 HYBRID_MODEL = "megatron.core.models.hybrid.hybrid_model:HybridModel"
 COMPONENTS: dict[str, Component] = {
@@ -84,6 +92,10 @@ COMPONENTS: dict[str, Component] = {
     "multimodal": Component(multimodal_step, MultimodalSetup, check_layout=multimodal.check_layout,
                             explicit_groups=True,
                             model="megatron.core.models.multimodal.llava_model:LLaVAModel"),
+    # its own MLATransformerConfig fields and those MLA's code reads; GPTModel's arguments left to gpt
+    "mla": Component(mla_step, MLASetup, config_prefix="mla_",
+                     config_code=("megatron.core.transformer.multi_latent_attention",),
+                     explicit_groups=True, default_layouts=MLA_DEFAULT_LAYOUTS),
     "gdn": Component(gdn_step, GDNSetup, explicit_groups=True),
     "mamba": Component(mamba_step, MambaSetup, check_layout=ssm.check_mamba_layout,
                        explicit_groups=True),

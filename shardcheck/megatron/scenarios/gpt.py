@@ -96,6 +96,10 @@ class GPTSetup:
         """The Megatron model of this setup for this pipeline stage (:func:`build_gpt`)."""
         return build_gpt(config, self, pg)
 
+    def derived_config(self) -> dict[str, Any]:
+        """Config fields the setup's own options set (before ``config``'s overrides)."""
+        return {}
+
 
 @dataclass(frozen=True)
 class TEGPTSetup(GPTSetup):
@@ -122,6 +126,10 @@ class MTPGPTSetup(GPTSetup):
     # refuses at validate_args; they stay an option the sweep tries)
     position_embedding: str = "rope"
 
+    def derived_config(self) -> dict[str, Any]:
+        """Its MTP depth."""
+        return {"mtp_num_layers": self.mtp_layers}
+
 
 def transformer_config(layout: Any, setup: GPTSetup, **extra: Any):
     """A CPU-runnable TransformerConfig (the setup's :meth:`~GPTSetup.config_type`) for ``layout``
@@ -131,14 +139,14 @@ def transformer_config(layout: Any, setup: GPTSetup, **extra: Any):
         use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
         tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
         context_parallel_size=layout.cp, expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=getattr(layout, "expert_tp", layout.tp),
         sequence_parallel=layout.sp, pipeline_dtype=torch.float32,
         gradient_accumulation_fusion=False, apply_rope_fusion=False,
         bias_activation_fusion=False, masked_softmax_fusion=False,
     )
     options.update(extra)
     options.update(setup.base_config)
-    if isinstance(setup, MTPGPTSetup):
-        options["mtp_num_layers"] = setup.mtp_layers
+    options.update(setup.derived_config())
     if setup.heterogeneous:
         options.update(heterogeneous.config_options())
     options.update(setup.config)
@@ -308,11 +316,13 @@ def build_gpt(config, setup: GPTSetup, pg: Any = None):
     from shardcheck.megatron.cpu.cp_attention import local_spec_for
 
     options = dict(num_experts=config.num_moe_experts, qk_layernorm=config.qk_layernorm,
-                   qk_l2_norm=config.qk_l2_norm)
+                   qk_l2_norm=config.qk_l2_norm, multi_latent_attention=config.multi_latent_attention)
+    # only TE's spec has the fused MLA down projection (FusedMLASelfAttention)
+    fused_mla = {"mla_down_proj_fusion": True} if getattr(config, "mla_down_proj_fusion", False) else {}
     if setup.heterogeneous:
         spec = heterogeneous.layer_specs(config, setup.layer_spec == "transformer_engine")
     elif setup.layer_spec == "transformer_engine":  # TE's norms read config.normalization
-        spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(**options)
+        spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(**options, **fused_mla)
     else:
         spec = local_spec_for(config, gpt_layer_specs.get_gpt_layer_local_spec(
             normalization=config.normalization, **options))
