@@ -38,6 +38,34 @@ def test_model_parallel_and_expert_groups():
     assert Layout(tp=1, dp=4, ep=2).partition("ep") == [(0, 1), (2, 3)]
 
 
+def test_an_expert_tp_size_round_trips_and_defaults_to_tp():
+    layout = Layout.parse("tp2-dp2-ep2-etp1-sp")
+    assert (layout.etp, layout.expert_tp, str(layout)) == (1, 1, "tp2-dp2-ep2-etp1-sp")
+    assert Layout.parse(str(layout)) == layout
+    assert Layout.parse("tp2-etp2") == Layout(tp=2) and Layout(tp=2).expert_tp == 2
+
+
+def test_the_expert_grid_is_megatrons_etp_ep_edp_in_rank_order():
+    # ETP 1 beside TP 2: ep is cut from the tp ranks (EP = TP), or the tp ranks hold the same experts
+    assert {g: Layout.parse("tp2-ep2-etp1").partition(g) for g in ("etp", "ep", "edp")} == {
+        "etp": [(0,), (1,)], "ep": [(0, 1)], "edp": [(0,), (1,)]}
+    assert {g: Layout.parse("tp2-etp1").partition(g) for g in ("etp", "ep", "edp")} == {
+        "etp": [(0,), (1,)], "ep": [(0,), (1,)], "edp": [(0, 1)]}
+    assert Layout.parse("tp2-dp2-ep4-etp1").partition("ep") == [(0, 1, 2, 3)]
+    # the default etp: etp is tp, ep blocks of each dp x cp group, edp the rest of it
+    default = Layout(tp=2, dp=4, ep=2)
+    assert default.partition("etp") == default.partition("tp")
+    assert default.partition("ep") == [(0, 2), (4, 6), (1, 3), (5, 7)]
+    assert default.partition("edp") == [(0, 4), (2, 6), (1, 5), (3, 7)]
+
+
+@pytest.mark.parametrize("text", ["tp2-ep4-etp1", "tp2-etp3", "dp2-etp4", "tp2-dp2-etp1@dp-tp"])
+def test_expert_grids_megatron_cannot_build_get_one_line(text):
+    with pytest.raises(LayoutError) as info:
+        Layout.parse(text)
+    assert "\n" not in str(info.value) and "etp" in str(info.value)
+
+
 def test_custom_order_moves_dp_fastest():
     layout = Layout(tp=2, dp=2, order="dp-tp-cp-pp")
     assert layout.partition("dp") == [(0, 1), (2, 3)]

@@ -22,7 +22,7 @@ def test_parity_command_exits_0_when_every_layout_matches():
 @pytest.mark.parametrize(("args", "message"), [
     (["parity_scenarios:correct", "--layouts", "tp2,tp2-xx"],
      "Error: malformed layout 'tp2-xx': bad or repeated part 'xx'; expected parts tp<N>, cp<N>, "
-     "dp<N>, ep<N>, pp<N>, sp, e.g. 'tp2-dp2-sp'"),
+     "dp<N>, ep<N>, etp<N>, pp<N>, sp, e.g. 'tp2-dp2-sp'"),
     (["parity_scenarios:correct", "--layouts", "dp2-sp"], "Error: sequence parallelism (sp) needs tp > 1"),
     (["parity_scenarios"], "Error: expected module:function, got 'parity_scenarios'"),
     (["parity_scenarios:nothing"], "Error: 'parity_scenarios' has no function 'nothing'"),

@@ -1,4 +1,4 @@
-"""Parallel layouts (tp, cp, dp, ep, pp, sp) and the rank grid they put the process groups on.
+"""Parallel layouts (tp, cp, dp, ep, etp, pp, sp) and the rank grid they put the process groups on.
 
 Rank order
 ----------
@@ -10,6 +10,13 @@ and 2 a data-parallel group. A rank's coordinate on dimension ``k`` is
 Expert parallelism does not add ranks: ``ep`` must divide ``dp * cp`` and its groups are blocks
 of ``ep`` consecutive members of each (rank-sorted) ``dp_cp`` group, wherever ``ep`` appears in
 ``order``.
+
+Expert tensor parallelism (``etp``, Megatron's ``expert_tensor_parallel_size``) is the tp size
+of the experts; it defaults to ``tp``. Given another size, the experts get their own grid, as
+Megatron builds it: etp x ep x edp x pp over the same ranks, in ``order`` (cp left out), so
+``etp * ep`` must divide ``tp * cp * dp`` (``ep`` need not divide ``dp * cp`` then). Its groups
+are ``etp``, ``ep`` and ``edp`` (expert data parallel); with the default etp, ``etp`` is ``tp``
+and ``edp`` the members of each ``dp_cp`` group that hold the same experts.
 
 Groups
 ------
@@ -37,7 +44,7 @@ from math import prod
 
 BASE_DIMS = ("tp", "cp", "dp", "pp")
 DEFAULT_ORDER = "tp-cp-ep-dp-pp"
-_PART = re.compile(r"^(tp|cp|dp|ep|pp)(\d+)$")
+_PART = re.compile(r"^(tp|cp|dp|ep|etp|pp)(\d+)$")
 
 
 class LayoutError(ValueError):
@@ -56,6 +63,7 @@ class Layout:
     sp: bool = False
     order: str = DEFAULT_ORDER
     explicit_groups: Mapping[str, Sequence[Sequence[int]]] | None = field(default=None, hash=False)
+    etp: int | None = None  # the experts' tp size; None: tp (a given size equal to tp becomes None)
 
     def __post_init__(self) -> None:
         for dim in (*BASE_DIMS, "ep"):
@@ -63,8 +71,7 @@ class Layout:
                 raise LayoutError(f"layout {dim} must be a positive integer, got {getattr(self, dim)!r}")
         if self.sp and self.tp == 1:
             raise LayoutError("sequence parallelism (sp) needs tp > 1")
-        if (self.dp * self.cp) % self.ep:
-            raise LayoutError(f"ep={self.ep} must divide dp*cp={self.dp * self.cp}")
+        _validate_etp(self)
         dims = self.order.split("-")
         if sorted(d for d in dims if d != "ep") != sorted(BASE_DIMS) or len(set(dims)) != len(dims):
             raise LayoutError(f"order {self.order!r} must list tp, cp, dp, pp once each (and optionally ep)")
@@ -72,7 +79,7 @@ class Layout:
 
     @classmethod
     def parse(cls, text: str) -> Layout:
-        """Parse ``'tp2-dp2-sp'``-style strings: parts tp<N>, cp<N>, dp<N>, ep<N>, pp<N>, sp;
+        """Parse ``'tp2-dp2-sp'``-style strings: parts tp<N>, cp<N>, dp<N>, ep<N>, etp<N>, pp<N>, sp;
         a suffix ``@ORDER`` (e.g. ``'tp2-dp2@dp-tp'``) gives explicit groups, see :meth:`regrouped`."""
         base, at, order = text.partition("@")
         layout = cls._parse_sizes(base)
@@ -94,7 +101,7 @@ class Layout:
             else:
                 raise LayoutError(
                     f"malformed layout {text!r}: bad or repeated part {part!r}; "
-                    "expected parts tp<N>, cp<N>, dp<N>, ep<N>, pp<N>, sp, e.g. 'tp2-dp2-sp'")
+                    "expected parts tp<N>, cp<N>, dp<N>, ep<N>, etp<N>, pp<N>, sp, e.g. 'tp2-dp2-sp'")
         return cls(sp=sp, **sizes)
 
     @classmethod
@@ -123,7 +130,8 @@ class Layout:
         return replace(self, explicit_groups=None)
 
     def __str__(self) -> str:
-        parts = [f"{d}{getattr(self, d)}" for d in ("tp", "cp", "dp", "ep", "pp") if getattr(self, d) > 1]
+        parts = [f"{d}{getattr(self, d)}" for d in ("tp", "cp", "dp", "ep", "etp", "pp")
+                 if d == "etp" and self.etp is not None or d != "etp" and getattr(self, d) > 1]
         parts += ["sp"] if self.sp else []
         base = "-".join(parts) or "tp1"
         if not self.explicit_groups:
@@ -150,6 +158,11 @@ class Layout:
         return _combine(self._grid.coords, keep=tuple(d for d in BASE_DIMS if d not in dims))
 
     @property
+    def expert_tp(self) -> int:
+        """The experts' tensor-parallel size: ``etp``, else ``tp``."""
+        return self.tp if self.etp is None else self.etp
+
+    @property
     def world_size(self) -> int:
         return self.tp * self.cp * self.dp * self.pp
 
@@ -163,7 +176,8 @@ class Layout:
         return {dim: self._grid.coords[rank][dim] for dim in BASE_DIMS}
 
     def partition(self, name: str) -> list[tuple[int, ...]]:
-        """All groups named ``name`` (a base dim, 'dp_cp', 'mp', 'ep' or 'world'), each ordered."""
+        """All groups named ``name`` (a base dim, 'dp_cp', 'mp', 'ep', 'etp', 'edp' or 'world'),
+        each ordered."""
         return self._grid.partitions[name]
 
     def group_ranks(self, name: str, rank: int) -> tuple[int, ...]:
@@ -193,17 +207,52 @@ class _Grid:
         partitions["dp_cp"] = _combine(coords, keep=("tp", "pp"))
         partitions["mp"] = _combine(coords, keep=("cp", "dp"))
         partitions["world"] = [tuple(range(layout.world_size))]
-        partitions["ep"] = [g[i:i + layout.ep] for g in partitions["dp_cp"]
-                            for i in range(0, len(g), layout.ep)]
+        partitions.update(_expert_partitions(layout, partitions))
         return cls(coords, partitions)
+
+
+EXPERT_GROUPS = ("etp", "ep", "edp")
+
+
+def _expert_partitions(layout: Layout, dense: Mapping[str, list[tuple[int, ...]]]) -> dict[str, list[tuple[int, ...]]]:
+    """The expert grid's groups: with the default etp, ep blocks of each ``dp_cp`` group (etp
+    is tp); else Megatron's own expert grid, etp x ep x edp x pp in the layout's order."""
+    ep = layout.ep
+    if layout.etp is None:
+        return {"etp": list(dense["tp"]),
+                "ep": [g[i:i + ep] for g in dense["dp_cp"] for i in range(0, len(g), ep)],
+                "edp": [g[i::ep] for g in dense["dp_cp"] for i in range(ep)]}
+    sizes = {"etp": layout.etp, "ep": ep, "edp": layout.world_size // (layout.pp * layout.etp * ep), "pp": layout.pp}
+    names = {"tp": "etp", "dp": "edp", "ep": "ep", "pp": "pp"}
+    dims = [names[d] for d in layout.order.split("-") if d in names]
+    dims += ["ep"] if "ep" not in dims else []
+    strides = {d: prod(sizes[o] for o in dims[:dims.index(d)]) for d in dims}
+    return {d: _strided_groups(layout.world_size, strides[d], sizes[d]) for d in EXPERT_GROUPS}
+
+
+def _strided_groups(world: int, stride: int, size: int) -> list[tuple[int, ...]]:
+    starts = [r for r in range(world) if (r // stride) % size == 0]
+    return [tuple(s + i * stride for i in range(size)) for s in starts]
 
 
 def _default_partition(layout: Layout, dim: str) -> list[tuple[int, ...]]:
     dims = [d for d in layout.order.split("-") if d != "ep"]
     stride = prod(getattr(layout, d) for d in dims[:dims.index(dim)])
-    size = getattr(layout, dim)
-    starts = [r for r in range(layout.world_size) if (r // stride) % size == 0]
-    return [tuple(s + i * stride for i in range(size)) for s in starts]
+    return _strided_groups(layout.world_size, stride, getattr(layout, dim))
+
+
+def _validate_etp(layout: Layout) -> None:
+    """ep (and etp) against the world, as Megatron's ``initialize_model_parallel`` checks them."""
+    if layout.etp is None or layout.etp == layout.tp:
+        object.__setattr__(layout, "etp", None)
+        if (layout.dp * layout.cp) % layout.ep:
+            raise LayoutError(f"ep={layout.ep} must divide dp*cp={layout.dp * layout.cp}")
+        return
+    dense = layout.tp * layout.cp * layout.dp
+    if not isinstance(layout.etp, int) or layout.etp < 1 or dense % (layout.etp * layout.ep):
+        raise LayoutError(f"etp={layout.etp!r} times ep={layout.ep} must divide tp*cp*dp={dense}")
+    if layout.explicit_groups:
+        raise LayoutError("explicit groups (@ORDER) with an etp other than tp are not supported")
 
 
 def _base_partitions(layout: Layout) -> dict[str, list[tuple[int, ...]]]:

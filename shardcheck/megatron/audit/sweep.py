@@ -628,7 +628,9 @@ def screened_options(component: str) -> tuple[list[tuple[str, Any]], Unbuilt]:
 
 def layouts(max_world: int = 4, explicit: bool = False) -> list[Layout]:
     """Every tp/cp/dp/pp grid of sizes 1 or 2 within ``max_world`` ranks, with sp and ep
-    variants, and with ``explicit`` their explicit-group variants (:func:`explicit_layouts`)."""
+    variants, the tp-only grid with an expert tp of 1 (ep 1 or tp: ``tp2-etp1-sp``,
+    ``tp2-ep2-etp1-sp``), and with ``explicit`` their explicit-group variants
+    (:func:`explicit_layouts`)."""
     found: list[Layout] = []
     for tp, cp, dp, pp in itertools.product((1, 2), repeat=4):
         if tp * cp * dp * pp > max_world or tp * cp * dp * pp == 1:
@@ -637,6 +639,8 @@ def layouts(max_world: int = 4, explicit: bool = False) -> list[Layout]:
             found.append(Layout(tp=tp, cp=cp, dp=dp, pp=pp, sp=sp))
             if (dp * cp) % 2 == 0 and dp > 1:
                 found.append(Layout(tp=tp, cp=cp, dp=dp, pp=pp, sp=sp, ep=2))
+        if tp * cp * dp * pp == tp > 1:  # experts not cut over tp: alone, or cut over ep instead
+            found += [Layout(tp=tp, sp=True, etp=1), Layout(tp=tp, sp=True, ep=tp, etp=1)]
     found += explicit_layouts(found) if explicit else []
     return sorted(found, key=lambda lay: (lay.world_size, str(lay)))
 

@@ -414,12 +414,24 @@ def _checked(contract: Contract, fn: Callable[..., Any]) -> Callable[..., Any]:
     from shardcheck.megatron.checks.typing import assume_required
 
     def run(*args: Any, **kwargs: Any) -> Any:
-        assume_required(fn, contract.requires, args, kwargs)
-        spec = _as_passed(fn, contract.requires, args)
+        requires = _on_passed_group(checker.current(), fn, contract.requires, args, kwargs)
+        assume_required(fn, requires, args, kwargs)
+        spec = _as_passed(fn, requires, args)
         result = checker.contract(args=spec, trusted=False)(fn)(*args, **kwargs)
         _check_results(checker.current(), contract, fn, args, kwargs, result)
         return result
     return run
+
+
+def _on_passed_group(active: Any, fn: Callable[..., Any], requires: Mapping[str, Mapping[str, str]],
+                     args: tuple, kwargs: dict) -> Mapping[str, Mapping[str, str]]:
+    """The requirements, without those on tp where the ``group`` passed spans no tp ranks (an
+    expert linear's etp group at an expert tp size other than tp's): they hold over tp."""
+    ranks = _group_ranks(inspect.signature(fn).bind_partial(*args, **kwargs).arguments.get("group"))
+    axes = active.mesh.axes_of(ranks) if ranks is not None else None
+    if axes is None or "tp" in axes:
+        return requires
+    return {name: {axis: p for axis, p in types.items() if axis != "tp"} for name, types in requires.items()}
 
 
 def _ensured_axes(active: Any, axis: str, bound: Mapping[str, Any]) -> tuple[str, ...]:

@@ -116,6 +116,9 @@ def parameter_type(param: torch.nn.Parameter, axes: tuple[str, ...] = AXES,
             if axis in placements:
                 placements[axis] = placement
                 reason += f", {placement!r} on {axis}"
+    elif "ep" in placements and "tp" in placements and _ep_is_tp():
+        placements["ep"] = placements["tp"]  # the same ranks: the same cut
+        reduced += ("ep",) if "tp" in reduced else ()
     return ParamType({axis: placements[axis] for axis in axes}, reduced, reason)
 
 
@@ -127,6 +130,8 @@ def _expert_placements_by_ranks() -> dict[str, Placement]:
     from megatron.core import parallel_state as ps
 
     getters = {"cp": ps.get_context_parallel_group, "dp": ps.get_data_parallel_group}
+    if not _expert_tp_is_tp():  # experts not cut over tp (etp != tp): tp is one more group
+        getters["tp"] = ps.get_tensor_model_parallel_group
     try:
         ep = set(_ranks(ps.get_expert_model_parallel_group()))
         groups = {axis: set(_ranks(get())) for axis, get in getters.items()}
@@ -153,6 +158,19 @@ def _expert_tp_is_tp() -> bool:
         return False
     ranks = torch.distributed.get_process_group_ranks(tp)
     return len(ranks) > 1 and torch.distributed.get_process_group_ranks(etp) == ranks
+
+
+def _ep_is_tp() -> bool:
+    """Whether the expert-parallel ranks are the tp ranks (an etp other than tp, ep = tp:
+    Megatron's expert grid then cuts ep from the tp ranks)."""
+    from megatron.core import parallel_state as ps
+
+    try:
+        ep, tp = ps.get_expert_model_parallel_group(), ps.get_tensor_model_parallel_group()
+    except (AssertionError, AttributeError, RuntimeError):  # parallel_state not initialised
+        return False
+    ranks = _ranks(tp)
+    return len(ranks) > 1 and _ranks(ep) == ranks
 
 
 def tp_layouts(module: torch.nn.Module) -> dict[int, TpLayout]:
@@ -199,7 +217,8 @@ def type_inputs(module: torch.nn.Module) -> tuple:
     params = tuple((name, id(p), tuple(p.shape), tuple(getattr(p, a, _UNSET) for a in _TYPED_FROM))
                    for name, p in named)
     experts = any(is_expert(p) for _, p in named)
-    return params, experts and _expert_tp_is_tp(), experts and tuple(_expert_placements_by_ranks().items())
+    return (params, experts and _expert_tp_is_tp(), experts and tuple(_expert_placements_by_ranks().items()),
+            _ep_is_tp())
 
 
 def parameter_types(module: torch.nn.Module, axes: tuple[str, ...] = AXES) -> dict[str, ParamType]:
@@ -219,8 +238,10 @@ def input_types(role: str, axes: tuple[str, ...] = AXES, seq_dim: int = 1) -> di
     if role not in INPUT_ROLES:
         raise ValueError(f"unknown input role {role!r}; known: {', '.join(INPUT_ROLES)}")
     types: dict[str, Placement] = dict.fromkeys(axes, R)
-    # ep is cut from dp x cp: its ranks hold other samples or other sequence chunks
-    types.update({axis: p for axis, p in (("dp", V), ("ep", V), ("cp", S(seq_dim))) if axis in axes})
+    # ep is cut from dp x cp: its ranks hold other samples or other sequence chunks; or, with
+    # an etp other than tp, it may be the tp ranks, which hold the same
+    ep = R if _ep_is_tp() else V
+    types.update({axis: p for axis, p in (("dp", V), ("ep", ep), ("cp", S(seq_dim))) if axis in axes})
     return types
 
 

@@ -142,7 +142,7 @@ def _initialise(layout: Any) -> None:
     from megatron.core import parallel_state
 
     layout = getattr(layout, "global_layout", layout)
-    key = (layout.tp, layout.cp, layout.dp, layout.ep, layout.pp,
+    key = (layout.tp, layout.cp, layout.dp, layout.ep, _expert_tp(layout), layout.pp,
            getattr(layout, "order", DEFAULT_ORDER), id(dist.distributed_c10d._world.default_pg))
     if key in _saved:
         for name, value in _saved[key].items():
@@ -155,6 +155,7 @@ def _initialise(layout: Any) -> None:
             pipeline_model_parallel_size=layout.pp,
             context_parallel_size=layout.cp,
             expert_model_parallel_size=layout.ep,
+            expert_tensor_parallel_size=_expert_tp(layout),
             order=getattr(layout, "order", DEFAULT_ORDER),
             create_gloo_process_groups=False,
         )
@@ -162,10 +163,16 @@ def _initialise(layout: Any) -> None:
                    if n != "_GLOBAL_MEMORY_BUFFER"}
 
 
+def _expert_tp(layout: Any) -> int:
+    return getattr(layout, "expert_tp", layout.tp)
+
+
 def _verify(ctx: Any) -> None:
-    """Megatron's tp/cp/dp/pp groups hold the same ranks as the layout's own groups."""
+    """Megatron's tp/cp/dp/pp groups hold the same ranks as the layout's own groups, and its
+    expert groups those of the layout's expert grid."""
     from megatron.core import parallel_state as ps
 
+    _verify_expert_grid(ctx)
     megatron = {"tp": ps.get_tensor_model_parallel_group(), "cp": ps.get_context_parallel_group(),
                 "dp": ps.get_data_parallel_group(), "pp": ps.get_pipeline_model_parallel_group()}
     explicit = getattr(ctx.layout, "explicit_groups", None) or {}
@@ -177,6 +184,21 @@ def _verify(ctx: Any) -> None:
             raise LayoutUnsupported(
                 f"Megatron's {axis} group {dist.get_process_group_ranks(group)} differs from the "
                 f"layout's {dist.get_process_group_ranks(ours)}")
+
+
+def _verify_expert_grid(ctx: Any) -> None:
+    """Megatron's etp, ep and edp groups of this rank hold the ranks the layout computes."""
+    from megatron.core import parallel_state as ps
+
+    if getattr(ctx.layout, "explicit_groups", None) or not hasattr(ctx.layout, "group_ranks"):
+        return
+    megatron = {"etp": ps.get_expert_tensor_parallel_group(), "ep": ps.get_expert_model_parallel_group(),
+                "edp": ps.get_expert_data_parallel_group()}
+    for axis, group in megatron.items():
+        ranks = tuple(dist.get_process_group_ranks(group))
+        if ranks != ctx.layout.group_ranks(axis, ctx.rank):
+            raise LayoutUnsupported(f"Megatron's expert {axis} group {list(ranks)} differs from the "
+                                    f"layout's {list(ctx.layout.group_ranks(axis, ctx.rank))}")
 
 
 def scenario_groups(pg: Any = None) -> Any:

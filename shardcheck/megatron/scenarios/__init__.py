@@ -61,7 +61,7 @@ class Component:
 
     def refuses(self, layout: Any) -> str | None:
         """Why the component cannot run under ``layout`` (checked before any rank starts)."""
-        if layout.ep > 1 and not self.experts:
+        if (layout.ep > 1 or getattr(layout, "etp", None) is not None) and not self.experts:
             return "expert parallelism needs a component with experts"
         if self.experts and layout.tp > 1 and not layout.sp:
             return "MoE with tp > 1 needs sequence parallelism (Megatron refuses it)"
