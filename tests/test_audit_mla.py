@@ -20,9 +20,17 @@ from shardcheck.megatron.audit.run import audit
 from shardcheck.megatron.audit.schedule import in_default_plan
 from shardcheck.megatron.audit.sweep import Case, component_options, config_class, impl_of
 from shardcheck.megatron.checks.shards import _covers, _rows_of
+from shardcheck.megatron.cpu.parallel import LayoutUnsupported
 from shardcheck.megatron.scenarios import COMPONENTS, MLA_DEFAULT_LAYOUTS
 from shardcheck.megatron.scenarios.gpt import transformer_config
-from shardcheck.megatron.scenarios.mla import LOCAL_SPEC_FAILS, Q_LORA_RANK, MLASetup, check_setup
+from shardcheck.megatron.scenarios.mla import (
+    LOCAL_SPEC_FAILS,
+    NO_CP_ATTENTION,
+    Q_LORA_RANK,
+    MLASetup,
+    check_layout,
+    check_setup,
+)
 from shardcheck.parity.layout import Layout
 
 pytest.importorskip("megatron.core")
@@ -51,6 +59,13 @@ def test_megatron_cores_local_spec_cannot_build_mla_so_local_layers_are_refused(
         check_setup(MLASetup(impl="local"))
     assert "DotProductAttention" in LOCAL_SPEC_FAILS
     check_setup(MLASetup())
+
+
+def test_context_parallelism_is_not_applicable():
+    with pytest.raises(LayoutUnsupported, match="no attention backend for MLA under context parallelism"):
+        check_layout(Layout(cp=2))
+    assert COMPONENTS["mla"].refuses(Layout(tp=2, cp=2, sp=True)) == NO_CP_ATTENTION
+    assert COMPONENTS["mla"].refuses(Layout(tp=2, dp=2)) is None
 
 
 def test_it_sweeps_its_query_compression_and_the_mla_fields_its_code_reads():

@@ -15,7 +15,7 @@ from importlib.util import find_spec
 from typing import Any
 
 from shardcheck.megatron.cpu.parallel import LayoutUnsupported
-from shardcheck.megatron.scenarios import multimodal, ssm, t5
+from shardcheck.megatron.scenarios import mla, multimodal, ssm, t5
 from shardcheck.megatron.scenarios.gpt import GPTSetup, MoEGPTSetup, MTPGPTSetup, train_step
 from shardcheck.megatron.scenarios.hybrid import HybridSetup, hybrid_step
 from shardcheck.megatron.scenarios.mla import MLASetup, mla_step
@@ -95,7 +95,8 @@ COMPONENTS: dict[str, Component] = {
     # its own MLATransformerConfig fields and those MLA's code reads; GPTModel's arguments left to gpt
     "mla": Component(mla_step, MLASetup, config_prefix="mla_",
                      config_code=("megatron.core.transformer.multi_latent_attention",),
-                     explicit_groups=True, default_layouts=MLA_DEFAULT_LAYOUTS),
+                     check_layout=mla.check_layout, explicit_groups=True,
+                     default_layouts=MLA_DEFAULT_LAYOUTS),
     "gdn": Component(gdn_step, GDNSetup, explicit_groups=True),
     "mamba": Component(mamba_step, MambaSetup, check_layout=ssm.check_mamba_layout,
                        explicit_groups=True),

@@ -20,6 +20,7 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
+from shardcheck.megatron.cpu.parallel import LayoutUnsupported
 from shardcheck.megatron.scenarios.gpt import GPTSetup, train_step
 
 Q_LORA_RANK = 16
@@ -57,6 +58,16 @@ LOCAL_SPEC_FAILS = ("MLA runs on Transformer Engine only: megatron-core's local 
                     "DotProductAttention, which takes no k_channels/v_channels (MultiLatentAttention "
                     "passes them; the query and key heads are wider than the value heads)")
 
+NO_CP_ATTENTION = ("Transformer Engine selects no attention backend for MLA under context parallelism "
+                   "on a CPU: in fp32 none takes CP, in bf16 it raises 'No dot product attention "
+                   "backend is available' (its query and key heads are wider than its value heads)")
+
+
+def check_layout(layout: Any) -> None:
+    """Refuse context parallelism (:data:`NO_CP_ATTENTION`) before any rank starts."""
+    if layout.cp > 1:
+        raise LayoutUnsupported(NO_CP_ATTENTION)
+
 
 def check_setup(setup: MLASetup) -> None:
     """Refuse megatron-core's local layers (:data:`LOCAL_SPEC_FAILS`) before any is built."""
@@ -67,4 +78,5 @@ def check_setup(setup: MLASetup) -> None:
 def mla_step(ctx: Any, setup: MLASetup) -> dict[str, torch.Tensor]:
     """One training step of the MLA GPT on ``ctx``'s layout; global values by name."""
     check_setup(setup)
+    check_layout(ctx.layout)
     return train_step(ctx, setup)
