@@ -58,6 +58,8 @@ def test_megatron_cores_local_spec_cannot_build_mla_so_local_layers_are_refused(
     with pytest.raises(ValueError, match="Transformer Engine only"):
         check_setup(MLASetup(impl="local"))
     assert "DotProductAttention" in LOCAL_SPEC_FAILS
+    with pytest.raises(ValueError, match="no MLATransformerConfig"):
+        check_setup(MLASetup(heterogeneous=True))
     check_setup(MLASetup())
 
 

@@ -70,9 +70,13 @@ def check_layout(layout: Any) -> None:
 
 
 def check_setup(setup: MLASetup) -> None:
-    """Refuse megatron-core's local layers (:data:`LOCAL_SPEC_FAILS`) before any is built."""
+    """Refuse, before any layer is built, megatron-core's local layers
+    (:data:`LOCAL_SPEC_FAILS`) and heterogeneous layers (their config class is not MLA's)."""
     if setup.impl != "te":
         raise ValueError(LOCAL_SPEC_FAILS)
+    if setup.heterogeneous:
+        raise ValueError("heterogeneous layers take a HeterogeneousTransformerConfig, which is no "
+                         "MLATransformerConfig: megatron-core builds no MLA from block configs")
 
 
 def mla_step(ctx: Any, setup: MLASetup) -> dict[str, torch.Tensor]:
