@@ -642,7 +642,9 @@ def layouts(max_world: int = 4, explicit: bool = False) -> list[Layout]:
         if tp * cp * dp * pp == tp > 1:  # experts not cut over tp: alone, or cut over ep instead
             found += [Layout(tp=tp, sp=True, etp=1), Layout(tp=tp, sp=True, ep=tp, etp=1)]
     found += explicit_layouts(found) if explicit else []
-    return sorted(found, key=lambda lay: (lay.world_size, str(lay)))
+    # the expert-tp variants last among their size: an option the default plan has not run yet
+    # runs at the first layout that reads it, tp2-sp before them
+    return sorted(found, key=lambda lay: (lay.world_size, lay.etp is not None, str(lay)))
 
 
 def explicit_layouts(plain: list[Layout]) -> list[Layout]:
