@@ -24,6 +24,7 @@ from shardcheck.parity.layout import Layout
 
 LAYOUTS = layouts(explicit=True)
 DEEP = (("deep", True),)  # an option no two-rank or explicit-group layout reads
+ETP_ONLY = (("etp_only", True),)  # a moe option only the expert-tp layouts read
 
 
 class _Pools:
@@ -38,6 +39,8 @@ class _Pools:
 
     def not_read(self, case: Case) -> frozenset[str] | None:
         hidden = case.layout.world_size <= 2 or case.layout.explicit_groups
+        if case.options == ETP_ONLY and case.layout.etp is None:
+            return frozenset({"etp_only"})
         return frozenset({"deep"}) if case.options == DEEP and hidden else None
 
     def other_meaning(self, case: Case) -> None:
@@ -57,7 +60,7 @@ def _swept(cases: list[Case], full: bool) -> Swept:
 @pytest.fixture(scope="module")
 def cases() -> list[Case]:
     pytest.importorskip("megatron.core")
-    return plan({"gpt": [("a", True), ("b", "x"), DEEP[0]], "moe": [], "t5": []}, LAYOUTS, None)
+    return plan({"gpt": [("a", True), ("b", "x"), DEEP[0]], "moe": [ETP_ONLY[0]], "t5": []}, LAYOUTS, None)
 
 
 def test_the_default_plan_runs_defaults_everywhere_and_options_under_two_ranks(cases):
@@ -74,7 +77,10 @@ def test_the_default_plan_runs_defaults_everywhere_and_options_under_two_ranks(c
                  and not c.layout.explicit_groups)
     assert [c for c in ran if c.options == DEEP] == [first]
     assert {"tp2", "cp2", "dp2", "pp2"} <= set(swept.pruned[("gpt", DEEP)])
-    assert set(swept.left_to_full) == {("gpt", (("a", True),)), ("gpt", (("b", "x"),)), ("gpt", DEEP)}
+    # an option only the expert-tp layouts read is not run there: their options are --full's
+    assert not [c for c in ran if c.options == ETP_ONLY]
+    assert set(swept.left_to_full) == {("gpt", (("a", True),)), ("gpt", (("b", "x"),)), ("gpt", DEEP),
+                                       ("moe", ETP_ONLY)}
     assert not swept.not_swept and not swept.stopped_early
 
 

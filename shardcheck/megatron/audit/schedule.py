@@ -16,8 +16,8 @@ tp2, or tp2-sp where tp needs sp; cp2; dp2; dp2-ep2; pp2), and each option set o
 own classes (its setup fields and inputs, the model's arguments, bundles) under one
 explicit-group layout (:data:`EXPLICIT_LAYOUTS`), where a collective on a global group instead
 of the model's shows. An option set that none of those runs (pruned there, or refused) runs at
-its first larger layout in plan order that it is not pruned at, so every option runs where it
-matters, if anywhere. The other cases are *left to --full*: counted per option set and reported
+its first larger layout in plan order that it is not pruned at (not an expert-tp one, whose
+options are all left to --full), so every option runs where it matters, if anywhere. The other cases are *left to --full*: counted per option set and reported
 with the command that runs them, never dropped silently (``shardcheck audit --full`` runs the
 whole plan).
 """
@@ -147,7 +147,7 @@ def sweep(runner: Runner, cases: Iterable[Case], budget: int | None, time_limit:
         waiting = _inert_below(swept, case.layout.world_size) if case.options else []
         if not all(attempt(deferred, False) for deferred in waiting):
             break
-        if full or in_default_plan(case) or (_default_layouts(case.component) is None and not _taken(swept, case)):
+        if full or in_default_plan(case) or _first_chance(swept, case):
             if not attempt(case, True):
                 break
         else:
@@ -174,6 +174,13 @@ def _left_to_full(swept: Swept, case: Case) -> bool:
     """Whether a case outside the default plan is left to --full once the plan ends: its option
     set ran, or its component's default plan is a slice (``Component.default_layouts``)."""
     return _has_run(swept, case) or _default_layouts(case.component) is not None
+
+
+def _first_chance(swept: Swept, case: Case) -> bool:
+    """Whether an option set the default plan has not run yet runs here, the first layout it
+    reaches, for a component without a default-plan slice. The expert-tp layouts (``etp``) run
+    only the defaults in the default plan: their options are left to --full."""
+    return _default_layouts(case.component) is None and case.layout.etp is None and not _taken(swept, case)
 
 
 def _taken(swept: Swept, case: Case) -> bool:
