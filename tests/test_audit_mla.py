@@ -122,3 +122,7 @@ def test_mla_agrees_with_one_rank_under_sp_and_its_rotary_key_gradient_is_partia
         names = {gap.name for gap in outcome.gaps}
         assert "grad/decoder.layers.self_attention.linear_kv_down_proj.weight" in names
         assert "grad/decoder.layers.self_attention.linear_q_down_proj.weight" not in names
+    # the checker's violation is raised in the split's backward (a C++ node): the finding is
+    # located at the forward line of that split, where the gradient was left partial
+    assert {f.location.rsplit(":", 1)[0] for f in result.findings} == {"megatron/core/transformer/multi_latent_attention.py"}
+    assert all(f.showed and f.checker and "multi_latent_attention.py" in f.checker for f in result.findings)

@@ -119,7 +119,8 @@ def _error_verdict(outcome: Outcome) -> ExampleVerdict:
 def _failure_verdict(outcome: Outcome) -> ExampleVerdict:
     located = _located(outcome)
     [(key, members)] = audit_report.group([located]).items()
-    checker = audit_report.checker_line(key[0], [outcome, *members], set())
+    violation = audit_report.checker_violation(key[0], [outcome, *members], set())
+    checker = violation["line"] if violation else None
     kind = (BOTH if checker else NUMERIC) if outcome.gaps else TYPE
     failure = Failure(audit_report.title(key, outcome), key[0], key[1],
                       max(g.max_error for g in outcome.gaps) if outcome.gaps else None, checker, kind)

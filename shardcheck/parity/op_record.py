@@ -28,7 +28,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from shardcheck.typecheck.checker import current
-from shardcheck.typecheck.locations import inside_collective, user_code_frame
+from shardcheck.typecheck.locations import engine_node, inside_collective, user_code_frame
 
 COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "c10d_functional", "_dtensor"})
 UNINITIALIZED = frozenset({"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided"})
@@ -130,15 +130,13 @@ def _call_site(within: str, probes: tuple[str, ...] = ()) -> tuple[str, str, str
     runs between it and the op (a C++ backward node): then the node's forward traceback is."""
     if probes and _probed(within, probes):
         return None
+    engine = engine_node()
+    if engine is not None:  # a C++ node: where its forward op was called
+        stack = _forward_stack(engine, within)
+        return (*stack[-1], engine.name(), stack) if stack else None
     frame = user_code_frame()
     node = torch._C._current_autograd_node()
     name = node.name() if node is not None else ""
-    engine = sys._getframe(1)
-    while engine is not None and engine is not frame and engine.f_code.co_name != "_engine_run_backward":
-        engine = engine.f_back
-    if engine is not None and engine is not frame:  # a C++ node: where its forward op was called
-        stack = _forward_stack(node, within)
-        return (*stack[-1], name, stack) if stack else None
     if frame is None or not frame.f_code.co_filename.startswith(within):
         return None
     return f"{frame.f_code.co_filename}:{frame.f_lineno}", frame.f_code.co_name, name, _forward_stack(node, within)

@@ -22,7 +22,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from shardcheck.typecheck import op_memo, rank_branches, tensor_state, unknown_origins, unseen
 from shardcheck.typecheck.broadcast import op_kind as broadcast_kind
 from shardcheck.typecheck.broadcast import record as record_broadcast
-from shardcheck.typecheck.locations import inside_collective, op_site, user_location
+from shardcheck.typecheck.locations import (
+    engine_node,
+    inside_collective,
+    op_site,
+    user_location,
+    violation_site,
+)
 from shardcheck.typecheck.position_cuts import PositionCuts
 from shardcheck.typecheck.rank_values import RankValues
 from shardcheck.typecheck.rules import registry
@@ -383,7 +389,8 @@ class Checker(TypeStore, RankValues, TorchDispatchMode):
     # --- violations --------------------------------------------------------------------
     def report(self, violation: Violation, func, args) -> None:
         """Raise ``violation`` of ``func`` on ``args`` (mode "raise"), or record it."""
-        location = user_location()
+        node = engine_node()
+        location = violation_site(node)
         if self.mode == "raise" and not violation.unconfirmed:
             raise SpmdTypeError(self.describe(violation, location, func, args), violation.rule,
                                 location, str(func))
@@ -393,7 +400,7 @@ class Checker(TypeStore, RankValues, TorchDispatchMode):
             self.records.append(ViolationRecord(
                 violation.rule, location, str(func), self.describe(violation, location, func, args),
                 self.names[axis] if axis >= 0 else None, self.index[axis] if axis >= 0 else None,
-                violation.occurrence))
+                violation.occurrence, node.name() if node is not None else ""))
 
     def describe(self, violation: Violation, location: str, op: Any, args: tuple) -> str:
         numbers = getattr(op, "namespace", "") == "aten"

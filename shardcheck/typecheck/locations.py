@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import re
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -28,6 +29,7 @@ _KINDS: dict[str, int] = {}  # _kind by file name, under the current _SKIP_PREFI
 # it: a frame's line is decoded from its code's line table, at each op that asks otherwise
 _LOCATIONS: dict[int, tuple[CodeType, dict[int, str]]] = {}
 _LOCATIONS_KEPT = 4096  # code objects kept at most (all dropped past it: code generated and run)
+_TRACE_FRAME = re.compile(r'File "([^"]*)", line (\d+), in ')  # a frame of a formatted traceback
 
 
 @contextmanager
@@ -62,6 +64,29 @@ def user_location() -> str:
     """file:line of the innermost frame outside torch and shardcheck."""
     frame = user_code_frame()
     return "<unknown>" if frame is None else f"{frame.f_code.co_filename}:{frame.f_lineno}"
+
+
+def engine_node() -> torch.autograd.graph.Node | None:
+    """The autograd node the op runs for when the autograd engine runs it directly (a C++
+    backward node, no Python frame of its own); None in the forward or in a Python ``backward``."""
+    node = torch._C._current_autograd_node()
+    if node is None:
+        return None
+    frame, user = sys._getframe(1), user_code_frame()
+    while frame is not None and frame is not user and frame.f_code.co_name != "_engine_run_backward":
+        frame = frame.f_back
+    return node if frame is not None and frame is not user else None
+
+
+def violation_site(node: torch.autograd.graph.Node | None) -> str:
+    """Where a violation of an op is located: :func:`user_location`, but for an op the engine
+    runs for ``node`` whose forward traceback anomaly mode kept (``torch.autograd.detect_anomaly``),
+    the innermost frame outside torch and shardcheck of that traceback: the forward line that
+    made the node (the ``split`` whose backward ``cat`` adds a partial gradient to a replicated one)."""
+    trace = node.metadata.get("traceback_") if node is not None else None
+    frames = _TRACE_FRAME.findall("".join(trace)) if trace else []
+    forward = [f"{path}:{line}" for path, line in frames if _kind(path) == _USER]
+    return forward[-1] if forward else user_location()
 
 
 def user_code_frame() -> FrameType | None:

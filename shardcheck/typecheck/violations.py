@@ -99,6 +99,7 @@ class ViolationRecord:
     axis: str | None = None
     coordinate: int | None = None
     occurrence: int | None = None
+    backward: str = ""  # the C++ autograd node the op ran for (e.g. "CatBackward0"), "" elsewhere
 
     @property
     def first_line(self) -> str:
@@ -106,4 +107,5 @@ class ViolationRecord:
 
     def as_dict(self) -> dict[str, Any]:
         return {"rule": self.rule, "location": self.location, "op": self.op, "line": self.first_line,
-                "axis": self.axis, "coordinate": self.coordinate, "occurrence": self.occurrence}
+                "axis": self.axis, "coordinate": self.coordinate, "occurrence": self.occurrence,
+                "backward": self.backward}

@@ -48,10 +48,14 @@ def _finding(runner: Runner, key: tuple[str, str], members: list[Outcome],
              baseline: dict, first: bool) -> Finding:
     minimal = audit_report.minimal_case(members)
     seen = baseline.get((minimal.case.component, minimal.case.layout), set())
-    checker = audit_report.checker_line(key[0], [minimal, *members], seen if minimal.case.options else set())
+    violation = audit_report.checker_violation(key[0], [minimal, *members], seen if minimal.case.options else set())
+    checker = violation["line"] if violation else None
     kind = audit_report.kind(members, checker)
     narrowed = runner.first_op(minimal.case, minimal.call_gap) if kind == "numeric-only" else None
     location = narrowed.location if narrowed is not None and key[1] != audit_report.NORM_CONTRACT else key[0]
+    if violation is not None and key[1] == audit_report.ENTRY_CONTRACT:  # nothing nearer than the entry
+        violation = runner.located_violation(minimal.case, violation) or violation
+        location, checker = violation["location"], violation["line"]
     location = (_metric_record(minimal) if kind == "numeric-only" else None) or location
     control = corrected_control(runner, minimal)
     title = audit_report.title(key, minimal, checker)

@@ -60,6 +60,10 @@ GRADIENT_CONTRACT = ("a parameter's reduced gradient has its parameter's type (r
                      "it is replicated on), as megatron-core builds the parameter")
 
 
+# the contract of a numeric finding located by nothing but its entry point into megatron-core
+ENTRY_CONTRACT = "outputs match the one-rank run"
+
+
 def _key(outcome) -> tuple[str, str] | None:
     """Where an outcome is located: the line that chose a global group it used, else its first
     diverging contracted call upstream of the gradient norm, else the line that built a
@@ -145,7 +149,7 @@ def group(failed: Sequence) -> dict[tuple[str, str], list]:
     for outcome in sorted(seen, key=lambda o: (_key(o) is None, _downstream(o), case_size(o.case))):
         by_options.setdefault((outcome.case.component, outcome.case.options), _key(outcome) or (
             outcome.entry or f"{outcome.case.component} output {outcome.gaps[0].name}",
-            "outputs match the one-rank run"))
+            ENTRY_CONTRACT))
     groups: dict[tuple[str, str], list] = {}
     for outcome in seen:
         own = None if _downstream(outcome) else _key(outcome)
@@ -244,17 +248,16 @@ def _explains(key: tuple[str, str], violation: dict) -> bool:
     return key[1] != GLOBAL_GROUP_CONTRACT or violation["rule"] == RULE
 
 
-def checker_line(location: str, members: Sequence, baseline_violations: set[tuple[str, str]]) -> str | None:
-    """The ``checker:`` line explaining a finding: a violation of any of its cases at the
-    finding's own line, else in its file, else one that its trigger case (the first member)
+def checker_violation(location: str, members: Sequence, baseline_violations: set[tuple[str, str]]) -> dict | None:
+    """The violation explaining a finding (its ``checker:`` line): one of any of its cases at
+    the finding's own line, else in its file, else one that its trigger case (the first member)
     has and the same component's default run under that layout has not (another case's
     violation elsewhere may be another bug's)."""
     file = location.rsplit(":", 1)[0]
     same_file = [v for o in members for v in o.violations if v["location"].rsplit(":", 1)[0] == file]
     same_line = [v for v in same_file if v["location"] == location]
     new = [v for v in members[0].violations if violation_key(v) not in baseline_violations]
-    chosen = (same_line or same_file or new or [None])[0]
-    return chosen["line"] if chosen else None
+    return (same_line or same_file or new or [None])[0]
 
 
 def reproduce_command(case: Case) -> str:

@@ -222,6 +222,23 @@ class Runner:
         return (split_gradient_gap(case.layout, recorded, ref.op_calls, dtype)
                 or first_op_gap(case.layout, recorded, ref.op_calls, dtype, until))
 
+    def located_violation(self, case: Case, violation: dict) -> dict | None:
+        """The checker's ``violation`` of ``case`` as located at its root: itself, or, for one
+        the autograd engine raised in a C++ backward node (located at the ``backward`` call), the
+        same violation from a rerun that keeps each node's forward traceback (the recorded run's
+        anomaly mode), located at the forward line that made the node. None when the rerun
+        raised or did not repeat it."""
+        if not violation.get("backward"):
+            return violation
+        impl = impl_of(case.options, case.component)
+        try:
+            ranks = self.pools.run(case.layout, run_case, case.component, case.options, (), True, 0, True, impl=impl)
+        except PoolFailure:
+            return None
+        same = (violation["rule"], violation["op"], violation["backward"])
+        return next((v for rank in ranks for v in rank.violations
+                     if (v["rule"], v["op"], v.get("backward")) == same), None)
+
     def _recorded(self, case: Case) -> tuple[CaseResult, list[CaseResult]]:
         """The case's one-rank reference and its ranks' results, recording megatron-core's ops."""
         impl = impl_of(case.options, case.component)
