@@ -292,7 +292,7 @@ def _sizes(layout_text: str) -> dict[str, Any]:
     layout = Layout.parse(layout_text or "tp1")
     order = _megatron_order(layout.order.split("-"))
     explicit = layout_text.partition("@")[2]
-    return {"tp": layout.tp, "cp": layout.cp, "pp": layout.pp, "ep": layout.ep, "sp": layout.sp,
+    return {"tp": layout.tp, "cp": layout.cp, "pp": layout.pp, "ep": layout.ep, "etp": layout.expert_tp, "sp": layout.sp,
             "order": order, "model_order": _megatron_order(explicit.split("-")) if explicit else order,
             "model_groups": list(CONSTRUCTED) if explicit else None, "whole_batch": not layout_text}
 

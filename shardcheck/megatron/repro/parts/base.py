@@ -32,8 +32,8 @@ def process_groups(sizes):
     for order in dict.fromkeys([sizes["model_order"], sizes["order"]]):  # the globals' order last
         ps.destroy_model_parallel()
         ps.initialize_model_parallel(sizes["tp"], sizes["pp"], context_parallel_size=sizes["cp"],
-                                     expert_model_parallel_size=sizes["ep"], order=order,
-                                     create_gloo_process_groups=False)
+                                     expert_model_parallel_size=sizes["ep"], expert_tensor_parallel_size=sizes["etp"],
+                                     order=order, create_gloo_process_groups=False)
         collections.append(ProcessGroupCollection.use_mpu_process_groups())
     fields = sizes.get("model_groups")  # explicit groups: the collection as a user constructs it
     return ProcessGroupCollection(**{f: getattr(collections[0], f, None) for f in fields}) if fields else collections[0]
@@ -46,7 +46,7 @@ def config_for(sizes, **options):
         "use_cpu_initialization": True, "hidden_dropout": 0.0, "attention_dropout": 0.0,
         "tensor_model_parallel_size": sizes["tp"], "context_parallel_size": sizes["cp"],
         "pipeline_model_parallel_size": sizes["pp"], "expert_model_parallel_size": sizes["ep"],
-        "sequence_parallel": sizes["sp"],
+        "expert_tensor_parallel_size": sizes["etp"], "sequence_parallel": sizes["sp"],
         "pipeline_dtype": torch.float32, "gradient_accumulation_fusion": False,
         "bias_activation_fusion": False, "masked_softmax_fusion": False, "apply_rope_fusion": False,
         **options, **OVERRIDES})
