@@ -7,10 +7,12 @@ from pathlib import Path
 
 import pytest
 
+from shardcheck.megatron.audit import report as audit_report
 from shardcheck.megatron.audit.divergence import Gap
 from shardcheck.megatron.audit.outcome import Outcome
 from shardcheck.megatron.audit.report import causes, independent_cases, seen_in
 from shardcheck.megatron.audit.sweep import Case
+from shardcheck.megatron.checks.contracts import BY_NAME
 from shardcheck.parity.layout import Layout
 
 GAP = Gap("loss", 1.0, 2.0, 1.0, 0.5, 1e-6)
@@ -177,3 +179,14 @@ def test_causes_splits_the_carried_runs_failing_cases_into_its_findings_again():
 
 def audit_case_entries(cause: list[Outcome]) -> list[dict]:
     return [{"layout": str(o.case.layout), "options": dict(o.case.options)} for o in cause]
+
+
+def test_only_the_entry_point_and_the_gradient_norm_are_locations_of_last_resort():
+    """A finding keyed by either takes its checker violation's line (docs/audit.md)."""
+    norm = BY_NAME["get_grad_norm_fp32"].notation()
+    assert audit_report.last_resort(("megatron/core/models/gpt/gpt_model.py:519", audit_report.ENTRY_CONTRACT))
+    assert audit_report.last_resort(("megatron/core/optimizer/clip_grads.py:55", norm))
+    upstream = BY_NAME["vocab_parallel_cross_entropy"]
+    assert not upstream.downstream
+    assert not audit_report.last_resort((upstream.location(), upstream.notation()))
+    assert not audit_report.last_resort(("megatron/core/models/gpt/gpt_model.py:354", audit_report.GLOBAL_GROUP_CONTRACT))

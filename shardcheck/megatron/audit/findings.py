@@ -53,7 +53,7 @@ def _finding(runner: Runner, key: tuple[str, str], members: list[Outcome],
     kind = audit_report.kind(members, checker)
     narrowed = runner.first_op(minimal.case, minimal.call_gap) if kind == "numeric-only" else None
     location = narrowed.location if narrowed is not None and key[1] != audit_report.NORM_CONTRACT else key[0]
-    if violation is not None and key[1] == audit_report.ENTRY_CONTRACT:  # nothing nearer than the entry
+    if violation is not None and audit_report.last_resort(key):  # the checker's line is nearer the root
         violation = runner.located_violation(minimal.case, violation) or violation
         location, checker = violation["location"], violation["line"]
     location = (_metric_record(minimal) if kind == "numeric-only" else None) or location

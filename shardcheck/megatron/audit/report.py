@@ -64,6 +64,13 @@ GRADIENT_CONTRACT = ("a parameter's reduced gradient has its parameter's type (r
 ENTRY_CONTRACT = "outputs match the one-rank run"
 
 
+def last_resort(key: tuple[str, str]) -> bool:
+    """Whether ``key`` locates its finding only where any bug would show: its entry point into
+    megatron-core, or a downstream contract (the gradient norm)."""
+    contract = BY_NAME.get(key[1].split(":", 1)[0])
+    return key[1] == ENTRY_CONTRACT or (contract is not None and contract.downstream)
+
+
 def _key(outcome) -> tuple[str, str] | None:
     """Where an outcome is located: the line that chose a global group it used, else its first
     diverging contracted call upstream of the gradient norm, else the line that built a
