@@ -131,19 +131,19 @@ def _outcome(layout, options=(), gaps=1, call=None, violations=(), entry="megatr
 
 
 def test_checker_line_of_a_finding_is_its_own_file_or_its_trigger_cases_not_another_members():
-    from shardcheck.megatron.audit.report import checker_line
+    from shardcheck.megatron.audit.report import checker_violation
 
     def violation(where):
         return {"rule": "mixed shards", "location": where, "line": f"checker: mixed shards at {where}"}
 
     trigger = _outcome("tp2")  # the finding's minimal case, without a violation of its own
     other_bug = _outcome("tp2", (("bias", True),), violations=[violation("megatron/core/layers.py:490")])
-    assert checker_line("megatron/core/gdn.py:249", [trigger, other_bug], set()) is None
-    assert checker_line("megatron/core/gdn.py:249", [other_bug, trigger], set()) == \
-        "checker: mixed shards at megatron/core/layers.py:490"  # the trigger's own violation
+    assert checker_violation("megatron/core/gdn.py:249", [trigger, other_bug], set()) is None
+    assert checker_violation("megatron/core/gdn.py:249", [other_bug, trigger], set()) == \
+        violation("megatron/core/layers.py:490")  # the trigger's own violation
     same_file = _outcome("tp2-sp", violations=[violation("megatron/core/gdn.py:330")])
-    assert checker_line("megatron/core/gdn.py:249", [trigger, other_bug, same_file], set()) == \
-        "checker: mixed shards at megatron/core/gdn.py:330"  # any member's, in the finding's file
+    assert checker_violation("megatron/core/gdn.py:249", [trigger, other_bug, same_file], set()) == \
+        violation("megatron/core/gdn.py:330")  # any member's, in the finding's file
 
 
 def test_findings_are_deduplicated_by_location_and_contract():
