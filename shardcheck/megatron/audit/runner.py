@@ -230,9 +230,8 @@ class Runner:
         raised or did not repeat it."""
         if not violation.get("backward"):
             return violation
-        impl = impl_of(case.options, case.component)
         try:
-            ranks = self.pools.run(case.layout, run_case, case.component, case.options, (), True, 0, True, impl=impl)
+            ranks = self._recorded_ranks(case)
         except PoolFailure:
             return None
         same = (violation["rule"], violation["op"], violation["backward"])
@@ -243,8 +242,12 @@ class Runner:
         """The case's one-rank reference and its ranks' results, recording megatron-core's ops."""
         impl = impl_of(case.options, case.component)
         ref = self.pools.run(Layout(), run_case, case.component, case.options, (), False, 0, True, impl=impl)[0]
-        ranks = self.pools.run(case.layout, run_case, case.component, case.options, (), True, 0, True, impl=impl)
-        return ref, ranks
+        return ref, self._recorded_ranks(case)
+
+    def _recorded_ranks(self, case: Case) -> list[CaseResult]:
+        """The case's ranks' type-checked results, recording megatron-core's ops (anomaly mode)."""
+        impl = impl_of(case.options, case.component)
+        return self.pools.run(case.layout, run_case, case.component, case.options, (), True, 0, True, impl=impl)
 
     def judge(self, case: Case, ranks: list[CaseResult], ref: CaseResult) -> Outcome:
         """The case's outcome from its ranks' results against the one-rank reference."""

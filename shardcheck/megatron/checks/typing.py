@@ -150,14 +150,7 @@ def _expert_tp_is_tp() -> bool:
     ``expert_tensor_parallel_size``): then a mesh's tp axis carries an expert's etp cut."""
     from megatron.core import parallel_state as ps
 
-    try:
-        etp, tp = ps.get_expert_tensor_parallel_group(), ps.get_tensor_model_parallel_group()
-    except (AssertionError, AttributeError, RuntimeError):  # parallel_state not initialised
-        return False
-    if etp is None or tp is None:
-        return False
-    ranks = torch.distributed.get_process_group_ranks(tp)
-    return len(ranks) > 1 and torch.distributed.get_process_group_ranks(etp) == ranks
+    return _holds_the_tp_ranks(ps.get_expert_tensor_parallel_group)
 
 
 def _ep_is_tp() -> bool:
@@ -165,12 +158,21 @@ def _ep_is_tp() -> bool:
     Megatron's expert grid then cuts ep from the tp ranks)."""
     from megatron.core import parallel_state as ps
 
+    return _holds_the_tp_ranks(ps.get_expert_model_parallel_group)
+
+
+def _holds_the_tp_ranks(get_group: Any) -> bool:
+    """Whether parallel_state's group from ``get_group`` holds this rank's tp ranks (two or more)."""
+    from megatron.core import parallel_state as ps
+
     try:
-        ep, tp = ps.get_expert_model_parallel_group(), ps.get_tensor_model_parallel_group()
+        group, tp = get_group(), ps.get_tensor_model_parallel_group()
     except (AssertionError, AttributeError, RuntimeError):  # parallel_state not initialised
         return False
+    if group is None or tp is None:
+        return False
     ranks = _ranks(tp)
-    return len(ranks) > 1 and _ranks(ep) == ranks
+    return len(ranks) > 1 and _ranks(group) == ranks
 
 
 def tp_layouts(module: torch.nn.Module) -> dict[int, TpLayout]:
