@@ -98,6 +98,20 @@ def coalesced_gradients(kind: str) -> torch.Tensor:
     return torch.cat([grad.flatten() for grad in torch._utils._unflatten_dense_tensors(flat, grads)])
 
 
+def fused_output_gradient(reduced: bool) -> torch.Tensor:
+    """The weight gradient of a fused column-parallel linear whose output's two pieces were each
+    gathered over tp in forward (MLA's fused down projection): the gather's backward takes this
+    rank's chunk of each piece's gradient, the split's joins them (the fused output's sections)
+    and the weight's is their product with the input. The buggy variant leaves the second
+    piece's gradient a partial sum (the rotary key's, unreduced)."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    first, second = _global(8, TOKENS, 2 * n), _global(9, TOKENS, 3 * n)
+    if not reduced:
+        second = sc.annotate(second / n, tp=sc.P)
+    joined = torch.cat([first.chunk(n, dim=-1)[r], second.chunk(n, dim=-1)[r]], dim=-1)
+    return joined.t() @ _global(10, TOKENS, 3)
+
+
 def _run(program, variant) -> dict:
     with sc.typecheck(sc.Mesh(tp=dist.group.WORLD), mode="collect"):
         value = program(variant)
@@ -111,7 +125,8 @@ VARIANTS = [(fused_cross_entropy, True), (fused_cross_entropy, False), (chunk_by
             (softmax_with_sink, "own heads"), (softmax_with_sink, "first heads"),
             (chunk_beside_shards, "own chunk"), (chunk_beside_shards, "beside a contribution"),
             (chunk_beside_shards, "first chunk"), (coalesced_gradients, "views"),
-            (coalesced_gradients, "own chunk")]
+            (coalesced_gradients, "own chunk"), (fused_output_gradient, True),
+            (fused_output_gradient, False)]
 
 
 def _ranks() -> dict:
@@ -193,3 +208,17 @@ def test_gradients_viewed_back_from_a_coalesced_sum_are_replicated_and_a_ranks_c
         assert (views["types"], views["rules"]) == ({"tp": "R"}, [])
         assert torch.tensor(views["value"]) == pytest.approx(summed, abs=1e-5)
         assert rank[("coalesced_gradients", "own chunk")]["types"] == {"tp": "S(0)"}
+
+
+def test_ranks_chunks_of_two_gathered_gradients_joined_are_the_fused_weights_sections(ranks):
+    n = len(ranks)
+    gen = torch.Generator().manual_seed
+    first, second, x = (torch.randn(TOKENS, k, generator=gen(seed)) for seed, k in ((8, 2 * n), (9, 3 * n), (10, 3)))
+    reference = torch.cat([first, second], dim=1).t() @ x  # the one-rank fused weight's gradient
+    pieces = [torch.tensor(rank[("fused_output_gradient", True)]["value"]).split([2, 3]) for rank in ranks]
+    joined = torch.cat([torch.cat([piece[k] for piece in pieces]) for k in range(2)])
+    assert joined == pytest.approx(reference, abs=1e-5)
+    for rank in ranks:
+        right = rank[("fused_output_gradient", True)]
+        assert (right["types"], right["rules"]) == ({"tp": "S(0, sections=[2, 3])"}, [])
+        assert rank[("fused_output_gradient", False)]["rules"] == ["affine on partial"]

@@ -477,10 +477,11 @@ def _pieces(ctx: RuleContext, tensors, joined_dim: int | None = None) -> list:
     ``joined_dim`` (cat's) sections are left out: pieces cut differently still line up there.
     A rank chunk cut along another dim than cat's is not put back together: joined side by
     side with other tensors it stays this rank's chunk, lined up with their shards of that dim
-    (CP's key gradient, this rank's chunk of the reduced whole, next to the query's)."""
+    (CP's key gradient, this rank's chunk of the reduced whole, next to the query's); so do
+    rank chunks of that dim from several tensors (:func:`_chunk_sections`)."""
     if len(tensors) < 2:
         return [(t, ADD) for t in tensors]
-    items, views = [], None
+    items, views, chunked = [], None, ()
     for i, t in enumerate(tensors):
         pl = ctx.types(t)
         if pl is not None:
@@ -489,9 +490,11 @@ def _pieces(ctx: RuleContext, tensors, joined_dim: int | None = None) -> list:
             else:
                 if views is None:  # once per cat: its operands' views, compared pairwise
                     views = [_view_of(u) for u in tensors]
+                    chunked = _chunk_sections(ctx, tensors, joined_dim, views)
                 repeated = views.count(views[i]) > 1
-                pl = tuple(S(p.dim, p.outside) if type(p) in (SectionShard, Routed) and norm_dim(p.dim, t.dim()) == joined_dim
-                           else _across(p, t.dim(), joined_dim, repeated) for p in pl)
+                pl = tuple(p if a in chunked else
+                           S(p.dim, p.outside) if type(p) in (SectionShard, Routed) and norm_dim(p.dim, t.dim()) == joined_dim
+                           else _across(p, t.dim(), joined_dim, repeated) for a, p in enumerate(pl))
             t = Typed(pl, tuple(t.shape), ctx.const(t), t)
         items.append((t, ADD))
     return items
@@ -501,6 +504,19 @@ def _view_of(t: torch.Tensor) -> tuple:
     """What says which elements ``t`` views, and how: equal for two tensors that view the same
     elements the same way."""
     return (t.untyped_storage().data_ptr(), tuple(t.shape), t.storage_offset(), t.stride())
+
+
+def _chunk_sections(ctx: RuleContext, tensors, dim: int, views: list) -> set[int]:
+    """Axes on which cat joins along ``dim`` this rank's chunks of two or more replicated
+    tensors, each once: a split gives a rank one chunk on an axis, so they are no pieces of
+    one whole but its parts of each tensor, sections of a fused dim (the gradients of a fused
+    column-parallel output's pieces, each gathered over tp in forward: MLA's fused down
+    projection)."""
+    pls = [ctx.types(t) for t in tensors]
+    if any(pl is None for pl in pls) or len(set(views)) < len(views):
+        return set()
+    return {a for a in range(len(pls[0]))
+            if all(type(pl[a]) is RankChunk and norm_dim(pl[a].dim, t.dim()) == dim for pl, t in zip(pls, tensors, strict=True))}
 
 
 def _across(p, ndim: int, joined_dim: int, repeated: bool = False):
@@ -600,7 +616,7 @@ def _joined_sections(ctx: RuleContext, tensors, a: int, dim: int) -> Placement:
         if t.shape[dim] == 0:
             continue
         p = ctx.types(t)[a]
-        if type(p) not in (Shard, SectionShard) or norm_dim(p.dim, t.dim()) != dim:
+        if type(p) not in (Shard, SectionShard, RankChunk) or norm_dim(p.dim, t.dim()) != dim:
             return V
         sections += p.sections if type(p) is SectionShard else [t.shape[dim]]
         outside.add(p.outside)
