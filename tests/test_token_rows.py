@@ -21,17 +21,25 @@ def _inputs() -> list[torch.Tensor]:
 
 
 def _sorted_positions(routing):
-    """moe_utils.permute's argsort branch (megatron-core 0.19)."""
+    """moe_utils.permute's argsort branch (megatron-core 0.19): the set entries' flat positions,
+    and those modulo the rows (the rows)."""
     flat = routing.reshape(-1).argsort(descending=True, stable=True)[:int(routing.sum())]
-    return flat % routing.shape[1]
+    return flat % routing.shape[1], flat
 
 
 def _masked_positions(routing):
-    """moe_utils.permute's masked_select of the token positions (0.16)."""
-    return torch.arange(routing.shape[1]).unsqueeze(0).expand(EXPERTS, -1).masked_select(routing)
+    """moe_utils.permute's masked_select of the token positions (0.16): no flat positions."""
+    return torch.arange(routing.shape[1]).unsqueeze(0).expand(EXPERTS, -1).masked_select(routing), None
 
 
 POSITIONS = {"argsort": _sorted_positions, "masked_select": _masked_positions}
+
+
+def _picked_probs(probs, routing, flat):
+    """The probabilities of the set entries: read by their flat positions (0.19's argsort
+    permute), else masked_select by the map (0.16's permute, 0.19's allgather dispatcher)."""
+    transposed = probs.T.contiguous()
+    return transposed.masked_select(routing) if flat is None else transposed.reshape(-1)[flat]
 
 
 def permute(tokens, scores, positions="argsort"):
@@ -40,8 +48,8 @@ def permute(tokens, scores, positions="argsort"):
     top = scores.topk(TOPK, dim=1)
     probs = torch.zeros_like(scores).scatter(1, top.indices, top.values.softmax(-1))
     routing = torch.zeros_like(scores).scatter(1, top.indices, 1.0).bool().T.contiguous()
-    index = POSITIONS[positions](routing)
-    return tokens.index_select(0, index), probs.T.contiguous().masked_select(routing), index, routing.sum(1).tolist()
+    index, flat = POSITIONS[positions](routing)
+    return tokens.index_select(0, index), _picked_probs(probs, routing, flat), index, routing.sum(1).tolist()
 
 
 def moe(tokens, scores, weights, zeros_rows=None, positions="argsort"):

@@ -192,14 +192,40 @@ def _read_by_rows(base, ctx: RuleContext, args, kwargs, out):
 
 def _read_flat(base, ctx: RuleContext, args, kwargs, out):
     """A flat group-major value (a transposed map's values) read by the flat positions of its
-    set entries: the entries group by group, grouped as the marked rows."""
+    set entries: the entries group by group, grouped as the marked rows. Where the value's
+    rows are cut as the map's (each group's block cut over the ranks: 0.19's permuted
+    probabilities), they are the sectioned rows, as the rows read by the index."""
     pl = base(ctx, args, kwargs, out)
     x, indices = args[0], args[1]
     mark = _mark(indices[0]) if len(indices) == 1 and isinstance(indices[0], torch.Tensor) else None
-    if (mark is not None and mark.key is ctx.key and mark.flat and x.dim() == 1
-            and x.shape[0] == len(mark.counts) * mark.rows):
-        mark_rows(out, mark)
-    return pl
+    if (mark is None or mark.key is not ctx.key or not mark.flat or x.dim() != 1
+            or x.shape[0] != len(mark.counts) * mark.rows):
+        return pl
+    mark_rows(out, mark)
+    xl = ctx.types(x)
+    if pl is None or xl is None:
+        return pl
+    return tuple(_sections(mark.counts) if a in mark.axes and _blocks_of_groups(xl[a], mark) else p
+                 for a, p in enumerate(pl))
+
+
+def _blocks_of_groups(p, mark: Grouped) -> bool:
+    """Whether ``p`` cuts a flat value into one block per group, each cut over the ranks."""
+    return type(p) is BlockShard and p.dim == 0 and p.outer == len(mark.counts)
+
+
+def _put_flat_back(base, ctx: RuleContext, args, kwargs, out):
+    """Sectioned entries put by their flat positions into zeros of the flat map (the backward
+    of :func:`_read_flat`): the flat value again, each group's block cut over the ranks."""
+    pl = base(ctx, args, kwargs, out)
+    zeros, indices, values = args[0], args[1], args[2]
+    mark = _mark(indices[0]) if len(indices) == 1 and isinstance(indices[0], torch.Tensor) else None
+    vl = ctx.types(values) if isinstance(values, torch.Tensor) else None
+    if (vl is None or mark is None or mark.key is not ctx.key or not mark.flat or not ctx.zero(zeros)
+            or zeros.dim() != 1 or zeros.shape[0] != len(mark.counts) * mark.rows):
+        return pl
+    return tuple(BlockShard(0, len(mark.counts)) if a in mark.axes and _is_sections(vl[a], mark.counts) else p
+                 for a, p in enumerate(pl or (None,) * ctx.n))
 
 
 def _add_rows_back(base, ctx: RuleContext, args, kwargs, out):
@@ -344,6 +370,7 @@ REFINEMENTS = (
     Refinement((aten.remainder,), _remainder, "remainder"),
     Refinement((aten.index_select, aten.gather), _read_by_rows, "index_select"),
     Refinement((aten.index.Tensor,), _read_flat, "index"),
+    Refinement((aten.index_put, aten.index_put_), _put_flat_back, "index_put"),
     # on index_add and scatter_add: backward's refinement, chained
     Refinement((aten.index_add, aten.index_add_, aten.scatter_add, aten.scatter_add_), _add_rows_back),
     Refinement((aten.masked_select, aten.masked_scatter, aten.masked_scatter_), _masked, "masked_select"),
