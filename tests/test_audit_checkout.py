@@ -120,33 +120,38 @@ def test_the_checkout_gives_no_finding_at_the_expert_tp_layouts(checkout, tmp_pa
 FIXES = REPO / "tests" / "data" / "megatron-fixes"  # upstream diffs, BSD-3 (README.md there)
 
 
+# where a replay's finding must be located: in the file and function of the fix's first hunk
+# (its first changed line), or in a file and function any of its hunks changes
+FIRST_HUNK, ANY_HUNK = "first hunk", "any hunk"
+
 # Real Megatron-LM fixes of silent bugs, each reverted in the checkout (which holds the fix):
-# the diff, the audit that reaches it, the outputs that differ first, and whether the finding is
-# located in the function the fix changes
+# the diff, the audit that reaches it, the outputs that differ first, and where the finding is
+# located (FIRST_HUNK or ANY_HUNK)
 REVERTED = {
     # the logged z-loss metric recorded without averaging over tp, dp and cp (#3199): MoE's
     # aux-loss weights are swept, the MoE metrics the training loop logs are outputs, and a
     # metric's finding is located at the call that recorded it
-    "4abeecce74": (("--only", "moe", "--layouts", "tp2-sp", "--set", "moe_z_loss_coeff=0.1"), ["moe/z_loss"], True),
+    "4abeecce74": (("--only", "moe", "--layouts", "tp2-sp", "--set", "moe_z_loss_coeff=0.1"), ["moe/z_loss"], FIRST_HUNK),
     # the sequence-level aux loss's gradient kept a 1/micro-batch-size factor under the
     # per-token loss (#5798): the one-rank reference takes the whole batch in one micro-batch, and
     # the first gradient that depends on the split names the function whose aux-loss term scaled
     # it (the call that attaches the term, in _apply_seq_aux_loss)
     "e3fe5508c9": (("--only", "moe", "--layouts", "dp2", "--set", "moe_router_load_balancing_type=seq_aux_loss",
                     "--set", "calculate_per_token_loss=True"),
-                   ["get_grad_norm_fp32#0.total_norm", "grad/decoder.layers.mlp.router.weight"], True),
+                   ["get_grad_norm_fp32#0.total_norm", "grad/decoder.layers.mlp.router.weight"], FIRST_HUNK),
     # the same at tp2-sp: each micro-batch's gradients are rebuilt from the tp ranks' sequence
     # shards by their types before they are compared with the whole batch's
     "e3fe5508c9@tp2-sp": (("--only", "moe", "--layouts", "tp2-sp", "--set",
                            "moe_router_load_balancing_type=seq_aux_loss", "--set", "calculate_per_token_loss=True"),
-                          ["get_grad_norm_fp32#0.total_norm", "grad/decoder.layers.mlp.router.weight"], True),
+                          ["get_grad_norm_fp32#0.total_norm", "grad/decoder.layers.mlp.router.weight"], FIRST_HUNK),
     # the experts' linears took the expert topology (allreduce=False: expert-dp gradient buffers)
     # only with ep > 1, not for an expert tp size other than tp's (#5916): at tp2-etp1-sp the tp
     # ranks hold the same experts, fed other tokens, and their gradients went unreduced over
-    # edp; the finding is located at the gradient norm, which counts them, not in the linears
+    # edp; the finding is located where a linear's constructor set allreduce (the fix's first
+    # hunk is a docstring of param_and_grad_buffer.py, so any hunk's function)
     "cd4afffa64": (("--only", "moe", "--layouts", "tp2-etp1-sp", "--set", "seed=0"),
                    ["get_grad_norm_fp32#0.total_norm", "grad/decoder.layers.mlp.experts.experts.linear_fc2.weight"],
-                   False),
+                   ANY_HUNK),
 }
 
 
@@ -160,30 +165,52 @@ def _function_at(path: Path, line: int) -> str | None:
     return found.name if found is not None else None
 
 
+def _changed_lines(diff: str) -> list[tuple[str, int]]:
+    """Each hunk's first changed line, in the parent's file (the ``-`` side), in the diff's order."""
+    found, path = [], None
+    for block in re.split(r"^(?=\+\+\+ b/|@@ -)", diff, flags=re.MULTILINE):
+        if block.startswith("+++ b/"):
+            path = block.split()[1].removeprefix("b/")
+        elif block.startswith("@@ -"):
+            start = int(re.match(r"@@ -(\d+)", block).group(1))
+            body = block.split("\n")[1:]
+            context = next(n for n, text in enumerate(body) if text.startswith(("-", "+")))
+            found.append((path, start + context))
+    return found
+
+
+def test_each_hunk_of_a_fix_is_read_at_its_first_changed_line():
+    text = (FIXES / "cd4afffa64.diff").read_text()
+    lines = _changed_lines(text)
+    assert len(lines) == text.count("\n@@ -")
+    assert lines[0] == ("megatron/core/distributed/param_and_grad_buffer.py", 890)
+    assert ("megatron/core/tensor_parallel/layers.py", 1007) in lines  # the parent's setattr
+
+
 @pytest.mark.parametrize("fix", sorted(REVERTED))
 def test_a_real_megatron_fix_reverted_in_the_checkout_is_found(fix, checkout, tmp_path):
-    """The parent of a real fix gives a finding, located in the file and function the fix changes
-    (its first hunk's changed line, in the parent's file) where the table says so."""
+    """The parent of a real fix gives a finding, located where the table says: in the file and
+    function of the fix's first hunk, or of any of its hunks (their changed lines, in the
+    parent's files)."""
     diff = FIXES / f"{fix.split('@')[0]}.diff"
     if subprocess.run(["git", "-C", str(checkout), "apply", "-R", "--check", str(diff)],
                       capture_output=True, check=False).returncode:
         pytest.skip(f"this megatron-core's code differs where {fix} changed it")
-    args, differ, in_fixed_function = REVERTED[fix]
-    text = diff.read_text()
-    fixed = re.search(r"^\+\+\+ b/(\S+)", text, re.MULTILINE).group(1)
-    first = int(re.search(r"^@@ -(\d+)", text, re.MULTILINE).group(1)) + 3  # the parent's, after 3 of context
+    args, differ, where = REVERTED[fix]
+    changed = _changed_lines(diff.read_text())
     _git(checkout, "apply", "-R", str(diff))
     try:
-        function = _function_at(checkout / fixed, first)
+        functions = [(path, _function_at(checkout / path, line)) for path, line in changed]
         done = _audit(checkout, tmp_path, *args)
         [finding] = json.loads((tmp_path / "findings.json").read_text())["findings"]
         path, line = finding["location"].rsplit(":", 1)
-        located = _function_at(checkout / path, int(line))
+        located = (path, _function_at(checkout / path, int(line)))
     finally:
-        _git(checkout, "checkout", "--", fixed)
+        _git(checkout, "checkout", "--", *sorted({path for path, _ in changed}))
     assert done.returncode == 1, done.stdout + done.stderr
     values = [effect["value"] for effect in finding["effect"]]
     assert values[:len(differ)] == differ, values
     # a metric recorded wrong changes no loss or gradient: its effect is the metric alone
     assert not differ[0].startswith(("moe/", "mtp/")) or values == differ, values
-    assert not in_fixed_function or (path, located) == (fixed, function), (finding["location"], finding["first_op"])
+    expected = functions[:1] if where == FIRST_HUNK else functions
+    assert located in expected, (finding["location"], finding["first_op"], expected)

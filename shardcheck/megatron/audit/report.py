@@ -60,6 +60,10 @@ GRADIENT_CONTRACT = ("a parameter's reduced gradient has its parameter's type (r
                      "it is replicated on), as megatron-core builds the parameter")
 
 
+REDUCTION_CONTRACT = ("a parameter's allreduce picks the DDP buffer (dense or expert) whose group sums its "
+                      "gradient over every rank it varies on")
+
+
 # the contract of a numeric finding located by nothing but its entry point into megatron-core
 ENTRY_CONTRACT = "outputs match the one-rank run"
 
@@ -76,7 +80,9 @@ def _key(outcome) -> tuple[str, str] | None:
     diverging contracted call upstream of the gradient norm, else the line that built a
     parameter whose gradient differs and breaks its type (:func:`_built_site`), else the line
     that declared the tensor parallelism of the parameter the norm miscounts, else the norm's
-    own call. None of them is a component's own line, so one bug reached through two
+    own call; a parameter whose gradient differs and whose ``allreduce`` picked the other kind
+    of DDP buffer is located before the built parameter, where that was set (:func:`_reduction_site`).
+    None of them is a component's own line, so one bug reached through two
     components (a layer alone and in a model) is keyed, and found, once."""
     misuse = global_group_use(outcome)
     if misuse is not None:
@@ -84,6 +90,8 @@ def _key(outcome) -> tuple[str, str] | None:
     if outcome.call_gap is not None and not BY_NAME[outcome.call_gap.contract].downstream:
         contract = BY_NAME[outcome.call_gap.contract]
         return contract.location(), contract.notation()
+    if (misgrouped := _reduction_site(outcome)) is not None:
+        return misgrouped["location"], REDUCTION_CONTRACT
     if (built := _built_site(outcome)) is not None:
         return built, GRADIENT_CONTRACT
     if (declared := _declaration_site(outcome)) is not None:
@@ -110,6 +118,28 @@ def _built_site(outcome) -> str | None:
         if violation["rule"] in GRADIENT_RULES and named and named.group(1) in differs:
             return violation["location"]
     return None
+
+
+_MISGROUPED_PARAM = re.compile(r" in DistributedDataParallel: (\S+): allreduce=")
+
+
+def _reduction_site(outcome) -> dict | None:
+    """The checker's violation of a parameter whose gradient differs from the one-rank run and
+    whose ``allreduce`` picked a DDP buffer whose group misses an axis it varies on
+    (:mod:`~shardcheck.megatron.checks.reduction`): located where ``allreduce`` was set."""
+    from shardcheck.megatron.checks.reduction import MISGROUPED
+
+    differs = {g.name.removeprefix("grad/") for g in outcome.gaps if g.name.startswith("grad/")}
+    return next((v for v in outcome.violations if v["rule"] == MISGROUPED
+                 and (named := _MISGROUPED_PARAM.search(v["line"])) and named.group(1) in differs), None)
+
+
+def shown_at(key: tuple[str, str], outcome) -> str | None:
+    """Where a finding located at a declaration (:data:`REDUCTION_CONTRACT`) showed: its first
+    diverging contracted call (the gradient norm), else None."""
+    if key[1] != REDUCTION_CONTRACT or outcome.call_gap is None:
+        return None
+    return BY_NAME[outcome.call_gap.contract].location()
 
 
 def _declaration_site(outcome) -> str | None:
@@ -290,6 +320,11 @@ def title(key: tuple[str, str], minimal, checker: str | None = None) -> str:
     if (misuse := global_group_use(minimal)) is not None:
         return (f"{misuse['op']} on parallel_state's global {misuse['group']} group instead of the "
                 f"model's pg_collection.{misuse['group']}{_chosen(misuse)} under {case.layout} ({opts})")
+    if key[1] == REDUCTION_CONTRACT and (misgrouped := _reduction_site(minimal)) is not None:
+        shown = (f"{minimal.call_gap.contract}: {minimal.call_gap.gap.name.split('.', 1)[1]}" if minimal.call_gap
+                 else minimal.gaps[0].name)
+        what = misgrouped["line"].split(" in DistributedDataParallel: ", 1)[1]
+        return f"{what}, so {shown} differs from one rank under {case.layout} ({opts})"
     if key[1] == NORM_CONTRACT and (found := _miscounted(minimal)) is not None:
         return f"the gradient norm miscounts {found[0]}, which {found[1]}, under {case.layout} ({opts})"
     if minimal.call_gap is not None:

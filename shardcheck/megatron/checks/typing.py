@@ -190,7 +190,7 @@ def tp_layouts(module: torch.nn.Module) -> dict[int, TpLayout]:
     found = {}
     for entry in shards:
         pieces = entry.build(entry.param.data)
-        dims = {d for piece in pieces for d in _cut_dims(piece)}
+        dims = {d for piece in pieces for d in cut_dims(piece)}
         if len(dims) != 1:
             continue
         (dim,) = dims
@@ -200,7 +200,7 @@ def tp_layouts(module: torch.nn.Module) -> dict[int, TpLayout]:
     return found
 
 
-def _cut_dims(piece: Any) -> list[int]:
+def cut_dims(piece: Any) -> list[int]:
     """The local dims of a sharded-tensor piece that are shorter than its global tensor's."""
     lead = piece.prepend_axis_num
     return [d for d, size in enumerate(piece.local_shape) if size != piece.global_shape[lead + d]]

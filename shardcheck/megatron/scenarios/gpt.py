@@ -30,6 +30,7 @@ from shardcheck.megatron.cpu.parallel import (
 from shardcheck.megatron.scenarios import heterogeneous
 from shardcheck.megatron.scenarios.reference import (
     check_gradients_where_built,
+    check_reduction_declarations,
     counted_in_grad_norm,
     gather_global,
     gradient_of,
@@ -490,6 +491,7 @@ def train_step(ctx: Any, setup: GPTSetup) -> dict[str, torch.Tensor]:
         config, model, optimizer = training.config, training.model, training.optimizer
         note_declarations(model)
         reports, microbatches = training.forward_backward()
+        check_reduction_declarations(training.ddp)
         if setup.gradients_where_built:
             check_gradients_where_built(model)
         outputs = {"loss": reported_loss([r["lm loss"] for r in reports],

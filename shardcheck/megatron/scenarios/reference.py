@@ -18,7 +18,7 @@ import inspect
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -237,7 +237,20 @@ def _main_params(optimizer: object) -> Iterator[tuple[torch.Tensor, torch.nn.Par
 # ---- where each parameter's tensor parallelism was declared --------------------------------
 
 TP_MARK = "tensor_model_parallel"
-_RECORDERS: list[tuple[dict[int, str], dict[str, str]]] = []  # (by parameter id, by global key)
+REDUCE_MARK = "allreduce"  # which DDP buffer (dense or expert) reduces the parameter's gradient
+
+
+@dataclass
+class _Declarations:
+    """What an open :func:`parameter_declarations` block records."""
+
+    by_id: dict[int, str] = field(default_factory=dict)  # tp declarations, by parameter id
+    by_key: dict[str, str] = field(default_factory=dict)  # the same (and metrics), by global key
+    reduce_sites: dict[int, str] = field(default_factory=dict)  # allreduce declarations, by parameter id
+    whole: dict[int, str] = field(default_factory=dict)  # global keys of parameters cut over no group
+
+
+_RECORDERS: list[_Declarations] = []
 
 
 def check_gradients_where_built(module: torch.nn.Module) -> None:
@@ -258,16 +271,21 @@ def check_gradients_where_built(module: torch.nn.Module) -> None:
         check_gradients(params, at=site)
 
 
-def _megatron_line() -> str:
-    """``file:line in function`` of the innermost megatron-core frame calling here."""
+OUTSIDE = "outside megatron-core"
+
+
+def _megatron_line(full: bool = False) -> str:
+    """``file:line in function`` of the innermost megatron-core frame calling here (``full``: the
+    file's own path, else its path in megatron-core)."""
     from shardcheck.megatron.checks.paths import megatron_path
 
     frame = sys._getframe(2)
     while frame is not None and "/megatron/core/" not in frame.f_code.co_filename:
         frame = frame.f_back
     if frame is None:
-        return "outside megatron-core"
-    return f"{megatron_path(frame.f_code.co_filename)}:{frame.f_lineno} in {frame.f_code.co_name}"
+        return OUTSIDE
+    file = frame.f_code.co_filename if full else megatron_path(frame.f_code.co_filename)
+    return f"{file}:{frame.f_lineno} in {frame.f_code.co_name}"
 
 
 RECORDED = "recorded at "  # a logged metric's declaration: the call that handed it to its tracker
@@ -327,11 +345,12 @@ def parameter_declarations() -> Iterator[dict[str, str]]:
     that did, such as Transformer Engine's), else the line that built it (registered it in a
     module). A parameter the gradient norm counts wrongly is declared there. A metric the
     training loop logs is declared, by its output name, where megatron-core recorded it in its
-    tracker (:data:`RECORDED`, :func:`recorded_at`): the call that gives its groups."""
+    tracker (:data:`RECORDED`, :func:`recorded_at`): the call that gives its groups. The line
+    that set each parameter's ``allreduce`` is kept too (:func:`check_reduction_declarations`)."""
     from shardcheck.patching import patched_attrs
 
-    by_id: dict[int, str] = {}
-    by_key: dict[str, str] = {}
+    recorder = _Declarations()
+    by_id = recorder.by_id
     register, setter = torch.nn.Module.register_parameter, torch.nn.Parameter.__setattr__
 
     def registering(module: torch.nn.Module, name: str, param: Any, *args: Any, **kwargs: Any) -> Any:
@@ -342,22 +361,45 @@ def parameter_declarations() -> Iterator[dict[str, str]]:
     def marking(param: torch.nn.Parameter, name: str, value: Any) -> None:
         if name == TP_MARK:
             by_id[id(param)] = f"has {TP_MARK}={value!r} from {_megatron_line()}"
+        elif name == REDUCE_MARK and (line := _megatron_line(full=True)) != OUTSIDE:
+            recorder.reduce_sites[id(param)] = line
         setter(param, name, value)
 
-    _RECORDERS.append((by_id, by_key))
+    _RECORDERS.append(recorder)
     try:
         with patched_attrs([(torch.nn.Module, "register_parameter", registering),
-                            (torch.nn.Parameter, "__setattr__", marking), *_metric_recorders(by_key)]):
-            yield by_key
+                            (torch.nn.Parameter, "__setattr__", marking),
+                            *_metric_recorders(recorder.by_key)]):
+            yield recorder.by_key
     finally:
-        _RECORDERS.remove((by_id, by_key))
+        _RECORDERS.remove(recorder)
 
 
 def note_declarations(model: torch.nn.Module) -> None:
     """Give the open :func:`parameter_declarations` blocks the global keys of ``model``'s
-    parameters (nothing when none is open)."""
-    for by_id, by_key in _RECORDERS:
+    parameters, and which parameters its ``sharded_state_dict`` cuts along none of their own
+    dims (it may stack layers or experts: a parameter cut over a tensor-parallel group holds
+    another piece on each of its ranks). Nothing when no block is open."""
+    from shardcheck.megatron.checks.typing import cut_dims
+
+    for recorder in _RECORDERS:
         for entry in param_shards(model):
-            if id(entry.param) in by_id:
-                for piece in entry.build(entry.param.data):
-                    by_key.setdefault(piece.key, by_id[id(entry.param)])
+            pieces = entry.build(entry.param.data)
+            if id(entry.param) in recorder.by_id:
+                for piece in pieces:
+                    recorder.by_key.setdefault(piece.key, recorder.by_id[id(entry.param)])
+            if pieces and not any(cut_dims(piece) for piece in pieces):
+                recorder.whole[id(entry.param)] = pieces[0].key
+
+
+def check_reduction_declarations(ddp: Any) -> None:
+    """In a checked run inside :func:`parameter_declarations`, each parameter of ``ddp`` noted
+    whole (:func:`note_declarations`: cut over no group) whose ``allreduce`` picks a DDP buffer
+    whose group misses an axis its gradient breaks its type on, reported at the megatron-core
+    line that set it (:func:`~shardcheck.megatron.checks.reduction.check_reduction_groups`).
+    It reads no group from ``parallel_state`` (which would move where a global-group use is
+    located: the last megatron-core line that read the group)."""
+    from shardcheck.megatron.checks.reduction import check_reduction_groups
+
+    for recorder in _RECORDERS:
+        check_reduction_groups(ddp, recorder.reduce_sites, recorder.whole)
