@@ -17,8 +17,10 @@ import torch
 from test_audit_te import needs_te
 
 from shardcheck.megatron.audit.run import audit
+from shardcheck.megatron.audit.runner import Runner
 from shardcheck.megatron.audit.schedule import in_default_plan
 from shardcheck.megatron.audit.sweep import Case, component_options, config_class, impl_of
+from shardcheck.megatron.checks import piece_gradients
 from shardcheck.megatron.checks.shards import _covers, _rows_of
 from shardcheck.megatron.cpu.parallel import LayoutUnsupported
 from shardcheck.megatron.scenarios import COMPONENTS, MLA_DEFAULT_LAYOUTS
@@ -126,3 +128,23 @@ def test_mla_agrees_with_one_rank_under_sp_and_its_rotary_key_gradient_is_partia
     # located at the forward line of that split, where the gradient was left partial
     assert {f.location.rsplit(":", 1)[0] for f in result.findings} == {"megatron/core/transformer/multi_latent_attention.py"}
     assert all(f.showed and f.checker and "multi_latent_attention.py" in f.checker for f in result.findings)
+    # the corrected control all-reduces over tp the gradient of the split's piece 1 (k_pos_emb)
+    # at that line, and agrees with one rank; the same all-reduce on piece 0 does not
+    for finding in result.findings:
+        assert finding.control["equal_to_reference"], finding.control
+        assert f"piece 1 of the split at {finding.location}" in finding.control["fix"]
+    site = next(f.location for f in result.findings if f.trigger["layout"] == "tp2")
+    wrong = Runner(audit_pools, typecheck=False).run(cases[1], fixes=(f"{piece_gradients.PREFIX}tp:0:{site}",))
+    assert "grad/decoder.layers.self_attention.linear_kv_down_proj.weight" in {gap.name for gap in wrong.gaps}
+
+
+def test_a_partial_piece_gradient_at_a_split_gets_the_all_reduce_of_that_piece_as_its_fix():
+    site = "megatron/core/transformer/multi_latent_attention.py:749"
+    violation = {"rule": "affine on partial", "op": "aten.cat.default", "backward": "SplitWithSizesBackward0",
+                 "axis": "tp", "partial": [1], "location": site}
+    name, note = piece_gradients.fix_for(violation)
+    assert piece_gradients.parse(name) == ("tp", (1,), site)
+    assert f"all-reduce over tp the gradient of piece 1 of the split at {site}" in note
+    for other in ({"backward": ""}, {"backward": "CatBackward0"}, {"partial": []}, {"op": "aten.add.Tensor"}):
+        assert piece_gradients.fix_for({**violation, **other}) is None, other  # no split's partial piece
+    assert piece_gradients.fix_for(None) is None

@@ -43,6 +43,7 @@ def test_a_backward_violation_is_at_the_backward_call_and_under_anomaly_mode_at_
         plain, anomaly = rank[(False, True)], rank[(True, True)]
         assert [(v["rule"], v["op"], v["backward"]) for v in plain + anomaly] == \
             [("affine on partial", "aten.cat.default", "SplitBackward0")] * 2
+        assert plain[0]["partial"] == anomaly[0]["partial"] == [1]  # b's gradient, the cat's operand 1
         assert plain[0]["location"] == _line_of("# the backward call")
         assert anomaly[0]["location"] == _line_of("# the forward line of the backward cat")
         assert _line_of("# the forward line of the backward cat") in anomaly[0]["line"]

@@ -32,7 +32,7 @@ from shardcheck.typecheck.locations import (
 from shardcheck.typecheck.position_cuts import PositionCuts
 from shardcheck.typecheck.rank_values import RankValues
 from shardcheck.typecheck.rules import registry
-from shardcheck.typecheck.rules.common import NO_TENSOR, replicated, stacks_as_pieces
+from shardcheck.typecheck.rules.common import NO_TENSOR, is_partial, replicated, stacks_as_pieces
 from shardcheck.typecheck.rules.registry import (
     ACC,
     CONST,
@@ -400,7 +400,13 @@ class Checker(TypeStore, RankValues, TorchDispatchMode):
             self.records.append(ViolationRecord(
                 violation.rule, location, str(func), self.describe(violation, location, func, args),
                 self.names[axis] if axis >= 0 else None, self.index[axis] if axis >= 0 else None,
-                violation.occurrence, node.name() if node is not None else ""))
+                violation.occurrence, node.name() if node is not None else "", self._partial(axis, args)))
+
+    def _partial(self, axis: int, args: tuple) -> tuple[int, ...]:
+        """The tensor operands (by their index among the op's tensors) that are partial sums on ``axis``."""
+        tensors = [x for x in _flat(args) if isinstance(x, torch.Tensor)]
+        return tuple(i for i, t in enumerate(tensors)
+                     if axis >= 0 and is_partial((self.types(t) or (None,) * len(self.names))[axis]))
 
     def describe(self, violation: Violation, location: str, op: Any, args: tuple) -> str:
         numbers = getattr(op, "namespace", "") == "aten"

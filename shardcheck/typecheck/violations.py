@@ -100,6 +100,7 @@ class ViolationRecord:
     coordinate: int | None = None
     occurrence: int | None = None
     backward: str = ""  # the C++ autograd node the op ran for (e.g. "CatBackward0"), "" elsewhere
+    partial: tuple[int, ...] = ()  # the op's tensor operands (by index) partial on ``axis``
 
     @property
     def first_line(self) -> str:
@@ -108,4 +109,4 @@ class ViolationRecord:
     def as_dict(self) -> dict[str, Any]:
         return {"rule": self.rule, "location": self.location, "op": self.op, "line": self.first_line,
                 "axis": self.axis, "coordinate": self.coordinate, "occurrence": self.occurrence,
-                "backward": self.backward}
+                "backward": self.backward, "partial": list(self.partial)}

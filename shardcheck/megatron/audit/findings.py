@@ -21,7 +21,7 @@ from shardcheck.megatron.audit.param_layouts import mismatched_layout
 from shardcheck.megatron.audit.runner import Runner
 from shardcheck.megatron.audit.sweep import Case
 from shardcheck.megatron.audit.training_args import crash_training_verdict, training_verdict
-from shardcheck.megatron.checks import contracts, explicit
+from shardcheck.megatron.checks import contracts, explicit, piece_gradients
 from shardcheck.megatron.scenarios.reference import recorded_at
 
 
@@ -53,11 +53,13 @@ def _finding(runner: Runner, key: tuple[str, str], members: list[Outcome],
     kind = audit_report.kind(members, checker)
     narrowed = runner.first_op(minimal.case, minimal.call_gap) if kind == "numeric-only" else None
     location = narrowed.location if narrowed is not None and key[1] != audit_report.NORM_CONTRACT else key[0]
+    located = None
     if violation is not None and audit_report.last_resort(key):  # the checker's line is nearer the root
-        violation = runner.located_violation(minimal.case, violation) or violation
+        located = runner.located_violation(minimal.case, violation)
+        violation = located or violation
         location, checker = violation["location"], violation["line"]
     location = (_metric_record(minimal) if kind == "numeric-only" else None) or location
-    control = corrected_control(runner, minimal)
+    control = corrected_control(runner, minimal, located)
     title = audit_report.title(key, minimal, checker)
     explained = (control and control.get("equal_to_reference")) or minimal.call_gap is not None \
         or audit_report.global_group_use(minimal) is not None
@@ -243,12 +245,14 @@ def _crash_finding(runner: Runner, key: tuple[str, str], members: list[Outcome],
             else "the same component and options run on one rank"))
 
 
-def _fix_of(minimal: Outcome) -> tuple[str, str] | None:
-    """The fix to apply (name, note): explicit groups for a global-group use, else the contract's."""
+def _fix_of(minimal: Outcome, located: dict | None) -> tuple[str, str] | None:
+    """The fix to apply (name, note): explicit groups for a global-group use, the contract's,
+    else that of the checker's violation ``located`` at its forward line (a piece's gradient
+    left partial at a split: :mod:`piece_gradients`)."""
     if audit_report.global_group_use(minimal) is not None:
         return explicit.FIX, explicit.FIX_NOTE
     if minimal.call_gap is None or contracts.BY_NAME[minimal.call_gap.contract].fix is None:
-        return None
+        return piece_gradients.fix_for(located)
     contract = contracts.BY_NAME[minimal.call_gap.contract]
     return contract.name, contract.fix_note
 
@@ -256,9 +260,10 @@ def _fix_of(minimal: Outcome) -> tuple[str, str] | None:
 REPAIRED = "corrected == reference"  # a corrected control's verdict when the fix repairs the finding
 
 
-def corrected_control(runner: Runner, minimal: Outcome) -> dict[str, Any] | None:
-    """Rerun the minimal trigger with its fix patched in, compared with the reference."""
-    fix = _fix_of(minimal)
+def corrected_control(runner: Runner, minimal: Outcome, located: dict | None = None) -> dict[str, Any] | None:
+    """Rerun the minimal trigger with its fix patched in, compared with the reference
+    (``located``: its checker violation at its forward line, see :func:`_fix_of`)."""
+    fix = _fix_of(minimal, located)
     if fix is None:
         return None
     fix_name, note = fix

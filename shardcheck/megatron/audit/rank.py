@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from shardcheck.megatron.audit.sweep import setup_kwargs
-from shardcheck.megatron.checks import contracts, explicit
+from shardcheck.megatron.checks import contracts, explicit, piece_gradients
 from shardcheck.megatron.checks.typecheck import checked_region
 from shardcheck.parity.op_record import recording_ops
 from shardcheck.patching import patched, patched_attrs
@@ -108,8 +108,11 @@ def run_case(ctx: Any, component: str, options: tuple, fixes: tuple[str, ...], t
         calls = stack.enter_context(contracts.recording())
         owners = stack.enter_context(uniform_weights(tuple(f.removeprefix(UNIFORM) for f in fixes
                                                            if f.startswith(UNIFORM))))
-        stack.enter_context(contracts.fixed(tuple(f for f in fixes if f != explicit.FIX and not f.startswith(UNIFORM))))
+        stack.enter_context(contracts.fixed(tuple(f for f in fixes if f != explicit.FIX
+                                                   and not f.startswith((UNIFORM, piece_gradients.PREFIX)))))
         stack.enter_context(explicit.routed(explicit.FIX in fixes))
+        stack.enter_context(piece_gradients.reduced(ctx.groups, tuple(
+            f for f in fixes if f.startswith(piece_gradients.PREFIX))))
         misuses = stack.enter_context(explicit.recording())
         ops: dict = {}
         found = stack.enter_context(checked_region(ctx, ops) if typecheck else nullcontext([]))
