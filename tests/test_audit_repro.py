@@ -351,3 +351,24 @@ def test_a_recompute_script_reruns_its_checkpoints_backward_on_the_cpu(tmp_path)
     plain = write_audit_script(_finding("gpt", {}, "tp2"), tmp_path / "plain.py").read_text()
     assert "_function.backward = _under_cpu_mode(_function.backward)" in recompute
     assert "_under_cpu_mode" not in plain
+
+
+def test_an_mla_script_installs_shardcheck_te_layer_before_megatron_core_and_cuts_the_fused_weight(tmp_path):
+    """MLA builds on Transformer Engine only, which a script runs on a CPU through shardcheck's TE
+    layer, installed before megatron-core is imported; the fused down projection's weight is cut
+    section by section (torchrun runs: docs/audit.md, "Multi-latent attention")."""
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    cases = {"p.py": ({}, "tp2")}
+    if hasattr(MLATransformerConfig, "mla_down_proj_fusion"):  # megatron-core 0.19 on
+        cases["f.py"] = ({"mla_down_proj_fusion": True}, "tp2-sp")
+    texts = {name: write_audit_script(_finding("mla", *case), tmp_path / name).read_text() for name, case in cases.items()}
+    for text in texts.values():
+        compile(text, "x.py", "exec")
+        assert text.index("import shardcheck.megatron.cpu.te.install_on_import") < text.index("from megatron")
+        assert "'q_lora_rank': 16" in text and len(text.splitlines()) <= SCRIPT_LINES
+    assert "SECTIONS = {}" in texts["p.py"]
+    if "f.py" in texts:
+        assert "SECTIONS = {'linear_qkv_down_proj.weight': [16, 20]}" in texts["f.py"]
+    gpt = write_audit_script(_finding("gpt", {}, "tp2"), tmp_path / "g.py").read_text()
+    assert "install_on_import" not in gpt  # the local spec's scripts run without shardcheck

@@ -37,6 +37,7 @@ class ScriptBody:
     has_corrected: bool = False
     support: str = ""  # code the finding does not change (helpers, CPU stand-ins), after its own
     sys_path: tuple[str, ...] = field(default=())
+    preamble: str = ""  # code run before the library's imports (Transformer Engine's CPU layer)
 
 
 _TEMPLATE = Template('''\
@@ -51,7 +52,7 @@ Exits 0 while the bug reproduces, 1 once it is fixed.
 
 from __future__ import annotations
 
-$stdlib_imports$sys_path
+$stdlib_imports$sys_path$preamble
 import torch
 import torch.distributed as dist
 $imports
@@ -118,6 +119,7 @@ def render_script(finding: Finding, body: ScriptBody, filename: str = "repro.py"
         title=finding.title, id=finding.id, contract=finding.contract, location=finding.location,
         layout=finding.layout, config_inline=finding.config, world=finding.world_size,
         filename=filename, sys_path=sys_path.rstrip("\n"), imports="\n".join(library),
+        preamble=f"\n{body.preamble.strip()}" if body.preamble else "",
         stdlib_imports="".join(f"{line}\n" for line in sorted({"import sys", *stdlib})),
         name=finding.id, config=pprint.pformat(finding.config, width=90, sort_dicts=False),
         checker=repr(_checker_line(finding.checker)), code=body.code.strip() + "\n",

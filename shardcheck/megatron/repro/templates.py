@@ -116,6 +116,23 @@ def _mamba_sections(setup: dict[str, Any], overrides: dict[str, Any]) -> dict[st
             **{f"conv1d{sep}{part}": conv for sep in "._" for part in ("weight", "bias")}}
 
 
+def _mla_sections(setup: dict[str, Any], overrides: dict[str, Any]) -> dict[str, list[int]]:
+    """The fused down projection holds the query's latent and the key-value one with the rotary key."""
+    if not overrides.get("mla_down_proj_fusion"):
+        return {}
+    kv = overrides["kv_lora_rank"] + overrides["qk_pos_emb_head_dim"]
+    return {"linear_qkv_down_proj.weight": [overrides["q_lora_rank"], kv]}
+
+
+# MLA builds on Transformer Engine's spec only; a script runs it on the CPU through shardcheck's
+# TE layer (TE's own Python, a CPU extension), which no script can carry inline
+TE_ON_CPU = """\
+try:  # Transformer Engine on a CPU: shardcheck's TE layer, installed before megatron-core is imported
+    import shardcheck.megatron.cpu.te.install_on_import  # noqa: F401
+except ImportError as missing:
+    sys.exit(f"this script runs Transformer Engine on a CPU through shardcheck's TE layer: {missing}")"""
+
+
 def _moe_refuses(layout: Layout, options: dict[str, Any]) -> str | None:
     if layout.tp > 1 and _alltoall(options):
         return ("the alltoall dispatcher under tp > 1 gathers uneven pieces, which Gloo refuses "
@@ -163,6 +180,7 @@ class Template:
     extras: tuple[tuple[Callable[[Layout, dict[str, Any]], bool], Snippet], ...] = ()
     # global section lengths of fused tp-sharded weights, by parameter name suffix
     sections: Callable[[dict[str, Any], dict[str, Any]], dict[str, list[int]]] | None = None
+    preamble: str = ""  # run before megatron-core is imported (Transformer Engine's CPU layer)
 
 
 GPT_SUPPORT = (RNG_ON_CPU, DEVICE_ON_CPU, CUDA_TENSORS_ON_CPU, STREAMS_ON_CPU, BASE, SEEDED, WEIGHTS, TRAINING)
@@ -190,6 +208,8 @@ TEMPLATES: dict[str, Template] = {
     "mamba": Template(MAMBA_CODE,
                       (RNG_ON_CPU, DEVICE_ON_CPU, STREAMS_ON_CPU, CAUSAL_CONV1D, MAMBA_KERNELS,
                        BASE, SEEDED, SHARD, WEIGHTS), _mamba_refuses, sections=_mamba_sections),
+    "mla": Template(GPT_CODE, GPT_SUPPORT, _refused_by("mla"), sections=_mla_sections, extras=GPT_EXTRAS,
+                    preamble=TE_ON_CPU),
     "t5": Template(T5_CODE, GPT_SUPPORT, _refused_by("t5"),
                    sections=_gpt_sections, extras=(SP_NORM,)),
     "multimodal": Template(MULTIMODAL_CODE,
@@ -234,7 +254,7 @@ def script_body(finding: Finding) -> ScriptBody:
     support = list(dict.fromkeys([*template.before, *extras]))  # a snippet once, needed twice or not
     return ScriptBody(code=_joined(own), support=_joined(support),
                       imports=_sorted_imports(s.imports for s in own + support),
-                      has_corrected=fix is not None, sys_path=tuple(finding.sys_path))
+                      has_corrected=fix is not None, sys_path=tuple(finding.sys_path), preamble=template.preamble)
 
 
 def _entry_points(finding: Finding, fix: Snippet | None) -> str:
@@ -310,5 +330,7 @@ def _split_options(setup_cls: type, options: dict[str, Any]) -> tuple[dict[str, 
         chosen = setup_kwargs(setup_cls, options.items())
     except KeyError as why:
         raise ReproError(str(why)) from None
-    overrides = {**getattr(setup_cls, "base_config", {}), **chosen.pop("config", {})}
+    setup = setup_cls(**chosen)
+    derived = setup.derived_config() if hasattr(setup, "derived_config") else {}  # MLA's q_lora_rank, MTP's depth
+    overrides = {**getattr(setup_cls, "base_config", {}), **derived, **chosen.pop("config", {})}
     return {**fields, **chosen}, overrides

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from megatron.core import parallel_state as ps
 from megatron.core.process_groups_config import ProcessGroupCollection
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from shardcheck.megatron.repro.parts.script import OVERRIDES, SETUP, run
 
@@ -40,8 +40,10 @@ def process_groups(sizes):
 
 
 def config_for(sizes, **options):
-    """A CPU-runnable TransformerConfig for ``sizes`` with the component's and finding's options."""
-    return TransformerConfig(**{
+    """A CPU-runnable TransformerConfig (MLA's for multi-latent attention) for ``sizes`` with the
+    component's and finding's options."""
+    config_class = MLATransformerConfig if OVERRIDES.get("multi_latent_attention") else TransformerConfig
+    return config_class(**{
         "num_layers": 1, "hidden_size": SETUP["hidden"], "num_attention_heads": 4,
         "use_cpu_initialization": True, "hidden_dropout": 0.0, "attention_dropout": 0.0,
         "tensor_model_parallel_size": sizes["tp"], "context_parallel_size": sizes["cp"],
