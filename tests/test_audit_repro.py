@@ -6,6 +6,8 @@ imports then find loaded."""
 
 import os
 import re
+import subprocess
+import sys
 from dataclasses import dataclass
 
 import pytest
@@ -353,7 +355,8 @@ def test_a_recompute_script_reruns_its_checkpoints_backward_on_the_cpu(tmp_path)
     assert "_under_cpu_mode" not in plain
 
 
-def test_an_mla_script_installs_shardcheck_te_layer_before_megatron_core_and_cuts_the_fused_weight(tmp_path):
+def test_an_mla_script_installs_shardcheck_te_layer_before_megatron_core_and_cuts_the_fused_weight(
+        tmp_path, no_shardcheck):
     """MLA builds on Transformer Engine only, which a script runs on a CPU through shardcheck's TE
     layer, installed before megatron-core is imported; the fused down projection's weight is cut
     section by section (torchrun runs: docs/audit.md, "Multi-latent attention")."""
@@ -372,3 +375,8 @@ def test_an_mla_script_installs_shardcheck_te_layer_before_megatron_core_and_cut
         assert "SECTIONS = {'linear_qkv_down_proj.weight': [16, 20]}" in texts["f.py"]
     gpt = write_audit_script(_finding("gpt", {}, "tp2"), tmp_path / "g.py").read_text()
     assert "install_on_import" not in gpt  # the local spec's scripts run without shardcheck
+    # without shardcheck: one line, and exit 2 (neither reproduced nor fixed)
+    alone = subprocess.run([sys.executable, str(tmp_path / "p.py")], capture_output=True, text=True, timeout=60,
+                           env={**os.environ, **no_shardcheck}, check=False)
+    assert alone.returncode == 2 and alone.stderr.strip().splitlines() == [
+        "this script runs Transformer Engine on a CPU through shardcheck's TE layer: shardcheck is not installed here"]
