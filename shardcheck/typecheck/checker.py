@@ -205,7 +205,12 @@ class Checker(TypeStore, RankValues, TorchDispatchMode):
             elif isinstance(out, torch.Tensor) and out.numel() == 1 and self.types(out) is None:
                 tensor_state.write(out, "untyped", self.key)
             return out
-        branched = self.branches.axes_here() if entry.aten and self.branches.frames else ()
+        branched = ()
+        if entry.aten:  # axes_here's own first test, inline: a kept frame inside its branch
+            for kept, start, end in self.branches.spans:
+                if start < kept.f_lasti < end:
+                    branched = self.branches.axes_here()
+                    break
         sig = None
         if entry.memo and not (self.rank_scalars or self.accumulating or branched):
             sig = op_memo.signature(id(func), self.key, args, kwargs)

@@ -139,8 +139,8 @@ class RankBranches:
     def __init__(self) -> None:
         # id(frame) -> (frame, [(jump, merge, axes)]); empty until code branches on the rank
         self.frames: dict[int, tuple[FrameType, list[tuple[int, int, tuple[int, ...]]]]] = {}
-        # (frame, jump, merge) of each span in ``frames``, flat (see axes_here)
-        self._spans: list[tuple[FrameType, int, int]] = []
+        # (frame, jump, merge) of each span in ``frames``, flat (see running_span)
+        self.spans: list[tuple[FrameType, int, int]] = []
 
     def decided(self, frame: FrameType, axes: tuple[int, ...]) -> None:
         span = branch_span(frame.f_code, frame.f_lasti) or statement_span(frame.f_code, frame.f_lasti)
@@ -152,17 +152,17 @@ class RankBranches:
             if len(self.frames) >= _DECISIONS_KEPT:
                 self.frames.pop(next(iter(self.frames)))
             known = self.frames[id(frame)] = (frame, [])
-            self._spans = [(f, start, end) for f, spans in self.frames.values()
-                           for start, end, _ in spans]
+            self.spans = [(f, start, end) for f, spans in self.frames.values()
+                          for start, end, _ in spans]
         if (*span, axes) not in known[1]:  # a branch in a loop is one span
             known[1].append((*span, axes))
-            self._spans.append((frame, *span))
+            self.spans.append((frame, *span))
 
     def _forget_returned(self) -> None:
         """Forget the kept frames that returned (on no thread's stack, and no generator's or
-        coroutine's, which may resume): they run no op again, and every op's
-        :meth:`axes_here` scans the spans of the frames kept (a helper that tests the rank,
-        called once per layer, left one each)."""
+        coroutine's, which may resume): they run no op again, and every aten op scans the
+        spans of the frames kept (a helper that tests the rank, called once per layer, left
+        one each; see :meth:`axes_here`)."""
         running = set()
         for top in sys._current_frames().values():
             while top is not None:
@@ -176,14 +176,15 @@ class RankBranches:
     def clear(self) -> None:
         """Forget the frames (they hold their locals)."""
         self.frames.clear()
-        self._spans = []
+        self.spans = []
 
     def axes_here(self) -> tuple[int, ...]:
         """The axes on which the code running the current op is under a branch on the rank.
 
         The stack is walked only while some kept frame runs inside one of its branches (it
-        seldom does): the op's own frame can be under a branch only then."""
-        for kept, start, end in self._spans:
+        seldom does): the op's own frame can be under a branch only then. The dispatch makes
+        that test inline (``spans``, one call less per aten op) and calls this only then."""
+        for kept, start, end in self.spans:
             if start < kept.f_lasti < end:
                 break
         else:

@@ -1,5 +1,6 @@
 """All the checker keeps on a tensor: one record (attribute ``_sc``), read and written through
-this module only (the type store sets fields on the record :func:`record` gives it).
+this module only (the type store sets fields on the record :func:`record` gives it, and reads a
+record's type through :data:`ATTR` itself: the hottest read, one Python call less).
 
 The fields:
 
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
-_ATTR = "_sc"
+ATTR = _ATTR = "_sc"
 # Record writes so far (one count for all fields): the checker compares it around a rule's run
 # to tell a rule that wrote a field (a side effect, see op_memo) from one that only typed its result.
 WRITES = [0]

@@ -20,6 +20,7 @@ from shardcheck.typecheck.rules.registry import (
     Known,
 )
 from shardcheck.typecheck.rules.shape import same_elements, view_shard
+from shardcheck.typecheck.tensor_state import ATTR
 from shardcheck.typecheck.types import Shard, V
 from shardcheck.typecheck.violations import Violation
 
@@ -83,7 +84,8 @@ class TypeStore:
     key: tuple
 
     def types(self, t: Any) -> tuple | None:
-        st = tensor_state.type_of(t)
+        state = getattr(t, ATTR, None)  # tensor_state.type_of, inline: rules ask at every op
+        st = None if state is None else state.type
         if st is None or st[0] is not self.key:
             return None
         return st[1]
@@ -105,7 +107,8 @@ class TypeStore:
         return self._flags(t) in WITH_ONE_RANK
 
     def _flags(self, t: Any) -> Known:
-        st = tensor_state.type_of(t)
+        state = getattr(t, ATTR, None)  # as in types
+        st = None if state is None else state.type
         return st[2] if st is not None and st[0] is self.key else NOTHING
 
     def unseen_scalar(self, t: torch.Tensor) -> bool:
@@ -179,12 +182,14 @@ class TypeStore:
 
 
 def _add_view(view: torch.Tensor, view_state: tensor_state.TensorState, base: torch.Tensor) -> None:
-    """register_view, given ``view``'s record."""
-    root = tensor_state.read(base, "root")
+    """register_view, given ``view``'s record (``base``'s record read once: most bases are roots)."""
+    state = tensor_state.record(base)
+    root = state.root
     if root is None:
         root = base
+    else:
+        state = tensor_state.record(root)
     view_state.root = root
-    state = tensor_state.record(root)
     views = state.views
     if views is None:
         state.views = [weakref.ref(view)]
