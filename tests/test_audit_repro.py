@@ -375,6 +375,15 @@ def test_an_mla_script_installs_shardcheck_te_layer_before_megatron_core_and_cut
         assert "SECTIONS = {'linear_qkv_down_proj.weight': [16, 20]}" in texts["f.py"]
     gpt = write_audit_script(_finding("gpt", {}, "tp2"), tmp_path / "g.py").read_text()
     assert "install_on_import" not in gpt  # the local spec's scripts run without shardcheck
+    # a verified piece fix (the audit's corrected control) gives the script its corrected run and --fixed
+    site = "megatron/core/transformer/multi_latent_attention.py:749"
+    for verified in (True, False):
+        finding = _finding("mla", {}, "tp2")
+        finding.control = {"fix": "all-reduce piece 1", "name": f"reduced gradients of pieces tp:1:{site}",
+                           "result": "corrected == reference", "equal_to_reference": verified}
+        text = write_audit_script(finding, tmp_path / "c.py").read_text()
+        assert (f"PIECE_FIX = ('tp', (1,), {site!r})" in text and "def corrected():" in text) is verified
+        assert len(text.splitlines()) <= SCRIPT_LINES
     # without shardcheck: one line, and exit 2 (neither reproduced nor fixed)
     alone = subprocess.run([sys.executable, str(tmp_path / "p.py")], capture_output=True, text=True, timeout=60,
                            env={**os.environ, **no_shardcheck}, check=False)

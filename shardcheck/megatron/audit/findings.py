@@ -269,7 +269,7 @@ def corrected_control(runner: Runner, minimal: Outcome, located: dict | None = N
     fix_name, note = fix
     fixed = runner.run(minimal.case, fixes=(fix_name,))
     if fixed.error:
-        return {"fix": note, "result": f"the corrected run failed: {fixed.error}",
+        return {"fix": note, "name": fix_name, "result": f"the corrected run failed: {fixed.error}",
                 "equal_to_reference": False}
     names = [g.name for g in minimal.gaps]
     errors = {name: fixed.errors.get(name) for name in names}
@@ -279,5 +279,5 @@ def corrected_control(runner: Runner, minimal: Outcome, located: dict | None = N
     if not ok:  # outputs still differ, else the contracted result the fix was to repair
         differing = [g.name for g in fixed.gaps[:3]] or [fixed.call_gap.gap.name]
         verdict = f"still differs: {', '.join(differing)}"
-    return {"fix": note, "result": f"{verdict} (max abs error of the diverging outputs "
+    return {"fix": note, "name": fix_name, "result": f"{verdict} (max abs error of the diverging outputs "
             f"{worst:.3g} after the fix)", "equal_to_reference": ok, "max_abs_error": worst}

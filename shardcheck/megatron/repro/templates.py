@@ -30,6 +30,7 @@ from shardcheck.fuzz.repro import ReproError, ScriptBody
 from shardcheck.megatron.audit.findings import ONE_RANK_CRASH, REPAIRED
 from shardcheck.megatron.audit.report import GLOBAL_GROUP_CONTRACT
 from shardcheck.megatron.audit.sweep import setup_kwargs
+from shardcheck.megatron.checks import piece_gradients
 from shardcheck.megatron.checks.contracts import BY_NAME, Contract
 from shardcheck.megatron.checks.explicit import CONSTRUCTED
 from shardcheck.megatron.repro import snippets as code
@@ -209,8 +210,8 @@ TEMPLATES: dict[str, Template] = {
     "mamba": Template(MAMBA_CODE,
                       (RNG_ON_CPU, DEVICE_ON_CPU, STREAMS_ON_CPU, CAUSAL_CONV1D, MAMBA_KERNELS,
                        BASE, SEEDED, SHARD, WEIGHTS), _mamba_refuses, sections=_mamba_sections),
-    "mla": Template(GPT_CODE, GPT_SUPPORT, _refused_by("mla"), sections=_mla_sections, extras=GPT_EXTRAS,
-                    preamble=TE_ON_CPU),
+    "mla": Template(GPT_CODE, GPT_SUPPORT, _refused_by("mla"), sections=_mla_sections, preamble=TE_ON_CPU,
+                    extras=tuple(extra for extra in GPT_EXTRAS if extra is not SP_NORM)),  # TE's norms take SP
     "t5": Template(T5_CODE, GPT_SUPPORT, _refused_by("t5"),
                    sections=_gpt_sections, extras=(SP_NORM,)),
     "multimodal": Template(MULTIMODAL_CODE,
@@ -282,6 +283,11 @@ def _fix(finding: Finding) -> Snippet | None:
         return None
     if finding.contract == GLOBAL_GROUP_CONTRACT:
         return Snippet.of("groups_fix")
+    name = (finding.control or {}).get("name", "")
+    if name.startswith(piece_gradients.PREFIX):  # a gradient left partial at a split
+        piece_fix = Snippet.of("piece_fix")
+        return Snippet(f"PIECE_FIX = {piece_gradients.parse(name)!r}  # axis, pieces, split\n\n\n{piece_fix.code}",
+                       piece_fix.imports)
     contract = contract_of(finding)
     if contract is None or contract.fix is None:
         return None

@@ -18,6 +18,7 @@ ONE_RANK: dict[str, Any] = {}  # the reference's layout
 CHECKER: str | None = None  # the checker's line the audit recorded
 RAISED: tuple[str, str] = ("", "")  # a one-rank crash's exception type and megatron-core file
 FIXED = False  # --fixed: run everything with the fix
+PIECE_FIX: tuple[str, tuple[int, ...], str] = ("", (), "")  # a split's partial pieces: axis, indices, file:line
 mamba_module: Any = None  # megatron's mamba_mixer, imported once its Triton helpers are stubbed
 
 
