@@ -63,7 +63,7 @@ class Known:
 
 # a script stays readable: the finding's own code, then shared helpers (the stand-ins 0.16
 # and 0.19 need, the batch's padding and attention masks), within this many lines
-SCRIPT_LINES = 375
+SCRIPT_LINES = 380
 
 
 def _at(line_016: str, line_019: str) -> str:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import re
 import textwrap
 from collections.abc import Callable
 from typing import Any
@@ -71,6 +72,8 @@ CP_ATTENTION = Snippet.of("cp_attention")
 TRAINING = Snippet.of("training")
 MOE_METRICS = Snippet.of("moe_metrics")
 GPT_CODE = Snippet.of("gpt")
+LOCAL_SPEC = Snippet.of("local_spec")
+MLA_SPEC = Snippet.of("mla_spec")
 T5_CODE = Snippet.of("t5")
 MULTIMODAL_CODE = Snippet.of("multimodal")
 CLIP_NORM = Snippet(code.CLIP_NORM, """\
@@ -196,12 +199,12 @@ TEMPLATES: dict[str, Template] = {
     "output_loss": Template(Snippet.of("output_loss"), (DEVICE_ON_CPU, BASE, SEEDED, PIECES, SHARD)),
     "moe_router": Template(ROUTER_CODE,
                            (DEVICE_ON_CPU, TE_GEMM_UNSET, BASE, SEEDED, PIECES, SHARD), _router_refuses),
-    "gpt": Template(GPT_CODE, GPT_SUPPORT,
+    "gpt": Template(GPT_CODE, (*GPT_SUPPORT, LOCAL_SPEC),
                     sections=_gpt_sections, extras=GPT_EXTRAS),
-    "moe": Template(GPT_CODE, (*GPT_SUPPORT, MOE_METRICS, TE_GEMM_UNSET),
+    "moe": Template(GPT_CODE, (*GPT_SUPPORT, LOCAL_SPEC, MOE_METRICS, TE_GEMM_UNSET),
                     _moe_refuses, sections=_gpt_sections,
                     extras=(*GPT_EXTRAS, (lambda layout, options: _alltoall(options), ALLTOALL_ON_CPU))),
-    "mtp": Template(GPT_CODE, GPT_SUPPORT,
+    "mtp": Template(GPT_CODE, (*GPT_SUPPORT, LOCAL_SPEC),
                     sections=_gpt_sections, extras=GPT_EXTRAS),
     "gdn": Template(GDN_CODE,
                     (RNG_ON_CPU, DEVICE_ON_CPU, CUDA_TENSORS_ON_CPU, STREAMS_ON_CPU, CAUSAL_CONV1D, GDN_KERNELS, BASE,
@@ -210,7 +213,7 @@ TEMPLATES: dict[str, Template] = {
     "mamba": Template(MAMBA_CODE,
                       (RNG_ON_CPU, DEVICE_ON_CPU, STREAMS_ON_CPU, CAUSAL_CONV1D, MAMBA_KERNELS,
                        BASE, SEEDED, SHARD, WEIGHTS), _mamba_refuses, sections=_mamba_sections),
-    "mla": Template(GPT_CODE, GPT_SUPPORT, _refused_by("mla"), sections=_mla_sections, preamble=TE_ON_CPU,
+    "mla": Template(GPT_CODE, (*GPT_SUPPORT, MLA_SPEC), _refused_by("mla"), sections=_mla_sections, preamble=TE_ON_CPU,
                     extras=tuple(extra for extra in GPT_EXTRAS if extra is not SP_NORM)),  # TE's norms take SP
     "t5": Template(T5_CODE, GPT_SUPPORT, _refused_by("t5"),
                    sections=_gpt_sections, extras=(SP_NORM,)),
@@ -309,7 +312,14 @@ def _repaired(finding: Finding) -> bool:
 
 
 def _sorted_imports(parts) -> str:
+    """The parts' import lines, each once, the names imported from one module on one line."""
     lines = {line for part in parts for line in part.splitlines() if line.strip()}
+    names: dict[str, set[str]] = {}
+    for line in [line for line in lines if re.fullmatch(r"from \S+ import [\w, ]+", line)]:
+        module, _, imported = line.removeprefix("from ").partition(" import ")
+        names.setdefault(module, set()).update(name.strip() for name in imported.split(","))
+        lines.discard(line)
+    lines |= {f"from {module} import {', '.join(sorted(imported))}" for module, imported in names.items()}
     return "\n".join(sorted(lines, key=lambda line: (line.startswith("from"), line)))
 
 

@@ -40,8 +40,7 @@ def process_groups(sizes):
 
 
 def config_for(sizes, **options):
-    """A CPU-runnable TransformerConfig (MLA's for multi-latent attention) for ``sizes`` with the
-    component's and finding's options."""
+    """A CPU-runnable (MLA) TransformerConfig for ``sizes`` with the component's and finding's options."""
     config_class = MLATransformerConfig if OVERRIDES.get("multi_latent_attention") else TransformerConfig
     return config_class(**{
         "num_layers": 1, "hidden_size": SETUP["hidden"], "num_attention_heads": 4,

@@ -5,17 +5,14 @@ from __future__ import annotations
 import inspect
 
 import torch
-from megatron.core.models.gpt.gpt_layer_specs import (
-    get_gpt_layer_local_spec,
-    get_gpt_layer_with_transformer_engine_spec,
-    get_gpt_mtp_block_spec,
-)
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.utils import get_batch_on_this_cp_rank
 
 from shardcheck.megatron.repro.parts.base import config_for
 from shardcheck.megatron.repro.parts.cp_attention import ContextParallelAttention
-from shardcheck.megatron.repro.parts.script import OVERRIDES, SETUP
+from shardcheck.megatron.repro.parts.local_spec import layer_spec
+from shardcheck.megatron.repro.parts.script import SETUP
 from shardcheck.megatron.repro.parts.training import train
 
 
@@ -46,11 +43,7 @@ def batches(pg, whole=False):
 def run(sizes, pg):
     """One GPT training step through the schedules."""
     config = config_for(sizes, num_layers=SETUP["layers"], num_attention_heads=SETUP["heads"], mtp_num_layers=SETUP.get("mtp_layers"))
-    spec = get_gpt_layer_with_transformer_engine_spec(  # MLA: Transformer Engine's spec only
-        multi_latent_attention=True, **{k: True for k in ["mla_down_proj_fusion"] if OVERRIDES.get(k)}  # 0.19 on
-    ) if config.multi_latent_attention else get_gpt_layer_local_spec(
-        num_experts=config.num_moe_experts, qk_layernorm=config.qk_layernorm,
-        normalization=config.normalization, qk_l2_norm=config.qk_l2_norm)
+    spec = layer_spec(config)  # megatron-core's local spec; Transformer Engine's for MLA
     if sizes["cp"] > 1:
         spec.submodules.self_attention.submodules.core_attention = ContextParallelAttention
     mtp = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False) if config.mtp_num_layers else None
