@@ -21,8 +21,9 @@ pytest.importorskip("megatron.core")
 
 from shardcheck.fuzz.findings import AUDIT, Finding  # noqa: E402
 from shardcheck.fuzz.repro import ReproError  # noqa: E402
-from shardcheck.megatron.audit.findings import ONE_RANK_CRASH  # noqa: E402
+from shardcheck.megatron.audit.findings import ONE_RANK_CRASH, REPAIRED  # noqa: E402
 from shardcheck.megatron.audit.report import GLOBAL_GROUP_CONTRACT  # noqa: E402
+from shardcheck.megatron.checks import piece_gradients  # noqa: E402
 from shardcheck.megatron.cpu import kernels, patches  # noqa: E402
 from shardcheck.megatron.repro.scripts import write_audit_script  # noqa: E402
 from shardcheck.megatron.repro.snippets import PARTS, part_source  # noqa: E402
@@ -56,12 +57,14 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D, z=None, dt_bias=Non
 
 
 def _script(component: str, tmp_path, contract: str = "outputs match the one-rank run",
-            kind: str = "numeric-only") -> str:
-    """The script of a finding of ``component`` in the first layout its template takes."""
+            kind: str = "numeric-only", control: dict | None = None) -> str:
+    """The script of a finding of ``component`` in the first layout its template takes (with the
+    audit's corrected ``control``, if given)."""
     for layout in LAYOUTS:
         finding = Finding(title=f"{component} under {layout}", target=component, location="megatron/core/x.py:1",
                           contract=contract, layout=layout, config=OPTIONS.get(component, {}), observed=None,
                           reference=None, kind=kind, origin=AUDIT)
+        finding.control = control
         try:
             return write_audit_script(finding, tmp_path / f"{component}.py").read_text()
         except ReproError:
@@ -247,6 +250,9 @@ def test_each_part_is_the_code_of_some_script_which_imports_no_shardcheck(tmp_pa
     scripts = [_script(component, tmp_path) for component in sorted(TEMPLATES)]
     scripts.append(_script("gpt", tmp_path, GLOBAL_GROUP_CONTRACT))  # a finding with a fix
     scripts.append(_script("gpt", tmp_path, kind=ONE_RANK_CRASH))  # megatron-core raising on one rank
+    piece = f"{piece_gradients.PREFIX}tp:1:megatron/core/transformer/multi_latent_attention.py:749"
+    scripts.append(_script("mla", tmp_path, control={"fix": "all-reduce piece 1", "name": piece,  # a verified piece fix
+                                                     "result": REPAIRED, "equal_to_reference": True}))
     for path in PARTS.glob("*.py"):
         if path.stem in ("__init__", "script"):  # what a script defines around its parts
             continue
