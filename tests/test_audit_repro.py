@@ -381,8 +381,9 @@ def test_an_mla_script_installs_shardcheck_te_layer_before_megatron_core_and_cut
         finding = _finding("mla", {}, "tp2")
         finding.control = {"fix": "all-reduce piece 1", "name": f"reduced gradients of pieces tp:1:{site}",
                            "result": "corrected == reference", "equal_to_reference": verified}
-        text = write_audit_script(finding, tmp_path / "c.py").read_text()
-        assert (f"PIECE_FIX = ('tp', (1,), {site!r})" in text and "def corrected():" in text) is verified
+        stored = Finding.from_json(finding.to_json())  # `shardcheck repro` reads the store's record
+        for text in (write_audit_script(f, tmp_path / "c.py").read_text() for f in (finding, stored)):
+            assert (f"PIECE_FIX = ('tp', (1,), {site!r})" in text and "def corrected():" in text) is verified
         assert len(text.splitlines()) <= SCRIPT_LINES
     # without shardcheck: one line, and exit 2 (neither reproduced nor fixed)
     alone = subprocess.run([sys.executable, str(tmp_path / "p.py")], capture_output=True, text=True, timeout=60,

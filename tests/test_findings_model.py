@@ -48,7 +48,8 @@ def test_an_audit_finding_is_stored_as_the_store_always_kept_it_and_loads_back(t
     loaded = store.load(finding.id)
     assert (loaded.id, loaded.cause, loaded.config, loaded.corrected) == (finding.id, finding.cause, {"seq": 4},
                                                                          "corrected == reference")
-    assert loaded.effect == [] and loaded.control is None  # the report stays in findings.json
+    # the report stays in findings.json; the corrected control is kept: a script's --fixed is its fix
+    assert loaded.effect == [] and loaded.control == finding.control is not None
 
 
 def test_an_audit_findings_json_entry_round_trips():

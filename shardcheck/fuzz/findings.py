@@ -67,7 +67,8 @@ def finding_id(location: str, contract: str, options: Iterable[str] = ()) -> str
 AUDIT = "audit"  # the origin of an audit's finding: its target is a Megatron component
 STORED = ("title", "target", "location", "contract", "layout", "config", "observed", "reference",
           "corrected", "max_error", "checker", "kind", "repro", "module", "origin", "options",
-          "sys_path", "id")  # the fields a store record holds, in its order
+          "sys_path", "id", "control")  # the fields a store record holds, in its order (an audit's
+# corrected control too: `shardcheck repro` builds a script's --fixed from the fix it names)
 
 
 @dataclass
