@@ -197,9 +197,8 @@ def _read_flat(base, ctx: RuleContext, args, kwargs, out):
     probabilities), they are the sectioned rows, as the rows read by the index."""
     pl = base(ctx, args, kwargs, out)
     x, indices = args[0], args[1]
-    mark = _mark(indices[0]) if len(indices) == 1 and isinstance(indices[0], torch.Tensor) else None
-    if (mark is None or mark.key is not ctx.key or not mark.flat or x.dim() != 1
-            or x.shape[0] != len(mark.counts) * mark.rows):
+    mark = _flat_positions(ctx, indices, x)
+    if mark is None:
         return pl
     mark_rows(out, mark)
     xl = ctx.types(x)
@@ -207,6 +206,16 @@ def _read_flat(base, ctx: RuleContext, args, kwargs, out):
         return pl
     return tuple(_sections(mark.counts) if a in mark.axes and _blocks_of_groups(xl[a], mark) else p
                  for a, p in enumerate(pl))
+
+
+def _flat_positions(ctx: RuleContext, indices, flat: torch.Tensor) -> Grouped | None:
+    """The mark of ``indices`` where they are one tensor of a sorted map's flat positions into
+    ``flat``, a flat value of the map's shape (1-D, one block of rows per group), else None."""
+    mark = _mark(indices[0]) if len(indices) == 1 and isinstance(indices[0], torch.Tensor) else None
+    if (mark is None or mark.key is not ctx.key or not mark.flat or flat.dim() != 1
+            or flat.shape[0] != len(mark.counts) * mark.rows):
+        return None
+    return mark
 
 
 def _blocks_of_groups(p, mark: Grouped) -> bool:
@@ -219,10 +228,9 @@ def _put_flat_back(base, ctx: RuleContext, args, kwargs, out):
     of :func:`_read_flat`): the flat value again, each group's block cut over the ranks."""
     pl = base(ctx, args, kwargs, out)
     zeros, indices, values = args[0], args[1], args[2]
-    mark = _mark(indices[0]) if len(indices) == 1 and isinstance(indices[0], torch.Tensor) else None
+    mark = _flat_positions(ctx, indices, zeros)
     vl = ctx.types(values) if isinstance(values, torch.Tensor) else None
-    if (vl is None or mark is None or mark.key is not ctx.key or not mark.flat or not ctx.zero(zeros)
-            or zeros.dim() != 1 or zeros.shape[0] != len(mark.counts) * mark.rows):
+    if vl is None or mark is None or not ctx.zero(zeros):
         return pl
     return tuple(BlockShard(0, len(mark.counts)) if a in mark.axes and _is_sections(vl[a], mark.counts) else p
                  for a, p in enumerate(pl or (None,) * ctx.n))
